@@ -1,0 +1,43 @@
+"""distnb: interactive distributed PyTorch training in Jupyter.
+
+``%load_ext distnb`` registers the ``%dist`` / ``%%dist`` and ``%%distrain`` magics;
+``distnb.start()`` is the Python API behind them. Nothing heavy (torch, ipyparallel)
+is imported until it is used.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+__all__ = ["start", "current", "load_ipython_extension", "unload_ipython_extension",
+           "DistnbError", "PlanError", "RankError", "ClusterError"]
+
+from .errors import ClusterError, DistnbError, PlanError, RankError
+
+
+def start(*args, **kwargs):
+    """Start (or return the running) cluster; see :func:`distnb.session.start`."""
+    from .session import start as _start
+
+    return _start(*args, **kwargs)
+
+
+def current():
+    """The running session; see :func:`distnb.session.current`."""
+    from .session import current as _current
+
+    return _current()
+
+
+def load_ipython_extension(ipython):
+    """Register distnb's magics (``%load_ext distnb``)."""
+    from .magics import DistMagics
+
+    ipython.register_magics(DistMagics)
+
+
+def unload_ipython_extension(ipython):
+    """``%unload_ext distnb``: stop the cluster this kernel started."""
+    from . import session
+
+    if session._CURRENT is not None:
+        session._CURRENT.stop(quiet=True)

@@ -1,0 +1,264 @@
+"""ipyparallel cluster lifecycle and the one place that maps engine_id <-> rank.
+
+The controller listens on 127.0.0.1 and its heartbeat period is shortened (the
+default 3 s heartbeat made a plain ``ipyparallel.Cluster`` start take ~6.6 s here;
+FIELD-NOTES pitfall 2). Engines are ranked by ascending engine id. Each engine gets
+its rank's environment, device and thread count before torch is imported on it
+(:func:`distnb.engine.runtime.setup`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+
+import ipyparallel as ipp
+
+from .errors import ClusterError
+from .plan import ClusterSpec
+
+HEARTBEAT_MS = 250
+_log = logging.getLogger("distnb.ipyparallel")
+_log.setLevel(logging.WARNING)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (for MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def visible_gpus() -> list[str]:
+    """GPU ids this process may use, found without initialising CUDA (or importing torch).
+
+    ``CUDA_VISIBLE_DEVICES`` when set, else one entry per ``/proc/driver/nvidia/gpus/*``.
+    """
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g.strip() for g in env.split(",") if g.strip() and g.strip() != "-1"]
+    try:
+        return [str(i) for i in range(len(os.listdir("/proc/driver/nvidia/gpus")))]
+    except OSError:
+        return []
+
+
+def cpu_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def default_spec(n: int | None = None, backend: str | None = None, timeout: float = 60.0) -> ClusterSpec:
+    """One engine per GPU (nccl), or with no GPU one CPU engine per core (gloo); ``n`` overrides."""
+    gpus = visible_gpus()
+    device_type = "cuda" if gpus else "cpu"
+    if n is None:
+        n = len(gpus) if gpus else cpu_cores()
+    if device_type == "cuda" and isinstance(n, int) and n > len(gpus):
+        raise ClusterError(f"-n {n} asks for more GPU engines than the {len(gpus)} visible GPUs")
+    backend = backend or ("nccl" if device_type == "cuda" else "gloo")
+    threads = max(1, cpu_cores() // n) if isinstance(n, int) and n > 0 else 1
+    return ClusterSpec(num_engines=n, backend=backend, device_type=device_type, num_threads=threads,
+                       timeout=timeout)
+
+
+@ipp.interactive
+def _shim(module, fn, with_ns, *args):
+    # Runs on an engine. @interactive makes globals() the engine's user namespace.
+    import importlib
+
+    f = getattr(importlib.import_module(module), fn)
+    return f(globals(), *args) if with_ns else f(*args)
+
+
+class Cluster:
+    """A started ipyparallel cluster whose engines form one torch.distributed process group.
+
+    Parameters
+    ----------
+    spec : ClusterSpec
+
+    Attributes
+    ----------
+    ranks : list of dict
+        Per rank: rank, engine_id, pid, host, device, backend, num_threads.
+    """
+
+    def __init__(self, spec: ClusterSpec):
+        self.spec = spec
+        self._ipp = None
+        self.client = None
+        self.engine_ids: list[int] = []  # index = rank
+        self.ranks: list[dict] = []
+        self.master_port = None
+        self.start_seconds = None
+
+    # lifecycle -----------------------------------------------------------
+    def start(self, engine_timeout: float = 60.0) -> "Cluster":
+        """Start controller and engines, then form the process group. Raises ClusterError."""
+        t0 = time.perf_counter()
+        spec = self.spec
+        self._ipp = ipp.Cluster(
+            n=spec.num_engines,
+            controller_ip="127.0.0.1",
+            controller_args=[f"--HeartMonitor.period={HEARTBEAT_MS}"],
+            delay=0,
+            log=_log,
+            engine_timeout=int(engine_timeout),
+        )
+        try:
+            self.client = self._ipp.start_and_connect_sync()
+            self.engine_ids = sorted(self.client.ids)[: spec.num_engines]
+            self._setup_ranks()
+        except BaseException as exc:
+            self.stop()
+            if isinstance(exc, ClusterError):
+                raise
+            raise ClusterError(f"could not start {spec.num_engines} engines: {exc}") from exc
+        self.start_seconds = time.perf_counter() - t0
+        return self
+
+    def _setup_ranks(self):
+        spec = self.spec
+        gpus = visible_gpus() if spec.device_type == "cuda" else []
+        self.master_port = free_port(spec.master_addr)
+        ars = []
+        for rank, eid in enumerate(self.engine_ids):
+            gpu = gpus[rank] if gpus else None
+            ars.append(self.apply(rank, "distnb.engine.runtime", "setup", True, rank, spec.num_engines, rank,
+                                  spec.backend, spec.device_type, gpu, spec.num_threads, spec.master_addr,
+                                  self.master_port, spec.timeout))
+        infos = self.wait_all(ars, timeout=spec.timeout + 60, what="forming the process group")
+        self.ranks = [dict(info, engine_id=eid) for info, eid in zip(infos, self.engine_ids)]
+
+    def reform(self) -> None:
+        """Form a fresh process group (new port) on every rank, after a failure."""
+        self.master_port = free_port(self.spec.master_addr)
+        ars = [self.apply(r, "distnb.engine.runtime", "reform", False, self.spec.master_addr, self.master_port)
+               for r in range(self.world_size)]
+        self.wait_all(ars, timeout=self.spec.timeout + 30, what="re-forming the process group")
+
+    def stop(self) -> None:
+        """Stop engines (cleanly leaving the process group), the controller and the client."""
+        if self.client is not None:
+            try:
+                self.client[self.engine_ids or self.client.ids].apply_async(_shim, "distnb.engine.runtime",
+                                                                             "shutdown", False)
+                time.sleep(0.2)
+            except Exception:
+                pass
+        if self._ipp is not None:
+            try:
+                self._ipp.stop_cluster_sync()
+            except Exception:
+                pass
+        if self.client is not None:
+            try:
+                self.client.close()
+            except Exception:
+                pass
+        self.client, self._ipp = None, None
+
+    # mapping ------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return len(self.engine_ids)
+
+    def engine_id(self, rank: int) -> int:
+        return self.engine_ids[rank]
+
+    def rank_of(self, engine_id: int) -> int:
+        return self.engine_ids.index(engine_id)
+
+    def host_of(self, rank: int) -> str:
+        return self.ranks[rank]["host"] if rank < len(self.ranks) else ""
+
+    @property
+    def pids(self) -> dict:
+        """Process ids this cluster started: {'controller': pid, 'engines': [pid per rank]}."""
+        ctrl = getattr(getattr(self._ipp, "controller", None), "pid", None)
+        return {"controller": ctrl, "engines": [r["pid"] for r in self.ranks]}
+
+    def signal(self, signum: int, ranks=None) -> None:
+        """Send ``signum`` to the engine processes of ``ranks`` (default all)."""
+        for rank in range(self.world_size) if ranks is None else ranks:
+            try:
+                os.kill(self.ranks[rank]["pid"], signum)
+            except (ProcessLookupError, IndexError, KeyError):
+                pass
+
+    # calls --------------------------------------------------------------
+    def apply(self, rank: int, module: str, fn: str, with_ns: bool, *args):
+        """Call ``module.fn(*args)`` (``fn(ns, *args)`` if with_ns) on ``rank``; returns an AsyncResult."""
+        if self.client is None:
+            raise ClusterError("the cluster is not running; start it with %dist start")
+        return self.client[self.engine_ids[rank]].apply_async(_shim, module, fn, with_ns, *args)
+
+    def apply_all(self, module: str, fn: str, with_ns: bool, *args):
+        return [self.apply(r, module, fn, with_ns, *args) for r in range(self.world_size)]
+
+    def wait_all(self, ars, timeout: float, what: str):
+        """Results of ``ars`` (one per rank, in rank order); a RankError names failing ranks."""
+        deadline = time.monotonic() + timeout
+        for ar in ars:
+            ar.wait(max(0.0, deadline - time.monotonic()))
+        if not all(ar.ready() for ar in ars):
+            late = [r for r, ar in enumerate(ars) if not ar.ready()]
+            raise ClusterError(f"ranks {late} did not finish {what} within {timeout:.0f} s")
+        failures = self.failures(ars)
+        if failures:
+            from .errors import RankError
+
+            raise RankError(failures, context=what)
+        return [ar.get() for ar in ars]
+
+    def failures(self, ars, progress=None, collateral=()) -> list:
+        """Failed results of ``ars`` (rank order) as RankError failure dicts, root cause first.
+
+        ``collateral`` are ranks distnb itself interrupted; they sort after the others.
+        """
+        out = []
+        for rank, ar in enumerate(ars):
+            if not ar.ready():
+                continue
+            try:
+                ar.get(0)
+            except ipp.error.RemoteError as exc:
+                f = dict(rank=rank, engine_id=self.engine_ids[rank], host=self.host_of(rank), ename=exc.ename,
+                         evalue=exc.evalue, traceback=_clean_tb(exc.traceback))
+                msg = (progress or {}).get(rank) or {}
+                f.update(epoch=msg.get("epoch"), step=msg.get("step"), failed_at=msg.get("failed_at"))
+                out.append(f)
+            except Exception as exc:  # engine died, aborted, ...
+                out.append(dict(rank=rank, engine_id=self.engine_ids[rank], host=self.host_of(rank),
+                                ename=type(exc).__name__, evalue=str(exc), traceback=""))
+        out.sort(key=lambda f: (f["rank"] in collateral or _collateral(f), f.get("failed_at") or float("inf"),
+                                f["rank"]))
+        return out
+
+
+def _collateral(f) -> int:
+    """1 when a failure looks like a consequence of another rank's (a closed gloo connection)."""
+    text = f"{f.get('evalue')}"
+    markers = ("Connection closed by peer", "Connection reset", "process group is broken", "Broken pipe")
+    return any(m in text for m in markers)
+
+
+def _clean_tb(tb: str) -> str:
+    """Drop distnb's own frames (the engine shim) from a remote traceback."""
+    lines = (tb or "").splitlines()
+    keep, skip = [], False
+    for line in lines:
+        if "in _shim" in line:
+            skip = True
+            continue
+        if skip and line.startswith("    "):
+            continue
+        skip = False
+        keep.append(line)
+    return "\n".join(keep)

@@ -1,0 +1,50 @@
+"""Text progress for terminals and nbval: one line per epoch and one per status change."""
+
+from __future__ import annotations
+
+import sys
+
+
+def _fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+
+class TextProgress:
+    """Prints compact progress lines as rank messages arrive (no redraws, no escape codes)."""
+
+    def __init__(self, state, stream=None):
+        self.state = state
+        self.stream = stream or sys.stdout
+        self._epochs_shown = set()
+        self._status_shown = {}
+
+    def show(self):
+        pass
+
+    def refresh(self, final=False):
+        st = self.state
+        for epoch in sorted(st.epoch_means):
+            if epoch in self._epochs_shown:
+                continue
+            if not all(r["status"] in ("running", "done", "failed", "interrupted") for r in st.rows):
+                break
+            self._epochs_shown.add(epoch)
+            ranks = "  ".join(f"rank {r['rank']} {_fmt(r['samples_per_s'], '.0f')} samples/s" for r in st.rows)
+            print(f"epoch {epoch:>3}  mean loss {st.epoch_means[epoch]:.4f}  |  {ranks}", file=self.stream)
+        for r in st.rows if final else ():
+            if r["status"] in ("failed", "interrupted") and self._status_shown.get(r["rank"]) != r["status"]:
+                self._status_shown[r["rank"]] = r["status"]
+                detail = f": {r['error']}" if r.get("error") else ""
+                print(f"rank {r['rank']} {r['status']} at epoch {r['epoch']}, step {r['step']}{detail}",
+                      file=self.stream)
+        self.stream.flush()
+
+    def close(self):
+        self.refresh(final=True)
+
+
+class NullView(TextProgress):
+    """Shows nothing."""
+
+    def refresh(self, final=False):
+        pass

@@ -1,0 +1,276 @@
+"""The training loop that runs on every rank for a ``%%distrain`` cell.
+
+State that lives between cells is kept here per name: the model (unwrapped module,
+its strategy wrapper, the optimizer, the epoch count) in ``RUNS`` and each rank's
+data shard in ``SHARDS``.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from ..plan import TrainPlan
+from . import runtime, shard as sharding, wire
+from .report import Reporter
+from .strategies import wrap
+
+
+class Shard:
+    """This rank's part of a data set: columns of equal first dimension.
+
+    ``structure`` is ``("tensor",)`` for one tensor, ``("tuple", k)`` for a k-tuple and
+    ``("dict", keys)`` for a dict of tensors; a batch has the same structure.
+    """
+
+    def __init__(self, num_samples, world_size, seed, structure, columns):
+        self.num_samples, self.world_size, self.seed = num_samples, world_size, seed
+        self.structure, self.columns = tuple(structure), columns
+
+    def __len__(self):
+        return len(self.columns[0])
+
+    def batch(self, idx, device):
+        cols = [c[idx].to(device, non_blocking=True) for c in self.columns]
+        kind = self.structure[0]
+        if kind == "tensor":
+            return cols[0]
+        if kind == "dict":
+            return dict(zip(self.structure[1], cols))
+        return tuple(cols)
+
+    def as_value(self):
+        """The shard as the user gave it: tensor, tuple of tensors or dict."""
+        return self.batch(slice(None), torch.device("cpu"))
+
+
+class Run:
+    """A model living on this rank between cells."""
+
+    def __init__(self, module):
+        self.module = module
+        self.wrapped = None
+        self.generation = -1
+        self.strategy = None
+        self.optimizer = None
+        self.optimizer_key = None
+        self.epoch = 0
+        self.steps = 0
+
+
+RUNS: dict[str, Run] = {}
+SHARDS: dict[str, Shard] = {}
+
+
+def _drop_wrappers(ns):
+    for run in RUNS.values():
+        run.wrapped = None
+        run.generation = -1
+
+
+runtime.RELEASE_HOOKS.append(_drop_wrappers)
+
+
+def install_model(ns, name, payload, descs, *buffers):
+    """Receive a model from the kernel; start a new Run (fresh optimizer, epoch 0)."""
+    module = wire.loads(payload, descs, buffers)
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"{name} is a {type(module).__name__}, not a torch.nn.Module")
+    module.to(runtime.STATE.device)
+    RUNS[name] = Run(module)
+    ns[name] = module
+    return sum(p.numel() for p in module.parameters())
+
+
+def install_shard(ns, name, num_samples, world_size, seed, structure, descs, *buffers):
+    """Receive this rank's shard of a data set and bind it to ``name`` in the engine."""
+    columns = [wire.from_buffer(d, b) for d, b in zip(descs, buffers)]
+    SHARDS[name] = Shard(num_samples, world_size, seed, structure, columns)
+    ns[name] = SHARDS[name].as_value()
+    return len(SHARDS[name])
+
+
+def pull_state(name):
+    """This rank's trained weights as (keys, descriptions, sizes, flat uint8 array)."""
+    return wire.flatten_state(RUNS[name].module.state_dict())
+
+
+def _optimizer(ns, run, plan):
+    key = (plan.optimizer, plan.strategy)
+    if run.optimizer is None or run.optimizer_key != key:
+        params = run.wrapped.parameters()
+        if plan.builtin_optimizer:
+            cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[plan.optimizer]
+            run.optimizer = cls(params, lr=plan.lr)
+        else:
+            factory = ns.get(plan.optimizer)
+            if factory is None:
+                raise NameError(f"optimizer {plan.optimizer!r} is not defined on the rank")
+            run.optimizer = factory(params)
+            if not isinstance(run.optimizer, torch.optim.Optimizer):
+                raise TypeError(f"--optimizer {plan.optimizer} returned {type(run.optimizer).__name__}, "
+                                "not a torch.optim.Optimizer")
+        run.optimizer_key = key
+    elif plan.lr is not None:
+        for group in run.optimizer.param_groups:
+            group["lr"] = plan.lr
+    return run.optimizer
+
+
+class Context:
+    """What a ``%%distrain`` body sees as ``ctx``.
+
+    Attributes
+    ----------
+    rank, world_size, local_rank : int
+    device : torch.device
+    model : torch.nn.Module
+        The strategy-wrapped model (DistributedDataParallel for ddp).
+    module : torch.nn.Module
+        The unwrapped model.
+    optimizer : torch.optim.Optimizer
+    plan : TrainPlan
+    epoch : int
+        Current epoch number (counts across cells).
+    step : int
+        Steps finished in this cell.
+    steps_per_epoch : int
+    loader : iterable
+        Batches of this rank's shard for the current epoch (used with ``--loop``).
+    """
+
+    def __init__(self, plan, run, data, reporter):
+        st = runtime.STATE
+        self.rank, self.world_size, self.local_rank, self.device = st.rank, st.world_size, st.local_rank, st.device
+        self.plan, self.model, self.module, self.optimizer = plan, run.wrapped, run.module, run.optimizer
+        self._run, self._data, self._reporter = run, data, reporter
+        self.steps_per_epoch = sharding.steps_per_epoch(data.num_samples, st.world_size, plan.batch_size,
+                                                        plan.drop_last)
+        self.epoch = run.epoch
+        self.step = 0
+        self.epoch_losses = []
+        self.local_losses = []
+        self.stopped_early = False
+        self._loss_sum = None
+        self._loss_count = 0
+        self._batch_samples = 0
+
+    @property
+    def loader(self):
+        order = sharding.epoch_order(self._data.num_samples, self.world_size, self.rank, self.plan.seed,
+                                     self.epoch, self.plan.drop_last)
+        for idx in sharding.batches(order, self.plan.batch_size, self.plan.drop_last):
+            self._batch_samples = len(idx)
+            yield self._data.batch(idx, self.device)
+
+    def epochs(self):
+        """Yield epoch numbers; after each, all-reduce the mean loss and honour --target-loss."""
+        first = self._run.epoch
+        for epoch in range(first, first + self.plan.epochs):
+            self.epoch = self._reporter.epoch = epoch
+            self._loss_sum, self._loss_count = None, 0
+            yield epoch
+            mean = self._epoch_mean()
+            self.epoch_losses.append(mean)
+            self._run.epoch = epoch + 1
+            self._reporter.end_epoch(epoch, mean)
+            if self.plan.target_loss is not None and mean <= self.plan.target_loss:
+                self.stopped_early = True
+                break
+
+    def report(self, loss, num_samples=None):
+        """Record one finished step (loss: scalar tensor; num_samples: default the last batch size)."""
+        detached = loss.detach()
+        self._loss_sum = detached.double() if self._loss_sum is None else self._loss_sum + detached
+        self._loss_count += 1
+        self.step += 1
+        self._run.steps += 1
+        self._reporter.record(detached, self._batch_samples if num_samples is None else num_samples)
+
+    def _epoch_mean(self):
+        local = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if self._loss_count:
+            local[0] = self._loss_sum
+            local[1] = self._loss_count
+        self.local_losses.append(float(local[0] / local[1]) if local[1] > 0 else math.nan)
+        dist.all_reduce(local)
+        return float(local[0] / local[1]) if local[1] > 0 else math.nan
+
+
+def _check_loss(loss, ctx):
+    where = f"rank {ctx.rank}, epoch {ctx.epoch}, step {ctx.step}"
+    if loss is None:
+        raise ValueError(f"the %%distrain body left no `loss` ({where}); its last line should be "
+                         "like `loss = F.cross_entropy(model(x), y)`")
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(f"`loss` must be a scalar tensor, got {shape} ({where}); reduce it, e.g. `.mean()`")
+    if not loss.requires_grad:
+        raise ValueError(f"`loss` does not require grad ({where}); compute it from `model(...)` outputs")
+
+
+def _steps(ns, code, ctx):
+    model, optimizer = ctx.model, ctx.optimizer
+    for _ in ctx.epochs():
+        for batch in ctx.loader:
+            optimizer.zero_grad(set_to_none=True)
+            ns["batch"] = batch
+            ns.pop("loss", None)
+            exec(code, ns)
+            loss = ns.get("loss")
+            _check_loss(loss, ctx)
+            loss.backward()
+            optimizer.step()
+            ctx.report(loss)
+
+
+def train(ns, plan_dict, code_text):
+    """Run one ``%%distrain`` cell on this rank; returns this rank's figures (dict)."""
+    plan = TrainPlan.from_dict(plan_dict)
+    st = runtime.STATE
+    if st.broken:
+        raise RuntimeError(f"rank {st.rank}: the process group is broken; the kernel must re-form it")
+    run = RUNS.get(plan.model)
+    data = SHARDS.get(plan.data)
+    if run is None or data is None:
+        raise RuntimeError(f"rank {st.rank}: model {plan.model!r} or data {plan.data!r} was not sent")
+    sharding.check_sizes(data.num_samples, st.world_size, plan.batch_size, plan.drop_last)
+    steps = sharding.steps_per_epoch(data.num_samples, st.world_size, plan.batch_size, plan.drop_last)
+    reporter = Reporter(st.rank, steps * plan.epochs, plan.epochs, interval=plan.report_interval)
+    code = compile(code_text, "<%%distrain>", "exec")
+    try:
+        if run.wrapped is None or run.generation != st.generation or run.strategy != plan.strategy:
+            run.wrapped = wrap(run.module, plan, st.device)
+            run.generation, run.strategy = st.generation, plan.strategy
+        _optimizer(ns, run, plan)
+        ctx = Context(plan, run, data, reporter)
+        ns.update(model=run.wrapped, optimizer=run.optimizer, ctx=ctx)
+        run.wrapped.train()
+        reporter.set_status("running")
+        t0 = time.perf_counter()
+        if plan.loop:
+            exec(code, ns)
+        else:
+            _steps(ns, code, ctx)
+        seconds = time.perf_counter() - t0
+    except BaseException as exc:
+        status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        reporter.set_status(status, error=f"{type(exc).__name__}: {exc}"[:300], failed_at=time.time())
+        traceback.clear_frames(exc.__traceback__)  # frames must not keep the DDP wrapper alive
+        ctx = None
+        runtime.mark_broken(ns)
+        raise
+    finally:
+        sys.stdout.flush()
+    reporter.set_status("done")
+    last = ctx.local_losses[-1] if ctx.local_losses else math.nan
+    return dict(rank=st.rank, steps=ctx.step, samples=reporter.samples, seconds=seconds,
+                samples_per_s=reporter.samples / seconds if seconds > 0 else 0.0,
+                final_loss=last, epoch_losses=list(ctx.epoch_losses),
+                first_epoch=run.epoch - len(ctx.epoch_losses), next_epoch=run.epoch,
+                stopped_early=ctx.stopped_early, steps_per_epoch=steps)

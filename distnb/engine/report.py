@@ -1,0 +1,100 @@
+"""Throttled progress messages from a rank to the kernel.
+
+Messages go through ipyparallel's ``publish_data`` (the kernel reads them from
+``AsyncResult.data`` while the cell runs). A rank publishes at most once per
+``interval`` seconds (default 0.1 s, i.e. <= 10 messages/s), plus once on every
+status change and epoch end. Loss values are read off the device (``.item()``)
+only when a message goes out, so reporting never forces a GPU sync per step.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+def _default_publish(data: dict) -> None:
+    from ipyparallel.datapub import publish_data  # lazy: only inside an engine
+
+    publish_data({"distnb": data})
+
+
+class Reporter:
+    """Collects per-step figures on one rank and publishes them, throttled.
+
+    Parameters
+    ----------
+    rank : int
+    total_steps : int
+        Steps this cell will run at most (for the progress bar).
+    epochs : int
+        Epochs this cell will run at most.
+    interval : float
+        Minimum seconds between two throttled messages.
+    publish : callable, optional
+        ``publish(dict)``; default: ipyparallel's ``publish_data``.
+    """
+
+    def __init__(self, rank, total_steps, epochs, interval=0.1, publish=None, stage=None):
+        self.rank = rank
+        self.total = int(total_steps)
+        self.epochs = int(epochs)
+        self.interval = float(interval)
+        self.publish = publish or _default_publish
+        self.step = 0
+        self.samples = 0
+        self.epoch = 0
+        self.status = "waiting"
+        self.points = []  # (step, loss) at each published message
+        self.epoch_losses = []
+        self._last_loss = None
+        self._t_last = time.perf_counter()
+        self._win_samples = 0
+        self._win_steps = 0
+        self._win_t0 = self._t_last
+        self.samples_per_s = 0.0
+        self.step_time = 0.0
+        self.extra = {}
+        self.messages = 0
+
+    def record(self, loss, num_samples: int) -> None:
+        """Count one finished step of ``num_samples`` samples whose loss tensor is ``loss``."""
+        self.step += 1
+        self.samples += num_samples
+        self._win_samples += num_samples
+        self._win_steps += 1
+        self._last_loss = loss
+        now = time.perf_counter()
+        if now - self._t_last >= self.interval:
+            self._flush(now)
+
+    def set_status(self, status: str, **extra) -> None:
+        self.status = status
+        self.extra.update(extra)
+        self._flush(time.perf_counter())
+
+    def end_epoch(self, epoch: int, mean_loss: float) -> None:
+        self.epoch_losses.append((epoch, mean_loss))
+        self._flush(time.perf_counter())
+
+    def _flush(self, now: float) -> None:
+        window = now - self._win_t0
+        if self._win_steps and window > 0:
+            self.samples_per_s = self._win_samples / window
+            self.step_time = window / self._win_steps
+        self._win_t0, self._win_samples, self._win_steps = now, 0, 0
+        loss = None
+        if self._last_loss is not None:
+            loss = float(self._last_loss)
+            if not self.points or self.points[-1][0] != self.step:
+                self.points.append((self.step, loss))
+        self._t_last = now
+        self.messages += 1
+        msg = dict(rank=self.rank, status=self.status, epoch=self.epoch, epochs=self.epochs,
+                   step=self.step, total=self.total, samples=self.samples, loss=loss,
+                   samples_per_s=self.samples_per_s, step_time=self.step_time,
+                   points=self.points[-64:], epoch_losses=self.epoch_losses[-64:], time=time.time())
+        msg.update(self.extra)
+        try:
+            self.publish(msg)
+        except Exception:  # progress must never break training
+            pass

@@ -1,0 +1,186 @@
+"""Per-engine runtime: environment, device, thread count and the process group.
+
+Every function here runs inside an engine. ``setup`` is called once per engine right
+after the cluster starts; ``reform`` forms a fresh process group (new port) after a
+failure; ``shutdown`` destroys the group and leaves with ``os._exit(0)``, which avoids
+the exit-time abort seen after gloo DDP (FIELD-NOTES pitfall 1).
+"""
+
+from __future__ import annotations
+
+import ast
+import datetime
+import os
+import socket
+import sys
+import time
+import traceback
+
+
+class _State:
+    rank = None
+    world_size = None
+    local_rank = None
+    backend = None
+    device = None
+    timeout = 60.0
+    generation = 0  # bumps every time a process group is formed
+    broken = False  # a collective failed; the group must be re-formed before use
+
+
+STATE = _State()
+#: Callables that drop references to the process group (e.g. DDP wrappers), see release().
+RELEASE_HOOKS = []
+
+
+def _init_group(master_addr: str, master_port: int) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    os.environ["MASTER_ADDR"] = master_addr
+    os.environ["MASTER_PORT"] = str(master_port)
+    kwargs = {}
+    if STATE.backend == "nccl":
+        import torch
+
+        kwargs["device_id"] = torch.device("cuda", 0)
+    dist.init_process_group(
+        STATE.backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=STATE.rank,
+        world_size=STATE.world_size,
+        timeout=datetime.timedelta(seconds=STATE.timeout),
+        **kwargs,
+    )
+    STATE.generation += 1
+    STATE.broken = False
+
+
+def setup(ns: dict, rank: int, world_size: int, local_rank: int, backend: str, device_type: str,
+          gpu: str | None, num_threads: int, master_addr: str, master_port: int,
+          timeout: float) -> dict:
+    """Make this engine rank ``rank``: env vars, device, threads, process group.
+
+    Sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (and for GPU engines
+    CUDA_VISIBLE_DEVICES=gpu, before torch is imported, so the engine sees one GPU),
+    defines ``rank``, ``world_size`` and ``device`` in the engine namespace ``ns``.
+
+    Returns
+    -------
+    dict
+        rank, pid, host, device, backend, num_threads, seconds (float, set-up time).
+    """
+    t0 = time.perf_counter()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
+                      OMP_NUM_THREADS=str(num_threads))
+    if device_type == "cuda" and gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    import torch
+
+    torch.set_num_threads(num_threads)
+    STATE.rank, STATE.world_size, STATE.local_rank = rank, world_size, local_rank
+    STATE.backend, STATE.timeout = backend, float(timeout)
+    if device_type == "cuda":
+        torch.cuda.set_device(0)
+        STATE.device = torch.device("cuda", 0)
+    else:
+        STATE.device = torch.device("cpu")
+    _init_group(master_addr, master_port)
+    ns.update(rank=rank, world_size=world_size, local_rank=local_rank, device=STATE.device)
+    return info(seconds=time.perf_counter() - t0)
+
+
+def info(**extra) -> dict:
+    """This rank's identity: rank, pid, host, device, backend, group generation."""
+    import torch
+
+    out = dict(rank=STATE.rank, pid=os.getpid(), host=socket.gethostname(), device=str(STATE.device),
+               backend=STATE.backend, generation=STATE.generation, broken=STATE.broken,
+               num_threads=torch.get_num_threads())
+    out.update(extra)
+    return out
+
+
+def reform(master_addr: str, master_port: int) -> dict:
+    """Destroy the current process group (if any) and form a new one on ``master_port``."""
+    _init_group(master_addr, master_port)
+    return info()
+
+
+def mark_broken(ns: dict | None = None) -> None:
+    """Tear down this rank's process group after a failure so peers blocked in a collective fail fast.
+
+    ``destroy_process_group`` alone does not close gloo's sockets while a DDP wrapper
+    (or a traceback frame holding one) still references the group, and a peer blocked
+    in a collective then waits for the full timeout. So every reference distnb holds is
+    dropped first (:data:`RELEASE_HOOKS`, ``model``/``ctx`` in the namespace, the last
+    traceback); the peers' pending collectives then fail at once with "Connection
+    closed by peer", and the kernel re-forms the group on a fresh port.
+    """
+    import gc
+
+    import torch.distributed as dist
+
+    STATE.broken = True
+    for hook in RELEASE_HOOKS:
+        hook(ns)
+    if ns is not None:  # the wrapper, and tensors whose autograd graph may reach it
+        for key in ("model", "ctx", "loss", "batch"):
+            ns.pop(key, None)
+    sys.last_type = sys.last_value = sys.last_traceback = None
+    if hasattr(sys, "last_exc"):
+        sys.last_exc = None
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    gc.collect()
+
+
+def release(ns: dict) -> None:
+    """Called by the kernel on a failed rank: drop what still holds the broken group."""
+    mark_broken(ns)
+
+
+def run_cell(ns: dict, code: str):
+    """Run a ``%%dist`` cell in the engine namespace; return repr of a final expression.
+
+    On an exception the process group is torn down (see :func:`mark_broken`) so that
+    ranks waiting for this one in a collective fail at once; the kernel re-forms it.
+    """
+    tree = ast.parse(code, filename="<%%dist>", mode="exec")
+    last = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(tree.body.pop().value)
+    try:
+        exec(compile(tree, "<%%dist>", "exec"), ns)
+        if last is not None:
+            value = eval(compile(last, "<%%dist>", "eval"), ns)
+            return None if value is None else repr(value)
+        return None
+    except BaseException as exc:
+        traceback.clear_frames(exc.__traceback__)
+        mark_broken(ns)
+        raise
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def shutdown() -> None:
+    """Destroy the process group and exit the engine process at once with status 0."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,0 +1,94 @@
+"""Sharding arithmetic: which samples each rank holds and in which order it visits them.
+
+The scheme follows ``torch.utils.data.DistributedSampler`` (pad to equal length by
+repeating samples, or drop the tail) with one difference: shards are assigned once
+(a seeded permutation dealt round-robin, so each rank can hold only its own shard)
+and each epoch reshuffles *within* the shard with a generator seeded by
+``(seed, epoch, rank)``. Same seed, same order; a new epoch, a new order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _generator(*keys: int) -> torch.Generator:
+    value = 0
+    for k in keys:
+        value = (value * 1_000_003 + int(k)) % (2**63 - 1)
+    g = torch.Generator()
+    g.manual_seed(value)
+    return g
+
+
+def check_sizes(num_samples: int, world_size: int, batch_size: int, drop_last: bool) -> None:
+    """Raise ValueError when the data cannot give every rank at least one step."""
+    if num_samples <= 0:
+        raise ValueError("the data set is empty (0 samples)")
+    if num_samples < world_size:
+        raise ValueError(
+            f"the data set has {num_samples} samples, fewer than world_size={world_size}: "
+            "every rank needs at least one sample"
+        )
+    if drop_last and num_samples // world_size < batch_size:
+        raise ValueError(
+            f"with drop_last each rank has {num_samples // world_size} samples, fewer than "
+            f"batch_size={batch_size}: no full batch (lower --batch-size or drop --drop-last)"
+        )
+
+
+def assign(num_samples: int, world_size: int, seed: int) -> list[torch.Tensor]:
+    """Split ``range(num_samples)`` into ``world_size`` disjoint, covering shards.
+
+    Returns
+    -------
+    list of torch.Tensor
+        ``world_size`` int64 index tensors; shard ``r`` has
+        ``ceil((num_samples - r) / world_size)`` indices.
+    """
+    perm = torch.randperm(num_samples, generator=_generator(seed, 0x5EED))
+    return [perm[r::world_size] for r in range(world_size)]
+
+
+def shard_length(num_samples: int, world_size: int, rank: int) -> int:
+    """Number of samples rank ``rank`` holds (as dealt by :func:`assign`)."""
+    return max(0, math.ceil((num_samples - rank) / world_size))
+
+
+def samples_per_epoch(num_samples: int, world_size: int, drop_last: bool) -> int:
+    """Samples each rank visits per epoch: ceil(n / W) padded, floor(n / W) dropped."""
+    return num_samples // world_size if drop_last else math.ceil(num_samples / world_size)
+
+
+def steps_per_epoch(num_samples: int, world_size: int, batch_size: int, drop_last: bool) -> int:
+    """Steps per epoch, identical on every rank so DDP never waits on a missing batch."""
+    per_rank = samples_per_epoch(num_samples, world_size, drop_last)
+    return per_rank // batch_size if drop_last else math.ceil(per_rank / batch_size)
+
+
+def epoch_order(num_samples: int, world_size: int, rank: int, seed: int, epoch: int,
+                drop_last: bool) -> torch.Tensor:
+    """Positions *within rank's shard* to visit in ``epoch``, padded or cut to equal length.
+
+    Returns
+    -------
+    torch.Tensor
+        int64 tensor of length :func:`samples_per_epoch`.
+    """
+    length = shard_length(num_samples, world_size, rank)
+    order = torch.randperm(length, generator=_generator(seed, epoch, rank))
+    want = samples_per_epoch(num_samples, world_size, drop_last)
+    if want <= length:
+        return order[:want]
+    reps = math.ceil(want / length)
+    return order.repeat(reps)[:want]
+
+
+def batches(order: torch.Tensor, batch_size: int, drop_last: bool):
+    """Yield consecutive index slices of ``order``, the last one partial unless drop_last."""
+    n = len(order)
+    stop = (n // batch_size) * batch_size if drop_last else n
+    for start in range(0, stop, batch_size):
+        yield order[start:start + batch_size]

@@ -1,0 +1,89 @@
+"""Exceptions raised by distnb (stdlib only: importable in the kernel and on the engines)."""
+
+from __future__ import annotations
+
+
+class DistnbError(Exception):
+    """Base class of every error distnb raises on purpose."""
+
+
+class PlanError(DistnbError, ValueError):
+    """An option or plan is invalid; raised before anything starts on the ranks.
+
+    The message names the option and the fix.
+    """
+
+
+class ClusterError(DistnbError, RuntimeError):
+    """The cluster is missing, not started, or could not start."""
+
+
+class RankError(DistnbError, RuntimeError):
+    """One or more ranks raised while running a cell.
+
+    Parameters
+    ----------
+    failures : list of dict
+        One dict per failing rank, earliest first, with keys ``rank`` (int),
+        ``engine_id`` (int), ``host`` (str), ``ename`` (str, the remote exception
+        class name), ``evalue`` (str), ``traceback`` (str, the remote traceback
+        text) and optionally ``epoch`` and ``step`` (int) where the failure happened.
+    context : str
+        What was running ("%%dist cell", "training", ...).
+
+    Attributes
+    ----------
+    rank : int
+        The rank of the first (root-cause) failure.
+    ranks : list of int
+        Every failing rank.
+    """
+
+    def __init__(self, failures, context="cell"):
+        self.failures = list(failures)
+        self.context = context
+        first = self.failures[0] if self.failures else {}
+        self.rank = first.get("rank")
+        self.host = first.get("host")
+        self.ename = first.get("ename")
+        self.evalue = first.get("evalue")
+        self.remote_traceback = first.get("traceback", "")
+        self.ranks = [f.get("rank") for f in self.failures]
+        super().__init__(self._summary())
+
+    def _where(self, f):
+        parts = [f"rank {f.get('rank')}"]
+        if f.get("host"):
+            parts.append(f"on {f['host']}")
+        if f.get("epoch") is not None and f.get("step") is not None:
+            parts.append(f"at epoch {f['epoch']}, step {f['step']}")
+        return " ".join(parts)
+
+    def _summary(self):
+        if not self.failures:
+            return f"{self.context} failed"
+        f = self.failures[0]
+        msg = f"{self.context} failed on {self._where(f)}: {f.get('ename')}: {f.get('evalue')}"
+        others = self.failures[1:]
+        if others:
+            same = [o["rank"] for o in others if (o.get("ename"), o.get("evalue")) == (f.get("ename"), f.get("evalue"))]
+            diff = [o["rank"] for o in others if o["rank"] not in same]
+            if same:
+                msg += f" (ranks {same} raised the same error)"
+            if diff:
+                msg += f"; ranks {diff} were stopped as a consequence"
+        return msg
+
+    def _render_traceback_(self):
+        # IPython calls this instead of printing the kernel-side traceback.
+        lines = [f"RankError: {self._summary()}"]
+        shown = set()
+        for f in self.failures:
+            key = (f.get("ename"), f.get("evalue"))
+            if key in shown:
+                continue
+            shown.add(key)
+            lines.append("")
+            lines.append(f"--- traceback from {self._where(f)} ---")
+            lines.extend((f.get("traceback") or f"{f.get('ename')}: {f.get('evalue')}").rstrip().splitlines())
+        return lines

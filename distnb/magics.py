@@ -1,0 +1,222 @@
+"""IPython magics: parse options (IPython's magic_arguments), then make exactly one session call."""
+
+from __future__ import annotations
+
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from .errors import ClusterError, PlanError
+
+
+def _session():
+    from . import session
+
+    try:
+        return session.current()
+    except ClusterError as exc:
+        raise UsageError(str(exc)) from None
+
+
+@magic_arguments(name="%dist start")
+@argument("-n", "--engines", dest="n", type=int, default=None,
+          help="number of engines (ranks); default one per GPU, or one per CPU core without GPUs")
+@argument("--backend", choices=["gloo", "nccl"], default=None,
+          help="torch.distributed backend (default nccl on GPUs, gloo on CPU)")
+@argument("--timeout", type=float, default=60.0, help="collective/rendezvous timeout in seconds (default 60)")
+def _start(line):
+    """Start the cluster and its process group (keeps a running one)."""
+
+
+@magic_arguments(name="%dist stop")
+def _stop(line):
+    """Stop every engine and the controller this kernel started."""
+
+
+@magic_arguments(name="%dist restart")
+def _restart(line):
+    """Stop and start again with the same options: a fresh process group, empty ranks."""
+
+
+@magic_arguments(name="%dist status")
+def _status(line):
+    """Table of rank, engine id, host, pid, device, backend, threads and liveness."""
+
+
+@magic_arguments(name="%dist push")
+@argument("names", nargs="+", help="notebook names to send by value (classes, functions, tensors, ...)")
+def _push(line):
+    """Send notebook objects to every rank."""
+
+
+@magic_arguments(name="%dist pull")
+@argument("name", help="name on the ranks")
+@argument("--rank", type=int, default=None, help="one rank's value (default: a list over all ranks)")
+def _pull(line):
+    """Fetch a value from the ranks and bind it to the same name in the notebook."""
+
+
+@magic_arguments(name="%dist scatter")
+@argument("name", help="notebook data set: Dataset, TensorDataset, tensor/array or tuple of them")
+@argument("--seed", type=int, default=0, help="seed of the shard assignment (default 0)")
+def _scatter(line):
+    """Give each rank a disjoint shard of a notebook data set (bound to the same name there)."""
+
+
+@magic_arguments(name="%dist gather")
+@argument("name", help="name on the ranks")
+def _gather(line):
+    """Collect a value from every rank (scattered data back in its original order)."""
+
+
+@magic_arguments(name="%%dist")
+@argument("--all-output", action="store_true", help="show every rank's output (default rank 0 only)")
+def _cell(line):
+    """Run the cell on every rank, with rank, world_size, device defined."""
+
+
+VERBS = {"start": _start, "stop": _stop, "restart": _restart, "status": _status, "push": _push,
+         "pull": _pull, "scatter": _scatter, "gather": _gather}
+
+DIST_DOC = """Run code and manage the distributed cluster from a notebook.
+
+Line magic ``%dist VERB [options]``; cell magic ``%%dist [--all-output]``.
+
+Example::
+
+    %load_ext distnb
+    %dist start -n 2            # 2 ranks: gloo on CPU, nccl with one GPU per rank
+    %dist status
+    %%dist
+    print(f"rank {rank} of {world_size} on {device}")
+
+Verbs:
+"""
+
+
+def _dist_doc():
+    parts = [DIST_DOC]
+    for fn in (*VERBS.values(), _cell):
+        parts.append(fn.parser.format_help().replace("usage: ", "").rstrip() + "\n")
+    return "\n".join(parts)
+
+
+@magic_arguments(name="%%distrain")
+@argument("--model", required=True, help="notebook name of the torch.nn.Module to train")
+@argument("--data", required=True, help="notebook name of the data set (scattered as shards)")
+@argument("--epochs", type=int, default=1, help="epochs to run (default 1)")
+@argument("--batch-size", type=int, default=32, help="samples per rank per step (default 32)")
+@argument("--optimizer", default="sgd", help="sgd, adam, adamw, or a notebook name f(params)->Optimizer")
+@argument("--lr", type=float, default=None, help="learning rate (default 0.01 for sgd, 1e-3 for adam/adamw)")
+@argument("--seed", type=int, default=0, help="seed of shards and per-epoch shuffles (default 0)")
+@argument("--strategy", default="ddp", help="ddp (default); fsdp, pipeline, tensor, ps come later")
+@argument("--reset", action="store_true", help="re-send the model; fresh optimizer and epoch count")
+@argument("--target-loss", type=float, default=None, help="stop after an epoch whose mean loss is <= this")
+@argument("--loop", action="store_true", help="the body is the whole per-rank loop, driven through ctx")
+@argument("--drop-last", action="store_true", help="drop the uneven tail instead of padding")
+@argument("--progress", choices=["auto", "widgets", "text", "none"], default="auto",
+          help="dashboard (auto: widgets in Jupyter, text elsewhere)")
+@argument("--all-output", action="store_true", help="show every rank's printed output")
+@argument("-o", "--output", default=None, help="also store the TrainResult under this notebook name")
+def _distrain(line):
+    """Train a notebook model data-parallel on every rank; the cell body is one step."""
+
+
+DISTRAIN_DOC = """Train a notebook model on every rank; the cell body is one training step.
+
+The body runs once per batch of each rank's shard with ``batch``, ``model`` (wrapped
+in DistributedDataParallel), ``optimizer`` and ``ctx`` defined, and must assign a
+scalar tensor to ``loss``. distnb does backward, the gradient all-reduce, the optimizer
+step, epochs and progress. The kernel's model is sent before training (class and
+state, so every rank starts identical) and receives the trained weights afterwards;
+the ranks keep model and optimizer, so the next cell continues unless ``--reset``.
+
+Example::
+
+    %%distrain --model net --data train --epochs 10 --batch-size 64 --optimizer adam --lr 1e-3
+    x, y = batch
+    loss = F.cross_entropy(model(x), y)
+
+With ``--loop`` the body is the whole loop::
+
+    %%distrain --model net --data train --epochs 3 --loop
+    for epoch in ctx.epochs():
+        for x, y in ctx.loader:
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            ctx.report(loss)
+
+Returns a TrainResult (per-rank steps, samples, seconds, samples/s, final loss).
+
+"""
+
+
+@magics_class
+class DistMagics(Magics):
+    """``%dist``, ``%%dist`` and ``%%distrain``."""
+
+    @line_cell_magic
+    def dist(self, line, cell=None):
+        from . import session
+
+        try:
+            if cell is not None:
+                args = parse_argstring(_cell, line)
+                _session().run(cell, all_output=args.all_output)
+                return None
+            verb, _, rest = line.strip().partition(" ")
+            if not verb:
+                print(_dist_doc())
+                return None
+            if verb not in VERBS:
+                raise UsageError(f"unknown %dist verb {verb!r}; use one of: {', '.join(VERBS)} (see %dist?)")
+            args = parse_argstring(VERBS[verb], rest)
+            ns = self.shell.user_ns
+            if verb == "start":
+                session.start(n=args.n, backend=args.backend, timeout=args.timeout, ns=ns)
+            elif verb == "stop":
+                if session._CURRENT is None:
+                    print("distnb: no cluster is running")
+                else:
+                    session._CURRENT.stop()
+            elif verb == "restart":
+                _session().restart()
+            elif verb == "status":
+                return _session().status()
+            elif verb == "push":
+                _session().push(*args.names)
+            elif verb == "pull":
+                ns[args.name] = _session().pull(args.name, rank=args.rank)
+                return ns[args.name]
+            elif verb == "scatter":
+                _session().scatter(args.name, seed=args.seed)
+            elif verb == "gather":
+                ns[args.name] = _session().gather(args.name)
+                return ns[args.name]
+        except PlanError as exc:
+            raise UsageError(str(exc)) from None
+        return None
+
+    @cell_magic
+    def distrain(self, line, cell):
+        args = parse_argstring(_distrain, line)
+        options = dict(epochs=args.epochs, batch_size=args.batch_size, optimizer=args.optimizer, lr=args.lr,
+                       seed=args.seed, strategy=args.strategy, reset=args.reset, target_loss=args.target_loss,
+                       loop=args.loop, drop_last=args.drop_last)
+        if args.output is not None and not args.output.isidentifier():
+            raise UsageError(f"-o/--output must be a notebook name, got {args.output!r}")
+        try:
+            result = _session().train(cell, model=args.model, data=args.data, progress=args.progress,
+                                      all_output=args.all_output, **options)
+        except PlanError as exc:
+            raise UsageError(str(exc)) from None
+        if args.output:
+            self.shell.user_ns[args.output] = result
+        return result
+
+
+DistMagics.dist.__doc__ = _dist_doc()
+DistMagics.distrain.__doc__ = DISTRAIN_DOC + _distrain.parser.format_help().replace("usage: ", "")

@@ -1,0 +1,168 @@
+"""Validated descriptions of a cluster and of a training run (stdlib only).
+
+Both dataclasses are checked on construction, so a bad option becomes a
+:class:`~distnb.errors.PlanError` naming the option before any rank is touched.
+They travel to the engines as plain dicts (:meth:`TrainPlan.to_dict`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from .errors import PlanError
+
+#: Strategies that ``%%distrain`` knows about; only those in IMPLEMENTED run today.
+STRATEGIES = ("ddp", "fsdp", "pipeline", "tensor", "ps")
+IMPLEMENTED_STRATEGIES = ("ddp",)
+#: Built-in optimizers (torch.optim names) and their default learning rates.
+DEFAULT_LR = {"sgd": 0.01, "adam": 1e-3, "adamw": 1e-3}
+BACKENDS = ("gloo", "nccl")
+
+
+def _check_int(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlanError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise PlanError(f"{name} must be at least {minimum}, got {value}")
+
+
+def _check_number(name, value, positive=True):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise PlanError(f"{name} must be a finite number, got {value!r}")
+    if positive and value <= 0:
+        raise PlanError(f"{name} must be positive, got {value}")
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What ``%dist start`` starts.
+
+    Parameters
+    ----------
+    num_engines : int
+        Number of engines, i.e. the world_size (>= 1).
+    backend : {"gloo", "nccl"}
+        torch.distributed backend. ``nccl`` needs one GPU per engine.
+    device_type : {"cpu", "cuda"}
+        Where each rank computes; with ``cuda`` rank ``r`` sees only GPU ``local_rank``.
+    num_threads : int
+        torch intra-op threads per engine (CPU engines: cores // num_engines).
+    timeout : float
+        Collective and rendezvous timeout in seconds.
+    master_addr : str
+        Rendezvous address (rank 0's host); 127.0.0.1 on one machine.
+    """
+
+    num_engines: int
+    backend: str = "gloo"
+    device_type: str = "cpu"
+    num_threads: int = 1
+    timeout: float = 60.0
+    master_addr: str = "127.0.0.1"
+
+    def __post_init__(self):
+        _check_int("num_engines (-n)", self.num_engines, 1)
+        if self.backend not in BACKENDS:
+            raise PlanError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.device_type not in ("cpu", "cuda"):
+            raise PlanError(f"device_type must be 'cpu' or 'cuda', got {self.device_type!r}")
+        if self.backend == "nccl" and self.device_type != "cuda":
+            raise PlanError("--backend nccl needs GPU engines; this machine has none (use --backend gloo)")
+        _check_int("num_threads", self.num_threads, 1)
+        _check_number("--timeout", self.timeout)
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """One ``%%distrain`` cell.
+
+    Parameters
+    ----------
+    model : str
+        Name of the ``torch.nn.Module`` in the kernel namespace.
+    data : str
+        Name of the data set in the kernel namespace (Dataset, TensorDataset,
+        tensor, array, or tuple of tensors/arrays with equal first dimension).
+    epochs : int
+        Passes over the data (>= 1). Epoch numbers continue across cells.
+    batch_size : int
+        Samples per rank per step; the global batch is ``batch_size * world_size``.
+    optimizer : str
+        ``sgd``, ``adam``, ``adamw`` (torch.optim), or the name of a kernel callable
+        ``f(params) -> torch.optim.Optimizer`` (an Optimizer subclass works).
+    lr : float or None
+        Learning rate; None takes :data:`DEFAULT_LR` for built-in optimizers.
+    seed : int
+        Seed of the shard assignment and of each epoch's shuffle.
+    strategy : str
+        One of :data:`STRATEGIES`.
+    reset : bool
+        Re-send the kernel's model and start a fresh optimizer and epoch count.
+    target_loss : float or None
+        Stop after the first epoch whose mean loss over all ranks is <= this.
+    loop : bool
+        The cell body is the whole per-rank loop (driven through ``ctx``) rather than one step.
+    drop_last : bool
+        False (default): pad, so every rank runs ``ceil(ceil(n / world_size) / batch_size)``
+        steps, a rank with a shorter shard repeating samples of its own shard. True: drop,
+        every rank uses ``floor(n / world_size)`` samples and full batches only.
+    report_interval : float
+        Seconds between progress messages per rank (default 0.1: at most 10 a second).
+    """
+
+    model: str
+    data: str
+    epochs: int = 1
+    batch_size: int = 32
+    optimizer: str = "sgd"
+    lr: float | None = None
+    seed: int = 0
+    strategy: str = "ddp"
+    reset: bool = False
+    target_loss: float | None = None
+    loop: bool = False
+    drop_last: bool = False
+    report_interval: float = 0.1
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in ("model", "data"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.isidentifier():
+                raise PlanError(f"--{name} must name a variable in the notebook, got {value!r}")
+        _check_int("--epochs", self.epochs, 1)
+        _check_int("--batch-size", self.batch_size, 1)
+        _check_int("--seed", self.seed, 0)
+        if not isinstance(self.optimizer, str) or not self.optimizer:
+            raise PlanError(f"--optimizer must be sgd, adam, adamw or a notebook name, got {self.optimizer!r}")
+        if self.optimizer.lower() in DEFAULT_LR:
+            object.__setattr__(self, "optimizer", self.optimizer.lower())
+        elif not self.optimizer.isidentifier():
+            raise PlanError(f"--optimizer must be sgd, adam, adamw or a notebook name, got {self.optimizer!r}")
+        if self.lr is not None:
+            _check_number("--lr", self.lr)
+        elif self.optimizer in DEFAULT_LR:
+            object.__setattr__(self, "lr", DEFAULT_LR[self.optimizer])
+        if self.strategy not in STRATEGIES:
+            raise PlanError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        if self.strategy not in IMPLEMENTED_STRATEGIES:
+            raise PlanError(
+                f"--strategy {self.strategy} is not available yet; use --strategy ddp "
+                "(DistributedDataParallel)"
+            )
+        if self.target_loss is not None:
+            _check_number("--target-loss", self.target_loss, positive=False)
+        _check_number("report_interval", self.report_interval)
+
+    @property
+    def builtin_optimizer(self) -> bool:
+        return self.optimizer in DEFAULT_LR
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainPlan":
+        return cls(**d)

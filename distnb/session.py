@@ -1,0 +1,573 @@
+"""The Python API behind every magic: start/stop, run, push/pull/scatter/gather, train.
+
+Typical use outside IPython magics::
+
+    import distnb
+    s = distnb.start(n=2)                       # 2 ranks, gloo on CPU
+    s.run("print(rank, world_size)", all_output=True)
+    result = s.train("x, y = batch\\nloss = F.cross_entropy(model(x), y)",
+                     model="net", data="train", epochs=5, batch_size=64, optimizer="adam")
+    s.stop()
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import time
+
+from .cluster import Cluster, default_spec
+from .display import ProgressState, make_view
+from .display.tables import Table
+from .errors import ClusterError, DistnbError, PlanError, RankError
+from .plan import TrainPlan
+
+_CURRENT = None
+#: Seconds to wait for the other ranks once one rank has failed, before interrupting them.
+FAILURE_GRACE = 5.0
+#: Seconds to wait for ranks to stop after an interrupt (SIGINT) is sent.
+INTERRUPT_WAIT = 10.0
+
+
+def start(n=None, backend=None, timeout=60.0, ns=None, quiet=False) -> "Session":
+    """Start (or return the running) cluster and its process group.
+
+    Parameters
+    ----------
+    n : int, optional
+        Number of engines (ranks). Default: one per visible GPU, else one per CPU core.
+    backend : {"gloo", "nccl"}, optional
+        Default nccl for GPU engines, gloo for CPU engines.
+    timeout : float
+        Collective and rendezvous timeout, seconds.
+    ns : dict, optional
+        The namespace names are looked up in (default: the IPython user namespace or
+        ``__main__``).
+    quiet : bool
+        Print nothing.
+
+    Returns
+    -------
+    Session
+
+    Raises
+    ------
+    ClusterError
+        If the engines cannot start or form a process group.
+    PlanError
+        For invalid options (``n < 1``, unknown backend, nccl without GPUs).
+    """
+    global _CURRENT
+    if _CURRENT is not None and _CURRENT.running:
+        if not quiet:
+            print(f"distnb: a cluster of {_CURRENT.world_size} ranks is already running; keeping it "
+                  "(%dist restart starts a fresh one)")
+        return _CURRENT
+    spec = default_spec(n, backend, timeout)
+    cluster = Cluster(spec).start()
+    _CURRENT = Session(cluster, ns=ns)
+    if not quiet:
+        print(f"distnb: {spec.num_engines} ranks ready ({spec.backend}, {spec.device_type}, "
+              f"{spec.num_threads} threads/rank) in {cluster.start_seconds:.1f} s")
+    return _CURRENT
+
+
+def current() -> "Session":
+    """The running session. Raises ClusterError if none is running."""
+    if _CURRENT is None or not _CURRENT.running:
+        raise ClusterError("no distnb cluster is running; start one with %dist start (or distnb.start())")
+    return _CURRENT
+
+
+def _user_ns():
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        if shell is not None:
+            return shell.user_ns
+    except ImportError:
+        pass
+    return sys.modules["__main__"].__dict__
+
+
+class StatusTable(Table):
+    """``%dist status``: one row per rank."""
+
+    columns = ("rank", "engine_id", "host", "pid", "device", "backend", "threads", "alive")
+
+
+class TrainResult(Table):
+    """What a training cell returns: per-rank figures and the loss history.
+
+    Attributes
+    ----------
+    rows : list of dict
+        Per rank: rank, steps, samples, seconds (training time on the rank),
+        samples_per_s, final_loss (the rank's mean loss over its last epoch).
+    epoch_losses : list of float
+        Mean loss over all ranks for each epoch run in this cell.
+    epochs : list of int
+        The epoch numbers run (they continue across cells).
+    wall_seconds : float
+        Cell wall time in the kernel, seconds.
+    train_seconds : float
+        The slowest rank's training time, seconds.
+    overhead_seconds : float
+        wall_seconds - train_seconds: distnb's own cost of the cell.
+    samples_per_s : float
+        Sum over ranks.
+    stopped_early : bool
+        True when --target-loss was reached.
+    """
+
+    columns = ("rank", "steps", "samples", "seconds", "samples_per_s", "final_loss")
+
+    def __init__(self, rows, plan, wall_seconds):
+        super().__init__(rows, title="")
+        self.plan = plan
+        first = rows[0]
+        self.epoch_losses = list(first["epoch_losses"])
+        self.epochs = list(range(first["first_epoch"], first["next_epoch"]))
+        self.stopped_early = bool(first["stopped_early"])
+        self.wall_seconds = wall_seconds
+        self.train_seconds = max(r["seconds"] for r in rows)
+        self.overhead_seconds = wall_seconds - self.train_seconds
+        self.samples_per_s = sum(r["samples_per_s"] for r in rows)
+        self.final_loss = self.epoch_losses[-1] if self.epoch_losses else math.nan
+        how = "reached --target-loss" if self.stopped_early else f"{len(self.epochs)} epochs"
+        self.title = (f"{plan.strategy} · {len(rows)} ranks · {how} · final mean loss {self.final_loss:.4f} · "
+                      f"{self.samples_per_s:.0f} samples/s · {self.wall_seconds:.2f} s")
+
+
+class Session:
+    """A running cluster plus what distnb has sent to it.
+
+    Parameters
+    ----------
+    cluster : Cluster
+        A started cluster.
+    ns : dict, optional
+        Namespace in which names (``--model net``) are looked up.
+    """
+
+    def __init__(self, cluster: Cluster, ns=None):
+        self.cluster = cluster
+        self._ns = ns
+        self._models = {}  # name -> fingerprint of the kernel object the ranks hold
+        self._data = {}  # name -> dict(fingerprint, seed, num_samples, shards)
+        self.last_result = None
+
+    # basics --------------------------------------------------------------
+    @property
+    def ns(self) -> dict:
+        return self._ns if self._ns is not None else _user_ns()
+
+    @property
+    def running(self) -> bool:
+        return self.cluster.client is not None
+
+    @property
+    def world_size(self) -> int:
+        return self.cluster.world_size
+
+    def _lookup(self, name, what="name"):
+        try:
+            return self.ns[name]
+        except KeyError:
+            raise PlanError(f"{what} {name!r} is not defined in the notebook; define it in a cell first") from None
+
+    def _check_running(self):
+        if not self.running:
+            raise ClusterError("the distnb cluster is stopped; run %dist start")
+
+    # lifecycle -----------------------------------------------------------
+    def status(self, timeout: float = 2.0) -> StatusTable:
+        """Rank, engine id, host, pid, device, backend, threads and liveness of every rank."""
+        self._check_running()
+        ars = self.cluster.apply_all("distnb.engine.runtime", "info", False)
+        deadline = time.monotonic() + timeout
+        rows = []
+        for rank, ar in enumerate(ars):
+            ar.wait(max(0.0, deadline - time.monotonic()))
+            base = dict(self.cluster.ranks[rank])
+            try:
+                info = ar.get(0)
+                base.update(info, alive=not info.get("broken"))
+            except Exception:
+                base["alive"] = False
+            base["threads"] = base.get("num_threads")
+            rows.append(base)
+        return StatusTable(rows)
+
+    def stop(self, quiet=False) -> None:
+        """Stop every process this session started (engines, controller)."""
+        global _CURRENT
+        pids = self.cluster.pids
+        self.cluster.stop()
+        self._models.clear()
+        self._data.clear()
+        if _CURRENT is self:
+            _CURRENT = None
+        if not quiet:
+            print(f"distnb: stopped {len(pids['engines'])} engines and the controller")
+
+    def restart(self, quiet=False) -> "Session":
+        """Stop and start again with the same spec; returns the new session."""
+        spec = self.cluster.spec
+        self.stop(quiet=True)
+        return start(n=spec.num_engines, backend=spec.backend, timeout=spec.timeout, ns=self._ns, quiet=quiet)
+
+    # watching running work ----------------------------------------------
+    def _watch(self, ars, what, state=None, view=None, show_ranks=(0,)):
+        """Wait for one AsyncResult per rank, streaming tagged output and progress.
+
+        Returns the per-rank results; raises RankError (after re-forming the process
+        group) if any rank failed, KeyboardInterrupt if the user interrupted.
+        """
+        offsets = {}
+        progress = {}
+        failed_since = None
+        released = set()
+        interrupted = set()
+        user_interrupt = False
+        try:
+            while True:
+                done = all(ar.ready() for ar in ars)
+                self._poll(ars, offsets, progress, state, view, show_ranks)
+                if done:
+                    break
+                failed = {r for r, ar in enumerate(ars) if ar.ready() and not ar.successful()}
+                for r in failed - released:  # let peers blocked in a collective fail at once
+                    self.cluster.apply(r, "distnb.engine.runtime", "release", True)
+                    released.add(r)
+                if failed and failed_since is None:
+                    failed_since = time.monotonic()
+                if failed_since is not None and time.monotonic() - failed_since > FAILURE_GRACE:
+                    interrupted |= self._interrupt_ranks(ars)
+                    failed_since = math.inf
+                next(ar for ar in ars if not ar.ready()).wait(0.05)
+        except KeyboardInterrupt:
+            user_interrupt = True
+            interrupted |= self._interrupt_ranks(ars)
+            self._poll(ars, offsets, progress, state, view, show_ranks)
+        failures = self.cluster.failures(ars, progress, collateral=interrupted)
+        if state is not None:
+            for f in failures:
+                status = "interrupted" if f["rank"] in interrupted else "failed"
+                state.set_status(status, ranks=[f["rank"]], error=f"{f['ename']}: {f['evalue']}"[:200])
+        if view is not None:
+            view.close()
+        if failures or user_interrupt:
+            self._recover()
+        if user_interrupt:
+            where = ", ".join(f"rank {r}: epoch {m.get('epoch')}, step {m.get('step')}"
+                              for r, m in sorted(progress.items()))
+            raise KeyboardInterrupt(f"{what} interrupted" + (f" ({where})" if where else ""))
+        if failures:
+            raise RankError(failures, context=what)
+        return [ar.get(0) for ar in ars]
+
+    def _poll(self, ars, offsets, progress, state, view, show_ranks):
+        for rank, ar in enumerate(ars):
+            if rank in show_ranks:
+                for stream_name, out in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+                    text = getattr(ar, stream_name) or ""
+                    seen = offsets.get((rank, stream_name), 0)
+                    if len(text) > seen:
+                        new = text[seen:]
+                        offsets[(rank, stream_name)] = len(text)
+                        prefix = f"[rank {rank}] " if len(self.cluster.engine_ids) > 1 else ""
+                        lines = new.splitlines(keepends=True)
+                        out.write("".join(prefix + line for line in lines))
+                        out.flush()
+            if state is not None:
+                msg = (ar.data or {}).get("distnb")
+                if msg:
+                    progress[rank] = msg
+                    state.update(rank, msg)
+        if view is not None:
+            view.refresh()
+
+    def _interrupt_ranks(self, ars):
+        """SIGINT every rank still running, then wait (bounded) for them to stop."""
+        running = [r for r, ar in enumerate(ars) if not ar.ready()]
+        if not running:
+            return set()
+        self.cluster.signal(signal.SIGINT, running)
+        deadline = time.monotonic() + INTERRUPT_WAIT
+        for r in running:
+            ars[r].wait(max(0.0, deadline - time.monotonic()))
+        return set(running)
+
+    def _recover(self):
+        """After a failure: re-form the process group so the next cell works."""
+        try:
+            self.cluster.reform()
+        except Exception as exc:
+            raise ClusterError(f"could not re-form the process group after the failure ({exc}); "
+                               "run %dist restart") from exc
+
+    # running code --------------------------------------------------------
+    def run(self, code: str, all_output: bool = False) -> list:
+        """Run ``code`` on every rank (``rank``, ``world_size``, ``device`` defined there).
+
+        Output is printed live, tagged ``[rank r]``, for rank 0 only unless
+        ``all_output``. Returns the repr of each rank's final expression (or None).
+
+        Raises
+        ------
+        RankError
+            Naming the failing rank(s) with their remote tracebacks; the process group
+            is re-formed first, so the next cell works.
+        """
+        self._check_running()
+        ars = self.cluster.apply_all("distnb.engine.runtime", "run_cell", True, code)
+        show = range(self.world_size) if all_output else (0,)
+        values = self._watch(ars, "%%dist cell", show_ranks=tuple(show))
+        for rank in show:
+            if values[rank] is not None:
+                prefix = f"[rank {rank}] " if self.world_size > 1 else ""
+                print(f"{prefix}{values[rank]}")
+        return values
+
+    def push(self, *names, **values) -> None:
+        """Send notebook objects to every rank by value (classes and functions included).
+
+        ``push("MLP", "net")`` sends the kernel's ``MLP`` and ``net``; ``push(x=obj)``
+        binds ``obj`` to ``x`` on the ranks. Tensors travel as zero-copy buffers.
+        """
+        from .transfer import pack
+
+        self._check_running()
+        items = {name: self._lookup(name) for name in names}
+        items.update(values)
+        if not items:
+            raise PlanError("push needs at least one name, e.g. %dist push MLP")
+        ars = []
+        for name, value in items.items():
+            payload, descs, buffers = pack(value)
+            ars += self.cluster.apply_all("distnb.engine.wire", "bind", True, name, payload, descs, *buffers)
+        self.cluster.wait_all(ars, timeout=self.cluster.spec.timeout, what="push")
+
+    def pull(self, name: str, rank=None):
+        """The value of ``name`` on ``rank`` (or a list over all ranks when rank is None)."""
+        self._check_running()
+        ranks = range(self.world_size) if rank is None else [self._rank(rank)]
+        ars = [self.cluster.apply(r, "distnb.engine.wire", "lookup", True, name) for r in ranks]
+        values = self.cluster.wait_all(ars, timeout=self.cluster.spec.timeout, what=f"pull {name}")
+        return values if rank is None else values[0]
+
+    def _rank(self, rank):
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise PlanError(f"--rank must be between 0 and {self.world_size - 1}, got {rank!r}")
+        return rank
+
+    def scatter(self, name: str, data=None, seed: int = 0, quiet: bool = False) -> list:
+        """Give each rank a disjoint shard of ``data`` (default: the kernel's ``name``).
+
+        Shards are dealt from a seeded permutation (see :mod:`distnb.engine.shard`);
+        together they cover the data. On the ranks ``name`` is bound to the shard, with
+        the same structure (tensor, tuple or dict of tensors).
+
+        Returns
+        -------
+        list of int
+            Samples per rank.
+        """
+        from .engine import shard as sharding
+        from .engine import wire
+        from .transfer import columns_of, fingerprint
+
+        self._check_running()
+        obj = self._lookup(name, "data") if data is None else data
+        structure, columns, n = columns_of(obj, name)
+        if n < self.world_size:
+            raise PlanError(f"{name} has {n} samples, fewer than world_size={self.world_size}")
+        shards = sharding.assign(n, self.world_size, seed)
+        ars = []
+        for rank, idx in enumerate(shards):
+            cols = [c[idx] for c in columns]
+            ars.append(self.cluster.apply(rank, "distnb.engine.loop", "install_shard", True, name, n,
+                                          self.world_size, seed, structure, [wire.describe(c) for c in cols],
+                                          *[wire.to_buffer(c) for c in cols]))
+        sizes = self.cluster.wait_all(ars, timeout=self.cluster.spec.timeout, what=f"scatter {name}")
+        self._data[name] = dict(fingerprint=fingerprint(obj), seed=seed, num_samples=n, shards=shards,
+                                structure=structure)
+        if not quiet:
+            print(f"distnb: scattered {name} ({n} samples) as shards of {', '.join(map(str, sizes))}")
+        return sizes
+
+    def gather(self, name: str):
+        """Collect ``name`` from every rank.
+
+        For data sent by :meth:`scatter` the shards are put back in the original sample
+        order (a tensor, tuple or dict like the original); otherwise a list by rank.
+        """
+        import torch
+
+        values = self.pull(name)
+        info = self._data.get(name)
+        if info is None:
+            return values
+        kind = info["structure"][0]
+        cols_by_rank = [[v] if kind == "tensor" else list(v.values()) if kind == "dict" else list(v)
+                        for v in values]
+        columns = []
+        for j in range(len(cols_by_rank[0])):
+            parts = [cols[j] for cols in cols_by_rank]
+            if not all(isinstance(p, torch.Tensor) and len(p) == len(i) for p, i in zip(parts, info["shards"])):
+                return values
+            out = parts[0].new_empty((info["num_samples"],) + tuple(parts[0].shape[1:]))
+            for p, idx in zip(parts, info["shards"]):
+                out[idx] = p
+            columns.append(out)
+        if kind == "tensor":
+            return columns[0]
+        if kind == "dict":
+            return dict(zip(info["structure"][1], columns))
+        return tuple(columns)
+
+    # training ------------------------------------------------------------
+    def train(self, code: str, model, data, *, progress="auto", all_output=False, quiet=False,
+              **options) -> TrainResult:
+        """Train ``model`` on ``data`` over all ranks with the step (or loop) body ``code``.
+
+        Parameters
+        ----------
+        code : str
+            One training step: sees ``batch``, ``model`` (DDP-wrapped), ``optimizer`` and
+            ``ctx``, and assigns a scalar tensor to ``loss``. With ``loop=True``, the whole
+            per-rank loop, driven through ``ctx`` (``for epoch in ctx.epochs(): for batch
+            in ctx.loader: ...; ctx.report(loss)``).
+        model : str or torch.nn.Module
+            The kernel's model (a name in the namespace, or the object). Its class and
+            state are sent before training when the ranks do not already hold it; its
+            weights are replaced in place by the trained ones when the cell ends.
+        data : str or data set
+            Scattered as shards (see :meth:`scatter`) unless the ranks hold it already.
+        progress : {"auto", "widgets", "text", "none"}
+        all_output : bool
+            Show every rank's printed output (default rank 0 only).
+        **options
+            :class:`~distnb.plan.TrainPlan` fields: epochs, batch_size, optimizer, lr,
+            seed, strategy, reset, target_loss, loop, drop_last.
+
+        Returns
+        -------
+        TrainResult
+
+        Raises
+        ------
+        PlanError
+            Invalid options or names, before anything runs on the ranks.
+        RankError
+            A rank raised; the weights of the last completed step are still loaded back
+            and the process group is re-formed.
+        """
+        import torch
+
+        from .engine import shard as sharding
+
+        t0 = time.perf_counter()
+        self._check_running()
+        model_name, model_obj = self._named(model, "model")
+        data_name, data_obj = self._named(data, "data")
+        try:
+            plan = TrainPlan(model=model_name, data=data_name, **options)
+        except TypeError as exc:
+            raise PlanError(str(exc)) from None
+        if not isinstance(model_obj, torch.nn.Module):
+            raise PlanError(f"--model {model_name} is a {type(model_obj).__name__}, not a torch.nn.Module")
+        if not plan.builtin_optimizer:
+            factory = self._lookup(plan.optimizer, "--optimizer")
+            if not callable(factory):
+                raise PlanError(f"--optimizer {plan.optimizer} must be callable: f(params) -> Optimizer")
+            self.push(plan.optimizer)
+        sent = self._ensure_model(plan, model_obj, quiet)
+        self._ensure_data(plan, data_obj, quiet or not sent)
+        n = self._data[data_name]["num_samples"]
+        try:
+            sharding.check_sizes(n, self.world_size, plan.batch_size, plan.drop_last)
+        except ValueError as exc:
+            raise PlanError(f"--data {data_name}: {exc}") from None
+        steps = sharding.steps_per_epoch(n, self.world_size, plan.batch_size, plan.drop_last)
+        state = ProgressState(self.world_size, steps * plan.epochs, plan.epochs,
+                              hosts=[r["host"] for r in self.cluster.ranks],
+                              devices=[r["device"] for r in self.cluster.ranks])
+        view = make_view(state, progress)
+        view.show()
+        ars = self.cluster.apply_all("distnb.engine.loop", "train", True, plan.to_dict(), code)
+        show = tuple(range(self.world_size)) if all_output else (0,)
+        try:
+            rows = self._watch(ars, "training", state, view, show_ranks=show)
+        except (RankError, KeyboardInterrupt):
+            self._weights_back(plan.model, model_obj, best_effort=True)
+            raise
+        self._weights_back(plan.model, model_obj)
+        result = TrainResult(rows, plan, time.perf_counter() - t0)
+        self.last_result = result
+        return result
+
+    def _named(self, value, what):
+        if isinstance(value, str):
+            return value, self._lookup(value, f"--{what}")
+        for k, v in self.ns.items():
+            if v is value and k.isidentifier() and not k.startswith("_"):
+                return k, value
+        name = f"_distnb_{what}"
+        return name, value
+
+    def _ensure_model(self, plan, model_obj, quiet) -> bool:
+        from .transfer import fingerprint, pack
+
+        fp = fingerprint(model_obj)
+        if not plan.reset and self._models.get(plan.model) == fp:
+            return False
+        payload, descs, buffers = pack(model_obj)
+        ars = self.cluster.apply_all("distnb.engine.loop", "install_model", True, plan.model, payload, descs,
+                                     *buffers)
+        counts = self.cluster.wait_all(ars, timeout=self.cluster.spec.timeout + 60, what=f"sending {plan.model}")
+        self._models[plan.model] = fp
+        if not quiet:
+            print(f"distnb: sent {plan.model} ({type(model_obj).__name__}, {counts[0]:,} parameters) to "
+                  f"{self.world_size} ranks; fresh {plan.optimizer} optimizer, epoch 0")
+        return True
+
+    def _ensure_data(self, plan, data_obj, quiet) -> None:
+        from .engine import shard as sharding
+        from .transfer import fingerprint
+
+        info = self._data.get(plan.data)
+        if info is None or info["fingerprint"] != fingerprint(data_obj) or info["seed"] != plan.seed:
+            self.scatter(plan.data, data_obj, seed=plan.seed, quiet=True)
+            info = self._data[plan.data]
+            quiet = False
+        if quiet:
+            return
+        n, w = info["num_samples"], self.world_size
+        per = sharding.samples_per_epoch(n, w, plan.drop_last)
+        steps = sharding.steps_per_epoch(n, w, plan.batch_size, plan.drop_last)
+        lens = [sharding.shard_length(n, w, r) for r in range(w)]
+        if plan.drop_last:
+            how = f"drop: each rank uses {per} of its {min(lens)}-{max(lens)} samples, full batches only"
+        elif min(lens) < per:
+            how = f"pad: ranks with {min(lens)} samples repeat {per - min(lens)} so all visit {per}"
+        else:
+            how = f"every rank visits {per} samples"
+        print(f"distnb: {plan.data}: {n} samples in {w} shards; {how}; {steps} steps/epoch of "
+              f"{plan.batch_size} per rank")
+
+    def _weights_back(self, name, model_obj, best_effort=False) -> None:
+        from .transfer import fingerprint, load_state_into
+
+        try:
+            ar = self.cluster.apply(0, "distnb.engine.loop", "pull_state", False, name)
+            keys, descs, sizes, flat = self.cluster.wait_all([ar], timeout=self.cluster.spec.timeout,
+                                                             what="weights back")[0]
+            load_state_into(model_obj, keys, descs, sizes, flat)
+            self._models[name] = fingerprint(model_obj)
+        except Exception:
+            if not best_effort:
+                raise

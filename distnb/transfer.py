@@ -1,0 +1,162 @@
+"""Kernel-side transfer: notebook objects by value, data as shards, weights back.
+
+Objects are pickled with cloudpickle, so classes and functions defined in the
+notebook (``__main__``) travel by value and the engines need no import of them
+(FIELD-NOTES pitfall 4). Tensors inside an object are cut out of the pickle and sent
+as separate zero-copy buffers (:mod:`distnb.engine.wire`), so a model's weights are
+neither pickled nor copied whole in the kernel.
+"""
+
+from __future__ import annotations
+
+import io
+
+import cloudpickle
+
+from .errors import PlanError
+
+
+class _TensorPickler(cloudpickle.Pickler):
+    """cloudpickle, with every torch.Tensor replaced by a persistent id."""
+
+    def __init__(self, file):
+        super().__init__(file, protocol=5)
+        import torch
+
+        self._tensor_type = torch.Tensor
+        self.tensors = []
+        self._index = {}
+
+    def persistent_id(self, obj):
+        if isinstance(obj, self._tensor_type):
+            key = id(obj)
+            if key not in self._index:
+                self._index[key] = len(self.tensors)
+                self.tensors.append(obj)
+            return self._index[key]
+        return None
+
+
+def pack(obj):
+    """Pack ``obj`` for :func:`distnb.engine.wire.loads`.
+
+    Returns
+    -------
+    payload : bytes
+        The pickle, without tensor data.
+    descs : list of tuple
+        One description per tensor (dtype, shape, requires_grad, is_param).
+    buffers : list of numpy.ndarray
+        One flat uint8 view per tensor (zero-copy for contiguous CPU tensors).
+    """
+    from .engine import wire
+
+    f = io.BytesIO()
+    p = _TensorPickler(f)
+    p.dump(obj)
+    return f.getvalue(), [wire.describe(t) for t in p.tensors], [wire.to_buffer(t) for t in p.tensors]
+
+
+def columns_of(data, name="data"):
+    """Normalise a data set held in the kernel into columns of equal length.
+
+    Accepts a tensor or numpy array, a tuple/list of them, a dict of them, a
+    ``TensorDataset``, or any map-style ``torch.utils.data.Dataset`` (its items are
+    collated with ``default_collate``).
+
+    Returns
+    -------
+    structure : tuple
+        ``("tensor",)``, ``("tuple", k)`` or ``("dict", keys)``.
+    columns : list of torch.Tensor
+        Each of shape (num_samples, ...).
+    num_samples : int
+
+    Raises
+    ------
+    PlanError
+        For an unsupported type, empty data, or columns of different lengths.
+    """
+    import numpy as np
+    import torch
+    from torch.utils.data import Dataset, TensorDataset
+
+    def as_tensor(x, where):
+        if isinstance(x, torch.Tensor):
+            return x
+        if isinstance(x, np.ndarray):
+            return torch.from_numpy(np.ascontiguousarray(x))
+        raise PlanError(f"{where} is a {type(x).__name__}; --data takes tensors or numpy arrays "
+                        "(a tensor, a tuple of them, a dict of them, or a torch Dataset)")
+
+    if isinstance(data, TensorDataset):
+        structure, columns = ("tuple", len(data.tensors)), list(data.tensors)
+    elif isinstance(data, (torch.Tensor, np.ndarray)):
+        structure, columns = ("tensor",), [as_tensor(data, name)]
+    elif isinstance(data, (tuple, list)):
+        structure = ("tuple", len(data))
+        columns = [as_tensor(x, f"{name}[{i}]") for i, x in enumerate(data)]
+    elif isinstance(data, dict):
+        structure = ("dict", tuple(data))
+        columns = [as_tensor(v, f"{name}[{k!r}]") for k, v in data.items()]
+    elif isinstance(data, Dataset) and hasattr(data, "__len__"):
+        n = len(data)
+        if n == 0:
+            raise PlanError(f"{name} is empty (len 0)")
+        from torch.utils.data import default_collate
+
+        try:
+            collated = default_collate([data[i] for i in range(n)])
+        except Exception as exc:
+            raise PlanError(f"cannot collate the items of {name} into tensors ({exc}); "
+                            "give tensors or a Dataset whose items are tensors/numbers") from exc
+        return columns_of(collated, name)
+    else:
+        raise PlanError(f"{name} is a {type(data).__name__}; --data takes a torch Dataset, a TensorDataset, "
+                        "a tensor/array, or a tuple of tensors/arrays")
+    if not columns:
+        raise PlanError(f"{name} holds no tensors")
+    for i, c in enumerate(columns):
+        if c.dim() == 0:
+            raise PlanError(f"{name}: column {i} is a 0-d tensor; samples are along the first dimension")
+    lengths = {len(c) for c in columns}
+    if len(lengths) != 1:
+        raise PlanError(f"{name}: columns have different numbers of samples {sorted(lengths)}")
+    num_samples = lengths.pop()
+    if num_samples == 0:
+        raise PlanError(f"{name} is empty (0 samples)")
+    return structure, columns, num_samples
+
+
+def fingerprint(obj):
+    """A cheap identity of ``obj``'s current state: object id plus each tensor's version counter.
+
+    In-place changes through autograd-visible ops (``load_state_dict``, ``copy_``,
+    ``optimizer.step``) bump a tensor's ``_version``; writes through ``.data`` do not, so
+    use ``--reset`` after those.
+    """
+    import torch
+
+    if isinstance(obj, torch.nn.Module):
+        tensors = list(obj.state_dict(keep_vars=True).values())
+    elif isinstance(obj, torch.utils.data.TensorDataset):
+        tensors = list(obj.tensors)
+    elif isinstance(obj, (tuple, list)):
+        tensors = [x for x in obj if isinstance(x, torch.Tensor)]
+    elif isinstance(obj, torch.Tensor):
+        tensors = [obj]
+    else:
+        tensors = []
+    length = len(obj) if hasattr(obj, "__len__") else None
+    return (id(obj), type(obj), length, tuple((id(t), t._version) for t in tensors))
+
+
+def load_state_into(model, keys, descs, sizes, flat) -> None:
+    """Copy weights received from a rank into the kernel's ``model`` in place."""
+    import torch
+
+    from .engine import wire
+
+    state = wire.unflatten_state(keys, descs, sizes, flat)
+    with torch.no_grad():
+        model.load_state_dict(state)
