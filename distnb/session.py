@@ -24,6 +24,9 @@ from .errors import ClusterError, DistnbError, PlanError, RankError
 from .plan import TrainPlan
 
 _CURRENT = None
+#: Names a training body gets from distnb, never pushed from the notebook.
+RESERVED_NAMES = frozenset({"batch", "model", "optimizer", "ctx", "loss", "rank", "world_size", "local_rank",
+                            "device"})
 #: Seconds to wait for the other ranks once one rank has failed, before interrupting them.
 FAILURE_GRACE = 5.0
 #: Seconds to wait for ranks to stop after an interrupt (SIGINT) is sent.
@@ -157,6 +160,7 @@ class Session:
         self._ns = ns
         self._models = {}  # name -> fingerprint of the kernel object the ranks hold
         self._data = {}  # name -> dict(fingerprint, seed, num_samples, shards)
+        self._pushed = {}  # name -> fingerprint of what an automatic push sent
         self.last_result = None
 
     # basics --------------------------------------------------------------
@@ -208,6 +212,7 @@ class Session:
         self.cluster.stop()
         self._models.clear()
         self._data.clear()
+        self._pushed.clear()
         if _CURRENT is self:
             _CURRENT = None
         if not quiet:
@@ -247,7 +252,9 @@ class Session:
                 if failed_since is not None and time.monotonic() - failed_since > FAILURE_GRACE:
                     interrupted |= self._interrupt_ranks(ars)
                     failed_since = math.inf
-                next(ar for ar in ars if not ar.ready()).wait(0.05)
+                pending = [ar for ar in ars if not ar.ready()]
+                if pending:
+                    pending[0].wait(0.05)
         except KeyboardInterrupt:
             user_interrupt = True
             interrupted |= self._interrupt_ranks(ars)
@@ -485,6 +492,7 @@ class Session:
             if not callable(factory):
                 raise PlanError(f"--optimizer {plan.optimizer} must be callable: f(params) -> Optimizer")
             self.push(plan.optimizer)
+        self._autopush(code, exclude=(model_obj, data_obj))
         sent = self._ensure_model(plan, model_obj, quiet)
         self._ensure_data(plan, data_obj, quiet or not sent)
         n = self._data[data_name]["num_samples"]
@@ -509,6 +517,32 @@ class Session:
         result = TrainResult(rows, plan, time.perf_counter() - t0)
         self.last_result = result
         return result
+
+    def _autopush(self, code, exclude=()) -> None:
+        """Push the notebook names a training body reads (modules, functions, classes, values).
+
+        Re-sent only when the kernel's object changed (a re-run defining cell makes a new
+        object), so the ranks always use the current definitions.
+        """
+        from .transfer import fingerprint, free_names
+
+        try:
+            names = free_names(code)
+        except SyntaxError as exc:
+            raise PlanError(f"the cell body is not valid Python: {exc}") from None
+        todo = {}
+        for name in sorted(names - RESERVED_NAMES):
+            if name not in self.ns:
+                continue
+            value = self.ns[name]
+            if any(value is e for e in exclude):
+                continue
+            fp = fingerprint(value)
+            if self._pushed.get(name) != fp:
+                todo[name] = (value, fp)
+        if todo:
+            self.push(**{k: v for k, (v, _) in todo.items()})
+            self._pushed.update({k: fp for k, (_, fp) in todo.items()})
 
     def _named(self, value, what):
         if isinstance(value, str):

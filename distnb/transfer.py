@@ -160,3 +160,25 @@ def load_state_into(model, keys, descs, sizes, flat) -> None:
     state = wire.unflatten_state(keys, descs, sizes, flat)
     with torch.no_grad():
         model.load_state_dict(state)
+
+
+def free_names(code: str) -> set:
+    """Names a code string reads but never assigns (candidates to fetch from the notebook).
+
+    Builtins are left out. Raises SyntaxError for invalid code.
+    """
+    import ast
+    import builtins
+
+    tree = ast.parse(code)
+    loaded, stored = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (loaded if isinstance(node.ctx, ast.Load) else stored).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            stored.add(node.name)
+        elif isinstance(node, ast.alias):
+            stored.add((node.asname or node.name).split(".")[0])
+        elif isinstance(node, ast.arg):
+            stored.add(node.arg)
+    return {n for n in loaded - stored if not hasattr(builtins, n)}

@@ -23,12 +23,13 @@ class TextProgress:
 
     def refresh(self, final=False):
         st = self.state
-        for epoch in sorted(st.epoch_means):
+        every = max(1, -(-st.epochs // 10))  # at most ~10 epoch lines per cell
+        for i, epoch in enumerate(sorted(st.epoch_means)):
             if epoch in self._epochs_shown:
                 continue
-            if not all(r["status"] in ("running", "done", "failed", "interrupted") for r in st.rows):
-                break
             self._epochs_shown.add(epoch)
+            if i % every and i != st.epochs - 1:
+                continue
             ranks = "  ".join(f"rank {r['rank']} {_fmt(r['samples_per_s'], '.0f')} samples/s" for r in st.rows)
             print(f"epoch {epoch:>3}  mean loss {st.epoch_means[epoch]:.4f}  |  {ranks}", file=self.stream)
         for r in st.rows if final else ():
