@@ -112,7 +112,9 @@ class Cluster:
             engine_timeout=int(engine_timeout),
         )
         try:
-            self.client = self._ipp.start_and_connect_sync()
+            self._ipp.start_cluster_sync(spec.num_engines)
+            self.client = self._ipp.connect_client_sync()
+            self.client.wait_for_engines(spec.num_engines, timeout=engine_timeout, interactive=False)
             self.engine_ids = sorted(self.client.ids)[: spec.num_engines]
             self._setup_ranks()
         except BaseException as exc:

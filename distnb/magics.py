@@ -53,8 +53,9 @@ def _push(line):
 @magic_arguments(name="%dist pull")
 @argument("name", help="name on the ranks")
 @argument("--rank", type=int, default=None, help="one rank's value (default: a list over all ranks)")
+@argument("-o", "--output", default=None, help="also bind the value to this notebook name")
 def _pull(line):
-    """Fetch a value from the ranks and bind it to the same name in the notebook."""
+    """Fetch a value from the ranks (``x = %dist pull x --rank 0`` binds it)."""
 
 
 @magic_arguments(name="%dist scatter")
@@ -66,6 +67,7 @@ def _scatter(line):
 
 @magic_arguments(name="%dist gather")
 @argument("name", help="name on the ranks")
+@argument("-o", "--output", default=None, help="also bind the value to this notebook name")
 def _gather(line):
     """Collect a value from every rank (scattered data back in its original order)."""
 
@@ -154,6 +156,14 @@ Returns a TrainResult (per-rank steps, samples, seconds, samples/s, final loss).
 """
 
 
+def _bind(ns, name, value):
+    if name is not None:
+        if not name.isidentifier():
+            raise UsageError(f"-o/--output must be a notebook name, got {name!r}")
+        ns[name] = value
+    return value
+
+
 @magics_class
 class DistMagics(Magics):
     """``%dist``, ``%%dist`` and ``%%distrain``."""
@@ -189,13 +199,11 @@ class DistMagics(Magics):
             elif verb == "push":
                 _session().push(*args.names)
             elif verb == "pull":
-                ns[args.name] = _session().pull(args.name, rank=args.rank)
-                return ns[args.name]
+                return _bind(ns, args.output, _session().pull(args.name, rank=args.rank))
             elif verb == "scatter":
                 _session().scatter(args.name, seed=args.seed)
             elif verb == "gather":
-                ns[args.name] = _session().gather(args.name)
-                return ns[args.name]
+                return _bind(ns, args.output, _session().gather(args.name))
         except PlanError as exc:
             raise UsageError(str(exc)) from None
         return None

@@ -29,6 +29,8 @@ RESERVED_NAMES = frozenset({"batch", "model", "optimizer", "ctx", "loss", "rank"
                             "device"})
 #: Seconds to wait for the other ranks once one rank has failed, before interrupting them.
 FAILURE_GRACE = 5.0
+#: Seconds to wait for a finished rank's remaining output messages.
+OUTPUT_WAIT = 2.0
 #: Seconds to wait for ranks to stop after an interrupt (SIGINT) is sent.
 INTERRUPT_WAIT = 10.0
 
@@ -240,6 +242,10 @@ class Session:
         try:
             while True:
                 done = all(ar.ready() for ar in ars)
+                if done:  # a result can arrive before the rank's last printed output
+                    deadline = time.monotonic() + OUTPUT_WAIT
+                    for ar in ars:
+                        ar.wait_for_output(max(0.0, deadline - time.monotonic()))
                 self._poll(ars, offsets, progress, state, view, show_ranks)
                 if done:
                     break

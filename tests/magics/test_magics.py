@@ -1,0 +1,222 @@
+"""The magics through a real IPython shell against the real 2-rank cluster (session fixture)."""
+
+import psutil
+import pytest
+import torch
+
+from distnb import session as session_mod
+from distnb.errors import RankError
+
+
+def run(shell, code):
+    """Run a cell; return the ExecutionResult (its error_in_exec is what the user would see)."""
+    return shell.run_cell(code, silent=False)
+
+
+def test_restart_keeps_the_running_cluster(shell, capsys):
+    before = session_mod.current()
+    generation = before.status()[0]["generation"]
+    run(shell, "%dist start")
+    assert "already running" in capsys.readouterr().out
+    assert session_mod.current() is before
+    assert before.status()[0]["generation"] == generation  # no second process group
+
+
+def test_status_shows_live_ranks(shell):
+    table = run(shell, "%dist status").result
+    assert [r["rank"] for r in table] == [0, 1]
+    assert len({r["engine_id"] for r in table}) == 2
+    for r in table:
+        assert r["alive"] and r["backend"] == "gloo" and r["device"] == "cpu" and psutil.pid_exists(r["pid"])
+        assert r["threads"] == max(1, len(psutil.Process().cpu_affinity()) // 2)
+    assert "rank" in repr(table) and "<table" in table._repr_html_()
+
+
+def test_ranks_have_the_torchrun_environment(shell, capsys):
+    run(shell, "%%dist --all-output\nimport os\nprint(sorted((k, os.environ[k]) for k in "
+               "('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR')), os.environ['MASTER_PORT'].isdigit())")
+    out = capsys.readouterr().out
+    assert "[rank 0] [('LOCAL_RANK', '0'), ('MASTER_ADDR', '127.0.0.1'), ('RANK', '0'), ('WORLD_SIZE', '2')] True" in out
+    assert "[rank 1] [('LOCAL_RANK', '1'), ('MASTER_ADDR', '127.0.0.1'), ('RANK', '1'), ('WORLD_SIZE', '2')] True" in out
+
+
+def test_dist_cell_output_tagged_by_rank(shell, capsys):
+    run(shell, "%%dist\nprint('hello', rank, world_size, device)")
+    out = capsys.readouterr().out
+    assert "[rank 0] hello 0 2 cpu" in out and "[rank 1]" not in out
+    run(shell, "%%dist --all-output\nprint('hi', rank)\nrank * 10")
+    out = capsys.readouterr().out
+    assert "[rank 0] hi 0" in out and "[rank 1] hi 1" in out and "[rank 1] 10" in out
+
+
+def test_dist_cell_error_names_the_rank_and_cluster_survives(shell, capsys):
+    res = run(shell, "%%dist\nif rank == 1:\n    raise ValueError('bad shard on purpose')\n")
+    err = res.error_in_exec
+    assert isinstance(err, RankError) and err.rank == 1 and err.ranks == [1]
+    assert "bad shard on purpose" in str(err)
+    assert any("ValueError" in line for line in err._render_traceback_())
+    run(shell, "%%dist --all-output\nimport torch, torch.distributed as dist\nt = torch.ones(1)\n"
+               "dist.all_reduce(t)\nprint('sum', t.item())")
+    assert capsys.readouterr().out.count("sum 2.0") == 2
+
+
+def test_push_of_a_notebook_class_and_redefinition(shell, capsys):
+    run(shell, "class Greeter:\n    def hello(self):\n        return 'v1'\n")
+    run(shell, "%dist push Greeter")
+    run(shell, "%%dist\nprint(Greeter().hello())")
+    assert "[rank 0] v1" in capsys.readouterr().out
+    run(shell, "class Greeter:\n    def hello(self):\n        return 'v2'\n")
+    run(shell, "%dist push Greeter")
+    run(shell, "%%dist\nprint(Greeter().hello())")
+    assert "[rank 0] v2" in capsys.readouterr().out
+
+
+def test_pull_scatter_gather(shell):
+    run(shell, "import torch\nxs = torch.arange(11.).reshape(11, 1) * 3\n%dist scatter xs --seed 2")
+    sizes = run(shell, "%%dist\nlen(xs)")
+    assert sizes.error_in_exec is None
+    shards = run(shell, "%dist pull xs").result
+    assert sorted(len(s) for s in shards) == [5, 6]
+    assert sorted(torch.cat(shards).flatten().tolist()) == sorted(shell.user_ns["xs"].flatten().tolist())
+    one = run(shell, "%dist pull xs --rank 1").result
+    assert torch.equal(one, shards[1])
+    original = shell.user_ns["xs"].clone()
+    back = run(shell, "%dist gather xs").result
+    assert torch.equal(back, original)
+
+
+TRAIN_SETUP = """
+import torch, torch.nn as nn, torch.nn.functional as F
+g = torch.Generator().manual_seed(0)
+X = torch.randn(300, 8, generator=g)
+Y = (X[:, 0] + X[:, 1] > 0).long()
+train_ds = torch.utils.data.TensorDataset(X, Y)
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    def forward(self, x):
+        return self.fc(x)
+torch.manual_seed(0)
+mnet = Net()
+"""
+BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
+
+
+def test_training_weights_back_continue_and_reset(shell, dist_session):
+    assert run(shell, TRAIN_SETUP).error_in_exec is None
+    start = [p.detach().clone() for p in shell.user_ns["mnet"].parameters()]
+    res = run(shell, f"%%distrain --model mnet --data train_ds --epochs 3 --batch-size 32 --optimizer adam "
+                     f"--lr 0.01 --progress none -o r1\n{BODY}")
+    assert res.error_in_exec is None, res.error_in_exec
+    r1 = shell.user_ns["r1"]
+    assert res.result is r1 and r1.epochs == [0, 1, 2] and len(r1.rows) == 2
+    assert all(row["steps"] == 3 * 5 and row["samples_per_s"] > 0 for row in r1.rows)
+    assert r1.epoch_losses[-1] < r1.epoch_losses[0]
+    # weights came back into the kernel's object, equal to the ranks'
+    net = shell.user_ns["mnet"]
+    assert not all(torch.equal(a, b) for a, b in zip(start, net.parameters()))
+    dist_session.run("import torch\n_w = torch.cat([p.detach().flatten() for p in mnet.parameters()])")
+    ranks_w = dist_session.pull("_w")
+    assert torch.equal(ranks_w[0], torch.cat([p.detach().flatten() for p in net.parameters()]))
+    # a second cell continues where the first stopped
+    run(shell, f"%%distrain --model mnet --data train_ds --epochs 2 --batch-size 32 --optimizer adam --lr 0.01 "
+               f"--progress none -o r2\n{BODY}")
+    assert shell.user_ns["r2"].epochs == [3, 4]
+    # --reset: re-sent from the kernel, fresh optimizer, epochs from 0
+    run(shell, f"%%distrain --model mnet --data train_ds --epochs 1 --batch-size 32 --reset --progress none "
+               f"-o r3\n{BODY}")
+    assert shell.user_ns["r3"].epochs == [0]
+
+
+def test_target_loss_stops_early(shell):
+    run(shell, TRAIN_SETUP.replace("mnet", "tnet"))
+    run(shell, f"%%distrain --model tnet --data train_ds --epochs 50 --batch-size 16 --optimizer adam --lr 0.02 "
+               f"--target-loss 0.3 --progress none -o rt\n{BODY}")
+    rt = shell.user_ns["rt"]
+    assert rt.stopped_early and rt.final_loss <= 0.3 and len(rt.epochs) < 50
+
+
+def test_loop_mode(shell):
+    run(shell, TRAIN_SETUP.replace("mnet", "lnet"))
+    body = ("for epoch in ctx.epochs():\n    for x, y in ctx.loader:\n        optimizer.zero_grad()\n"
+            "        loss = F.cross_entropy(model(x), y)\n        loss.backward()\n        optimizer.step()\n"
+            "        ctx.report(loss)\n")
+    res = run(shell, f"%%distrain --model lnet --data train_ds --epochs 2 --batch-size 50 --loop --progress none "
+                     f"-o rl\n{body}")
+    assert res.error_in_exec is None, res.error_in_exec
+    assert shell.user_ns["rl"].epochs == [0, 1] and shell.user_ns["rl"].rows[0]["steps"] == 2 * 3
+
+
+def test_redefined_function_is_used_by_the_next_training_cell(shell):
+    run(shell, TRAIN_SETUP.replace("mnet", "rnet"))
+    run(shell, "def lossfn(out, y):\n    return F.cross_entropy(out, y)")
+    run(shell, "%%distrain --model rnet --data train_ds --progress none -o ra\nx, y = batch\n"
+               "loss = lossfn(model(x), y)")
+    run(shell, "def lossfn(out, y):\n    return 0 * out.sum() + 42.0")
+    run(shell, "%%distrain --model rnet --data train_ds --progress none -o rb\nx, y = batch\n"
+               "loss = lossfn(model(x), y)")
+    assert shell.user_ns["ra"].final_loss < 5 and shell.user_ns["rb"].final_loss == pytest.approx(42.0)
+
+
+def test_training_error_names_rank_and_step_then_next_cell_works(shell):
+    run(shell, TRAIN_SETUP.replace("mnet", "enet"))
+    res = run(shell, "%%distrain --model enet --data train_ds --epochs 2 --batch-size 32 --progress none\n"
+                     "x, y = batch\nif rank == 1 and ctx.step == 2:\n    raise KeyError('broken batch')\n"
+                     "loss = F.cross_entropy(model(x), y)")
+    err = res.error_in_exec
+    assert isinstance(err, RankError) and err.rank == 1 and "broken batch" in str(err)
+    assert "step 2" in str(err)
+    ok = run(shell, f"%%distrain --model enet --data train_ds --epochs 1 --batch-size 32 --progress none\n{BODY}")
+    assert ok.error_in_exec is None, ok.error_in_exec
+
+
+@pytest.mark.parametrize("line,needle", [
+    ("--model mnet --data train_ds --epochs 0", "--epochs"),
+    ("--model mnet --data train_ds --epochs abc", "--epochs"),
+    ("--model mnet --data train_ds --bogus 3", "--bogus"),
+    ("--data train_ds", "--model"),
+    ("--model nosuchnet --data train_ds", "nosuchnet"),
+    ("--model mnet --data nosuchdata", "nosuchdata"),
+    ("--model train_ds --data train_ds", "not a torch.nn.Module"),
+    ("--model mnet --data train_ds --strategy fsdp", "--strategy ddp"),
+    ("--model mnet --data train_ds --batch-size 1000 --drop-last", "no full batch"),
+    ("--model mnet --data train_ds --optimizer nosuchopt", "nosuchopt"),
+])
+def test_bad_training_options_are_usage_errors(shell, line, needle):
+    from IPython.core.error import UsageError
+
+    run(shell, TRAIN_SETUP)
+    res = run(shell, f"%%distrain {line}\n{BODY}")
+    assert isinstance(res.error_in_exec, UsageError), res.error_in_exec
+    assert needle in str(res.error_in_exec)
+
+
+@pytest.mark.parametrize("body,needle", [
+    ("x, y = batch\nout = model(x)", "left no `loss`"),
+    ("x, y = batch\nloss = F.cross_entropy(model(x), y, reduction='none')", "scalar tensor"),
+    ("x, y = batch\nloss = 3.0", "scalar tensor"),
+])
+def test_bad_bodies_explain_the_fix(shell, body, needle):
+    run(shell, TRAIN_SETUP.replace("mnet", "bnet"))
+    res = run(shell, f"%%distrain --model bnet --data train_ds --progress none\n{body}")
+    assert isinstance(res.error_in_exec, RankError) and needle in str(res.error_in_exec)
+
+
+@pytest.mark.parametrize("line,needle", [
+    ("frobnicate", "unknown %dist verb"), ("start -n zero", "-n"), ("start --backend mpi", "--backend"),
+    ("pull", "name"), ("pull nosuch", "nosuch"), ("pull xs --rank 7", "--rank"), ("push", "names"),
+    ("push not_defined_here", "not_defined_here"),
+])
+def test_bad_dist_lines(shell, line, needle):
+    res = run(shell, f"%dist {line}")
+    assert res.error_in_exec is not None and needle in str(res.error_in_exec), res.error_in_exec
+
+
+def test_help_has_examples(shell):
+    dist_doc = shell.find_line_magic("dist").__doc__
+    train_doc = shell.find_cell_magic("distrain").__doc__
+    assert "Example" in dist_doc and "%dist start -n 2" in dist_doc
+    for verb in ("start", "stop", "restart", "status", "push", "pull", "scatter", "gather", "--all-output"):
+        assert verb in dist_doc
+    assert "Example" in train_doc and "--batch-size" in train_doc and "loss = F.cross_entropy" in train_doc

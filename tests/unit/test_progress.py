@@ -1,0 +1,58 @@
+import io
+
+from distnb.display import make_view
+from distnb.display.progress import ProgressState
+from distnb.display.text import TextProgress
+from distnb.engine.report import Reporter
+
+
+def test_state_merges_rank_messages_and_mean_curve():
+    st = ProgressState(2, total_steps=10, epochs=1)
+    assert st.update(0, dict(status="running", step=3, loss=1.0, points=[(1, 2.0), (3, 1.0)]))
+    assert st.update(1, dict(status="running", step=3, loss=3.0, points=[(1, 4.0), (3, 3.0)]))
+    assert not st.update(1, dict(status="running", step=3, loss=3.0))
+    assert st.mean_curve() == [(1, 3.0), (3, 2.0)]
+    assert st.fraction(0) == 0.3
+    st.update(0, dict(epoch_losses=[(0, 0.5)]))
+    assert st.epoch_means == {0: 0.5}
+
+
+def test_reporter_throttles_and_reads_loss_only_when_publishing():
+    sent = []
+
+    class Loss:
+        reads = 0
+
+        def __float__(self):
+            Loss.reads += 1
+            return 0.25
+
+    r = Reporter(rank=1, total_steps=1000, epochs=1, interval=3600, publish=sent.append)
+    for _ in range(1000):
+        r.record(Loss(), 8)
+    assert sent == [] and Loss.reads == 0  # nothing published within the interval
+    r.set_status("done")
+    assert len(sent) == 1 and sent[0]["step"] == 1000 and sent[0]["samples"] == 8000
+    assert sent[0]["loss"] == 0.25 and Loss.reads == 1 and sent[0]["rank"] == 1
+
+
+def test_text_progress_prints_epoch_lines_and_failures():
+    st = ProgressState(2, total_steps=4, epochs=2)
+    out = io.StringIO()
+    view = TextProgress(st, stream=out)
+    for r in range(2):
+        st.update(r, dict(status="running", samples_per_s=100.0, epoch_losses=[(0, 1.5)]))
+    view.refresh()
+    st.set_status("failed", ranks=[1], error="ValueError: x")
+    view.close()
+    text = out.getvalue()
+    assert "epoch   0  mean loss 1.5000" in text
+    assert "rank 1 failed" in text and "ValueError: x" in text
+
+
+def test_view_selection_without_a_widget_front_end(monkeypatch):
+    monkeypatch.setenv("DISTNB_PROGRESS", "auto")
+    st = ProgressState(1)
+    assert type(make_view(st)).__name__ == "TextProgress"  # plain Python: no kernel, no widgets
+    assert type(make_view(st, "none")).__name__ == "NullView"
+    assert type(make_view(st, "widgets")).__name__ == "Dashboard"

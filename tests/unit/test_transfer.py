@@ -1,0 +1,96 @@
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from distnb.engine import wire
+from distnb.errors import PlanError
+from distnb.transfer import columns_of, fingerprint, free_names, pack
+
+
+class Tied(nn.Module):
+    """Defined in a test module; cloudpickle sends test-module classes by reference, __main__ ones by value."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(5, 3)
+        self.out = nn.Linear(3, 5, bias=False)
+        self.out.weight = self.emb.weight
+        self.register_buffer("steps", torch.tensor(7))
+
+
+def test_pack_round_trip_keeps_values_params_and_ties():
+    m = Tied()
+    payload, descs, buffers = pack(m)
+    assert len(payload) < 4096  # weights are not in the pickle
+    assert len(descs) == len(buffers) == 2  # the tied weight travels once
+    m2 = wire.loads(payload, descs, buffers)
+    assert m2.out.weight is m2.emb.weight
+    assert isinstance(m2.emb.weight, nn.Parameter) and m2.emb.weight.requires_grad
+    assert torch.equal(m2.emb.weight, m.emb.weight) and m2.steps.item() == 7
+    m2.emb.weight.data.add_(1)  # the copy is writable and independent
+    assert not torch.equal(m2.emb.weight, m.emb.weight)
+
+
+def test_pack_buffers_are_zero_copy_views():
+    t = torch.arange(10, dtype=torch.float32)
+    _, _, (buf,) = pack({"t": t})
+    assert buf.ctypes.data == t.data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float16])
+def test_every_dtype_survives(dtype):
+    t = (torch.arange(12) % 3).to(dtype).reshape(3, 4)
+    keys, descs, sizes, flat = wire.flatten_state({"a": t, "b": t[0].clone()})
+    back = wire.unflatten_state(keys, descs, sizes, flat)
+    assert torch.equal(back["a"], t) and back["a"].dtype == dtype and back["b"].shape == (4,)
+
+
+def test_columns_of_accepts_the_documented_types():
+    x, y = torch.randn(10, 3), torch.arange(10)
+    assert columns_of(torch.utils.data.TensorDataset(x, y))[0] == ("tuple", 2)
+    assert columns_of((x.numpy(), y.numpy()))[2] == 10
+    assert columns_of(x)[0] == ("tensor",)
+    assert columns_of({"x": x, "y": y})[0] == ("dict", ("x", "y"))
+
+    class DS(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return torch.full((2,), float(i)), i
+
+    structure, cols, n = columns_of(DS())
+    assert structure == ("tuple", 2) and n == 4 and cols[0][3].tolist() == [3.0, 3.0]
+
+
+@pytest.mark.parametrize("bad,msg", [
+    ([1, 2, 3], "tensors or numpy arrays"), ((torch.zeros(3), torch.zeros(4)), "different numbers"),
+    (torch.zeros(0, 3), "empty"), ("text", "--data takes"), (torch.tensor(1.0), "0-d"),
+])
+def test_columns_of_rejects_bad_data_clearly(bad, msg):
+    with pytest.raises(PlanError, match=msg):
+        columns_of(bad, "train")
+
+
+def test_fingerprint_follows_in_place_changes():
+    m = nn.Linear(2, 2)
+    fp = fingerprint(m)
+    assert fingerprint(m) == fp
+    with torch.no_grad():
+        m.weight.add_(1)
+    assert fingerprint(m) != fp
+    assert fingerprint(nn.Linear(2, 2)) != fingerprint(m)
+
+
+def test_free_names():
+    code = "import math\nx, y = batch\nloss = lossfn(model(x), y) * scale + len(x)\ndef f(a): return a + k\n"
+    assert free_names(code) == {"batch", "lossfn", "model", "scale", "k"}
+    with pytest.raises(SyntaxError):
+        free_names("x = (")
+
+
+def test_numpy_columns_are_not_copied():
+    a = np.arange(12, dtype=np.float32).reshape(6, 2)
+    _, cols, _ = columns_of(a)
+    assert cols[0].data_ptr() == a.ctypes.data
