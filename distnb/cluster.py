@@ -137,6 +137,7 @@ class Cluster:
                                   self.master_port, spec.timeout))
         infos = self.wait_all(ars, timeout=spec.timeout + 60, what="forming the process group")
         self.ranks = [dict(info, engine_id=eid) for info, eid in zip(infos, self.engine_ids)]
+        self.warm_up = self.apply_all("distnb.engine.runtime", "warm_up", False)  # not awaited
 
     def reform(self) -> None:
         """Form a fresh process group (new port) on every rank, after a failure."""
