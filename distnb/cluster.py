@@ -138,6 +138,16 @@ class Cluster:
         infos = self.wait_all(ars, timeout=spec.timeout + 60, what="forming the process group")
         self.ranks = [dict(info, engine_id=eid) for info, eid in zip(infos, self.engine_ids)]
         self.warm_up = self.apply_all("distnb.engine.runtime", "warm_up", False)  # not awaited
+        self._start_reaper()
+
+    def _start_reaper(self):
+        """No process outlives the kernel: a watchdog stops ours if the kernel dies."""
+        from .reaper import spawn
+
+        pids = [p for p in [self.pids["controller"], *self.pids["engines"]] if p]
+        for engine_set in self._ipp.engines.values():
+            pids += [l.pid for l in getattr(engine_set, "launchers", {}).values() if getattr(l, "pid", None)]
+        self.reaper = spawn(sorted(set(pids)))
 
     def reform(self) -> None:
         """Form a fresh process group (new port) on every rank, after a failure."""
@@ -166,6 +176,14 @@ class Cluster:
             except Exception:
                 pass
         self.client, self._ipp = None, None
+        reaper = getattr(self, "reaper", None)
+        if reaper is not None:
+            try:
+                reaper.wait(timeout=2)  # it exits once everything it watched is gone
+            except Exception:
+                reaper.kill()
+                reaper.wait()
+            self.reaper = None
 
     # mapping ------------------------------------------------------------
     @property

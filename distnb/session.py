@@ -12,6 +12,7 @@ Typical use outside IPython magics::
 
 from __future__ import annotations
 
+import atexit
 import math
 import signal
 import sys
@@ -72,10 +73,18 @@ def start(n=None, backend=None, timeout=60.0, ns=None, quiet=False) -> "Session"
     spec = default_spec(n, backend, timeout)
     cluster = Cluster(spec).start()
     _CURRENT = Session(cluster, ns=ns)
+    atexit.register(_stop_at_exit)
     if not quiet:
         print(f"distnb: {spec.num_engines} ranks ready ({spec.backend}, {spec.device_type}, "
               f"{spec.num_threads} threads/rank) in {cluster.start_seconds:.1f} s")
     return _CURRENT
+
+
+def _stop_at_exit():
+    # Kernel shutdown or interpreter exit: stop quickly ourselves (engines leave with os._exit)
+    # rather than through ipyparallel's slower atexit path; the reaper covers a killed kernel.
+    if _CURRENT is not None and _CURRENT.running:
+        _CURRENT.stop(quiet=True)
 
 
 def current() -> "Session":

@@ -1,0 +1,60 @@
+"""Test environment for the whole suite (tests/ and the nbval notebooks/).
+
+Isolated IPython/Jupyter dirs (ipyparallel writes profiles there; FIELD-NOTES pitfall 6),
+text progress instead of widgets, and a leak check: the run fails if any engine or
+controller started from it (a descendant, or an orphan carrying this run's IPYTHONDIR)
+is still alive 15 s after the last test.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+
+_TMP = tempfile.mkdtemp(prefix="distnb-tests-")
+for _var, _sub in (("IPYTHONDIR", "ipython"), ("JUPYTER_CONFIG_DIR", "jupyter-config"),
+                   ("JUPYTER_RUNTIME_DIR", "jupyter-runtime"), ("JUPYTER_DATA_DIR", "jupyter-data")):
+    os.environ[_var] = os.path.join(_TMP, _sub)
+    os.makedirs(os.environ[_var], exist_ok=True)
+os.environ.setdefault("DISTNB_PROGRESS", "text")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+CLUSTER_PROCESS_MARKERS = ("ipyparallel.engine", "ipyparallel.controller", "ipengine", "ipcontroller")
+
+
+def cluster_processes():
+    """Engines and controllers started from this run: descendants, or orphans with our IPYTHONDIR."""
+    import psutil
+
+    mine = {p.pid for p in psutil.Process().children(recursive=True)}
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if not any(m in " ".join(p.cmdline()) for m in CLUSTER_PROCESS_MARKERS):
+                continue
+            if p.pid in mine or p.environ().get("IPYTHONDIR") == os.environ["IPYTHONDIR"]:
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return out
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run (and kill them) if engines or controllers outlive the tests that started them."""
+    from distnb import session as distnb_session
+
+    if distnb_session._CURRENT is not None:
+        distnb_session._CURRENT.stop(quiet=True)
+    deadline = time.monotonic() + 15
+    left = cluster_processes()
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = cluster_processes()
+    for p in left:
+        p.kill()
+    if left:
+        print(f"\nleaked cluster processes (killed): {[p.pid for p in left]}")
+        session.exitstatus = 1
+    shutil.rmtree(_TMP, ignore_errors=True)
