@@ -27,7 +27,7 @@ def shell():
         session._CURRENT.stop(quiet=True)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def dist_session(shell):
     """The running :class:`distnb.session.Session` of the shared shell."""
     from distnb import session

@@ -220,3 +220,18 @@ def test_help_has_examples(shell):
     for verb in ("start", "stop", "restart", "status", "push", "pull", "scatter", "gather", "--all-output"):
         assert verb in dist_doc
     assert "Example" in train_doc and "--batch-size" in train_doc and "loss = F.cross_entropy" in train_doc
+
+
+def test_restart_gives_a_fresh_world(shell, capsys):
+    old = session_mod.current()
+    old_pids = old.cluster.pids["engines"] + [old.cluster.pids["controller"]]
+    assert run(shell, "%dist restart").error_in_exec is None
+    new = session_mod.current()
+    assert new is not old and new.world_size == 2
+    assert set(new.cluster.pids["engines"]).isdisjoint(old_pids)
+    gone = [p for p in old_pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert gone == []
+    capsys.readouterr()
+    run(shell, "%%dist --all-output\nimport torch, torch.distributed as dist\nt = torch.ones(1) * (rank + 1)\n"
+               "dist.all_reduce(t)\nprint('sum', t.item())")
+    assert capsys.readouterr().out.count("sum 3.0") == 2
