@@ -113,7 +113,9 @@ def _dist_doc():
 @argument("--lr", type=float, default=None, help="learning rate (default 0.01 for sgd, 1e-3 for adam/adamw)")
 @argument("--seed", type=int, default=0, help="seed of shards and per-epoch shuffles (default 0)")
 @argument("--strategy", default="ddp", help="ddp (default); fsdp, pipeline, tensor, ps come later")
-@argument("--reset", action="store_true", help="re-send the model; fresh optimizer and epoch count")
+@argument("--reset", action="store_true",
+          help="re-send the kernel's model as it is now (its trained weights; build a new model for fresh "
+               "ones) with a fresh optimizer and epoch count")
 @argument("--target-loss", type=float, default=None, help="stop after an epoch whose mean loss is <= this")
 @argument("--loop", action="store_true", help="the body is the whole per-rank loop, driven through ctx")
 @argument("--drop-last", action="store_true", help="drop the uneven tail instead of padding")
