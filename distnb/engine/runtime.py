@@ -80,6 +80,7 @@ def setup(ns: dict, rank: int, world_size: int, local_rank: int, backend: str, d
     if device_type == "cuda" and gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     import torch
+    import torch._dynamo  # noqa: F401  must precede the group, see warm_up()
 
     torch.set_num_threads(num_threads)
     STATE.rank, STATE.world_size, STATE.local_rank = rank, world_size, local_rank
@@ -95,12 +96,15 @@ def setup(ns: dict, rank: int, world_size: int, local_rank: int, backend: str, d
 
 
 def warm_up() -> float:
-    """Import what the first training cell would otherwise import (about 1 s: DDP pulls in
-    ``torch._dynamo``). The kernel queues this right after start-up without waiting for it,
-    so it runs while the user writes the next cell. Returns seconds taken."""
-    t0 = time.perf_counter()
-    import torch._dynamo  # noqa: F401
+    """Import the training loop (DDP) ahead of the first training cell; returns seconds taken.
 
+    The kernel queues this right after start-up without waiting for it. ``torch._dynamo``
+    (about 1 s, imported by DDP) is imported in :func:`setup` *before* the process group
+    forms: imported while a group exists, it keeps that group alive after
+    ``destroy_process_group``, and a failed rank's peers then wait for the full timeout
+    instead of failing at once.
+    """
+    t0 = time.perf_counter()
     from . import loop  # noqa: F401
 
     return time.perf_counter() - t0
