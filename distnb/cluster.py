@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import time
 
@@ -20,8 +21,11 @@ from .errors import ClusterError
 from .plan import ClusterSpec
 
 HEARTBEAT_MS = 250
+# ipyparallel logs each dead engine's whole output; distnb reports deaths itself (naming the rank).
 _log = logging.getLogger("distnb.ipyparallel")
-_log.setLevel(logging.WARNING)
+_log.setLevel(logging.ERROR)
+_log.propagate = False
+_log.addHandler(logging.NullHandler())
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -214,11 +218,41 @@ class Cluster:
                 pass
 
     # calls --------------------------------------------------------------
+    def dead_ranks(self) -> dict:
+        """{rank: description} for ranks whose engine process has exited."""
+        import psutil
+
+        dead = {}
+        for rank, info in enumerate(self.ranks):
+            try:
+                if psutil.Process(info["pid"]).status() != psutil.STATUS_ZOMBIE:
+                    continue
+            except psutil.NoSuchProcess:
+                pass
+            dead[rank] = "has exited (killed, crashed or os._exit)"
+        return dead
+
+    def check_alive(self, ranks=None) -> None:
+        """Raise ClusterError naming every dead rank (with how it died) and the fix."""
+        dead = self.dead_ranks()
+        dead = {r: d for r, d in dead.items() if ranks is None or r in ranks}
+        if dead:
+            what = "; ".join(f"rank {r}'s engine (pid {self.ranks[r]['pid']}) {d}" for r, d in sorted(dead.items()))
+            raise ClusterError(f"{what}. Run %dist restart (or session.restart()) for a fresh world of "
+                               f"{self.world_size} ranks")
+
     def apply(self, rank: int, module: str, fn: str, with_ns: bool, *args):
-        """Call ``module.fn(*args)`` (``fn(ns, *args)`` if with_ns) on ``rank``; returns an AsyncResult."""
+        """Call ``module.fn(*args)`` (``fn(ns, *args)`` if with_ns) on ``rank``; returns an AsyncResult.
+
+        Raises ClusterError if the cluster is stopped or that rank's engine has died.
+        """
         if self.client is None:
             raise ClusterError("the cluster is not running; start it with %dist start")
-        return self.client[self.engine_ids[rank]].apply_async(_shim, module, fn, with_ns, *args)
+        engine_id = self.engine_ids[rank]
+        if engine_id not in self.client.ids:
+            self.check_alive([rank])
+            raise ClusterError(f"rank {rank}'s engine ({engine_id}) is no longer registered; run %dist restart")
+        return self.client[engine_id].apply_async(_shim, module, fn, with_ns, *args)
 
     def apply_all(self, module: str, fn: str, with_ns: bool, *args):
         return [self.apply(r, module, fn, with_ns, *args) for r in range(self.world_size)]
@@ -270,16 +304,24 @@ def _collateral(f) -> int:
     return any(m in text for m in markers)
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_OWN_FRAMES = (os.sep + "ipyparallel" + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep, "File <string>")
+
+
 def _clean_tb(tb: str) -> str:
-    """Drop distnb's own frames (the engine shim) from a remote traceback."""
-    lines = (tb or "").splitlines()
-    keep, skip = [], False
-    for line in lines:
-        if "in _shim" in line:
-            skip = True
-            continue
-        if skip and line.startswith("    "):
-            continue
-        skip = False
-        keep.append(line)
-    return "\n".join(keep)
+    """The remote traceback as plain text, without ipyparallel's and distnb's own frames.
+
+    IPython formats remote tracebacks as blocks ("File PATH:LINE, in FUNC" plus context
+    lines) separated by blank lines; the user's cell frames (``<distrain-cell-N>``), library
+    frames (torch, ...) and the exception itself are kept.
+    """
+    keep = []
+    for block in _ANSI.sub("", tb or "").split("\n\n"):
+        lines = block.split("\n")
+        for i, line in enumerate(lines):
+            if line.startswith("File ") and any(m in line for m in _OWN_FRAMES):
+                lines = lines[:i]  # an own frame: drop it, keep a header above it
+                break
+        if any(line.strip() for line in lines):
+            keep.append("\n".join(lines))
+    return "\n\n".join(keep).strip("\n")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 
 class DistnbError(Exception):
     """Base class of every error distnb raises on purpose."""
@@ -16,6 +18,12 @@ class PlanError(DistnbError, ValueError):
 
 class ClusterError(DistnbError, RuntimeError):
     """The cluster is missing, not started, or could not start."""
+
+
+def _key(failure):
+    """A failure's identity across ranks: its exception with rank numbers taken out."""
+    text = re.sub(r"\brank \d+", "rank ?", str(failure.get("evalue")))
+    return failure.get("ename"), text
 
 
 class RankError(DistnbError, RuntimeError):
@@ -66,7 +74,7 @@ class RankError(DistnbError, RuntimeError):
         msg = f"{self.context} failed on {self._where(f)}: {f.get('ename')}: {f.get('evalue')}"
         others = self.failures[1:]
         if others:
-            same = [o["rank"] for o in others if (o.get("ename"), o.get("evalue")) == (f.get("ename"), f.get("evalue"))]
+            same = [o["rank"] for o in others if _key(o) == _key(f)]
             diff = [o["rank"] for o in others if o["rank"] not in same]
             if same:
                 msg += f" (ranks {same} raised the same error)"
@@ -79,7 +87,7 @@ class RankError(DistnbError, RuntimeError):
         lines = [f"RankError: {self._summary()}"]
         shown = set()
         for f in self.failures:
-            key = (f.get("ename"), f.get("evalue"))
+            key = _key(f)
             if key in shown:
                 continue
             shown.add(key)

@@ -19,7 +19,7 @@ def _session():
         raise UsageError(str(exc)) from None
 
 
-@magic_arguments(name="%dist start")
+@magic_arguments(name="dist start")
 @argument("-n", "--engines", dest="n", type=int, default=None,
           help="number of engines (ranks); default one per GPU, or one per CPU core without GPUs")
 @argument("--backend", choices=["gloo", "nccl"], default=None,
@@ -29,28 +29,28 @@ def _start(line):
     """Start the cluster and its process group (keeps a running one)."""
 
 
-@magic_arguments(name="%dist stop")
+@magic_arguments(name="dist stop")
 def _stop(line):
     """Stop every engine and the controller this kernel started."""
 
 
-@magic_arguments(name="%dist restart")
+@magic_arguments(name="dist restart")
 def _restart(line):
     """Stop and start again with the same options: a fresh process group, empty ranks."""
 
 
-@magic_arguments(name="%dist status")
+@magic_arguments(name="dist status")
 def _status(line):
     """Table of rank, engine id, host, pid, device, backend, threads and liveness."""
 
 
-@magic_arguments(name="%dist push")
+@magic_arguments(name="dist push")
 @argument("names", nargs="+", help="notebook names to send by value (classes, functions, tensors, ...)")
 def _push(line):
     """Send notebook objects to every rank."""
 
 
-@magic_arguments(name="%dist pull")
+@magic_arguments(name="dist pull")
 @argument("name", help="name on the ranks")
 @argument("--rank", type=int, default=None, help="one rank's value (default: a list over all ranks)")
 @argument("-o", "--output", default=None, help="also bind the value to this notebook name")
@@ -58,21 +58,21 @@ def _pull(line):
     """Fetch a value from the ranks (``x = %dist pull x --rank 0`` binds it)."""
 
 
-@magic_arguments(name="%dist scatter")
+@magic_arguments(name="dist scatter")
 @argument("name", help="notebook data set: Dataset, TensorDataset, tensor/array or tuple of them")
 @argument("--seed", type=int, default=0, help="seed of the shard assignment (default 0)")
 def _scatter(line):
     """Give each rank a disjoint shard of a notebook data set (bound to the same name there)."""
 
 
-@magic_arguments(name="%dist gather")
+@magic_arguments(name="dist gather")
 @argument("name", help="name on the ranks")
 @argument("-o", "--output", default=None, help="also bind the value to this notebook name")
 def _gather(line):
     """Collect a value from every rank (scattered data back in its original order)."""
 
 
-@magic_arguments(name="%%dist")
+@magic_arguments(name="%dist")
 @argument("--all-output", action="store_true", help="show every rank's output (default rank 0 only)")
 def _cell(line):
     """Run the cell on every rank, with rank, world_size, device defined."""
@@ -104,13 +104,16 @@ def _dist_doc():
     return "\n".join(parts)
 
 
-@magic_arguments(name="%%distrain")
+@magic_arguments(name="%distrain")
 @argument("--model", required=True, help="notebook name of the torch.nn.Module to train")
 @argument("--data", required=True, help="notebook name of the data set (scattered as shards)")
 @argument("--epochs", type=int, default=1, help="epochs to run (default 1)")
 @argument("--batch-size", type=int, default=32, help="samples per rank per step (default 32)")
-@argument("--optimizer", default="sgd", help="sgd, adam, adamw, or a notebook name f(params)->Optimizer")
-@argument("--lr", type=float, default=None, help="learning rate (default 0.01 for sgd, 1e-3 for adam/adamw)")
+@argument("--optimizer", default=None,
+          help="sgd, adam, adamw, or a notebook name f(params)->Optimizer; default: keep the optimizer live on "
+               "the ranks (with its state), sgd for a new model")
+@argument("--lr", type=float, default=None,
+          help="learning rate; default: keep the live one (a new optimizer: 0.01 sgd, 1e-3 adam/adamw)")
 @argument("--seed", type=int, default=0, help="seed of shards and per-epoch shuffles (default 0)")
 @argument("--strategy", default="ddp", help="ddp (default); fsdp, pipeline, tensor, ps come later")
 @argument("--reset", action="store_true",
@@ -119,6 +122,10 @@ def _dist_doc():
 @argument("--target-loss", type=float, default=None, help="stop after an epoch whose mean loss is <= this")
 @argument("--loop", action="store_true", help="the body is the whole per-rank loop, driven through ctx")
 @argument("--drop-last", action="store_true", help="drop the uneven tail instead of padding")
+@argument("--find-unused-parameters", action="store_true",
+          help="let DDP train models with parameters that get no gradient in a step")
+@argument("--nan", choices=["stop", "ignore"], default="stop",
+          help="a non-finite loss stops training naming the rank and step (default), or is ignored")
 @argument("--progress", choices=["auto", "widgets", "text", "none"], default="auto",
           help="dashboard (auto: widgets in Jupyter, text elsewhere)")
 @argument("--all-output", action="store_true", help="show every rank's printed output")
@@ -215,7 +222,8 @@ class DistMagics(Magics):
         args = parse_argstring(_distrain, line)
         options = dict(epochs=args.epochs, batch_size=args.batch_size, optimizer=args.optimizer, lr=args.lr,
                        seed=args.seed, strategy=args.strategy, reset=args.reset, target_loss=args.target_loss,
-                       loop=args.loop, drop_last=args.drop_last)
+                       loop=args.loop, drop_last=args.drop_last,
+                       find_unused_parameters=args.find_unused_parameters, nan=args.nan)
         if args.output is not None and not args.output.isidentifier():
             raise UsageError(f"-o/--output must be a notebook name, got {args.output!r}")
         try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .errors import PlanError
 
@@ -89,11 +89,13 @@ class TrainPlan:
         Passes over the data (>= 1). Epoch numbers continue across cells.
     batch_size : int
         Samples per rank per step; the global batch is ``batch_size * world_size``.
-    optimizer : str
+    optimizer : str or None
         ``sgd``, ``adam``, ``adamw`` (torch.optim), or the name of a kernel callable
-        ``f(params) -> torch.optim.Optimizer`` (an Optimizer subclass works).
+        ``f(params) -> torch.optim.Optimizer`` (an Optimizer subclass works). None keeps the
+        optimizer that lives on the ranks (with its state), or starts SGD if there is none.
     lr : float or None
-        Learning rate; None takes :data:`DEFAULT_LR` for built-in optimizers.
+        Learning rate. None keeps the live optimizer's rate; a new built-in optimizer then
+        gets :data:`DEFAULT_LR`, a custom one its own default.
     seed : int
         Seed of the shard assignment and of each epoch's shuffle.
     strategy : str
@@ -108,15 +110,21 @@ class TrainPlan:
         False (default): pad, so every rank runs ``ceil(ceil(n / world_size) / batch_size)``
         steps, a rank with a shorter shard repeating samples of its own shard. True: drop,
         every rank uses ``floor(n / world_size)`` samples and full batches only.
+    find_unused_parameters : bool
+        Passed to DDP: allow parameters that get no gradient in a step (costs a graph walk).
+    nan : {"stop", "ignore"}
+        A non-finite loss stops training with an error naming the rank and step (default),
+        or is ignored.
     report_interval : float
-        Seconds between progress messages per rank (default 0.1: at most 10 a second).
+        Seconds between progress messages per rank (0.1 for the dashboard: at most 10 a
+        second; longer for text progress, which only prints per epoch).
     """
 
     model: str
     data: str
     epochs: int = 1
     batch_size: int = 32
-    optimizer: str = "sgd"
+    optimizer: str | None = None
     lr: float | None = None
     seed: int = 0
     strategy: str = "ddp"
@@ -124,8 +132,9 @@ class TrainPlan:
     target_loss: float | None = None
     loop: bool = False
     drop_last: bool = False
+    find_unused_parameters: bool = False
+    nan: str = "stop"
     report_interval: float = 0.1
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         for name in ("model", "data"):
@@ -135,16 +144,17 @@ class TrainPlan:
         _check_int("--epochs", self.epochs, 1)
         _check_int("--batch-size", self.batch_size, 1)
         _check_int("--seed", self.seed, 0)
-        if not isinstance(self.optimizer, str) or not self.optimizer:
-            raise PlanError(f"--optimizer must be sgd, adam, adamw or a notebook name, got {self.optimizer!r}")
-        if self.optimizer.lower() in DEFAULT_LR:
-            object.__setattr__(self, "optimizer", self.optimizer.lower())
-        elif not self.optimizer.isidentifier():
-            raise PlanError(f"--optimizer must be sgd, adam, adamw or a notebook name, got {self.optimizer!r}")
+        if self.optimizer is not None:
+            if not isinstance(self.optimizer, str) or not self.optimizer:
+                raise PlanError(f"--optimizer must be sgd, adam, adamw or a notebook name, got {self.optimizer!r}")
+            if self.optimizer.lower() in DEFAULT_LR:
+                object.__setattr__(self, "optimizer", self.optimizer.lower())
+            elif not self.optimizer.isidentifier():
+                raise PlanError(f"--optimizer must be sgd, adam, adamw or a notebook name, got {self.optimizer!r}")
         if self.lr is not None:
             _check_number("--lr", self.lr)
-        elif self.optimizer in DEFAULT_LR:
-            object.__setattr__(self, "lr", DEFAULT_LR[self.optimizer])
+        if self.nan not in ("stop", "ignore"):
+            raise PlanError(f"--nan must be 'stop' or 'ignore', got {self.nan!r}")
         if self.strategy not in STRATEGIES:
             raise PlanError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         if self.strategy not in IMPLEMENTED_STRATEGIES:
@@ -158,7 +168,8 @@ class TrainPlan:
 
     @property
     def builtin_optimizer(self) -> bool:
-        return self.optimizer in DEFAULT_LR
+        """True unless --optimizer names a notebook callable."""
+        return self.optimizer is None or self.optimizer in DEFAULT_LR
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

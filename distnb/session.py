@@ -19,7 +19,7 @@ import sys
 import time
 
 from .cluster import Cluster, default_spec
-from .display import ProgressState, make_view
+from .display import ProgressState, make_view, view_kind
 from .display.tables import Table
 from .errors import ClusterError, DistnbError, PlanError, RankError
 from .plan import TrainPlan
@@ -28,6 +28,17 @@ _CURRENT = None
 #: Names a training body gets from distnb, never pushed from the notebook.
 RESERVED_NAMES = frozenset({"batch", "model", "optimizer", "ctx", "loss", "rank", "world_size", "local_rank",
                             "device"})
+#: Progress views and how often ranks report for each (seconds): the dashboard redraws live,
+#: text progress prints per epoch (status and epoch-end messages are always sent at once).
+PROGRESS_MODES = ("auto", "widgets", "text", "none")
+REPORT_INTERVAL = {"widgets": 0.1, "text": 2.0, "none": 3600.0}
+#: Keyword options of Session.train that become TrainPlan fields.
+TRAIN_OPTIONS = frozenset({"epochs", "batch_size", "optimizer", "lr", "seed", "strategy", "reset", "target_loss",
+                           "loop", "drop_last", "find_unused_parameters", "nan", "report_interval"})
+#: Seconds between checks that the ranks' engine processes are alive while a cell runs.
+LIVENESS_SECONDS = 0.5
+#: Seconds between checks of running ranks (results, output, progress) in the kernel.
+POLL_SECONDS = 0.1
 #: Seconds to wait for the other ranks once one rank has failed, before interrupting them.
 FAILURE_GRACE = 5.0
 #: Seconds to wait for a finished rank's remaining output messages.
@@ -201,17 +212,19 @@ class Session:
     def status(self, timeout: float = 2.0) -> StatusTable:
         """Rank, engine id, host, pid, device, backend, threads and liveness of every rank."""
         self._check_running()
-        ars = self.cluster.apply_all("distnb.engine.runtime", "info", False)
+        dead = self.cluster.dead_ranks()
+        ars = {r: self.cluster.apply(r, "distnb.engine.runtime", "info", False)
+               for r in range(self.world_size) if r not in dead}
         deadline = time.monotonic() + timeout
         rows = []
-        for rank, ar in enumerate(ars):
-            ar.wait(max(0.0, deadline - time.monotonic()))
-            base = dict(self.cluster.ranks[rank])
-            try:
-                info = ar.get(0)
-                base.update(info, alive=not info.get("broken"))
-            except Exception:
-                base["alive"] = False
+        for rank in range(self.world_size):
+            base = dict(self.cluster.ranks[rank], alive=False)
+            if rank in ars:
+                ars[rank].wait(max(0.0, deadline - time.monotonic()))
+                try:
+                    base.update(ars[rank].get(0), alive=True)
+                except Exception:
+                    pass
             base["threads"] = base.get("num_threads")
             rows.append(base)
         return StatusTable(rows)
@@ -247,10 +260,17 @@ class Session:
         failed_since = None
         released = set()
         interrupted = set()
+        dead = {}
         user_interrupt = False
+        next_liveness = time.monotonic() + LIVENESS_SECONDS
         try:
             while True:
-                done = all(ar.ready() for ar in ars)
+                if time.monotonic() >= next_liveness:  # a dead engine never answers: stop waiting for it
+                    next_liveness = time.monotonic() + LIVENESS_SECONDS
+                    dead.update({r: d for r, d in self.cluster.dead_ranks().items() if not ars[r].ready()})
+                    if dead and failed_since is None:
+                        failed_since = time.monotonic()
+                done = all(ar.ready() or r in dead for r, ar in enumerate(ars))
                 if done:  # a result can arrive before the rank's last printed output
                     deadline = time.monotonic() + OUTPUT_WAIT
                     for ar in ars:
@@ -258,30 +278,41 @@ class Session:
                 self._poll(ars, offsets, progress, state, view, show_ranks)
                 if done:
                     break
-                failed = {r for r, ar in enumerate(ars) if ar.ready() and not ar.successful()}
+                failed = {r for r, ar in enumerate(ars) if ar.ready() and not ar.successful() and r not in dead}
                 for r in failed - released:  # let peers blocked in a collective fail at once
-                    self.cluster.apply(r, "distnb.engine.runtime", "release", True)
                     released.add(r)
+                    try:
+                        self.cluster.apply(r, "distnb.engine.runtime", "release", True)
+                    except ClusterError:  # its engine died: the liveness check reports it
+                        pass
                 if failed and failed_since is None:
                     failed_since = time.monotonic()
                 if failed_since is not None and time.monotonic() - failed_since > FAILURE_GRACE:
                     interrupted |= self._interrupt_ranks(ars)
                     failed_since = math.inf
-                pending = [ar for ar in ars if not ar.ready()]
+                pending = [ar for r, ar in enumerate(ars) if not ar.ready() and r not in dead]
                 if pending:
-                    pending[0].wait(0.05)
+                    pending[0].wait(POLL_SECONDS)
         except KeyboardInterrupt:
             user_interrupt = True
             interrupted |= self._interrupt_ranks(ars)
             self._poll(ars, offsets, progress, state, view, show_ranks)
-        failures = self.cluster.failures(ars, progress, collateral=interrupted)
+        dead.update({r: d for r, d in self.cluster.dead_ranks().items()})
+        failures = [f for f in self.cluster.failures(ars, progress, collateral=interrupted) if f["rank"] not in dead]
+        for rank, how in sorted(dead.items()):
+            failures.insert(0, dict(rank=rank, engine_id=self.cluster.engine_ids[rank], host=self.cluster.host_of(rank),
+                                    ename="EngineDied", traceback="",
+                                    evalue=f"rank {rank}'s engine (pid {self.cluster.ranks[rank]['pid']}) {how}; "
+                                           "run %dist restart for a fresh world",
+                                    epoch=(progress.get(rank) or {}).get("epoch"),
+                                    step=(progress.get(rank) or {}).get("step")))
         if state is not None:
             for f in failures:
                 status = "interrupted" if f["rank"] in interrupted else "failed"
                 state.set_status(status, ranks=[f["rank"]], error=f"{f['ename']}: {f['evalue']}"[:200])
         if view is not None:
             view.close()
-        if failures or user_interrupt:
+        if (failures or user_interrupt) and not dead:
             self._recover()
         if user_interrupt:
             where = ", ".join(f"rank {r}: epoch {m.get('epoch')}, step {m.get('step')}"
@@ -325,6 +356,7 @@ class Session:
 
     def _recover(self):
         """After a failure: re-form the process group so the next cell works."""
+        self.cluster.check_alive()
         try:
             self.cluster.reform()
         except Exception as exc:
@@ -377,8 +409,11 @@ class Session:
         """The value of ``name`` on ``rank`` (or a list over all ranks when rank is None)."""
         self._check_running()
         ranks = range(self.world_size) if rank is None else [self._rank(rank)]
+        from .engine import wire
+
         ars = [self.cluster.apply(r, "distnb.engine.wire", "lookup", True, name) for r in ranks]
-        values = self.cluster.wait_all(ars, timeout=self.cluster.spec.timeout, what=f"pull {name}")
+        packed = self.cluster.wait_all(ars, timeout=self.cluster.spec.timeout, what=f"pull {name}")
+        values = [wire.loads(*p) for p in packed]
         return values if rank is None else values[0]
 
     def _rank(self, rank):
@@ -496,10 +531,16 @@ class Session:
         self._check_running()
         model_name, model_obj = self._named(model, "model")
         data_name, data_obj = self._named(data, "data")
-        try:
-            plan = TrainPlan(model=model_name, data=data_name, **options)
-        except TypeError as exc:
-            raise PlanError(str(exc)) from None
+        if not isinstance(code, str) or not code.strip():
+            raise PlanError("the training cell body is empty: write one step that sets `loss`, e.g. "
+                            "`x, y = batch; loss = F.cross_entropy(model(x), y)`")
+        if progress not in PROGRESS_MODES:
+            raise PlanError(f"progress must be one of {', '.join(PROGRESS_MODES)}, got {progress!r}")
+        unknown = sorted(set(options) - TRAIN_OPTIONS)
+        if unknown:
+            raise PlanError(f"unknown training option(s) {', '.join(unknown)}; known: {', '.join(sorted(TRAIN_OPTIONS))}")
+        options.setdefault("report_interval", REPORT_INTERVAL[view_kind(progress)])
+        plan = TrainPlan(model=model_name, data=data_name, **options)
         if not isinstance(model_obj, torch.nn.Module):
             raise PlanError(f"--model {model_name} is a {type(model_obj).__name__}, not a torch.nn.Module")
         if not plan.builtin_optimizer:
@@ -528,7 +569,11 @@ class Session:
         except (RankError, KeyboardInterrupt):
             self._weights_back(plan.model, model_obj, best_effort=True)
             raise
-        self._weights_back(plan.model, model_obj)
+        self._weights_back(plan.model, model_obj, packed=rows[0].pop("state"))
+        for row in rows:
+            row.pop("state", None)
+        if rows[0]["note"] and not quiet:
+            print(f"distnb: {rows[0]['note']}")
         result = TrainResult(rows, plan, time.perf_counter() - t0)
         self.last_result = result
         return result
@@ -581,7 +626,7 @@ class Session:
         self._models[plan.model] = fp
         if not quiet:
             print(f"distnb: sent {plan.model} ({type(model_obj).__name__}, {counts[0]:,} parameters) to "
-                  f"{self.world_size} ranks; fresh {plan.optimizer} optimizer, epoch 0")
+                  f"{self.world_size} ranks; fresh {plan.optimizer or 'sgd'} optimizer, epoch 0")
         return True
 
     def _ensure_data(self, plan, data_obj, quiet) -> None:
@@ -608,13 +653,15 @@ class Session:
         print(f"distnb: {plan.data}: {n} samples in {w} shards; {how}; {steps} steps/epoch of "
               f"{plan.batch_size} per rank")
 
-    def _weights_back(self, name, model_obj, best_effort=False) -> None:
+    def _weights_back(self, name, model_obj, best_effort=False, packed=None) -> None:
+        """Load rank 0's weights (``packed`` from its training result, else fetched) into ``model_obj``."""
         from .transfer import fingerprint, load_state_into
 
         try:
-            ar = self.cluster.apply(0, "distnb.engine.loop", "pull_state", False, name)
-            keys, descs, sizes, flat = self.cluster.wait_all([ar], timeout=self.cluster.spec.timeout,
-                                                             what="weights back")[0]
+            if packed is None:
+                ar = self.cluster.apply(0, "distnb.engine.loop", "pull_state", False, name)
+                packed = self.cluster.wait_all([ar], timeout=self.cluster.spec.timeout, what="weights back")[0]
+            keys, descs, sizes, flat = packed
             load_state_into(model_obj, keys, descs, sizes, flat)
             self._models[name] = fingerprint(model_obj)
         except Exception:

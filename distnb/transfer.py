@@ -9,52 +9,14 @@ neither pickled nor copied whole in the kernel.
 
 from __future__ import annotations
 
-import io
-
-import cloudpickle
-
 from .errors import PlanError
 
 
-class _TensorPickler(cloudpickle.Pickler):
-    """cloudpickle, with every torch.Tensor replaced by a persistent id."""
-
-    def __init__(self, file):
-        super().__init__(file, protocol=5)
-        import torch
-
-        self._tensor_type = torch.Tensor
-        self.tensors = []
-        self._index = {}
-
-    def persistent_id(self, obj):
-        if isinstance(obj, self._tensor_type):
-            key = id(obj)
-            if key not in self._index:
-                self._index[key] = len(self.tensors)
-                self.tensors.append(obj)
-            return self._index[key]
-        return None
-
-
 def pack(obj):
-    """Pack ``obj`` for :func:`distnb.engine.wire.loads`.
+    """Pack ``obj`` for the ranks; see :func:`distnb.engine.wire.pack`."""
+    from .engine.wire import pack as _pack
 
-    Returns
-    -------
-    payload : bytes
-        The pickle, without tensor data.
-    descs : list of tuple
-        One description per tensor (dtype, shape, requires_grad, is_param).
-    buffers : list of numpy.ndarray
-        One flat uint8 view per tensor (zero-copy for contiguous CPU tensors).
-    """
-    from .engine import wire
-
-    f = io.BytesIO()
-    p = _TensorPickler(f)
-    p.dump(obj)
-    return f.getvalue(), [wire.describe(t) for t in p.tensors], [wire.to_buffer(t) for t in p.tensors]
+    return _pack(obj)
 
 
 def columns_of(data, name="data"):

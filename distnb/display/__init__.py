@@ -27,16 +27,24 @@ def widgets_available() -> bool:
     return True
 
 
-def make_view(state: ProgressState, mode: str = "auto"):
-    """The progress view for ``mode``: ``auto``, ``widgets``, ``text`` or ``none``."""
+def view_kind(mode: str = "auto") -> str:
+    """Resolve ``mode`` (auto, widgets, text, none) to the view that will be shown."""
     env = os.environ.get("DISTNB_PROGRESS", "").lower()
     if mode == "auto" and env in ("text", "none", "widgets"):
         mode = env
-    if mode == "none":
+    if mode == "auto":
+        return "widgets" if widgets_available() else "text"
+    return mode
+
+
+def make_view(state: ProgressState, mode: str = "auto"):
+    """The progress view for ``mode``: ``auto``, ``widgets``, ``text`` or ``none``."""
+    kind = view_kind(mode)
+    if kind == "none":
         from .text import NullView
 
         return NullView(state)
-    if mode == "widgets" or (mode == "auto" and widgets_available()):
+    if kind == "widgets":
         from .widgets import Dashboard
 
         return Dashboard(state)

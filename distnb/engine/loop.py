@@ -15,7 +15,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from ..plan import TrainPlan
+from ..plan import DEFAULT_LR, TrainPlan
 from . import runtime, shard as sharding, wire
 from .report import Reporter
 from .strategies import wrap
@@ -61,6 +61,10 @@ class Run:
         self.optimizer_key = None
         self.epoch = 0
         self.steps = 0
+        self.forwards = 0  # calls of the strategy wrapper, to catch bodies that bypass it
+
+    def count_forward(self, module, args):
+        self.forwards += 1
 
 
 RUNS: dict[str, Run] = {}
@@ -100,26 +104,38 @@ def pull_state(name):
     return wire.flatten_state(RUNS[name].module.state_dict())
 
 
+def _set_lr(optimizer, lr):
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
 def _optimizer(ns, run, plan):
-    key = (plan.optimizer, plan.strategy)
-    if run.optimizer is None or run.optimizer_key != key:
-        params = run.wrapped.parameters()
-        if plan.builtin_optimizer:
-            cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[plan.optimizer]
-            run.optimizer = cls(params, lr=plan.lr)
-        else:
-            factory = ns.get(plan.optimizer)
-            if factory is None:
-                raise NameError(f"optimizer {plan.optimizer!r} is not defined on the rank")
-            run.optimizer = factory(params)
-            if not isinstance(run.optimizer, torch.optim.Optimizer):
-                raise TypeError(f"--optimizer {plan.optimizer} returned {type(run.optimizer).__name__}, "
-                                "not a torch.optim.Optimizer")
-        run.optimizer_key = key
-    elif plan.lr is not None:
-        for group in run.optimizer.param_groups:
-            group["lr"] = plan.lr
-    return run.optimizer
+    """The live optimizer, kept (with its state) unless --optimizer names a different one.
+
+    Returns (optimizer, note): note says what changed ("" when nothing did).
+    """
+    if run.optimizer is not None and plan.optimizer in (None, run.optimizer_key):
+        if plan.lr is not None and any(g["lr"] != plan.lr for g in run.optimizer.param_groups):
+            _set_lr(run.optimizer, plan.lr)
+            return run.optimizer, f"lr set to {plan.lr:g}"
+        return run.optimizer, ""
+    name = plan.optimizer or "sgd"
+    params = run.module.parameters()
+    if name in DEFAULT_LR:
+        cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
+        optimizer = cls(params, lr=plan.lr if plan.lr is not None else DEFAULT_LR[name])
+    else:
+        factory = ns.get(name)
+        if factory is None:
+            raise NameError(f"optimizer {name!r} is not defined on rank {runtime.STATE.rank}")
+        optimizer = factory(params)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"--optimizer {name} returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+        if plan.lr is not None:
+            _set_lr(optimizer, plan.lr)
+    note = f"new {name} optimizer" + (f" (was {run.optimizer_key})" if run.optimizer is not None else "")
+    run.optimizer, run.optimizer_key = optimizer, name
+    return optimizer, note
 
 
 class Context:
@@ -159,6 +175,7 @@ class Context:
         self._loss_sum = None
         self._loss_count = 0
         self._batch_samples = 0
+        self._forwards_seen = run.forwards
 
     @property
     def loader(self):
@@ -184,7 +201,18 @@ class Context:
                 break
 
     def report(self, loss, num_samples=None):
-        """Record one finished step (loss: scalar tensor; num_samples: default the last batch size)."""
+        """Record one finished step (loss: scalar tensor; num_samples: default the last batch size).
+
+        Raises if the step never called ``model`` (the strategy wrapper): calling the
+        unwrapped module (e.g. by its notebook name) skips the gradient all-reduce and the
+        replicas silently diverge.
+        """
+        if self._run.forwards == self._forwards_seen:
+            raise RuntimeError(
+                f"rank {self.rank}, epoch {self.epoch}, step {self.step}: the step never called `model`, "
+                "the DistributedDataParallel-wrapped model; calling the notebook's model directly (e.g. "
+                "`net(x)`) skips the gradient all-reduce and the ranks diverge. Use `model(x)` in the body")
+        self._forwards_seen = self._run.forwards
         detached = loss.detach()
         self._loss_sum = detached.double() if self._loss_sum is None else self._loss_sum + detached
         self._loss_count += 1
@@ -212,6 +240,9 @@ def _check_loss(loss, ctx):
         raise ValueError(f"`loss` must be a scalar tensor, got {shape} ({where}); reduce it, e.g. `.mean()`")
     if not loss.requires_grad:
         raise ValueError(f"`loss` does not require grad ({where}); compute it from `model(...)` outputs")
+    if ctx.plan.nan == "stop" and not bool(torch.isfinite(loss.detach())):
+        raise FloatingPointError(f"the loss is {float(loss)} at {where}; training stopped before the update "
+                                 "(lower --lr, check the data, or pass --nan ignore)")
 
 
 def _steps(ns, code, ctx):
@@ -242,12 +273,14 @@ def train(ns, plan_dict, code_text):
     sharding.check_sizes(data.num_samples, st.world_size, plan.batch_size, plan.drop_last)
     steps = sharding.steps_per_epoch(data.num_samples, st.world_size, plan.batch_size, plan.drop_last)
     reporter = Reporter(st.rank, steps * plan.epochs, plan.epochs, interval=plan.report_interval)
-    code = compile(code_text, "<%%distrain>", "exec")
+    code = runtime.compile_cell(code_text, "distrain")
     try:
-        if run.wrapped is None or run.generation != st.generation or run.strategy != plan.strategy:
+        key = (plan.strategy, plan.find_unused_parameters)
+        if run.wrapped is None or run.generation != st.generation or run.strategy != key:
             run.wrapped = wrap(run.module, plan, st.device)
-            run.generation, run.strategy = st.generation, plan.strategy
-        _optimizer(ns, run, plan)
+            run.wrapped.register_forward_pre_hook(run.count_forward)
+            run.generation, run.strategy = st.generation, key
+        _, note = _optimizer(ns, run, plan)
         ctx = Context(plan, run, data, reporter)
         ns.update(model=run.wrapped, optimizer=run.optimizer, ctx=ctx)
         run.wrapped.train()
@@ -255,6 +288,9 @@ def train(ns, plan_dict, code_text):
         t0 = time.perf_counter()
         if plan.loop:
             exec(code, ns)
+            if ctx.step == 0:
+                raise ValueError("the --loop body ran no step: drive it with `for epoch in ctx.epochs():` / "
+                                 "`for batch in ctx.loader:` and call `ctx.report(loss)` after each step")
         else:
             _steps(ns, code, ctx)
         seconds = time.perf_counter() - t0
@@ -273,4 +309,5 @@ def train(ns, plan_dict, code_text):
                 samples_per_s=reporter.samples / seconds if seconds > 0 else 0.0,
                 final_loss=last, epoch_losses=list(ctx.epoch_losses),
                 first_epoch=run.epoch - len(ctx.epoch_losses), next_epoch=run.epoch,
-                stopped_early=ctx.stopped_early, steps_per_epoch=steps)
+                stopped_early=ctx.stopped_early, steps_per_epoch=steps, note=note,
+                state=pull_state(plan.model) if st.rank == 0 else None)

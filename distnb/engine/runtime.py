@@ -163,20 +163,39 @@ def release(ns: dict) -> None:
     mark_broken(ns)
 
 
+_CELLS = [0]
+
+
+def cell_filename(code: str, kind: str) -> str:
+    """A unique name for a cell's code, registered in linecache so tracebacks show its lines."""
+    import linecache
+
+    _CELLS[0] += 1
+    filename = f"<{kind}-cell-{_CELLS[0]}>"
+    linecache.cache[filename] = (len(code), None, code.splitlines(keepends=True), filename)
+    return filename
+
+
+def compile_cell(code: str, kind: str):
+    """Compile a cell's code (see :func:`cell_filename`)."""
+    return compile(code, cell_filename(code, kind), "exec")
+
+
 def run_cell(ns: dict, code: str):
     """Run a ``%%dist`` cell in the engine namespace; return repr of a final expression.
 
     On an exception the process group is torn down (see :func:`mark_broken`) so that
     ranks waiting for this one in a collective fail at once; the kernel re-forms it.
     """
-    tree = ast.parse(code, filename="<%%dist>", mode="exec")
+    filename = cell_filename(code, "dist")
+    tree = ast.parse(code, filename=filename, mode="exec")
     last = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
         last = ast.Expression(tree.body.pop().value)
     try:
-        exec(compile(tree, "<%%dist>", "exec"), ns)
+        exec(compile(tree, filename, "exec"), ns)
         if last is not None:
-            value = eval(compile(last, "<%%dist>", "eval"), ns)
+            value = eval(compile(last, filename, "eval"), ns)
             return None if value is None else repr(value)
         return None
     except BaseException as exc:

@@ -49,6 +49,43 @@ def from_buffer(desc: tuple, buf, copy: bool = True) -> torch.Tensor:
     return t
 
 
+def pack(obj):
+    """Pickle ``obj`` with cloudpickle, its tensors cut out as zero-copy buffers.
+
+    Classes and functions defined in a notebook (``__main__``) travel by value. Used in
+    both directions: kernel to ranks (push, models) and ranks to kernel (pull).
+
+    Returns
+    -------
+    payload : bytes
+        The pickle, without tensor data.
+    descs : list of tuple
+        One :func:`describe` per distinct tensor.
+    buffers : list of numpy.ndarray
+        One flat uint8 view per tensor (zero-copy for contiguous CPU tensors).
+    """
+    import cloudpickle
+
+    class _TensorPickler(cloudpickle.Pickler):
+        def __init__(self, file):
+            super().__init__(file, protocol=5)
+            self.tensors, self._index = [], {}
+
+        def persistent_id(self, obj):
+            if isinstance(obj, torch.Tensor):
+                key = id(obj)
+                if key not in self._index:
+                    self._index[key] = len(self.tensors)
+                    self.tensors.append(obj)
+                return self._index[key]
+            return None
+
+    f = io.BytesIO()
+    p = _TensorPickler(f)
+    p.dump(obj)
+    return f.getvalue(), [describe(t) for t in p.tensors], [to_buffer(t) for t in p.tensors]
+
+
 class _Unpickler(pickle.Unpickler):
     def __init__(self, file, tensors):
         super().__init__(file)
@@ -90,9 +127,9 @@ def bind(ns: dict, name: str, payload: bytes, descs, *buffers) -> None:
 
 
 def lookup(ns: dict, name: str):
-    """The engine's value of ``name``; NameError naming the rank when it is not defined."""
+    """The engine's value of ``name``, packed by :func:`pack`; NameError naming the rank if undefined."""
     if name not in ns:
         rank = ns.get("rank")
         raise NameError(f"name {name!r} is not defined on rank {rank}; push it with %dist push {name} "
                         "or define it in a %%dist cell")
-    return ns[name]
+    return pack(ns[name])

@@ -6,8 +6,11 @@ from distnb.plan import DEFAULT_LR, ClusterSpec, TrainPlan
 
 def test_defaults_and_normalisation():
     p = TrainPlan(model="net", data="train", optimizer="Adam")
-    assert p.optimizer == "adam" and p.lr == DEFAULT_LR["adam"]
-    assert p.strategy == "ddp" and p.epochs == 1 and not p.drop_last
+    assert p.optimizer == "adam" and p.lr is None  # None: keep the live rate, or DEFAULT_LR for a new one
+    assert set(DEFAULT_LR) == {"sgd", "adam", "adamw"}
+    default = TrainPlan(model="net", data="train")
+    assert default.optimizer is None and default.builtin_optimizer  # keep the live optimizer
+    assert p.strategy == "ddp" and p.epochs == 1 and not p.drop_last and p.nan == "stop"
     assert TrainPlan.from_dict(p.to_dict()) == p
 
 
@@ -15,7 +18,7 @@ def test_defaults_and_normalisation():
     ("epochs", 0, "--epochs"), ("epochs", -3, "--epochs"), ("epochs", 2.5, "--epochs"),
     ("batch_size", 0, "--batch-size"), ("lr", -1.0, "--lr"), ("lr", float("nan"), "--lr"),
     ("seed", -1, "--seed"), ("strategy", "horovod", "--strategy"), ("target_loss", float("inf"), "--target-loss"),
-    ("optimizer", "not a name", "--optimizer"), ("model", "1net", "--model"), ("data", "", "--data"),
+    ("optimizer", "not a name", "--optimizer"), ("nan", "skip", "--nan"), ("model", "1net", "--model"), ("data", "", "--data"),
 ])
 def test_bad_values_name_the_option(field, value, needle):
     with pytest.raises(PlanError, match=needle):

@@ -15,4 +15,5 @@ from torch.nn.parallel import DistributedDataParallel
 def apply_ddp(module: torch.nn.Module, plan, device: torch.device) -> DistributedDataParallel:
     """Wrap ``module`` (already on ``device``) in DDP over the default process group."""
     device_ids = [device.index if device.index is not None else 0] if device.type == "cuda" else None
-    return DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True)
+    return DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True,
+                                   find_unused_parameters=plan.find_unused_parameters)
