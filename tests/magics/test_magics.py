@@ -235,3 +235,63 @@ def test_restart_gives_a_fresh_world(shell, capsys):
     run(shell, "%%dist --all-output\nimport torch, torch.distributed as dist\nt = torch.ones(1) * (rank + 1)\n"
                "dist.all_reduce(t)\nprint('sum', t.item())")
     assert capsys.readouterr().out.count("sum 3.0") == 2
+
+
+def test_body_that_bypasses_the_ddp_wrapper_is_an_error(shell):
+    run(shell, TRAIN_SETUP.replace("mnet", "bypass"))
+    res = run(shell, "%%distrain --model bypass --data train_ds --progress none\nx, y = batch\n"
+                     "loss = F.cross_entropy(bypass(x), y)")
+    assert isinstance(res.error_in_exec, RankError)
+    assert "never called `model`" in str(res.error_in_exec) and "model(x)" in str(res.error_in_exec)
+
+
+def test_the_live_optimizer_and_lr_are_kept_unless_asked(shell, dist_session, capsys):
+    run(shell, TRAIN_SETUP.replace("mnet", "onet"))
+    query = "import distnb.engine.loop as L\n_o = L.RUNS['onet'].optimizer\n(type(_o).__name__, _o.param_groups[0]['lr'])"
+    run(shell, f"%%distrain --model onet --data train_ds --optimizer adam --lr 0.003 --progress none\n{BODY}")
+    assert dist_session.run(query)[0] == "('Adam', 0.003)"
+    run(shell, f"%%distrain --model onet --data train_ds --progress none\n{BODY}")
+    assert dist_session.run(query)[0] == "('Adam', 0.003)"  # no --optimizer/--lr: continue as is
+    capsys.readouterr()
+    run(shell, f"%%distrain --model onet --data train_ds --lr 0.001 --progress none\n{BODY}")
+    assert dist_session.run(query)[0] == "('Adam', 0.001)" and "lr set to 0.001" in capsys.readouterr().out
+    run(shell, "def make_opt(params):\n    return torch.optim.SGD(params, lr=0.05, momentum=0.9)")
+    run(shell, f"%%distrain --model onet --data train_ds --optimizer make_opt --lr 0.3 --progress none\n{BODY}")
+    assert dist_session.run(query)[0] == "('SGD', 0.3)"
+    assert "new make_opt optimizer (was adam)" in capsys.readouterr().out
+
+
+def test_non_finite_loss_stops_before_the_update(shell):
+    run(shell, TRAIN_SETUP.replace("mnet", "nnet"))
+    before = [p.detach().clone() for p in shell.user_ns["nnet"].parameters()]
+    res = run(shell, "%%distrain --model nnet --data train_ds --progress none\nx, y = batch\n"
+                     "loss = F.cross_entropy(model(x), y) * (float('nan') if ctx.step == 1 else 1.0)")
+    err = res.error_in_exec
+    assert isinstance(err, RankError) and "FloatingPointError" in str(err) and "--nan ignore" in str(err)
+    assert "step 1" in str(err)
+    after = list(shell.user_ns["nnet"].parameters())
+    assert all(torch.isfinite(p).all() for p in after)
+    assert not all(torch.equal(a, b) for a, b in zip(before, after))  # step 0 was kept
+
+
+def test_loop_body_that_runs_no_step_is_an_error(shell):
+    run(shell, TRAIN_SETUP.replace("mnet", "lnet2"))
+    res = run(shell, "%%distrain --model lnet2 --data train_ds --loop --progress none\npass")
+    assert isinstance(res.error_in_exec, RankError) and "ran no step" in str(res.error_in_exec)
+
+
+def test_unused_parameters_need_the_option(shell):
+    run(shell, TRAIN_SETUP.replace("mnet", "unet") + "unet.extra = nn.Linear(3, 3)\n")
+    res = run(shell, f"%%distrain --model unet --data train_ds --progress none\n{BODY}")
+    assert isinstance(res.error_in_exec, RankError)
+    run(shell, TRAIN_SETUP.replace("mnet", "unet") + "unet.extra = nn.Linear(3, 3)\n")
+    ok = run(shell, f"%%distrain --model unet --data train_ds --find-unused-parameters --progress none\n{BODY}")
+    assert ok.error_in_exec is None, ok.error_in_exec
+
+
+def test_pull_of_a_notebook_class_instance(shell):
+    run(shell, TRAIN_SETUP.replace("mnet", "pnet"))
+    run(shell, f"%%distrain --model pnet --data train_ds --progress none\n{BODY}")
+    pulled = run(shell, "%dist pull pnet --rank 0").result
+    assert type(pulled).__name__ == "Net"
+    assert all(torch.equal(a, b) for a, b in zip(pulled.parameters(), shell.user_ns["pnet"].parameters()))
