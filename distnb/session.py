@@ -86,9 +86,13 @@ def start(n=None, backend=None, timeout=60.0, ns=None, quiet=False) -> "Session"
     _CURRENT = Session(cluster, ns=ns)
     atexit.register(_stop_at_exit)
     if not quiet:
-        print(f"distnb: {spec.num_engines} ranks ready ({spec.backend}, {spec.device_type}, "
+        print(f"distnb: {_count(spec.num_engines, 'rank')} ready ({spec.backend}, {spec.device_type}, "
               f"{spec.num_threads} threads/rank) in {cluster.start_seconds:.1f} s")
     return _CURRENT
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
 def _stop_at_exit():
@@ -161,8 +165,8 @@ class TrainResult(Table):
         self.overhead_seconds = wall_seconds - self.train_seconds
         self.samples_per_s = sum(r["samples_per_s"] for r in rows)
         self.final_loss = self.epoch_losses[-1] if self.epoch_losses else math.nan
-        how = "reached --target-loss" if self.stopped_early else f"{len(self.epochs)} epochs"
-        self.title = (f"{plan.strategy} · {len(rows)} ranks · {how} · final mean loss {self.final_loss:.4f} · "
+        how = "reached --target-loss" if self.stopped_early else _count(len(self.epochs), "epoch")
+        self.title = (f"{plan.strategy} · {_count(len(rows), 'rank')} · {how} · final mean loss {self.final_loss:.4f} · "
                       f"{self.samples_per_s:.0f} samples/s · {self.wall_seconds:.2f} s")
 
 
@@ -232,6 +236,10 @@ class Session:
     def stop(self, quiet=False) -> None:
         """Stop every process this session started (engines, controller)."""
         global _CURRENT
+        if not self.running:
+            if not quiet:
+                print("distnb: the cluster is already stopped")
+            return
         pids = self.cluster.pids
         self.cluster.stop()
         self._models.clear()
@@ -240,7 +248,7 @@ class Session:
         if _CURRENT is self:
             _CURRENT = None
         if not quiet:
-            print(f"distnb: stopped {len(pids['engines'])} engines and the controller")
+            print(f"distnb: stopped {_count(len(pids['engines']), 'engine')} and the controller")
 
     def restart(self, quiet=False) -> "Session":
         """Stop and start again with the same spec; returns the new session."""
@@ -377,6 +385,12 @@ class Session:
             is re-formed first, so the next cell works.
         """
         self._check_running()
+        if not isinstance(code, str):
+            raise PlanError(f"code must be a string of Python source, got {type(code).__name__}")
+        try:
+            compile(code, "<%%dist>", "exec")
+        except SyntaxError as exc:
+            raise PlanError(f"the cell is not valid Python: {exc}") from None
         ars = self.cluster.apply_all("distnb.engine.runtime", "run_cell", True, code)
         show = range(self.world_size) if all_output else (0,)
         values = self._watch(ars, "%%dist cell", show_ranks=tuple(show))
@@ -386,7 +400,7 @@ class Session:
                 print(f"{prefix}{values[rank]}")
         return values
 
-    def push(self, *names, **values) -> None:
+    def push(self, *names, auto=False, **values) -> None:
         """Send notebook objects to every rank by value (classes and functions included).
 
         ``push("MLP", "net")`` sends the kernel's ``MLP`` and ``net``; ``push(x=obj)``
@@ -401,7 +415,13 @@ class Session:
             raise PlanError("push needs at least one name, e.g. %dist push MLP")
         ars = []
         for name, value in items.items():
-            payload, descs, buffers = pack(value)
+            try:
+                payload, descs, buffers = pack(value)
+            except Exception as exc:
+                why = " (sent because the training cell reads it)" if auto else ""
+                raise PlanError(f"cannot send {name!r} ({type(value).__name__}) to the ranks{why}: "
+                                f"{type(exc).__name__}: {exc}. Create it on the ranks in a %%dist cell "
+                                "instead") from None
             ars += self.cluster.apply_all("distnb.engine.wire", "bind", True, name, payload, descs, *buffers)
         self.cluster.wait_all(ars, timeout=self.cluster.spec.timeout, what="push")
 
@@ -438,6 +458,8 @@ class Session:
         from .transfer import columns_of, fingerprint
 
         self._check_running()
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise PlanError(f"--seed must be a non-negative integer, got {seed!r}")
         obj = self._lookup(name, "data") if data is None else data
         structure, columns, n = columns_of(obj, name)
         if n < self.world_size:
@@ -601,7 +623,7 @@ class Session:
             if self._pushed.get(name) != fp:
                 todo[name] = (value, fp)
         if todo:
-            self.push(**{k: v for k, (v, _) in todo.items()})
+            self.push(auto=True, **{k: v for k, (v, _) in todo.items()})
             self._pushed.update({k: fp for k, (_, fp) in todo.items()})
 
     def _named(self, value, what):
@@ -638,6 +660,10 @@ class Session:
             self.scatter(plan.data, data_obj, seed=plan.seed, quiet=True)
             info = self._data[plan.data]
             quiet = False
+        layout = (plan.batch_size, plan.drop_last)
+        if info.get("layout") != layout:  # say how batches are cut whenever that changes
+            info["layout"] = layout
+            quiet = False
         if quiet:
             return
         n, w = info["num_samples"], self.world_size
@@ -650,7 +676,8 @@ class Session:
             how = f"pad: ranks with {min(lens)} samples repeat {per - min(lens)} so all visit {per}"
         else:
             how = f"every rank visits {per} samples"
-        print(f"distnb: {plan.data}: {n} samples in {w} shards; {how}; {steps} steps/epoch of "
+        print(f"distnb: {plan.data}: {_count(n, 'sample')} in {_count(w, 'shard')}; {how}; "
+              f"{_count(steps, 'step')}/epoch of "
               f"{plan.batch_size} per rank")
 
     def _weights_back(self, name, model_obj, best_effort=False, packed=None) -> None:

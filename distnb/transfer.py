@@ -47,7 +47,11 @@ def columns_of(data, name="data"):
         if isinstance(x, torch.Tensor):
             return x
         if isinstance(x, np.ndarray):
-            return torch.from_numpy(np.ascontiguousarray(x))
+            try:
+                return torch.from_numpy(np.ascontiguousarray(x))
+            except TypeError:
+                raise PlanError(f"{where} is a numpy array of dtype {x.dtype}, which torch cannot hold; "
+                                "convert it to numbers first (e.g. label-encode strings)") from None
         raise PlanError(f"{where} is a {type(x).__name__}; --data takes tensors or numpy arrays "
                         "(a tensor, a tuple of them, a dict of them, or a torch Dataset)")
 
@@ -90,27 +94,57 @@ def columns_of(data, name="data"):
     return structure, columns, num_samples
 
 
-def fingerprint(obj):
-    """A cheap identity of ``obj``'s current state: object id plus each tensor's version counter.
+_MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules", "training"})
+_PLAIN = (int, float, str, bool, bytes, type(None))
 
-    In-place changes through autograd-visible ops (``load_state_dict``, ``copy_``,
-    ``optimizer.step``) bump a tensor's ``_version``; writes through ``.data`` do not, so
-    use ``--reset`` after those.
+
+def _module_settings(module):
+    """Type and plain attributes (numbers, strings, tuples of them) of every submodule."""
+    out = []
+    for name, m in module.named_modules():
+        attrs = tuple(sorted((k, v) for k, v in vars(m).items()
+                             if k not in _MODULE_INTERNALS and not k.startswith("_")
+                             and (isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(isinstance(x, _PLAIN) for x in v)))))
+        out.append((name, id(type(m)), attrs))
+    return hash(tuple(out))
+
+
+def _leaf(x):
+    import numpy as np
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return (id(x), x._version)
+    if isinstance(x, np.ndarray):  # no version counter: checksum the bytes (about 1 GB/s)
+        import zlib
+
+        return (id(x), zlib.crc32(memoryview(np.ascontiguousarray(x)).cast("B")))
+    return (id(x),)
+
+
+def fingerprint(obj):
+    """A cheap identity of ``obj``'s current state, to decide whether the ranks hold it already.
+
+    A model: object id, each submodule's type and plain attributes (``net.scale = 0.5``
+    counts), and each tensor's version counter. Data: object id, length, and per column
+    the tensor's version counter or a numpy array's checksum. In-place changes through
+    autograd-visible ops (``load_state_dict``, ``copy_``, ``*=``) bump ``_version``; writes
+    through ``.data`` do not, so use ``--reset`` after those.
     """
     import torch
 
     if isinstance(obj, torch.nn.Module):
-        tensors = list(obj.state_dict(keep_vars=True).values())
+        leaves = [_leaf(t) for t in obj.state_dict(keep_vars=True).values()] + [_module_settings(obj)]
     elif isinstance(obj, torch.utils.data.TensorDataset):
-        tensors = list(obj.tensors)
+        leaves = [_leaf(t) for t in obj.tensors]
     elif isinstance(obj, (tuple, list)):
-        tensors = [x for x in obj if isinstance(x, torch.Tensor)]
-    elif isinstance(obj, torch.Tensor):
-        tensors = [obj]
+        leaves = [_leaf(x) for x in obj]
+    elif isinstance(obj, dict):
+        leaves = [(k, _leaf(v)) for k, v in obj.items()]
     else:
-        tensors = []
+        leaves = [_leaf(obj)]
     length = len(obj) if hasattr(obj, "__len__") else None
-    return (id(obj), type(obj), length, tuple((id(t), t._version) for t in tensors))
+    return (id(obj), type(obj), length, tuple(leaves))
 
 
 def load_state_into(model, keys, descs, sizes, flat) -> None:

@@ -36,7 +36,10 @@ class Shard:
         return len(self.columns[0])
 
     def batch(self, idx, device):
-        cols = [c[idx].to(device, non_blocking=True) for c in self.columns]
+        if device.type == "cpu":
+            cols = [c[idx] for c in self.columns]
+        else:
+            cols = [c[idx].to(device, non_blocking=True) for c in self.columns]
         kind = self.structure[0]
         if kind == "tensor":
             return cols[0]
@@ -172,7 +175,7 @@ class Context:
         self.epoch_losses = []
         self.local_losses = []
         self.stopped_early = False
-        self._loss_sum = None
+        self._losses = []
         self._loss_count = 0
         self._batch_samples = 0
         self._forwards_seen = run.forwards
@@ -190,7 +193,7 @@ class Context:
         first = self._run.epoch
         for epoch in range(first, first + self.plan.epochs):
             self.epoch = self._reporter.epoch = epoch
-            self._loss_sum, self._loss_count = None, 0
+            self._losses, self._loss_count = [], 0
             yield epoch
             mean = self._epoch_mean()
             self.epoch_losses.append(mean)
@@ -200,8 +203,10 @@ class Context:
                 self.stopped_early = True
                 break
 
-    def report(self, loss, num_samples=None):
+    def report(self, loss, num_samples=None, value=None):
         """Record one finished step (loss: scalar tensor; num_samples: default the last batch size).
+
+        ``value`` is ``float(loss)`` when the caller has it already.
 
         Raises if the step never called ``model`` (the strategy wrapper): calling the
         unwrapped module (e.g. by its notebook name) skips the gradient all-reduce and the
@@ -214,7 +219,8 @@ class Context:
                 "`net(x)`) skips the gradient all-reduce and the ranks diverge. Use `model(x)` in the body")
         self._forwards_seen = self._run.forwards
         detached = loss.detach()
-        self._loss_sum = detached.double() if self._loss_sum is None else self._loss_sum + detached
+        # a float when the step already read it (CPU); a tensor otherwise, summed per epoch (no GPU sync)
+        self._losses.append(detached if value is None else value)
         self._loss_count += 1
         self.step += 1
         self._run.steps += 1
@@ -223,7 +229,10 @@ class Context:
     def _epoch_mean(self):
         local = torch.zeros(2, dtype=torch.float64, device=self.device)
         if self._loss_count:
-            local[0] = self._loss_sum
+            floats = [v for v in self._losses if isinstance(v, float)]
+            tensors = [v for v in self._losses if not isinstance(v, float)]
+            total = math.fsum(floats) + (float(torch.stack(tensors).double().sum()) if tensors else 0.0)
+            local[0] = total
             local[1] = self._loss_count
         self.local_losses.append(float(local[0] / local[1]) if local[1] > 0 else math.nan)
         dist.all_reduce(local)
@@ -231,6 +240,16 @@ class Context:
 
 
 def _check_loss(loss, ctx):
+    """Validate the body's ``loss``; returns ``float(loss)`` on CPU (None on GPU: no sync per step)."""
+    if isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1:
+        if loss.device.type != "cpu":
+            return None
+        value = loss.item()
+        if ctx.plan.nan == "stop" and not math.isfinite(value):
+            raise FloatingPointError(f"the loss is {value} at rank {ctx.rank}, epoch {ctx.epoch}, step {ctx.step}; "
+                                     "training stopped before the update (lower --lr, check the data, or pass "
+                                     "--nan ignore)")
+        return value
     where = f"rank {ctx.rank}, epoch {ctx.epoch}, step {ctx.step}"
     if loss is None:
         raise ValueError(f"the %%distrain body left no `loss` ({where}); its last line should be "
@@ -238,11 +257,7 @@ def _check_loss(loss, ctx):
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ValueError(f"`loss` must be a scalar tensor, got {shape} ({where}); reduce it, e.g. `.mean()`")
-    if not loss.requires_grad:
-        raise ValueError(f"`loss` does not require grad ({where}); compute it from `model(...)` outputs")
-    if ctx.plan.nan == "stop" and not bool(torch.isfinite(loss.detach())):
-        raise FloatingPointError(f"the loss is {float(loss)} at {where}; training stopped before the update "
-                                 "(lower --lr, check the data, or pass --nan ignore)")
+    raise ValueError(f"`loss` does not require grad ({where}); compute it from `model(...)` outputs")
 
 
 def _steps(ns, code, ctx):
@@ -254,10 +269,10 @@ def _steps(ns, code, ctx):
             ns.pop("loss", None)
             exec(code, ns)
             loss = ns.get("loss")
-            _check_loss(loss, ctx)
+            value = _check_loss(loss, ctx)
             loss.backward()
             optimizer.step()
-            ctx.report(loss)
+            ctx.report(loss, value=value)
 
 
 def train(ns, plan_dict, code_text):

@@ -94,3 +94,22 @@ def test_numpy_columns_are_not_copied():
     a = np.arange(12, dtype=np.float32).reshape(6, 2)
     _, cols, _ = columns_of(a)
     assert cols[0].data_ptr() == a.ctypes.data
+
+
+def test_fingerprint_sees_numpy_dict_and_attribute_changes():
+    a = np.ones((4, 2), dtype=np.float32)
+    fp = fingerprint((a,))
+    a *= 0
+    assert fingerprint((a,)) != fp
+    d = {"x": torch.ones(3)}
+    fp = fingerprint(d)
+    d["x"] = d["x"] * 0
+    assert fingerprint(d) != fp
+    m = nn.Sequential(nn.Linear(2, 2))
+    m.scale = 2.0
+    fp = fingerprint(m)
+    assert fingerprint(m) == fp
+    m.scale = 0.0
+    assert fingerprint(m) != fp
+    m[0].some_setting = "on"
+    assert fingerprint(m) != fp
