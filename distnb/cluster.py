@@ -194,12 +194,6 @@ class Cluster:
     def world_size(self) -> int:
         return len(self.engine_ids)
 
-    def engine_id(self, rank: int) -> int:
-        return self.engine_ids[rank]
-
-    def rank_of(self, engine_id: int) -> int:
-        return self.engine_ids.index(engine_id)
-
     def host_of(self, rank: int) -> str:
         return self.ranks[rank]["host"] if rank < len(self.ranks) else ""
 

@@ -21,7 +21,7 @@ import time
 from .cluster import Cluster, default_spec
 from .display import ProgressState, make_view, view_kind
 from .display.tables import Table
-from .errors import ClusterError, DistnbError, PlanError, RankError
+from .errors import ClusterError, PlanError, RankError
 from .plan import TrainPlan
 
 _CURRENT = None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import statistics
 
 STATUSES = ("waiting", "running", "done", "failed", "interrupted")
@@ -64,12 +63,3 @@ class ProgressState:
         """(step, mean loss over ranks) for steps every rank has reported."""
         common = set.intersection(*(set(c) for c in self.curves)) if self.curves else set()
         return [(s, statistics.fmean(c[s] for c in self.curves)) for s in sorted(common)]
-
-    def straggler(self):
-        """(rank, ratio to the median step time) of the slowest running rank, or None."""
-        times = [(r["step_time"], r["rank"]) for r in self.rows if r["step_time"]]
-        if len(times) < 2:
-            return None
-        med = statistics.median(t for t, _ in times)
-        worst, rank = max(times)
-        return (rank, worst / med) if med > 0 and not math.isnan(worst) else None

@@ -261,7 +261,7 @@ def _check_loss(loss, ctx):
 
 
 def _steps(ns, code, ctx):
-    model, optimizer = ctx.model, ctx.optimizer
+    optimizer = ctx.optimizer
     for _ in ctx.epochs():
         for batch in ctx.loader:
             optimizer.zero_grad(set_to_none=True)

@@ -52,7 +52,6 @@ def test_gpu_count_comes_from_the_environment_without_cuda(monkeypatch):
 
 
 def test_a_dead_engine_is_named_and_restart_recovers():
-    import os
     import signal
 
     from distnb.errors import ClusterError, RankError
