@@ -305,15 +305,8 @@ class Session:
             user_interrupt = True
             interrupted |= self._interrupt_ranks(ars)
             self._poll(ars, offsets, progress, state, view, show_ranks)
-        dead.update({r: d for r, d in self.cluster.dead_ranks().items()})
-        failures = [f for f in self.cluster.failures(ars, progress, collateral=interrupted) if f["rank"] not in dead]
-        for rank, how in sorted(dead.items()):
-            failures.insert(0, dict(rank=rank, engine_id=self.cluster.engine_ids[rank], host=self.cluster.host_of(rank),
-                                    ename="EngineDied", traceback="",
-                                    evalue=f"rank {rank}'s engine (pid {self.cluster.ranks[rank]['pid']}) {how}; "
-                                           "run %dist restart for a fresh world",
-                                    epoch=(progress.get(rank) or {}).get("epoch"),
-                                    step=(progress.get(rank) or {}).get("step")))
+        dead.update(self.cluster.dead_ranks())
+        failures = self._failures(ars, progress, interrupted, dead)
         if state is not None:
             for f in failures:
                 status = "interrupted" if f["rank"] in interrupted else "failed"
@@ -329,6 +322,17 @@ class Session:
         if failures:
             raise RankError(failures, context=what)
         return [ar.get(0) for ar in ars]
+
+    def _failures(self, ars, progress, interrupted, dead) -> list:
+        """RankError failure dicts: dead engines first, then raised exceptions, root cause first."""
+        failures = [f for f in self.cluster.failures(ars, progress, collateral=interrupted) if f["rank"] not in dead]
+        for rank, how in sorted(dead.items(), reverse=True):
+            where = progress.get(rank) or {}
+            failures.insert(0, dict(rank=rank, engine_id=self.cluster.engine_ids[rank], host=self.cluster.host_of(rank),
+                                    ename="EngineDied", traceback="", epoch=where.get("epoch"), step=where.get("step"),
+                                    evalue=f"rank {rank}'s engine (pid {self.cluster.ranks[rank]['pid']}) {how}; "
+                                           "run %dist restart for a fresh world"))
+        return failures
 
     def _poll(self, ars, offsets, progress, state, view, show_ranks):
         for rank, ar in enumerate(ars):
