@@ -136,7 +136,8 @@ def _optimizer(ns, run, plan):
             raise TypeError(f"--optimizer {name} returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
         if plan.lr is not None:
             _set_lr(optimizer, plan.lr)
-    note = f"new {name} optimizer" + (f" (was {run.optimizer_key})" if run.optimizer is not None else "")
+    # a first optimizer was announced with the model ("fresh ... optimizer"); say only replacements
+    note = f"new {name} optimizer (was {run.optimizer_key})" if run.optimizer is not None else ""
     run.optimizer, run.optimizer_key = optimizer, name
     return optimizer, note
 

@@ -1,0 +1,105 @@
+"""One short GPU check for a machine that has one (run by hand, not collected by pytest).
+
+    python tests/gpu/check_gpu.py            # on a GPU machine: nccl, one engine per GPU
+    python tests/gpu/check_gpu.py --cpu      # the same checks on CPU/gloo (to test this script)
+
+Checks, printing one line each and exiting non-zero on the first failure:
+1. counting GPUs did not initialise CUDA in this process;
+2. ``distnb.start()`` picks nccl and one engine per GPU, each engine seeing only its own GPU;
+3. a DDP training cell on digits matches a single-process reference on the global batch
+   (1e-4 on GPU: cuDNN/cuBLAS reductions differ slightly from the CPU);
+4. the weights back in this process equal rank 0's, and stop leaves no engine behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cpu", action="store_true", help="run the checks on CPU with gloo")
+    args = ap.parse_args()
+    os.environ.setdefault("IPYTHONDIR", tempfile.mkdtemp(prefix="distnb-gpu-check-"))
+    if args.cpu:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from sklearn.datasets import load_digits
+
+    import distnb
+    from distnb.cluster import visible_gpus
+    from distnb.engine import shard
+
+    def check(ok, what):
+        print(("ok   " if ok else "FAIL ") + what, flush=True)
+        if not ok:
+            raise SystemExit(1)
+
+    gpus = visible_gpus()
+    check(not torch.cuda.is_initialized(), f"counting {len(gpus)} GPUs left CUDA uninitialised in the kernel")
+    if not args.cpu and not gpus:
+        print("no GPU visible: run with --cpu to check the script itself")
+        return 2
+
+    X, y = load_digits(return_X_y=True)
+    data = torch.utils.data.TensorDataset(torch.tensor(X, dtype=torch.float32) / 16, torch.tensor(y))
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    ref = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    ref.load_state_dict(net.state_dict())
+    ns = {"net": net, "data": data, "F": F}
+
+    t0 = time.perf_counter()
+    s = distnb.start(ns=ns, n=None if gpus else 2)
+    try:
+        expect = ("nccl", "cuda", len(gpus)) if gpus else ("gloo", "cpu", 2)
+        spec = s.cluster.spec
+        check((spec.backend, spec.device_type, spec.num_engines) == expect,
+              f"started {spec.num_engines} engines, {spec.backend} on {spec.device_type}, "
+              f"in {time.perf_counter() - t0:.1f} s")
+        seen = s.run("import os, torch\n(os.environ.get('CUDA_VISIBLE_DEVICES'), torch.cuda.device_count())",
+                     all_output=True)
+        if gpus:
+            check(all(v == repr((gpus[r], 1)) for r, v in enumerate(seen)), f"each rank sees only its GPU: {seen}")
+        epochs, batch, lr = 2, 32, 0.05
+        r = s.train("x, y = batch\nloss = F.cross_entropy(model(x), y)", model="net", data="data", epochs=epochs,
+                    batch_size=batch, optimizer="sgd", lr=lr, progress="text")
+        world = s.world_size
+        parts = shard.assign(len(data), world, 0)
+        opt = torch.optim.SGD(ref.parameters(), lr=lr)
+        x_all, y_all = data.tensors
+        for epoch in range(epochs):
+            orders = [list(shard.batches(shard.epoch_order(len(data), world, k, 0, epoch, False), batch, False))
+                      for k in range(world)]
+            for step in range(len(orders[0])):
+                idx = torch.cat([parts[k][orders[k][step]] for k in range(world)])
+                opt.zero_grad()
+                F.cross_entropy(ref(x_all[idx]), y_all[idx]).backward()
+                opt.step()
+        diff = max((a - b).abs().max().item() for a, b in zip(net.parameters(), ref.parameters()))
+        tol = 1e-4 if gpus else 1e-5
+        check(diff < tol, f"{r.rows[0]['steps']} steps/rank match the single-process reference (max diff {diff:.2e})")
+        s.run("import torch\n_w = torch.cat([p.detach().float().cpu().flatten() for p in net.parameters()])")
+        w0 = s.pull("_w", rank=0)
+        check(torch.equal(w0, torch.cat([p.detach().flatten() for p in net.parameters()])),
+              "weights back in the kernel equal rank 0's")
+        pids = s.cluster.pids["engines"]
+    finally:
+        s.stop(quiet=True)
+    import psutil
+
+    time.sleep(1)
+    left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    check(not left, "stop left no engine behind")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
