@@ -43,7 +43,9 @@ POLL_SECONDS = 0.1
 FAILURE_GRACE = 5.0
 #: Seconds to wait for a finished rank's remaining output messages.
 OUTPUT_WAIT = 2.0
-#: Seconds to wait for ranks to stop after an interrupt (SIGINT) is sent.
+#: Seconds to wait for ranks to stop together at a step boundary after the first SIGINT.
+STOP_WAIT = 3.0
+#: Seconds to wait for ranks to stop after the second (hard) SIGINT.
 INTERRUPT_WAIT = 10.0
 
 
@@ -313,12 +315,15 @@ class Session:
                 state.set_status(status, ranks=[f["rank"]], error=f"{f['ename']}: {f['evalue']}"[:200])
         if view is not None:
             view.close()
-        if (failures or user_interrupt) and not dead:
+        clean = all(ar.ready() and ar.successful() for ar in ars)
+        if (failures or not clean) and not dead:
             self._recover()
         if user_interrupt:
-            where = ", ".join(f"rank {r}: epoch {m.get('epoch')}, step {m.get('step')}"
-                              for r, m in sorted(progress.items()))
-            raise KeyboardInterrupt(f"{what} interrupted" + (f" ({where})" if where else ""))
+            spots = {r: (ar.get(0).get("where") if clean and isinstance(ar.get(0), dict) else None)
+                     or progress.get(r) or {} for r, ar in enumerate(ars)}
+            where = ", ".join(f"rank {r}: epoch {m.get('epoch')}, step {m.get('step')}" for r, m in sorted(spots.items()))
+            how = "every rank stopped after the same step" if clean else "ranks stopped where they were"
+            raise KeyboardInterrupt(f"{what} interrupted: {how} ({where})")
         if failures:
             raise RankError(failures, context=what)
         return [ar.get(0) for ar in ars]
@@ -360,11 +365,18 @@ class Session:
         running = [r for r, ar in enumerate(ars) if not ar.ready()]
         if not running:
             return set()
+        # first SIGINT: a training cell stops every rank after the same step (engine.loop.StopRequest)
         self.cluster.signal(signal.SIGINT, running)
-        deadline = time.monotonic() + INTERRUPT_WAIT
+        deadline = time.monotonic() + STOP_WAIT
         for r in running:
             ars[r].wait(max(0.0, deadline - time.monotonic()))
-        return set(running)
+        stuck = [r for r in running if not ars[r].ready()]
+        if stuck:  # second SIGINT: KeyboardInterrupt wherever they are
+            self.cluster.signal(signal.SIGINT, stuck)
+            deadline = time.monotonic() + INTERRUPT_WAIT
+            for r in stuck:
+                ars[r].wait(max(0.0, deadline - time.monotonic()))
+        return {r for r in running if not (ars[r].ready() and ars[r].successful())}
 
     def _recover(self):
         """After a failure: re-form the process group so the next cell works."""

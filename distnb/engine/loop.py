@@ -8,7 +8,9 @@ data shard in ``SHARDS``.
 from __future__ import annotations
 
 import math
+import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -142,6 +144,43 @@ def _optimizer(ns, run, plan):
     return optimizer, note
 
 
+class _Stopped(BaseException):
+    """Every rank agreed to stop at this step boundary (an interrupt from the kernel)."""
+
+
+class StopRequest:
+    """SIGINT during a training cell, turned into a stop that every rank takes at the same step.
+
+    The first SIGINT only sets :attr:`requested`; ranks OR their flags with an all-reduce about
+    every :data:`STOP_CHECK_SECONDS` (at a step count all ranks agree on), so they all stop after
+    the same completed step, with identical parameters and a healthy process group. A second
+    SIGINT raises KeyboardInterrupt at once (for a body stuck between steps).
+    """
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def _handler(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        return False
+
+
+#: Seconds of training between two checks for a stop request (one tiny all-reduce each).
+STOP_CHECK_SECONDS = 0.1
+
+
 class Context:
     """What a ``%%distrain`` body sees as ``ctx``.
 
@@ -164,7 +203,7 @@ class Context:
         Batches of this rank's shard for the current epoch (used with ``--loop``).
     """
 
-    def __init__(self, plan, run, data, reporter):
+    def __init__(self, plan, run, data, reporter, stop=None):
         st = runtime.STATE
         self.rank, self.world_size, self.local_rank, self.device = st.rank, st.world_size, st.local_rank, st.device
         self.plan, self.model, self.module, self.optimizer = plan, run.wrapped, run.module, run.optimizer
@@ -180,6 +219,11 @@ class Context:
         self._loss_count = 0
         self._batch_samples = 0
         self._forwards_seen = run.forwards
+        self._stop = stop or StopRequest()
+        self._check_at = 1  # step count of the next stop check (the same on every rank)
+        self._check_t0 = time.perf_counter()
+        self._check_step0 = 0
+        self.interrupted = False
 
     @property
     def loader(self):
@@ -226,6 +270,22 @@ class Context:
         self.step += 1
         self._run.steps += 1
         self._reporter.record(detached, self._batch_samples if num_samples is None else num_samples)
+        if self.step >= self._check_at:
+            self._agree_on_stop()
+
+    def _agree_on_stop(self):
+        """All-reduce (max) of the stop flag and the step time; every rank gets the same answer."""
+        now = time.perf_counter()
+        per_step = (now - self._check_t0) / max(1, self.step - self._check_step0)
+        flags = torch.tensor([1.0 if self._stop.requested else 0.0, per_step], dtype=torch.float64,
+                             device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stop, slowest = flags.tolist()
+        if stop:
+            self.interrupted = True
+            raise _Stopped()
+        self._check_at = self.step + max(1, min(10_000, math.ceil(STOP_CHECK_SECONDS / max(slowest, 1e-6))))
+        self._check_t0, self._check_step0 = time.perf_counter(), self.step
 
     def _epoch_mean(self):
         local = torch.zeros(2, dtype=torch.float64, device=self.device)
@@ -276,6 +336,16 @@ def _steps(ns, code, ctx):
             ctx.report(loss, value=value)
 
 
+def _run_body(ns, code, ctx, plan):
+    if plan.loop:
+        exec(code, ns)
+        if ctx.step == 0:
+            raise ValueError("the --loop body ran no step: drive it with `for epoch in ctx.epochs():` / "
+                             "`for batch in ctx.loader:` and call `ctx.report(loss)` after each step")
+    else:
+        _steps(ns, code, ctx)
+
+
 def train(ns, plan_dict, code_text):
     """Run one ``%%distrain`` cell on this rank; returns this rank's figures (dict)."""
     plan = TrainPlan.from_dict(plan_dict)
@@ -290,6 +360,7 @@ def train(ns, plan_dict, code_text):
     steps = sharding.steps_per_epoch(data.num_samples, st.world_size, plan.batch_size, plan.drop_last)
     reporter = Reporter(st.rank, steps * plan.epochs, plan.epochs, interval=plan.report_interval)
     code = runtime.compile_cell(code_text, "distrain")
+    stop = StopRequest().__enter__()
     try:
         key = (plan.strategy, plan.find_unused_parameters)
         if run.wrapped is None or run.generation != st.generation or run.strategy != key:
@@ -297,18 +368,15 @@ def train(ns, plan_dict, code_text):
             run.wrapped.register_forward_pre_hook(run.count_forward)
             run.generation, run.strategy = st.generation, key
         _, note = _optimizer(ns, run, plan)
-        ctx = Context(plan, run, data, reporter)
+        ctx = Context(plan, run, data, reporter, stop=stop)
         ns.update(model=run.wrapped, optimizer=run.optimizer, ctx=ctx)
         run.wrapped.train()
         reporter.set_status("running")
         t0 = time.perf_counter()
-        if plan.loop:
-            exec(code, ns)
-            if ctx.step == 0:
-                raise ValueError("the --loop body ran no step: drive it with `for epoch in ctx.epochs():` / "
-                                 "`for batch in ctx.loader:` and call `ctx.report(loss)` after each step")
-        else:
-            _steps(ns, code, ctx)
+        try:
+            _run_body(ns, code, ctx, plan)
+        except _Stopped:
+            pass
         seconds = time.perf_counter() - t0
     except BaseException as exc:
         status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
@@ -318,12 +386,14 @@ def train(ns, plan_dict, code_text):
         runtime.mark_broken(ns)
         raise
     finally:
+        stop.__exit__()
         sys.stdout.flush()
-    reporter.set_status("done")
+    reporter.set_status("interrupted" if ctx.interrupted else "done")
     last = ctx.local_losses[-1] if ctx.local_losses else math.nan
     return dict(rank=st.rank, steps=ctx.step, samples=reporter.samples, seconds=seconds,
                 samples_per_s=reporter.samples / seconds if seconds > 0 else 0.0,
                 final_loss=last, epoch_losses=list(ctx.epoch_losses),
                 first_epoch=run.epoch - len(ctx.epoch_losses), next_epoch=run.epoch,
-                stopped_early=ctx.stopped_early, steps_per_epoch=steps, note=note,
+                stopped_early=ctx.stopped_early, steps_per_epoch=steps, note=note, interrupted=ctx.interrupted,
+                where=dict(epoch=ctx.epoch, step=ctx.step),
                 state=pull_state(plan.model) if st.rank == 0 else None)
