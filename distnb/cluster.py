@@ -156,7 +156,7 @@ class Cluster:
     def reform(self) -> None:
         """Form a fresh process group (new port) on every rank, after a failure."""
         self.master_port = free_port(self.spec.master_addr)
-        ars = [self.apply(r, "distnb.engine.runtime", "reform", False, self.spec.master_addr, self.master_port)
+        ars = [self.apply(r, "distnb.engine.runtime", "reform", True, self.spec.master_addr, self.master_port)
                for r in range(self.world_size)]
         self.wait_all(ars, timeout=self.spec.timeout + 30, what="re-forming the process group")
 

@@ -12,7 +12,6 @@ import signal
 import sys
 import threading
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -381,7 +380,7 @@ def train(ns, plan_dict, code_text):
     except BaseException as exc:
         status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
         reporter.set_status(status, error=f"{type(exc).__name__}: {exc}"[:300], failed_at=time.time())
-        traceback.clear_frames(exc.__traceback__)  # frames must not keep the DDP wrapper alive
+        runtime.clear_exception_frames(exc)  # frames must not keep the DDP wrapper alive
         ctx = None
         runtime.mark_broken(ns)
         raise

@@ -121,10 +121,29 @@ def info(**extra) -> dict:
     return out
 
 
-def reform(master_addr: str, master_port: int) -> dict:
-    """Destroy the current process group (if any) and form a new one on ``master_port``."""
+def reform(ns: dict, master_addr: str, master_port: int) -> dict:
+    """Form a new process group on ``master_port`` after a failure.
+
+    What still references the old group (strategy wrappers, the last traceback the engine
+    kept, with its frames) is dropped first: a DDP wrapper left alive keeps its gradient
+    hooks on the parameters, and the next wrapper over the same parameters would fail.
+    """
+    mark_broken(ns)
     _init_group(master_addr, master_port)
     return info()
+
+
+def clear_exception_frames(exc: BaseException) -> None:
+    """Clear the locals of every finished frame in ``exc``'s traceback and its chained exceptions.
+
+    A traceback keeps its frames' locals alive (a DDP wrapper, the batch, the graph); the
+    process group can only close once nothing references it.
+    """
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
 
 
 def mark_broken(ns: dict | None = None) -> None:
@@ -199,7 +218,7 @@ def run_cell(ns: dict, code: str):
             return None if value is None else repr(value)
         return None
     except BaseException as exc:
-        traceback.clear_frames(exc.__traceback__)
+        clear_exception_frames(exc)
         mark_broken(ns)
         raise
     finally:
