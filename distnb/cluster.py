@@ -141,7 +141,7 @@ class Cluster:
                                   self.master_port, spec.timeout))
         infos = self.wait_all(ars, timeout=spec.timeout + 60, what="forming the process group")
         self.ranks = [dict(info, engine_id=eid) for info, eid in zip(infos, self.engine_ids)]
-        self.warm_up = self.apply_all("distnb.engine.runtime", "warm_up", False)  # not awaited
+        self.apply_all("distnb.engine.runtime", "warm_up", False)  # queued, not awaited
         self._start_reaper()
 
     def _start_reaper(self):

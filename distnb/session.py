@@ -422,7 +422,7 @@ class Session:
         ``push("MLP", "net")`` sends the kernel's ``MLP`` and ``net``; ``push(x=obj)``
         binds ``obj`` to ``x`` on the ranks. Tensors travel as zero-copy buffers.
         """
-        from .transfer import pack
+        from .engine.wire import pack
 
         self._check_running()
         items = {name: self._lookup(name) for name in names}
@@ -652,7 +652,8 @@ class Session:
         return name, value
 
     def _ensure_model(self, plan, model_obj, quiet) -> bool:
-        from .transfer import fingerprint, pack
+        from .engine.wire import pack
+        from .transfer import fingerprint
 
         fp = fingerprint(model_obj)
         if not plan.reset and self._models.get(plan.model) == fp:

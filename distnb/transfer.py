@@ -1,6 +1,7 @@
-"""Kernel-side transfer: notebook objects by value, data as shards, weights back.
+"""Kernel-side transfer: data as columns for shards, change detection, weights back.
 
-Objects are pickled with cloudpickle, so classes and functions defined in the
+Objects themselves are packed by :func:`distnb.engine.wire.pack` (shared with the ranks,
+which use it for ``%dist pull``): cloudpickle, so classes and functions defined in the
 notebook (``__main__``) travel by value and the engines need no import of them
 (FIELD-NOTES pitfall 4). Tensors inside an object are cut out of the pickle and sent
 as separate zero-copy buffers (:mod:`distnb.engine.wire`), so a model's weights are
@@ -10,13 +11,6 @@ neither pickled nor copied whole in the kernel.
 from __future__ import annotations
 
 from .errors import PlanError
-
-
-def pack(obj):
-    """Pack ``obj`` for the ranks; see :func:`distnb.engine.wire.pack`."""
-    from .engine.wire import pack as _pack
-
-    return _pack(obj)
 
 
 def columns_of(data, name="data"):

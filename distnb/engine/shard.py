@@ -92,3 +92,16 @@ def batches(order: torch.Tensor, batch_size: int, drop_last: bool):
     stop = (n // batch_size) * batch_size if drop_last else n
     for start in range(0, stop, batch_size):
         yield order[start:start + batch_size]
+
+
+def global_batches(num_samples: int, world_size: int, seed: int, epoch: int, batch_size: int, drop_last: bool):
+    """Yield, per step of ``epoch``, the data-set indices all ranks together train on.
+
+    The union of the ranks' batches, rank 0's first: what a single process must train on to
+    match ``world_size`` DDP ranks with per-rank ``batch_size`` (the reference for parity).
+    """
+    parts = assign(num_samples, world_size, seed)
+    per_rank = [list(batches(epoch_order(num_samples, world_size, r, seed, epoch, drop_last), batch_size, drop_last))
+                for r in range(world_size)]
+    for step in range(len(per_rank[0])):
+        yield torch.cat([parts[r][per_rank[r][step]] for r in range(world_size)])

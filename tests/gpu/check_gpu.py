@@ -71,15 +71,10 @@ def main() -> int:
         epochs, batch, lr = 2, 32, 0.05
         r = s.train("x, y = batch\nloss = F.cross_entropy(model(x), y)", model="net", data="data", epochs=epochs,
                     batch_size=batch, optimizer="sgd", lr=lr, progress="text")
-        world = s.world_size
-        parts = shard.assign(len(data), world, 0)
         opt = torch.optim.SGD(ref.parameters(), lr=lr)
         x_all, y_all = data.tensors
         for epoch in range(epochs):
-            orders = [list(shard.batches(shard.epoch_order(len(data), world, k, 0, epoch, False), batch, False))
-                      for k in range(world)]
-            for step in range(len(orders[0])):
-                idx = torch.cat([parts[k][orders[k][step]] for k in range(world)])
+            for idx in shard.global_batches(len(data), s.world_size, 0, epoch, batch, False):
                 opt.zero_grad()
                 F.cross_entropy(ref(x_all[idx]), y_all[idx]).backward()
                 opt.step()

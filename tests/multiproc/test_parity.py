@@ -25,14 +25,9 @@ def make_model(seed=1):
 def reference(model, data, world_size, batch_size, epochs, seed, opt_cls, lr, first_epoch=0, opt=None):
     """Single process: each step's global batch is the union of the ranks' batches."""
     x, y = data.tensors
-    n = len(x)
-    parts = shard.assign(n, world_size, seed)
     opt = opt or opt_cls(model.parameters(), lr=lr)
     for epoch in range(first_epoch, first_epoch + epochs):
-        per_rank = [list(shard.batches(shard.epoch_order(n, world_size, r, seed, epoch, False), batch_size, False))
-                    for r in range(world_size)]
-        for step in range(len(per_rank[0])):
-            idx = torch.cat([parts[r][per_rank[r][step]] for r in range(world_size)])
+        for idx in shard.global_batches(len(x), world_size, seed, epoch, batch_size, False):
             opt.zero_grad()
             F.cross_entropy(model(x[idx]), y[idx]).backward()
             opt.step()

@@ -53,3 +53,11 @@ def test_order_reshuffles_per_epoch_and_repeats_per_seed():
 def test_check_sizes(n, w, b, drop, msg):
     with pytest.raises(ValueError, match=msg):
         shard.check_sizes(n, w, b, drop)
+
+
+def test_global_batches_are_the_union_of_the_ranks_batches():
+    n, w, b = 203, 2, 16
+    steps = list(shard.global_batches(n, w, seed=4, epoch=1, batch_size=b, drop_last=False))
+    assert len(steps) == shard.steps_per_epoch(n, w, b, False)
+    assert all(len(idx) == 2 * b for idx in steps[:-1])
+    assert set(torch.cat(steps).tolist()) == set(range(n))  # padded epoch still covers the data

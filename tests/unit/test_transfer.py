@@ -5,7 +5,8 @@ import torch.nn as nn
 
 from distnb.engine import wire
 from distnb.errors import PlanError
-from distnb.transfer import columns_of, fingerprint, free_names, pack
+from distnb.engine.wire import pack
+from distnb.transfer import columns_of, fingerprint, free_names
 
 
 class Tied(nn.Module):
