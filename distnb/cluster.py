@@ -286,7 +286,9 @@ class Cluster:
             except Exception as exc:  # engine died, aborted, ...
                 out.append(dict(rank=rank, engine_id=self.engine_ids[rank], host=self.host_of(rank),
                                 ename=type(exc).__name__, evalue=str(exc), traceback=""))
-        out.sort(key=lambda f: (f["rank"] in collateral or _collateral(f), f.get("failed_at") or float("inf"),
+        for f in out:
+            f["collateral"] = bool(f["rank"] in collateral or _collateral(f))
+        out.sort(key=lambda f: (f["collateral"], f.get("failed_at") or float("inf"),
                                 f["rank"]))
         return out
 

@@ -8,6 +8,17 @@ import re
 class DistnbError(Exception):
     """Base class of every error distnb raises on purpose."""
 
+    def _render_traceback_(self):
+        # IPython shows this instead of distnb's own frames: the message says what to do.
+        return [f"{type(self).__name__}: {self}"]
+
+
+class Interrupted(KeyboardInterrupt):
+    """A cell stopped by the interrupt button; the message says where each rank stopped."""
+
+    def _render_traceback_(self):
+        return [f"KeyboardInterrupt: {self}"]
+
 
 class PlanError(DistnbError, ValueError):
     """An option or plan is invalid; raised before anything starts on the ranks.
@@ -86,7 +97,8 @@ class RankError(DistnbError, RuntimeError):
         # IPython calls this instead of printing the kernel-side traceback.
         lines = [f"RankError: {self._summary()}"]
         shown = set()
-        for f in self.failures:
+        root_causes = [f for f in self.failures if not f.get("collateral")] or self.failures[:1]
+        for f in root_causes:  # ranks stopped as a consequence are named in the summary only
             key = _key(f)
             if key in shown:
                 continue

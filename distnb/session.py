@@ -21,7 +21,7 @@ import time
 from .cluster import Cluster, default_spec
 from .display import ProgressState, make_view, view_kind
 from .display.tables import Table
-from .errors import ClusterError, PlanError, RankError
+from .errors import ClusterError, Interrupted, PlanError, RankError
 from .plan import TrainPlan
 
 _CURRENT = None
@@ -321,9 +321,10 @@ class Session:
         if user_interrupt:
             spots = {r: (ar.get(0).get("where") if clean and isinstance(ar.get(0), dict) else None)
                      or progress.get(r) or {} for r, ar in enumerate(ars)}
-            where = ", ".join(f"rank {r}: epoch {m.get('epoch')}, step {m.get('step')}" for r, m in sorted(spots.items()))
+            where = ", ".join(f"rank {r}: epoch {m.get('epoch')}, step {m.get('step')}"
+                              for r, m in sorted(spots.items()) if m.get("epoch") is not None)
             how = "every rank stopped after the same step" if clean else "ranks stopped where they were"
-            raise KeyboardInterrupt(f"{what} interrupted: {how} ({where})")
+            raise Interrupted(f"{what} interrupted: {how}" + (f" ({where})" if where else ""))
         if failures:
             raise RankError(failures, context=what)
         return [ar.get(0) for ar in ars]
@@ -582,7 +583,10 @@ class Session:
         if not isinstance(model_obj, torch.nn.Module):
             raise PlanError(f"--model {model_name} is a {type(model_obj).__name__}, not a torch.nn.Module")
         if not plan.builtin_optimizer:
-            factory = self._lookup(plan.optimizer, "--optimizer")
+            if plan.optimizer not in self.ns:
+                raise PlanError(f"--optimizer {plan.optimizer!r} is neither sgd, adam, adamw nor a name defined in "
+                                "the notebook (a function params -> torch.optim.Optimizer)")
+            factory = self.ns[plan.optimizer]
             if not callable(factory):
                 raise PlanError(f"--optimizer {plan.optimizer} must be callable: f(params) -> Optimizer")
             self.push(plan.optimizer)

@@ -378,6 +378,9 @@ def train(ns, plan_dict, code_text):
             pass
         seconds = time.perf_counter() - t0
     except BaseException as exc:
+        if "find_unused_parameters=True" in str(exc) and not plan.find_unused_parameters and exc.args:
+            exc.args = (f"{exc.args[0]}\n[distnb] some parameters got no gradient: run the cell with "
+                        "--find-unused-parameters",) + exc.args[1:]
         status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
         reporter.set_status(status, error=f"{type(exc).__name__}: {exc}"[:300], failed_at=time.time())
         runtime.clear_exception_frames(exc)  # frames must not keep the DDP wrapper alive

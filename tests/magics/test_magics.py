@@ -167,6 +167,9 @@ def test_training_error_names_rank_and_step_then_next_cell_works(shell):
     err = res.error_in_exec
     assert isinstance(err, RankError) and err.rank == 1 and "broken batch" in str(err)
     assert "step 2" in str(err)
+    rendered = err._render_traceback_()
+    assert sum(line.startswith("--- traceback from") for line in rendered) == 1  # rank 0 only stopped
+    assert "Connection closed" not in "\n".join(rendered)
     ok = run(shell, f"%%distrain --model enet --data train_ds --epochs 1 --batch-size 32 --progress none\n{BODY}")
     assert ok.error_in_exec is None, ok.error_in_exec
 
@@ -283,7 +286,7 @@ def test_loop_body_that_runs_no_step_is_an_error(shell):
 def test_unused_parameters_need_the_option(shell):
     run(shell, TRAIN_SETUP.replace("mnet", "unet") + "unet.extra = nn.Linear(3, 3)\n")
     res = run(shell, f"%%distrain --model unet --data train_ds --progress none\n{BODY}")
-    assert isinstance(res.error_in_exec, RankError)
+    assert isinstance(res.error_in_exec, RankError) and "--find-unused-parameters" in str(res.error_in_exec)
     run(shell, TRAIN_SETUP.replace("mnet", "unet") + "unet.extra = nn.Linear(3, 3)\n")
     ok = run(shell, f"%%distrain --model unet --data train_ds --find-unused-parameters --progress none\n{BODY}")
     assert ok.error_in_exec is None, ok.error_in_exec
