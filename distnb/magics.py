@@ -115,7 +115,23 @@ def _dist_doc():
 @argument("--lr", type=float, default=None,
           help="learning rate; default: keep the live one (a new optimizer: 0.01 sgd, 1e-3 adam/adamw)")
 @argument("--seed", type=int, default=0, help="seed of shards and per-epoch shuffles (default 0)")
-@argument("--strategy", default="ddp", help="ddp (default); fsdp, pipeline, tensor, ps come later")
+@argument("--strategy", default="ddp",
+          help="ddp (DistributedDataParallel, default), fsdp (FSDP2 fully_shard), pipeline "
+               "(torch.distributed.pipelining), tensor (DTensor tensor parallel) or ps (parameter server)")
+@argument("--fsdp-units", default=None,
+          help="fsdp: comma-separated submodules that become FSDP units (default: each child with parameters)")
+@argument("--split", default=None,
+          help="pipeline: comma-separated submodules that begin a new stage (default: balanced by parameters)")
+@argument("--microbatches", type=int, default=None,
+          help="pipeline: microbatches per batch, must divide --batch-size (default: world_size)")
+@argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe", help="pipeline: schedule (default gpipe)")
+@argument("--loss", default=None,
+          help="pipeline: notebook function loss(output, target); default: the body's `loss`")
+@argument("--tp-plan", default=None,
+          help="tensor: notebook dict {submodule: ParallelStyle}; default: Linear pairs column- then row-wise")
+@argument("--servers", type=int, default=1, help="ps: ranks holding the parameters and optimizer (default 1)")
+@argument("--staleness", type=int, default=0,
+          help="ps: steps a worker may run ahead of the last update it received (default 0: synchronous)")
 @argument("--reset", action="store_true",
           help="re-send the kernel's model as it is now (its trained weights; build a new model for fresh "
                "ones) with a fresh optimizer and epoch count")
@@ -137,8 +153,8 @@ def _distrain(line):
 DISTRAIN_DOC = """Train a notebook model on every rank; the cell body is one training step.
 
 The body runs once per batch of each rank's shard with ``batch``, ``model`` (wrapped
-in DistributedDataParallel), ``optimizer`` and ``ctx`` defined, and must assign a
-scalar tensor to ``loss``. distnb does backward, the gradient all-reduce, the optimizer
+by the strategy: DistributedDataParallel by default), ``optimizer`` and ``ctx`` defined,
+and must assign a scalar tensor to ``loss``. distnb does backward, the gradient all-reduce, the optimizer
 step, epochs and progress. The kernel's model is sent before training (class and
 state, so every rank starts identical) and receives the trained weights afterwards;
 the ranks keep model and optimizer, so the next cell continues unless ``--reset``.
@@ -146,6 +162,12 @@ the ranks keep model and optimizer, so the next cell continues unless ``--reset`
 Example::
 
     %%distrain --model net --data train --epochs 10 --batch-size 64 --optimizer adam --lr 1e-3
+    x, y = batch
+    loss = F.cross_entropy(model(x), y)
+
+Model parallelism, the same body::
+
+    %%distrain --model net --data train --epochs 3 --strategy pipeline --microbatches 4 --schedule 1f1b
     x, y = batch
     loss = F.cross_entropy(model(x), y)
 
@@ -223,7 +245,10 @@ class DistMagics(Magics):
         options = dict(epochs=args.epochs, batch_size=args.batch_size, optimizer=args.optimizer, lr=args.lr,
                        seed=args.seed, strategy=args.strategy, reset=args.reset, target_loss=args.target_loss,
                        loop=args.loop, drop_last=args.drop_last,
-                       find_unused_parameters=args.find_unused_parameters, nan=args.nan)
+                       find_unused_parameters=args.find_unused_parameters, nan=args.nan,
+                       fsdp_units=args.fsdp_units, split=args.split, microbatches=args.microbatches,
+                       schedule=args.schedule, loss=args.loss, tp_plan=args.tp_plan, servers=args.servers,
+                       staleness=args.staleness)
         if args.output is not None and not args.output.isidentifier():
             raise UsageError(f"-o/--output must be a notebook name, got {args.output!r}")
         try:

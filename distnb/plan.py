@@ -13,9 +13,11 @@ from dataclasses import dataclass
 
 from .errors import PlanError
 
-#: Strategies that ``%%distrain`` knows about; only those in IMPLEMENTED run today.
+#: Strategies that ``%%distrain`` knows about (one module each in distnb/engine/strategies/).
 STRATEGIES = ("ddp", "fsdp", "pipeline", "tensor", "ps")
-IMPLEMENTED_STRATEGIES = ("ddp",)
+#: Pipeline schedules (torch.distributed.pipelining): GPipe (Huang et al. 2019) and 1F1B
+#: (PipeDream-Flush, Narayanan et al. 2021).
+SCHEDULES = ("gpipe", "1f1b")
 #: Built-in optimizers (torch.optim names) and their default learning rates.
 DEFAULT_LR = {"sgd": 0.01, "adam": 1e-3, "adamw": 1e-3}
 BACKENDS = ("gloo", "nccl")
@@ -118,6 +120,28 @@ class TrainPlan:
     report_interval : float
         Seconds between progress messages per rank (0.1 for the dashboard: at most 10 a
         second; longer for text progress, which only prints per epoch).
+    fsdp_units : tuple of str or None
+        fsdp: names of the submodules that become FSDP units (each gets its own
+        all-gather); None: every direct child that holds parameters. The root always is one.
+    split : tuple of str or None
+        pipeline: names of the submodules that begin a new stage (``world_size - 1`` of
+        them); None: balance the top-level children by parameter count.
+    microbatches : int or None
+        pipeline: microbatches per batch (must divide --batch-size); None: world_size.
+    schedule : {"gpipe", "1f1b"}
+        pipeline schedule.
+    loss : str or None
+        pipeline: name of a kernel function ``loss(output, target) -> scalar tensor``; None:
+        the step body computes the loss.
+    tp_plan : str or None
+        tensor: name of a kernel dict ``{module name: ParallelStyle}`` for
+        ``parallelize_module``; None: consecutive nn.Linear pairs become column-wise then
+        row-wise parallel.
+    servers : int
+        ps: ranks that hold (a split of) the parameters and the optimizer state.
+    staleness : int
+        ps: 0 synchronous; K > 0 lets workers run up to K steps ahead of the last update
+        they have received (bounded asynchrony, Ho et al. 2013, "Stale Synchronous Parallel").
     """
 
     model: str
@@ -135,6 +159,14 @@ class TrainPlan:
     find_unused_parameters: bool = False
     nan: str = "stop"
     report_interval: float = 0.1
+    fsdp_units: tuple | None = None
+    split: tuple | None = None
+    microbatches: int | None = None
+    schedule: str = "gpipe"
+    loss: str | None = None
+    tp_plan: str | None = None
+    servers: int = 1
+    staleness: int = 0
 
     def __post_init__(self):
         for name in ("model", "data"):
@@ -157,14 +189,51 @@ class TrainPlan:
             raise PlanError(f"--nan must be 'stop' or 'ignore', got {self.nan!r}")
         if self.strategy not in STRATEGIES:
             raise PlanError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
-        if self.strategy not in IMPLEMENTED_STRATEGIES:
-            raise PlanError(
-                f"--strategy {self.strategy} is not available yet; use --strategy ddp "
-                "(DistributedDataParallel)"
-            )
+        self._check_strategy_options()
         if self.target_loss is not None:
             _check_number("--target-loss", self.target_loss, positive=False)
         _check_number("report_interval", self.report_interval)
+
+    def _check_strategy_options(self):
+        for field in ("fsdp_units", "split"):
+            value = getattr(self, field)
+            if isinstance(value, str):
+                value = tuple(v.strip() for v in value.split(",") if v.strip())
+                object.__setattr__(self, field, value)
+            if value is not None:
+                if isinstance(value, list):
+                    value = tuple(value)
+                    object.__setattr__(self, field, value)
+                flag = "--" + field.replace("_", "-")
+                if not isinstance(value, tuple) or not value or not all(
+                        isinstance(v, str) and all(part.isidentifier() or part.isdigit() for part in v.split(".")) for v in value):
+                    raise PlanError(f"{flag} must be comma-separated submodule names like `layers.2,head`, "
+                                    f"got {value!r}")
+        if self.microbatches is not None:
+            _check_int("--microbatches", self.microbatches, 1)
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        for field in ("loss", "tp_plan"):
+            value = getattr(self, field)
+            if value is not None and (not isinstance(value, str) or not value.isidentifier()):
+                raise PlanError(f"--{field.replace('_', '-')} must name a variable in the notebook, got {value!r}")
+        _check_int("--servers", self.servers, 1)
+        _check_int("--staleness", self.staleness, 0)
+        own = {"fsdp": ("fsdp_units",), "pipeline": ("split", "microbatches", "loss"), "tensor": ("tp_plan",),
+               "ps": ()}
+        for strategy, fields in own.items():
+            for field in fields:
+                if getattr(self, field) is not None and self.strategy != strategy:
+                    raise PlanError(f"--{field.replace('_', '-')} is a --strategy {strategy} option "
+                                    f"(this cell uses --strategy {self.strategy})")
+        if self.strategy != "pipeline" and self.schedule != "gpipe":
+            raise PlanError(f"--schedule is a --strategy pipeline option (this cell uses --strategy {self.strategy})")
+        if self.strategy != "ps" and (self.servers != 1 or self.staleness != 0):
+            raise PlanError(f"--servers and --staleness are --strategy ps options (this cell uses "
+                            f"--strategy {self.strategy})")
+        if self.strategy == "pipeline" and self.microbatches is not None and self.batch_size % self.microbatches:
+            raise PlanError(f"--microbatches {self.microbatches} does not divide --batch-size {self.batch_size}: "
+                            "each microbatch must have the same number of samples")
 
     @property
     def builtin_optimizer(self) -> bool:
@@ -176,4 +245,4 @@ class TrainPlan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainPlan":
-        return cls(**d)
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})

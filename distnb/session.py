@@ -34,7 +34,8 @@ PROGRESS_MODES = ("auto", "widgets", "text", "none")
 REPORT_INTERVAL = {"widgets": 0.1, "text": 2.0, "none": 3600.0}
 #: Keyword options of Session.train that become TrainPlan fields.
 TRAIN_OPTIONS = frozenset({"epochs", "batch_size", "optimizer", "lr", "seed", "strategy", "reset", "target_loss",
-                           "loop", "drop_last", "find_unused_parameters", "nan", "report_interval"})
+                           "loop", "drop_last", "find_unused_parameters", "nan", "report_interval", "fsdp_units",
+                           "split", "microbatches", "schedule", "loss", "tp_plan", "servers", "staleness"})
 #: Seconds between checks that the ranks' engine processes are alive while a cell runs.
 LIVENESS_SECONDS = 0.5
 #: Seconds between checks of running ranks (results, output, progress) in the kernel.
@@ -136,7 +137,9 @@ class TrainResult(Table):
     ----------
     rows : list of dict
         Per rank: rank, steps, samples, seconds (training time on the rank),
-        samples_per_s, final_loss (the rank's mean loss over its last epoch).
+        samples_per_s, final_loss (the rank's mean loss over its last epoch), param_bytes
+        (bytes of parameters the rank holds: all of them for ddp, a shard for fsdp and
+        tensor, its stage for pipeline) and, for pipeline, stage.
     epoch_losses : list of float
         Mean loss over all ranks for each epoch run in this cell.
     epochs : list of int
@@ -148,14 +151,15 @@ class TrainResult(Table):
     overhead_seconds : float
         wall_seconds - train_seconds: distnb's own cost of the cell.
     samples_per_s : float
-        Sum over ranks.
+        Distinct samples trained per second: the sum over ranks for data parallelism,
+        divided by the ranks that share each batch for model parallelism.
     stopped_early : bool
         True when --target-loss was reached.
     """
 
-    columns = ("rank", "steps", "samples", "seconds", "samples_per_s", "final_loss")
+    columns = ("rank", "steps", "samples", "seconds", "samples_per_s", "final_loss", "param_bytes")
 
-    def __init__(self, rows, plan, wall_seconds):
+    def __init__(self, rows, plan, wall_seconds, num_shards=None):
         super().__init__(rows, title="")
         self.plan = plan
         first = rows[0]
@@ -165,7 +169,8 @@ class TrainResult(Table):
         self.wall_seconds = wall_seconds
         self.train_seconds = max(r["seconds"] for r in rows)
         self.overhead_seconds = wall_seconds - self.train_seconds
-        self.samples_per_s = sum(r["samples_per_s"] for r in rows)
+        share = len(rows) // (num_shards or len(rows))  # ranks that train on the same batch
+        self.samples_per_s = sum(r["samples_per_s"] for r in rows) / max(1, share)
         self.final_loss = self.epoch_losses[-1] if self.epoch_losses else math.nan
         how = "reached --target-loss" if self.stopped_early else _count(len(self.epochs), "epoch")
         self.title = (f"{plan.strategy} · {_count(len(rows), 'rank')} · {how} · final mean loss {self.final_loss:.4f} · "
@@ -187,6 +192,8 @@ class Session:
         self.cluster = cluster
         self._ns = ns
         self._models = {}  # name -> fingerprint of the kernel object the ranks hold
+        self._distributed = {}  # name -> (strategy key, process-group generation) it was last trained with
+        self._generation = 0  # bumps whenever the process group is re-formed
         self._data = {}  # name -> dict(fingerprint, seed, num_samples, shards)
         self._pushed = {}  # name -> fingerprint of what an automatic push sent
         self.last_result = None
@@ -245,6 +252,7 @@ class Session:
         pids = self.cluster.pids
         self.cluster.stop()
         self._models.clear()
+        self._distributed.clear()
         self._data.clear()
         self._pushed.clear()
         if _CURRENT is self:
@@ -383,6 +391,7 @@ class Session:
         """After a failure: re-form the process group so the next cell works."""
         self.cluster.check_alive()
         try:
+            self._generation += 1
             self.cluster.reform()
         except Exception as exc:
             raise ClusterError(f"could not re-form the process group after the failure ({exc}); "
@@ -458,12 +467,14 @@ class Session:
             raise PlanError(f"--rank must be between 0 and {self.world_size - 1}, got {rank!r}")
         return rank
 
-    def scatter(self, name: str, data=None, seed: int = 0, quiet: bool = False) -> list:
+    def scatter(self, name: str, data=None, seed: int = 0, quiet: bool = False, num_shards=None) -> list:
         """Give each rank a disjoint shard of ``data`` (default: the kernel's ``name``).
 
         Shards are dealt from a seeded permutation (see :mod:`distnb.engine.shard`);
         together they cover the data. On the ranks ``name`` is bound to the shard, with
-        the same structure (tensor, tuple or dict of tensors).
+        the same structure (tensor, tuple or dict of tensors). With ``num_shards`` smaller
+        than world_size, rank ``r`` gets shard ``r % num_shards`` (``num_shards=1``: every
+        rank holds the whole set, as model parallelism needs).
 
         Returns
         -------
@@ -479,18 +490,20 @@ class Session:
             raise PlanError(f"--seed must be a non-negative integer, got {seed!r}")
         obj = self._lookup(name, "data") if data is None else data
         structure, columns, n = columns_of(obj, name)
-        if n < self.world_size:
+        num_shards = self.world_size if num_shards is None else num_shards
+        if n < num_shards:
             raise PlanError(f"{name} has {n} samples, fewer than world_size={self.world_size}")
-        shards = sharding.assign(n, self.world_size, seed)
+        shards = sharding.assign(n, num_shards, seed)
         ars = []
-        for rank, idx in enumerate(shards):
+        for index, idx in enumerate(shards):
             cols = [c[idx] for c in columns]
-            ars.append(self.cluster.apply(rank, "distnb.engine.loop", "install_shard", True, name, n,
-                                          self.world_size, seed, structure, [wire.describe(c) for c in cols],
-                                          *[wire.to_buffer(c) for c in cols]))
+            descs, buffers = [wire.describe(c) for c in cols], [wire.to_buffer(c) for c in cols]
+            for rank in range(index, self.world_size, num_shards):
+                ars.append(self.cluster.apply(rank, "distnb.engine.loop", "install_shard", True, name, n,
+                                              num_shards, seed, index, structure, descs, *buffers))
         sizes = self.cluster.wait_all(ars, timeout=self.cluster.spec.timeout, what=f"scatter {name}")
         self._data[name] = dict(fingerprint=fingerprint(obj), seed=seed, num_samples=n, shards=shards,
-                                structure=structure)
+                                structure=structure, num_shards=num_shards)
         if not quiet:
             print(f"distnb: scattered {name} ({n} samples) as shards of {', '.join(map(str, sizes))}")
         return sizes
@@ -507,6 +520,7 @@ class Session:
         info = self._data.get(name)
         if info is None:
             return values
+        values = values[:info["num_shards"]]  # ranks beyond hold copies of the same shards
         kind = info["structure"][0]
         cols_by_rank = [[v] if kind == "tensor" else list(v.values()) if kind == "dict" else list(v)
                         for v in values]
@@ -565,6 +579,7 @@ class Session:
         import torch
 
         from .engine import shard as sharding
+        from .engine import strategies
 
         t0 = time.perf_counter()
         self._check_running()
@@ -590,15 +605,24 @@ class Session:
             if not callable(factory):
                 raise PlanError(f"--optimizer {plan.optimizer} must be callable: f(params) -> Optimizer")
             self.push(plan.optimizer)
+        try:
+            strategies.check(plan, model_obj, self.world_size)
+        except strategies.StrategyError as exc:
+            raise PlanError(f"--strategy {plan.strategy}: {exc}") from None
+        num_shards = strategies.data_parallel_size(plan, self.world_size)
+        for option in (plan.loss, plan.tp_plan):
+            if option is not None:
+                self._lookup(option, "--loss" if option == plan.loss else "--tp-plan")
+                self.push(option)
         self._autopush(code, exclude=(model_obj, data_obj))
         sent = self._ensure_model(plan, model_obj, quiet)
-        self._ensure_data(plan, data_obj, quiet or not sent)
+        self._ensure_data(plan, data_obj, quiet or not sent, num_shards)
         n = self._data[data_name]["num_samples"]
         try:
-            sharding.check_sizes(n, self.world_size, plan.batch_size, plan.drop_last)
+            sharding.check_sizes(n, num_shards, plan.batch_size, plan.drop_last)
         except ValueError as exc:
             raise PlanError(f"--data {data_name}: {exc}") from None
-        steps = sharding.steps_per_epoch(n, self.world_size, plan.batch_size, plan.drop_last)
+        steps = sharding.steps_per_epoch(n, num_shards, plan.batch_size, plan.drop_last)
         state = ProgressState(self.world_size, steps * plan.epochs, plan.epochs,
                               hosts=[r["host"] for r in self.cluster.ranks],
                               devices=[r["device"] for r in self.cluster.ranks])
@@ -614,9 +638,10 @@ class Session:
         self._weights_back(plan.model, model_obj, packed=rows[0].pop("state"))
         for row in rows:
             row.pop("state", None)
+            row.update(row.pop("holdings", {}))
         if rows[0]["note"] and not quiet:
             print(f"distnb: {rows[0]['note']}")
-        result = TrainResult(rows, plan, time.perf_counter() - t0)
+        result = TrainResult(rows, plan, time.perf_counter() - t0, num_shards)
         self.last_result = result
         return result
 
@@ -656,11 +681,24 @@ class Session:
         return name, value
 
     def _ensure_model(self, plan, model_obj, quiet) -> bool:
+        """Send the model unless the ranks hold this state, distributed in a way that can be reused.
+
+        A strategy that shards the module in place (fsdp, tensor, pipeline) cannot be
+        re-distributed another way, nor survive a re-formed process group: the model is then
+        sent again from the kernel's weights (which are the last trained ones).
+        """
+        from .engine import strategies
+        from .engine.loop import strategy_key
         from .engine.wire import pack
         from .transfer import fingerprint
 
         fp = fingerprint(model_obj)
-        if not plan.reset and self._models.get(plan.model) == fp:
+        key = strategy_key(plan)
+        last = self._distributed.get(plan.model)
+        reusable = last is None or last[0][0] == key[0] and not (
+            strategies.strategy_class(last[0][0]).modifies_module and last != (key, self._generation))
+        self._distributed[plan.model] = (key, self._generation)
+        if not plan.reset and reusable and self._models.get(plan.model) == fp:
             return False
         payload, descs, buffers = pack(model_obj)
         ars = self.cluster.apply_all("distnb.engine.loop", "install_model", True, plan.model, payload, descs,
@@ -672,13 +710,14 @@ class Session:
                   f"{self.world_size} ranks; fresh {plan.optimizer or 'sgd'} optimizer, epoch 0")
         return True
 
-    def _ensure_data(self, plan, data_obj, quiet) -> None:
+    def _ensure_data(self, plan, data_obj, quiet, num_shards) -> None:
         from .engine import shard as sharding
         from .transfer import fingerprint
 
         info = self._data.get(plan.data)
-        if info is None or info["fingerprint"] != fingerprint(data_obj) or info["seed"] != plan.seed:
-            self.scatter(plan.data, data_obj, seed=plan.seed, quiet=True)
+        if info is None or info["fingerprint"] != fingerprint(data_obj) or info["seed"] != plan.seed or \
+                info["num_shards"] != num_shards:
+            self.scatter(plan.data, data_obj, seed=plan.seed, quiet=True, num_shards=num_shards)
             info = self._data[plan.data]
             quiet = False
         layout = (plan.batch_size, plan.drop_last)
@@ -687,7 +726,13 @@ class Session:
             quiet = False
         if quiet:
             return
-        n, w = info["num_samples"], self.world_size
+        n, w = info["num_samples"], num_shards
+        if num_shards == 1 and self.world_size > 1:
+            steps = sharding.steps_per_epoch(n, 1, plan.batch_size, plan.drop_last)
+            print(f"distnb: {plan.data}: {_count(n, 'sample')}, the whole set on every rank (--strategy "
+                  f"{plan.strategy} trains all ranks on the same batches); {_count(steps, 'step')}/epoch of "
+                  f"{plan.batch_size}")
+            return
         per = sharding.samples_per_epoch(n, w, plan.drop_last)
         steps = sharding.steps_per_epoch(n, w, plan.batch_size, plan.drop_last)
         lens = [sharding.shard_length(n, w, r) for r in range(w)]
@@ -706,9 +751,9 @@ class Session:
         from .transfer import fingerprint, load_state_into
 
         try:
-            if packed is None:
-                ar = self.cluster.apply(0, "distnb.engine.loop", "pull_state", False, name)
-                packed = self.cluster.wait_all([ar], timeout=self.cluster.spec.timeout, what="weights back")[0]
+            if packed is None:  # every rank: sharded strategies assemble the state with collectives
+                ars = self.cluster.apply_all("distnb.engine.loop", "pull_state", False, name)
+                packed = self.cluster.wait_all(ars, timeout=self.cluster.spec.timeout, what="weights back")[0]
             keys, descs, sizes, flat = packed
             load_state_into(model_obj, keys, descs, sizes, flat)
             self._models[name] = fingerprint(model_obj)

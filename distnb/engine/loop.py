@@ -19,7 +19,7 @@ import torch.distributed as dist
 from ..plan import DEFAULT_LR, TrainPlan
 from . import runtime, shard as sharding, wire
 from .report import Reporter
-from .strategies import wrap
+from . import strategies
 
 
 class Shard:
@@ -27,10 +27,12 @@ class Shard:
 
     ``structure`` is ``("tensor",)`` for one tensor, ``("tuple", k)`` for a k-tuple and
     ``("dict", keys)`` for a dict of tensors; a batch has the same structure.
+    ``num_shards`` is the data-parallel size the set was cut for (world_size, or 1 when
+    every rank trains on the same batches) and ``index`` the shard this rank holds.
     """
 
-    def __init__(self, num_samples, world_size, seed, structure, columns):
-        self.num_samples, self.world_size, self.seed = num_samples, world_size, seed
+    def __init__(self, num_samples, num_shards, seed, index, structure, columns):
+        self.num_samples, self.num_shards, self.seed, self.index = num_samples, num_shards, seed, index
         self.structure, self.columns = tuple(structure), columns
 
     def __len__(self):
@@ -58,9 +60,9 @@ class Run:
 
     def __init__(self, module):
         self.module = module
-        self.wrapped = None
+        self.strategy = None  # a strategies.Strategy, rebuilt when the plan or process group changes
         self.generation = -1
-        self.strategy = None
+        self.strategy_key = None
         self.optimizer = None
         self.optimizer_key = None
         self.epoch = 0
@@ -77,7 +79,9 @@ SHARDS: dict[str, Shard] = {}
 
 def _drop_wrappers(ns):
     for run in RUNS.values():
-        run.wrapped = None
+        if run.strategy is not None:
+            run.strategy.close()
+        run.strategy = None
         run.generation = -1
 
 
@@ -95,17 +99,29 @@ def install_model(ns, name, payload, descs, *buffers):
     return sum(p.numel() for p in module.parameters())
 
 
-def install_shard(ns, name, num_samples, world_size, seed, structure, descs, *buffers):
-    """Receive this rank's shard of a data set and bind it to ``name`` in the engine."""
+def install_shard(ns, name, num_samples, num_shards, seed, index, structure, descs, *buffers):
+    """Receive shard ``index`` (of ``num_shards``) of a data set and bind it to ``name`` in the engine."""
     columns = [wire.from_buffer(d, b) for d, b in zip(descs, buffers)]
-    SHARDS[name] = Shard(num_samples, world_size, seed, structure, columns)
+    SHARDS[name] = Shard(num_samples, num_shards, seed, index, structure, columns)
     ns[name] = SHARDS[name].as_value()
     return len(SHARDS[name])
 
 
 def pull_state(name):
-    """This rank's trained weights as (keys, descriptions, sizes, flat uint8 array)."""
-    return wire.flatten_state(RUNS[name].module.state_dict())
+    """The model's full state as (keys, descriptions, sizes, flat uint8 array) on rank 0.
+
+    Call on every rank: strategies that shard the model assemble it with collectives.
+    Other ranks return None.
+    """
+    run = RUNS[name]
+    if run.strategy is not None:
+        return run.strategy.full_state()
+    if runtime.STATE.rank != 0:
+        return None
+    if any(hasattr(p, "to_local") for p in run.module.parameters()):
+        raise RuntimeError(f"{name} is sharded over a process group that was re-formed; its weights are "
+                           "only in the kernel now")
+    return wire.flatten_state(run.module.state_dict())
 
 
 def _set_lr(optimizer, lr):
@@ -124,7 +140,7 @@ def _optimizer(ns, run, plan):
             return run.optimizer, f"lr set to {plan.lr:g}"
         return run.optimizer, ""
     name = plan.optimizer or "sgd"
-    params = run.module.parameters()
+    params = list(run.strategy.parameters())
     if name in DEFAULT_LR:
         cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
         optimizer = cls(params, lr=plan.lr if plan.lr is not None else DEFAULT_LR[name])
@@ -139,8 +155,8 @@ def _optimizer(ns, run, plan):
             _set_lr(optimizer, plan.lr)
     # a first optimizer was announced with the model ("fresh ... optimizer"); say only replacements
     note = f"new {name} optimizer (was {run.optimizer_key})" if run.optimizer is not None else ""
-    run.optimizer, run.optimizer_key = optimizer, name
-    return optimizer, note
+    run.optimizer, run.optimizer_key = run.strategy.wrap_optimizer(optimizer), name
+    return run.optimizer, note
 
 
 class _Stopped(BaseException):
@@ -188,7 +204,8 @@ class Context:
     rank, world_size, local_rank : int
     device : torch.device
     model : torch.nn.Module
-        The strategy-wrapped model (DistributedDataParallel for ddp).
+        The strategy-wrapped model (DistributedDataParallel for ddp, the sharded module
+        for fsdp and tensor, this rank's pipeline stage for pipeline).
     module : torch.nn.Module
         The unwrapped model.
     optimizer : torch.optim.Optimizer
@@ -205,9 +222,10 @@ class Context:
     def __init__(self, plan, run, data, reporter, stop=None):
         st = runtime.STATE
         self.rank, self.world_size, self.local_rank, self.device = st.rank, st.world_size, st.local_rank, st.device
-        self.plan, self.model, self.module, self.optimizer = plan, run.wrapped, run.module, run.optimizer
+        self.plan, self.model, self.module, self.optimizer = plan, run.strategy.model, run.module, run.optimizer
+        self.strategy = run.strategy
         self._run, self._data, self._reporter = run, data, reporter
-        self.steps_per_epoch = sharding.steps_per_epoch(data.num_samples, st.world_size, plan.batch_size,
+        self.steps_per_epoch = sharding.steps_per_epoch(data.num_samples, data.num_shards, plan.batch_size,
                                                         plan.drop_last)
         self.epoch = run.epoch
         self.step = 0
@@ -226,8 +244,9 @@ class Context:
 
     @property
     def loader(self):
-        order = sharding.epoch_order(self._data.num_samples, self.world_size, self.rank, self.plan.seed,
-                                     self.epoch, self.plan.drop_last)
+        data = self._data
+        order = sharding.epoch_order(data.num_samples, data.num_shards, data.index, self.plan.seed, self.epoch,
+                                     self.plan.drop_last)
         for idx in sharding.batches(order, self.plan.batch_size, self.plan.drop_last):
             self._batch_samples = len(idx)
             yield self._data.batch(idx, self.device)
@@ -256,7 +275,7 @@ class Context:
         unwrapped module (e.g. by its notebook name) skips the gradient all-reduce and the
         replicas silently diverge.
         """
-        if self._run.forwards == self._forwards_seen:
+        if self.strategy.wraps_model and self._run.forwards == self._forwards_seen:
             raise RuntimeError(
                 f"rank {self.rank}, epoch {self.epoch}, step {self.step}: the step never called `model`, "
                 "the DistributedDataParallel-wrapped model; calling the notebook's model directly (e.g. "
@@ -299,7 +318,7 @@ class Context:
         return float(local[0] / local[1]) if local[1] > 0 else math.nan
 
 
-def _check_loss(loss, ctx):
+def check_loss(loss, ctx):
     """Validate the body's ``loss``; returns ``float(loss)`` on CPU (None on GPU: no sync per step)."""
     if isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1:
         if loss.device.type != "cpu":
@@ -321,16 +340,12 @@ def _check_loss(loss, ctx):
 
 
 def _steps(ns, code, ctx):
-    optimizer = ctx.optimizer
+    optimizer, step = ctx.optimizer, ctx.strategy.step
     for _ in ctx.epochs():
         for batch in ctx.loader:
             optimizer.zero_grad(set_to_none=True)
             ns["batch"] = batch
-            ns.pop("loss", None)
-            exec(code, ns)
-            loss = ns.get("loss")
-            value = _check_loss(loss, ctx)
-            loss.backward()
+            loss, value = step(ns, code, ctx)
             optimizer.step()
             ctx.report(loss, value=value)
 
@@ -355,21 +370,31 @@ def train(ns, plan_dict, code_text):
     data = SHARDS.get(plan.data)
     if run is None or data is None:
         raise RuntimeError(f"rank {st.rank}: model {plan.model!r} or data {plan.data!r} was not sent")
-    sharding.check_sizes(data.num_samples, st.world_size, plan.batch_size, plan.drop_last)
-    steps = sharding.steps_per_epoch(data.num_samples, st.world_size, plan.batch_size, plan.drop_last)
+    sharding.check_sizes(data.num_samples, data.num_shards, plan.batch_size, plan.drop_last)
+    steps = sharding.steps_per_epoch(data.num_samples, data.num_shards, plan.batch_size, plan.drop_last)
     reporter = Reporter(st.rank, steps * plan.epochs, plan.epochs, interval=plan.report_interval)
     code = runtime.compile_cell(code_text, "distrain")
     stop = StopRequest().__enter__()
     try:
-        key = (plan.strategy, plan.find_unused_parameters)
-        if run.wrapped is None or run.generation != st.generation or run.strategy != key:
-            run.wrapped = wrap(run.module, plan, st.device)
-            run.wrapped.register_forward_pre_hook(run.count_forward)
-            run.generation, run.strategy = st.generation, key
+        key = strategy_key(plan)
+        if run.strategy is None or run.generation != st.generation or run.strategy_key != key:
+            if run.strategy_key is not None and run.strategy_key != key and \
+                    strategies.strategy_class(run.strategy_key[0]).modifies_module:
+                raise RuntimeError(f"rank {st.rank}: {plan.model} was distributed for --strategy "
+                                   f"{run.strategy_key[0]}; the kernel must send it again (--reset)")
+            if run.strategy is not None:
+                run.strategy.close()
+            run.strategy = strategies.build(run.module, plan, st.device, ns)
+            if run.strategy.wraps_model:
+                run.strategy.model.register_forward_pre_hook(run.count_forward)
+            if run.optimizer is not None and run.strategy_key is not None and run.strategy_key != key:
+                run.optimizer = None  # its parameters belong to the old distribution
+            run.generation, run.strategy_key = st.generation, key
+        reporter.extra.update(run.strategy.holdings())
         _, note = _optimizer(ns, run, plan)
         ctx = Context(plan, run, data, reporter, stop=stop)
-        ns.update(model=run.wrapped, optimizer=run.optimizer, ctx=ctx)
-        run.wrapped.train()
+        ns.update(model=run.strategy.model, optimizer=run.optimizer, ctx=ctx)
+        run.module.train()
         reporter.set_status("running")
         t0 = time.perf_counter()
         try:
@@ -391,11 +416,17 @@ def train(ns, plan_dict, code_text):
         stop.__exit__()
         sys.stdout.flush()
     reporter.set_status("interrupted" if ctx.interrupted else "done")
+    state = run.strategy.full_state()  # a collective for sharded strategies: every rank calls it
     last = ctx.local_losses[-1] if ctx.local_losses else math.nan
     return dict(rank=st.rank, steps=ctx.step, samples=reporter.samples, seconds=seconds,
                 samples_per_s=reporter.samples / seconds if seconds > 0 else 0.0,
                 final_loss=last, epoch_losses=list(ctx.epoch_losses),
                 first_epoch=run.epoch - len(ctx.epoch_losses), next_epoch=run.epoch,
                 stopped_early=ctx.stopped_early, steps_per_epoch=steps, note=note, interrupted=ctx.interrupted,
-                where=dict(epoch=ctx.epoch, step=ctx.step),
-                state=pull_state(plan.model) if st.rank == 0 else None)
+                where=dict(epoch=ctx.epoch, step=ctx.step), holdings=run.strategy.holdings(), state=state)
+
+
+def strategy_key(plan) -> tuple:
+    """What decides how a model is distributed: a different key rebuilds the strategy."""
+    return (plan.strategy, plan.find_unused_parameters, plan.fsdp_units, plan.split, plan.microbatches,
+            plan.schedule, plan.loss, plan.tp_plan, plan.servers, plan.staleness)

@@ -182,7 +182,8 @@ def test_training_error_names_rank_and_step_then_next_cell_works(shell):
     ("--model nosuchnet --data train_ds", "nosuchnet"),
     ("--model mnet --data nosuchdata", "nosuchdata"),
     ("--model train_ds --data train_ds", "not a torch.nn.Module"),
-    ("--model mnet --data train_ds --strategy fsdp", "--strategy ddp"),
+    ("--model mnet --data train_ds --strategy horovod", "--strategy must be one of ddp, fsdp"),
+    ("--model mnet --data train_ds --strategy pipeline --microbatches 5", "--microbatches 5 does not divide"),
     ("--model mnet --data train_ds --batch-size 1000 --drop-last", "no full batch"),
     ("--model mnet --data train_ds --optimizer nosuchopt", "nosuchopt"),
 ])

@@ -25,10 +25,30 @@ def test_bad_values_name_the_option(field, value, needle):
         TrainPlan(**{"model": "net", "data": "train", field: value})
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "pipeline", "tensor", "ps"])
-def test_later_strategies_are_rejected_with_the_fix(strategy):
-    with pytest.raises(PlanError, match="not available yet; use --strategy ddp"):
-        TrainPlan(model="net", data="train", strategy=strategy)
+@pytest.mark.parametrize("options,needle", [
+    (dict(strategy="ddp", split="a"), "--split is a --strategy pipeline option"),
+    (dict(strategy="fsdp", tp_plan="plan"), "--tp-plan is a --strategy tensor option"),
+    (dict(strategy="pipeline", servers=2), "--servers and --staleness are --strategy ps options"),
+    (dict(strategy="tensor", schedule="1f1b"), "--schedule is a --strategy pipeline option"),
+    (dict(strategy="pipeline", microbatches=3, batch_size=32), "--microbatches 3 does not divide --batch-size 32"),
+    (dict(strategy="pipeline", microbatches=0), "--microbatches"),
+    (dict(strategy="pipeline", schedule="zb"), "--schedule"),
+    (dict(strategy="pipeline", split="1abc"), "--split"),
+    (dict(strategy="ps", servers=0), "--servers"),
+    (dict(strategy="ps", staleness=-1), "--staleness"),
+    (dict(strategy="pipeline", loss="not a name"), "--loss"),
+])
+def test_strategy_options_are_checked(options, needle):
+    with pytest.raises(PlanError, match=needle):
+        TrainPlan(model="net", data="train", **options)
+
+
+def test_strategy_options_normalise_and_round_trip():
+    p = TrainPlan(model="net", data="train", strategy="pipeline", split="layers.2, head", microbatches=4,
+                  batch_size=32, schedule="1f1b")
+    assert p.split == ("layers.2", "head")
+    assert TrainPlan.from_dict(p.to_dict()) == p
+    assert TrainPlan(model="net", data="train", strategy="fsdp", fsdp_units=["a", "b"]).fsdp_units == ("a", "b")
 
 
 def test_custom_optimizer_name_keeps_lr_none():

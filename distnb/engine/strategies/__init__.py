@@ -1,12 +1,144 @@
-"""One module per strategy: ``apply_<strategy>(module, plan, device) -> wrapped model``."""
+"""How a model is distributed over the ranks: one module per strategy.
+
+Each module defines a :class:`Strategy` subclass; :func:`build` picks it by
+``plan.strategy``. The training loop (``engine/loop.py``) only talks to this interface:
+
+- ``model``: what the step body calls (the DDP wrapper, the sharded module, ...);
+- ``parameters()``: what this rank's optimizer updates;
+- ``wrap_optimizer(opt)``: a hook for strategies that own the update (parameter server);
+- ``step(ns, code, ctx)``: one forward and backward on ``ns["batch"]``, returning the loss;
+- ``full_state()``: the whole model's state dict, assembled on rank 0 (a collective: called
+  on every rank);
+- ``holdings()``: what this rank holds (parameter bytes, stage, ...).
+
+Kernel side, before anything runs, :func:`check` validates a plan against the model and
+the world size with the strategy's ``check`` classmethod (no process group needed), and
+:func:`data_parallel_size` tells how many shards the data set is cut into.
+"""
 
 from __future__ import annotations
 
+import importlib
 
-def wrap(module, plan, device):
-    """Wrap ``module`` for ``plan.strategy`` (only ``ddp`` exists so far)."""
-    if plan.strategy == "ddp":
-        from .ddp import apply_ddp
+import torch
 
-        return apply_ddp(module, plan, device)
-    raise ValueError(f"strategy {plan.strategy!r} is not available on the ranks yet")
+STRATEGY_MODULES = {"ddp": "ddp", "fsdp": "fsdp", "pipeline": "pipeline", "tensor": "tensor", "ps": "ps"}
+
+
+class StrategyError(ValueError):
+    """A strategy option does not fit the model or the cluster (raised before training)."""
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes this rank stores for ``t`` (the local shard of a DTensor)."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.numel() * local.element_size()
+
+
+class Strategy:
+    """Base class: data parallelism without a wrapper (the module itself is ``model``).
+
+    Subclasses set :attr:`name` and override what differs.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The model as received from the kernel, already on ``device``.
+    plan : distnb.plan.TrainPlan
+    device : torch.device
+    ns : dict
+        The engine namespace (kernel names pushed there, e.g. a ``--tp-plan`` dict).
+    """
+
+    name = "base"
+    #: True: every rank sees different samples (the data is cut into world_size shards).
+    #: False: every rank trains on the same batches (model parallelism).
+    data_parallel = True
+    #: True: the body may drive its own loop (--loop) with ``model`` like a module.
+    supports_loop = True
+    #: True: ``model`` is a wrapper that must be called (calling the bare module skips the sync).
+    wraps_model = False
+    #: True: distributing changes the module in place (sharded parameters): after a re-formed
+    #: process group or a different plan the kernel must send the model again.
+    modifies_module = False
+
+    def __init__(self, module, plan, device, ns):
+        self.module, self.plan, self.device = module, plan, device
+        self.model = module
+
+    # kernel side ---------------------------------------------------------------
+    @classmethod
+    def check(cls, plan, module, world_size: int) -> None:
+        """Raise :class:`StrategyError` if ``plan`` cannot run ``module`` on ``world_size`` ranks."""
+        if plan.loop and not cls.supports_loop:
+            raise StrategyError(f"--loop is not available with --strategy {plan.strategy}: the strategy drives "
+                                "each step; write one step that sets `loss`")
+
+    @classmethod
+    def data_parallel_size(cls, plan, world_size: int) -> int:
+        """Number of data shards (ranks that see different samples)."""
+        return world_size if cls.data_parallel else 1
+
+    # rank side -------------------------------------------------------------------
+    def parameters(self):
+        """The parameters this rank's optimizer updates."""
+        return self.module.parameters()
+
+    def wrap_optimizer(self, optimizer):
+        """The optimizer the loop steps (the parameter server replaces ``step``)."""
+        return optimizer
+
+    def step(self, ns, code, ctx):
+        """Run the body once on ``ns["batch"]`` and back-propagate; return (loss, float or None)."""
+        from ..loop import check_loss
+
+        ns.pop("loss", None)
+        exec(code, ns)
+        loss = ns.get("loss")
+        value = check_loss(loss, ctx)
+        loss.backward()
+        return loss, value
+
+    def full_state(self):
+        """The whole model's state as :func:`wire.flatten_state` on rank 0, None elsewhere.
+
+        Called on every rank (strategies that shard the model gather with collectives).
+        """
+        import torch.distributed as dist
+
+        from .. import wire
+
+        if dist.get_rank() != 0:
+            return None
+        return wire.flatten_state(self.module.state_dict())
+
+    def holdings(self) -> dict:
+        """What this rank holds: ``param_bytes`` (bytes of parameters stored here) and more."""
+        return dict(param_bytes=sum(tensor_bytes(p) for p in self.module.parameters()))
+
+    def close(self) -> None:
+        """Drop references to the process group (called before it is re-formed)."""
+        self.model = None
+
+
+def strategy_class(name: str) -> type:
+    """The :class:`Strategy` subclass for ``name`` (imports its module)."""
+    if name not in STRATEGY_MODULES:
+        raise StrategyError(f"unknown strategy {name!r}; known: {', '.join(STRATEGY_MODULES)}")
+    module = importlib.import_module(f"{__name__}.{STRATEGY_MODULES[name]}")
+    return module.STRATEGY
+
+
+def build(module, plan, device, ns) -> Strategy:
+    """Distribute ``module`` (already on ``device``) for ``plan.strategy`` on this rank."""
+    return strategy_class(plan.strategy)(module, plan, device, ns)
+
+
+def check(plan, module, world_size: int) -> None:
+    """Kernel side: validate ``plan`` for ``module`` on ``world_size`` ranks before training."""
+    strategy_class(plan.strategy).check(plan, module, world_size)
+
+
+def data_parallel_size(plan, world_size: int) -> int:
+    """How many shards the data set is cut into for ``plan``."""
+    return strategy_class(plan.strategy).data_parallel_size(plan, world_size)

@@ -8,12 +8,22 @@ buckets during ``backward()``, overlapping communication with computation.
 
 from __future__ import annotations
 
-import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from . import Strategy
 
-def apply_ddp(module: torch.nn.Module, plan, device: torch.device) -> DistributedDataParallel:
-    """Wrap ``module`` (already on ``device``) in DDP over the default process group."""
-    device_ids = [device.index if device.index is not None else 0] if device.type == "cuda" else None
-    return DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True,
-                                   find_unused_parameters=plan.find_unused_parameters)
+
+class DDP(Strategy):
+    """Every rank holds the whole model; gradients are all-reduced during backward."""
+
+    name = "ddp"
+    wraps_model = True
+
+    def __init__(self, module, plan, device, ns):
+        super().__init__(module, plan, device, ns)
+        device_ids = [device.index if device.index is not None else 0] if device.type == "cuda" else None
+        self.model = DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True,
+                                             find_unused_parameters=plan.find_unused_parameters)
+
+
+STRATEGY = DDP
