@@ -55,6 +55,9 @@ class ClusterSpec:
         Collective and rendezvous timeout in seconds.
     master_addr : str
         Rendezvous address (rank 0's host); 127.0.0.1 on one machine.
+    master_port : int or None
+        TCP port of the torch.distributed store (``--master-port``); None: a free port
+        is picked for every process group formed.
     """
 
     num_engines: int
@@ -63,9 +66,14 @@ class ClusterSpec:
     num_threads: int = 1
     timeout: float = 60.0
     master_addr: str = "127.0.0.1"
+    master_port: int | None = None
 
     def __post_init__(self):
         _check_int("num_engines (-n)", self.num_engines, 1)
+        if self.master_port is not None:
+            _check_int("--master-port", self.master_port, 1)
+            if self.master_port > 65535:
+                raise PlanError(f"--master-port must be a TCP port (1-65535), got {self.master_port}")
         if self.backend not in BACKENDS:
             raise PlanError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.device_type not in ("cpu", "cuda"):
@@ -139,6 +147,12 @@ class TrainPlan:
         row-wise parallel.
     servers : int
         ps: ranks that hold (a split of) the parameters and the optimizer state.
+    checkpoint_dir : str or None
+        Save model, optimizer and position there with torch.distributed.checkpoint (see
+        :mod:`distnb.engine.checkpoint`); a model the ranks receive fresh resumes from the
+        newest checkpoint there (unless ``reset``).
+    checkpoint_every : int or None
+        Save every this many steps (global step count); None: at the end of every epoch.
     staleness : int
         ps: 0 synchronous; K > 0 lets workers run up to K steps ahead of the last update
         they have received (bounded asynchrony, Ho et al. 2013, "Stale Synchronous Parallel").
@@ -167,6 +181,8 @@ class TrainPlan:
     tp_plan: str | None = None
     servers: int = 1
     staleness: int = 0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
 
     def __post_init__(self):
         for name in ("model", "data"):
@@ -190,6 +206,12 @@ class TrainPlan:
         if self.strategy not in STRATEGIES:
             raise PlanError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         self._check_strategy_options()
+        if self.checkpoint_dir is not None and (not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir):
+            raise PlanError(f"--checkpoint-dir must be a folder path, got {self.checkpoint_dir!r}")
+        if self.checkpoint_every is not None:
+            _check_int("--checkpoint-every", self.checkpoint_every, 1)
+            if self.checkpoint_dir is None:
+                raise PlanError("--checkpoint-every needs --checkpoint-dir DIR (where to save)")
         if self.target_loss is not None:
             _check_number("--target-loss", self.target_loss, positive=False)
         _check_number("report_interval", self.report_interval)

@@ -7,6 +7,7 @@ data shard in ``SHARDS``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import signal
 import sys
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..plan import DEFAULT_LR, TrainPlan
-from . import runtime, shard as sharding, wire
+from . import checkpoint, runtime, shard as sharding, wire
 from .report import Reporter
 from . import strategies
 
@@ -66,7 +67,10 @@ class Run:
         self.optimizer = None
         self.optimizer_key = None
         self.epoch = 0
+        self.epoch_step = 0  # steps done in the current (unfinished) epoch
+        self.epoch_samples = 0  # positions of this rank's epoch order consumed: the sampler position
         self.steps = 0
+        self.plan_dict = None  # the plan it was last trained with (recorded in checkpoints)
         self.forwards = 0  # calls of the strategy wrapper, to catch bodies that bypass it
 
     def count_forward(self, module, args):
@@ -241,13 +245,16 @@ class Context:
         self._check_t0 = time.perf_counter()
         self._check_step0 = 0
         self.interrupted = False
+        self.skip = run.epoch_samples  # resume mid-epoch: samples of the first epoch already trained
+        self.checkpoints = []
 
     @property
     def loader(self):
         data = self._data
         order = sharding.epoch_order(data.num_samples, data.num_shards, data.index, self.plan.seed, self.epoch,
                                      self.plan.drop_last)
-        for idx in sharding.batches(order, self.plan.batch_size, self.plan.drop_last):
+        skip, self.skip = self.skip, 0
+        for idx in sharding.batches(order[skip:], self.plan.batch_size, self.plan.drop_last):
             self._batch_samples = len(idx)
             yield self._data.batch(idx, self.device)
 
@@ -260,8 +267,10 @@ class Context:
             yield epoch
             mean = self._epoch_mean()
             self.epoch_losses.append(mean)
-            self._run.epoch = epoch + 1
+            self._run.epoch, self._run.epoch_step, self._run.epoch_samples = epoch + 1, 0, 0
             self._reporter.end_epoch(epoch, mean)
+            if self.plan.checkpoint_dir and self.plan.checkpoint_every is None:
+                self.save_checkpoint()
             if self.plan.target_loss is not None and mean <= self.plan.target_loss:
                 self.stopped_early = True
                 break
@@ -287,9 +296,19 @@ class Context:
         self._loss_count += 1
         self.step += 1
         self._run.steps += 1
+        self._run.epoch_step += 1
+        self._run.epoch_samples += self._batch_samples
         self._reporter.record(detached, self._batch_samples if num_samples is None else num_samples)
+        every = self.plan.checkpoint_every
+        if every and self.plan.checkpoint_dir and self._run.steps % every == 0:
+            self.save_checkpoint()  # at a global step count every rank shares
         if self.step >= self._check_at:
             self._agree_on_stop()
+
+    def save_checkpoint(self):
+        """Save model, optimizer and position under --checkpoint-dir (a collective)."""
+        meta = checkpoint.save(self._run, self.plan.checkpoint_dir, self.plan.to_dict(), self.plan.seed)
+        self.checkpoints.append(meta["path"])
 
     def _agree_on_stop(self):
         """All-reduce (max) of the stop flag and the step time; every rank gets the same answer."""
@@ -376,23 +395,12 @@ def train(ns, plan_dict, code_text):
     code = runtime.compile_cell(code_text, "distrain")
     stop = StopRequest().__enter__()
     try:
-        key = strategy_key(plan)
-        if run.strategy is None or run.generation != st.generation or run.strategy_key != key:
-            if run.strategy_key is not None and run.strategy_key != key and \
-                    strategies.strategy_class(run.strategy_key[0]).modifies_module:
-                raise RuntimeError(f"rank {st.rank}: {plan.model} was distributed for --strategy "
-                                   f"{run.strategy_key[0]}; the kernel must send it again (--reset)")
-            if run.strategy is not None:
-                run.strategy.close()
-            run.strategy = strategies.build(run.module, plan, st.device, ns)
-            if run.strategy.wraps_model:
-                run.strategy.model.register_forward_pre_hook(run.count_forward)
-            if run.optimizer is not None and run.strategy_key is not None and run.strategy_key != key:
-                run.optimizer = None  # its parameters belong to the old distribution
-            run.generation, run.strategy_key = st.generation, key
+        note, resumed = _prepare(ns, plan, run)
+        run.plan_dict = plan.to_dict()
         reporter.extra.update(run.strategy.holdings())
-        _, note = _optimizer(ns, run, plan)
         ctx = Context(plan, run, data, reporter, stop=stop)
+        reporter.total = steps * plan.epochs - math.ceil(ctx.skip / plan.batch_size)
+        continued = dict(epoch=run.epoch, samples=ctx.skip) if ctx.skip else None
         ns.update(model=run.strategy.model, optimizer=run.optimizer, ctx=ctx)
         run.module.train()
         reporter.set_status("running")
@@ -423,7 +431,69 @@ def train(ns, plan_dict, code_text):
                 final_loss=last, epoch_losses=list(ctx.epoch_losses),
                 first_epoch=run.epoch - len(ctx.epoch_losses), next_epoch=run.epoch,
                 stopped_early=ctx.stopped_early, steps_per_epoch=steps, note=note, interrupted=ctx.interrupted,
-                where=dict(epoch=ctx.epoch, step=ctx.step), holdings=run.strategy.holdings(), state=state)
+                where=dict(epoch=ctx.epoch, step=ctx.step), holdings=run.strategy.holdings(), state=state,
+                resumed=resumed, continued=continued, checkpoints=ctx.checkpoints)
+
+
+def _prepare(ns, plan, run):
+    """Build (or keep) ``run``'s strategy and optimizer for ``plan``; resume from a checkpoint.
+
+    Returns (note, resumed): what changed about the optimizer, and the checkpoint path
+    resumed from (None). A model just received (no optimizer yet) with --checkpoint-dir
+    holding a checkpoint resumes from its newest one, unless --reset.
+    """
+    st = runtime.STATE
+    fresh = run.optimizer is None and run.steps == 0
+    key = strategy_key(plan)
+    if run.strategy is None or run.generation != st.generation or run.strategy_key != key:
+        if run.strategy_key is not None and run.strategy_key != key and \
+                strategies.strategy_class(run.strategy_key[0]).modifies_module:
+            raise RuntimeError(f"rank {st.rank}: {plan.model} was distributed for --strategy "
+                               f"{run.strategy_key[0]}; the kernel must send it again (--reset)")
+        if run.strategy is not None:
+            run.strategy.close()
+        run.strategy = strategies.build(run.module, plan, st.device, ns)
+        if run.strategy.wraps_model:
+            run.strategy.model.register_forward_pre_hook(run.count_forward)
+        if run.optimizer is not None and run.strategy_key is not None and run.strategy_key != key:
+            run.optimizer = None  # its parameters belong to the old distribution
+        run.generation, run.strategy_key = st.generation, key
+    meta = None
+    if fresh and plan.checkpoint_dir and not plan.reset and checkpoint.latest(plan.checkpoint_dir):
+        meta = checkpoint.read_meta(plan.checkpoint_dir)
+        if plan.optimizer is None:  # the optimizer the checkpoint was saved with (its lr comes back with it)
+            plan = dataclasses.replace(plan, optimizer=meta["optimizer"])
+    _, note = _optimizer(ns, run, plan)
+    if meta is None:
+        return note, None
+    checkpoint.load(run, meta)
+    return note, meta["path"]
+
+
+def save_checkpoint(ns, name, directory):
+    """``%dist save``: checkpoint model ``name`` (strategy, optimizer, position) on every rank."""
+    run = RUNS.get(name)
+    if run is None:
+        raise RuntimeError(f"rank {runtime.STATE.rank}: no model {name!r} on the ranks; train it first")
+    plan = run.plan_dict
+    if plan is None or run.strategy is None:
+        raise RuntimeError(f"rank {runtime.STATE.rank}: {name} has not been trained yet; nothing to save")
+    return checkpoint.save(run, directory, plan, plan["seed"])
+
+
+def restore(ns, name, directory):
+    """``%dist load``: rebuild the strategy and optimizer the checkpoint was saved with and load it.
+
+    The model must have been sent (install_model) just before. Returns the checkpoint metadata.
+    """
+    meta = checkpoint.read_meta(directory)
+    plan_dict = dict(meta["plan"], model=name, checkpoint_dir=None, checkpoint_every=None, reset=False)
+    plan = TrainPlan.from_dict(plan_dict)
+    run = RUNS[name]
+    _prepare(ns, plan, run)
+    run.plan_dict = plan.to_dict()
+    checkpoint.load(run, meta)
+    return meta
 
 
 def strategy_key(plan) -> tuple:

@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 ENGINE_MODULES = ["distnb.engine", "distnb.engine.runtime", "distnb.engine.loop", "distnb.engine.report",
-                  "distnb.engine.shard", "distnb.engine.wire", "distnb.engine.strategies",
+                  "distnb.engine.shard", "distnb.engine.wire", "distnb.engine.checkpoint", "distnb.engine.strategies",
                   "distnb.engine.strategies.ddp"]
 FORBIDDEN_IN_ENGINE = ["IPython", "distnb.magics", "distnb.session", "distnb.cluster", "distnb.display",
                        "distnb.transfer", "ipywidgets"]

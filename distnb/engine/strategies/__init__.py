@@ -9,6 +9,8 @@ Each module defines a :class:`Strategy` subclass; :func:`build` picks it by
 - ``step(ns, code, ctx)``: one forward and backward on ``ns["batch"]``, returning the loss;
 - ``full_state()``: the whole model's state dict, assembled on rank 0 (a collective: called
   on every rank);
+- ``checkpoint_state(opt)`` / ``load_checkpoint_state(...)``: what torch.distributed.checkpoint
+  saves and restores for this rank;
 - ``holdings()``: what this rank holds (parameter bytes, stage, ...).
 
 Kernel side, before anything runs, :func:`check` validates a plan against the model and
@@ -75,6 +77,13 @@ class Strategy:
                                 "each step; write one step that sets `loss`")
 
     @classmethod
+    def check_names(cls, plan, module, world_size: int, ns) -> None:
+        """Kernel side: validate the kernel objects the plan names (a ``--tp-plan`` dict) in ``ns``.
+
+        A name missing from ``ns`` is left to the session, which reports it.
+        """
+
+    @classmethod
     def data_parallel_size(cls, plan, world_size: int) -> int:
         """Number of data shards (ranks that see different samples)."""
         return world_size if cls.data_parallel else 1
@@ -112,6 +121,22 @@ class Strategy:
             return None
         return wire.flatten_state(self.module.state_dict())
 
+    def checkpoint_state(self, optimizer):
+        """(model state dict, optimizer state dict) as ``torch.distributed.checkpoint`` saves them.
+
+        Uses ``torch.distributed.checkpoint.state_dict.get_state_dict`` (sharded tensors stay
+        sharded: each rank saves its part). Every rank calls it.
+        """
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        return get_state_dict(self.module, optimizer)
+
+    def load_checkpoint_state(self, optimizer, model_state, optimizer_state) -> None:
+        """Load what :meth:`checkpoint_state` described (filled in by ``dcp.load``)."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.module, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+
     def holdings(self) -> dict:
         """What this rank holds: ``param_bytes`` (bytes of parameters stored here) and more."""
         return dict(param_bytes=sum(tensor_bytes(p) for p in self.module.parameters()))
@@ -134,9 +159,15 @@ def build(module, plan, device, ns) -> Strategy:
     return strategy_class(plan.strategy)(module, plan, device, ns)
 
 
-def check(plan, module, world_size: int) -> None:
-    """Kernel side: validate ``plan`` for ``module`` on ``world_size`` ranks before training."""
-    strategy_class(plan.strategy).check(plan, module, world_size)
+def check(plan, module, world_size: int, ns=None) -> None:
+    """Kernel side: validate ``plan`` for ``module`` on ``world_size`` ranks before training.
+
+    ``ns``: the kernel namespace, for options that name kernel objects (``--tp-plan``).
+    """
+    cls = strategy_class(plan.strategy)
+    cls.check(plan, module, world_size)
+    if ns is not None:
+        cls.check_names(plan, module, world_size, ns)
 
 
 def data_parallel_size(plan, world_size: int) -> int:

@@ -1,0 +1,133 @@
+"""Checkpoints of a live model with ``torch.distributed.checkpoint`` (DCP).
+
+A checkpoint is a directory ``DIR/step_<global step, 8 digits>/`` holding what DCP wrote
+(each rank its own part: a shard for fsdp and tensor, a stage for pipeline, one
+de-duplicated copy of replicated tensors for ddp) and ``distnb.json`` with the training
+position (epoch, step within the epoch, global step), the plan (strategy and its options,
+optimizer) and the data seed. ``distnb.json`` is written by rank 0 only after every rank
+has finished its part, so a directory without it is incomplete and never loaded.
+
+Saving is a collective: every rank calls :func:`save` at the same step (the loop does it at
+a step count all ranks share). The only rank-0-only code is plain file I/O after the
+barrier, never a collective, so a save cannot deadlock on a rank-0 branch.
+
+Model and optimizer state go through ``torch.distributed.checkpoint.state_dict``
+(``get_state_dict`` / ``set_state_dict``), which understands DDP, FSDP2 and DTensor
+modules; strategies with their own optimizer layout override ``Strategy.checkpoint_state``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from . import runtime
+
+MARKER = "distnb.json"
+#: Complete checkpoints kept per directory (older ones are deleted after a save).
+KEEP = 2
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def _barrier():
+    dist.barrier()
+
+
+def latest(directory: str) -> str | None:
+    """The newest complete checkpoint under ``directory`` (a ``step_*`` path), or None."""
+    if not os.path.isdir(directory):
+        return None
+    found = sorted(d for d in os.listdir(directory)
+                   if _STEP_DIR.match(d) and os.path.exists(os.path.join(directory, d, MARKER)))
+    return os.path.join(directory, found[-1]) if found else None
+
+
+def read_meta(path: str) -> dict:
+    """``distnb.json`` of checkpoint ``path`` (a ``step_*`` directory or its parent: the newest)."""
+    if not os.path.exists(os.path.join(path, MARKER)):
+        newest = latest(path)
+        if newest is None:
+            raise FileNotFoundError(f"no complete distnb checkpoint in {path} (a step_* folder with {MARKER})")
+        path = newest
+    with open(os.path.join(path, MARKER)) as f:
+        meta = json.load(f)
+    meta["path"] = path
+    return meta
+
+
+def save(run, directory: str, plan_dict: dict, data_seed: int) -> dict:
+    """Save ``run`` (model, optimizer, position) under ``directory``; every rank must call it.
+
+    Parameters
+    ----------
+    run : distnb.engine.loop.Run
+        A model with its strategy and optimizer built.
+    directory : str
+        Parent folder; created if missing. The checkpoint goes to ``step_<run.steps>``.
+    plan_dict : dict
+        The TrainPlan (as a dict) that distributed the model, recorded for loading.
+    data_seed : int
+
+    Returns
+    -------
+    dict
+        The metadata written (path, epoch, epoch_step, steps, seconds).
+
+    Raises
+    ------
+    RuntimeError
+        If the model has no strategy or optimizer yet (train it once first).
+    """
+    import time
+
+    if run.strategy is None or run.optimizer is None:
+        raise RuntimeError(f"rank {runtime.STATE.rank}: the model has not been trained on the ranks yet; "
+                           "nothing to save (run a %%distrain cell first)")
+    t0 = time.perf_counter()
+    path = os.path.join(os.path.abspath(directory), f"step_{run.steps:08d}")
+    if runtime.STATE.rank == 0:
+        os.makedirs(path, exist_ok=True)
+        stale = os.path.join(path, MARKER)
+        if os.path.exists(stale):
+            os.remove(stale)  # overwritten below once every rank has written its part again
+    _barrier()
+    model_sd, optim_sd = run.strategy.checkpoint_state(run.optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path)
+    _barrier()  # every rank's part is on disk
+    meta = dict(path=path, epoch=run.epoch, epoch_step=run.epoch_step, epoch_samples=run.epoch_samples,
+                steps=run.steps, plan=plan_dict,
+                data_seed=data_seed, world_size=runtime.STATE.world_size, optimizer=run.optimizer_key,
+                seconds=time.perf_counter() - t0)
+    if runtime.STATE.rank == 0:  # file I/O only: no collective under this branch
+        tmp = os.path.join(path, MARKER + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(meta, f, indent=1)
+        os.replace(tmp, os.path.join(path, MARKER))
+        _prune(os.path.dirname(path))
+    return meta
+
+
+def _prune(directory: str) -> None:
+    complete = sorted(d for d in os.listdir(directory)
+                      if _STEP_DIR.match(d) and os.path.exists(os.path.join(directory, d, MARKER)))
+    for d in complete[:-KEEP]:
+        shutil.rmtree(os.path.join(directory, d), ignore_errors=True)
+
+
+def load(run, meta: dict) -> None:
+    """Restore ``run``'s model, optimizer and position from checkpoint ``meta`` (every rank).
+
+    The strategy and optimizer must already be built as ``meta["plan"]`` describes
+    (:func:`distnb.engine.loop.restore` does that).
+    """
+    model_sd, optim_sd = run.strategy.checkpoint_state(run.optimizer)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=meta["path"])
+    run.strategy.load_checkpoint_state(run.optimizer, state["model"], state["optimizer"])
+    run.epoch, run.epoch_step, run.steps = meta["epoch"], meta["epoch_step"], meta["steps"]
+    run.epoch_samples = meta["epoch_samples"]

@@ -1,0 +1,117 @@
+"""Checkpoints with torch.distributed.checkpoint: save, load, resume after an engine dies.
+
+Every check compares against an uninterrupted run: the data order is a function of the
+seed, epoch and step, so a resumed run must reach the same parameters to float tolerance.
+"""
+
+import json
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distnb import session
+
+BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
+
+
+def make_data(n=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 10, generator=g)
+    y = (x[:, :3].sum(1) > 0).long()
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def make_model(seed=3):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(10, 12), nn.Tanh(), nn.Linear(12, 2))
+
+
+def params(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def train(s, name, epochs, **kw):
+    kw.setdefault("optimizer", None)
+    return s.train(BODY, model=name, data="ck_data", epochs=epochs, batch_size=8, seed=5, progress="none",
+                   quiet=True, **kw)
+
+
+def uninterrupted(s, ns, epochs):
+    ns["ck_ref"] = make_model()
+    train(s, "ck_ref", epochs, optimizer="adam", lr=0.01)
+    return params(ns["ck_ref"])
+
+
+def test_save_load_restores_model_optimizer_and_position(dist_session, shell, tmp_path):
+    ns = shell.user_ns
+    ns["ck_data"], ns["F"] = make_data(), F
+    want = uninterrupted(dist_session, ns, 3)
+
+    ns["ck_net"] = make_model()
+    train(dist_session, "ck_net", 1, optimizer="adam", lr=0.01)
+    shell.run_line_magic("dist", f"save {tmp_path / 'ck'} --model ck_net")
+    saved = params(ns["ck_net"]).clone()
+    meta = json.loads(next((tmp_path / "ck").glob("step_*/distnb.json")).read_text())
+    assert meta["epoch"] == 1 and meta["epoch_step"] == 0 and meta["steps"] == 6  # 96 / 2 ranks / 8
+    assert meta["plan"]["strategy"] == "ddp" and meta["optimizer"] == "adam"
+
+    train(dist_session, "ck_net", 1, lr=0.5)  # wander off: a different rate, more steps
+    assert not torch.allclose(params(ns["ck_net"]), saved)
+
+    shell.run_line_magic("dist", f"load {tmp_path / 'ck'} --model ck_net")
+    torch.testing.assert_close(params(ns["ck_net"]), saved)  # the kernel's model is restored too
+    dist_session.run("import torch\n_ck = torch.cat([p.detach().flatten() for p in ck_net.parameters()])")
+    for flat in dist_session.pull("_ck"):
+        torch.testing.assert_close(flat, saved)
+
+    result = train(dist_session, "ck_net", 2)  # Adam state (moments, step count) came back too
+    assert result.epochs == [1, 2]
+    torch.testing.assert_close(params(ns["ck_net"]), want, atol=1e-5, rtol=1e-5)
+
+
+def test_checkpoint_every_n_steps_keeps_the_newest(dist_session, shell, tmp_path):
+    ns = shell.user_ns
+    ns["ck_data"], ns["F"] = make_data(), F
+    ns["ck_every"] = make_model()
+    r = train(dist_session, "ck_every", 2, optimizer="sgd", lr=0.1, checkpoint_dir=str(tmp_path), checkpoint_every=4)
+    assert [row["steps"] for row in r.rows] == [12, 12]
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert kept == ["step_00000008", "step_00000012"]  # saved at 4, 8, 12; the two newest kept
+    assert all((tmp_path / k / "distnb.json").exists() for k in kept)
+
+
+def test_training_resumes_from_the_last_checkpoint_after_an_engine_dies(dist_session, shell, tmp_path):
+    ns = shell.user_ns
+    ns["ck_data"], ns["F"] = make_data(), F
+    want = uninterrupted(dist_session, ns, 3)
+
+    marker = tmp_path / "killed"
+    ns["ck_marker"] = str(marker)
+    body = ("import os, signal\n"
+            "if rank == 1 and ctx.epoch == 1 and ctx.step == 9 and not os.path.exists(ck_marker):\n"
+            "    open(ck_marker, 'w').close()\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n" + BODY)
+    ns["ck_resume"] = make_model()
+    ckdir = str(tmp_path / "ck")
+    opts = dict(model="ck_resume", data="ck_data", batch_size=8, seed=5, progress="none", quiet=True,
+                checkpoint_dir=ckdir, checkpoint_every=5)
+    try:
+        dist_session.train(body, epochs=3, optimizer="adam", lr=0.01, **opts)
+    except Exception as exc:  # the dead engine is named
+        assert "rank 1" in str(exc), str(exc)
+    else:
+        raise AssertionError("the killed engine was not reported")
+    assert marker.exists()
+    # steps 1-6 were epoch 0, the kill came at the 10th step of the cell: the last checkpoint is step 5
+    shell.run_line_magic("dist", "restart")
+    s = session.current()
+    assert s.world_size == 2
+    result = s.train(body, epochs=2, **opts)  # epoch 0 step 5 of 6 was saved: finish it, then epochs 1-2
+    assert result.epochs == [0, 1]
+    assert result.rows[0]["steps"] == 1 + 6
+    final = s.train(body, epochs=1, **opts)
+    assert final.epochs == [2]
+    torch.testing.assert_close(params(ns["ck_resume"]), want, atol=1e-5, rtol=1e-5)
+    assert os.path.isdir(ckdir)
