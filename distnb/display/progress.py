@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import statistics
+import time
 
 STATUSES = ("waiting", "running", "done", "failed", "interrupted")
+#: A rank whose time per step is more than this fraction above the median is a straggler.
+STRAGGLER_THRESHOLD = 0.20
+#: Weight of the newest loss point in the smoothed (exponential moving average) loss.
+SMOOTHING = 0.2
+#: Fields of a rank message copied into the rank's row when present.
+ROW_FIELDS = ("status", "epoch", "step", "total", "loss", "samples_per_s", "step_time", "busy_time", "error",
+              "stage", "peak_memory", "memory_kind", "samples")
 
 
 class ProgressState:
-    """Latest figures per rank plus the loss history, as the kernel knows them.
+    """Latest figures per rank plus the loss and throughput history, as the kernel knows them.
 
     Parameters
     ----------
@@ -18,37 +26,71 @@ class ProgressState:
     epochs : int
     hosts, devices : list of str, optional
         Per rank, for display.
+    strategy : str, optional
+        The plan's strategy; ``"pipeline"`` shows each rank's stage.
+    clock : callable, optional
+        Seconds (monotonic) for the throughput history; default ``time.monotonic``.
     """
 
-    def __init__(self, world_size, total_steps=0, epochs=1, hosts=None, devices=None):
+    def __init__(self, world_size, total_steps=0, epochs=1, hosts=None, devices=None, strategy=None,
+                 clock=time.monotonic):
         self.world_size = world_size
         self.total_steps = total_steps
         self.epochs = epochs
+        self.strategy = strategy
         self.rows = [dict(rank=r, host=(hosts or [""] * world_size)[r], device=(devices or [""] * world_size)[r],
-                          status="waiting", epoch=None, step=0, total=total_steps, loss=None, samples_per_s=0.0,
-                          step_time=0.0, error=None) for r in range(world_size)]
+                          status="waiting", epoch=None, step=0, total=total_steps, loss=None, smooth_loss=None,
+                          samples_per_s=0.0, step_time=0.0, busy_time=None, error=None, stage=None,
+                          peak_memory=None, memory_kind=None, samples=0)
+                     for r in range(world_size)]
         self.curves = [dict() for _ in range(world_size)]  # rank -> {step: loss}
         self.epoch_means = {}  # epoch -> mean loss over all ranks
+        self.throughput = []  # (seconds since the first message, samples/s summed over ranks)
         self.version = 0
+        self._clock = clock
+        self._t0 = None
+        self._smoothed_to = [0] * world_size  # last step folded into smooth_loss, per rank
 
     def update(self, rank: int, msg: dict) -> bool:
         """Merge one rank message; returns True if anything changed."""
         if not msg or not 0 <= rank < self.world_size:
             return False
         row = self.rows[rank]
-        before = (row["status"], row["step"], row["loss"], len(self.epoch_means))
-        for key in ("status", "epoch", "step", "total", "loss", "samples_per_s", "step_time", "error"):
+        before = {k: row[k] for k in ROW_FIELDS}
+        for key in ROW_FIELDS:
             if key in msg and msg[key] is not None:
                 row[key] = msg[key]
-        self.curves[rank].update({int(s): float(v) for s, v in msg.get("points", ())})
+        curve = self.curves[rank]
+        new_points = [(int(s), float(v)) for s, v in msg.get("points", ()) if int(s) not in curve]
+        curve.update(new_points)
+        for step, value in sorted(new_points):
+            if step > self._smoothed_to[rank]:
+                ema = row["smooth_loss"]
+                row["smooth_loss"] = value if ema is None else ema + SMOOTHING * (value - ema)
+                self._smoothed_to[rank] = step
+        n_means = len(self.epoch_means)
         for epoch, mean in msg.get("epoch_losses", ()):
             self.epoch_means[int(epoch)] = float(mean)
-        changed = before != (row["status"], row["step"], row["loss"], len(self.epoch_means))
+        changed = bool(new_points) or n_means != len(self.epoch_means) or before != {k: row[k] for k in ROW_FIELDS}
         if changed:
             self.version += 1
+            if before["samples_per_s"] != row["samples_per_s"] or not self.throughput:
+                self._record_throughput()
         return changed
 
+    def _record_throughput(self):
+        now = self._clock()
+        if self._t0 is None:
+            self._t0 = now
+        total = sum(r["samples_per_s"] or 0.0 for r in self.rows)
+        t = now - self._t0
+        if self.throughput and t - self.throughput[-1][0] < 0.05:  # coalesce ranks reporting together
+            self.throughput[-1] = (self.throughput[-1][0], total)
+        else:
+            self.throughput.append((t, total))
+
     def set_status(self, status: str, ranks=None, error=None) -> None:
+        """Set the status (and error text) of ``ranks`` (default all)."""
         for r in ranks if ranks is not None else range(self.world_size):
             self.rows[r]["status"] = status
             if error is not None:
@@ -56,10 +98,55 @@ class ProgressState:
         self.version += 1
 
     def fraction(self, rank: int) -> float:
+        """Share of this cell's steps that ``rank`` has finished, 0 to 1."""
         row = self.rows[rank]
         return min(1.0, row["step"] / row["total"]) if row["total"] else 0.0
+
+    def cell_epoch(self, rank: int) -> int:
+        """Which of this cell's epochs ``rank`` is in, counted from 1 (epoch numbers continue across cells)."""
+        row = self.rows[rank]
+        if not row["total"] or not self.epochs:
+            return 0
+        return min(self.epochs, row["step"] * self.epochs // row["total"] + 1)
 
     def mean_curve(self) -> list:
         """(step, mean loss over ranks) for steps every rank has reported."""
         common = set.intersection(*(set(c) for c in self.curves)) if self.curves else set()
         return [(s, statistics.fmean(c[s] for c in self.curves)) for s in sorted(common)]
+
+    @property
+    def show_stage(self) -> bool:
+        """True for pipeline runs, or when any rank reported a stage."""
+        return self.strategy == "pipeline" or any(r["stage"] is not None for r in self.rows)
+
+    def time_per_step(self) -> tuple:
+        """The per-rank time per step the straggler view compares, and what it is.
+
+        Returns
+        -------
+        tuple of (list of float or None, str)
+            ``busy_time`` (CPU seconds of the training thread per step, time not spent waiting
+            for peers) when every rank reports it, else the wall ``step_time``; ``None`` for a
+            rank that has not reported yet. The string is ``"busy"`` or ``"step"``.
+        """
+        if all(r["busy_time"] is not None for r in self.rows):
+            return [r["busy_time"] if r["step"] else None for r in self.rows], "busy"
+        return [r["step_time"] if r["step"] and r["step_time"] else None for r in self.rows], "step"
+
+    def skews(self) -> list:
+        """Per rank: time per step relative to the median over ranks, minus 1 (None if unknown)."""
+        times, _ = self.time_per_step()
+        known = [t for t in times if t is not None]
+        if not known:
+            return [None] * self.world_size
+        median = statistics.median(known)
+        return [None if t is None or median <= 0 else t / median - 1.0 for t in times]
+
+    def straggler(self, threshold: float = STRAGGLER_THRESHOLD):
+        """The slowest rank if its time per step is more than ``threshold`` above the median, else None."""
+        skews = self.skews()
+        known = [(s, r) for r, s in enumerate(skews) if s is not None]
+        if len(known) < 2:
+            return None
+        skew, rank = max(known)
+        return rank if skew > threshold else None

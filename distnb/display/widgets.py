@@ -1,92 +1,96 @@
-"""The live training dashboard (ipywidgets): one row per rank and a loss curve.
+"""The live training dashboard (ipywidgets).
 
-Drawing is throttled (at most ``max_fps`` redraws a second) and only touches widgets
-whose value changed, so the kernel's drawing never competes with training for long.
+Three HTML widgets (header, the per-rank table, the charts: loss, throughput, stragglers)
+drawn by :mod:`distnb.display.render` from the :class:`~distnb.display.progress.ProgressState`
+that the kernel fills from the ranks' progress messages. Redraws are throttled and coalesced:
+at most ``max_fps`` a second, only when a rank message changed the state, and only widgets
+whose HTML changed are sent to the front end. For a background run a "Stop training" button
+is added (it works because the kernel is idle while the run goes on).
+
+When the run ends the widget's output is replaced by a static snapshot of the final state
+(:class:`~distnb.display.render.Snapshot`: HTML, with a text fallback), so a saved notebook
+shows what happened without a kernel or widget state, and the widget models are closed.
 """
 
 from __future__ import annotations
 
-import html
 import time
 
 import ipywidgets as W
 
-_BAR = {"waiting": "", "running": "info", "done": "success", "failed": "danger", "interrupted": "warning"}
-_COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
-
-
-def _svg_curve(state, width=420, height=120) -> str:
-    series = [sorted(c.items()) for c in state.curves]
-    mean = state.mean_curve()
-    points = [p for s in series for p in s]
-    if not points:
-        return f"<svg width='{width}' height='{height}' class='distnb-loss'></svg>"
-    xmax = max(s for s, _ in points) or 1
-    lo, hi = min(v for _, v in points), max(v for _, v in points)
-    span = (hi - lo) or 1.0
-
-    def poly(pts, color, w, cls):
-        coords = " ".join(f"{4 + (width - 8) * s / xmax:.1f},{4 + (height - 8) * (1 - (v - lo) / span):.1f}"
-                          for s, v in pts)
-        return f"<polyline class='{cls}' points='{coords}' fill='none' stroke='{color}' stroke-width='{w}'/>"
-
-    lines = [poly(s, _COLORS[r % len(_COLORS)], 1, f"distnb-loss-rank{r}") for r, s in enumerate(series) if s]
-    if mean:
-        lines.append(poly(mean, "#000", 2, "distnb-loss-mean"))
-    return (f"<svg width='{width}' height='{height}' class='distnb-loss' style='background:#fafafa'>"
-            + "".join(lines) + f"<text x='6' y='14' font-size='11'>loss {hi:.3g}</text>"
-            f"<text x='6' y='{height - 6}' font-size='11'>{lo:.3g}</text></svg>")
+from . import render
 
 
 class Dashboard:
-    """ipywidgets view of a :class:`~distnb.display.progress.ProgressState`."""
+    """ipywidgets view of a :class:`~distnb.display.progress.ProgressState`.
 
-    def __init__(self, state, max_fps: float = 5.0):
+    Parameters
+    ----------
+    state : ProgressState
+    max_fps : float
+        Redraws per second at most (rank messages arrive at most 10 a second per rank).
+    """
+
+    def __init__(self, state, max_fps: float = 10.0):
         self.state = state
         self.min_interval = 1.0 / max_fps
         self._last = 0.0
         self._version = -1
-        self.title = W.HTML(f"<b>distnb</b> · {state.world_size} ranks")
-        self.labels, self.bars, self.stats = [], [], []
-        rows = []
-        for r in state.rows:
-            label = W.HTML(f"<code>rank {r['rank']}</code> {html.escape(r['host'] or '')} {html.escape(r['device'] or '')}",
-                           layout=W.Layout(width="220px"))
-            bar = W.IntProgress(value=0, min=0, max=max(1, r["total"]), layout=W.Layout(width="260px"))
-            stat = W.HTML("waiting")
-            self.labels.append(label)
-            self.bars.append(bar)
-            self.stats.append(stat)
-            rows.append(W.HBox([label, bar, stat], layout=W.Layout(align_items="center")))
-        self.curve = W.HTML(_svg_curve(state))
-        self.widget = W.VBox([self.title, *rows, self.curve])
+        self._handle = None
+        self.redraws = 0
+        self.header = W.HTML(render.header_html(state))
+        self.table = W.HTML(render.table_html(state))
+        self.charts = W.HTML(render.charts_html(state))
+        self.stop_button = None
+        self.widget = W.VBox([self.header, self.table, self.charts])
         self.widget.add_class("distnb-dashboard")
 
     def show(self):
+        """Display the dashboard in the current output (with a display id, for the final snapshot)."""
         from IPython.display import display
 
-        display(self.widget)
+        self._handle = display(self.widget, display_id=True)
+
+    def attach_stop(self, callback):
+        """Add a "Stop training" button calling ``callback()`` (for background runs)."""
+        if self.stop_button is not None:
+            return
+        button = W.Button(description="Stop training", icon="stop", button_style="warning",
+                          tooltip="stop every rank after the same step (like %dist stop-training)")
+        button.add_class("distnb-stop")
+
+        def clicked(_):
+            button.disabled = True
+            button.description = "stopping..."
+            callback()
+
+        button.on_click(clicked)
+        self.stop_button = button
+        self.widget.children = (*self.widget.children, button)
 
     def refresh(self, final=False):
+        """Redraw what changed, at most ``max_fps`` times a second (always when ``final``)."""
         now = time.monotonic()
-        if not final and (now - self._last < self.min_interval or self.state.version == self._version):
+        if not final and (self.state.version == self._version or now - self._last < self.min_interval):
             return
         self._last, self._version = now, self.state.version
-        for r, bar, stat in zip(self.state.rows, self.bars, self.stats):
-            bar.max = max(1, r["total"])
-            bar.value = min(r["step"], bar.max)
-            bar.bar_style = _BAR.get(r["status"], "")
-            loss = "-" if r["loss"] is None else f"{r['loss']:.4f}"
-            text = (f"epoch {r['epoch'] if r['epoch'] is not None else '-'} · step {r['step']}/{r['total']} · "
-                    f"loss {loss} · {r['samples_per_s']:.0f} samples/s · {1000 * r['step_time']:.1f} ms/step · "
-                    f"<b>{r['status']}</b>")
-            if r["status"] == "failed" and r.get("error"):
-                text += f" <span style='color:#c00'>{html.escape(str(r['error']))}</span>"
-            if stat.value != text:
-                stat.value = text
-        svg = _svg_curve(self.state)
-        if self.curve.value != svg:
-            self.curve.value = svg
+        self.redraws += 1
+        for widget, html in ((self.header, render.header_html(self.state)),
+                             (self.table, render.table_html(self.state)),
+                             (self.charts, render.charts_html(self.state))):
+            if widget.value != html:
+                widget.value = html
 
     def close(self):
+        """Final redraw, then leave a static snapshot in place of the widget and close the widgets."""
         self.refresh(final=True)
+        snapshot = render.Snapshot(self.state)
+        if self._handle is not None:
+            self._handle.update(snapshot)
+        else:
+            from IPython.display import display
+
+            display(snapshot)
+        for w in (self.header, self.table, self.charts, self.stop_button, self.widget):
+            if w is not None:
+                w.close()
