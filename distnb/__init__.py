@@ -40,4 +40,5 @@ def unload_ipython_extension(ipython):
     from . import session
 
     if session._CURRENT is not None:
+        session._CURRENT._end_background()
         session._CURRENT.stop(quiet=True)

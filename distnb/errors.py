@@ -31,6 +31,10 @@ class ClusterError(DistnbError, RuntimeError):
     """The cluster is missing, not started, or could not start."""
 
 
+class BusyError(DistnbError, RuntimeError):
+    """A background training run is going on; only ``%dist wait`` / ``%dist stop-training`` may run."""
+
+
 def _key(failure):
     """A failure's identity across ranks: its exception with rank numbers taken out."""
     text = re.sub(r"\brank \d+", "rank ?", str(failure.get("evalue")))

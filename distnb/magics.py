@@ -72,6 +72,24 @@ def _gather(line):
     """Collect a value from every rank (scattered data back in its original order)."""
 
 
+@magic_arguments(name="dist wait")
+def _wait(line):
+    """Wait for the background training run and return its result; the trained weights are then in
+    the notebook's model. Interrupting the wait stops the run.
+
+    Example: %%distrain --background ... then, later, result = %dist wait
+    """
+
+
+@magic_arguments(name="dist stop-training")
+def _stop_training(line):
+    """Stop the background training run as the interrupt button would: every rank stops after the
+    same step and the notebook's model gets the weights.
+
+    Example: %dist stop-training
+    """
+
+
 @magic_arguments(name="%dist")
 @argument("--all-output", action="store_true", help="show every rank's output (default rank 0 only)")
 def _cell(line):
@@ -79,7 +97,7 @@ def _cell(line):
 
 
 VERBS = {"start": _start, "stop": _stop, "restart": _restart, "status": _status, "push": _push,
-         "pull": _pull, "scatter": _scatter, "gather": _gather}
+         "pull": _pull, "scatter": _scatter, "gather": _gather, "wait": _wait, "stop-training": _stop_training}
 
 DIST_DOC = """Run code and manage the distributed cluster from a notebook.
 
@@ -145,6 +163,9 @@ def _dist_doc():
 @argument("--progress", choices=["auto", "widgets", "text", "none"], default="auto",
           help="dashboard (auto: widgets in Jupyter, text elsewhere)")
 @argument("--all-output", action="store_true", help="show every rank's printed output")
+@argument("--background", action="store_true",
+          help="return at once and keep the kernel free while the dashboard updates; %%dist wait returns the "
+               "result (and the weights), %%dist stop-training stops the run")
 @argument("-o", "--output", default=None, help="also store the TrainResult under this notebook name")
 def _distrain(line):
     """Train a notebook model data-parallel on every rank; the cell body is one step."""
@@ -182,6 +203,15 @@ With ``--loop`` the body is the whole loop::
             optimizer.step()
             ctx.report(loss)
 
+In the background, the kernel stays free while the dashboard updates::
+
+    %%distrain --model net --data train --epochs 50 --background -o result
+    x, y = batch
+    loss = F.cross_entropy(model(x), y)
+
+    %dist wait              # later: blocks until the run ends, returns the TrainResult
+    %dist stop-training     # or: stop it (every rank after the same step)
+
 Returns a TrainResult (per-rank steps, samples, seconds, samples/s, final loss).
 
 """
@@ -216,6 +246,15 @@ class DistMagics(Magics):
                 raise UsageError(f"unknown %dist verb {verb!r}; use one of: {', '.join(VERBS)} (see %dist?)")
             args = parse_argstring(VERBS[verb], rest)
             ns = self.shell.user_ns
+            if verb in ("wait", "stop-training"):
+                if session._CURRENT is None:
+                    print("distnb: no cluster is running")
+                    return None
+                return session._CURRENT.wait() if verb == "wait" else session._CURRENT.stop_training()
+            if session._CURRENT is not None:  # one run at a time: a background run blocks every other verb
+                from .background import check_idle
+
+                check_idle(session._CURRENT)
             if verb == "start":
                 session.start(n=args.n, backend=args.backend, timeout=args.timeout, ns=ns)
             elif verb == "stop":
@@ -253,9 +292,15 @@ class DistMagics(Magics):
             raise UsageError(f"-o/--output must be a notebook name, got {args.output!r}")
         try:
             result = _session().train(cell, model=args.model, data=args.data, progress=args.progress,
-                                      all_output=args.all_output, **options)
+                                      all_output=args.all_output, background=args.background, **options)
         except PlanError as exc:
             raise UsageError(str(exc)) from None
+        if args.background:
+            if args.output:
+                result.on_result.append(lambda r, ns=self.shell.user_ns, name=args.output: ns.__setitem__(name, r))
+            print("distnb: training in the background; the kernel is free. %dist wait returns the result "
+                  f"(and puts the weights into {args.model}), %dist stop-training stops it")
+            return None
         if args.output:
             self.shell.user_ns[args.output] = result
         return result

@@ -21,6 +21,7 @@ import time
 from .cluster import Cluster, default_spec
 from .display import ProgressState, make_view, view_kind
 from .display.tables import Table
+from .background import BackgroundRun, check_idle, collect
 from .errors import ClusterError, Interrupted, PlanError, RankError
 from .plan import TrainPlan
 
@@ -102,6 +103,7 @@ def _stop_at_exit():
     # Kernel shutdown or interpreter exit: stop quickly ourselves (engines leave with os._exit)
     # rather than through ipyparallel's slower atexit path; the reaper covers a killed kernel.
     if _CURRENT is not None and _CURRENT.running:
+        _CURRENT._end_background()
         _CURRENT.stop(quiet=True)
 
 
@@ -197,6 +199,7 @@ class Session:
         self._data = {}  # name -> dict(fingerprint, seed, num_samples, shards)
         self._pushed = {}  # name -> fingerprint of what an automatic push sent
         self.last_result = None
+        self._background = None  # a BackgroundRun while a %%distrain --background run is going on
 
     # basics --------------------------------------------------------------
     @property
@@ -220,6 +223,7 @@ class Session:
     def _check_running(self):
         if not self.running:
             raise ClusterError("the distnb cluster is stopped; run %dist start")
+        check_idle(self)
 
     # lifecycle -----------------------------------------------------------
     def status(self, timeout: float = 2.0) -> StatusTable:
@@ -245,6 +249,7 @@ class Session:
     def stop(self, quiet=False) -> None:
         """Stop every process this session started (engines, controller)."""
         global _CURRENT
+        check_idle(self)
         if not self.running:
             if not quiet:
                 print("distnb: the cluster is already stopped")
@@ -266,6 +271,78 @@ class Session:
         self.stop(quiet=True)
         return start(n=spec.num_engines, backend=spec.backend, timeout=spec.timeout, ns=self._ns, quiet=quiet)
 
+    # background training -------------------------------------------------
+    def wait(self, timeout=None):
+        """Wait for the background training run (``%dist wait``) and return its TrainResult.
+
+        The trained weights are in the kernel's model by then, as after a foreground cell.
+        Interrupting the wait (the interrupt button) stops the run like ``stop_training``.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Seconds to wait at most; None waits for the end of the run.
+
+        Returns
+        -------
+        TrainResult or None
+            None when there is no background run (or it is still going on after ``timeout``).
+
+        Raises
+        ------
+        RankError, Interrupted
+            What the run raised (a failing rank, a stop).
+        """
+        run = self._background
+        if run is None:
+            print("distnb: no background training run to wait for (start one with %%distrain --background)")
+            return None
+        try:
+            if not run.join(timeout):
+                print(f"distnb: the background run is still going on after {timeout:g} s")
+                return None
+        except KeyboardInterrupt:
+            run.request_stop()
+            run.join()
+        return collect(self)
+
+    def stop_training(self, quiet=False):
+        """Stop the background training run (``%dist stop-training``) as the interrupt button would.
+
+        Every rank stops after the same step; the kernel's model gets rank 0's weights.
+
+        Returns
+        -------
+        TrainResult or None
+            The result if the run had finished anyway, else None.
+
+        Raises
+        ------
+        RankError
+            If the run had failed.
+        """
+        run = self._background
+        if run is None:
+            if not quiet:
+                print("distnb: no background training run to stop")
+            return None
+        run.request_stop()
+        run.join()
+        try:
+            return collect(self)
+        except Interrupted as exc:
+            if not quiet:
+                print(f"distnb: {exc}")
+            return None
+
+    def _end_background(self):
+        """At exit: stop a background run (bounded) so the cluster can be stopped."""
+        run = self._background
+        if run is not None and not run.current_thread_is_runner():
+            run.request_stop()
+            run.join(STOP_WAIT + INTERRUPT_WAIT + 5)
+            self._background = None
+
     # watching running work ----------------------------------------------
     def _watch(self, ars, what, state=None, view=None, show_ranks=(0,)):
         """Wait for one AsyncResult per rank, streaming tagged output and progress.
@@ -281,8 +358,16 @@ class Session:
         dead = {}
         user_interrupt = False
         next_liveness = time.monotonic() + LIVENESS_SECONDS
+        bg = self._background if self._background is not None and self._background.current_thread_is_runner() else None
+        if bg is not None:  # a background run: the ranks train, the caller of train() may return
+            bg.watching = True
+            bg.started.set()
+            if hasattr(view, "attach_stop"):
+                view.attach_stop(bg.request_stop)
         try:
             while True:
+                if bg is not None and bg.stop_requested.is_set():  # %dist stop-training: as the interrupt button
+                    raise KeyboardInterrupt
                 if time.monotonic() >= next_liveness:  # a dead engine never answers: stop waiting for it
                     next_liveness = time.monotonic() + LIVENESS_SECONDS
                     dead.update({r: d for r, d in self.cluster.dead_ranks().items() if not ars[r].ready()})
@@ -319,8 +404,11 @@ class Session:
         failures = self._failures(ars, progress, interrupted, dead)
         if state is not None:
             for f in failures:
-                status = "interrupted" if f["rank"] in interrupted else "failed"
-                state.set_status(status, ranks=[f["rank"]], error=f"{f['ename']}: {f['evalue']}"[:200])
+                status = "interrupted" if f["rank"] in interrupted or f.get("collateral") else "failed"
+                error = f"{f['ename']}: {f['evalue']}"[:200]
+                if f.get("collateral") and f["rank"] not in interrupted and failures[0] is not f:
+                    error = f"stopped because rank {failures[0]['rank']} failed"
+                state.set_status(status, ranks=[f["rank"]], error=error)
         if view is not None:
             view.close()
         clean = all(ar.ready() and ar.successful() for ar in ars)
@@ -350,7 +438,7 @@ class Session:
 
     def _poll(self, ars, offsets, progress, state, view, show_ranks):
         for rank, ar in enumerate(ars):
-            if rank in show_ranks:
+            if rank in show_ranks or (ar.ready() and not ar.successful()):  # a failed rank's output too
                 for stream_name, out in (("stdout", sys.stdout), ("stderr", sys.stderr)):
                     text = getattr(ar, stream_name) or ""
                     seen = offsets.get((rank, stream_name), 0)
@@ -359,7 +447,9 @@ class Session:
                         offsets[(rank, stream_name)] = len(text)
                         prefix = f"[rank {rank}] " if len(self.cluster.engine_ids) > 1 else ""
                         lines = new.splitlines(keepends=True)
-                        out.write("".join(prefix + line for line in lines))
+                        at_start = seen == 0 or text[seen - 1] == "\n"  # a line continued: no second tag
+                        out.write("".join(("" if i == 0 and not at_start else prefix) + line
+                                          for i, line in enumerate(lines)))
                         out.flush()
             if state is not None:
                 msg = (ar.data or {}).get("distnb")
@@ -541,7 +631,7 @@ class Session:
 
     # training ------------------------------------------------------------
     def train(self, code: str, model, data, *, progress="auto", all_output=False, quiet=False,
-              **options) -> TrainResult:
+              background=False, **options) -> TrainResult:
         """Train ``model`` on ``data`` over all ranks with the step (or loop) body ``code``.
 
         Parameters
@@ -560,6 +650,11 @@ class Session:
         progress : {"auto", "widgets", "text", "none"}
         all_output : bool
             Show every rank's printed output (default rank 0 only).
+        background : bool
+            Return as soon as the ranks train, leaving the kernel free while the dashboard
+            updates; returns a :class:`~distnb.background.BackgroundRun`. :meth:`wait` returns
+            the TrainResult (the weights are back by then), :meth:`stop_training` stops it;
+            other distnb calls raise BusyError until then.
         **options
             :class:`~distnb.plan.TrainPlan` fields: epochs, batch_size, optimizer, lr,
             seed, strategy, reset, target_loss, loop, drop_last.
@@ -576,6 +671,15 @@ class Session:
             A rank raised; the weights of the last completed step are still loaded back
             and the process group is re-formed.
         """
+        if background:
+            self._check_running()
+            self._background = BackgroundRun(self.train, dict(
+                code=code, model=model, data=data, progress=progress, all_output=all_output, quiet=quiet, **options))
+            try:
+                return self._background.start()
+            except BaseException:
+                self._background = None
+                raise
         import torch
 
         from .engine import shard as sharding
@@ -625,7 +729,7 @@ class Session:
         steps = sharding.steps_per_epoch(n, num_shards, plan.batch_size, plan.drop_last)
         state = ProgressState(self.world_size, steps * plan.epochs, plan.epochs,
                               hosts=[r["host"] for r in self.cluster.ranks],
-                              devices=[r["device"] for r in self.cluster.ranks])
+                              devices=[r["device"] for r in self.cluster.ranks], strategy=plan.strategy)
         view = make_view(state, progress)
         view.show()
         ars = self.cluster.apply_all("distnb.engine.loop", "train", True, plan.to_dict(), code)

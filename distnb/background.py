@@ -1,0 +1,166 @@
+"""Training in the background: ``%%distrain --background`` / ``Session.train(..., background=True)``.
+
+The training cell's whole foreground path (send model and data, start the ranks, watch
+them, stop them on failure, re-form the group, weights back) runs in a kernel thread, so
+the cell returns as soon as the ranks have started and the kernel stays free while the
+dashboard keeps updating (ipywidgets and printed output from a thread reach the front end
+through ipykernel's IOPub thread; the thread runs in a copy of the cell's context, so rank
+output lands in the training cell). ipyparallel's client sends through its own IO loop,
+so calls from this thread are safe while the main thread leaves the cluster alone: every
+other distnb command raises :class:`~distnb.errors.BusyError` until the run is over.
+
+``%dist wait`` (:meth:`Session.wait`) joins the thread and returns the run's TrainResult;
+``%dist stop-training`` (:meth:`Session.stop_training`) asks the watcher to stop the ranks
+exactly as the interrupt button does in the foreground (a SIGINT to every rank; they agree
+on a step and stop together), then collects the run.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+import time
+
+from .errors import BusyError
+
+#: Message of the error other distnb commands raise while a background run is going on.
+BUSY_MESSAGE = ("a background training run (%%distrain --background) is still going on; run %dist wait to wait "
+                "for its result, or %dist stop-training to stop it (Python: session.wait() / "
+                "session.stop_training())")
+
+
+class BackgroundRun:
+    """A training run going on in a kernel thread.
+
+    Parameters
+    ----------
+    target : callable
+        ``target(**kwargs)`` runs the foreground training path and returns a TrainResult.
+    kwargs : dict
+
+    Attributes
+    ----------
+    thread : threading.Thread
+    started : threading.Event
+        Set once the ranks have started training (or the run ended before that).
+    watching : bool
+        True once the kernel-side watcher is running (the ranks have the training call).
+    result : TrainResult or None
+    error : BaseException or None
+        What the run raised (RankError, Interrupted, PlanError, ...).
+    on_result : list of callable
+        Called with the TrainResult in the main thread when the run is collected.
+    """
+
+    def __init__(self, target, kwargs):
+        self.started = threading.Event()
+        self.stop_requested = threading.Event()
+        self.watching = False
+        self.result = None
+        self.error = None
+        self.collected = False
+        self.on_result = []
+        self.t_start = time.monotonic()
+        self.t_end = None
+        context = contextvars.copy_context()  # the cell's output parent: rank output lands in the cell
+        self.thread = threading.Thread(target=context.run, args=(self._main, target, kwargs),
+                                       name="distnb-background-training", daemon=True)
+
+    def _main(self, target, kwargs):
+        try:
+            self.result = target(**kwargs)
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever collects the run
+            self.error = exc
+        finally:
+            self.t_end = time.monotonic()
+            self.started.set()
+
+    def start(self) -> "BackgroundRun":
+        """Start the thread and wait until the ranks train (or the preparation failed).
+
+        Raises
+        ------
+        Exception
+            Whatever the preparation raised (a PlanError for a bad option, ...), in this thread.
+        """
+        self.thread.start()
+        try:
+            while not self.started.wait(0.1):
+                pass
+        except KeyboardInterrupt:
+            self.request_stop()
+            self.join()
+            raise
+        if not self.watching and self.done:
+            self.collected = True
+            if self.error is not None:
+                raise self.error.with_traceback(None)
+        return self
+
+    @property
+    def active(self) -> bool:
+        """True while the thread runs."""
+        return self.thread.is_alive()
+
+    @property
+    def done(self) -> bool:
+        """True once the run has ended (finished, failed or stopped)."""
+        return not self.thread.is_alive()
+
+    def current_thread_is_runner(self) -> bool:
+        """True when called from the run's own thread."""
+        return threading.current_thread() is self.thread
+
+    def request_stop(self) -> None:
+        """Ask the watcher to stop the ranks (returns at once; thread-safe)."""
+        self.stop_requested.set()
+
+    def join(self, timeout=None) -> bool:
+        """Wait for the thread (interruptible); returns True if it ended."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.thread.is_alive():
+            left = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
+            if left <= 0:
+                return False
+            self.thread.join(left)
+        return True
+
+    def __repr__(self):
+        state = "running" if self.active else "finished" if self.error is None else f"ended ({type(self.error).__name__})"
+        return f"<distnb background training run: {state}>"
+
+
+def check_idle(session) -> None:
+    """Raise BusyError if ``session`` has a background run going on (its own thread excepted).
+
+    A finished run nobody has collected yet is collected here, with a one-line note.
+    """
+    run = getattr(session, "_background", None)
+    if run is None or run.current_thread_is_runner():
+        return
+    if run.active:
+        raise BusyError(BUSY_MESSAGE)
+    collect(session, note=True)
+
+
+def collect(session, note=False):
+    """Take the finished background run off ``session``; return its TrainResult or raise its error.
+
+    With ``note``, print one line instead of raising (used when another command collects it).
+    """
+    run = session._background
+    session._background = None
+    if run is None:
+        return None
+    run.collected = True
+    if run.error is None:
+        for callback in run.on_result:
+            callback(run.result)
+        if note:
+            print(f"distnb: the background run finished: {run.result.title}")
+        return run.result
+    if note:
+        first = (str(run.error).strip().splitlines() or [""])[0]
+        print(f"distnb: the background run ended: {type(run.error).__name__}: {first}")
+        return None
+    raise run.error.with_traceback(None)

@@ -1,0 +1,180 @@
+"""The dashboard's pieces without processes: state, HTML/SVG, widget throttling, snapshot, background runs."""
+
+import re
+import threading
+import time
+
+import pytest
+
+from distnb.background import BUSY_MESSAGE, BackgroundRun, check_idle, collect
+from distnb.display import render
+from distnb.display.progress import ProgressState
+from distnb.engine.report import Reporter, peak_memory
+from distnb.errors import BusyError, PlanError
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def running(state, rank, step, loss, **extra):
+    msg = dict(status="running", epoch=0, step=step, loss=loss, points=[(step, loss)], samples_per_s=100.0,
+               step_time=0.01)
+    msg.update(extra)
+    return state.update(rank, msg)
+
+
+def test_smoothed_loss_and_throughput_history():
+    clock = Clock()
+    st = ProgressState(2, total_steps=10, epochs=1, clock=clock)
+    running(st, 0, 1, 1.0)
+    running(st, 0, 2, 0.0)
+    assert st.rows[0]["smooth_loss"] == pytest.approx(0.8)  # EMA, weight 0.2 on the newest point
+    assert not st.update(0, dict(points=[(2, 0.0)]))  # an old point changes nothing
+    clock.t = 1.0
+    running(st, 1, 1, 1.0, samples_per_s=300.0)
+    assert st.throughput[-1] == (1.0, 400.0)  # summed over ranks, seconds since the first report
+
+
+def test_straggler_is_the_slowest_rank_beyond_20_percent_of_the_median():
+    st = ProgressState(3, total_steps=10)
+    for r, busy in enumerate((0.010, 0.010, 0.011)):
+        running(st, r, 2, 1.0, busy_time=busy)
+    assert st.time_per_step()[1] == "busy" and st.straggler() is None  # 10% slower: not a straggler
+    running(st, 2, 3, 1.0, busy_time=0.0125)
+    assert st.skews()[2] == pytest.approx(0.25) and st.straggler() == 2
+    svg = render.straggler_svg(st)
+    assert "distnb-straggler-slow" in svg and "rank 2 is 25% slower" in svg
+
+
+def test_wall_step_time_is_compared_without_busy_time():
+    st = ProgressState(2, total_steps=10)
+    running(st, 0, 2, 1.0, step_time=0.010)
+    running(st, 1, 2, 1.0, step_time=0.020)
+    assert st.time_per_step() == ([0.010, 0.020], "step") and st.straggler() == 1
+
+
+def test_table_rows_status_colours_error_and_stage():
+    st = ProgressState(2, total_steps=4, epochs=2, hosts=["h0", "h1"], devices=["cpu", "cpu"], strategy="ddp")
+    running(st, 0, 4, 0.5, peak_memory=3 * 2**20, memory_kind="rss")
+    st.update(0, dict(status="done"))
+    running(st, 1, 2, 0.7)
+    st.set_status("failed", ranks=[1], error="ValueError: <bad> value\nsecond line")
+    html = render.table_html(st)
+    rows = re.findall(r"<tr class='distnb-rank[^>]*>", html)
+    assert len(rows) == 2
+    assert "data-status='done'" in rows[0] and render.ROW_BG["done"] in rows[0]
+    assert "data-status='failed'" in rows[1] and render.ROW_BG["failed"] in rows[1]
+    assert "aria-valuenow='4' aria-valuemin='0' aria-valuemax='4'" in html and "width:100.0%" in html
+    assert "ValueError: &lt;bad&gt; value<" in html and "second line<" not in html  # one line, escaped
+    assert "3.0 MiB" in html and "stage" not in html
+    st.strategy = "pipeline"
+    assert ">stage<" in render.table_html(st)
+    st.strategy = "ddp"
+    st.update(1, dict(stage=1))
+    assert "class='distnb-stage'" in render.table_html(st)  # a stage sent by a strategy shows too
+
+
+def test_loss_chart_has_a_line_per_rank_and_the_mean_thinned():
+    st = ProgressState(2, total_steps=1000)
+    for step in range(1, 1001):
+        for r in range(2):
+            st.update(r, dict(step=step, points=[(step, 1.0 / step + r)]))
+    svg = render.loss_svg(st)
+    for cls in ("distnb-loss-rank0", "distnb-loss-rank1", "distnb-loss-mean"):
+        points = re.search(rf"class='{cls}' points='([^']*)'", svg).group(1).split()
+        assert 2 <= len(points) <= render.MAX_POINTS + 1
+    assert render.thin(list(range(10)), 4)[-1] == 9
+
+
+def test_reporter_sends_memory_busy_time_and_stage():
+    sent = []
+    r = Reporter(rank=0, total_steps=10, epochs=1, interval=0.0, publish=sent.append, stage=2)
+    x = 0
+    for _ in range(3):
+        for i in range(20000):
+            x += i
+        r.record(0.5, 4)
+    msg = sent[-1]
+    assert msg["stage"] == 2 and msg["memory_kind"] == "rss" and msg["peak_memory"] > 10 * 2**20
+    assert msg["busy_time"] > 0 and msg["peak_memory"] == peak_memory()[0]
+
+
+def test_dashboard_throttles_coalesces_and_leaves_a_snapshot(capsys):
+    from distnb.display.widgets import Dashboard
+
+    st = ProgressState(2, total_steps=10)
+    dash = Dashboard(st, max_fps=10)
+    running(st, 0, 1, 1.0)
+    dash.refresh()
+    running(st, 0, 2, 0.9)
+    dash.refresh()  # within 0.1 s of the last redraw: coalesced
+    assert dash.redraws == 1 and "data-step='1'" in dash.table.value
+    dash.refresh()
+    time.sleep(0.11)
+    dash.refresh()
+    assert dash.redraws == 2 and "data-step='2'" in dash.table.value
+    dash.refresh(final=True)
+    assert dash.redraws == 3
+    st.update(0, dict(status="done", step=10))
+    st.update(1, dict(status="done", step=10))
+    dash.close()  # no display id here (never shown): the snapshot is displayed instead
+    out = capsys.readouterr().out
+    assert "rank 0  done" in out and "step 10/10" in out
+    assert dash.widget.comm is None and dash.table.comm is None  # widget models closed
+    snap = render.Snapshot(st)
+    assert "distnb-snapshot" in snap._repr_html_() and "done" in repr(snap)
+
+
+def test_stop_button_calls_back():
+    from distnb.display.widgets import Dashboard
+
+    calls = []
+    dash = Dashboard(ProgressState(1))
+    dash.attach_stop(lambda: calls.append(1))
+    dash.stop_button.click()
+    assert calls == [1] and dash.stop_button.disabled and dash.stop_button in dash.widget.children
+    dash.close()
+
+
+class FakeSession:
+    _background = None
+
+
+def test_background_run_raises_preparation_errors_in_the_caller():
+    def prepare(**kw):
+        raise PlanError("--model nett is not defined")
+
+    run = BackgroundRun(prepare, {})
+    with pytest.raises(PlanError, match="nett"):
+        run.start()
+    assert run.done and run.collected
+
+
+def test_busy_while_running_then_collected_with_a_note(capsys):
+    session = FakeSession()
+    release = threading.Event()
+
+    def target(**kw):
+        session._background.watching = True
+        session._background.started.set()
+        release.wait(10)
+        check_idle(session)  # the run's own thread is never refused
+        return type("Result", (), {"title": "ddp · 2 ranks"})()
+
+    session._background = run = BackgroundRun(target, {})
+    results = []
+    run.on_result.append(results.append)
+    assert run.start() is run and run.active
+    with pytest.raises(BusyError, match="%dist wait") as info:
+        check_idle(session)
+    assert str(info.value) == BUSY_MESSAGE and "%dist stop-training" in BUSY_MESSAGE
+    release.set()
+    assert run.join(10)
+    check_idle(session)  # finished: collected by the next command, with a note
+    assert "the background run finished: ddp · 2 ranks" in capsys.readouterr().out
+    assert session._background is None and len(results) == 1 and collect(session) is None
