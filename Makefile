@@ -13,13 +13,22 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/jupyter kernelspec install --sys-prefix --name distnb jupyter-config/kernels/distnb >/dev/null
 	touch $@
 
-.PHONY: install demo test bench
+.PHONY: install demo test bench chromium
 install: $(VENV)/.installed
+
+# The browser test (tests/browser) drives Debian's Chromium through playwright (pip, in the test
+# extra); playwright's own browser download is never used. Installed when missing (needs root or sudo).
+CHROMIUM ?= /usr/bin/chromium
+chromium:
+	@test -x $(CHROMIUM) || { echo "installing Debian's chromium for the browser test"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  { $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+	  || echo "warning: could not install chromium; the browser test will be skipped"; }
 
 demo: $(VENV)/.installed
 	$(PY) -m distnb.demo
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed chromium
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(VENV)/.installed
