@@ -99,6 +99,7 @@ def save(run, directory: str, plan_dict: dict, data_seed: int) -> dict:
     model_sd, optim_sd = run.strategy.checkpoint_state(run.optimizer)
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path)
     _barrier()  # every rank's part is on disk
+    plan_dict = dict(plan_dict, optimizer=run.optimizer_key)  # the optimizer that made the saved state
     meta = dict(path=path, epoch=run.epoch, epoch_step=run.epoch_step, epoch_samples=run.epoch_samples,
                 steps=run.steps, plan=plan_dict,
                 data_seed=data_seed, world_size=runtime.STATE.world_size, optimizer=run.optimizer_key,

@@ -487,7 +487,8 @@ def restore(ns, name, directory):
     The model must have been sent (install_model) just before. Returns the checkpoint metadata.
     """
     meta = checkpoint.read_meta(directory)
-    plan_dict = dict(meta["plan"], model=name, checkpoint_dir=None, checkpoint_every=None, reset=False)
+    plan_dict = dict(meta["plan"], model=name, checkpoint_dir=None, checkpoint_every=None, reset=False,
+                     optimizer=meta["optimizer"])
     plan = TrainPlan.from_dict(plan_dict)
     run = RUNS[name]
     _prepare(ns, plan, run)

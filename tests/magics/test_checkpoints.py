@@ -115,3 +115,19 @@ def test_training_resumes_from_the_last_checkpoint_after_an_engine_dies(dist_ses
     assert final.epochs == [2]
     torch.testing.assert_close(params(ns["ck_resume"]), want, atol=1e-5, rtol=1e-5)
     assert os.path.isdir(ckdir)
+
+
+def test_load_restores_the_optimizer_of_a_cell_that_kept_it(dist_session, shell, tmp_path):
+    """A checkpoint taken after a cell without --optimizer still records (and restores) Adam."""
+    ns = shell.user_ns
+    ns["ck_data"], ns["F"] = make_data(), F
+    want = uninterrupted(dist_session, ns, 3)
+    ns["ck_keep"] = make_model()
+    train(dist_session, "ck_keep", 1, optimizer="adam", lr=0.01)
+    train(dist_session, "ck_keep", 1)  # keeps the live Adam: this cell's plan has no optimizer
+    dist_session.save(str(tmp_path), model="ck_keep", quiet=True)
+    train(dist_session, "ck_keep", 1, optimizer="sgd", lr=0.3)  # a different optimizer replaces Adam
+    meta = dist_session.load(str(tmp_path), model="ck_keep", quiet=True)
+    assert meta["optimizer"] == "adam" and meta["plan"]["optimizer"] == "adam"
+    train(dist_session, "ck_keep", 1)  # no --optimizer: the restored Adam continues
+    torch.testing.assert_close(params(ns["ck_keep"]), want, atol=1e-5, rtol=1e-5)
