@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import math
 import statistics
 import time
 
@@ -10,9 +12,41 @@ STATUSES = ("waiting", "running", "done", "failed", "interrupted")
 STRAGGLER_THRESHOLD = 0.20
 #: Weight of the newest loss point in the smoothed (exponential moving average) loss.
 SMOOTHING = 0.2
+#: Seconds of rank messages a rank's samples/s is measured over (cumulative samples / rank clock).
+RATE_WINDOW = 1.0
 #: Fields of a rank message copied into the rank's row when present.
 ROW_FIELDS = ("status", "epoch", "step", "total", "loss", "samples_per_s", "step_time", "busy_time", "error",
               "stage", "peak_memory", "memory_kind", "samples")
+
+
+class Series:
+    """(x, y) points appended in increasing x, kept at most ``2 * cap`` long by halving.
+
+    A run of any length costs the same to store and to draw: when the series grows past
+    ``2 * cap`` points every other point is dropped (the newest is always kept).
+    """
+
+    def __init__(self, cap=240):
+        self.cap = cap
+        self.points = []
+
+    def __len__(self):
+        return len(self.points)
+
+    @property
+    def last_x(self):
+        return self.points[-1][0] if self.points else None
+
+    def add(self, x, y) -> bool:
+        """Append ``(x, y)`` if ``x`` is past the last point; returns True if added."""
+        if self.points and x <= self.points[-1][0]:
+            return False
+        self.points.append((x, y))
+        if len(self.points) > 2 * self.cap:
+            last = self.points[-1]
+            self.points = self.points[:-1:2] + [last]
+        return True
+
 
 
 class ProgressState:
@@ -29,11 +63,11 @@ class ProgressState:
     strategy : str, optional
         The plan's strategy; ``"pipeline"`` shows each rank's stage.
     clock : callable, optional
-        Seconds (monotonic) for the throughput history; default ``time.monotonic``.
+        Seconds, for messages that carry no ``time`` of their own; default ``time.time``.
     """
 
     def __init__(self, world_size, total_steps=0, epochs=1, hosts=None, devices=None, strategy=None,
-                 clock=time.monotonic):
+                 clock=time.time):
         self.world_size = world_size
         self.total_steps = total_steps
         self.epochs = epochs
@@ -41,15 +75,15 @@ class ProgressState:
         self.rows = [dict(rank=r, host=(hosts or [""] * world_size)[r], device=(devices or [""] * world_size)[r],
                           status="waiting", epoch=None, step=0, total=total_steps, loss=None, smooth_loss=None,
                           samples_per_s=0.0, step_time=0.0, busy_time=None, error=None, stage=None,
-                          peak_memory=None, memory_kind=None, samples=0)
+                          peak_memory=None, memory_kind=None, samples=0, rate=None)
                      for r in range(world_size)]
-        self.curves = [dict() for _ in range(world_size)]  # rank -> {step: loss}
+        self.curves = [Series() for _ in range(world_size)]  # per rank: (step, loss)
         self.epoch_means = {}  # epoch -> mean loss over all ranks
-        self.throughput = []  # (seconds since the first message, samples/s summed over ranks)
+        self.throughput = Series()  # (seconds since the first message, samples/s summed over ranks)
         self.version = 0
         self._clock = clock
         self._t0 = None
-        self._smoothed_to = [0] * world_size  # last step folded into smooth_loss, per rank
+        self._counts = [collections.deque() for _ in range(world_size)]  # per rank: (time, cumulative samples)
 
     def update(self, rank: int, msg: dict) -> bool:
         """Merge one rank message; returns True if anything changed."""
@@ -61,33 +95,46 @@ class ProgressState:
             if key in msg and msg[key] is not None:
                 row[key] = msg[key]
         curve = self.curves[rank]
-        new_points = [(int(s), float(v)) for s, v in msg.get("points", ()) if int(s) not in curve]
-        curve.update(new_points)
-        for step, value in sorted(new_points):
-            if step > self._smoothed_to[rank]:
-                ema = row["smooth_loss"]
-                row["smooth_loss"] = value if ema is None else ema + SMOOTHING * (value - ema)
-                self._smoothed_to[rank] = step
+        new_points = [(step, value) for step, value in sorted((int(s), float(v)) for s, v in msg.get("points", ()))
+                      if curve.add(step, value)]
+        for step, value in new_points:
+            ema = row["smooth_loss"]
+            row["smooth_loss"] = value if ema is None else ema + SMOOTHING * (value - ema)
         n_means = len(self.epoch_means)
         for epoch, mean in msg.get("epoch_losses", ()):
             self.epoch_means[int(epoch)] = float(mean)
         changed = bool(new_points) or n_means != len(self.epoch_means) or before != {k: row[k] for k in ROW_FIELDS}
         if changed:
             self.version += 1
-            if before["samples_per_s"] != row["samples_per_s"] or not self.throughput:
-                self._record_throughput()
+            if "samples" in msg or "samples_per_s" in msg:
+                self._record_throughput(rank, msg)
         return changed
 
-    def _record_throughput(self):
-        now = self._clock()
+    def _record_throughput(self, rank, msg):
+        """Update ``rank``'s samples/s over the last RATE_WINDOW s of its messages, and the total line.
+
+        The rate comes from the cumulative sample count and the rank's own clock, so it does not
+        depend on when messages arrive, nor on the (short, uneven) windows of single messages.
+        """
+        now = float(msg.get("time") or self._clock())
+        row = self.rows[rank]
+        counts = self._counts[rank]
+        if msg.get("samples") is not None:
+            counts.append((now, msg["samples"]))
+            while len(counts) > 2 and now - counts[1][0] >= RATE_WINDOW:
+                counts.popleft()
+            t_then, n_then = counts[0]
+            if now - t_then >= 0.2 and row["status"] == "running":
+                row["rate"] = (msg["samples"] - n_then) / (now - t_then)
         if self._t0 is None:
             self._t0 = now
-        total = sum(r["samples_per_s"] or 0.0 for r in self.rows)
+        total = sum(r["rate"] if r["rate"] is not None else (r["samples_per_s"] or 0.0) for r in self.rows)
         t = now - self._t0
-        if self.throughput and t - self.throughput[-1][0] < 0.05:  # coalesce ranks reporting together
-            self.throughput[-1] = (self.throughput[-1][0], total)
+        points = self.throughput.points
+        if points and t - points[-1][0] < 0.05:  # coalesce ranks reporting together
+            points[-1] = (points[-1][0], total)
         else:
-            self.throughput.append((t, total))
+            self.throughput.add(t, total)
 
     def set_status(self, status: str, ranks=None, error=None) -> None:
         """Set the status (and error text) of ``ranks`` (default all)."""
@@ -109,10 +156,31 @@ class ProgressState:
             return 0
         return min(self.epochs, row["step"] * self.epochs // row["total"] + 1)
 
-    def mean_curve(self) -> list:
-        """(step, mean loss over ranks) for steps every rank has reported."""
-        common = set.intersection(*(set(c) for c in self.curves)) if self.curves else set()
-        return [(s, statistics.fmean(c[s] for c in self.curves)) for s in sorted(common)]
+    def mean_curve(self, steps=None) -> list:
+        """(step, mean loss over ranks), each rank's latest loss at or before that step.
+
+        ``steps`` defaults to the steps of rank 0's points. Ranks report at their own moments
+        (a step or two apart); steps before every rank has reported are left out. One walk
+        along each rank's (bounded) history: the cost does not grow with the run.
+        """
+        if not self.curves:
+            return []
+        steps = [x for x, _ in self.curves[0].points] if steps is None else steps
+        walks = [(c.points, [0]) for c in self.curves]
+        out = []
+        for step in steps:
+            values = []
+            for points, pos in walks:
+                j = pos[0]
+                while j < len(points) and points[j][0] <= step:
+                    j += 1
+                pos[0] = j
+                if j == 0:
+                    break
+                values.append(points[j - 1][1])
+            if len(values) == len(walks):
+                out.append((step, math.fsum(values) / len(values)))
+        return out
 
     @property
     def show_stage(self) -> bool:

@@ -29,7 +29,7 @@ ROW_BG = {"failed": "#fde0dc", "done": "#e3f4e4", "interrupted": "#fff3cd"}
 BAR = {"waiting": "#bbb", "running": "#1976d2", "done": "#2e7d32", "failed": "#c62828", "interrupted": "#ef8f00"}
 STATUS_COLOR = {"failed": "#b71c1c", "done": "#1b5e20", "interrupted": "#8a5a00"}
 #: Points drawn per line at most (longer histories are thinned, keeping the last point).
-MAX_POINTS = 240
+MAX_POINTS = 150
 _FONT = "font-family:var(--jp-ui-font-family,system-ui,sans-serif);font-size:12px"
 _CELL = "padding:2px 6px;text-align:right;white-space:nowrap"
 _MONO = "font-family:var(--jp-code-font-family,monospace);font-size:11px;white-space:pre-wrap;word-break:break-all"
@@ -76,6 +76,11 @@ def thin(points, limit=MAX_POINTS) -> list:
 
 
 # --- the per-rank table ------------------------------------------------------------------------
+def _rate(row) -> float:
+    """A rank's samples/s: over the last second when known, else its last message's window."""
+    return row["rate"] if row.get("rate") is not None else (row["samples_per_s"] or 0.0)
+
+
 def _bar(row, fraction) -> str:
     pct = 100.0 * fraction
     color = BAR.get(row["status"], BAR["running"])
@@ -123,7 +128,7 @@ def table_html(state) -> str:
                   f"</span></td>",
                   f"<td style='{_CELL}'>{esc(epoch)}</td>",
                   f"<td class='distnb-loss-value' style='{_CELL}'>{esc(loss)}</td>",
-                  f"<td style='{_CELL}'>{row['samples_per_s'] or 0:.0f}</td>",
+                  f"<td style='{_CELL}'>{_rate(row):.0f}</td>",
                   f"<td style='{_CELL}'>{esc(fmt_seconds(row['step_time']))}</td>",
                   f"<td class='distnb-skew' style='{_CELL};{busy_style}'>{esc(busy)}</td>",
                   f"<td style='{_CELL}'>{esc(mem)}</td>",
@@ -152,11 +157,10 @@ def _plot(series, cls, title, width=300, height=130, ylabel_fmt="{:.3g}", xlabel
     x0, x1 = min(x for x, _ in pts), max(x for x, _ in pts)
     lo, hi = min(y for _, y in pts), max(y for _, y in pts)
     xspan, yspan = (x1 - x0) or 1.0, (hi - lo) or (abs(hi) or 1.0)
-    left, top, right, bottom = 40, 20, 6, 16
+    left, top, right, bottom = 48, 20, 6, 16
     w, h = width - left - right, height - top - bottom
 
-    def xy(x, y):
-        return f"{left + w * (x - x0) / xspan:.1f},{top + h * (1 - (y - lo) / yspan):.1f}"
+    sx, sy = w / xspan, h / yspan
 
     out = [frame,
            f"<text x='{left - 4}' y='{top + 8}' font-size='10' text-anchor='end' fill='#666'>"
@@ -170,9 +174,9 @@ def _plot(series, cls, title, width=300, height=130, ylabel_fmt="{:.3g}", xlabel
     for points, color, stroke, pcls, label in series:
         if not points:
             continue
-        coords = " ".join(xy(x, y) for x, y in thin(points))
+        coords = " ".join([f"{left + sx * (x - x0):.1f},{top + h - sy * (y - lo):.1f}" for x, y in thin(points)])
         out.append(f"<polyline class='{pcls}' points='{coords}' fill='none' stroke='{color}' "
-                   f"stroke-width='{stroke}' data-points='{len(points)}'><title>{esc(label)}</title></polyline>")
+                   f"stroke-width='{stroke}' ><title>{esc(label)}</title></polyline>")
         if label and len(series) > 1:
             out.append(f"<text x='{legend_x}' y='{top + 10}' font-size='10' fill='{color}'>{esc(label)}</text>")
             legend_x += 7 * len(label) + 8
@@ -181,16 +185,16 @@ def _plot(series, cls, title, width=300, height=130, ylabel_fmt="{:.3g}", xlabel
 
 def loss_svg(state, width=300, height=130) -> str:
     """Loss against step for every rank, and the mean over ranks (black)."""
-    series = [(sorted(c.items()), COLORS[r % len(COLORS)], 1, f"distnb-loss-rank{r}", f"rank {r}")
+    series = [(thin(c.points), COLORS[r % len(COLORS)], 1, f"distnb-loss-rank{r}", f"rank {r}")
               for r, c in enumerate(state.curves)]
     if state.world_size > 1:
-        series.append((state.mean_curve(), "#000", 2, "distnb-loss-mean", "mean"))
+        series.append((state.mean_curve([x for x, _ in series[0][0]]), "#000", 2, "distnb-loss-mean", "mean"))
     return _plot(series, "distnb-loss", "loss", width, height)
 
 
 def throughput_svg(state, width=300, height=130) -> str:
     """Samples per second summed over ranks, against seconds since the first report."""
-    return _plot([(state.throughput, "#00897b", 1.5, "distnb-throughput-total", "")], "distnb-throughput",
+    return _plot([(state.throughput.points, "#00897b", 1.5, "distnb-throughput-total", "")], "distnb-throughput",
                  "samples/s (all ranks)", width, height, ylabel_fmt="{:.0f}", xlabel="s")
 
 
@@ -259,7 +263,7 @@ def header_html(state, title="") -> str:
     if state.epoch_means:
         last = max(state.epoch_means)
         parts.append(f"epoch {last} mean loss {state.epoch_means[last]:.4f}")
-    total = sum(r["samples_per_s"] or 0.0 for r in state.rows)
+    total = sum(_rate(r) for r in state.rows)
     if total:
         parts.append(f"{total:.0f} samples/s")
     if title:
@@ -279,7 +283,7 @@ def dashboard_text(state) -> str:
     for r, row in enumerate(state.rows):
         loss = "-" if row["smooth_loss"] is None else f"{row['smooth_loss']:.4f}"
         line = (f"rank {r}  {row['status']:<11} step {row['step']}/{row['total']}  loss {loss}  "
-                f"{row['samples_per_s'] or 0:.0f} samples/s  peak {fmt_bytes(row['peak_memory'])}")
+                f"{_rate(row):.0f} samples/s  peak {fmt_bytes(row['peak_memory'])}")
         if row["status"] in ("failed", "interrupted") and row.get("error"):
             line += f"  {one_line(row['error'])}"
         lines.append(line)

@@ -3,8 +3,10 @@
 Three HTML widgets (header, the per-rank table, the charts: loss, throughput, stragglers)
 drawn by :mod:`distnb.display.render` from the :class:`~distnb.display.progress.ProgressState`
 that the kernel fills from the ranks' progress messages. Redraws are throttled and coalesced:
-at most ``max_fps`` a second, only when a rank message changed the state, and only widgets
-whose HTML changed are sent to the front end. For a background run a "Stop training" button
+the table at most ``max_fps`` (10) a second and the charts ``chart_fps`` (3), only when a rank
+message changed the state, and only widgets whose HTML changed are sent to the front end.
+Histories are kept short by :class:`~distnb.display.progress.Series`, so a redraw costs the
+same (about 1 ms) at the start of a run and after hours. For a background run a "Stop training" button
 is added (it works because the kernel is idle while the run goes on).
 
 When the run ends the widget's output is replaced by a static snapshot of the final state
@@ -28,13 +30,18 @@ class Dashboard:
     ----------
     state : ProgressState
     max_fps : float
-        Redraws per second at most (rank messages arrive at most 10 a second per rank).
+        Redraws of the header and the table per second at most (rank messages arrive at most
+        10 a second per rank).
+    chart_fps : float
+        Redraws of the charts per second at most.
     """
 
-    def __init__(self, state, max_fps: float = 10.0):
+    def __init__(self, state, max_fps: float = 10.0, chart_fps: float = 3.0):
         self.state = state
         self.min_interval = 1.0 / max_fps
+        self.chart_interval = 1.0 / chart_fps
         self._last = 0.0
+        self._last_charts = 0.0
         self._version = -1
         self._handle = None
         self.redraws = 0
@@ -75,9 +82,12 @@ class Dashboard:
             return
         self._last, self._version = now, self.state.version
         self.redraws += 1
-        for widget, html in ((self.header, render.header_html(self.state)),
-                             (self.table, render.table_html(self.state)),
-                             (self.charts, render.charts_html(self.state))):
+        parts = [(self.header, render.header_html), (self.table, render.table_html)]
+        if final or now - self._last_charts >= self.chart_interval:  # the SVG charts: a few times a second
+            self._last_charts = now
+            parts.append((self.charts, render.charts_html))
+        for widget, draw in parts:
+            html = draw(self.state)
             if widget.value != html:
                 widget.value = html
 

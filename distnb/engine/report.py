@@ -21,6 +21,11 @@ import sys
 import time
 
 
+#: Loss points and epoch means a message repeats (the newest), so the kernel loses none when it reads
+#: the latest message only every second or so; more would make every message dearer to send and read.
+TAIL = 16
+
+
 def _default_publish(data: dict) -> None:
     from ipyparallel.datapub import publish_data  # lazy: only inside an engine
 
@@ -117,6 +122,7 @@ class Reporter:
 
     def end_epoch(self, epoch: int, mean_loss: float) -> None:
         self.epoch_losses.append((epoch, mean_loss))
+        del self.epoch_losses[:-TAIL]
         self._flush(time.perf_counter())
 
     def _flush(self, now: float) -> None:
@@ -137,12 +143,14 @@ class Reporter:
             loss = float(self._last_loss)
             if not self.points or self.points[-1][0] != self.step:
                 self.points.append((self.step, loss))
+                del self.points[:-TAIL]
         self._t_last = now
         self.messages += 1
         msg = dict(rank=self.rank, status=self.status, epoch=self.epoch, epochs=self.epochs,
                    step=self.step, total=self.total, samples=self.samples, loss=loss,
                    samples_per_s=self.samples_per_s, step_time=self.step_time, busy_time=self.busy_time,
-                   peak_memory=memory, memory_kind=memory_kind, points=self.points[-64:], epoch_losses=self.epoch_losses[-64:], time=time.time())
+                   peak_memory=memory, memory_kind=memory_kind, points=self.points[-TAIL:],
+                   epoch_losses=self.epoch_losses[-TAIL:], time=time.time())
         msg.update(self.extra)
         try:
             self.publish(msg)

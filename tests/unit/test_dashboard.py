@@ -37,7 +37,16 @@ def test_smoothed_loss_and_throughput_history():
     assert not st.update(0, dict(points=[(2, 0.0)]))  # an old point changes nothing
     clock.t = 1.0
     running(st, 1, 1, 1.0, samples_per_s=300.0)
-    assert st.throughput[-1] == (1.0, 400.0)  # summed over ranks, seconds since the first report
+    assert st.throughput.points[-1] == (1.0, 400.0)  # summed over ranks, seconds since the first report
+
+
+def test_samples_per_second_from_cumulative_samples_on_the_rank_clock():
+    st = ProgressState(1, total_steps=100)
+    for i, (t, n, window_rate) in enumerate([(10.0, 0, 0.0), (10.1, 100, 5000.0), (10.3, 300, 200.0),
+                                             (10.5, 500, 9000.0)]):
+        running(st, 0, i + 1, 1.0, time=t, samples=n, samples_per_s=window_rate)
+    assert st.rows[0]["rate"] == pytest.approx(1000.0)  # 500 samples in 0.5 s, whatever the windows said
+    assert st.throughput.points[-1] == (pytest.approx(0.5), pytest.approx(1000.0))
 
 
 def test_straggler_is_the_slowest_rank_beyond_20_percent_of_the_median():
