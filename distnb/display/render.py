@@ -139,7 +139,7 @@ def table_html(state) -> str:
         if status in ("failed", "interrupted") and row.get("error"):  # the exception, one line, under the row
             body.append(f"<tr class='distnb-error-row' data-rank='{r}' style='background:{bg}'><td></td>"
                         f"<td colspan='{len(cells) - 1}' class='distnb-error' title='{esc(row['error'])}' "
-                        f"style='padding:0 6px 3px;color:{STATUS_COLOR[status]};{_MONO}'>"
+                        f"style='padding:0 6px 3px;text-align:left;color:{STATUS_COLOR[status]};{_MONO}'>"
                         f"{esc(one_line(row['error'], 140))}</td></tr>")
     return (f"<table class='distnb-ranks' style='border-collapse:collapse;{_FONT}'><thead><tr>{ths}</tr></thead>"
             f"<tbody>{''.join(body)}</tbody></table>")
