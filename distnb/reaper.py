@@ -5,7 +5,9 @@ kernel is killed (SIGKILL, a crash, an out-of-memory kill) nothing stops them an
 they live on, holding ports and memory. :func:`spawn` starts this module as a tiny
 separate process that polls the kernel's pid; once the kernel is gone it terminates
 the watched processes and their children (SIGTERM, then SIGKILL after a grace
-period). It exits by itself when everything it watches has gone (a normal stop).
+period), and removes the shared-memory files of the kernel's transfers
+(``/dev/shm/distnb-<kernel pid>-*``). It exits by itself when everything it watches has gone
+(a normal stop).
 
 Usage: ``python -m distnb.reaper KERNEL_PID PID [PID ...]``
 """
@@ -61,6 +63,21 @@ def reap(procs) -> None:
             pass
 
 
+def sweep_shm(kernel_pid: int) -> None:
+    """Remove the kernel's shared-memory transfer files (``distnb-<pid>-*``, see distnb.engine.wire)."""
+    folder = os.environ.get("DISTNB_SHM_DIR", "/dev/shm")
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(f"distnb-{kernel_pid}-"):
+            try:
+                os.unlink(os.path.join(folder, name))
+            except OSError:
+                pass
+
+
 def main(argv) -> int:
     import psutil
 
@@ -78,6 +95,7 @@ def main(argv) -> int:
     while True:
         if kernel is None or not _alive(kernel):
             reap([p for p in procs if _alive(p)])
+            sweep_shm(int(argv[0]))
             return 0
         if not any(_alive(p) for p in procs):
             return 0

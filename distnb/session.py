@@ -13,6 +13,7 @@ Typical use outside IPython magics::
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import signal
 import sys
@@ -24,6 +25,7 @@ from .display.tables import Table
 from .background import BackgroundRun, check_idle, collect
 from .errors import ClusterError, Interrupted, PlanError, RankError
 from .plan import TrainPlan
+from .transfer import sweep_shm
 
 _CURRENT = None
 #: Names a training body gets from distnb, never pushed from the notebook.
@@ -256,6 +258,7 @@ class Session:
             return
         pids = self.cluster.pids
         self.cluster.stop()
+        sweep_shm()  # shared-memory transfer files a failure may have left
         self._models.clear()
         self._distributed.clear()
         self._data.clear()
@@ -520,9 +523,11 @@ class Session:
         """Send notebook objects to every rank by value (classes and functions included).
 
         ``push("MLP", "net")`` sends the kernel's ``MLP`` and ``net``; ``push(x=obj)``
-        binds ``obj`` to ``x`` on the ranks. Tensors travel as zero-copy buffers.
+        binds ``obj`` to ``x`` on the ranks. Tensors travel through shared memory when the
+        ranks are on this host, else as zero-copy buffers.
         """
         from .engine.wire import pack
+        from .transfer import outgoing
 
         self._check_running()
         items = {name: self._lookup(name) for name in names}
@@ -530,16 +535,18 @@ class Session:
         if not items:
             raise PlanError("push needs at least one name, e.g. %dist push MLP")
         ars = []
-        for name, value in items.items():
-            try:
-                payload, descs, buffers = pack(value)
-            except Exception as exc:
-                why = " (sent because the training cell reads it)" if auto else ""
-                raise PlanError(f"cannot send {name!r} ({type(value).__name__}) to the ranks{why}: "
-                                f"{type(exc).__name__}: {exc}. Create it on the ranks in a %%dist cell "
-                                "instead") from None
-            ars += self.cluster.apply_all("distnb.engine.wire", "bind", True, name, payload, descs, *buffers)
-        self.cluster.wait_all(ars, timeout=self.cluster.spec.timeout, what="push")
+        with contextlib.ExitStack() as files:  # tensors: shared memory on one host, else zero-copy frames
+            for name, value in items.items():
+                try:
+                    payload, descs, buffers = pack(value)
+                except Exception as exc:
+                    why = " (sent because the training cell reads it)" if auto else ""
+                    raise PlanError(f"cannot send {name!r} ({type(value).__name__}) to the ranks{why}: "
+                                    f"{type(exc).__name__}: {exc}. Create it on the ranks in a %%dist cell "
+                                    "instead") from None
+                sent = files.enter_context(outgoing(self.cluster, buffers))
+                ars += self.cluster.apply_all("distnb.engine.wire", "bind", True, name, payload, descs, *sent)
+            self.cluster.wait_all(ars, timeout=self.cluster.spec.timeout, what="push")
 
     def pull(self, name: str, rank=None):
         """The value of ``name`` on ``rank`` (or a list over all ranks when rank is None)."""
@@ -572,8 +579,7 @@ class Session:
             Samples per rank.
         """
         from .engine import shard as sharding
-        from .engine import wire
-        from .transfer import columns_of, fingerprint
+        from .transfer import columns_of, fingerprint, outgoing_rows
 
         self._check_running()
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
@@ -585,13 +591,14 @@ class Session:
             raise PlanError(f"{name} has {n} samples, fewer than world_size={self.world_size}")
         shards = sharding.assign(n, num_shards, seed)
         ars = []
-        for index, idx in enumerate(shards):
-            cols = [c[idx] for c in columns]
-            descs, buffers = [wire.describe(c) for c in cols], [wire.to_buffer(c) for c in cols]
-            for rank in range(index, self.world_size, num_shards):
-                ars.append(self.cluster.apply(rank, "distnb.engine.loop", "install_shard", True, name, n,
-                                              num_shards, seed, index, structure, descs, *buffers))
-        sizes = self.cluster.wait_all(ars, timeout=self.cluster.spec.timeout, what=f"scatter {name}")
+        with contextlib.ExitStack() as files:  # each shard written once (shared memory on one host)
+            for index, idx in enumerate(shards):
+                ranks = range(index, self.world_size, num_shards)
+                descs, sent = files.enter_context(outgoing_rows(self.cluster, columns, idx, ranks))
+                for rank in ranks:
+                    ars.append(self.cluster.apply(rank, "distnb.engine.loop", "install_shard", True, name, n,
+                                                  num_shards, seed, index, structure, descs, *sent))
+            sizes = self.cluster.wait_all(ars, timeout=self.cluster.spec.timeout, what=f"scatter {name}")
         self._data[name] = dict(fingerprint=fingerprint(obj), seed=seed, num_samples=n, shards=shards,
                                 structure=structure, num_shards=num_shards)
         if not quiet:
@@ -794,7 +801,7 @@ class Session:
         from .engine import strategies
         from .engine.loop import strategy_key
         from .engine.wire import pack
-        from .transfer import fingerprint
+        from .transfer import fingerprint, outgoing
 
         fp = fingerprint(model_obj)
         key = strategy_key(plan)
@@ -805,9 +812,11 @@ class Session:
         if not plan.reset and reusable and self._models.get(plan.model) == fp:
             return False
         payload, descs, buffers = pack(model_obj)
-        ars = self.cluster.apply_all("distnb.engine.loop", "install_model", True, plan.model, payload, descs,
-                                     *buffers)
-        counts = self.cluster.wait_all(ars, timeout=self.cluster.spec.timeout + 60, what=f"sending {plan.model}")
+        with outgoing(self.cluster, buffers) as sent:  # shared memory on one host, else zero-copy frames
+            ars = self.cluster.apply_all("distnb.engine.loop", "install_model", True, plan.model, payload, descs,
+                                         *sent)
+            counts = self.cluster.wait_all(ars, timeout=self.cluster.spec.timeout + 60,
+                                           what=f"sending {plan.model}")
         self._models[plan.model] = fp
         if not quiet:
             print(f"distnb: sent {plan.model} ({type(model_obj).__name__}, {counts[0]:,} parameters) to "

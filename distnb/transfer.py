@@ -10,6 +10,9 @@ neither pickled nor copied whole in the kernel.
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 from .errors import PlanError
 
 
@@ -142,14 +145,148 @@ def fingerprint(obj):
 
 
 def load_state_into(model, keys, descs, sizes, flat) -> None:
-    """Copy weights received from a rank into the kernel's ``model`` in place."""
+    """Copy weights received from a rank into the kernel's ``model`` in place.
+
+    ``flat`` is the flat array of :func:`distnb.engine.wire.flatten_state` or a
+    :class:`~distnb.engine.wire.ShmRef`; a shared-memory file is read straight into the
+    model's tensors (no copy of the state in the kernel's memory) and always unlinked.
+    """
     import torch
 
     from .engine import wire
 
-    state = wire.unflatten_state(keys, descs, sizes, flat)
-    with torch.no_grad():
-        model.load_state_dict(state)
+    if not isinstance(flat, wire.ShmRef):
+        state = wire.unflatten_state(keys, descs, sizes, flat)
+        with torch.no_grad():
+            model.load_state_dict(state)
+        return
+    try:
+        targets = model.state_dict(keep_vars=True)
+        if set(targets) != set(keys):  # let load_state_dict name the missing/unexpected keys
+            with torch.no_grad():
+                model.load_state_dict(wire.unflatten_state(keys, descs, sizes, flat))
+            return
+        rest, jobs, seen = {}, [], set()
+        for key, desc, offset, size in zip(keys, descs, flat.offsets, flat.sizes):
+            t = targets[key].detach()
+            if (t.device.type == "cpu" and t.is_contiguous() and str(t.dtype).removeprefix("torch.") == desc[0]
+                    and tuple(t.shape) == tuple(desc[1]) and not t.is_conj() and not t.is_neg()
+                    and t.data_ptr() not in seen):  # tied weights: read once
+                seen.add(t.data_ptr())
+                jobs.append((t, offset, size))
+            elif t.data_ptr() not in seen or t.numel() == 0:  # other dtype, device or layout: load_state_dict converts
+                rest[key] = torch.empty(tuple(desc[1]), dtype=getattr(torch, desc[0]))
+                jobs.append((rest[key], offset, size))
+        fd = os.open(flat.path, os.O_RDONLY)
+        try:
+            wire.read_into(fd, jobs)  # straight into the model's own tensors
+        finally:
+            os.close(fd)
+        for key in targets:
+            if key not in rest:
+                torch.autograd.graph.increment_version(targets[key])  # as load_state_dict's copy_ would
+        if rest:
+            with torch.no_grad():
+                model.load_state_dict(rest, strict=False)
+    finally:
+        flat.unlink()
+
+
+def shm_ranks(cluster) -> frozenset:
+    """Ranks that see this kernel's ``/dev/shm`` (same host, same user): probed once per cluster.
+
+    A file holding a random token is written here and every rank is asked to read it
+    (:func:`distnb.engine.wire.probe_shm`, which also turns on the shared-memory path for
+    what the rank sends back). ``DISTNB_SHM=0`` in the kernel's environment turns it off.
+    """
+    import uuid
+
+    from .engine import wire
+
+    known = getattr(cluster, "_distnb_shm_ranks", None)
+    if known is not None:
+        return known
+    ok = frozenset()
+    if os.environ.get("DISTNB_SHM", "1") != "0" and os.path.isdir(wire.SHM_DIR):
+        token = uuid.uuid4().hex
+        path = wire.shm_path(os.getpid(), "probe")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(token)
+            ars = cluster.apply_all("distnb.engine.wire", "probe_shm", False, path, token, os.getpid())
+            answers = cluster.wait_all(ars, timeout=cluster.spec.timeout, what="probing shared memory")
+            ok = frozenset(r for r, yes in enumerate(answers) if yes)
+        except OSError:
+            ok = frozenset()
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    cluster._distnb_shm_ranks = ok
+    return ok
+
+
+@contextlib.contextmanager
+def outgoing(cluster, buffers, ranks=None):
+    """The arguments that carry ``buffers`` to ``ranks`` (default all) in one transfer.
+
+    One shared-memory file, written once, when every receiving rank shares ``/dev/shm``
+    with the kernel (:func:`shm_ranks`) and it has room; else the buffers themselves
+    (ipyparallel zero-copy frames). The file is unlinked when the block ends, whether
+    the ranks succeeded or not.
+
+    Yields
+    ------
+    list
+        ``[ShmRef]`` or ``buffers``: pass as ``*args`` after the tensor descriptions.
+    """
+    from .engine import wire
+
+    ranks = range(cluster.world_size) if ranks is None else ranks
+    ref = None
+    if buffers and set(ranks) <= shm_ranks(cluster):
+        try:
+            ref = wire.write_shm(buffers, os.getpid(), "k")
+        except OSError:  # no room in /dev/shm: send the bytes in the messages
+            ref = None
+    try:
+        yield [ref] if ref is not None else list(buffers)
+    finally:
+        if ref is not None:
+            ref.unlink()
+
+
+@contextlib.contextmanager
+def outgoing_rows(cluster, columns, index, ranks):
+    """Like :func:`outgoing` for rows ``index`` of ``columns`` (a data shard): yields (descs, args).
+
+    In shared memory the rows are gathered straight into the file (no copy of the shard
+    in the kernel); otherwise they are gathered into new tensors sent as buffers.
+    """
+    from .engine import wire
+
+    ref = None
+    if set(ranks) <= shm_ranks(cluster):
+        try:
+            ref, descs = wire.write_shm_rows(columns, index, os.getpid(), "k")
+        except OSError:
+            ref = None
+    try:
+        if ref is not None:
+            yield descs, [ref]
+        else:
+            cols = [c[index] for c in columns]
+            yield [wire.describe(c) for c in cols], [wire.to_buffer(c) for c in cols]
+    finally:
+        if ref is not None:
+            ref.unlink()
+
+
+def sweep_shm() -> int:
+    """Remove shared-memory files this kernel's transfers left (after a crash); returns how many."""
+    from .engine import wire
+
+    return wire.sweep_shm(os.getpid())
 
 
 def free_names(code: str) -> set:

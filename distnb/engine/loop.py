@@ -104,8 +104,11 @@ def install_model(ns, name, payload, descs, *buffers):
 
 
 def install_shard(ns, name, num_samples, num_shards, seed, index, structure, descs, *buffers):
-    """Receive shard ``index`` (of ``num_shards``) of a data set and bind it to ``name`` in the engine."""
-    columns = [wire.from_buffer(d, b) for d, b in zip(descs, buffers)]
+    """Receive shard ``index`` (of ``num_shards``) of a data set and bind it to ``name`` in the engine.
+
+    From shared memory the shard is mapped copy-on-write, not copied (it is read, not written).
+    """
+    columns = wire.receive(descs, buffers, mapped=True)
     SHARDS[name] = Shard(num_samples, num_shards, seed, index, structure, columns)
     ns[name] = SHARDS[name].as_value()
     return len(SHARDS[name])

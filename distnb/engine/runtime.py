@@ -228,6 +228,9 @@ def run_cell(ns: dict, code: str):
 
 def shutdown() -> None:
     """Destroy the process group and exit the engine process at once with status 0."""
+    from . import wire
+
+    wire.drop_outstanding()  # weights written for the kernel that it never collected
     try:
         import torch.distributed as dist
 

@@ -1,0 +1,115 @@
+"""Same-host transfers through /dev/shm on the real 2-rank cluster, and the ipyparallel fallback.
+
+Models, pushed values and data shards arrive bit-exactly either way, the weights come back
+into the kernel's own tensors, each rank holds only its shard, and no transfer file is
+left behind (after success or failure).
+"""
+
+import glob
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distnb import transfer
+from distnb.engine import shard, wire
+from distnb.errors import RankError
+
+BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
+
+
+def leftovers():
+    return glob.glob(os.path.join(wire.SHM_DIR, f"distnb-{os.getpid()}-*"))
+
+
+@pytest.fixture
+def no_shm(dist_session):
+    """The ipyparallel path: the kernel sends bytes in messages and the ranks send them back so."""
+    cluster = dist_session.cluster
+    cluster._distnb_shm_ranks = frozenset()
+    cluster.wait_all(cluster.apply_all("distnb.engine.wire", "probe_shm", False, "/nonexistent", "x", os.getpid()),
+                     timeout=30, what="turning shared memory off")
+    yield
+    del cluster._distnb_shm_ranks  # probed again (and turned on again on the ranks) by the next transfer
+
+
+def model(seed=3):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 3))
+
+
+def data(n=101):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n, 12, generator=g)
+    return torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 1).long())
+
+
+def ranks_flat(dist_session, name):
+    dist_session.run(f"import torch\n_flat = torch.cat([p.detach().flatten() for p in {name}.parameters()])")
+    return dist_session.pull("_flat")
+
+
+@pytest.mark.parametrize("path", ["shm", "ipyparallel"])
+def test_model_push_and_training_round_trip(dist_session, shell, request, path):
+    if path == "ipyparallel":
+        request.getfixturevalue("no_shm")
+    else:
+        assert transfer.shm_ranks(dist_session.cluster) == {0, 1}  # both ranks share this host's /dev/shm
+    ns = shell.user_ns
+    name = f"shm_net_{path}"
+    ns[name], ns["shm_data"], ns["F"] = model(), data(), F
+    ns["shm_blob"] = torch.arange(1000.0)
+    dist_session.push("shm_blob")
+    assert all(torch.equal(b, ns["shm_blob"]) for b in dist_session.pull("shm_blob"))
+
+    kernel_params = [p for p in ns[name].parameters()]
+    ptrs = [p.data_ptr() for p in kernel_params]
+    dist_session.train(BODY, model=name, data="shm_data", epochs=2, batch_size=8, optimizer="adam", lr=0.01,
+                       progress="none", quiet=True)
+    # the weights came back into the kernel's own tensors, equal to every rank's
+    assert [p.data_ptr() for p in ns[name].parameters()] == ptrs
+    flats = ranks_flat(dist_session, name)
+    kernel_flat = torch.cat([p.detach().flatten() for p in ns[name].parameters()])
+    assert torch.equal(flats[0], kernel_flat) and torch.equal(flats[1], kernel_flat)
+    # and a second cell continues from them
+    r = dist_session.train(BODY, model=name, data="shm_data", epochs=1, batch_size=8, progress="none", quiet=True)
+    assert r.epochs == [2]
+    assert leftovers() == []
+
+
+def test_scatter_maps_only_its_shard(dist_session, shell):
+    assert transfer.shm_ranks(dist_session.cluster) == {0, 1}
+    x = torch.randn(1001, 6)
+    y = torch.arange(1001)
+    sizes = dist_session.scatter("shm_xy", (x, y))
+    assert sizes == [501, 500]
+    mine = shard.assign(1001, 2, 0)
+    values = dist_session.pull("shm_xy")
+    for r in (0, 1):
+        assert torch.equal(values[r][0], x[mine[r]]) and torch.equal(values[r][1], y[mine[r]])
+    # each rank's shard lives in one mapping the size of its shard (not of the whole set), and is writable
+    dist_session.run("_nbytes = shm_xy[0].untyped_storage().nbytes()\nshm_xy[0].mul_(1)")
+    for r, nbytes in enumerate(dist_session.pull("_nbytes")):
+        assert sizes[r] * 6 * 4 <= nbytes < 1001 * 6 * 4
+    back = dist_session.gather("shm_xy")
+    assert torch.equal(back[0], x) and torch.equal(back[1], y)
+    assert leftovers() == []
+
+
+def test_scatter_fallback_gives_the_same_shards(dist_session, no_shm):
+    x = torch.randn(301, 4)
+    dist_session.scatter("shm_x_ipp", x)
+    assert torch.equal(dist_session.gather("shm_x_ipp"), x)
+
+
+def test_failed_transfer_leaves_no_file_and_the_cluster_works(dist_session, shell):
+    shell.run_cell("import torch\n"
+                   "def _shm_explode():\n    raise ValueError('cannot be rebuilt here')\n"
+                   "class ShmUnpicklable:\n    def __reduce__(self):\n        return (_shm_explode, ())\n"
+                   "shm_bad = {'big': torch.ones(1 << 16), 'bad': ShmUnpicklable()}")
+    with pytest.raises(RankError, match="cannot be rebuilt here"):
+        dist_session.push("shm_bad")
+    assert leftovers() == []
+    assert dist_session.run("1 + 1") == ["2", "2"]
