@@ -717,7 +717,7 @@ class Session:
                 raise PlanError(f"--optimizer {plan.optimizer} must be callable: f(params) -> Optimizer")
             self.push(plan.optimizer)
         try:
-            strategies.check(plan, model_obj, self.world_size)
+            strategies.check(plan, model_obj, self.world_size, ns=self.ns)
         except strategies.StrategyError as exc:
             raise PlanError(f"--strategy {plan.strategy}: {exc}") from None
         num_shards = strategies.data_parallel_size(plan, self.world_size)

@@ -1,0 +1,200 @@
+"""Sharded data parallelism with FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+Fully Sharded Data Parallel (Zhao et al., "PyTorch FSDP: Experiences on Scaling Fully
+Sharded Data Parallel", VLDB 2023), in its second, per-parameter form (FSDP2): every
+parameter becomes a ``DTensor`` sharded on dim 0 over a 1-D device mesh of all
+``world_size`` ranks (``Shard(0)``; an uneven dim 0 gives the first ranks one row more), so
+each rank stores 1/world_size of the parameters, of their gradients and of the optimizer
+state (the optimizer is built over the sharded parameters). This is ZeRO stage 3
+(Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", SC 2020).
+
+Each *FSDP unit* all-gathers its parameters just before its forward (and again before its
+backward) and frees them afterwards; gradients are reduce-scattered, averaged over the
+ranks, so that after ``backward()`` each rank holds the mean gradient of its own shard. A
+step therefore equals one process training on the union of the ranks' batches.
+
+Units: ``--fsdp-units NAME,...`` (submodule names as in ``model.named_modules()``), or by
+default every direct child of the model that holds parameters; the root is always a unit
+(it takes the parameters no other unit holds). Units are sharded innermost first.
+
+Buffers (BatchNorm running statistics) are not sharded: each rank keeps its own, updated
+from its own batches, and rank 0's are loaded back into the kernel.
+
+Errors (kernel side, :class:`~distnb.engine.strategies.StrategyError`): a unit name that is
+not a submodule (the message lists the valid names), a unit without parameters, a model
+without parameters.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from .. import runtime
+from . import Strategy, StrategyError, tensor_bytes
+
+#: Device meshes made by the fsdp and tensor strategies on this rank, by id (meshes of one
+#: shape compare equal, so no set). DTensor's caches keep them (and so the process group)
+#: alive after their model is gone: released at teardown.
+_MESHES: dict[int, weakref.ref] = {}
+
+
+def _has_params(module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def module_names(module, limit: int = 30) -> str:
+    """The submodule names of ``module`` as one line (the first ``limit``), for error messages."""
+    names = [n for n, _ in module.named_modules() if n]
+    text = ", ".join(names[:limit])
+    return text + (f", ... ({len(names) - limit} more)" if len(names) > limit else "") if names else "(none)"
+
+
+def default_units(module) -> list[str]:
+    """Names of the direct children of ``module`` that hold parameters."""
+    return [name for name, child in module.named_children() if _has_params(child)]
+
+
+class FSDP(Strategy):
+    """Each rank holds 1/world_size of every parameter, its gradient and its optimizer state.
+
+    Attributes
+    ----------
+    units : list of str
+        Submodules sharded as their own FSDP unit (the root is one too), innermost first.
+    mesh : torch.distributed.device_mesh.DeviceMesh
+        1-D mesh over all ranks (the default process group).
+    """
+
+    name = "fsdp"
+    data_parallel = True
+    wraps_model = False  # fully_shard changes the module in place: calling it directly is right
+    modifies_module = True
+
+    def __init__(self, module, plan, device, ns):
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+
+        super().__init__(module, plan, device, ns)
+        self.units = list(dict.fromkeys(plan.fsdp_units)) if plan.fsdp_units else default_units(module)
+        # innermost first: a unit inside another must be sharded before its parent
+        self.units.sort(key=lambda n: -n.count("."))
+        self.mesh = make_mesh(device.type, dist.get_world_size())
+        for unit in self.units:
+            fully_shard(module.get_submodule(unit), mesh=self.mesh)
+        fully_shard(module, mesh=self.mesh)
+        self.model = module
+        self._optimizer = None
+
+    @classmethod
+    def check(cls, plan, module, world_size: int) -> None:
+        super().check(plan, module, world_size)
+        if not _has_params(module):
+            raise StrategyError(f"{type(module).__name__} has no parameters to shard")
+        for unit in plan.fsdp_units or ():
+            try:
+                sub = module.get_submodule(unit)
+            except AttributeError:
+                raise StrategyError(f"--fsdp-units: {type(module).__name__} has no submodule {unit!r}; valid "
+                                    f"names: {module_names(module)}") from None
+            if not _has_params(sub):
+                raise StrategyError(f"--fsdp-units: {unit} ({type(sub).__name__}) holds no parameters; an FSDP "
+                                    f"unit shards parameters, so name a module that has some")
+
+    def wrap_optimizer(self, optimizer):
+        self._optimizer = optimizer
+        return optimizer
+
+    def full_state(self):
+        """Gather the full (unsharded) state dict on rank 0, on CPU; a collective."""
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from .. import wire
+
+        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return wire.flatten_state(state) if dist.get_rank() == 0 else None
+
+    def holdings(self) -> dict:
+        """Bytes of this rank's parameter shards and of its optimizer state (0 before a step)."""
+        return dict(param_bytes=sum(tensor_bytes(p) for p in self.module.parameters()),
+                    optimizer_state_bytes=optimizer_state_bytes(self._optimizer))
+
+    def close(self) -> None:
+        release_group(self.mesh, self.module)
+        self.model = None
+        self.mesh = None
+        self._optimizer = None
+
+
+def make_mesh(device_type: str, world_size: int):
+    """A 1-D device mesh over all ranks of the default process group (remembered for teardown)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (world_size,))
+    for key in [k for k, ref in _MESHES.items() if ref() is None]:
+        del _MESHES[key]
+    _MESHES[id(mesh)] = weakref.ref(mesh)
+    return mesh
+
+
+def _release_meshes(ns) -> None:
+    """Release hook (the group is about to be destroyed): every mesh made here drops its group."""
+    for ref in list(_MESHES.values()):
+        release_group(ref(), None)
+    _MESHES.clear()
+
+
+runtime.RELEASE_HOOKS.append(_release_meshes)
+
+
+def release_group(mesh, module) -> None:
+    """Drop what a device mesh and FSDP2 state keep of the process group (best effort).
+
+    Called by ``close()`` just before the group is destroyed (a failed rank, a re-formed
+    group). DTensor keeps every mesh alive in its caches (sharding propagation, collective
+    topology), a mesh keeps its process groups, and FSDP2 keeps them in each unit's mesh
+    info. While anything references the group, ``destroy_process_group`` does not close
+    gloo's connections, and a peer blocked in a collective waits for the whole timeout
+    instead of failing at once. These are private attributes of torch 2.13 (hence best
+    effort): after this, ``module`` can run no collective; the kernel sends the model again.
+    """
+    try:
+        meshes = [mesh] if mesh is not None else []
+        if module is not None:
+            from torch.distributed.fsdp import FSDPModule
+
+            for sub in module.modules():
+                if not isinstance(sub, FSDPModule):
+                    continue
+                group = getattr(sub._get_fsdp_state(), "_fsdp_param_group", None)
+                for info in (getattr(group, "mesh_info", None), getattr(group, "post_forward_mesh_info", None)):
+                    if info is None:
+                        continue
+                    meshes.append(getattr(info, "mesh", None))
+                    for attr in ("shard_process_group", "reduce_scatter_process_group", "replicate_process_group"):
+                        if getattr(info, attr, None) is not None:
+                            setattr(info, attr, None)
+        for m in meshes:
+            registry = getattr(m, "_pg_registry", None)
+            if isinstance(registry, dict):
+                registry.clear()
+    except Exception:  # never let teardown fail; the peers then wait for the collective timeout
+        pass
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of the tensors in ``optimizer.state`` stored on this rank (local shards of DTensors)."""
+    import torch
+
+    if optimizer is None:
+        return 0
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                total += tensor_bytes(value)
+    return total
+
+
+STRATEGY = FSDP

@@ -1,0 +1,263 @@
+"""Tensor (intra-layer model) parallelism with DTensor: ``parallelize_module``.
+
+Megatron-LM style tensor parallelism (Shoeybi et al., "Megatron-LM: Training Multi-Billion
+Parameter Language Models Using Model Parallelism", 2019) as implemented by
+``torch.distributed.tensor.parallel``: in a pair of linear layers ``y = B(f(A(x)))`` with
+an elementwise ``f``, ``A`` is split by output features (``ColwiseParallel``: each rank
+holds ``out_features / world_size`` rows of ``A.weight`` and of ``A.bias`` and computes
+that slice of the activation, shape ``(..., out_features / world_size)``) and ``B`` by
+input features (``RowwiseParallel``: each rank holds ``in_features / world_size`` columns
+of ``B.weight``; the partial products are summed with one all-reduce, and ``B.bias`` is
+replicated). One all-reduce in the forward and one in the backward per pair; the output
+is an ordinary (replicated) tensor, identical on every rank.
+
+Every rank trains on the same batches (``data_parallel = False``: the data set is not
+cut into shards), so replicated parameters (biases of row-wise layers, layers left
+unsplit) get identical gradients on every rank without any extra all-reduce: their
+inputs are the all-reduced, identical activations.
+
+Plan
+----
+``--tp-plan NAME``: a kernel dict ``{submodule name: ParallelStyle}`` passed to
+``parallelize_module`` as is (names may use its ``fnmatch`` patterns, e.g. ``blocks.*.fc1``).
+
+Default: within each module, its direct children in registration order; two ``nn.Linear``
+children with only elementwise, parameter-free modules (activations, dropout) between them
+and ``A.out_features == B.in_features`` become ``A: ColwiseParallel``,
+``B: RowwiseParallel``. This assumes registration order is the order of the forward (as in
+``nn.Sequential``); an ``nn.Linear`` without such a partner stays replicated (rank 0 says
+so when the strategy is built). For models whose forward differs, pass ``--tp-plan``.
+
+Errors (kernel side, :class:`~distnb.engine.strategies.StrategyError`): a plan key that
+matches no submodule (the message lists the valid names), a value that is not a
+``ParallelStyle``, column/row-wise styles on a module that is not ``nn.Linear`` or
+``nn.Embedding``, a split dimension not divisible by ``world_size`` (the message names the
+layer), no linear pair for the default plan.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatch
+
+import torch.nn as nn
+
+from . import Strategy, StrategyError, tensor_bytes
+from .fsdp import make_mesh, module_names, optimizer_state_bytes, release_group
+
+#: Parameter-free modules that act elementwise on the last dimension, allowed between the
+#: two linear layers of a default pair (a sharded activation passes through them unchanged).
+ELEMENTWISE = (nn.ReLU, nn.ReLU6, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.Mish, nn.LeakyReLU, nn.ELU, nn.SELU,
+               nn.CELU, nn.Softplus, nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.Tanhshrink, nn.Softsign,
+               nn.Dropout, nn.Identity)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def default_pairs(module) -> tuple[list[tuple[str, str]], list[str]]:
+    """Consecutive ``nn.Linear`` pairs of ``module`` and the linear layers left unpaired.
+
+    Returns
+    -------
+    pairs : list of (str, str)
+        (column-wise name, row-wise name), in registration order.
+    leftovers : list of str
+        Names of ``nn.Linear`` modules in no pair (they stay replicated).
+    """
+    pairs, leftovers = [], []
+    for prefix, parent in module.named_modules():
+        pending = None  # (name, layer) of a Linear still looking for its partner
+        for name, child in parent.named_children():
+            full = _join(prefix, name)
+            if isinstance(child, nn.Linear):
+                if pending is not None and pending[1].out_features == child.in_features:
+                    pairs.append((pending[0], full))
+                    pending = None
+                else:
+                    if pending is not None:
+                        leftovers.append(pending[0])
+                    pending = (full, child)
+            elif isinstance(child, ELEMENTWISE):
+                continue
+            elif pending is not None:
+                leftovers.append(pending[0])
+                pending = None
+        if pending is not None:
+            leftovers.append(pending[0])
+    order = {name: i for i, (name, _) in enumerate(module.named_modules())}
+    return (sorted(pairs, key=lambda pair: order.get(pair[0], len(order))),
+            sorted(leftovers, key=lambda name: order.get(name, len(order))))
+
+
+def default_plan(module) -> dict:
+    """``{name: ColwiseParallel() / RowwiseParallel()}`` for :func:`default_pairs`."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for col, row in default_pairs(module)[0]:
+        plan[col], plan[row] = ColwiseParallel(), RowwiseParallel()
+    return plan
+
+
+def resolve(module, key: str) -> list[tuple[str, nn.Module]]:
+    """Submodules a plan key names, matched as ``parallelize_module`` does (``fnmatch`` per atom)."""
+    found = [("", module)]
+    for token in key.split("."):
+        found = [(_join(prefix, name), child) for prefix, parent in found
+                 for name, child in parent.named_children() if fnmatch(name, token)]
+    return found
+
+
+def _split_dims(style, layer):
+    """(what, size) that ``style`` splits across ranks for ``layer``, or None if not a col/row split."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if isinstance(style, ColwiseParallel):
+        if isinstance(layer, nn.Linear):
+            return "column-wise", "out_features", layer.out_features
+        if isinstance(layer, nn.Embedding):
+            return "column-wise", "embedding_dim", layer.embedding_dim
+    elif isinstance(style, RowwiseParallel):
+        if isinstance(layer, nn.Linear):
+            return "row-wise", "in_features", layer.in_features
+        if isinstance(layer, nn.Embedding):
+            return "row-wise", "num_embeddings", layer.num_embeddings
+    else:
+        return None
+    how = "column" if isinstance(style, ColwiseParallel) else "row"
+    raise StrategyError(f"is a {type(layer).__name__}; {type(style).__name__} ({how}-wise split) supports only "
+                        "nn.Linear and nn.Embedding")
+
+
+def check_plan(tp_plan, module, world_size: int, where: str) -> None:
+    """Raise :class:`StrategyError` unless ``tp_plan`` fits ``module`` on ``world_size`` ranks."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    if not isinstance(tp_plan, dict) or not tp_plan:
+        raise StrategyError(f"{where} must be a non-empty dict {{submodule name: ParallelStyle}}, e.g. "
+                            "{'fc1': ColwiseParallel(), 'fc2': RowwiseParallel()}; got "
+                            f"{type(tp_plan).__name__}")
+    for key, style in tp_plan.items():
+        if not isinstance(key, str):
+            raise StrategyError(f"{where}: keys must be submodule names (str), got {key!r}")
+        if not isinstance(style, ParallelStyle):
+            raise StrategyError(f"{where}[{key!r}] is a {type(style).__name__}, not a ParallelStyle "
+                                "(ColwiseParallel(), RowwiseParallel(), ... from torch.distributed.tensor.parallel)")
+        matches = resolve(module, key) if key else [("", module)]
+        if not matches:
+            raise StrategyError(f"{where}: {type(module).__name__} has no submodule {key!r}; valid names: "
+                                f"{module_names(module)}")
+        for name, layer in matches:
+            try:
+                split = _split_dims(style, layer)
+            except StrategyError as exc:
+                raise StrategyError(f"{where}[{key!r}]: {name or 'the model'} {exc}") from None
+            if split is not None and split[2] % world_size:
+                how, dim, size = split
+                raise StrategyError(f"{where}: {name} is split {how} but its {dim} ({size}) is not divisible by "
+                                    f"world_size {world_size}; resize the layer, use -n dividing {size}, or leave "
+                                    f"it out of the plan (--tp-plan)")
+
+
+class Tensor(Strategy):
+    """Linear layers split across ranks (column- then row-wise); every rank sees the same batches.
+
+    Attributes
+    ----------
+    tp_plan : dict
+        ``{submodule name: ParallelStyle}`` as passed to ``parallelize_module``.
+    replicated : list of str
+        Default plan: ``nn.Linear`` layers left whole on every rank.
+    mesh : torch.distributed.device_mesh.DeviceMesh
+        1-D mesh over all ranks (the default process group).
+    """
+
+    name = "tensor"
+    data_parallel = False
+    wraps_model = False  # parallelize_module changes the module in place
+    modifies_module = True
+
+    def __init__(self, module, plan, device, ns):
+        import torch.distributed as dist
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        super().__init__(module, plan, device, ns)
+        if plan.tp_plan is not None:
+            if plan.tp_plan not in ns:
+                raise NameError(f"--tp-plan {plan.tp_plan!r} is not defined on rank {dist.get_rank()}")
+            self.tp_plan, self.replicated = ns[plan.tp_plan], []
+        else:
+            self.tp_plan, self.replicated = default_plan(module), default_pairs(module)[1]
+        world_size = dist.get_world_size()
+        check_plan(self.tp_plan, module, world_size, f"--tp-plan {plan.tp_plan}" if plan.tp_plan else "tensor plan")
+        self.mesh = make_mesh(device.type, world_size)
+        parallelize_module(module, self.mesh, self.tp_plan)
+        self.model = module
+        self._optimizer = None
+        if dist.get_rank() == 0 and plan.tp_plan is None:
+            print(f"distnb: {describe(self.tp_plan, self.replicated)}", flush=True)
+
+    @classmethod
+    def check(cls, plan, module, world_size: int) -> None:
+        super().check(plan, module, world_size)
+        if plan.tp_plan is not None:
+            return  # the dict lives in the kernel namespace: see check_names
+        pairs, _ = default_pairs(module)
+        if not pairs:
+            raise StrategyError(f"{type(module).__name__} has no two consecutive nn.Linear layers (out_features "
+                                "of the first = in_features of the second, only activations between) to split; "
+                                "pass --tp-plan NAME, a dict {submodule name: ColwiseParallel() / "
+                                "RowwiseParallel()}")
+        check_plan(default_plan(module), module, world_size, "tensor plan")
+
+    @classmethod
+    def check_names(cls, plan, module, world_size: int, ns) -> None:
+        """Kernel side: validate the ``--tp-plan`` dict in the kernel namespace ``ns``."""
+        if plan.tp_plan is not None and plan.tp_plan in ns:
+            check_plan(ns[plan.tp_plan], module, world_size, f"--tp-plan {plan.tp_plan}")
+
+    def wrap_optimizer(self, optimizer):
+        self._optimizer = optimizer
+        return optimizer
+
+    def full_state(self):
+        """Full tensors on rank 0 (CPU), assembled with ``DTensor.full_tensor``; a collective."""
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from .. import wire
+
+        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return wire.flatten_state(state) if dist.get_rank() == 0 else None
+
+    def holdings(self) -> dict:
+        """Bytes of parameters stored here (local shards, whole replicated ones) and of optimizer state."""
+        sharded = replicated = 0
+        for p in self.module.parameters():
+            placements = getattr(p, "placements", ())
+            if any(pl.is_shard() for pl in placements):
+                sharded += tensor_bytes(p)
+            else:
+                replicated += tensor_bytes(p)
+        return dict(param_bytes=sharded + replicated, sharded_param_bytes=sharded,
+                    replicated_param_bytes=replicated, optimizer_state_bytes=optimizer_state_bytes(self._optimizer))
+
+    def close(self) -> None:
+        release_group(self.mesh, None)  # the mesh outlives us in DTensor's caches: drop its group
+        self.model = None
+        self.mesh = None
+        self._optimizer = None
+
+
+def describe(tp_plan: dict, replicated=()) -> str:
+    """One line: which layer is split how, and which linear layers stay whole."""
+    how = {"ColwiseParallel": "column-wise", "RowwiseParallel": "row-wise"}
+    parts = [f"{name} {how.get(type(style).__name__, type(style).__name__)}" for name, style in tp_plan.items()]
+    text = "tensor plan: " + ", ".join(parts)
+    if replicated:
+        text += f"; {', '.join(replicated)} replicated on every rank (no nn.Linear partner to split with)"
+    return text
+
+
+STRATEGY = Tensor

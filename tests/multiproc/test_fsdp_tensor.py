@@ -1,0 +1,319 @@
+"""--strategy fsdp (FSDP2 fully_shard) and --strategy tensor (DTensor parallelize_module) on the real 2-rank cluster.
+
+fsdp must equal one process trained on the global batch (the union of the ranks' batches);
+tensor, where every rank trains on the same batches, must equal one process trained on those
+batches. Both to 1e-5, with SGD and Adam; weights loaded back must equal the ranks' state.
+"""
+
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distnb.engine import shard
+from distnb.errors import PlanError, RankError
+
+BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
+LOOP = """
+for epoch in ctx.epochs():
+    for batch in ctx.loader:
+        optimizer.zero_grad()
+        x, y = batch
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        ctx.report(loss)
+"""
+TOL = dict(atol=1e-5, rtol=1e-5)
+OPTIMIZERS = [("sgd", torch.optim.SGD, 0.1), ("adam", torch.optim.Adam, 0.01)]
+
+
+def make_data(n=203, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 12, generator=g)
+    y = (x[:, :4].sum(1) > 0).long() + (x[:, 4] > 1).long()
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def make_model(seed=1, leftover=False):
+    torch.manual_seed(seed)
+    if leftover:  # a third Linear with no partner: stays replicated under --strategy tensor
+        return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 8), nn.Linear(8, 3))
+    return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def reference(model, data, num_shards, batch_size, epochs, seed, opt, first_epoch=0):
+    """Single process: each step trains on the union of the ranks' batches (one shard: the ranks' batch)."""
+    x, y = data.tensors
+    for epoch in range(first_epoch, first_epoch + epochs):
+        for idx in shard.global_batches(len(x), num_shards, seed, epoch, batch_size, False):
+            opt.zero_grad()
+            F.cross_entropy(model(x[idx]), y[idx]).backward()
+            opt.step()
+
+
+def assert_params_close(model, ref):
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), p_ref.detach(), **TOL, msg=lambda m: f"{name}: {m}")
+
+
+PULL_FULL = """
+import torch
+from torch.distributed.tensor import DTensor
+def _whole(p):
+    return (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+_full = {{n: _whole(p) for n, p in {name}.named_parameters()}}  # a collective: every rank
+_local = {{n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone() for n, p in {name}.named_parameters()}}
+_sharded = sorted(n for n, p in {name}.named_parameters()
+                  if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements))
+"""
+
+
+def ranks_state(dist_session, name):
+    """Per rank: (full parameters, local parameters, names of sharded parameters)."""
+    dist_session.run(PULL_FULL.format(name=name))
+    return dist_session.pull("_full"), dist_session.pull("_local"), dist_session.pull("_sharded")
+
+
+def model_bytes(model):
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# fsdp ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("optimizer,opt_cls,lr", OPTIMIZERS)
+def test_fsdp_matches_single_process_with_global_batch(dist_session, shell, optimizer, opt_cls, lr):
+    ns = shell.user_ns
+    name = f"fsdp_{optimizer}"
+    ns[name], ns["fsdp_data"], ns["F"] = make_model(), make_data(), F
+    ref = make_model()
+    opt = opt_cls(ref.parameters(), lr=lr)
+
+    result = dist_session.train(BODY, model=name, data="fsdp_data", epochs=1, batch_size=16, optimizer=optimizer,
+                                lr=lr, seed=4, strategy="fsdp", progress="none", quiet=True)
+    reference(ref, ns["fsdp_data"], 2, 16, 1, 4, opt)
+    assert [row["steps"] for row in result.rows] == [7, 7]  # ceil(ceil(203 / 2) / 16)
+    assert_params_close(ns[name], ref)
+
+    # each rank holds half of every parameter (dim 0 split), and its optimizer state for that half
+    total = model_bytes(ns[name])
+    held = [row["param_bytes"] for row in result.rows]
+    assert sum(held) == total and all(0.4 * total <= b <= 0.6 * total for b in held), (held, total)
+    per_param_state = 2 if optimizer == "adam" else 0  # exp_avg, exp_avg_sq (plus scalar steps)
+    for row in result.rows:
+        assert row["optimizer_state_bytes"] >= per_param_state * row["param_bytes"]
+        assert row["optimizer_state_bytes"] < (per_param_state + 1) * row["param_bytes"]
+
+    # weights back equal the ranks' state; the ranks' shards are the halves of it
+    full, local, sharded = ranks_state(dist_session, name)
+    kernel = dict(ns[name].named_parameters())
+    assert sharded[0] == sorted(kernel)
+    for n, p in kernel.items():
+        assert torch.equal(full[0][n], p.detach()) and torch.equal(full[1][n], p.detach()), n
+        assert torch.equal(torch.cat([local[0][n], local[1][n]]), p.detach()), n
+        assert local[0][n].shape[0] == -(-p.shape[0] // 2), n
+
+    # a second cell continues from the live model and optimizer state (epoch 1)
+    result2 = dist_session.train(BODY, model=name, data="fsdp_data", epochs=1, batch_size=16, seed=4,
+                                 strategy="fsdp", progress="none", quiet=True)
+    assert result2.epochs == [1]
+    reference(ref, ns["fsdp_data"], 2, 16, 1, 4, opt, first_epoch=1)
+    assert_params_close(ns[name], ref)
+
+
+def test_fsdp_units_option_and_loop_body(dist_session, shell):
+    ns = shell.user_ns
+    ns["fsdp_units_net"], ns["fsdp_data"], ns["F"] = make_model(), make_data(), F
+    ref = make_model()
+    dist_session.train(LOOP, model="fsdp_units_net", data="fsdp_data", epochs=1, batch_size=16, optimizer="sgd",
+                       lr=0.1, seed=4, strategy="fsdp", fsdp_units="2", loop=True, progress="none", quiet=True)
+    reference(ref, ns["fsdp_data"], 2, 16, 1, 4, torch.optim.SGD(ref.parameters(), lr=0.1))
+    assert_params_close(ns["fsdp_units_net"], ref)
+    dist_session.run("from torch.distributed.fsdp import FSDPModule\n"
+                     "_units = [n for n, m in fsdp_units_net.named_modules() if isinstance(m, FSDPModule)]")
+    assert dist_session.pull("_units", rank=0) == ["", "2"]
+
+
+def test_fsdp_bad_units_error_before_anything_runs(dist_session, shell):
+    ns = shell.user_ns
+    ns["fsdp_bad_net"], ns["fsdp_data"] = make_model(), make_data()
+    with pytest.raises(PlanError, match=r"--fsdp-units: Sequential has no submodule 'head'; valid names: 0, 1, 2"):
+        dist_session.train(BODY, model="fsdp_bad_net", data="fsdp_data", strategy="fsdp", fsdp_units="head",
+                           progress="none", quiet=True)
+    with pytest.raises(PlanError, match=r"--fsdp-units: 1 \(Tanh\) holds no parameters"):
+        dist_session.train(BODY, model="fsdp_bad_net", data="fsdp_data", strategy="fsdp", fsdp_units="0,1",
+                           progress="none", quiet=True)
+    dist_session.run("from distnb.engine import loop\n_sent = 'fsdp_bad_net' in loop.RUNS")
+    assert dist_session.pull("_sent") == [False, False]
+
+
+# tensor ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("optimizer,opt_cls,lr", OPTIMIZERS)
+def test_tensor_matches_unsplit_model(dist_session, shell, capsys, optimizer, opt_cls, lr):
+    ns = shell.user_ns
+    name = f"tp_{optimizer}"
+    ns[name], ns["tp_data"], ns["F"] = make_model(leftover=True), make_data(), F
+    ref = make_model(leftover=True)
+    opt = opt_cls(ref.parameters(), lr=lr)
+
+    result = dist_session.train(BODY, model=name, data="tp_data", epochs=1, batch_size=16, optimizer=optimizer,
+                                lr=lr, seed=4, strategy="tensor", progress="none", quiet=True)
+    out = capsys.readouterr().out
+    assert "tensor plan: 0 column-wise, 2 row-wise; 3 replicated on every rank" in out
+    reference(ref, ns["tp_data"], 1, 16, 1, 4, opt)  # every rank trains on the same batches
+    assert [row["steps"] for row in result.rows] == [13, 13]  # ceil(203 / 16)
+    assert_params_close(ns[name], ref)
+
+    # what each rank holds: half of the split layers, all of the rest
+    for row in result.rows:
+        assert row["sharded_param_bytes"] == (16 * 12 + 16 + 8 * 16) * 4 // 2
+        assert row["replicated_param_bytes"] == (8 + 8 * 3 + 3) * 4
+        assert row["param_bytes"] == row["sharded_param_bytes"] + row["replicated_param_bytes"]
+
+    # weights back equal the ranks' state; replicated parameters are bit-identical on both ranks
+    full, local, sharded = ranks_state(dist_session, name)
+    kernel = dict(ns[name].named_parameters())
+    assert sharded[0] == ["0.bias", "0.weight", "2.weight"]
+    for n, p in kernel.items():
+        assert torch.equal(full[0][n], p.detach()) and torch.equal(full[1][n], p.detach()), n
+        if n in sharded[0]:
+            dim = 1 if n == "2.weight" else 0  # row-wise splits in_features (dim 1 of the weight)
+            assert torch.equal(torch.cat([local[0][n], local[1][n]], dim), p.detach()), n
+        else:
+            assert torch.equal(local[0][n], local[1][n]), n
+
+    # forward outputs on the ranks (split model) equal the unsplit model
+    x = torch.randn(10, 12, generator=torch.Generator().manual_seed(7))
+    dist_session.push(tp_x=x)
+    dist_session.run(f"with torch.no_grad():\n    _out = {name}(tp_x)")
+    outs = dist_session.pull("_out")
+    with torch.no_grad():
+        torch.testing.assert_close(outs[0], ref(x), **TOL)
+        assert torch.equal(outs[0], outs[1])
+
+    # a second cell continues from the live model and optimizer state
+    result2 = dist_session.train(BODY, model=name, data="tp_data", epochs=1, batch_size=16, seed=4,
+                                 strategy="tensor", progress="none", quiet=True)
+    assert result2.epochs == [1]
+    reference(ref, ns["tp_data"], 1, 16, 1, 4, opt, first_epoch=1)
+    assert_params_close(ns[name], ref)
+
+
+def test_default_tensor_plan_pairs_consecutive_linears():
+    from distnb.engine.strategies.tensor import default_pairs
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.act, self.drop, self.fc2 = nn.Linear(8, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 8)
+
+    model = nn.Sequential(nn.Linear(4, 8), Block(), nn.Linear(8, 6), nn.LayerNorm(6), nn.Linear(6, 6),
+                          nn.Linear(6, 2), nn.Linear(2, 2))
+    pairs, leftovers = default_pairs(model)
+    # block: fc1/fc2 across an activation and dropout; a LayerNorm (parameters) breaks a pair; 4-5 pair up
+    assert pairs == [("1.fc1", "1.fc2"), ("4", "5")]
+    assert leftovers == ["0", "2", "6"]
+
+
+def test_tensor_plan_from_the_kernel(dist_session, shell):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    class Block(nn.Module):  # the forward is not registration order: only a plan can say so
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(8, 3)
+            self.down = nn.Linear(12, 8)
+
+        def forward(self, x):
+            return self.up(torch.relu(self.down(x)))
+
+    ns = shell.user_ns
+    torch.manual_seed(3)
+    ns["tp_block"], ns["tp_data"], ns["F"] = Block(), make_data(), F
+    ns["tp_block_plan"] = {"down": ColwiseParallel(), "u*": RowwiseParallel()}
+    ref = Block()
+    ref.load_state_dict(ns["tp_block"].state_dict())
+    dist_session.train(BODY, model="tp_block", data="tp_data", epochs=1, batch_size=32, optimizer="sgd", lr=0.1,
+                       seed=4, strategy="tensor", tp_plan="tp_block_plan", progress="none", quiet=True)
+    reference(ref, ns["tp_data"], 1, 32, 1, 4, torch.optim.SGD(ref.parameters(), lr=0.1))
+    assert_params_close(ns["tp_block"], ref)
+
+
+def test_tensor_bad_plans_error_before_anything_runs(dist_session, shell):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    ns = shell.user_ns
+    ns["tp_bad_net"], ns["tp_data"] = make_model(), make_data()
+    ns["tp_missing"] = {"0": ColwiseParallel(), "head": RowwiseParallel()}
+    with pytest.raises(PlanError, match=r"--tp-plan tp_missing: Sequential has no submodule 'head'; "
+                                        r"valid names: 0, 1, 2"):
+        dist_session.train(BODY, model="tp_bad_net", data="tp_data", strategy="tensor", tp_plan="tp_missing",
+                           progress="none", quiet=True)
+    ns["tp_not_style"] = {"0": "colwise"}
+    with pytest.raises(PlanError, match=r"tp_not_style\['0'\] is a str, not a ParallelStyle"):
+        dist_session.train(BODY, model="tp_bad_net", data="tp_data", strategy="tensor", tp_plan="tp_not_style",
+                           progress="none", quiet=True)
+    ns["tp_wrong_layer"] = {"1": ColwiseParallel()}
+    with pytest.raises(PlanError, match=r"1 is a Tanh; ColwiseParallel .* supports only nn.Linear"):
+        dist_session.train(BODY, model="tp_bad_net", data="tp_data", strategy="tensor", tp_plan="tp_wrong_layer",
+                           progress="none", quiet=True)
+    ns["tp_odd"] = {"2": ColwiseParallel()}  # out_features 3 on 2 ranks
+    with pytest.raises(PlanError, match=r"2 is split column-wise but its out_features \(3\) is not divisible by "
+                                        r"world_size 2"):
+        dist_session.train(BODY, model="tp_bad_net", data="tp_data", strategy="tensor", tp_plan="tp_odd",
+                           progress="none", quiet=True)
+    with pytest.raises(PlanError, match=r"--tp-plan"):
+        dist_session.train(BODY, model="tp_bad_net", data="tp_data", strategy="tensor", tp_plan="tp_undefined",
+                           progress="none", quiet=True)
+    torch.manual_seed(0)
+    ns["tp_odd_net"] = nn.Sequential(nn.Linear(12, 15), nn.ReLU(), nn.Linear(15, 3))  # default plan, odd width
+    with pytest.raises(PlanError, match=r"tensor plan: 0 is split column-wise but its out_features \(15\)"):
+        dist_session.train(BODY, model="tp_odd_net", data="tp_data", strategy="tensor", progress="none", quiet=True)
+    ns["tp_no_pair"] = nn.Sequential(nn.Linear(12, 8), nn.LayerNorm(8), nn.Linear(8, 3))
+    with pytest.raises(PlanError, match=r"no two consecutive nn.Linear layers .* pass --tp-plan"):
+        dist_session.train(BODY, model="tp_no_pair", data="tp_data", strategy="tensor", progress="none", quiet=True)
+    dist_session.run("from distnb.engine import loop\n"
+                     "_sent = [n for n in ('tp_bad_net', 'tp_odd_net', 'tp_no_pair') if n in loop.RUNS]")
+    assert dist_session.pull("_sent") == [[], []]
+
+
+# switching strategies --------------------------------------------------------------------------
+def test_switching_strategy_redistributes_from_the_kernel_weights(dist_session, shell):
+    ns = shell.user_ns
+    ns["switch_net"], ns["switch_data"], ns["F"] = make_model(), make_data(), F
+    ref = make_model()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for strategy, num_shards, steps in (("ddp", 2, 7), ("fsdp", 2, 7), ("tensor", 1, 13), ("ddp", 2, 7),
+                                        ("tensor", 1, 13), ("fsdp", 2, 7)):
+        result = dist_session.train(BODY, model="switch_net", data="switch_data", epochs=1, batch_size=16,
+                                    optimizer="sgd", lr=0.1, seed=4, strategy=strategy, progress="none", quiet=True)
+        # a new strategy starts from the model re-sent from the kernel's (trained) weights: epoch 0 again
+        assert result.epochs == [0], strategy
+        assert result.rows[0]["steps"] == steps, strategy
+        reference(ref, ns["switch_data"], num_shards, 16, 1, 4, opt)
+        assert_params_close(ns["switch_net"], ref)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "tensor"])
+def test_a_failing_rank_stops_the_others_fast_and_the_next_cell_works(dist_session, shell, strategy):
+    """The sharded module must not keep the process group alive (its peer would wait the whole timeout)."""
+    ns = shell.user_ns
+    name = f"fail_{strategy}"
+    ns[name], ns["fail_data"], ns["F"] = make_model(), make_data(), F
+    before = {k: v.clone() for k, v in ns[name].state_dict().items()}
+    bad = "x, y = batch\nif ctx.rank == 1 and ctx.step == 2:\n    raise ValueError('boom')\n" + BODY
+    t0 = time.perf_counter()
+    with pytest.raises(RankError, match="rank 1 .*ValueError: boom"):
+        dist_session.train(bad, model=name, data="fail_data", epochs=1, batch_size=16, optimizer="sgd", lr=0.1,
+                           seed=4, strategy=strategy, progress="none", quiet=True)
+    assert time.perf_counter() - t0 < 15, "rank 0 waited for the collective timeout (30 s)"
+    # the shards died with the group: the kernel keeps the weights it had, and sends them again
+    for k, v in ns[name].state_dict().items():
+        assert torch.equal(v, before[k]), k
+    ref = make_model()
+    result = dist_session.train(BODY, model=name, data="fail_data", epochs=1, batch_size=16, optimizer="sgd", lr=0.1,
+                                seed=4, strategy=strategy, progress="none", quiet=True)
+    assert result.epochs == [0]
+    reference(ref, ns["fail_data"], 2 if strategy == "fsdp" else 1, 16, 1, 4, torch.optim.SGD(ref.parameters(), lr=0.1))
+    assert_params_close(ns[name], ref)
