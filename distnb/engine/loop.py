@@ -98,6 +98,9 @@ def install_model(ns, name, payload, descs, *buffers):
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"{name} is a {type(module).__name__}, not a torch.nn.Module")
     module.to(runtime.STATE.device)
+    old = RUNS.get(name)
+    if old is not None and old.strategy is not None:
+        old.strategy.close()  # the replaced model must not keep the process group referenced
     RUNS[name] = Run(module)
     ns[name] = module
     return sum(p.numel() for p in module.parameters())
