@@ -1,0 +1,605 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``: one stage per rank.
+
+The model is cut into ``world_size`` consecutive *stages*; rank ``r`` holds stage ``r`` only
+(the other stages' parameters and buffers are freed on it: replaced by ``meta`` tensors;
+tensors a module spanning several stages holds itself, e.g. a parameter of the root, stay on
+every rank and are trained by the stage the trace puts them in). Each batch
+is cut into ``--microbatches M`` equal microbatches that flow through the stages, and
+``--schedule`` picks the order of the forward and backward passes:
+
+- ``gpipe``: all forwards, then all backwards (GPipe, Huang et al., "GPipe: Efficient
+  Training of Giant Neural Networks using Pipeline Parallelism", NeurIPS 2019);
+- ``1f1b``: after a warm-up, one forward then one backward, which bounds the activations
+  kept per stage by the number of stages instead of M (PipeDream-Flush, Narayanan et al.,
+  "Memory-Efficient Pipeline-Parallel DNN Training", ICML 2021). Needs ``M >= world_size``.
+
+Both flush the pipeline every step (synchronous): a step equals one process training on
+the whole batch. Every rank trains on the same batches (``data_parallel = False``: the
+data set is not sharded).
+
+Stages
+------
+Default split: the top-level children of the model (descending through a wrapper that
+holds a single child and no tensors of its own, e.g. ``self.net = nn.Sequential(...)``)
+balanced by parameter count into ``world_size`` contiguous, non-empty groups (the largest
+group as small as possible). ``--split NAME,...`` gives the ``world_size - 1`` submodules
+(names as in ``model.named_modules()``) that each begin a new stage.
+
+A plain ``nn.Sequential`` cut at top-level children is split directly: stage ``r`` is an
+``nn.Sequential`` of its children under their original names, so its ``state_dict`` keys
+are the model's own. Any other model is traced with ``torch.distributed.pipelining.pipeline``
+(``torch.export``) with ``SplitPoint.BEGINNING`` at each split point; the trace runs on a
+``meta`` copy (no memory, no compute) and the rank's real parameters and buffers are then
+put into its stage. Traced stages always run in training mode (dropout and batch norm as
+traced), and the model's forward must be traceable by ``torch.export``. The input of each
+stage has a fixed shape per microbatch size: a batch of a new size (the last, partial
+batch of an epoch) builds a new schedule once.
+
+The step body
+-------------
+The body is the same as for ddp (``x, y = batch; loss = F.cross_entropy(model(x), y)``);
+tensors never move between stages by hand. On the first stage, the body runs with
+``model`` bound to a recorder that captures the arguments of ``model(...)`` (positional
+tensors whose first dimension is the batch) and stops the body there; they are fed to the
+schedule. On the last stage, the schedule's loss function runs the body once per
+microbatch with ``batch`` = that microbatch's slice of the batch and ``model(...)``
+returning the last stage's output for it, and takes its ``loss`` (or, with ``--loss
+NAME``, calls ``NAME(output, target)`` with ``target`` the last element of the
+microbatch). Each microbatch loss is weighted by its share of the batch (``n_mb / n``, the
+schedule's own scaling is off), so the gradients are those of the batch's mean loss. The
+batch loss (mean over microbatches) is broadcast from the last stage, so every rank
+reports it.
+
+A batch of ``n`` samples uses ``M`` microbatches when ``M`` divides ``n`` (checked for
+``--batch-size`` before anything runs), else the largest divisor of ``n`` below ``M``
+(the last, partial batch; 1F1B falls back to GPipe there when that is fewer than the
+stages).
+
+Errors
+------
+Kernel side (:class:`~distnb.engine.strategies.StrategyError`, before anything runs):
+``--split`` with a number of names other than ``world_size - 1``, a name that is not a
+submodule, names out of forward order or one inside another, a stage left empty; fewer
+blocks than ranks; ``--microbatches`` not dividing ``--batch-size``; 1F1B with fewer
+microbatches than stages; parameters tied across stages. On the ranks, every error raised
+during a step is prefixed with ``pipeline stage S of W (rank R)``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import itertools
+import math
+import types
+import warnings
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import Strategy, StrategyError, tensor_bytes
+
+
+# -- splitting (kernel and ranks) ----------------------------------------------------------
+def _is_plain_sequential(module) -> bool:
+    return isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
+
+
+def _num_params(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def default_blocks(module) -> list:
+    """The blocks a default split groups: ``[(name, submodule)]`` in registration order.
+
+    The top-level children, or, for a wrapper with a single child (``self.net =
+    nn.Sequential(...)``), that child's children (repeatedly), named as in ``named_modules()``.
+    Tensors the wrapper holds itself go to the stage the trace puts them in.
+    """
+    prefix, base = "", module
+    while True:
+        kids = list(base.named_children())
+        if len(kids) == 1 and any(True for _ in kids[0][1].children()):
+            prefix, base = prefix + kids[0][0] + ".", kids[0][1]
+            continue
+        return [(prefix + name, child) for name, child in kids]
+
+
+def balance(sizes, num_groups: int) -> list[int]:
+    """Start indices of ``num_groups`` contiguous non-empty groups of ``sizes``.
+
+    The largest group sum is as small as possible (ties: later cuts, so parameter-free
+    blocks such as activations stay with the block before them).
+    """
+    n = len(sizes)
+    prefix = [0]
+    for s in sizes:
+        prefix.append(prefix[-1] + s)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(num_groups + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_groups + 1)]
+    best[0][0] = 0
+    for g in range(1, num_groups + 1):
+        for i in range(g, n + 1):
+            for s in range(g - 1, i):
+                cost = max(best[g - 1][s], prefix[i] - prefix[s])
+                if cost <= best[g][i]:
+                    best[g][i], cut[g][i] = cost, s
+    starts, i = [], n
+    for g in range(num_groups, 0, -1):
+        i = cut[g][i]
+        starts.append(i)
+    return starts[::-1]
+
+
+def _some_names(module, limit: int = 12) -> str:
+    names = [n for n, _ in module.named_modules() if n]
+    text = ", ".join(names[:limit])
+    return (text + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")) if names else "(none)"
+
+
+def split_points(module, world_size: int, split=None) -> list[str]:
+    """The ``world_size - 1`` submodule names that begin stages 1, 2, ...
+
+    Raises
+    ------
+    StrategyError
+        Too few blocks for the stages, or a ``split`` that does not fit (count, names, order).
+    """
+    if split is None:
+        blocks = default_blocks(module)
+        if len(blocks) < world_size:
+            what = ", ".join(n for n, _ in blocks) or "none"
+            raise StrategyError(
+                f"{world_size} stages on {world_size} ranks (one stage per rank) need at least {world_size} blocks to "
+                f"split, but {type(module).__name__} has {len(blocks)} ({what}); give --split NAME,... with "
+                f"{world_size - 1} submodule name{'s' if world_size != 2 else ''} that "
+                f"begin{'' if world_size != 2 else 's'} a stage (from: {_some_names(module)}), or use fewer ranks")
+        starts = balance([_num_params(child) for _, child in blocks], world_size)
+        return [blocks[i][0] for i in starts[1:]]
+    split = list(split)
+    if len(split) != world_size - 1:
+        raise StrategyError(
+            f"--split gives {len(split)} name{'s' if len(split) != 1 else ''}, i.e. {len(split) + 1} stages, on "
+            f"{world_size} rank{'s' if world_size != 1 else ''}; the pipeline runs one stage per rank: give "
+            f"{world_size - 1} name{'s' if world_size != 2 else ''} (each begins a stage)")
+    order = {name: i for i, (name, _) in enumerate(module.named_modules())}
+    missing = [n for n in split if n not in order or n == ""]
+    if missing:
+        raise StrategyError(f"--split: {type(module).__name__} has no submodule named {missing[0]!r}; its submodules "
+                            f"are: {_some_names(module)}")
+    if len(set(split)) != len(split):
+        raise StrategyError(f"--split names a submodule twice ({', '.join(split)})")
+    for a in split:
+        for b in split:
+            if b.startswith(a + "."):
+                raise StrategyError(f"--split: {b!r} is inside {a!r}; give submodules that follow one another")
+    if [order[n] for n in split] != sorted(order[n] for n in split):
+        raise StrategyError(f"--split names must be in model order (as in named_modules()): "
+                            f"{', '.join(sorted(split, key=order.get))}")
+    owners = module_stages(module, split)
+    if not any(stage == 0 for stage in owners.values()):
+        raise StrategyError(f"--split {split[0]} leaves stage 0 empty: the first name must begin the second stage")
+    return split
+
+
+def module_stages(module, points) -> dict:
+    """Stage of every submodule name (``None``: an ancestor of a split point, spanning stages)."""
+    names = [n for n, _ in module.named_modules(remove_duplicate=False)]
+    index = {n: i for i, n in enumerate(names)}
+    starts = [index[p] for p in points]
+    ancestors = {""}
+    for p in points:
+        parts = p.split(".")
+        ancestors.update(".".join(parts[:k]) for k in range(1, len(parts)))
+    return {n: None if n in ancestors else bisect.bisect_right(starts, index[n]) for n in names}
+
+
+def tensor_owners(module, points) -> dict:
+    """Stage of every parameter and buffer name (``None``: held directly by a module spanning stages).
+
+    Raises
+    ------
+    StrategyError
+        A tensor shared by modules of different stages (tied weights).
+    """
+    stages = module_stages(module, points)
+    owners, by_id = {}, {}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for pname, t in itertools.chain(mod.named_parameters(recurse=False), mod.named_buffers(recurse=False)):
+            name = f"{mod_name}.{pname}" if mod_name else pname
+            stage = stages[mod_name]
+            owners[name] = stage
+            first = by_id.setdefault(id(t), (name, stage))
+            if first[1] != stage:
+                raise StrategyError(f"{first[0]} and {name} are the same tensor in different stages (tied weights); "
+                                    "pipeline stages cannot share parameters: choose --split so both are in one stage")
+    return owners
+
+
+def num_microbatches(batch_size: int, microbatches: int) -> int:
+    """Microbatches for a batch of ``batch_size``: ``microbatches`` if it divides, else its largest divisor below."""
+    return max(d for d in range(1, min(microbatches, batch_size) + 1) if batch_size % d == 0)
+
+
+# -- rank side -----------------------------------------------------------------------------
+class _Captured(BaseException):
+    """Raised by the first stage's recorder: the body called ``model(...)`` (aborts the body)."""
+
+    def __init__(self, args, kwargs):
+        super().__init__()
+        self.call_args, self.call_kwargs = args, kwargs
+
+
+class _ModelStandIn:
+    """What the body sees as ``model`` inside a pipeline step: ``fn`` when called, the stage otherwise."""
+
+    def __init__(self, stage_module, fn):
+        self._stage_module, self._fn = stage_module, fn
+
+    def __call__(self, *args, **kwargs):
+        return self._fn(*args, **kwargs)
+
+    def __getattr__(self, name):
+        if name in ("_stage_module", "_fn"):  # not set yet (copy, pickle)
+            raise AttributeError(name)
+        return getattr(self._stage_module, name)
+
+
+def _meta_copy(module):
+    """A copy of ``module`` with every parameter and buffer on the ``meta`` device (no data copied)."""
+    memo = {}
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        if id(t) in memo:
+            continue
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(module, memo)
+
+
+def _set_tensor(root, name, value):
+    owner, _, attr = name.rpartition(".")
+    mod = root.get_submodule(owner) if owner else root
+    setattr(mod, attr, value)
+
+
+def _get_tensor(root, name):
+    owner, _, attr = name.rpartition(".")
+    mod = root.get_submodule(owner) if owner else root
+    return getattr(mod, attr)
+
+
+def _batch_size(batch) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    values = batch.values() if isinstance(batch, dict) else batch
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            return v.shape[0]
+    raise TypeError(f"a pipeline batch must hold tensors, got {type(batch).__name__}")
+
+
+def _slice_batch(batch, start, stop):
+    if isinstance(batch, torch.Tensor):
+        return batch[start:stop]
+    if isinstance(batch, dict):
+        return {k: _slice_batch(v, start, stop) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_slice_batch(v, start, stop) for v in batch)
+    return batch
+
+
+def _annotate(exc: BaseException, where: str) -> None:
+    """Prefix ``exc``'s message with ``where`` (the stage and rank)."""
+    if not isinstance(exc, Exception):
+        return
+    if exc.args and isinstance(exc.args[0], str):
+        if not exc.args[0].startswith(where):
+            exc.args = (f"{where}: {exc.args[0]}",) + exc.args[1:]
+    elif not exc.args:
+        exc.args = (where,)
+    else:
+        exc.add_note(where)
+
+
+class _Schedule:
+    """A built stage and schedule for one batch size."""
+
+    def __init__(self, stage, schedule, microbatches, submodule):
+        self.stage, self.schedule, self.microbatches, self.submodule = stage, schedule, microbatches, submodule
+
+
+class Pipeline(Strategy):
+    """Stage ``rank`` of the model on each rank; microbatches flow through a GPipe or 1F1B schedule."""
+
+    name = "pipeline"
+    data_parallel = False
+    supports_loop = False
+    modifies_module = True
+
+    # kernel side ---------------------------------------------------------------------
+    @classmethod
+    def check(cls, plan, module, world_size: int) -> None:
+        super().check(plan, module, world_size)
+        m = plan.microbatches or world_size
+        if plan.batch_size % m:
+            how = f"--microbatches {m}" if plan.microbatches else f"the default --microbatches {m} (one per stage)"
+            raise StrategyError(f"{how} does not divide --batch-size {plan.batch_size}: every microbatch must "
+                                f"have the same size; choose a --batch-size that is a multiple of {m} or pass "
+                                "--microbatches M dividing it")
+        if plan.schedule == "1f1b" and m < world_size:
+            raise StrategyError(f"--schedule 1f1b needs at least as many microbatches as stages ({world_size}), got "
+                                f"--microbatches {m}; raise it or use --schedule gpipe")
+        points = split_points(module, world_size, plan.split)
+        tensor_owners(module, points)
+
+    # rank side -----------------------------------------------------------------------
+    def __init__(self, module, plan, device, ns):
+        super().__init__(module, plan, device, ns)
+        self.ns = ns
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.where = f"pipeline stage {self.rank} of {self.world_size} (rank {self.rank})"
+        self.points = split_points(module, self.world_size, plan.split)
+        self.owners = tensor_owners(module, self.points)
+        self.microbatches = plan.microbatches or self.world_size
+        self.sequential = _is_plain_sequential(module) and all("." not in p for p in self.points)
+        self._schedules: dict[int, _Schedule] = {}
+        self._mb = None  # the step in progress (batch, code, ctx, losses)
+        if self.sequential:
+            names = [n for n, _ in module.named_children()]
+            starts = [0] + [names.index(p) for p in self.points] + [len(names)]
+            self.groups = [names[starts[s]:starts[s + 1]] for s in range(self.world_size)]
+            meta = _meta_copy(module)
+            self._meta_stages = [nn.Sequential(OrderedDict((n, meta.get_submodule(n)) for n in group))
+                                 for group in self.groups]
+            self.model = nn.Sequential(OrderedDict((n, module.get_submodule(n)) for n in self.groups[self.rank]))
+        else:
+            self.model = module  # until the first step traces the stage
+        # free the other stages' parameters and buffers (meta tensors keep their shapes)
+        for name, owner in self.owners.items():
+            if owner is not None and owner != self.rank:
+                t = _get_tensor(module, name)
+                if t is not None and not t.is_meta:
+                    meta = torch.empty_like(t, device="meta")
+                    _set_tensor(module, name, nn.Parameter(meta, requires_grad=t.requires_grad)
+                                if isinstance(t, nn.Parameter) else meta)
+        # this stage's parameters, and those held directly by modules spanning stages (they go to
+        # whichever stage the trace puts them in; elsewhere they get no gradient and stay unchanged)
+        self._params = [p for name, p in module.named_parameters() if self.owners.get(name) in (self.rank, None)]
+
+    def parameters(self):
+        return iter(self._params)
+
+    def _stage_tensors(self) -> dict:
+        """Name -> tensor of everything this rank holds for its stage (original state_dict keys)."""
+        if self.sequential:
+            return dict(self.model.state_dict(keep_vars=True))
+        if self._schedules:
+            sub = next(iter(self._schedules.values())).submodule
+            return dict(sub.state_dict(keep_vars=True))
+        # not traced yet: this stage's tensors and those of modules spanning stages (on every rank)
+        return {k: v for k, v in self.module.state_dict(keep_vars=True).items()
+                if self.owners.get(k) in (self.rank, None)}
+
+    def holdings(self) -> dict:
+        params = {id(p): p for p in self._stage_tensors().values() if isinstance(p, nn.Parameter)}
+        return dict(param_bytes=sum(tensor_bytes(p) for p in params.values()), stage=self.rank)
+
+    # one step --------------------------------------------------------------------------
+    def _record(self, ns, code):
+        """Run the body until it calls ``model(...)``; return the call's positional tensors."""
+        ns["model"] = _ModelStandIn(self.model, self._capture)
+        ns.pop("loss", None)
+        try:
+            exec(code, ns)
+        except _Captured as captured:
+            args, kwargs = captured.call_args, captured.call_kwargs
+            captured.__traceback__ = None
+        else:
+            raise RuntimeError("the step body finished without calling `model(...)`: a pipeline step feeds the "
+                               "arguments of the body's model call to the first stage")
+        finally:
+            ns["model"] = self.model
+        if kwargs:
+            raise TypeError(f"model(...) was called with keyword arguments ({', '.join(kwargs)}); the pipeline "
+                            "passes positional tensors only")
+        return args
+
+    @staticmethod
+    def _capture(*args, **kwargs):
+        raise _Captured(args, kwargs)
+
+    def _build(self, batch_size, args):
+        """The stage and schedule for batches of ``batch_size`` (built once per size, on every rank)."""
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        m = num_microbatches(batch_size, self.microbatches)
+        if not args:
+            raise TypeError("model(...) was called without arguments; the pipeline needs the input tensors")
+        for i, a in enumerate(args):
+            if not isinstance(a, torch.Tensor) or a.dim() == 0 or a.shape[0] != batch_size:
+                what = f"shape {tuple(a.shape)}" if isinstance(a, torch.Tensor) else type(a).__name__
+                raise TypeError(f"argument {i} of model(...) has {what}; the pipeline cuts every argument into "
+                                f"microbatches along dim 0, which must be the batch ({batch_size} samples)")
+        mb_args = tuple(torch.empty((batch_size // m,) + tuple(a.shape[1:]), dtype=a.dtype, device="meta")
+                        for a in args)
+        with torch.random.fork_rng(devices=[]):
+            if self.sequential:
+                if len(args) != 1:
+                    raise TypeError(f"an nn.Sequential takes one input, model(...) got {len(args)}")
+                x = mb_args[0]
+                with torch.enable_grad():
+                    for s, stage_mod in enumerate(self._meta_stages):
+                        y = stage_mod(x)
+                        if not isinstance(y, torch.Tensor):
+                            raise TypeError(f"stage {s} returns {type(y).__name__}; a stage of an nn.Sequential "
+                                            "must return one tensor")
+                        if s == self.rank:
+                            example_in, example_out = x, y
+                        x = y
+                stage = PipelineStage(self.model, self.rank, self.world_size, self.device,
+                                      input_args=example_in.detach().requires_grad_(example_in.requires_grad),
+                                      output_args=example_out.detach().requires_grad_(example_out.requires_grad))
+                submodule = self.model
+            else:
+                stage, submodule = self._trace(mb_args)
+        cls = ScheduleGPipe if self.plan.schedule == "gpipe" or m < self.world_size else Schedule1F1B
+        schedule = cls(stage, n_microbatches=m, loss_fn=self._loss_fn, scale_grads=False)
+        entry = self._schedules[batch_size] = _Schedule(stage, schedule, m, submodule)
+        return entry
+
+    def _trace(self, mb_args):
+        """Trace a meta copy with split points; build this rank's stage and give it the real tensors."""
+        from torch.distributed.pipelining import SplitPoint, pipeline
+
+        meta = _meta_copy(self.module)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                pipe = pipeline(meta, mb_args=mb_args, split_spec={p: SplitPoint.BEGINNING for p in self.points})
+        except Exception as exc:
+            raise RuntimeError(f"could not trace {type(self.module).__name__} into pipeline stages with "
+                               f"torch.export ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                               "make the model an nn.Sequential, or keep its forward traceable") from exc
+        if pipe.num_stages != self.world_size:
+            raise RuntimeError(f"tracing {type(self.module).__name__} at {', '.join(self.points)} gave "
+                               f"{pipe.num_stages} stages, not {self.world_size}: are those modules called in forward?")
+        stage = pipe.build_stage(self.rank, self.device)
+        sub = stage.submod
+        real = dict(self.module.state_dict(keep_vars=True))
+        for name, t in itertools.chain(sub.named_parameters(remove_duplicate=False),
+                                       sub.named_buffers(remove_duplicate=False)):
+            if name not in real:
+                raise RuntimeError(f"the traced stage holds {name!r}, which is not in the model's state_dict")
+            if self.owners.get(name) not in (self.rank, None):
+                raise RuntimeError(f"the trace puts {name} in stage {self.rank}, but it belongs to stage "
+                                   f"{self.owners[name]}: the model's forward does not call its blocks in the order "
+                                   "they are registered; give --split names in forward order")
+            if real[name].is_meta:
+                raise RuntimeError(f"{name} is used by stage {self.rank} but held by another stage")
+            _set_tensor(sub, name, real[name])
+        return stage, sub
+
+    def _loss_fn(self, output, index):
+        """The schedule's loss on the last stage: the body (or --loss) on microbatch ``index``'s samples."""
+        mb = self._mb
+        start, stop = int(index[0]), int(index[-1]) + 1
+        part = _slice_batch(mb.batch, start, stop)
+        ns = self.ns
+        if self.plan.loss is not None:
+            fn = ns.get(self.plan.loss)
+            if not callable(fn):
+                raise NameError(f"--loss {self.plan.loss} is not a function on rank {self.rank}")
+            if isinstance(part, torch.Tensor):
+                raise TypeError("--loss needs a target: the batch is one tensor; make it (inputs, ..., target)")
+            target = list(part.values())[-1] if isinstance(part, dict) else part[-1]
+            loss = fn(output, target)
+        else:
+            calls = []
+
+            def forward(*args, **kwargs):
+                calls.append(1)
+                if len(calls) > 1:
+                    raise RuntimeError("the step body calls model(...) more than once; a pipeline step runs one "
+                                       "forward pass")
+                return output
+
+            ns["batch"], ns["model"] = part, _ModelStandIn(self.model, forward)
+            ns.pop("loss", None)
+            exec(mb.code, ns)
+            loss = ns.get("loss")
+            if not calls:
+                raise RuntimeError("the step body never called model(...) on the last stage")
+        from ..loop import check_loss
+
+        lenient = types.SimpleNamespace(plan=types.SimpleNamespace(nan="ignore"), rank=mb.ctx.rank,
+                                        epoch=mb.ctx.epoch, step=mb.ctx.step)
+        check_loss(loss, lenient)  # the non-finite check runs on every rank after the step
+        weight = (stop - start) / mb.size
+        mb.losses.append(loss.detach().double() * weight)
+        return loss * weight
+
+    def step(self, ns, code, ctx):
+        batch = ns["batch"]
+        size = _batch_size(batch)
+        first, last = self.rank == 0, self.rank == self.world_size - 1
+        self._mb = types.SimpleNamespace(batch=batch, size=size, code=code, ctx=ctx, losses=[])
+        try:
+            entry = self._schedules.get(size)
+            args = self._record(ns, code) if first or entry is None else None
+            if entry is None:
+                entry = self._build(size, args)
+                self.model = entry.submodule
+            target = torch.arange(size) if last else None
+            entry.schedule.step(*(args if first else ()), target=target, return_outputs=False)
+        except BaseException as exc:
+            _annotate(exc, self.where)
+            raise
+        finally:
+            ns["batch"], ns["model"] = batch, self.model
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        if last:
+            total = torch.stack(self._mb.losses).sum().to(self.device)
+        self._mb = None
+        dist.broadcast(total, src=self.world_size - 1)
+        value = total.item()
+        if self.plan.nan == "stop" and not math.isfinite(value):
+            raise FloatingPointError(f"the loss is {value} at rank {ctx.rank}, epoch {ctx.epoch}, step {ctx.step}; "
+                                     "training stopped before the update (lower --lr, check the data, or pass "
+                                     "--nan ignore)")
+        loss = total.float()
+        ns["loss"] = loss
+        return loss, value
+
+    # state -----------------------------------------------------------------------------
+    def full_state(self):
+        """Gather every stage's tensors to rank 0 (``gather_object``); the full state there, None elsewhere."""
+        from .. import wire
+
+        mine = {k: v.detach().to("cpu") for k, v in self._stage_tensors().items() if not v.is_meta}
+        gathered = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if self.rank != 0:
+            return None
+        reference = self.module.state_dict(keep_vars=True)
+        state = {k: v.detach().to("cpu") for k, v in reference.items() if not v.is_meta}  # tensors of no stage
+        for part in gathered:
+            state.update({k: v for k, v in part.items() if k in reference})
+        missing = [k for k in reference if k not in state]
+        if missing:
+            raise RuntimeError(f"no stage holds {', '.join(missing[:5])}; the weights cannot be assembled")
+        return wire.flatten_state(OrderedDict((k, state[k]) for k in reference))
+
+    def checkpoint_state(self, optimizer):
+        """This stage's tensors (original keys, no two ranks share one) and its optimizer state.
+
+        The optimizer state is flattened per parameter name (``state.NAME.exp_avg``,
+        ``param_groups.NAME.lr``), so each rank's entries are its own.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        model_sd = {k: v.detach() for k, v in self._stage_tensors().items() if not v.is_meta}
+        optim_sd = get_optimizer_state_dict(self.module, optimizer,
+                                            options=StateDictOptions(flatten_optimizer_state_dict=True))
+        return model_sd, optim_sd
+
+    def load_checkpoint_state(self, optimizer, model_state, optimizer_state) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        tensors = self._stage_tensors()
+        with torch.no_grad():
+            for k, v in model_state.items():
+                if v.data_ptr() != tensors[k].data_ptr():
+                    tensors[k].copy_(v)
+        set_optimizer_state_dict(self.module, optimizer, optimizer_state,
+                                 options=StateDictOptions(flatten_optimizer_state_dict=True))
+
+    def close(self) -> None:
+        self._schedules.clear()
+        self._mb = None
+        self.model = None
+
+
+STRATEGY = Pipeline
