@@ -5,22 +5,41 @@ default 3 s heartbeat made a plain ``ipyparallel.Cluster`` start take ~6.6 s her
 FIELD-NOTES pitfall 2). Engines are ranked by ascending engine id. Each engine gets
 its rank's environment, device and thread count before torch is imported on it
 (:func:`distnb.engine.runtime.setup`).
+
+Security: every socket the cluster listens on is bound to 127.0.0.1 (the controller's
+``--ip``; the torch.distributed store and gloo's pair sockets, see
+:func:`distnb.engine.runtime._init_group`); ipyparallel's HMAC-SHA256 message signing
+stays on (the connection files carry a key) and every file in the profile's
+``security`` folder is readable by the owner only (mode 0600).
+
+Engine deaths are reported with how the process ended (``killed by SIGKILL``,
+``exited with status 1``): the engines are children of the kernel, started by
+ipyparallel's local launcher, whose wait thread reaps them; :class:`_EngineLauncher`
+keeps the exit status it sees.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
+import signal
 import socket
+import stat
 import time
 
 import ipyparallel as ipp
+import psutil
+from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
 
-from .errors import ClusterError
+from .errors import ClusterError, PlanError
 from .plan import ClusterSpec
 
 HEARTBEAT_MS = 250
+#: Most CPU engines ``-n`` may ask for: this many per core, and at least MIN_ENGINE_CAP.
+ENGINES_PER_CORE = 8
+MIN_ENGINE_CAP = 16
 # ipyparallel logs each dead engine's whole output; distnb reports deaths itself (naming the rank).
 _log = logging.getLogger("distnb.ipyparallel")
 _log.setLevel(logging.ERROR)
@@ -33,6 +52,115 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def check_port_free(port: int, host: str = "127.0.0.1", option: str = "--master-port", wait: float = 0.0) -> None:
+    """Raise ClusterError naming ``port``, who holds it (when psutil can tell) and the fix, if it is taken.
+
+    With ``wait``, keep trying that many seconds (a store that was just closed lets go of it).
+    """
+    deadline = time.monotonic() + wait
+    while True:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds it: TIME_WAIT is fine
+            try:
+                s.bind((host, port))
+                return
+            except OSError as exc:
+                if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
+                    raise ClusterError(f"{option} {port}: cannot listen on {host}:{port} ({exc})") from None
+                code = exc.errno
+        why = "needs privileges (ports below 1024)" if code == errno.EACCES else "is already in use"
+        if code == errno.EACCES or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    holder = ""
+    try:
+        for conn in psutil.net_connections(kind="inet"):
+            if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
+                holder = f" by pid {conn.pid} ({psutil.Process(conn.pid).name()})"
+                break
+    except (psutil.Error, OSError):
+        pass
+    raise ClusterError(f"{option} {port} {why}{holder} on {host}: pick another port, or leave out {option} and "
+                       "distnb picks a free one")
+
+
+def exit_description(code) -> str:
+    """How a process ended, from its exit status (psutil/subprocess: minus the signal number if killed)."""
+    if code is None:
+        return "exited (status unknown: killed, crashed or os._exit)"
+    code = int(code)
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}" + _SIGNAL_HINTS.get(name, "")
+    return f"exited with status {code}"
+
+
+_SIGNAL_HINTS = {
+    "SIGKILL": " (from outside the engine, or by the out-of-memory killer)",
+    "SIGABRT": " (native code aborted, e.g. gloo on a collective whose tensors differ in size across ranks)",
+    "SIGSEGV": " (a crash in native code)",
+}
+
+
+class _Process(psutil.Process):
+    """A psutil.Process that keeps the exit status its first successful ``wait`` returned."""
+
+    exit_status = None
+
+    def wait(self, timeout=None):
+        code = super().wait(timeout)
+        if code is not None and self.exit_status is None:
+            self.exit_status = code
+        return code
+
+
+class _EngineLauncher(LocalEngineLauncher):
+    """ipyparallel's local engine launcher, keeping the engine's exit status.
+
+    Its wait thread reaps the engine as soon as it exits (pidfd/waitpid) but reports the
+    status only through the launcher's event loop, which does not run in a plain kernel
+    call; the status is kept on ``self.process.exit_status`` instead.
+    """
+
+    def _start_waiting(self):
+        if self.process is not None and not isinstance(self.process, _Process):
+            self.process = _Process(self.process.pid)
+        super()._start_waiting()
+
+
+#: Set in every engine's environment unless the kernel's environment sets them. INFO makes DDP's
+#: "parameters that were not used in producing loss" error name the parameters (not only their
+#: indices); unlike DETAIL it adds no collective checks to training.
+ENGINE_ENV = {"TORCH_DISTRIBUTED_DEBUG": "INFO"}
+
+
+class _EngineSetLauncher(LocalEngineSetLauncher):
+    launcher_class = _EngineLauncher
+
+    def start(self, n):
+        self.environment = {**self.environment, **{k: v for k, v in ENGINE_ENV.items() if k not in os.environ}}
+        return super().start(n)
+
+
+def _restrict_security_files(profile_dir: str) -> None:
+    """Make every file in the profile's security folder owner-only (ipyparallel leaves the cluster file 0644)."""
+    folder = os.path.join(profile_dir or "", "security")
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            if stat.S_ISREG(os.lstat(path).st_mode) and os.stat(path).st_mode & 0o077:
+                os.chmod(path, 0o600)
+        except OSError:
+            pass
 
 
 def visible_gpus() -> list[str]:
@@ -57,7 +185,8 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
-def default_spec(n: int | None = None, backend: str | None = None, timeout: float = 60.0) -> ClusterSpec:
+def default_spec(n: int | None = None, backend: str | None = None, timeout: float = 60.0,
+                 master_port: int | None = None) -> ClusterSpec:
     """One engine per GPU (nccl), or with no GPU one CPU engine per core (gloo); ``n`` overrides."""
     gpus = visible_gpus()
     device_type = "cuda" if gpus else "cpu"
@@ -65,10 +194,14 @@ def default_spec(n: int | None = None, backend: str | None = None, timeout: floa
         n = len(gpus) if gpus else cpu_cores()
     if device_type == "cuda" and isinstance(n, int) and n > len(gpus):
         raise ClusterError(f"-n {n} asks for more GPU engines than the {len(gpus)} visible GPUs")
+    most = max(MIN_ENGINE_CAP, ENGINES_PER_CORE * cpu_cores())
+    if device_type == "cpu" and isinstance(n, int) and not isinstance(n, bool) and n > most:
+        raise PlanError(f"-n {n} asks for more than {ENGINES_PER_CORE} engines per CPU core ({cpu_cores()} cores): "
+                        f"each engine is a process with its own torch; use at most -n {most}")
     backend = backend or ("nccl" if device_type == "cuda" else "gloo")
     threads = max(1, cpu_cores() // n) if isinstance(n, int) and n > 0 else 1
     return ClusterSpec(num_engines=n, backend=backend, device_type=device_type, num_threads=threads,
-                       timeout=timeout)
+                       timeout=timeout, master_port=master_port)
 
 
 @ipp.interactive
@@ -101,22 +234,31 @@ class Cluster:
         self.ranks: list[dict] = []
         self.master_port = None
         self.start_seconds = None
+        self._procs: dict = {}  # engine pid -> _Process (its exit status once it died)
 
     # lifecycle -----------------------------------------------------------
     def start(self, engine_timeout: float = 60.0) -> "Cluster":
         """Start controller and engines, then form the process group. Raises ClusterError."""
         t0 = time.perf_counter()
         spec = self.spec
+        if spec.master_port is not None:  # a pinned port that is taken: say so now, not at the rendezvous
+            check_port_free(spec.master_port, spec.master_addr)
         self._ipp = ipp.Cluster(
             n=spec.num_engines,
             controller_ip="127.0.0.1",
             controller_args=[f"--HeartMonitor.period={HEARTBEAT_MS}"],
+            engine_launcher_class=_EngineSetLauncher,
             delay=0,
             log=_log,
             engine_timeout=int(engine_timeout),
         )
         try:
             self._ipp.start_cluster_sync(spec.num_engines)
+            _restrict_security_files(self._ipp.profile_dir)
+            for engine_set in self._ipp.engines.values():
+                for launcher in getattr(engine_set, "launchers", {}).values():
+                    if isinstance(getattr(launcher, "process", None), psutil.Process):
+                        self._procs[launcher.process.pid] = launcher.process
             self.client = self._ipp.connect_client_sync()
             self.client.wait_for_engines(spec.num_engines, timeout=engine_timeout, interactive=False)
             self.engine_ids = sorted(self.client.ids)[: spec.num_engines]
@@ -132,7 +274,7 @@ class Cluster:
     def _setup_ranks(self):
         spec = self.spec
         gpus = visible_gpus() if spec.device_type == "cuda" else []
-        self.master_port = free_port(spec.master_addr)
+        self.master_port = spec.master_port or free_port(spec.master_addr)
         ars = []
         for rank, eid in enumerate(self.engine_ids):
             gpu = gpus[rank] if gpus else None
@@ -154,8 +296,14 @@ class Cluster:
         self.reaper = spawn(sorted(set(pids)))
 
     def reform(self) -> None:
-        """Form a fresh process group (new port) on every rank, after a failure."""
-        self.master_port = free_port(self.spec.master_addr)
+        """Form a fresh process group (new port, or the pinned --master-port) on every rank, after a failure."""
+        if self.spec.master_port is not None:
+            # the same port again: every rank must have left the old group (rank 0 closing the old
+            # store) before any rank joins the new one, or a rank could reach the old store
+            self.wait_all(self.apply_all("distnb.engine.runtime", "release", True), timeout=self.spec.timeout,
+                          what="leaving the old process group")
+            check_port_free(self.spec.master_port, self.spec.master_addr, wait=5.0)
+        self.master_port = self.spec.master_port or free_port(self.spec.master_addr)
         ars = [self.apply(r, "distnb.engine.runtime", "reform", True, self.spec.master_addr, self.master_port)
                for r in range(self.world_size)]
         self.wait_all(ars, timeout=self.spec.timeout + 30, what="re-forming the process group")
@@ -163,10 +311,11 @@ class Cluster:
     def stop(self) -> None:
         """Stop engines (cleanly leaving the process group), the controller and the client."""
         if self.client is not None:
-            try:
-                self.client[self.engine_ids or self.client.ids].apply_async(_shim, "distnb.engine.runtime",
-                                                                             "shutdown", False)
-                time.sleep(0.2)
+            try:  # live registered engines leave the group and exit at once; ipyparallel stops the rest
+                ids = [e for e in (self.engine_ids or self.client.ids) if e in self.client.ids]
+                if ids:
+                    self.client[ids].apply_async(_shim, "distnb.engine.runtime", "shutdown", False)
+                    time.sleep(0.2)
             except Exception:
                 pass
         if self._ipp is not None:
@@ -212,26 +361,53 @@ class Cluster:
                 pass
 
     # calls --------------------------------------------------------------
-    def dead_ranks(self) -> dict:
-        """{rank: description} for ranks whose engine process has exited."""
-        import psutil
+    def describe(self, rank: int) -> str:
+        """``rank R (engine E, pid P)``: how messages name a rank's engine."""
+        eid = self.engine_ids[rank] if rank < len(self.engine_ids) else "?"
+        pid = self.ranks[rank]["pid"] if rank < len(self.ranks) else "?"
+        return f"rank {rank} (engine {eid}, pid {pid})"
 
+    def exit_status(self, rank: int, wait: float = 0.5):
+        """The exit status of ``rank``'s engine once it has exited, else None.
+
+        An int: the exit code, or minus the signal number if a signal killed it (None too
+        when the process is gone but its status could not be learnt within ``wait`` s).
+        """
+        pid = self.ranks[rank]["pid"]
+        proc = self._procs.get(pid)
+        deadline = time.monotonic() + wait
+        while proc is not None:
+            if proc.exit_status is not None:
+                return proc.exit_status
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.02)  # ipyparallel's wait thread reaps it within microseconds of its exit
+        return None
+
+    def dead_ranks(self) -> dict:
+        """{rank: how it died} for ranks whose engine process has exited (``killed by SIGKILL``, ...)."""
         dead = {}
         for rank, info in enumerate(self.ranks):
-            try:
-                if psutil.Process(info["pid"]).status() != psutil.STATUS_ZOMBIE:
-                    continue
-            except psutil.NoSuchProcess:
-                pass
-            dead[rank] = "has exited (killed, crashed or os._exit)"
+            proc = self._procs.get(info["pid"])
+            if proc is None or proc.exit_status is None:
+                try:
+                    if psutil.Process(info["pid"]).status() != psutil.STATUS_ZOMBIE:
+                        continue
+                except psutil.NoSuchProcess:
+                    pass
+            dead[rank] = exit_description(self.exit_status(rank))
         return dead
+
+    def death_message(self, rank: int, how: str) -> str:
+        """``rank 1 (engine 1, pid N) died: killed by SIGKILL``."""
+        return f"{self.describe(rank)} died: {how}"
 
     def check_alive(self, ranks=None) -> None:
         """Raise ClusterError naming every dead rank (with how it died) and the fix."""
         dead = self.dead_ranks()
         dead = {r: d for r, d in dead.items() if ranks is None or r in ranks}
         if dead:
-            what = "; ".join(f"rank {r}'s engine (pid {self.ranks[r]['pid']}) {d}" for r, d in sorted(dead.items()))
+            what = "; ".join(self.death_message(r, d) for r, d in sorted(dead.items()))
             raise ClusterError(f"{what}. Run %dist restart (or session.restart()) for a fresh world of "
                                f"{self.world_size} ranks")
 
@@ -243,9 +419,11 @@ class Cluster:
         if self.client is None:
             raise ClusterError("the cluster is not running; start it with %dist start")
         engine_id = self.engine_ids[rank]
-        if engine_id not in self.client.ids:
+        proc = self._procs.get(self.ranks[rank]["pid"]) if rank < len(self.ranks) else None
+        if engine_id not in self.client.ids or (proc is not None and proc.exit_status is not None):
             self.check_alive([rank])
-            raise ClusterError(f"rank {rank}'s engine ({engine_id}) is no longer registered; run %dist restart")
+            raise ClusterError(f"{self.describe(rank)} is no longer registered with the controller; "
+                               "run %dist restart")
         return self.client[engine_id].apply_async(_shim, module, fn, with_ns, *args)
 
     def apply_all(self, module: str, fn: str, with_ns: bool, *args):

@@ -31,6 +31,13 @@ class ClusterError(DistnbError, RuntimeError):
     """The cluster is missing, not started, or could not start."""
 
 
+class CollectiveMismatchError(DistnbError, ValueError):
+    """Ranks called a collective with tensors of different shapes or dtypes (or different collectives).
+
+    Raised on every rank of the collective, before it runs (see :mod:`distnb.engine.collectives`).
+    """
+
+
 class BusyError(DistnbError, RuntimeError):
     """A background training run is going on; only ``%dist wait`` / ``%dist stop-training`` may run."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
@@ -25,6 +26,12 @@ def _session():
 @argument("--backend", choices=["gloo", "nccl"], default=None,
           help="torch.distributed backend (default nccl on GPUs, gloo on CPU)")
 @argument("--timeout", type=float, default=60.0, help="collective/rendezvous timeout in seconds (default 60)")
+@argument("--master-port", type=int, default=None,
+          help="TCP port of the torch.distributed store on 127.0.0.1 (default: a free port); a taken port is an "
+               "error naming it")
+@argument("--auto-restart", action=argparse.BooleanOptionalAction, default=None,
+          help="when an engine dies during a cell, start a fresh world of the same size at once (default off; "
+               "on a running cluster this only switches the setting)")
 def _start(line):
     """Start the cluster and its process group (keeps a running one)."""
 
@@ -256,7 +263,8 @@ class DistMagics(Magics):
 
                 check_idle(session._CURRENT)
             if verb == "start":
-                session.start(n=args.n, backend=args.backend, timeout=args.timeout, ns=ns)
+                session.start(n=args.n, backend=args.backend, timeout=args.timeout, ns=ns,
+                              master_port=args.master_port, auto_restart=args.auto_restart)
             elif verb == "stop":
                 if session._CURRENT is None:
                     print("distnb: no cluster is running")

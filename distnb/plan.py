@@ -21,6 +21,8 @@ SCHEDULES = ("gpipe", "1f1b")
 #: Built-in optimizers (torch.optim names) and their default learning rates.
 DEFAULT_LR = {"sgd": 0.01, "adam": 1e-3, "adamw": 1e-3}
 BACKENDS = ("gloo", "nccl")
+#: Longest collective/rendezvous timeout ``%dist start --timeout`` takes, seconds.
+MAX_TIMEOUT = 7 * 24 * 3600
 
 
 def _check_int(name, value, minimum):
@@ -82,6 +84,8 @@ class ClusterSpec:
             raise PlanError("--backend nccl needs GPU engines; this machine has none (use --backend gloo)")
         _check_int("num_threads", self.num_threads, 1)
         _check_number("--timeout", self.timeout)
+        if not 1 <= self.timeout <= MAX_TIMEOUT:
+            raise PlanError(f"--timeout must be between 1 and {MAX_TIMEOUT} seconds (a week), got {self.timeout}")
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,8 @@ STOP_WAIT = 3.0
 INTERRUPT_WAIT = 10.0
 
 
-def start(n=None, backend=None, timeout=60.0, ns=None, quiet=False) -> "Session":
+def start(n=None, backend=None, timeout=60.0, ns=None, quiet=False, master_port=None,
+          auto_restart=None) -> "Session":
     """Start (or return the running) cluster and its process group.
 
     Parameters
@@ -69,6 +70,14 @@ def start(n=None, backend=None, timeout=60.0, ns=None, quiet=False) -> "Session"
         ``__main__``).
     quiet : bool
         Print nothing.
+    master_port : int, optional
+        TCP port of the torch.distributed store on 127.0.0.1 (default: a free one for
+        every process group formed). A taken port is a ClusterError naming it, before
+        any engine starts.
+    auto_restart : bool, optional
+        When an engine dies during a cell, start a fresh world of the same size at once
+        (the cell still fails, naming the rank and how it died). Default off; None keeps
+        the running session's setting.
 
     Returns
     -------
@@ -77,19 +86,27 @@ def start(n=None, backend=None, timeout=60.0, ns=None, quiet=False) -> "Session"
     Raises
     ------
     ClusterError
-        If the engines cannot start or form a process group.
+        If the engines cannot start or form a process group, or ``master_port`` is taken.
     PlanError
-        For invalid options (``n < 1``, unknown backend, nccl without GPUs).
+        For invalid options (``n < 1``, unknown backend, nccl without GPUs, a port
+        outside 1-65535).
     """
     global _CURRENT
+    if auto_restart is not None and not isinstance(auto_restart, bool):
+        raise PlanError(f"auto_restart must be True or False, got {auto_restart!r}")
+    spec = default_spec(n, backend, timeout, master_port)  # bad options are errors, running cluster or not
     if _CURRENT is not None and _CURRENT.running:
+        if auto_restart is not None and auto_restart != _CURRENT.auto_restart:
+            _CURRENT.auto_restart = auto_restart
+            if not quiet:
+                print(f"distnb: automatic restart after an engine death is now {'on' if auto_restart else 'off'}")
         if not quiet:
             print(f"distnb: a cluster of {_CURRENT.world_size} ranks is already running; keeping it "
                   "(%dist restart starts a fresh one)")
         return _CURRENT
-    spec = default_spec(n, backend, timeout)
     cluster = Cluster(spec).start()
     _CURRENT = Session(cluster, ns=ns)
+    _CURRENT.auto_restart = bool(auto_restart)
     atexit.register(_stop_at_exit)
     if not quiet:
         print(f"distnb: {_count(spec.num_engines, 'rank')} ready ({spec.backend}, {spec.device_type}, "
@@ -129,7 +146,15 @@ def _user_ns():
 
 
 class StatusTable(Table):
-    """``%dist status``: one row per rank."""
+    """``%dist status``: one row per rank; the title names the controller's pid and the store's address.
+
+    Attributes
+    ----------
+    controller_pid : int or None
+        The ipyparallel controller's process id.
+    store : str
+        ``host:port`` of the torch.distributed store (rank 0's).
+    """
 
     columns = ("rank", "engine_id", "host", "pid", "device", "backend", "threads", "alive")
 
@@ -202,6 +227,7 @@ class Session:
         self._pushed = {}  # name -> fingerprint of what an automatic push sent
         self.last_result = None
         self._background = None  # a BackgroundRun while a %%distrain --background run is going on
+        self.auto_restart = False  # start a fresh world when an engine dies during a cell
 
     # basics --------------------------------------------------------------
     @property
@@ -246,7 +272,12 @@ class Session:
                     pass
             base["threads"] = base.get("num_threads")
             rows.append(base)
-        return StatusTable(rows)
+        table = StatusTable(rows)
+        table.controller_pid = self.cluster.pids["controller"]
+        table.store = f"{self.cluster.spec.master_addr}:{self.cluster.master_port}"
+        table.title = (f"controller pid {table.controller_pid} · torch.distributed store {table.store} · "
+                       f"auto restart {'on' if self.auto_restart else 'off'}")
+        return table
 
     def stop(self, quiet=False) -> None:
         """Stop every process this session started (engines, controller)."""
@@ -258,21 +289,43 @@ class Session:
             return
         pids = self.cluster.pids
         self.cluster.stop()
+        self._forget()
         sweep_shm()  # shared-memory transfer files a failure may have left
-        self._models.clear()
-        self._distributed.clear()
-        self._data.clear()
-        self._pushed.clear()
         if _CURRENT is self:
             _CURRENT = None
         if not quiet:
             print(f"distnb: stopped {_count(len(pids['engines']), 'engine')} and the controller")
 
+    def _forget(self) -> None:
+        """Drop what the session knows the ranks hold (they are gone)."""
+        self._models.clear()
+        self._distributed.clear()
+        self._data.clear()
+        self._pushed.clear()
+
     def restart(self, quiet=False) -> "Session":
         """Stop and start again with the same spec; returns the new session."""
         spec = self.cluster.spec
+        auto = self.auto_restart
         self.stop(quiet=True)
-        return start(n=spec.num_engines, backend=spec.backend, timeout=spec.timeout, ns=self._ns, quiet=quiet)
+        return start(n=spec.num_engines, backend=spec.backend, timeout=spec.timeout, ns=self._ns, quiet=quiet,
+                     master_port=spec.master_port, auto_restart=auto)
+
+    def _restart_in_place(self) -> str:
+        """After an engine death (``auto_restart``): a fresh world of the same spec in this session.
+
+        Returns a sentence for the error message saying what happened.
+        """
+        spec = self.cluster.spec
+        try:
+            self.cluster.stop()
+            self._forget()
+            self._generation += 1
+            self.cluster = Cluster(spec).start()
+        except Exception as exc:
+            return f"the automatic restart failed ({exc}); run %dist restart"
+        return (f"distnb started a fresh world of {self.world_size} ranks (auto restart): their namespaces are "
+                "empty, the next training cell sends the model again")
 
     # background training -------------------------------------------------
     def wait(self, timeout=None):
@@ -424,6 +477,11 @@ class Session:
                               for r, m in sorted(spots.items()) if m.get("epoch") is not None)
             how = "every rank stopped after the same step" if clean else "ranks stopped where they were"
             raise Interrupted(f"{what} interrupted: {how}" + (f" ({where})" if where else ""))
+        if dead and self.auto_restart:
+            note = self._restart_in_place()
+            for f in failures:
+                if f["rank"] in dead:
+                    f["evalue"] = f["evalue"].split("; run %dist restart")[0] + f"; {note}"
         if failures:
             raise RankError(failures, context=what)
         return [ar.get(0) for ar in ars]
@@ -435,8 +493,8 @@ class Session:
             where = progress.get(rank) or {}
             failures.insert(0, dict(rank=rank, engine_id=self.cluster.engine_ids[rank], host=self.cluster.host_of(rank),
                                     ename="EngineDied", traceback="", epoch=where.get("epoch"), step=where.get("step"),
-                                    evalue=f"rank {rank}'s engine (pid {self.cluster.ranks[rank]['pid']}) {how}; "
-                                           "run %dist restart for a fresh world"))
+                                    evalue=f"{self.cluster.death_message(rank, how)}; run %dist restart for a "
+                                           f"fresh world of {self.world_size} ranks"))
         return failures
 
     def _poll(self, ars, offsets, progress, state, view, show_ranks):

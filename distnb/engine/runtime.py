@@ -48,16 +48,68 @@ def _init_group(master_addr: str, master_port: int) -> None:
         import torch
 
         kwargs["device_id"] = torch.device("cuda", 0)
+    elif "GLOO_SOCKET_IFNAME" not in os.environ and _is_loopback(master_addr):
+        lo = _loopback_interface()  # gloo otherwise listens on whatever the hostname resolves to
+        if lo:
+            os.environ["GLOO_SOCKET_IFNAME"] = lo
+    timeout = datetime.timedelta(seconds=STATE.timeout)
     dist.init_process_group(
         STATE.backend,
-        init_method=f"tcp://{master_addr}:{master_port}",
+        store=_store(master_addr, master_port, timeout),
         rank=STATE.rank,
         world_size=STATE.world_size,
-        timeout=datetime.timedelta(seconds=STATE.timeout),
+        timeout=timeout,
         **kwargs,
     )
     STATE.generation += 1
     STATE.broken = False
+
+
+def _is_loopback(addr: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return addr == "localhost"
+
+
+def _loopback_interface() -> str | None:
+    """Name of the network interface that carries 127.0.0.1 (``lo`` on Linux), if any."""
+    try:
+        import psutil
+
+        for name, addrs in psutil.net_if_addrs().items():
+            if any(a.address == "127.0.0.1" for a in addrs):
+                return name
+    except Exception:
+        pass
+    return None
+
+
+def _store(master_addr: str, master_port: int, timeout):
+    """The process group's TCPStore; rank 0 serves it on ``master_addr`` only.
+
+    torch's own ``tcp://`` rendezvous makes rank 0's store listen on every interface;
+    here rank 0 binds the listening socket itself and hands it to the store
+    (``master_listen_fd``). A taken port is a RuntimeError naming it and the fix.
+    """
+    import torch.distributed as dist
+
+    if STATE.rank != 0:
+        return dist.TCPStore(master_addr, master_port, STATE.world_size, False, timeout)
+    family, kind, proto, _, address = socket.getaddrinfo(master_addr, master_port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(max(128, STATE.world_size))
+    except OSError as exc:
+        sock.close()
+        raise RuntimeError(f"rank 0 cannot listen on {master_addr}:{master_port} for the process group's store "
+                           f"({exc.strerror or exc}): pick another --master-port, or leave it out and distnb "
+                           "picks a free one") from None
+    return dist.TCPStore(master_addr, master_port, STATE.world_size, True, timeout, master_listen_fd=sock.detach())
 
 
 def setup(ns: dict, rank: int, world_size: int, local_rank: int, backend: str, device_type: str,
@@ -211,11 +263,14 @@ def run_cell(ns: dict, code: str):
     last = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
         last = ast.Expression(tree.body.pop().value)
+    from .collectives import checked
+
     try:
-        exec(compile(tree, filename, "exec"), ns)
-        if last is not None:
-            value = eval(compile(last, filename, "eval"), ns)
-            return None if value is None else repr(value)
+        with checked():  # mismatched tensors in a user collective: an error on every rank, not an abort
+            exec(compile(tree, filename, "exec"), ns)
+            if last is not None:
+                value = eval(compile(last, filename, "eval"), ns)
+                return None if value is None else repr(value)
         return None
     except BaseException as exc:
         clear_exception_frames(exc)

@@ -49,30 +49,3 @@ def test_gpu_count_comes_from_the_environment_without_cuda(monkeypatch):
         import torch
 
         assert not torch.cuda.is_initialized()
-
-
-def test_a_dead_engine_is_named_and_restart_recovers():
-    import signal
-
-    from distnb.errors import ClusterError, RankError
-
-    cluster = Cluster(default_spec(n=2, timeout=20)).start()
-    session = Session(cluster, ns={})
-    try:
-        victim = cluster.ranks[1]["pid"]
-        t0 = time.monotonic()
-        with pytest.raises(RankError, match="rank 1's engine .* has exited.*%dist restart"):
-            session.run(f"import os, time\nif rank == 1:\n    os.kill({victim}, {int(signal.SIGKILL)})\n"
-                        "import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)")
-        assert time.monotonic() - t0 < 10
-        table = session.status()
-        assert [r["alive"] for r in table] == [True, False]
-        with pytest.raises(ClusterError, match="rank 1's engine"):
-            session.run("1")
-        cluster.stop()
-        session = Session(Cluster(cluster.spec).start(), ns={})
-        assert session.run("rank", all_output=True) == ["0", "1"]
-    finally:
-        session.stop(quiet=True)
-        cluster.stop()
-    assert not psutil.pid_exists(victim) or psutil.Process(victim).status() == psutil.STATUS_ZOMBIE

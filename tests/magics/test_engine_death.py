@@ -1,0 +1,115 @@
+"""An engine process dies during a cell (issue 4, behaviour 3), on the shared real 2-rank cluster.
+
+The cell ends within 10 s with an error naming the rank, its engine and pid, and how the
+process ended (the signal, or the exit status); ``%dist restart`` then brings back a world
+of full size with a fresh process group.
+"""
+
+import time
+
+import psutil
+import pytest
+
+from distnb import session as session_mod
+from distnb.errors import ClusterError, RankError
+
+SETUP = """
+import torch, torch.nn as nn, torch.nn.functional as F
+g = torch.Generator().manual_seed(0)
+X = torch.randn(400, 8, generator=g)
+Y = (X[:, 0] > 0).long()
+death_ds = torch.utils.data.TensorDataset(X, Y)
+torch.manual_seed(0)
+death_net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+"""
+
+
+def run(shell, code):
+    return shell.run_cell(code, silent=False)
+
+
+def _gone(pid):
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def _restart_and_check(shell, old_pids, capsys):
+    """%dist restart: a world of full size, fresh engines, a first-generation process group that works."""
+    assert run(shell, "%dist restart").error_in_exec is None
+    _check_fresh_world(shell, old_pids, capsys)
+
+
+def _check_fresh_world(shell, old_pids, capsys):
+    new = session_mod.current()
+    assert new.world_size == 2
+    table = run(shell, "%dist status").result
+    assert [r["alive"] for r in table] == [True, True]
+    assert set(r["pid"] for r in table).isdisjoint(old_pids)
+    assert [r["generation"] for r in table] == [1, 1]  # a fresh process group, not a re-formed one
+    capsys.readouterr()
+    res = run(shell, "%%dist --all-output\nimport torch, torch.distributed as dist\nt = torch.ones(1) * (rank + 1)\n"
+                     "dist.all_reduce(t)\nprint('sum', t.item())")
+    assert res.error_in_exec is None, res.error_in_exec
+    assert capsys.readouterr().out.count("sum 3.0") == 2
+    assert all(_gone(p) for p in old_pids)
+
+
+def test_sigkill_during_training_names_rank_and_signal_then_restart(shell, tmp_path, capsys):
+    assert run(shell, SETUP).error_in_exec is None
+    shell.user_ns["KILL_MARK"] = str(tmp_path / "killed-at")
+    cluster = session_mod.current().cluster
+    pid, eid = cluster.ranks[1]["pid"], cluster.engine_ids[1]
+    old_pids = [r["pid"] for r in cluster.ranks]
+    res = run(shell, "%%distrain --model death_net --data death_ds --epochs 200 --batch-size 8 --progress none\n"
+                     "x, y = batch\n"
+                     "if rank == 1 and ctx.step == 5:\n"
+                     "    import os, signal, time\n"
+                     "    open(KILL_MARK, 'w').write(repr(time.time()))\n"
+                     "    os.kill(os.getpid(), signal.SIGKILL)\n"
+                     "loss = F.cross_entropy(model(x), y)")
+    ended = time.time()
+    err = res.error_in_exec
+    assert isinstance(err, RankError), err
+    killed_at = float((tmp_path / "killed-at").read_text())
+    assert ended - killed_at < 10, f"the cell ended {ended - killed_at:.1f} s after the kill"
+    assert err.rank == 1 and err.ename == "EngineDied"
+    assert f"rank 1 (engine {eid}, pid {pid}) died: killed by SIGKILL" in str(err)
+    assert "%dist restart" in str(err)
+    # the world is not silently smaller: status shows the dead rank, cells say what to do
+    assert [r["alive"] for r in run(shell, "%dist status").result] == [True, False]
+    t0 = time.monotonic()
+    nxt = run(shell, "%%dist\n1")
+    assert isinstance(nxt.error_in_exec, ClusterError) and "killed by SIGKILL" in str(nxt.error_in_exec)
+    assert time.monotonic() - t0 < 5
+    _restart_and_check(shell, old_pids, capsys)
+
+
+@pytest.mark.parametrize("code,expected", [(-9, "killed by SIGKILL"), (-15, "killed by SIGTERM"),
+                                           (1, "exited with status 1"), (None, "status unknown")])
+def test_exit_descriptions(code, expected):
+    from distnb.cluster import exit_description
+
+    assert expected in exit_description(code)
+
+
+def test_exit_in_a_collective_names_the_status_and_auto_restart_brings_back_a_full_world(shell, capsys):
+    capsys.readouterr()
+    assert run(shell, "%dist start --auto-restart").error_in_exec is None
+    assert "automatic restart after an engine death is now on" in capsys.readouterr().out
+    session = session_mod.current()
+    pid = session.cluster.ranks[1]["pid"]
+    old_pids = [r["pid"] for r in session.cluster.ranks]
+    try:
+        t0 = time.monotonic()
+        res = run(shell, "%%dist\nimport os, torch, torch.distributed as dist\nif rank == 1:\n    os._exit(3)\n"
+                         "t = torch.ones(1)\ndist.all_reduce(t)  # rank 0 waits here for a peer that is gone")
+        err = res.error_in_exec
+        assert isinstance(err, RankError) and err.rank == 1, err
+        assert f"pid {pid}) died: exited with status 3" in str(err)
+        assert err.ranks == [1, 0] and "were stopped as a consequence" in str(err)  # rank 0: not a second cause
+        assert "fresh world of 2 ranks (auto restart)" in str(err)
+        assert time.monotonic() - t0 < 10 + 15  # the death within 10 s, then a cluster start
+        assert session_mod.current() is session  # the same session object, a new world
+        _check_fresh_world(shell, old_pids, capsys)
+    finally:
+        run(shell, "%dist start --no-auto-restart")
+    assert session_mod.current().auto_restart is False
