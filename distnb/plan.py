@@ -126,9 +126,10 @@ class TrainPlan:
         every rank uses ``floor(n / world_size)`` samples and full batches only.
     find_unused_parameters : bool
         Passed to DDP: allow parameters that get no gradient in a step (costs a graph walk).
-    nan : {"stop", "ignore"}
+    nan : {"stop", "skip"}
         A non-finite loss stops training with an error naming the rank and step (default),
-        or is ignored.
+        or (``skip``) the step is dropped on every rank: no update, the ranks agree with one
+        tiny all-reduce per step, and the cell reports how many steps it skipped.
     report_interval : float
         Seconds between progress messages per rank (0.1 for the dashboard: at most 10 a
         second; longer for text progress, which only prints per epoch).
@@ -205,8 +206,8 @@ class TrainPlan:
                 raise PlanError(f"--optimizer must be sgd, adam, adamw or a notebook name, got {self.optimizer!r}")
         if self.lr is not None:
             _check_number("--lr", self.lr)
-        if self.nan not in ("stop", "ignore"):
-            raise PlanError(f"--nan must be 'stop' or 'ignore', got {self.nan!r}")
+        if self.nan not in ("stop", "skip"):
+            raise PlanError(f"--nan must be 'stop' or 'skip', got {self.nan!r}")
         if self.strategy not in STRATEGIES:
             raise PlanError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
         self._check_strategy_options()

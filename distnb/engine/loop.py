@@ -251,6 +251,7 @@ class Context:
         self._check_t0 = time.perf_counter()
         self._check_step0 = 0
         self.interrupted = False
+        self.skipped_steps = 0  # steps dropped for a non-finite loss (--nan skip)
         self.skip = run.epoch_samples  # resume mid-epoch: samples of the first epoch already trained
         self.checkpoints = []
 
@@ -281,7 +282,14 @@ class Context:
                 self.stopped_early = True
                 break
 
-    def report(self, loss, num_samples=None, value=None):
+    def any_nonfinite(self, loss, value) -> bool:
+        """True on every rank when the loss of this step is NaN or infinite on any rank."""
+        bad = (not math.isfinite(value)) if value is not None else bool((~torch.isfinite(loss.detach())).item())
+        flag = torch.tensor([1.0 if bad else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def report(self, loss, num_samples=None, value=None, skipped=False):
         """Record one finished step (loss: scalar tensor; num_samples: default the last batch size).
 
         ``value`` is ``float(loss)`` when the caller has it already.
@@ -297,9 +305,11 @@ class Context:
                 "`net(x)`) skips the gradient all-reduce and the ranks diverge. Use `model(x)` in the body")
         self._forwards_seen = self._run.forwards
         detached = loss.detach()
-        # a float when the step already read it (CPU); a tensor otherwise, summed per epoch (no GPU sync)
-        self._losses.append(detached if value is None else value)
-        self._loss_count += 1
+        if skipped:
+            self.skipped_steps += 1
+        else:  # a float when the step already read it (CPU); a tensor otherwise, summed per epoch (no GPU sync)
+            self._losses.append(detached if value is None else value)
+            self._loss_count += 1
         self.step += 1
         self._run.steps += 1
         self._run.epoch_step += 1
@@ -352,7 +362,7 @@ def check_loss(loss, ctx):
         if ctx.plan.nan == "stop" and not math.isfinite(value):
             raise FloatingPointError(f"the loss is {value} at rank {ctx.rank}, epoch {ctx.epoch}, step {ctx.step}; "
                                      "training stopped before the update (lower --lr, check the data, or pass "
-                                     "--nan ignore)")
+                                     "--nan skip to drop such steps)")
         return value
     where = f"rank {ctx.rank}, epoch {ctx.epoch}, step {ctx.step}"
     if loss is None:
@@ -371,6 +381,10 @@ def _steps(ns, code, ctx):
             optimizer.zero_grad(set_to_none=True)
             ns["batch"] = batch
             loss, value = step(ns, code, ctx)
+            if ctx.plan.nan == "skip" and ctx.any_nonfinite(loss, value):
+                optimizer.zero_grad(set_to_none=True)  # drop the step on every rank
+                ctx.report(loss, value=value, skipped=True)
+                continue
             optimizer.step()
             ctx.report(loss, value=value)
 
@@ -438,7 +452,7 @@ def train(ns, plan_dict, code_text):
                 first_epoch=run.epoch - len(ctx.epoch_losses), next_epoch=run.epoch,
                 stopped_early=ctx.stopped_early, steps_per_epoch=steps, note=note, interrupted=ctx.interrupted,
                 where=dict(epoch=ctx.epoch, step=ctx.step), holdings=run.strategy.holdings(), state=state,
-                resumed=resumed, continued=continued, checkpoints=ctx.checkpoints)
+                resumed=resumed, continued=continued, checkpoints=ctx.checkpoints, skipped_steps=ctx.skipped_steps)
 
 
 def _prepare(ns, plan, run):

@@ -181,24 +181,22 @@ def test_nan_loss_on_one_rank_names_the_rank_and_step(shell, trained):
                      "    loss = loss * float('nan')")
     err = res.error_in_exec
     assert isinstance(err, RankError) and err.rank == 1, err
-    assert "the loss is nan at rank 1, epoch 0, step 2" in str(err) and "--nan ignore" in str(err)
+    assert "the loss is nan at rank 1, epoch 0, step 2" in str(err) and "--nan skip" in str(err)
     assert all(torch.isfinite(p).all() for p in shell.user_ns["nan_net"].parameters())  # steps 0-1 kept
 
 
 def test_nan_ignore_goes_on(shell, trained):
     run(shell, "torch.manual_seed(1)\nnan_net2 = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))")
-    res = run(shell, "%%distrain --model nan_net2 --data bad_ds --batch-size 32 --epochs 2 --nan ignore "
+    res = run(shell, "%%distrain --model nan_net2 --data bad_ds --batch-size 32 --epochs 2 --nan skip "
                      "--progress none -o nan_ignored\nx, y = batch\nloss = F.cross_entropy(model(x), y)\n"
                      "if rank == 1 and ctx.step == 2:\n    loss = loss * float('nan')")
     assert res.error_in_exec is None, res.error_in_exec
     assert [r["steps"] for r in shell.user_ns["nan_ignored"].rows] == [8, 8]  # every step ran
 
 
-@pytest.mark.xfail(strict=True, reason="--nan ignore applies the non-finite step (the weights become NaN) instead "
-                                       "of skipping it; the step loop is distnb/engine/loop.py")
 def test_nan_ignore_skips_the_step(shell, trained):
     run(shell, "torch.manual_seed(1)\nnan_net3 = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))")
-    run(shell, "%%distrain --model nan_net3 --data bad_ds --batch-size 32 --nan ignore --progress none\n"
+    run(shell, "%%distrain --model nan_net3 --data bad_ds --batch-size 32 --nan skip --progress none\n"
                "x, y = batch\nloss = F.cross_entropy(model(x), y)\nif rank == 1 and ctx.step == 2:\n"
                "    loss = loss * float('nan')")
     assert all(torch.isfinite(p).all() for p in shell.user_ns["nan_net3"].parameters())
@@ -215,10 +213,6 @@ def test_unused_parameters_are_named_with_the_option(shell, trained):
     assert ok.error_in_exec is None, ok.error_in_exec
 
 
-@pytest.mark.xfail(strict=True, reason="after DDP's unused-parameter error the ranks' module keeps the failed "
-                                       "wrapper's autograd hooks: the advised retry with --find-unused-parameters "
-                                       "fails ('Expected to mark a variable ready only once') unless the model is "
-                                       "new (engine/loop.py, engine/strategies/ddp.py)")
 def test_the_advised_retry_works_on_the_same_model(shell, trained):
     run(shell, "torch.manual_seed(0)\nunused_net3 = BadNet()")
     res = run(shell, f"%%distrain --model unused_net3 --data bad_ds --progress none\n{BODY}")

@@ -18,7 +18,7 @@ def test_defaults_and_normalisation():
     ("epochs", 0, "--epochs"), ("epochs", -3, "--epochs"), ("epochs", 2.5, "--epochs"),
     ("batch_size", 0, "--batch-size"), ("lr", -1.0, "--lr"), ("lr", float("nan"), "--lr"),
     ("seed", -1, "--seed"), ("strategy", "horovod", "--strategy"), ("target_loss", float("inf"), "--target-loss"),
-    ("optimizer", "not a name", "--optimizer"), ("nan", "skip", "--nan"), ("model", "1net", "--model"), ("data", "", "--data"),
+    ("optimizer", "not a name", "--optimizer"), ("nan", "ignore", "--nan"), ("model", "1net", "--model"), ("data", "", "--data"),
 ])
 def test_bad_values_name_the_option(field, value, needle):
     with pytest.raises(PlanError, match=needle):

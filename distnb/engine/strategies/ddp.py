@@ -25,5 +25,19 @@ class DDP(Strategy):
         self.model = DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True,
                                              find_unused_parameters=plan.find_unused_parameters)
 
+    def close(self) -> None:
+        """Also take the reducer's autograd hooks off the parameters.
+
+        They outlive a wrapper that failed mid-step (e.g. DDP's unused-parameter error), and
+        the next wrapper over the same parameters would then see every gradient twice
+        ("Expected to mark a variable ready only once").
+        """
+        if self.model is not None:
+            try:
+                self.model._remove_autograd_hooks()
+            except Exception:  # a torch without it: dropping the wrapper is all we can do
+                pass
+        super().close()
+
 
 STRATEGY = DDP

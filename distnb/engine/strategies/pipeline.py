@@ -514,7 +514,7 @@ class Pipeline(Strategy):
                 raise RuntimeError("the step body never called model(...) on the last stage")
         from ..loop import check_loss
 
-        lenient = types.SimpleNamespace(plan=types.SimpleNamespace(nan="ignore"), rank=mb.ctx.rank,
+        lenient = types.SimpleNamespace(plan=types.SimpleNamespace(nan="skip"), rank=mb.ctx.rank,
                                         epoch=mb.ctx.epoch, step=mb.ctx.step)
         check_loss(loss, lenient)  # the non-finite check runs on every rank after the step
         weight = (stop - start) / mb.size
@@ -548,7 +548,7 @@ class Pipeline(Strategy):
         if self.plan.nan == "stop" and not math.isfinite(value):
             raise FloatingPointError(f"the loss is {value} at rank {ctx.rank}, epoch {ctx.epoch}, step {ctx.step}; "
                                      "training stopped before the update (lower --lr, check the data, or pass "
-                                     "--nan ignore)")
+                                     "--nan skip)")
         loss = total.float()
         ns["loss"] = loss
         return loss, value
