@@ -160,7 +160,7 @@ def test_tensor_matches_unsplit_model(dist_session, shell, capsys, optimizer, op
     result = dist_session.train(BODY, model=name, data="tp_data", epochs=1, batch_size=16, optimizer=optimizer,
                                 lr=lr, seed=4, strategy="tensor", progress="none", quiet=True)
     out = capsys.readouterr().out
-    assert "tensor plan: 0 column-wise, 2 row-wise; 3 replicated on every rank" in out
+    assert "tensor plan: '0' column-wise, '2' row-wise; '3' replicated on every rank" in out
     reference(ref, ns["tp_data"], 1, 16, 1, 4, opt)  # every rank trains on the same batches
     assert [row["steps"] for row in result.rows] == [13, 13]  # ceil(203 / 16)
     assert_params_close(ns[name], ref)

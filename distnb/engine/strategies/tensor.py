@@ -253,10 +253,10 @@ class Tensor(Strategy):
 def describe(tp_plan: dict, replicated=()) -> str:
     """One line: which layer is split how, and which linear layers stay whole."""
     how = {"ColwiseParallel": "column-wise", "RowwiseParallel": "row-wise"}
-    parts = [f"{name} {how.get(type(style).__name__, type(style).__name__)}" for name, style in tp_plan.items()]
+    parts = [f"{name!r} {how.get(type(style).__name__, type(style).__name__)}" for name, style in tp_plan.items()]
     text = "tensor plan: " + ", ".join(parts)
     if replicated:
-        text += f"; {', '.join(replicated)} replicated on every rank (no nn.Linear partner to split with)"
+        text += f"; {', '.join(map(repr, replicated))} replicated on every rank (no nn.Linear partner to split with)"
     return text
 
 
