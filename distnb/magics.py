@@ -79,6 +79,26 @@ def _gather(line):
     """Collect a value from every rank (scattered data back in its original order)."""
 
 
+@magic_arguments(name="dist save")
+@argument("directory", help="folder for checkpoints (written to DIRECTORY/step_<global step>)")
+@argument("--model", default=None, help="notebook name of the model (default: the last one trained)")
+def _save(line):
+    """Checkpoint the ranks' model, optimizer, epoch and sampler position (torch.distributed.checkpoint).
+
+    Example: %dist save checkpoints/digits
+    """
+
+
+@magic_arguments(name="dist load")
+@argument("directory", help="a step_* checkpoint folder or its parent (the newest complete one)")
+@argument("--model", default=None, help="notebook name of the model (default: the last one trained)")
+def _load(line):
+    """Restore a checkpoint into the ranks and the notebook's model; the next %%distrain continues from it.
+
+    Example: %dist load checkpoints/digits --model net
+    """
+
+
 @magic_arguments(name="dist wait")
 def _wait(line):
     """Wait for the background training run and return its result; the trained weights are then in
@@ -104,7 +124,7 @@ def _cell(line):
 
 
 VERBS = {"start": _start, "stop": _stop, "restart": _restart, "status": _status, "push": _push,
-         "pull": _pull, "scatter": _scatter, "gather": _gather, "wait": _wait, "stop-training": _stop_training}
+         "pull": _pull, "scatter": _scatter, "gather": _gather, "wait": _wait, "stop-training": _stop_training, "save": _save, "load": _load}
 
 DIST_DOC = """Run code and manage the distributed cluster from a notebook.
 
@@ -154,6 +174,11 @@ def _dist_doc():
           help="pipeline: notebook function loss(output, target); default: the body's `loss`")
 @argument("--tp-plan", default=None,
           help="tensor: notebook dict {submodule: ParallelStyle}; default: Linear pairs column- then row-wise")
+@argument("--checkpoint-dir", default=None,
+          help="save model, optimizer and position there (torch.distributed.checkpoint); a model sent "
+               "fresh to the ranks (e.g. after %%dist restart) resumes from the newest checkpoint there")
+@argument("--checkpoint-every", type=int, default=None,
+          help="save every N steps (default: at the end of every epoch)")
 @argument("--servers", type=int, default=1, help="ps: ranks holding the parameters and optimizer (default 1)")
 @argument("--staleness", type=int, default=0,
           help="ps: steps a worker may run ahead of the last update it received (default 0: synchronous)")
@@ -165,8 +190,8 @@ def _dist_doc():
 @argument("--drop-last", action="store_true", help="drop the uneven tail instead of padding")
 @argument("--find-unused-parameters", action="store_true",
           help="let DDP train models with parameters that get no gradient in a step")
-@argument("--nan", choices=["stop", "ignore"], default="stop",
-          help="a non-finite loss stops training naming the rank and step (default), or is ignored")
+@argument("--nan", choices=["stop", "skip"], default="stop",
+          help="a non-finite loss stops training naming the rank and step (default); skip: drop that step on every rank")
 @argument("--progress", choices=["auto", "widgets", "text", "none"], default="auto",
           help="dashboard (auto: widgets in Jupyter, text elsewhere)")
 @argument("--all-output", action="store_true", help="show every rank's printed output")
@@ -282,6 +307,10 @@ class DistMagics(Magics):
                 _session().scatter(args.name, seed=args.seed)
             elif verb == "gather":
                 return _bind(ns, args.output, _session().gather(args.name))
+            elif verb == "save":
+                _session().save(args.directory, model=args.model)
+            elif verb == "load":
+                _session().load(args.directory, model=args.model)
         except PlanError as exc:
             raise UsageError(str(exc)) from None
         return None
@@ -295,7 +324,8 @@ class DistMagics(Magics):
                        find_unused_parameters=args.find_unused_parameters, nan=args.nan,
                        fsdp_units=args.fsdp_units, split=args.split, microbatches=args.microbatches,
                        schedule=args.schedule, loss=args.loss, tp_plan=args.tp_plan, servers=args.servers,
-                       staleness=args.staleness)
+                       staleness=args.staleness, checkpoint_dir=args.checkpoint_dir,
+                       checkpoint_every=args.checkpoint_every)
         if args.output is not None and not args.output.isidentifier():
             raise UsageError(f"-o/--output must be a notebook name, got {args.output!r}")
         try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import math
+import os
 import signal
 import sys
 import time
@@ -38,7 +39,8 @@ REPORT_INTERVAL = {"widgets": 0.1, "text": 2.0, "none": 3600.0}
 #: Keyword options of Session.train that become TrainPlan fields.
 TRAIN_OPTIONS = frozenset({"epochs", "batch_size", "optimizer", "lr", "seed", "strategy", "reset", "target_loss",
                            "loop", "drop_last", "find_unused_parameters", "nan", "report_interval", "fsdp_units",
-                           "split", "microbatches", "schedule", "loss", "tp_plan", "servers", "staleness"})
+                           "split", "microbatches", "schedule", "loss", "tp_plan", "servers", "staleness",
+                           "checkpoint_dir", "checkpoint_every"})
 #: Seconds between checks that the ranks' engine processes are alive while a cell runs.
 LIVENESS_SECONDS = 0.5
 #: Seconds between checks of running ranks (results, output, progress) in the kernel.
@@ -763,6 +765,8 @@ class Session:
         if unknown:
             raise PlanError(f"unknown training option(s) {', '.join(unknown)}; known: {', '.join(sorted(TRAIN_OPTIONS))}")
         options.setdefault("report_interval", REPORT_INTERVAL[view_kind(progress)])
+        if isinstance(options.get("checkpoint_dir"), str) and options["checkpoint_dir"]:
+            options["checkpoint_dir"] = os.path.abspath(os.path.expanduser(options["checkpoint_dir"]))
         plan = TrainPlan(model=model_name, data=data_name, **options)
         if not isinstance(model_obj, torch.nn.Module):
             raise PlanError(f"--model {model_name} is a {type(model_obj).__name__}, not a torch.nn.Module")
@@ -785,7 +789,7 @@ class Session:
                 self.push(option)
         self._autopush(code, exclude=(model_obj, data_obj))
         sent = self._ensure_model(plan, model_obj, quiet)
-        self._ensure_data(plan, data_obj, quiet or not sent, num_shards)
+        self._ensure_data(plan, data_obj, quiet or not sent, num_shards, silent=quiet)
         n = self._data[data_name]["num_samples"]
         try:
             sharding.check_sizes(n, num_shards, plan.batch_size, plan.drop_last)
@@ -810,9 +814,107 @@ class Session:
             row.update(row.pop("holdings", {}))
         if rows[0]["note"] and not quiet:
             print(f"distnb: {rows[0]['note']}")
+        if rows[0].get("skipped_steps") and not quiet:
+            print(f"distnb: skipped {_count(rows[0]['skipped_steps'], 'step')} whose loss was not finite on some "
+                  "rank (--nan skip): no update was applied for them")
+        if rows[0].get("resumed") and not quiet:
+            print(f"distnb: resumed from checkpoint {rows[0]['resumed']}")
+        if rows[0].get("continued") and not quiet:
+            c = rows[0]["continued"]
+            print(f"distnb: continued epoch {c['epoch']} where it stopped ({c['samples']} samples per rank "
+                  "already trained); it counts as the first of this cell's epochs")
         result = TrainResult(rows, plan, time.perf_counter() - t0, num_shards)
         self.last_result = result
         return result
+
+    # checkpoints -----------------------------------------------------------
+    def _trained_model(self, model):
+        if model is not None:
+            return self._named(model, "model")
+        if self.last_result is None:
+            raise PlanError("no model has been trained in this session; name one with --model")
+        name = self.last_result.plan.model
+        return name, self._lookup(name, "--model")
+
+    def save(self, directory: str, model=None, quiet=False) -> dict:
+        """Checkpoint the ranks' live model, optimizer and position with torch.distributed.checkpoint.
+
+        Parameters
+        ----------
+        directory : str
+            Parent folder; the checkpoint is ``directory/step_<global step>``.
+        model : str or torch.nn.Module, optional
+            Default: the model of the last training cell.
+
+        Returns
+        -------
+        dict
+            The checkpoint's metadata: path, epoch, epoch_step, steps, seconds.
+
+        Raises
+        ------
+        PlanError
+            No such model, or it has not been trained on the ranks.
+        RankError
+            A rank failed to write (e.g. the folder is not writable); nothing is marked complete.
+        """
+        self._check_running()
+        name, _ = self._trained_model(model)
+        if name not in self._models:
+            raise PlanError(f"{name} is not on the ranks (train it with %%distrain first)")
+        directory = os.path.abspath(os.path.expanduser(directory))
+        ars = self.cluster.apply_all("distnb.engine.loop", "save_checkpoint", True, name, directory)
+        meta = self._watch(ars, f"saving {name}")[0]
+        if not quiet:
+            print(f"distnb: saved {name} to {meta['path']} (epoch {meta['epoch']}, step {meta['epoch_step']} of it, "
+                  f"{meta['steps']} steps in all) in {meta['seconds']:.2f} s")
+        return meta
+
+    def load(self, directory: str, model=None, quiet=False) -> dict:
+        """Restore a checkpoint into the ranks (and the kernel's model) with its strategy and optimizer.
+
+        The kernel's model (same class and parameter names) is sent, distributed the way the
+        checkpoint was saved, and its model, optimizer state, epoch and sampler position are
+        loaded on every rank; the restored weights are loaded into the kernel's model too.
+        The next ``%%distrain`` with the same strategy continues from there.
+
+        Parameters
+        ----------
+        directory : str
+            A ``step_*`` checkpoint folder, or its parent (the newest complete one is used).
+        model : str or torch.nn.Module, optional
+            Default: the model of the last training cell.
+
+        Returns
+        -------
+        dict
+            The checkpoint's metadata.
+
+        Raises
+        ------
+        PlanError
+            No complete checkpoint there, or no such model in the notebook.
+        """
+        from .engine import checkpoint
+        from .plan import TrainPlan
+
+        self._check_running()
+        name, model_obj = self._trained_model(model)
+        directory = os.path.abspath(os.path.expanduser(directory))
+        try:
+            meta = checkpoint.read_meta(directory)
+        except FileNotFoundError as exc:
+            raise PlanError(str(exc)) from None
+        saved = dict(meta["plan"], model=name, reset=True, checkpoint_dir=None, checkpoint_every=None)
+        plan = TrainPlan.from_dict(saved)
+        self._ensure_model(plan, model_obj, quiet=True)
+        ars = self.cluster.apply_all("distnb.engine.loop", "restore", True, name, meta["path"])
+        self._watch(ars, f"loading {name}")
+        self._weights_back(name, model_obj)
+        if not quiet:
+            print(f"distnb: loaded {meta['path']} into {name} on {_count(self.world_size, 'rank')} and the kernel "
+                  f"(--strategy {plan.strategy}, epoch {meta['epoch']}, step {meta['epoch_step']} of it)")
+        return meta
 
     def _autopush(self, code, exclude=()) -> None:
         """Push the notebook names a training body reads (modules, functions, classes, values).
@@ -856,7 +958,7 @@ class Session:
         re-distributed another way, nor survive a re-formed process group: the model is then
         sent again from the kernel's weights (which are the last trained ones).
         """
-        from .engine import strategies
+        from .engine import checkpoint, strategies
         from .engine.loop import strategy_key
         from .engine.wire import pack
         from .transfer import fingerprint, outgoing
@@ -877,11 +979,17 @@ class Session:
                                            what=f"sending {plan.model}")
         self._models[plan.model] = fp
         if not quiet:
+            if plan.checkpoint_dir and not plan.reset and checkpoint.latest(plan.checkpoint_dir):
+                then = "it resumes from the newest checkpoint in --checkpoint-dir"
+            else:
+                then = f"fresh {plan.optimizer or 'sgd'} optimizer, epoch 0"
             print(f"distnb: sent {plan.model} ({type(model_obj).__name__}, {counts[0]:,} parameters) to "
-                  f"{self.world_size} ranks; fresh {plan.optimizer or 'sgd'} optimizer, epoch 0")
+                  f"{self.world_size} ranks; {then}")
         return True
 
-    def _ensure_data(self, plan, data_obj, quiet, num_shards) -> None:
+    def _ensure_data(self, plan, data_obj, quiet, num_shards, silent=False) -> None:
+        """Scatter ``data_obj`` unless the ranks hold it cut this way; say how batches are cut when
+        that changes (unless ``silent``)."""
         from .engine import shard as sharding
         from .transfer import fingerprint
 
@@ -895,7 +1003,7 @@ class Session:
         if info.get("layout") != layout:  # say how batches are cut whenever that changes
             info["layout"] = layout
             quiet = False
-        if quiet:
+        if quiet or silent:
             return
         n, w = info["num_samples"], num_shards
         if num_shards == 1 and self.world_size > 1:
