@@ -611,6 +611,8 @@ class Session:
     def pull(self, name: str, rank=None):
         """The value of ``name`` on ``rank`` (or a list over all ranks when rank is None)."""
         self._check_running()
+        if not isinstance(name, str) or not name.isidentifier():
+            raise PlanError(f"pull/gather take a variable name defined on the ranks, got {name!r}")
         ranks = range(self.world_size) if rank is None else [self._rank(rank)]
         from .engine import wire
 

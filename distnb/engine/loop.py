@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..plan import DEFAULT_LR, TrainPlan
-from . import checkpoint, runtime, shard as sharding, wire
+from . import checkpoint, collectives, runtime, shard as sharding, wire
 from .report import Reporter
 from . import strategies
 
@@ -426,7 +426,8 @@ def train(ns, plan_dict, code_text):
         reporter.set_status("running")
         t0 = time.perf_counter()
         try:
-            _run_body(ns, code, ctx, plan)
+            with collectives.checked():  # a mismatched collective in the body: an error, not a hang
+                _run_body(ns, code, ctx, plan)
         except _Stopped:
             pass
         seconds = time.perf_counter() - t0

@@ -250,3 +250,25 @@ def test_mismatched_user_collective_is_an_error_on_every_rank(shell, trained, ca
     ok = run(shell, "%%dist --all-output\nimport torch, torch.distributed as dist\nt = torch.ones(3) * (rank + 1)\n"
                     "dist.all_reduce(t)\nprint('sum', t.tolist())")
     assert ok.error_in_exec is None and capsys.readouterr().out.count("sum [3.0, 3.0, 3.0]") == 2
+
+
+def test_mismatched_collective_in_a_training_body_is_an_error_not_a_hang(shell, trained):
+    import time
+
+    run(shell, "torch.manual_seed(0)\ncoll_net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))")
+    t0 = time.monotonic()
+    res = run(shell, "%%distrain --model coll_net --data bad_ds --progress none\nimport torch.distributed as dist\n"
+                     "t = torch.ones(3 if ctx.rank == 0 else 5)\ndist.all_reduce(t)\n" + BODY)
+    assert isinstance(res.error_in_exec, RankError), res.error_in_exec
+    assert "rank 0: all_reduce of float32 [3]; rank 1: all_reduce of float32 [5]" in str(res.error_in_exec)
+    assert time.monotonic() - t0 < 15  # the collective timeout of the test cluster is 30 s
+    ok = run(shell, f"%%distrain --model coll_net --data bad_ds --progress none\n{BODY}")
+    assert ok.error_in_exec is None, ok.error_in_exec
+
+
+def test_pull_of_a_bad_name_is_a_usage_error(shell, trained):
+    from IPython.core.error import UsageError
+
+    for line in ("pull 0", "gather 1bad"):
+        res = run(shell, f"%dist {line}")
+        assert isinstance(res.error_in_exec, UsageError), (line, res.error_in_exec)
