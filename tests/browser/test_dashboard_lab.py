@@ -284,7 +284,9 @@ def test_dashboard_in_jupyterlab(lab, artifacts):
                 assert "kernel is free" in page.evaluate(CELL_TEXT, I_FREE)
                 seen = _watch_progress(page, I_BACKGROUND, lambda: all(
                     r["status"] == "done" for r in page.evaluate(ROWS, I_BACKGROUND) or [{"status": ""}]))
-                assert _advancing(seen) and all(idle for _, idle in seen), seen  # updates from the thread
+                # updates from the watcher thread while the kernel is idle (a front-end request may make it
+                # busy for a moment, so not every sample needs to be idle)
+                assert _advancing(seen) and sum(idle for _, idle in seen) >= 2, seen
                 _run(page, I_WAIT)
                 assert "waited [" in page.evaluate(CELL_TEXT, I_WAIT)
                 _assert_finished(page, I_BACKGROUND)
