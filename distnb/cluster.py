@@ -27,10 +27,12 @@ import re
 import signal
 import socket
 import stat
+import sys
 import time
 
 import ipyparallel as ipp
 import psutil
+from traitlets import Float, List
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
 
 from .errors import ClusterError, PlanError
@@ -140,10 +142,20 @@ ENGINE_ENV = {"TORCH_DISTRIBUTED_DEBUG": "INFO"}
 
 
 class _EngineSetLauncher(LocalEngineSetLauncher):
+    """Engines start through :mod:`distnb.engine.ipengine` (torch imports overlap registration), all at once.
+
+    The kernel's ``ipp.Cluster`` carries the engines' extra environment as ``_distnb_engine_env``.
+    """
+
     launcher_class = _EngineLauncher
+    engine_cmd = List([sys.executable, "-m", "distnb.engine.ipengine"], config=True)
+    # no nanny process per engine: distnb signals engines by pid, and registration would wait
+    # for a second Python interpreter to start (about 0.5 CPU-s per engine, more under load)
+    engine_args = List(["--IPEngine.enable_nanny=False"], config=True)
+    delay = Float(0.0, config=True)  # ipyparallel sleeps 0.1 s between engines by default
 
     def start(self, n):
-        self.environment = {**self.environment, **{k: v for k, v in ENGINE_ENV.items() if k not in os.environ}}
+        self.environment = {**self.environment, **getattr(self.parent, "_distnb_engine_env", {})}
         return super().start(n)
 
 
@@ -249,9 +261,14 @@ class Cluster:
             controller_args=[f"--HeartMonitor.period={HEARTBEAT_MS}"],
             engine_launcher_class=_EngineSetLauncher,
             delay=0,
+            send_engines_connection_env=False,  # engines start with the controller (boot waits for its file)
             log=_log,
             engine_timeout=int(engine_timeout),
         )
+        # thread count fixed before torch loads; CPU engines preload DDP too (GPU ones wait for their device)
+        self._ipp._distnb_engine_env = {"OMP_NUM_THREADS": str(spec.num_threads),
+                                        "DISTNB_PRELOAD": "all" if spec.device_type == "cpu" else "torch"}
+        self._ipp._distnb_engine_env.update({k: v for k, v in ENGINE_ENV.items() if k not in os.environ})
         try:
             self._ipp.start_cluster_sync(spec.num_engines)
             _restrict_security_files(self._ipp.profile_dir)
