@@ -248,6 +248,7 @@ class Context:
         self._forwards_seen = run.forwards
         self._stop = stop or StopRequest()
         self._check_at = 1  # step count of the next stop check (the same on every rank)
+        self._stop_work = None  # the stop check in flight: (work, flags)
         self._check_t0 = time.perf_counter()
         self._check_step0 = 0
         self.interrupted = False
@@ -278,6 +279,7 @@ class Context:
             self._reporter.end_epoch(epoch, mean)
             if self.plan.checkpoint_dir and self.plan.checkpoint_every is None:
                 self.save_checkpoint()
+            self._settle_stop_check()  # a stop asked for during the epoch lands here, after it
             if self.plan.target_loss is not None and mean <= self.plan.target_loss:
                 self.stopped_early = True
                 break
@@ -327,18 +329,44 @@ class Context:
         self.checkpoints.append(meta["path"])
 
     def _agree_on_stop(self):
-        """All-reduce (max) of the stop flag and the step time; every rank gets the same answer."""
+        """All-reduce (max) of the stop flag and the step time, without waiting for it.
+
+        The all-reduce started here is read at the next check (or epoch end), when it has long
+        finished: every rank reads the same answer at the same step, so all stop after the same
+        step (one check interval after the request), and training never stalls on a sync point
+        of its own (a synchronous check cost a model with 50-ms steps several per cent).
+        """
         now = time.perf_counter()
         per_step = (now - self._check_t0) / max(1, self.step - self._check_step0)
         flags = torch.tensor([1.0 if self._stop.requested else 0.0, per_step], dtype=torch.float64,
                              device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        pending = self._stop_work
+        self._stop_work = (dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True), flags)
+        if pending is None:  # the first check since the last epoch end: read its answer at the next step
+            self._check_at = self.step + 1
+        else:
+            stop, slowest = self._stop_answer(pending)
+            self._check_at = self.step + max(1, min(10_000, math.ceil(STOP_CHECK_SECONDS / max(slowest, 1e-6))))
+        self._check_t0, self._check_step0 = time.perf_counter(), self.step
+
+    def _stop_answer(self, pending):
+        """(stop, slowest step time) of a finished check; stops every rank here if one asked to."""
+        work, flags = pending
+        work.wait()
         stop, slowest = flags.tolist()
         if stop:
+            if self._stop_work is not None and self._stop_work is not pending:
+                self._stop_work[0].wait()  # the check just started: finished on every rank before leaving
+            self._stop_work = None
             self.interrupted = True
             raise _Stopped()
-        self._check_at = self.step + max(1, min(10_000, math.ceil(STOP_CHECK_SECONDS / max(slowest, 1e-6))))
-        self._check_t0, self._check_step0 = time.perf_counter(), self.step
+        return stop, slowest
+
+    def _settle_stop_check(self):
+        """At an epoch end (every rank at the same step): read the check in flight, if any."""
+        pending, self._stop_work = self._stop_work, None
+        if pending is not None:
+            self._stop_answer(pending)
 
     def _epoch_mean(self):
         local = torch.zeros(2, dtype=torch.float64, device=self.device)
