@@ -1,5 +1,6 @@
-"""Background training, one run at a time, and rank output, through the magics on the real cluster."""
+"""Background training, one run at a time, rank output and the dashboard, through the magics on the real cluster."""
 
+import re
 import time
 
 import torch
@@ -105,3 +106,23 @@ def test_every_verb_has_help_with_an_example():
         section = doc[doc.index(f"%dist {verb}"):]
         assert "Example" in section.split("::")[1]
     assert "--background" in DistMagics.distrain.__doc__ and "%dist wait" in DistMagics.distrain.__doc__
+
+
+def test_the_dashboard_shows_each_ranks_pipeline_stage(shell, monkeypatch):
+    from distnb.display import render
+
+    html = []
+    snapshot_init = render.Snapshot.__init__
+
+    def keep(self, state, title=""):
+        snapshot_init(self, state, title)
+        html.append(self.html)
+
+    monkeypatch.setattr(render.Snapshot, "__init__", keep)
+    run(shell, SETUP)
+    res = run(shell, "%%distrain --model bg_net --data bg_train --epochs 1 --batch-size 16 --strategy pipeline "
+                     "--progress widgets\nx, y = batch\nloss = F.cross_entropy(model(x), y)")
+    assert res.error_in_exec is None
+    assert ">stage<" in html[-1]
+    stages = [int(s) for s in re.findall(r"class='distnb-stage'[^>]*>(\d+)<", html[-1])]
+    assert stages == [0, 1]
