@@ -91,7 +91,17 @@ def _bar(row, fraction) -> str:
 
 
 def table_html(state) -> str:
-    """The per-rank table: rank, host, device, [stage], progress, loss, samples/s, times, memory, status."""
+    """The per-rank table: rank, host, device, [stage], progress, loss, samples/s, times, memory, status.
+
+    Parameters
+    ----------
+    state : ProgressState
+
+    Returns
+    -------
+    str
+        An HTML ``<table>``; a failed or stopped rank's row is followed by a row with its error.
+    """
     skews = state.skews()
     slow = state.straggler()
     times, basis = state.time_per_step()
@@ -184,7 +194,19 @@ def _plot(series, cls, title, width=300, height=130, ylabel_fmt="{:.3g}", xlabel
 
 
 def loss_svg(state, width=300, height=130) -> str:
-    """Loss against step for every rank, and the mean over ranks (black)."""
+    """Loss against step for every rank, and the mean over ranks (black).
+
+    Parameters
+    ----------
+    state : ProgressState
+    width, height : int
+        Pixels.
+
+    Returns
+    -------
+    str
+        An ``<svg class='distnb-loss'>`` element.
+    """
     series = [(thin(c.points), COLORS[r % len(COLORS)], 1, f"distnb-loss-rank{r}", f"rank {r}")
               for r, c in enumerate(state.curves)]
     if state.world_size > 1:
@@ -193,13 +215,39 @@ def loss_svg(state, width=300, height=130) -> str:
 
 
 def throughput_svg(state, width=300, height=130) -> str:
-    """Samples per second summed over ranks, against seconds since the first report."""
+    """Samples per second summed over ranks, against seconds since the first report.
+
+    Parameters
+    ----------
+    state : ProgressState
+    width, height : int
+        Pixels.
+
+    Returns
+    -------
+    str
+        An ``<svg class='distnb-throughput'>`` element.
+    """
     return _plot([(state.throughput.points, "#00897b", 1.5, "distnb-throughput-total", "")], "distnb-throughput",
                  "samples/s (all ranks)", width, height, ylabel_fmt="{:.0f}", xlabel="s")
 
 
 def straggler_svg(state, width=300, height=130, threshold=STRAGGLER_THRESHOLD) -> str:
-    """One bar per rank: time per step against the median (dashed); a straggler's bar is red."""
+    """One bar per rank: time per step against the median (dashed); a straggler's bar is red.
+
+    Parameters
+    ----------
+    state : ProgressState
+    width, height : int
+        Pixels.
+    threshold : float
+        A rank more than this fraction above the median is the straggler (default 0.2).
+
+    Returns
+    -------
+    str
+        An ``<svg class='distnb-straggler'>`` element.
+    """
     times, basis = state.time_per_step()
     skews = state.skews()
     slow = state.straggler(threshold)
@@ -257,7 +305,7 @@ def overall_status(state) -> str:
 def header_html(state, title="") -> str:
     """Title line: strategy, ranks, overall status, mean epoch loss, total samples/s."""
     status = overall_status(state)
-    parts = [f"<b>distnb</b>", esc(state.strategy or "training"), f"{state.world_size} ranks",
+    parts = ["<b>distnb</b>", esc(state.strategy or "training"), f"{state.world_size} ranks",
              f"<b class='distnb-overall' data-status='{status}' style='color:{STATUS_COLOR.get(status, '#333')}'>"
              f"{status}</b>"]
     if state.epoch_means:
@@ -272,13 +320,35 @@ def header_html(state, title="") -> str:
 
 
 def dashboard_html(state, title="") -> str:
-    """The whole dashboard as one HTML fragment (the static snapshot)."""
+    """The whole dashboard as one HTML fragment (the static snapshot).
+
+    Parameters
+    ----------
+    state : ProgressState
+    title : str, optional
+        Extra text for the header line.
+
+    Returns
+    -------
+    str
+        A ``<div class='distnb-dashboard distnb-snapshot'>`` with header, table and charts.
+    """
     return (f"<div class='distnb-dashboard distnb-snapshot' style='{_FONT}'>{header_html(state, title)}"
             f"{table_html(state)}{charts_html(state)}</div>")
 
 
 def dashboard_text(state) -> str:
-    """Plain-text summary of the final state (the snapshot's text/plain)."""
+    """Plain-text summary of the final state (the snapshot's text/plain).
+
+    Parameters
+    ----------
+    state : ProgressState
+
+    Returns
+    -------
+    str
+        A title line and one line per rank.
+    """
     lines = [f"distnb {state.strategy or 'training'} · {state.world_size} ranks · {overall_status(state)}"]
     for r, row in enumerate(state.rows):
         loss = "-" if row["smooth_loss"] is None else f"{row['smooth_loss']:.4f}"
