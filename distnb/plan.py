@@ -210,6 +210,9 @@ class TrainPlan:
             raise PlanError(f"--nan must be 'stop' or 'skip', got {self.nan!r}")
         if self.strategy not in STRATEGIES:
             raise PlanError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
+        for flag in ("reset", "loop", "drop_last", "find_unused_parameters"):
+            if not isinstance(getattr(self, flag), bool):
+                raise PlanError(f"--{flag.replace('_', '-')} is a flag (True or False), got {getattr(self, flag)!r}")
         self._check_strategy_options()
         if self.checkpoint_dir is not None and (not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir):
             raise PlanError(f"--checkpoint-dir must be a folder path, got {self.checkpoint_dir!r}")
@@ -272,4 +275,5 @@ class TrainPlan:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainPlan":
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+        return cls(**{k: tuple(v) if k in ("fsdp_units", "split") and isinstance(v, list) else v
+                      for k, v in d.items()})
