@@ -150,8 +150,9 @@ class _EngineSetLauncher(LocalEngineSetLauncher):
     launcher_class = _EngineLauncher
     engine_cmd = List([sys.executable, "-m", "distnb.engine.ipengine"], config=True)
     # no nanny process per engine: distnb signals engines by pid, and registration would wait
-    # for a second Python interpreter to start (about 0.5 CPU-s per engine, more under load)
-    engine_args = List(["--IPEngine.enable_nanny=False"], config=True)
+    # for a second Python interpreter to start (about 0.5 CPU-s per engine, more under load);
+    # no IPython history database either (cells reach engines as function calls, not history)
+    engine_args = List(["--IPEngine.enable_nanny=False", "--HistoryManager.enabled=False"], config=True)
     delay = Float(0.0, config=True)  # ipyparallel sleeps 0.1 s between engines by default
 
     def start(self, n):

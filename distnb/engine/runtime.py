@@ -37,6 +37,7 @@ def _init_group(master_addr: str, master_port: int) -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
+        drop_captured_group(dist.group.WORLD)
         try:
             dist.destroy_process_group()
         except Exception:
@@ -131,8 +132,7 @@ def setup(ns: dict, rank: int, world_size: int, local_rank: int, backend: str, d
                       OMP_NUM_THREADS=str(num_threads))
     if device_type == "cuda" and gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    import torch
-    import torch._dynamo  # noqa: F401  must precede the group, see warm_up()
+    import torch  # torch._dynamo (DDP needs it) loads meanwhile in the engine's preload thread, see warm_up()
 
     torch.set_num_threads(num_threads)
     STATE.rank, STATE.world_size, STATE.local_rank = rank, world_size, local_rank
@@ -142,7 +142,12 @@ def setup(ns: dict, rank: int, world_size: int, local_rank: int, backend: str, d
         STATE.device = torch.device("cuda", 0)
     else:
         STATE.device = torch.device("cpu")
-    _init_group(master_addr, master_port)
+    try:
+        _init_group(master_addr, master_port)
+    finally:  # distnb's engine (ipengine) goes on importing torch._dynamo and the loop in its thread
+        preload = sys.modules.get("distnb.engine.ipengine")
+        if preload is not None:
+            preload.RESUME.set()
     ns.update(rank=rank, world_size=world_size, local_rank=local_rank, device=STATE.device)
     return info(seconds=time.perf_counter() - t0)
 
@@ -150,16 +155,59 @@ def setup(ns: dict, rank: int, world_size: int, local_rank: int, backend: str, d
 def warm_up() -> float:
     """Import the training loop (DDP) ahead of the first training cell; returns seconds taken.
 
-    The kernel queues this right after start-up without waiting for it. ``torch._dynamo``
-    (about 1 s, imported by DDP) is imported in :func:`setup` *before* the process group
-    forms: imported while a group exists, it keeps that group alive after
-    ``destroy_process_group``, and a failed rank's peers then wait for the full timeout
-    instead of failing at once.
+    The kernel queues this right after start-up without waiting for it; distnb's engines
+    (:mod:`distnb.engine.ipengine`) have usually imported it already, in a thread, while the
+    group formed. ``torch._dynamo`` (about 1 CPU-second, imported by DDP) is among those
+    imports: a module imported while a group exists can capture it (torch has functions whose
+    default argument is ``group=dist.group.WORLD``) and keep it alive after
+    ``destroy_process_group``, so that a failed rank's peers would wait for the full timeout
+    instead of failing at once; :func:`drop_captured_group` undoes that before every destroy.
     """
     t0 = time.perf_counter()
     from . import loop  # noqa: F401
 
     return time.perf_counter() - t0
+
+
+def drop_captured_group(pg) -> int:
+    """Replace ``pg`` where torch captured it as a default argument by None (the default group).
+
+    Functions such as ``torch.distributed.nn.functional.all_reduce(..., group=group.WORLD)`` or
+    ``ShardedGradScaler(process_group=dist.group.WORLD)`` evaluate the default when their module
+    is imported; imported while a group exists, they hold that group, which then outlives
+    ``destroy_process_group`` (its gloo sockets stay open) and would be used after a re-form.
+    Only plain functions and the methods of classes in loaded ``torch`` modules are examined, by
+    type, without attribute access (which could initialise CUDA). Returns how many were changed.
+    """
+    import types
+
+    if pg is None:
+        return 0
+    changed = 0
+
+    def fix(fn):
+        nonlocal changed
+        if type(fn) in (staticmethod, classmethod):
+            fn = fn.__func__
+        if type(fn) is not types.FunctionType:
+            return
+        if fn.__defaults__ and any(x is pg for x in fn.__defaults__):
+            fn.__defaults__ = tuple(None if x is pg else x for x in fn.__defaults__)
+            changed += 1
+        if fn.__kwdefaults__ and any(v is pg for v in fn.__kwdefaults__.values()):
+            fn.__kwdefaults__ = {k: None if v is pg else v for k, v in fn.__kwdefaults__.items()}
+            changed += 1
+
+    for name, module in list(sys.modules.items()):
+        if type(module) is not types.ModuleType or not (name == "torch" or name.startswith("torch.")):
+            continue
+        for value in list(vars(module).values()):
+            if issubclass(type(value), type):
+                for member in list(vars(value).values()):
+                    fix(member)
+            else:
+                fix(value)
+    return changed
 
 
 def info(**extra) -> dict:
@@ -222,6 +270,7 @@ def mark_broken(ns: dict | None = None) -> None:
     if hasattr(sys, "last_exc"):
         sys.last_exc = None
     if dist.is_initialized():
+        drop_captured_group(dist.group.WORLD)
         try:
             dist.destroy_process_group()
         except Exception:
