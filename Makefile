@@ -31,5 +31,10 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed chromium
 	$(PY) -m pytest -q -p no:cacheprovider
 
-bench: $(VENV)/.installed
+# Benchmark-only extra (Accelerate, the launcher reference), installed with the pinned torch so pip keeps it.
+$(VENV)/.bench-installed: $(VENV)/.installed pyproject.toml
+	$(PY) -m pip install -q -e ".[bench]" "$(TORCH_SPEC)"
+	touch $@
+
+bench: $(VENV)/.bench-installed
 	$(PY) benchmarks/run.py

@@ -21,8 +21,9 @@ re-run (at most ``--retries`` times, within ``--budget`` seconds) and left out.
 
 Usage::
 
-    .venv/bin/python benchmarks/run.py [--rounds 5] [--repeats 3] [--model cnn|mlp] [--json PATH]
-    .venv/bin/python benchmarks/run.py --dashboard [--rounds 5] [--json PATH]   # the dashboard's cost
+    .venv/bin/python benchmarks/run.py                 # every target of issue 6 (suite.py): make bench
+    .venv/bin/python benchmarks/run.py --torchrun [--rounds 5] [--repeats 3] [--model cnn|mlp] [--json PATH]
+    .venv/bin/python benchmarks/run.py --dashboard [--rounds 5] [--json PATH]
 """
 
 from __future__ import annotations
@@ -224,6 +225,13 @@ def fmt_table(header, rows):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not {"--torchrun", "--dashboard"} & set(argv):
+        sys.path.insert(0, HERE)
+        import suite  # every target of issue 6 (make bench); see suite.py
+
+        return suite.main(argv)
+    argv = [a for a in argv if a != "--torchrun"]
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5, help="rounds to report (default 5)")
     p.add_argument("--repeats", type=int, default=3, help="training runs per side per round (default 3)")

@@ -58,7 +58,36 @@ class DigitsCNN(nn.Module):
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
-MODELS = {"mlp": DigitsMLP, "cnn": DigitsCNN}
+class DigitsMLP5M(nn.Module):
+    """A 4.9M-parameter MLP on flattened digits (64-2048-2048-256-10): the all-reduce is about half a step."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
+                                 nn.Linear(2048, 256), nn.ReLU(), nn.Linear(256, 10))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class DigitsWideCNN(nn.Module):
+    """A compute-bound CNN on digits (convs of 64 and 128 channels, 0.6M parameters, ~5M MACs per sample)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 64, 3, padding=1)
+        self.conv2 = nn.Conv2d(64, 128, 3, padding=1)
+        self.fc1 = nn.Linear(128 * 4 * 4, 256)
+        self.fc2 = nn.Linear(256, 10)
+
+    def forward(self, x):
+        x = x.view(-1, 1, 8, 8)
+        x = F.relu(self.conv1(x))
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+MODELS = {"mlp": DigitsMLP, "cnn": DigitsCNN, "mlp5m": DigitsMLP5M, "widecnn": DigitsWideCNN}
 
 
 def load_data():
@@ -92,6 +121,8 @@ def main(argv=None):
     p.add_argument("--batch-size", type=int, default=64, help="per rank")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0, help="shard and shuffle seed")
+    p.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP bucket_cap_mb (default: DDP's, 25)")
+    p.add_argument("--static-graph", action="store_true", help="DDP static_graph=True")
     args = p.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -104,7 +135,10 @@ def main(argv=None):
     Xs, Ys = X[mine], Y[mine]
 
     torch.manual_seed(0)
-    model = DistributedDataParallel(MODELS[args.model](), gradient_as_bucket_view=True)
+    ddp_options = dict(gradient_as_bucket_view=True, static_graph=args.static_graph)
+    if args.bucket_cap_mb is not None:
+        ddp_options["bucket_cap_mb"] = args.bucket_cap_mb
+    model = DistributedDataParallel(MODELS[args.model](), **ddp_options)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     model.train()
 

@@ -1,0 +1,188 @@
+"""Target 3 (cold start) and the launcher reference of targets 1 and 3.
+
+(a) ``%dist start -n 2`` until it returns: engines registered, the gloo process group
+formed, torch (and DDP) imported on the ranks. Reference, measured in the same run: a plain
+``ipyparallel.Cluster(n=2)`` with its defaults (``start_and_connect_sync``), then a naive
+process group: ``import torch`` and ``init_process_group("gloo", "tcp://...")`` applied to
+each engine. Target: distnb <= 0.4 x reference.
+
+(b) A cold ``%dist start`` plus the first ``%%distrain`` cell (model and shards sent, DDP
+built, the training, the weights back) against Accelerate's ``notebook_launcher`` running
+the same training (``accel_digits.py``), each from a notebook with the data and the model
+class defined. Target: distnb faster (ratio < 1).
+
+Rounds alternate which side goes first; each distnb round starts and stops its own cluster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import statistics
+import time
+
+_quiet = logging.getLogger("distnb.bench.ipyparallel")
+_quiet.setLevel(logging.CRITICAL)
+_quiet.propagate = False
+
+
+def distnb_start(nb) -> float:
+    t0 = time.perf_counter()
+    nb.cell("%dist start -n 2", quiet=True)
+    return time.perf_counter() - t0
+
+
+def distnb_stop(nb) -> None:
+    nb.cell("%dist stop", quiet=True)
+
+
+NAIVE_GROUP = """
+import os, torch, torch.distributed as dist
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank={rank}, world_size={world_size})
+"""
+LEAVE = """
+import os, torch.distributed as dist
+if dist.is_initialized():
+    dist.destroy_process_group()
+os._exit(0)  # FIELD-NOTES pitfall 1: gloo processes may abort at a normal exit
+"""
+
+
+def ipyparallel_reference() -> dict:
+    """A default ipyparallel cluster of 2 engines plus a naive gloo group; seconds of each part."""
+    import ipyparallel as ipp
+
+    from distnb.cluster import free_port
+
+    t0 = time.perf_counter()
+    cluster = ipp.Cluster(n=2, log=_quiet)
+    client = None
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # its progress bar
+            client = cluster.start_and_connect_sync()
+        t_cluster = time.perf_counter() - t0
+        port = free_port()
+        ids = sorted(client.ids)
+        ars = [client[e].execute(NAIVE_GROUP.format(port=port, rank=r, world_size=len(ids)), block=False)
+               for r, e in enumerate(ids)]
+        for ar in ars:
+            ar.get(timeout=120)
+        total = time.perf_counter() - t0
+    finally:
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client[:].execute(LEAVE, block=False)
+                time.sleep(0.3)
+        with contextlib.suppress(Exception):
+            cluster.stop_cluster_sync()
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close()
+    return dict(cluster_seconds=t_cluster, group_seconds=total - t_cluster, seconds=total)
+
+
+def measure_start(nb, rounds: int, log=print) -> dict:
+    """(a): ``rounds`` alternated rounds of distnb's start and the ipyparallel reference."""
+    a, b = [], []
+    for k in range(rounds):
+        for side in (("distnb", "reference") if k % 2 == 0 else ("reference", "distnb")):
+            if side == "distnb":
+                seconds = distnb_start(nb)
+                from distnb import session
+
+                setup = max(r.get("seconds") or 0.0 for r in session.current().cluster.ranks)
+                distnb_stop(nb)
+                a.append(dict(seconds=seconds, setup_seconds=setup))
+            else:
+                b.append(ipyparallel_reference())
+        log(f"  cold start round {k + 1}: distnb {a[-1]['seconds']:.2f} s; ipyparallel defaults "
+            f"{b[-1]['cluster_seconds']:.2f} s + naive group {b[-1]['group_seconds']:.2f} s = {b[-1]['seconds']:.2f} s")
+    med = statistics.median
+    return dict(distnb=med(x["seconds"] for x in a), reference=med(x["seconds"] for x in b),
+                reference_cluster=med(x["cluster_seconds"] for x in b),
+                reference_group=med(x["group_seconds"] for x in b), runs=dict(distnb=a, reference=b))
+
+
+def measure_first_cell(nb, rounds: int, cell: str, launch, reset_cell: str = "", log=print) -> dict:
+    """(b): cold start + first cell, against ``launch()`` (one notebook_launcher call), alternated.
+
+    ``reset_cell`` (untimed) runs before each distnb round: a fresh model, as the launcher builds.
+    """
+    a, b = [], []
+    for k in range(rounds):
+        for side in (("distnb", "accelerate") if k % 2 == 0 else ("accelerate", "distnb")):
+            if side == "distnb":
+                if reset_cell:
+                    nb.cell(reset_cell, quiet=True)
+                t0 = time.perf_counter()
+                start = distnb_start(nb)
+                nb.cell(cell, quiet=True)
+                wall = time.perf_counter() - t0
+                r = nb.ns["r"]
+                distnb_stop(nb)
+                a.append(dict(seconds=wall, start_seconds=start, cell_seconds=r.wall_seconds,
+                              train_seconds=r.train_seconds, samples_per_s=r.samples_per_s))
+            else:
+                res = launch()
+                b.append(dict(seconds=res["wall_seconds"], train_seconds=res["train_seconds"],
+                              samples_per_s=res["samples_per_s"], setup_seconds=res["setup_seconds"]))
+        log(f"  first cell round {k + 1}: distnb start {a[-1]['start_seconds']:.2f} s + cell "
+            f"{a[-1]['cell_seconds']:.2f} s (training {a[-1]['train_seconds']:.2f} s) = {a[-1]['seconds']:.2f} s; "
+            f"notebook_launcher {b[-1]['seconds']:.2f} s (training {b[-1]['train_seconds']:.2f} s)")
+    med = statistics.median
+    return dict(distnb=med(x["seconds"] for x in a), reference=med(x["seconds"] for x in b),
+                distnb_start=med(x["start_seconds"] for x in a), distnb_cell=med(x["cell_seconds"] for x in a),
+                distnb_train=med(x["train_seconds"] for x in a), reference_train=med(x["train_seconds"] for x in b),
+                runs=dict(distnb=a, accelerate=b), pid=os.getpid())
+
+
+@contextlib.contextmanager
+def previous_launch():
+    """distnb's engine launch as it was before the cold-start fix (for ``--only launch``).
+
+    ``python -m ipyparallel.engine`` with its nanny process, started only once the controller's
+    connection info exists, torch imported by ``runtime.setup`` after registration.
+    """
+    import sys
+
+    import ipyparallel as ipp
+
+    from distnb import cluster
+
+    start, init = cluster._EngineSetLauncher.start, ipp.Cluster.__init__
+
+    def old_start(self, n):
+        self.engine_cmd = [sys.executable, "-m", "ipyparallel.engine"]
+        self.engine_args = []
+        self.delay = 0.1
+        self.environment = {**self.environment, "DISTNB_PRELOAD": "none"}
+        return start(self, n)
+
+    def old_init(self, *args, **kwargs):
+        kwargs["send_engines_connection_env"] = True
+        init(self, *args, **kwargs)
+
+    cluster._EngineSetLauncher.start, ipp.Cluster.__init__ = old_start, old_init
+    try:
+        yield
+    finally:
+        cluster._EngineSetLauncher.start, ipp.Cluster.__init__ = start, init
+
+
+def measure_launch_fix(nb, rounds: int, log=print) -> dict:
+    """``%dist start`` with the current launch against the previous one, alternated (what the fix gained)."""
+    a, b = [], []
+    for k in range(rounds):
+        for side in (("now", "before") if k % 2 == 0 else ("before", "now")):
+            if side == "now":
+                a.append(distnb_start(nb))
+            else:
+                with previous_launch():
+                    b.append(distnb_start(nb))
+            distnb_stop(nb)
+        log(f"  launch round {k + 1}: now {a[-1]:.2f} s, before the fix {b[-1]:.2f} s")
+    med = statistics.median
+    return dict(distnb=med(a), reference=med(b), runs=dict(now=a, before=b))
