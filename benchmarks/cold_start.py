@@ -143,8 +143,9 @@ def measure_first_cell(nb, rounds: int, cell: str, launch, reset_cell: str = "",
 def previous_launch():
     """distnb's engine launch as it was before the cold-start fix (for ``--only launch``).
 
-    ``python -m ipyparallel.engine`` with its nanny process, started only once the controller's
-    connection info exists, torch imported by ``runtime.setup`` after registration.
+    ``python -m ipyparallel.engine`` with its nanny process and history database, started only
+    once the controller's connection info exists, 0.1 s apart; torch and ``torch._dynamo``
+    imported after registration, before the process group forms (as ``runtime.setup`` did).
     """
     import sys
 
@@ -152,7 +153,13 @@ def previous_launch():
 
     from distnb import cluster
 
-    start, init = cluster._EngineSetLauncher.start, ipp.Cluster.__init__
+    start, init, setup = cluster._EngineSetLauncher.start, ipp.Cluster.__init__, cluster.Cluster._setup_ranks
+
+    def old_setup(self):
+        ars = [self.client[e].execute("import torch, torch._dynamo", block=False) for e in self.engine_ids]
+        for ar in ars:
+            ar.get(timeout=300)
+        return setup(self)
 
     def old_start(self, n):
         self.engine_cmd = [sys.executable, "-m", "ipyparallel.engine"]
@@ -166,10 +173,12 @@ def previous_launch():
         init(self, *args, **kwargs)
 
     cluster._EngineSetLauncher.start, ipp.Cluster.__init__ = old_start, old_init
+    cluster.Cluster._setup_ranks = old_setup
     try:
         yield
     finally:
         cluster._EngineSetLauncher.start, ipp.Cluster.__init__ = start, init
+        cluster.Cluster._setup_ranks = setup
 
 
 def measure_launch_fix(nb, rounds: int, log=print) -> dict:

@@ -133,7 +133,14 @@ def main(argv=None) -> int:
     print(f"distnb benchmarks: {', '.join(only)}; {args.rounds} rounds each; {machine()}; load average {load0}",
           flush=True)
     log = lambda msg: print(msg, flush=True)  # noqa: E731
-    table, results = Table(), {}
+    table, results, section_load = Table(), {}, {}
+
+    def loaded(name, fn):  # fn() while measuring the CPU other processes use (the machine is shared)
+        with harness.ForeignCpu() as foreign:
+            out = fn()
+        section_load[name] = foreign.cores
+        return out
+
     nb = harness.Notebook()
     cnn_cell = (f"%%distrain --model net --data train --epochs {EPOCHS} --batch-size 64 --optimizer adam --lr 0.001 "
                 f"--progress none -o r\n{harness.BODY}")
@@ -149,7 +156,7 @@ def main(argv=None) -> int:
 
             try:
                 log("cold start: %dist start vs ipyparallel.Cluster defaults + naive process group")
-                c = results["cold_start"] = cold_start.measure_start(nb, args.rounds, log=log)
+                c = results["cold_start"] = loaded("cold", lambda: cold_start.measure_start(nb, args.rounds, log=log))
                 table.add("cold start: `%dist start -n 2` until ready, s (ref: ipyparallel.Cluster defaults + naive "
                           "gloo group)", c["distnb"], c["reference"], c["distnb"] / c["reference"], "<= 0.40",
                           c["distnb"] / c["reference"] <= 0.40)
@@ -160,8 +167,8 @@ def main(argv=None) -> int:
                 log(f"cold start + first training cell ({EPOCHS} epochs) vs Accelerate notebook_launcher")
                 X, Y = nb.ns["train"].tensors
                 launch = lambda: accel_digits.launch(ref.DigitsCNN, X, Y, EPOCHS, 64, 1e-3)  # noqa: E731
-                f = results["first_cell"] = cold_start.measure_first_cell(
-                    nb, args.rounds, cnn_cell, launch, reset_cell="torch.manual_seed(0)\nnet = DigitsCNN()", log=log)
+                f = results["first_cell"] = loaded("first cell", lambda: cold_start.measure_first_cell(
+                    nb, args.rounds, cnn_cell, launch, reset_cell="torch.manual_seed(0)\nnet = DigitsCNN()", log=log))
                 table.add(f"cold start + first training cell ({EPOCHS} epochs digits CNN), s (ref: Accelerate "
                           "notebook_launcher, same training)", f["distnb"], f["reference"],
                           f["distnb"] / f["reference"], "< 1.00", f["distnb"] / f["reference"] < 1.0)
@@ -190,7 +197,7 @@ def main(argv=None) -> int:
 
             try:
                 log("transfer: 403 MB model to 2 ranks and back, 200 MB data scattered; shared memory vs ipyparallel")
-                t = results["transfer"] = transfer.measure(nb, args.rounds, log=log)
+                t = results["transfer"] = loaded("transfer", lambda: transfer.measure(nb, args.rounds, log=log))
                 a, b = t["shm"], t["ipyparallel"]
                 for key, what in (("send_gbs", "model 403 MB fp32 (100.7M params) to 2 ranks"),
                                   ("back_gbs", "weights back 403 MB, rank 0 to the kernel's model")):
@@ -215,8 +222,8 @@ def main(argv=None) -> int:
                 try:
                     log(f"throughput: {label}, warm %%distrain vs torchrun --nproc-per-node 2")
                     epochs = EPOCHS if model == "cnn" else 3
-                    t = results[f"throughput_{model}"] = throughput.against_torchrun(
-                        nb, harness, model, args.rounds, args.repeats, epochs, log=log)
+                    t = results[f"throughput_{model}"] = loaded(model, lambda: throughput.against_torchrun(
+                        nb, harness, model, args.rounds, args.repeats, epochs, log=log))
                     table.add(f"training throughput, {label}, samples/s (ref: torchrun, same script)",
                               t["distnb"], t["reference"], t["ratio_of_medians"], ">= 1.00",
                               t["ratio_of_medians"] >= 1.0, digits=0)
@@ -237,8 +244,8 @@ def main(argv=None) -> int:
         if "threads" in only:
             try:
                 log("threads: distnb's threads per rank vs torch's default, compute-bound CNN")
-                t = results["threads"] = throughput.threads(nb, ref.DigitsWideCNN, args.rounds, COMPUTE_EPOCHS,
-                                                            COMPUTE_BATCH, log=log)
+                t = results["threads"] = loaded("threads", lambda: throughput.threads(
+                    nb, ref.DigitsWideCNN, args.rounds, COMPUTE_EPOCHS, COMPUTE_BATCH, log=log))
                 table.add(f"threads: {t['threads']}/rank x {t['world_size']} ranks on {t['cores']} cores, samples/s "
                           f"(ref: torch default, {t['default_threads']}/rank)", t["distnb"], t["reference"],
                           t["distnb"] / t["reference"], ">= 1.00 (speed-up)", t["distnb"] / t["reference"] >= 1.0,
@@ -250,8 +257,8 @@ def main(argv=None) -> int:
         if "scaling" in only:
             try:
                 log("scaling: compute-bound CNN, 2 ranks vs 1 rank")
-                t = results["scaling"] = throughput.scaling(nb, ref.DigitsWideCNN, args.rounds, COMPUTE_EPOCHS,
-                                                            COMPUTE_BATCH, log=log)
+                t = results["scaling"] = loaded("scaling", lambda: throughput.scaling(
+                    nb, ref.DigitsWideCNN, args.rounds, COMPUTE_EPOCHS, COMPUTE_BATCH, log=log))
                 table.add("scaling: 2 ranks vs 1 rank (1 thread each), samples/s; ratio = speed-up",
                           t["two"], t["one"], t["speedup"], f"report (efficiency {t['efficiency']:.2f})", None,
                           digits=0)
@@ -290,14 +297,18 @@ def main(argv=None) -> int:
     total = time.perf_counter() - t_start
     print()
     print(table.render(harness.fmt_table))
-    foreign = {k.split("_", 1)[1]: v["foreign_cores"] for k, v in results.items() if k.startswith("throughput_")}
+    foreign = {k.split("_", 1)[1]: v for k, v in results.items() if k.startswith("throughput_")}
     if foreign:
-        print("others' CPU load during the throughput runs (cores, the most in any run): "
-              + ", ".join(f"{k} {v:.2f}" for k, v in foreign.items()))
+        print("throughput rounds kept: others' CPU load up to "
+              + ", ".join(f"{k} {v['foreign_cores']:.2f} cores ({v['rerun']} noisy rounds re-run)"
+                          for k, v in foreign.items()))
+    if section_load:
+        print("others' CPU load per section (average cores used by processes not ours): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in section_load.items()))
     print(f"\n{machine()}; load average at start {load0}, at end {load_average()}; total {total:.0f} s")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(dict(args=vars(args), table=table.rows, results=results, machine=machine(),
+            json.dump(dict(args=vars(args), table=table.rows, results=results, machine=machine(), others_load=section_load,
                            load_start=load0, load_end=load_average()), fh, indent=1, default=str)
     return 0 if all(r[-1] in ("PASS", "info") for r in table.rows) else 1
 
