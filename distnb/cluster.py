@@ -311,7 +311,35 @@ class Cluster:
         pids = [p for p in [self.pids["controller"], *self.pids["engines"]] if p]
         for engine_set in self._ipp.engines.values():
             pids += [l.pid for l in getattr(engine_set, "launchers", {}).values() if getattr(l, "pid", None)]
-        self.reaper = spawn(sorted(set(pids)))
+        pids += self._controller_children()
+        self.family = sorted(set(pids))  # everything we started, even what a dead controller leaves behind
+        self.reaper = spawn(self.family)
+
+    def _controller_children(self) -> list:
+        """The controller's own processes (its schedulers): orphaned, not stopped, if it is killed."""
+        import psutil
+
+        try:
+            return [c.pid for c in psutil.Process(self.pids["controller"]).children(recursive=True)]
+        except (psutil.Error, TypeError, ValueError):
+            return []
+
+    def _kill_family(self) -> None:
+        """Whatever we started that is still alive after a stop (e.g. a killed controller's schedulers)."""
+        import psutil
+
+        from .reaper import reap
+
+        procs = []
+        for pid in getattr(self, "family", []):
+            try:
+                proc = psutil.Process(pid)
+                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                    procs.append(proc)
+            except psutil.Error:
+                pass
+        if procs:
+            reap(procs)
 
     def reform(self) -> None:
         """Form a fresh process group (new port, or the pinned --master-port) on every rank, after a failure."""
@@ -347,6 +375,7 @@ class Cluster:
             except Exception:
                 pass
         self.client, self._ipp = None, None
+        self._kill_family()
         reaper = getattr(self, "reaper", None)
         if reaper is not None:
             try:

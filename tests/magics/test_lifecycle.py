@@ -27,6 +27,25 @@ def test_stop_leaves_no_process_behind():
         session.run("1")
 
 
+def test_a_killed_controller_leaves_no_scheduler_behind():
+    """The controller's scheduler processes outlive a SIGKILLed controller; stop still ends them."""
+    import os
+    import signal
+
+    cluster = Cluster(default_spec(n=2, timeout=20)).start()
+    session = Session(cluster, ns={})
+    family = list(cluster.family)
+    assert len(family) > 3  # controller, its schedulers, engines
+    os.kill(cluster.pids["controller"], signal.SIGKILL)
+    session.stop(quiet=True)
+    deadline = time.monotonic() + 15
+    alive = family
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in family if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.2)
+    assert alive == []
+
+
 def test_cpu_default_is_one_engine_per_core(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     spec = default_spec()
