@@ -158,6 +158,10 @@ class TrainPlan:
         newest checkpoint there (unless ``reset``).
     checkpoint_every : int or None
         Save every this many steps (global step count); None: at the end of every epoch.
+    lr_if_new : float or None
+        Learning rate for an optimizer made new while ``lr`` is None (the kernel passes the
+        last one the user gave, so a model sent again keeps its rate); the live optimizer
+        ignores it.
     staleness : int
         ps: 0 synchronous; K > 0 lets workers run up to K steps ahead of the last update
         they have received (bounded asynchrony, Ho et al. 2013, "Stale Synchronous Parallel").
@@ -188,6 +192,7 @@ class TrainPlan:
     staleness: int = 0
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None
+    lr_if_new: float | None = None
 
     def __post_init__(self):
         for name in ("model", "data"):
@@ -206,6 +211,8 @@ class TrainPlan:
                 raise PlanError(f"--optimizer must be sgd, adam, adamw or a notebook name, got {self.optimizer!r}")
         if self.lr is not None:
             _check_number("--lr", self.lr)
+        if self.lr_if_new is not None:
+            _check_number("lr_if_new", self.lr_if_new)
         if self.nan not in ("stop", "skip"):
             raise PlanError(f"--nan must be 'stop' or 'skip', got {self.nan!r}")
         if self.strategy not in STRATEGIES:

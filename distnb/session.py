@@ -227,6 +227,7 @@ class Session:
         self._generation = 0  # bumps whenever the process group is re-formed
         self._data = {}  # name -> dict(fingerprint, seed, num_samples, shards)
         self._pushed = {}  # name -> fingerprint of what an automatic push sent
+        self._optimizer_of = {}  # model name -> (optimizer, lr) the user chose last
         self.last_result = None
         self._background = None  # a BackgroundRun while a %%distrain --background run is going on
         self.auto_restart = False  # start a fresh world when an engine dies during a cell
@@ -309,9 +310,12 @@ class Session:
         """Stop and start again with the same spec; returns the new session."""
         spec = self.cluster.spec
         auto = self.auto_restart
+        chosen = dict(self._optimizer_of)
         self.stop(quiet=True)
-        return start(n=spec.num_engines, backend=spec.backend, timeout=spec.timeout, ns=self._ns, quiet=quiet,
-                     master_port=spec.master_port, auto_restart=auto)
+        new = start(n=spec.num_engines, backend=spec.backend, timeout=spec.timeout, ns=self._ns, quiet=quiet,
+                    master_port=spec.master_port, auto_restart=auto)
+        new._optimizer_of.update(chosen)  # the optimizer the user chose for a model survives a restart
+        return new
 
     def _restart_in_place(self) -> str:
         """After an engine death (``auto_restart``): a fresh world of the same spec in this session.
@@ -769,7 +773,18 @@ class Session:
         options.setdefault("report_interval", REPORT_INTERVAL[view_kind(progress)])
         if isinstance(options.get("checkpoint_dir"), str) and options["checkpoint_dir"]:
             options["checkpoint_dir"] = os.path.abspath(os.path.expanduser(options["checkpoint_dir"]))
+        remembered = self._optimizer_of.get(model_name)
+        if remembered is not None and options.get("optimizer") is None:
+            # the ranks keep their live optimizer anyway; one made new (the model sent again after a
+            # restart, a strategy switch, --reset or a changed model) is the one the user chose last
+            options["optimizer"] = remembered[0]
+            if options.get("lr") is None:
+                options["lr_if_new"] = remembered[1]
         plan = TrainPlan(model=model_name, data=data_name, **options)
+        if plan.optimizer is not None:
+            same = remembered is not None and remembered[0] == plan.optimizer
+            self._optimizer_of[model_name] = (plan.optimizer, plan.lr if plan.lr is not None else
+                                              remembered[1] if same else None)
         if not isinstance(model_obj, torch.nn.Module):
             raise PlanError(f"--model {model_name} is a {type(model_obj).__name__}, not a torch.nn.Module")
         if not plan.builtin_optimizer:
@@ -912,6 +927,7 @@ class Session:
         self._ensure_model(plan, model_obj, quiet=True)
         ars = self.cluster.apply_all("distnb.engine.loop", "restore", True, name, meta["path"])
         self._watch(ars, f"loading {name}")
+        self._optimizer_of[name] = (meta["optimizer"], None)  # the restored optimizer is the live one now
         self._weights_back(name, model_obj)
         if not quiet:
             print(f"distnb: loaded {meta['path']} into {name} on {_count(self.world_size, 'rank')} and the kernel "

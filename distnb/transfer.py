@@ -123,7 +123,7 @@ def fingerprint(obj):
     """A cheap identity of ``obj``'s current state, to decide whether the ranks hold it already.
 
     A model: object id, each submodule's type and plain attributes (``net.scale = 0.5``
-    counts), and each tensor's version counter. Data: object id, length, and per column
+    counts), each tensor's version counter, and which parameters require gradients. Data: object id, length, and per column
     the tensor's version counter or a numpy array's checksum. In-place changes through
     autograd-visible ops (``load_state_dict``, ``copy_``, ``*=``) bump ``_version``; writes
     through ``.data`` do not, so use ``--reset`` after those.
@@ -132,6 +132,7 @@ def fingerprint(obj):
 
     if isinstance(obj, torch.nn.Module):
         leaves = [_leaf(t) for t in obj.state_dict(keep_vars=True).values()] + [_module_settings(obj)]
+        leaves.append(tuple(p.requires_grad for p in obj.parameters()))  # a frozen layer is a change too
     elif isinstance(obj, torch.utils.data.TensorDataset):
         leaves = [_leaf(t) for t in obj.tensors]
     elif isinstance(obj, (tuple, list)):

@@ -151,9 +151,10 @@ def _optimizer(ns, run, plan):
         return run.optimizer, ""
     name = plan.optimizer or "sgd"
     params = list(run.strategy.parameters())
+    lr = plan.lr if plan.lr is not None else plan.lr_if_new
     if name in DEFAULT_LR:
         cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
-        optimizer = cls(params, lr=plan.lr if plan.lr is not None else DEFAULT_LR[name])
+        optimizer = cls(params, lr=lr if lr is not None else DEFAULT_LR[name])
     else:
         factory = ns.get(name)
         if factory is None:
@@ -161,8 +162,8 @@ def _optimizer(ns, run, plan):
         optimizer = factory(params)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"--optimizer {name} returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
-        if plan.lr is not None:
-            _set_lr(optimizer, plan.lr)
+        if lr is not None:
+            _set_lr(optimizer, lr)
     # a first optimizer was announced with the model ("fresh ... optimizer"); say only replacements
     note = f"new {name} optimizer (was {run.optimizer_key})" if run.optimizer is not None else ""
     run.optimizer, run.optimizer_key = run.strategy.wrap_optimizer(optimizer), name

@@ -131,3 +131,14 @@ def test_load_restores_the_optimizer_of_a_cell_that_kept_it(dist_session, shell,
     assert meta["optimizer"] == "adam" and meta["plan"]["optimizer"] == "adam"
     train(dist_session, "ck_keep", 1)  # no --optimizer: the restored Adam continues
     torch.testing.assert_close(params(ns["ck_keep"]), want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_chosen_optimizer_and_rate_survive_a_resend(dist_session, shell):
+    """A model sent again (here: a strategy switch) gets the optimizer and lr the user chose, not SGD 0.01."""
+    ns = shell.user_ns
+    ns["ck_data"], ns["F"] = make_data(), F
+    ns["ck_opt"] = make_model()
+    train(dist_session, "ck_opt", 1, optimizer="adam", lr=0.02)
+    train(dist_session, "ck_opt", 1, strategy="fsdp")  # re-distributed: a new optimizer on the ranks
+    dist_session.run("_opt = (type(optimizer).__name__, optimizer.param_groups[0]['lr'])")
+    assert dist_session.pull("_opt", rank=0) == ("Adam", 0.02)

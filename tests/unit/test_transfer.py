@@ -114,3 +114,14 @@ def test_fingerprint_sees_numpy_dict_and_attribute_changes():
     assert fingerprint(m) != fp
     m[0].some_setting = "on"
     assert fingerprint(m) != fp
+
+
+def test_freezing_a_parameter_changes_the_fingerprint():
+    import torch.nn as nn
+
+    from distnb.transfer import fingerprint
+
+    net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    before = fingerprint(net)
+    net[0].weight.requires_grad_(False)
+    assert fingerprint(net) != before
