@@ -526,8 +526,15 @@ def save_checkpoint(ns, name, directory):
     if run is None:
         raise RuntimeError(f"rank {runtime.STATE.rank}: no model {name!r} on the ranks; train it first")
     plan = run.plan_dict
-    if plan is None or run.strategy is None:
+    if plan is None:
         raise RuntimeError(f"rank {runtime.STATE.rank}: {name} has not been trained yet; nothing to save")
+    if run.strategy is None:  # dropped with the process group after a failed cell
+        cls = strategies.strategy_class(plan["strategy"])
+        if cls.modifies_module:
+            raise RuntimeError(f"rank {runtime.STATE.rank}: the ranks' {plan['strategy']} copy of {name} was lost "
+                               "with the failed cell; the notebook's model holds the last weights (train a cell, "
+                               "then save)")
+        _prepare(ns, TrainPlan.from_dict(plan), run)  # the same distribution on the re-formed group
     return checkpoint.save(run, directory, plan, plan["seed"])
 
 

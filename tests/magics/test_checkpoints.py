@@ -142,3 +142,19 @@ def test_the_chosen_optimizer_and_rate_survive_a_resend(dist_session, shell):
     train(dist_session, "ck_opt", 1, strategy="fsdp")  # re-distributed: a new optimizer on the ranks
     dist_session.run("_opt = (type(optimizer).__name__, optimizer.param_groups[0]['lr'])")
     assert dist_session.pull("_opt", rank=0) == ("Adam", 0.02)
+
+
+def test_save_after_a_failed_cell(dist_session, shell, tmp_path):
+    from distnb.errors import RankError
+
+    ns = shell.user_ns
+    ns["ck_data"], ns["F"] = make_data(), F
+    ns["ck_fail"] = make_model()
+    train(dist_session, "ck_fail", 1, optimizer="adam", lr=0.01)
+    try:
+        dist_session.train("assert ctx.step < 2\n" + BODY, model="ck_fail", data="ck_data", epochs=1, batch_size=8,
+                           seed=5, progress="none", quiet=True)
+    except RankError:
+        pass
+    meta = dist_session.save(str(tmp_path), model="ck_fail", quiet=True)
+    assert meta["optimizer"] == "adam" and (tmp_path / os.path.basename(meta["path"]) / "distnb.json").exists()
