@@ -128,7 +128,18 @@ def load(run, meta: dict) -> None:
     """
     model_sd, optim_sd = run.strategy.checkpoint_state(run.optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
-    dcp.load(state, checkpoint_id=meta["path"])
+    try:
+        dcp.load(state, checkpoint_id=meta["path"])
+    except BaseException as exc:  # DCP's CheckpointException (a BaseException) only says which ranks failed
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        failures = getattr(exc, "failures", None) or {}
+        first = next(iter(failures.values()), exc)
+        reason = str(first).strip().splitlines()[-1] if str(first).strip() else type(first).__name__
+        raise RuntimeError(f"rank {runtime.STATE.rank}: checkpoint {meta['path']} does not fit this model "
+                           f"(--strategy {meta['plan']['strategy']}, optimizer {meta['optimizer']}): {reason}. "
+                           "Load it into a model of the same class and sizes, or use another --checkpoint-dir "
+                           "(or --reset to start from the notebook's weights)") from None
     run.strategy.load_checkpoint_state(run.optimizer, state["model"], state["optimizer"])
     run.epoch, run.epoch_step, run.steps = meta["epoch"], meta["epoch_step"], meta["steps"]
     run.epoch_samples = meta["epoch_samples"]

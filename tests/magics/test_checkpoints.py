@@ -158,3 +158,21 @@ def test_save_after_a_failed_cell(dist_session, shell, tmp_path):
         pass
     meta = dist_session.save(str(tmp_path), model="ck_fail", quiet=True)
     assert meta["optimizer"] == "adam" and (tmp_path / os.path.basename(meta["path"]) / "distnb.json").exists()
+
+
+def test_a_checkpoint_of_another_model_is_a_clear_error(dist_session, shell, tmp_path):
+    from distnb.errors import RankError
+
+    ns = shell.user_ns
+    ns["ck_data"], ns["F"] = make_data(), F
+    ns["ck_small"] = make_model()
+    train(dist_session, "ck_small", 1, optimizer="adam", lr=0.01, checkpoint_dir=str(tmp_path))
+    torch.manual_seed(0)
+    ns["ck_big"] = nn.Sequential(nn.Linear(10, 40), nn.Tanh(), nn.Linear(40, 2))
+    try:
+        train(dist_session, "ck_big", 1, checkpoint_dir=str(tmp_path))
+    except RankError as exc:
+        assert "does not fit this model" in str(exc) and "--reset" in str(exc), str(exc)
+    else:
+        raise AssertionError("a mismatched checkpoint was loaded")
+    train(dist_session, "ck_big", 1, checkpoint_dir=str(tmp_path), reset=True)  # the way out it names

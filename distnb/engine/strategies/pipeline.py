@@ -333,7 +333,13 @@ class Pipeline(Strategy):
             raise StrategyError(f"--schedule 1f1b needs at least as many microbatches as stages ({world_size}), got "
                                 f"--microbatches {m}; raise it or use --schedule gpipe")
         points = split_points(module, world_size, plan.split)
-        tensor_owners(module, points)
+        owners = tensor_owners(module, points)
+        params = {n for n, p in module.named_parameters() if p.requires_grad}
+        empty = [s for s in range(world_size) if not any(owners.get(n) == s for n in params)]
+        if empty:
+            raise StrategyError(f"pipeline stage {empty[0]} of {world_size} would hold no trainable parameters "
+                                f"(stages start at {', '.join(points)}): use fewer ranks (-n) or give --split so "
+                                "every stage holds a layer with parameters")
 
     # rank side -----------------------------------------------------------------------
     def __init__(self, module, plan, device, ns):
