@@ -200,7 +200,7 @@ def _dist_doc():
                "result (and the weights), %%dist stop-training stops the run")
 @argument("-o", "--output", default=None, help="also store the TrainResult under this notebook name")
 def _distrain(line):
-    """Train a notebook model data-parallel on every rank; the cell body is one step."""
+    """Train a notebook model on every rank with --strategy (ddp, fsdp, pipeline, tensor, ps); the body is one step."""
 
 
 DISTRAIN_DOC = """Train a notebook model on every rank; the cell body is one training step.
