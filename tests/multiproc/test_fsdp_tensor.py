@@ -317,3 +317,22 @@ def test_a_failing_rank_stops_the_others_fast_and_the_next_cell_works(dist_sessi
     assert result.epochs == [0]
     reference(ref, ns["fail_data"], 2 if strategy == "fsdp" else 1, 16, 1, 4, torch.optim.SGD(ref.parameters(), lr=0.1))
     assert_params_close(ns[name], ref)
+
+
+def test_default_tensor_plan_that_does_not_fit_the_forward_names_the_fix(dist_session, shell):
+    """Definition order is not data flow: a residual block breaks the Linear pairing, and the error says --tp-plan."""
+    shell.run_cell(
+        "import torch, torch.nn as nn\n"
+        "class Residual(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.inp, self.blk, self.out = nn.Linear(12, 16), nn.Linear(16, 16), nn.Linear(16, 3)\n"
+        "    def forward(self, x):\n"
+        "        h = self.inp(x)\n"
+        "        return self.out(h + self.blk(h))\n"
+        "torch.manual_seed(0)\nres_net = Residual()\n"
+        "res_data = torch.utils.data.TensorDataset(torch.randn(32, 12), torch.randint(0, 3, (32,)))\n"
+        "import torch.nn.functional as F")
+    with pytest.raises(RankError, match="--tp-plan NAME"):
+        dist_session.train(BODY, model="res_net", data="res_data", epochs=1, batch_size=8, strategy="tensor",
+                           progress="none", quiet=True)

@@ -231,6 +231,17 @@ class Tensor(Strategy):
         state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return wire.flatten_state(state) if dist.get_rank() == 0 else None
 
+    def step(self, ns, code, ctx):
+        try:
+            return super().step(ns, code, ctx)
+        except (RuntimeError, IndexError, ValueError) as exc:
+            if self.plan.tp_plan is None and exc.args and isinstance(exc.args[0], str):
+                exc.args = (f"{exc.args[0]}\n[distnb] the default tensor plan splits consecutive nn.Linear layers "
+                            f"in the order they are defined ({describe(self.tp_plan, self.replicated)}); if the "
+                            "forward pass uses them differently (residual blocks, unused layers), give your own "
+                            "plan with --tp-plan NAME",) + exc.args[1:]
+            raise
+
     def holdings(self) -> dict:
         """Bytes of parameters stored here (local shards, whole replicated ones) and of optimizer state."""
         sharded = replicated = 0
