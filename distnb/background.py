@@ -43,6 +43,12 @@ class BackgroundRun:
     thread : threading.Thread
     started : threading.Event
         Set once the ranks have started training (or the run ended before that).
+    ended : threading.Event
+        Set once the run is over (result or error recorded). Liveness is this event, not
+        ``thread.is_alive()``: on Python < 3.13 a KeyboardInterrupt that lands in
+        ``Thread.join`` can mark a thread that is still running as stopped (seen on 3.11: CPython's
+        bpo-45274 handling releases the tstate lock the running thread holds), after which
+        ``is_alive()`` is False and ``join()`` returns at once while the run goes on.
     watching : bool
         True once the kernel-side watcher is running (the ranks have the training call).
     result : TrainResult or None
@@ -55,6 +61,7 @@ class BackgroundRun:
     def __init__(self, target, kwargs):
         self.started = threading.Event()
         self.stop_requested = threading.Event()
+        self.ended = threading.Event()
         self.watching = False
         self.result = None
         self.error = None
@@ -74,6 +81,7 @@ class BackgroundRun:
         finally:
             self.t_end = time.monotonic()
             self.started.set()
+            self.ended.set()
 
     def start(self) -> "BackgroundRun":
         """Start the thread and wait until the ranks train (or the preparation failed).
@@ -99,13 +107,13 @@ class BackgroundRun:
 
     @property
     def active(self) -> bool:
-        """True while the thread runs."""
-        return self.thread.is_alive()
+        """True while the run goes on."""
+        return not self.ended.is_set()
 
     @property
     def done(self) -> bool:
         """True once the run has ended (finished, failed or stopped)."""
-        return not self.thread.is_alive()
+        return self.ended.is_set()
 
     def current_thread_is_runner(self) -> bool:
         """True when called from the run's own thread."""
@@ -116,13 +124,16 @@ class BackgroundRun:
         self.stop_requested.set()
 
     def join(self, timeout=None) -> bool:
-        """Wait for the thread (interruptible); returns True if it ended."""
+        """Wait for the run to end (interruptible); returns True if it ended.
+
+        Waits on :attr:`ended`, never ``Thread.join``, which a KeyboardInterrupt can corrupt.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.thread.is_alive():
+        while not self.ended.is_set():
             left = 0.1 if deadline is None else min(0.1, deadline - time.monotonic())
             if left <= 0:
                 return False
-            self.thread.join(left)
+            self.ended.wait(left)
         return True
 
     def __repr__(self):

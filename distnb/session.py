@@ -348,7 +348,8 @@ class Session:
         Returns
         -------
         TrainResult or None
-            None when there is no background run (or it is still going on after ``timeout``).
+            None when there is no background run (or it is still going on after ``timeout``, or the
+            wait was interrupted: the run is stopped and the Interrupted printed as one line).
 
         Raises
         ------
@@ -363,9 +364,8 @@ class Session:
             if not run.join(timeout):
                 print(f"distnb: the background run is still going on after {timeout:g} s")
                 return None
-        except KeyboardInterrupt:
-            run.request_stop()
-            run.join()
+        except KeyboardInterrupt:  # the interrupt button during the wait: stop the run as stop_training does
+            return self.stop_training()
         return collect(self)
 
     def stop_training(self, quiet=False):

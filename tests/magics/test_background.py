@@ -1,6 +1,9 @@
 """Background training, one run at a time, rank output and the dashboard, through the magics on the real cluster."""
 
+import os
 import re
+import signal
+import threading
 import time
 
 import torch
@@ -69,6 +72,34 @@ def test_stop_training_stops_every_rank_at_the_same_step(shell, capsys):
     res = run(shell, "%%distrain --model bg_net --data bg_train --epochs 1 --batch-size 16\n"
                      "x, y = batch\nloss = F.cross_entropy(model(x), y)")
     assert res.error_in_exec is None  # the cluster works on
+
+
+def test_interrupting_wait_stops_the_run_like_stop_training(shell, capsys):
+    # a SIGINT to the kernel during %dist wait: Thread.join interrupted by KeyboardInterrupt marked the
+    # still-running thread as stopped (CPython 3.11), so wait collected an empty run, the weights never
+    # came back and the next cell raced the run's own weights-back (FileNotFoundError on /dev/shm)
+    run(shell, SETUP)
+    before = {k: v.clone() for k, v in shell.user_ns["bg_net"].state_dict().items()}
+    run(shell, "%%distrain --model bg_net --data bg_train --epochs 500 --batch-size 16 --background\n"
+               "x, y = batch\ntime.sleep(0.002)\nloss = F.cross_entropy(model(x), y)")
+    capsys.readouterr()
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        t0 = time.monotonic()
+        res = run(shell, "%dist wait")
+    finally:
+        timer.cancel()
+    assert res.error_in_exec is None and res.result is None and time.monotonic() - t0 < 10
+    assert "every rank stopped after the same step" in capsys.readouterr().out  # the Interrupted, as one line
+    assert session_mod.current()._background is None
+    net = shell.user_ns["bg_net"]
+    assert not all(torch.equal(before[k], v) for k, v in net.state_dict().items())  # weights are back
+    assert _replicas_equal_kernel(shell)
+    res = run(shell, "%%distrain --model bg_net --data bg_train --epochs 1 --batch-size 16\n"
+                     "x, y = batch\nloss = F.cross_entropy(model(x), y)")
+    assert res.error_in_exec is None  # the next cell works
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"distnb-{os.getpid()}-")]
 
 
 def test_a_failed_background_run_raises_at_wait(shell, capsys):
