@@ -272,6 +272,11 @@ class TrainPlan:
             raise PlanError(f"--microbatches {self.microbatches} does not divide --batch-size {self.batch_size}: "
                             "each microbatch must have the same number of samples")
 
+    def strategy_key(self) -> tuple:
+        """What decides how a model is distributed: a different key rebuilds the strategy."""
+        return (self.strategy, self.find_unused_parameters, self.fsdp_units, self.split, self.microbatches,
+                self.schedule, self.loss, self.tp_plan, self.servers, self.staleness)
+
     @property
     def builtin_optimizer(self) -> bool:
         """True unless --optimizer names a notebook callable."""

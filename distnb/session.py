@@ -116,6 +116,15 @@ def start(n=None, backend=None, timeout=60.0, ns=None, quiet=False, master_port=
     return _CURRENT
 
 
+def _has_checkpoint(directory: str) -> bool:
+    """Whether ``directory`` holds a complete checkpoint (imports torch.distributed.checkpoint only then)."""
+    if not os.path.isdir(directory):
+        return False
+    from .engine import checkpoint
+
+    return checkpoint.latest(directory) is not None
+
+
 def _count(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
@@ -976,13 +985,12 @@ class Session:
         re-distributed another way, nor survive a re-formed process group: the model is then
         sent again from the kernel's weights (which are the last trained ones).
         """
-        from .engine import checkpoint, strategies
-        from .engine.loop import strategy_key
+        from .engine import strategies
         from .engine.wire import pack
         from .transfer import fingerprint, outgoing
 
         fp = fingerprint(model_obj)
-        key = strategy_key(plan)
+        key = plan.strategy_key()
         last = self._distributed.get(plan.model)
         reusable = last is None or last[0][0] == key[0] and not (
             strategies.strategy_class(last[0][0]).modifies_module and last != (key, self._generation))
@@ -997,7 +1005,7 @@ class Session:
                                            what=f"sending {plan.model}")
         self._models[plan.model] = fp
         if not quiet:
-            if plan.checkpoint_dir and not plan.reset and checkpoint.latest(plan.checkpoint_dir):
+            if plan.checkpoint_dir and not plan.reset and _has_checkpoint(plan.checkpoint_dir):
                 then = "it resumes from the newest checkpoint in --checkpoint-dir"
             else:
                 then = f"fresh {plan.optimizer or 'sgd'} optimizer, epoch 0"

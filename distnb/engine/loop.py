@@ -555,6 +555,5 @@ def restore(ns, name, directory):
 
 
 def strategy_key(plan) -> tuple:
-    """What decides how a model is distributed: a different key rebuilds the strategy."""
-    return (plan.strategy, plan.find_unused_parameters, plan.fsdp_units, plan.split, plan.microbatches,
-            plan.schedule, plan.loss, plan.tp_plan, plan.servers, plan.staleness)
+    """What decides how a model is distributed (see :meth:`TrainPlan.strategy_key`)."""
+    return plan.strategy_key()
