@@ -790,10 +790,6 @@ class Session:
             if options.get("lr") is None:
                 options["lr_if_new"] = remembered[1]
         plan = TrainPlan(model=model_name, data=data_name, **options)
-        if plan.optimizer is not None:
-            same = remembered is not None and remembered[0] == plan.optimizer
-            self._optimizer_of[model_name] = (plan.optimizer, plan.lr if plan.lr is not None else
-                                              remembered[1] if same else None)
         if not isinstance(model_obj, torch.nn.Module):
             raise PlanError(f"--model {model_name} is a {type(model_obj).__name__}, not a torch.nn.Module")
         if not plan.builtin_optimizer:
@@ -851,6 +847,11 @@ class Session:
                   "already trained); it counts as the first of this cell's epochs")
         result = TrainResult(rows, plan, time.perf_counter() - t0, num_shards)
         self.last_result = result
+        if plan.optimizer is not None:  # what the ranks accepted becomes the model's chosen optimizer
+            known = self._optimizer_of.get(plan.model)
+            same = known is not None and known[0] == plan.optimizer
+            self._optimizer_of[plan.model] = (plan.optimizer, plan.lr if plan.lr is not None else
+                                              known[1] if same else None)
         return result
 
     # checkpoints -----------------------------------------------------------
