@@ -266,8 +266,12 @@ class Session:
         check_idle(self)
 
     # lifecycle -----------------------------------------------------------
-    def status(self, timeout: float = 2.0) -> StatusTable:
-        """Rank, engine id, host, pid, device, backend, threads and liveness of every rank."""
+    def status(self, timeout: float = 10.0) -> StatusTable:
+        """Rank, engine id, host, pid, device, backend, threads and liveness of every rank.
+
+        A rank is alive when its engine process runs and answers within ``timeout`` seconds
+        (an engine still loading torch right after a start can take a few seconds).
+        """
         self._check_running()
         dead = self.cluster.dead_ranks()
         ars = {r: self.cluster.apply(r, "distnb.engine.runtime", "info", False)
