@@ -24,6 +24,7 @@ import contextlib
 import functools
 import inspect
 import sys
+import warnings
 
 from ..errors import CollectiveMismatchError
 
@@ -77,7 +78,9 @@ def _wrap(dist, torch, op, original):
         world = dist.get_world_size(group)
         mine = torch.tensor(_fingerprint(torch, op, tensor), dtype=torch.int64, device=tensor.device)
         every = torch.empty(world * mine.numel(), dtype=torch.int64, device=tensor.device)
-        _ORIGINALS["all_gather_into_tensor"](every, mine, group=group)
+        with warnings.catch_warnings():  # torch's deprecation notice is about its API, not the user's cell
+            warnings.simplefilter("ignore", FutureWarning)
+            _ORIGINALS["all_gather_into_tensor"](every, mine, group=group)
         rows = every.view(world, -1).cpu().tolist()
         if any(row != rows[0] for row in rows):
             ranks = (dist.get_process_group_ranks(group) if group is not None else list(range(world)))
