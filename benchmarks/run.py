@@ -49,6 +49,33 @@ CLUSTER_MARKERS = ("ipyparallel.engine", "ipyparallel.controller", "ipengine", "
 DEFAULT_EPOCHS = {"cnn": 15, "mlp": 30}  # about 1-2 s of training on 2 cores
 
 
+def start_digits_notebook(nb, model_cls):
+    """Cells every distnb side runs first: load distnb, start 2 ranks, the digits data set as ``train``,
+    the model class (the reference script's source) and ``net``."""
+    nb.cell("%load_ext distnb")
+    nb.cell("%dist start -n 2")
+    nb.cell("import torch, torch.nn as nn, torch.nn.functional as F\n"
+            "from sklearn.datasets import load_digits\n"
+            "X, y = load_digits(return_X_y=True)\n"
+            "train = torch.utils.data.TensorDataset(torch.tensor(X, dtype=torch.float32) / 16, "
+            "torch.tensor(y))")
+    nb.cell(inspect.getsource(model_cls))
+    nb.cell(f"torch.manual_seed(0)\nnet = {model_cls.__name__}()")
+
+
+def stop_and_sweep(nb, tmp):
+    """``%dist stop``, then kill any of our own descendants still alive (with a warning) and drop ``tmp``."""
+    try:
+        nb.cell("%dist stop", quiet=True)
+    except Exception as exc:  # report, then make sure below
+        print(f"warning: %dist stop failed: {exc}", file=sys.stderr)
+    time.sleep(0.5)
+    for proc in leftover_processes():  # only our own descendants
+        print(f"warning: killing leftover process {proc.pid}: {' '.join(proc.cmdline())[:120]}", file=sys.stderr)
+        proc.kill()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def isolate_dirs():
     """ipyparallel/Jupyter write profiles and runtime files: keep them in a temp dir (pitfall 6)."""
     tmp = tempfile.mkdtemp(prefix="distnb-bench-")
@@ -275,16 +302,7 @@ def main(argv=None) -> int:
     nb = Notebook()
     rounds = []
     try:
-        nb.cell("%load_ext distnb")
-        nb.cell("%dist start -n 2")
-        # the notebook: data set, the model class (same source as the reference script's), the model
-        nb.cell("import torch, torch.nn as nn, torch.nn.functional as F\n"
-                "from sklearn.datasets import load_digits\n"
-                "X, y = load_digits(return_X_y=True)\n"
-                "train = torch.utils.data.TensorDataset(torch.tensor(X, dtype=torch.float32) / 16, "
-                "torch.tensor(y))")
-        nb.cell(inspect.getsource(model_cls))
-        nb.cell(f"torch.manual_seed(0)\nnet = {model_cls.__name__}()")
+        start_digits_notebook(nb, model_cls)
         # warm-up cell: sends model and shards, builds DDP and the optimizer on the ranks
         nb.cell(distrain_line(args.model, args.warmup_epochs, args) + "\n" + BODY, quiet=True)
         print(f"cluster up and warm in {time.perf_counter() - t_start:.1f} s", flush=True)
@@ -313,16 +331,7 @@ def main(argv=None) -> int:
                   + f" samples/s; ratio of medians {rnd['ratio']:.3f}; others' load up to {foreign:.2f} cores"
                   + ("; re-run" if rerun else "; noisy, kept (no re-runs left)" if noisy else ""), flush=True)
     finally:
-        try:
-            nb.cell("%dist stop", quiet=True)
-        except Exception as exc:  # report, then make sure below
-            print(f"warning: %dist stop failed: {exc}", file=sys.stderr)
-        time.sleep(0.5)
-        for proc in leftover_processes():  # only our own descendants
-            print(f"warning: killing leftover process {proc.pid}: {' '.join(proc.cmdline())[:120]}",
-                  file=sys.stderr)
-            proc.kill()
-        shutil.rmtree(tmp, ignore_errors=True)
+        stop_and_sweep(nb, tmp)
 
     med = statistics.median
     kept = [r for r in rounds if r["kept"]]
@@ -429,15 +438,7 @@ def dashboard_main(args) -> int:
     nb = Notebook()
     rounds = []
     try:
-        nb.cell("%load_ext distnb")
-        nb.cell("%dist start -n 2")
-        nb.cell("import torch, torch.nn as nn, torch.nn.functional as F\n"
-                "from sklearn.datasets import load_digits\n"
-                "X, y = load_digits(return_X_y=True)\n"
-                "train = torch.utils.data.TensorDataset(torch.tensor(X, dtype=torch.float32) / 16, "
-                "torch.tensor(y))")
-        nb.cell(inspect.getsource(model_cls))
-        nb.cell(f"torch.manual_seed(0)\nnet = {model_cls.__name__}()")
+        start_digits_notebook(nb, model_cls)
         for progress in ("none", "widgets"):  # warm-up: model, shards, DDP, optimizer, widget imports
             run_progress(nb, args, progress)
         retries = 0
@@ -465,15 +466,7 @@ def dashboard_main(args) -> int:
                   + f"; others' load up to {foreign:.2f} cores"
                   + ("; re-run" if rerun else "; noisy, kept (no re-runs left)" if noisy else ""), flush=True)
     finally:
-        try:
-            nb.cell("%dist stop", quiet=True)
-        except Exception as exc:
-            print(f"warning: %dist stop failed: {exc}", file=sys.stderr)
-        time.sleep(0.5)
-        for proc in leftover_processes():
-            print(f"warning: killing leftover process {proc.pid}", file=sys.stderr)
-            proc.kill()
-        shutil.rmtree(tmp, ignore_errors=True)
+        stop_and_sweep(nb, tmp)
 
     med = statistics.median
     kept = [r for r in rounds if r["kept"]]

@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
 import statistics
 import sys
 import tempfile
@@ -268,15 +267,7 @@ def main(argv=None) -> int:
                 traceback.print_exc()
                 table.error("scaling", exc)
     finally:
-        try:
-            nb.cell("%dist stop", quiet=True)
-        except Exception as exc:
-            print(f"warning: %dist stop failed: {exc}", file=sys.stderr)
-        time.sleep(0.5)
-        for proc in harness.leftover_processes():
-            print(f"warning: killing leftover process {proc.pid}", file=sys.stderr)
-            proc.kill()
-        shutil.rmtree(tmp, ignore_errors=True)
+        harness.stop_and_sweep(nb, tmp)
 
     if "dashboard" in only:
         out = tempfile.mktemp(prefix="distnb-bench-dashboard-", suffix=".json")

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from distnb.engine import shard
 from distnb.errors import PlanError, RankError
+from test_parity import make_data as parity_data
 
 BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -36,10 +37,7 @@ def make_pipe_mlp(seed=1):
 
 
 def make_data(n=N, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 12, generator=g)
-    y = (x[:, :4].sum(1) > 0).long() + (x[:, 4] > 1).long()
-    return torch.utils.data.TensorDataset(x, y)
+    return parity_data(n, seed)  # the parity reference's data, N samples
 
 
 def make_model(seed=1):

@@ -17,19 +17,9 @@ from distnb.engine.strategies.ps import assign_servers
 from distnb.errors import PlanError, RankError
 
 BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
+from test_parity import make_data, make_model  # the parity reference's data and model
+
 TOL = dict(atol=1e-5, rtol=1e-5)
-
-
-def make_data(n=203, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 12, generator=g)
-    y = (x[:, :4].sum(1) > 0).long() + (x[:, 4] > 1).long()
-    return torch.utils.data.TensorDataset(x, y)
-
-
-def make_model(seed=1):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
 def reference(model, data, batch_size, epochs, seed, opt, first_epoch=0):

@@ -67,6 +67,7 @@ class Strategy:
     def __init__(self, module, plan, device, ns):
         self.module, self.plan, self.device = module, plan, device
         self.model = module
+        self._optimizer = None
 
     # kernel side ---------------------------------------------------------------
     @classmethod
@@ -94,7 +95,8 @@ class Strategy:
         return self.module.parameters()
 
     def wrap_optimizer(self, optimizer):
-        """The optimizer the loop steps (the parameter server replaces ``step``)."""
+        """The optimizer the loop steps (the parameter server replaces ``step``); kept as ``_optimizer``."""
+        self._optimizer = optimizer
         return optimizer
 
     def step(self, ns, code, ctx):
@@ -144,6 +146,21 @@ class Strategy:
     def close(self) -> None:
         """Drop references to the process group (called before it is re-formed)."""
         self.model = None
+
+
+def gathered_state(module):
+    """``module``'s full (unsharded) state on rank 0 as :func:`wire.flatten_state`, None elsewhere.
+
+    ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` all-gathers DTensor
+    shards (FSDP2, tensor parallel): a collective, every rank calls it.
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from .. import wire
+
+    state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return wire.flatten_state(state) if dist.get_rank() == 0 else None
 
 
 def strategy_class(name: str) -> type:

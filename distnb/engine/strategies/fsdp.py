@@ -31,7 +31,7 @@ from __future__ import annotations
 import weakref
 
 from .. import runtime
-from . import Strategy, StrategyError, tensor_bytes
+from . import Strategy, StrategyError, gathered_state, tensor_bytes
 
 #: Device meshes made by the fsdp and tensor strategies on this rank, by id (meshes of one
 #: shape compare equal, so no set). DTensor's caches keep them (and so the process group)
@@ -101,19 +101,9 @@ class FSDP(Strategy):
                 raise StrategyError(f"--fsdp-units: {unit} ({type(sub).__name__}) holds no parameters; an FSDP "
                                     f"unit shards parameters, so name a module that has some")
 
-    def wrap_optimizer(self, optimizer):
-        self._optimizer = optimizer
-        return optimizer
-
     def full_state(self):
         """Gather the full (unsharded) state dict on rank 0, on CPU; a collective."""
-        import torch.distributed as dist
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        from .. import wire
-
-        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return wire.flatten_state(state) if dist.get_rank() == 0 else None
+        return gathered_state(self.module)
 
     def holdings(self) -> dict:
         """Bytes of this rank's parameter shards and of its optimizer state (0 before a step)."""

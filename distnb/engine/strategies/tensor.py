@@ -41,7 +41,7 @@ from fnmatch import fnmatch
 
 import torch.nn as nn
 
-from . import Strategy, StrategyError, tensor_bytes
+from . import Strategy, StrategyError, gathered_state, tensor_bytes
 from .fsdp import make_mesh, module_names, optimizer_state_bytes, release_group
 
 #: Parameter-free modules that act elementwise on the last dimension, allowed between the
@@ -217,19 +217,9 @@ class Tensor(Strategy):
         if plan.tp_plan is not None and plan.tp_plan in ns:
             check_plan(ns[plan.tp_plan], module, world_size, f"--tp-plan {plan.tp_plan}")
 
-    def wrap_optimizer(self, optimizer):
-        self._optimizer = optimizer
-        return optimizer
-
     def full_state(self):
         """Full tensors on rank 0 (CPU), assembled with ``DTensor.full_tensor``; a collective."""
-        import torch.distributed as dist
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        from .. import wire
-
-        state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return wire.flatten_state(state) if dist.get_rank() == 0 else None
+        return gathered_state(self.module)
 
     def step(self, ns, code, ctx):
         try:
