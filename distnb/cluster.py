@@ -20,6 +20,7 @@ keeps the exit status it sees.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
@@ -35,6 +36,8 @@ import psutil
 from traitlets import Float, List
 from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
 
+from . import placement
+from .engine.runtime import is_loopback, free_port, visible_gpus
 from .errors import ClusterError, PlanError
 from .plan import ClusterSpec
 
@@ -47,13 +50,6 @@ _log = logging.getLogger("distnb.ipyparallel")
 _log.setLevel(logging.ERROR)
 _log.propagate = False
 _log.addHandler(logging.NullHandler())
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (for MASTER_PORT)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def check_port_free(port: int, host: str = "127.0.0.1", option: str = "--master-port", wait: float = 0.0) -> None:
@@ -176,20 +172,6 @@ def _restrict_security_files(profile_dir: str) -> None:
             pass
 
 
-def visible_gpus() -> list[str]:
-    """GPU ids this process may use, found without initialising CUDA (or importing torch).
-
-    ``CUDA_VISIBLE_DEVICES`` when set, else one entry per ``/proc/driver/nvidia/gpus/*``.
-    """
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        return [g.strip() for g in env.split(",") if g.strip() and g.strip() != "-1"]
-    try:
-        return [str(i) for i in range(len(os.listdir("/proc/driver/nvidia/gpus")))]
-    except OSError:
-        return []
-
-
 def cpu_cores() -> int:
     """Cores this process may run on."""
     try:
@@ -199,8 +181,31 @@ def cpu_cores() -> int:
 
 
 def default_spec(n: int | None = None, backend: str | None = None, timeout: float = 60.0,
-                 master_port: int | None = None) -> ClusterSpec:
-    """One engine per GPU (nccl), or with no GPU one CPU engine per core (gloo); ``n`` overrides."""
+                 master_port: int | None = None, **where) -> ClusterSpec:
+    """One engine per GPU (nccl), or with no GPU one CPU engine per core (gloo); ``n`` overrides.
+
+    ``where`` holds the placement options of :class:`~distnb.plan.ClusterSpec` (launcher,
+    hosts, nodes, engines_per_node, queue, time_limit, account, profile, interface,
+    master_addr). With a launcher other than ``local``, ``n`` defaults to hosts (or nodes)
+    times ``engines_per_node``, and the device is chosen once the engines report what their
+    hosts have (:class:`Cluster` ``auto_device``).
+    """
+    where = {k: v for k, v in where.items() if v is not None}
+    if "hosts" in where:
+        where["hosts"] = tuple(where["hosts"])
+    launcher = where.get("launcher", "local" if "profile" not in where else None)
+    where["launcher"] = launcher
+    if launcher is None or placement.engines_remote(launcher, where.get("hosts")):
+        hosts = len(where.get("hosts", ())) or where.get("nodes")
+        if n is None:
+            if not hosts and launcher not in (None, "mpi"):
+                raise PlanError(f"--launcher {launcher}: say how many engines with -n (or --hosts/--nodes with "
+                                "--engines-per-node)")
+            n = hosts * where.get("engines_per_node", 1) if hosts else cpu_cores()
+        backend = backend or "gloo"
+        device_type = "cuda" if backend == "nccl" else "cpu"
+        return ClusterSpec(num_engines=n, backend=backend, device_type=device_type, num_threads=1,
+                           timeout=timeout, master_port=master_port, **where)
     gpus = visible_gpus()
     device_type = "cuda" if gpus else "cpu"
     if n is None:
@@ -214,7 +219,7 @@ def default_spec(n: int | None = None, backend: str | None = None, timeout: floa
     backend = backend or ("nccl" if device_type == "cuda" else "gloo")
     threads = max(1, cpu_cores() // n) if isinstance(n, int) and n > 0 else 1
     return ClusterSpec(num_engines=n, backend=backend, device_type=device_type, num_threads=threads,
-                       timeout=timeout, master_port=master_port)
+                       timeout=timeout, master_port=master_port, **where)
 
 
 @ipp.interactive
@@ -239,37 +244,58 @@ class Cluster:
         Per rank: rank, engine_id, pid, host, device, backend, num_threads.
     """
 
-    def __init__(self, spec: ClusterSpec):
+    def __init__(self, spec: ClusterSpec, auto_device: bool = False):
         self.spec = spec
+        self.auto_device = auto_device  # remote engines: pick cuda/nccl or cpu/gloo from what their hosts have
         self._ipp = None
         self.client = None
         self.engine_ids: list[int] = []  # index = rank
         self.ranks: list[dict] = []
         self.master_port = None
         self.start_seconds = None
+        self.num_nodes = 1
+        self.remote = False
         self._procs: dict = {}  # engine pid -> _Process (its exit status once it died)
 
     # lifecycle -----------------------------------------------------------
     def start(self, engine_timeout: float = 60.0) -> "Cluster":
-        """Start controller and engines, then form the process group. Raises ClusterError."""
+        """Start controller and engines, then form the process group. Raises ClusterError.
+
+        Engines start through ipyparallel's launcher ``spec.launcher`` (distnb's fast local
+        launcher for ``local``); see :mod:`distnb.placement`.
+        """
         t0 = time.perf_counter()
         spec = self.spec
-        if spec.master_port is not None:  # a pinned port that is taken: say so now, not at the rendezvous
-            check_port_free(spec.master_port, spec.master_addr)
+        profile_kwargs, profile = placement.profile_config(spec.profile)
+        self.launcher = placement.launcher_name(spec, profile)
+        self.remote = placement.engines_remote(self.launcher, spec.hosts)
+        if self.remote and spec.interface and is_loopback(placement.interface_address(spec.interface) or "x"):
+            raise ClusterError(f"--interface {spec.interface} is loopback: engines on other hosts can reach neither "
+                               "the controller nor rank 0 over it; name the network the hosts share (e.g. eth0)")
+        if spec.master_port is not None and not self.remote:  # a pinned port that is taken: say so now
+            check_port_free(spec.master_port, spec.master_addr or "127.0.0.1")
+        self.controller_ip = profile.get("Cluster", {}).get("controller_ip") or placement.controller_ip(
+            spec, self.remote)
+        # thread count fixed before torch loads; CPU engines preload DDP too (GPU ones wait for their device)
+        env = {"OMP_NUM_THREADS": str(spec.num_threads),
+               "DISTNB_PRELOAD": "all" if spec.device_type == "cpu" and not self.remote else "torch"}
+        env.update({k: v for k, v in ENGINE_ENV.items() if k not in os.environ})
+        if self.launcher == "local":
+            launch = dict(engine_launcher_class=_EngineSetLauncher, delay=0,
+                          send_engines_connection_env=False)  # engines start with the controller
+        else:
+            launch = dict(engine_launcher_class=self.launcher,
+                          config=placement.launcher_config(spec, self.launcher, profile, env))
         self._ipp = ipp.Cluster(
             n=spec.num_engines,
-            controller_ip="127.0.0.1",
+            controller_ip=self.controller_ip,
             controller_args=[f"--HeartMonitor.period={HEARTBEAT_MS}"],
-            engine_launcher_class=_EngineSetLauncher,
-            delay=0,
-            send_engines_connection_env=False,  # engines start with the controller (boot waits for its file)
             log=_log,
             engine_timeout=int(engine_timeout),
+            **launch,
+            **profile_kwargs,
         )
-        # thread count fixed before torch loads; CPU engines preload DDP too (GPU ones wait for their device)
-        self._ipp._distnb_engine_env = {"OMP_NUM_THREADS": str(spec.num_threads),
-                                        "DISTNB_PRELOAD": "all" if spec.device_type == "cpu" else "torch"}
-        self._ipp._distnb_engine_env.update({k: v for k, v in ENGINE_ENV.items() if k not in os.environ})
+        self._ipp._distnb_engine_env = env
         try:
             self._ipp.start_cluster_sync(spec.num_engines)
             _restrict_security_files(self._ipp.profile_dir)
@@ -278,29 +304,120 @@ class Cluster:
                     if isinstance(getattr(launcher, "process", None), psutil.Process):
                         self._procs[launcher.process.pid] = launcher.process
             self.client = self._ipp.connect_client_sync()
-            self.client.wait_for_engines(spec.num_engines, timeout=engine_timeout, interactive=False)
-            self.engine_ids = sorted(self.client.ids)[: spec.num_engines]
+            self._wait_for_engines(engine_timeout)
+            self._place()
             self._setup_ranks()
         except BaseException as exc:
             self.stop()
-            if isinstance(exc, ClusterError):
+            if isinstance(exc, (ClusterError, PlanError)):
                 raise
             raise ClusterError(f"could not start {spec.num_engines} engines: {exc}") from exc
         self.start_seconds = time.perf_counter() - t0
         return self
 
+    def _wait_for_engines(self, timeout: float) -> None:
+        """Wait until every engine has registered; else a ClusterError naming the hosts that are missing."""
+        n = self.spec.num_engines
+        try:
+            self.client.wait_for_engines(n, timeout=timeout, interactive=False)
+            return
+        except TimeoutError:
+            pass
+        got = sorted(self.client.ids)
+        where = self._whereami(got) if got else {}
+        seen = {info["address"] for info in where.values()} | {info["host"] for info in where.values()}
+        missing = [h for h in self.spec.hosts if not {placement.hostname_of(h), _resolve(h)} & seen]
+        url = f"{self.controller_ip}:{self._registration_port()}"
+        hosts = f"; none from {', '.join(missing)}" if missing else ""
+        raise ClusterError(
+            f"only {len(got)} of {n} engines registered with the controller at {url} within {timeout:.0f} s"
+            f"{hosts}. Check that every host can reach {self.controller_ip} (routes, firewall) and start engines "
+            f"({self.launcher} launcher); on several networks pick one with %dist start --interface NAME")
+
+    def _registration_port(self):
+        try:
+            with open(os.path.join(self._ipp.profile_dir, "security",
+                                   f"ipcontroller-{self._ipp.cluster_id}-engine.json")) as f:
+                import json
+
+                return json.load(f)["registration"]
+        except Exception:
+            return "?"
+
+    def _whereami(self, engine_ids) -> dict:
+        ars = {e: self.client[e].apply_async(_shim, "distnb.engine.runtime", "whereami", False, self.controller_ip)
+               for e in engine_ids}
+        out = {}
+        for e, ar in ars.items():
+            try:
+                out[e] = ar.get(timeout=self.spec.timeout)
+            except Exception as exc:
+                raise ClusterError(f"engine {e} did not answer where it runs within {self.spec.timeout:.0f} s: "
+                                   f"{exc}") from None
+        return out
+
+    def _place(self) -> None:
+        """Rank order over hosts, each rank's device and threads (see :func:`placement.assign_ranks`)."""
+        spec = self.spec
+        ids = sorted(self.client.ids)[: spec.num_engines]
+        self.where = self._whereami(ids)
+        self.placement = placement.assign_ranks(self.where, spec.hosts)
+        self.engine_ids = [p["engine_id"] for p in self.placement]
+        self.num_nodes = len({p["node_rank"] for p in self.placement})
+        if not self.remote:
+            return
+        per_node = {}
+        for p in self.placement:
+            per_node[p["node_rank"]] = per_node.get(p["node_rank"], 0) + 1
+        for p in self.placement:
+            info = self.where[p["engine_id"]]
+            p["num_threads"] = max(1, info["cores"] // per_node[p["node_rank"]])
+        if self.auto_device:  # no --backend: nccl when every rank's host has a GPU for it
+            gpus = all(len(self.where[p["engine_id"]]["gpus"]) > p["local_rank"] for p in self.placement)
+            device, backend = ("cuda", "nccl") if gpus else ("cpu", "gloo")
+            self.spec = dataclasses.replace(spec, device_type=device, backend=backend)
+
+    def _master_addr(self) -> str:
+        """The rendezvous address: --master-addr, rank 0's on --interface, loopback on one host, else rank 0's."""
+        spec = self.spec
+        if spec.master_addr:
+            addr = spec.master_addr
+        elif spec.interface:
+            addr = self.wait_all([self.apply(0, "distnb.engine.runtime", "interface_address", False,
+                                             spec.interface)], timeout=spec.timeout, what="--interface")[0]
+        elif self.num_nodes == 1 and self.placement[0]["local"]:
+            addr = "127.0.0.1"
+        else:
+            addr = self.where[self.engine_ids[0]]["address"]
+        if self.num_nodes > 1 and is_loopback(addr):
+            raise ClusterError(f"the rendezvous address {addr} is loopback, but the ranks run on {self.num_nodes} "
+                               f"hosts ({', '.join(sorted({p['node'] for p in self.placement}))}) and cannot reach "
+                               "each other there; pick the network with --interface NAME or --master-addr ADDR")
+        return addr
+
+    def _free_port(self) -> int:
+        """A port free on rank 0's host (asked there when rank 0 is on another host)."""
+        if self.placement[0]["local"]:
+            return free_port(self.master_addr)
+        return self.wait_all([self.apply(0, "distnb.engine.runtime", "free_port", False, self.master_addr)],
+                             timeout=self.spec.timeout, what="picking the rendezvous port")[0]
+
     def _setup_ranks(self):
         spec = self.spec
-        gpus = visible_gpus() if spec.device_type == "cuda" else []
-        self.master_port = spec.master_port or free_port(spec.master_addr)
+        self.master_addr = self._master_addr()
+        self.master_port = spec.master_port or self._free_port()
         ars = []
-        for rank, eid in enumerate(self.engine_ids):
-            gpu = gpus[rank] if gpus else None
-            ars.append(self.apply(rank, "distnb.engine.runtime", "setup", True, rank, spec.num_engines, rank,
-                                  spec.backend, spec.device_type, gpu, spec.num_threads, spec.master_addr,
-                                  self.master_port, spec.timeout))
+        local_gpus = visible_gpus() if spec.device_type == "cuda" else []
+        for rank, p in enumerate(self.placement):
+            gpus = self.where[p["engine_id"]]["gpus"] if self.remote else local_gpus
+            gpu = gpus[p["local_rank"]] if spec.device_type == "cuda" and len(gpus) > p["local_rank"] else None
+            threads = p.get("num_threads", spec.num_threads)
+            ars.append(self.apply(rank, "distnb.engine.runtime", "setup", True, rank, spec.num_engines,
+                                  p["local_rank"], spec.backend, spec.device_type, gpu, threads, self.master_addr,
+                                  self.master_port, spec.timeout, p["node_rank"], p["node"], spec.interface))
         infos = self.wait_all(ars, timeout=spec.timeout + 60, what="forming the process group")
-        self.ranks = [dict(info, engine_id=eid) for info, eid in zip(infos, self.engine_ids)]
+        self.ranks = [dict(info, engine_id=p["engine_id"], local=p["local"], address=self.where[p["engine_id"]][
+            "address"]) for info, p in zip(infos, self.placement)]
         self.apply_all("distnb.engine.runtime", "warm_up", False)  # queued, not awaited
         self._start_reaper()
 
@@ -308,7 +425,7 @@ class Cluster:
         """No process outlives the kernel: a watchdog stops ours if the kernel dies."""
         from .reaper import spawn
 
-        pids = [p for p in [self.pids["controller"], *self.pids["engines"]] if p]
+        pids = [p for p in [self.pids["controller"], *(r["pid"] for r in self.ranks if r.get("local", True))] if p]
         for engine_set in self._ipp.engines.values():
             pids += [l.pid for l in getattr(engine_set, "launchers", {}).values() if getattr(l, "pid", None)]
         pids += self._controller_children()
@@ -348,9 +465,10 @@ class Cluster:
             # store) before any rank joins the new one, or a rank could reach the old store
             self.wait_all(self.apply_all("distnb.engine.runtime", "release", True), timeout=self.spec.timeout,
                           what="leaving the old process group")
-            check_port_free(self.spec.master_port, self.spec.master_addr, wait=5.0)
-        self.master_port = self.spec.master_port or free_port(self.spec.master_addr)
-        ars = [self.apply(r, "distnb.engine.runtime", "reform", True, self.spec.master_addr, self.master_port)
+            if self.placement[0]["local"]:
+                check_port_free(self.spec.master_port, self.master_addr, wait=5.0)
+        self.master_port = self.spec.master_port or self._free_port()
+        ars = [self.apply(r, "distnb.engine.runtime", "reform", True, self.master_addr, self.master_port)
                for r in range(self.world_size)]
         self.wait_all(ars, timeout=self.spec.timeout + 30, what="re-forming the process group")
 
@@ -359,7 +477,10 @@ class Cluster:
         if self.client is not None:
             try:  # live registered engines leave the group and exit at once; ipyparallel stops the rest
                 ids = [e for e in (self.engine_ids or self.client.ids) if e in self.client.ids]
-                if ids:
+                if ids and self.remote:  # leave the group; the launcher stops them (ssh kill, scancel, ...)
+                    ar = self.client[ids].apply_async(_shim, "distnb.engine.runtime", "leave", False)
+                    ar.wait(min(5.0, self.spec.timeout))
+                elif ids:
                     self.client[ids].apply_async(_shim, "distnb.engine.runtime", "shutdown", False)
                     time.sleep(0.2)
             except Exception:
@@ -399,20 +520,34 @@ class Cluster:
         ctrl = getattr(getattr(self._ipp, "controller", None), "pid", None)
         return {"controller": ctrl, "engines": [r["pid"] for r in self.ranks]}
 
+    def is_local(self, rank: int) -> bool:
+        """Whether ``rank``'s engine runs on this machine (its pid can be signalled and watched here)."""
+        return rank < len(self.ranks) and self.ranks[rank].get("local", True)
+
     def signal(self, signum: int, ranks=None) -> None:
-        """Send ``signum`` to the engine processes of ``ranks`` (default all)."""
+        """Send ``signum`` to the engine processes of ``ranks`` (default all).
+
+        An engine on another host gets it through its ipyparallel nanny (a control message).
+        """
         for rank in range(self.world_size) if ranks is None else ranks:
             try:
-                os.kill(self.ranks[rank]["pid"], signum)
+                if self.is_local(rank):
+                    os.kill(self.ranks[rank]["pid"], signum)
+                elif self.client is not None:
+                    self.client.send_signal(int(signum), targets=[self.engine_ids[rank]], block=False)
             except (ProcessLookupError, IndexError, KeyError):
+                pass
+            except Exception:  # the engine (or its host) is gone: the cell reports it as dead
                 pass
 
     # calls --------------------------------------------------------------
     def describe(self, rank: int) -> str:
-        """``rank R (engine E, pid P)``: how messages name a rank's engine."""
+        """``rank R (engine E, pid P)`` (``... on HOST`` over several hosts): how messages name a rank's engine."""
         eid = self.engine_ids[rank] if rank < len(self.engine_ids) else "?"
         pid = self.ranks[rank]["pid"] if rank < len(self.ranks) else "?"
-        return f"rank {rank} (engine {eid}, pid {pid})"
+        where = f" on {self.ranks[rank]['host']}" if rank < len(self.ranks) and getattr(self, "num_nodes", 1) > 1 \
+            else ""
+        return f"rank {rank} (engine {eid}, pid {pid}{where})"
 
     def exit_status(self, rank: int, wait: float = 0.5):
         """The exit status of ``rank``'s engine once it has exited, else None.
@@ -434,7 +569,13 @@ class Cluster:
     def dead_ranks(self) -> dict:
         """{rank: how it died} for ranks whose engine process has exited (``killed by SIGKILL``, ...)."""
         dead = {}
+        ids = set(self.client.ids) if self.client is not None else set()
         for rank, info in enumerate(self.ranks):
+            if not info.get("local", True):  # another host: the controller's heartbeat is what we know
+                if self.engine_ids[rank] not in ids:
+                    dead[rank] = (f"stopped answering the controller's heartbeat (the engine exited, or host "
+                                  f"{info['host']} or its network is down)")
+                continue
             proc = self._procs.get(info["pid"])
             if proc is None or proc.exit_status is None:
                 try:
@@ -518,10 +659,19 @@ class Cluster:
         return out
 
 
+def _resolve(host: str) -> str | None:
+    """The IPv4 address of ``[user@]host[:port]``, or None."""
+    try:
+        return socket.gethostbyname(placement.hostname_of(host))
+    except OSError:
+        return None
+
+
 def _collateral(f) -> int:
     """1 when a failure looks like a consequence of another rank's (a closed gloo connection)."""
     text = f"{f.get('evalue')}"
-    markers = ("Connection closed by peer", "Connection reset", "process group is broken", "Broken pipe")
+    markers = ("Connection closed by peer", "Connection reset", "process group is broken", "Broken pipe",
+               "waiting for clients")  # rank 0's store gave up on ranks that could not reach it
     return any(m in text for m in markers)
 
 

@@ -9,6 +9,14 @@ from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from .errors import ClusterError, PlanError
+from .plan import BATCH_LAUNCHERS, LAUNCHERS
+
+
+def _hosts(text: str) -> tuple:
+    hosts = tuple(h.strip() for h in text.split(","))
+    if not all(hosts):
+        raise argparse.ArgumentTypeError(f"hosts must be names separated by commas, got {text!r}")
+    return hosts
 
 
 def _session():
@@ -27,13 +35,39 @@ def _session():
           help="torch.distributed backend (default nccl on GPUs, gloo on CPU)")
 @argument("--timeout", type=float, default=60.0, help="collective/rendezvous timeout in seconds (default 60)")
 @argument("--master-port", type=int, default=None,
-          help="TCP port of the torch.distributed store on 127.0.0.1 (default: a free port); a taken port is an "
-               "error naming it")
+          help="TCP port of the torch.distributed store (default: a free port); a taken port is an error naming it")
 @argument("--auto-restart", action=argparse.BooleanOptionalAction, default=None,
           help="when an engine dies during a cell, start a fresh world of the same size at once (default off; "
                "on a running cluster this only switches the setting)")
+@argument("--launcher", choices=list(LAUNCHERS), default=None,
+          help="ipyparallel engine launcher: local (default), mpi (mpiexec), ssh, or a batch system "
+               f"({', '.join(BATCH_LAUNCHERS)})")
+@argument("--hosts", type=_hosts, default=None,
+          help="ssh/mpi: hosts to start engines on, comma-separated ([user@]host[:sshport])")
+@argument("--engines-per-node", type=int, default=None,
+          help="engines on each host or node (default: -n spread evenly; one per GPU on GPU hosts is usual)")
+@argument("--nodes", type=int, default=None, help="slurm: nodes to ask the scheduler for")
+@argument("--queue", "--partition", dest="queue", default=None, help="batch queue (slurm partition)")
+@argument("--time", dest="time_limit", default=None, help="slurm: wall-clock limit (e.g. 01:00:00)")
+@argument("--account", default=None, help="slurm: account to charge")
+@argument("--profile", default=None,
+          help="ipyparallel profile (name or directory) whose ipcluster_config.py configures the launcher; "
+               "options given here override it")
+@argument("--interface", default=None,
+          help="network interface the ranks rendezvous and communicate over (e.g. eth0, ib0); default: the one "
+               "that reaches rank 0 (loopback on one host)")
+@argument("--master-addr", default=None,
+          help="rendezvous address (rank 0's host) for the torch.distributed store; default: chosen for you")
 def _start(line):
-    """Start the cluster and its process group (keeps a running one)."""
+    """Start the cluster and its process group (keeps a running one).
+
+    Several hosts (ipyparallel's launchers; README "Beyond one machine")::
+
+        %dist start --launcher ssh --hosts node1,node2 --engines-per-node 2
+        %dist start --launcher mpi -n 4
+        %dist start --launcher slurm --nodes 2 --engines-per-node 4 --partition gpu --time 01:00:00
+        %dist start --profile mycluster      # launcher settings from an ipyparallel profile
+    """
 
 
 @magic_arguments(name="dist stop")
@@ -289,7 +323,8 @@ class DistMagics(Magics):
                 check_idle(session._CURRENT)
             if verb == "start":
                 session.start(n=args.n, backend=args.backend, timeout=args.timeout, ns=ns,
-                              master_port=args.master_port, auto_restart=args.auto_restart)
+                              master_port=args.master_port, auto_restart=args.auto_restart,
+                              **{k: getattr(args, k) for k in session.PLACEMENT_OPTIONS})
             elif verb == "stop":
                 if session._CURRENT is None:
                     print("distnb: no cluster is running")

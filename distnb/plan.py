@@ -21,6 +21,10 @@ SCHEDULES = ("gpipe", "1f1b")
 #: Built-in optimizers (torch.optim names) and their default learning rates.
 DEFAULT_LR = {"sgd": 0.01, "adam": 1e-3, "adamw": 1e-3}
 BACKENDS = ("gloo", "nccl")
+#: ipyparallel's batch-system engine launchers (the scheduler places the engines).
+BATCH_LAUNCHERS = ("slurm", "pbs", "sge", "lsf", "htcondor")
+#: ipyparallel engine launchers ``%dist start --launcher`` takes (ipyparallel's entry-point names).
+LAUNCHERS = ("local", "mpi", "ssh") + BATCH_LAUNCHERS
 #: Longest collective/rendezvous timeout ``%dist start --timeout`` takes, seconds.
 MAX_TIMEOUT = 7 * 24 * 3600
 
@@ -39,6 +43,47 @@ def _check_number(name, value, positive=True):
         raise PlanError(f"{name} must be positive, got {value}")
 
 
+def _check_placement(spec) -> None:
+    """Where engines run: launcher and its options (see ClusterSpec)."""
+    if spec.launcher is None and spec.profile is None:
+        raise PlanError("--launcher is needed unless --profile names an ipyparallel profile that sets one")
+    if spec.launcher is not None and spec.launcher not in LAUNCHERS:
+        raise PlanError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {spec.launcher!r}")
+    if not isinstance(spec.hosts, tuple) or not all(isinstance(h, str) and h.strip() for h in spec.hosts):
+        raise PlanError(f"--hosts must be host names separated by commas, got {spec.hosts!r}")
+    if len(set(spec.hosts)) != len(spec.hosts):
+        raise PlanError(f"--hosts names a host twice: {', '.join(spec.hosts)} (use --engines-per-node for more "
+                        "engines on one host)")
+    for name in ("nodes", "engines_per_node"):
+        value = getattr(spec, name)
+        if value is not None:
+            _check_int("--" + name.replace("_", "-"), value, 1)
+    for name in ("queue", "time_limit", "account", "profile", "interface", "master_addr"):
+        value = getattr(spec, name)
+        if value is not None and (not isinstance(value, str) or not value.strip() or value != value.strip()):
+            raise PlanError(f"--{name.replace('_', '-').replace('time-limit', 'time')} must be a non-empty word, "
+                            f"got {value!r}")
+    launcher = spec.launcher
+    if spec.hosts and launcher not in ("ssh", "mpi", None):
+        raise PlanError(f"--hosts is for --launcher ssh or mpi, not {launcher}: a batch launcher gets its hosts "
+                        "from the scheduler (use --nodes)")
+    if launcher == "ssh" and not spec.hosts and spec.profile is None:
+        raise PlanError("--launcher ssh needs --hosts (e.g. --hosts node1,node2) or a --profile that sets "
+                        "SSHEngineSetLauncher.engines")
+    if launcher in ("local", "ssh", "mpi") and (spec.nodes is not None or spec.queue or spec.time_limit
+                                                 or spec.account):
+        raise PlanError(f"--nodes, --queue, --time and --account are for batch launchers "
+                        f"({', '.join(BATCH_LAUNCHERS)}), not --launcher {launcher}")
+    if launcher == "local" and spec.engines_per_node is not None:
+        raise PlanError("--engines-per-node is for several hosts or nodes; with --launcher local use -n")
+    hosts = len(spec.hosts) or spec.nodes
+    if hosts and spec.engines_per_node and hosts * spec.engines_per_node != spec.num_engines:
+        raise PlanError(f"-n {spec.num_engines} does not match {hosts} hosts x --engines-per-node "
+                        f"{spec.engines_per_node}; leave out -n, or make them agree")
+    if hosts and spec.num_engines < hosts:
+        raise PlanError(f"-n {spec.num_engines} is fewer engines than the {hosts} hosts or nodes asked for")
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     """What ``%dist start`` starts.
@@ -55,11 +100,38 @@ class ClusterSpec:
         torch intra-op threads per engine (CPU engines: cores // num_engines).
     timeout : float
         Collective and rendezvous timeout in seconds.
-    master_addr : str
-        Rendezvous address (rank 0's host); 127.0.0.1 on one machine.
+    master_addr : str or None
+        Rendezvous address (``--master-addr``): where rank 0 serves the torch.distributed
+        store. None: 127.0.0.1 when every rank runs on the kernel's host, else rank 0's
+        address on ``interface``, else the address rank 0 uses to reach the controller.
     master_port : int or None
         TCP port of the torch.distributed store (``--master-port``); None: a free port
         is picked for every process group formed.
+    launcher : str
+        ipyparallel engine launcher (``--launcher``): ``local`` (default, distnb's fast
+        local engines), ``mpi``, ``ssh``, ``slurm``, ``pbs``, ``sge``, ``lsf``, ``htcondor``.
+        None with ``profile``: the profile's own launcher.
+    hosts : tuple of str
+        ``--hosts``: hosts to start engines on (``[user@]host[:sshport]``), ``engines_per_node``
+        on each; ssh and mpi.
+    nodes : int or None
+        ``--nodes``: batch launchers (slurm, pbs, ...): nodes to ask for.
+    engines_per_node : int or None
+        ``--engines-per-node``: engines on each host or node (default: num_engines spread
+        evenly over the hosts or nodes).
+    queue : str or None
+        ``--queue``: batch queue (slurm: partition).
+    time_limit : str or None
+        ``--time``: batch wall-clock limit in the scheduler's format (slurm: ``HH:MM:SS``).
+    account : str or None
+        ``--account``: batch account to charge.
+    profile : str or None
+        ``--profile``: an ipyparallel profile (name in the IPython directory, or a path to a
+        profile directory) whose ``ipcluster_config.py`` configures the launchers; options
+        given here override it.
+    interface : str or None
+        ``--interface``: network interface the ranks rendezvous (and gloo/nccl connect) over,
+        e.g. ``eth0``; the controller also listens on it when engines are remote.
     """
 
     num_engines: int
@@ -67,11 +139,21 @@ class ClusterSpec:
     device_type: str = "cpu"
     num_threads: int = 1
     timeout: float = 60.0
-    master_addr: str = "127.0.0.1"
+    master_addr: str | None = None
     master_port: int | None = None
+    launcher: str | None = "local"
+    hosts: tuple = ()
+    nodes: int | None = None
+    engines_per_node: int | None = None
+    queue: str | None = None
+    time_limit: str | None = None
+    account: str | None = None
+    profile: str | None = None
+    interface: str | None = None
 
     def __post_init__(self):
         _check_int("num_engines (-n)", self.num_engines, 1)
+        _check_placement(self)
         if self.master_port is not None:
             _check_int("--master-port", self.master_port, 1)
             if self.master_port > 65535:

@@ -55,8 +55,13 @@ STOP_WAIT = 3.0
 INTERRUPT_WAIT = 10.0
 
 
+#: start()'s keyword arguments that say where engines run (see distnb.plan.ClusterSpec).
+PLACEMENT_OPTIONS = ("launcher", "hosts", "nodes", "engines_per_node", "queue", "time_limit", "account", "profile",
+                     "interface", "master_addr")
+
+
 def start(n=None, backend=None, timeout=60.0, ns=None, quiet=False, master_port=None,
-          auto_restart=None) -> "Session":
+          auto_restart=None, spec=None, **where) -> "Session":
     """Start (or return the running) cluster and its process group.
 
     Parameters
@@ -80,6 +85,14 @@ def start(n=None, backend=None, timeout=60.0, ns=None, quiet=False, master_port=
         When an engine dies during a cell, start a fresh world of the same size at once
         (the cell still fails, naming the rank and how it died). Default off; None keeps
         the running session's setting.
+    spec : ClusterSpec, optional
+        Start exactly this (what ``restart`` does); the options above except ``ns``,
+        ``quiet`` and ``auto_restart`` are then ignored.
+    **where
+        Where engines run (:data:`PLACEMENT_OPTIONS`, see :class:`distnb.plan.ClusterSpec`):
+        ``launcher`` ("local", "mpi", "ssh", "slurm", ...: ipyparallel's launchers),
+        ``hosts`` (tuple of str), ``nodes``, ``engines_per_node``, ``queue``,
+        ``time_limit``, ``account``, ``profile``, ``interface``, ``master_addr``.
 
     Returns
     -------
@@ -96,7 +109,12 @@ def start(n=None, backend=None, timeout=60.0, ns=None, quiet=False, master_port=
     global _CURRENT
     if auto_restart is not None and not isinstance(auto_restart, bool):
         raise PlanError(f"auto_restart must be True or False, got {auto_restart!r}")
-    spec = default_spec(n, backend, timeout, master_port)  # bad options are errors, running cluster or not
+    unknown = set(where) - set(PLACEMENT_OPTIONS)
+    if unknown:
+        raise TypeError(f"start() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
+    auto_device = spec is None and backend is None
+    if spec is None:  # bad options are errors, running cluster or not
+        spec = default_spec(n, backend, timeout, master_port, **where)
     if _CURRENT is not None and _CURRENT.running:
         if auto_restart is not None and auto_restart != _CURRENT.auto_restart:
             _CURRENT.auto_restart = auto_restart
@@ -106,13 +124,17 @@ def start(n=None, backend=None, timeout=60.0, ns=None, quiet=False, master_port=
             print(f"distnb: a cluster of {_CURRENT.world_size} ranks is already running; keeping it "
                   "(%dist restart starts a fresh one)")
         return _CURRENT
-    cluster = Cluster(spec).start()
+    cluster = Cluster(spec, auto_device=auto_device).start()
     _CURRENT = Session(cluster, ns=ns)
     _CURRENT.auto_restart = bool(auto_restart)
     atexit.register(_stop_at_exit)
     if not quiet:
-        print(f"distnb: {_count(spec.num_engines, 'rank')} ready ({spec.backend}, {spec.device_type}, "
-              f"{spec.num_threads} threads/rank) in {cluster.start_seconds:.1f} s")
+        spec = cluster.spec
+        hosts = f" on {_count(cluster.num_nodes, 'host')}" if cluster.num_nodes > 1 else ""
+        threads = sorted({r.get("num_threads", spec.num_threads) for r in cluster.ranks})
+        print(f"distnb: {_count(spec.num_engines, 'rank')}{hosts} ready ({spec.backend}, {spec.device_type}, "
+              f"{'-'.join(map(str, threads[::max(1, len(threads) - 1)]))} threads/rank) in "
+              f"{cluster.start_seconds:.1f} s")
     return _CURRENT
 
 
@@ -167,7 +189,8 @@ class StatusTable(Table):
         ``host:port`` of the torch.distributed store (rank 0's).
     """
 
-    columns = ("rank", "engine_id", "host", "pid", "device", "backend", "threads", "alive")
+    columns = ("rank", "engine_id", "host", "node_rank", "local_rank", "pid", "device", "backend", "threads",
+               "alive")
 
 
 class TrainResult(Table):
@@ -290,7 +313,7 @@ class Session:
             rows.append(base)
         table = StatusTable(rows)
         table.controller_pid = self.cluster.pids["controller"]
-        table.store = f"{self.cluster.spec.master_addr}:{self.cluster.master_port}"
+        table.store = f"{self.cluster.master_addr}:{self.cluster.master_port}"
         table.title = (f"controller pid {table.controller_pid} · torch.distributed store {table.store} · "
                        f"auto restart {'on' if self.auto_restart else 'off'}")
         return table
@@ -325,8 +348,7 @@ class Session:
         auto = self.auto_restart
         chosen = dict(self._optimizer_of)
         self.stop(quiet=True)
-        new = start(n=spec.num_engines, backend=spec.backend, timeout=spec.timeout, ns=self._ns, quiet=quiet,
-                    master_port=spec.master_port, auto_restart=auto)
+        new = start(spec=spec, ns=self._ns, quiet=quiet, auto_restart=auto)
         new._optimizer_of.update(chosen)  # the optimizer the user chose for a model survives a restart
         return new
 

@@ -26,6 +26,10 @@ class _State:
     timeout = 60.0
     generation = 0  # bumps every time a process group is formed
     broken = False  # a collective failed; the group must be re-formed before use
+    interface = None  # --interface: the network interface rendezvous and gloo use
+    node_rank = 0
+    host = None  # how errors name this rank's host
+    user_env = frozenset()  # interface variables the user set in the engine's environment
 
 
 STATE = _State()
@@ -49,10 +53,7 @@ def _init_group(master_addr: str, master_port: int) -> None:
         import torch
 
         kwargs["device_id"] = torch.device("cuda", 0)
-    elif "GLOO_SOCKET_IFNAME" not in os.environ and _is_loopback(master_addr):
-        lo = _loopback_interface()  # gloo otherwise listens on whatever the hostname resolves to
-        if lo:
-            os.environ["GLOO_SOCKET_IFNAME"] = lo
+    _pin_interface(master_addr)
     timeout = datetime.timedelta(seconds=STATE.timeout)
     dist.init_process_group(
         STATE.backend,
@@ -66,7 +67,119 @@ def _init_group(master_addr: str, master_port: int) -> None:
     STATE.broken = False
 
 
-def _is_loopback(addr: str) -> bool:
+def _pin_interface(master_addr: str) -> None:
+    """Make gloo (and nccl's bootstrap) use the interface this host reaches ``master_addr`` over.
+
+    Without it gloo listens on whatever the hostname resolves to, which on one machine
+    is not loopback-only and on several hosts may be an address the others cannot reach.
+    ``--interface NAME`` (``STATE.interface``) wins; a variable the user set wins over both.
+    """
+    name = STATE.interface
+    if not name:
+        name = _loopback_interface() if is_loopback(master_addr) else interface_of(route_address(master_addr))
+    if name:
+        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if var not in STATE.user_env:
+                os.environ[var] = name
+
+
+def visible_gpus() -> list[str]:
+    """GPU ids this process may use, found without initialising CUDA (or importing torch).
+
+    ``CUDA_VISIBLE_DEVICES`` when set, else one entry per ``/proc/driver/nvidia/gpus/*``.
+    """
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g.strip() for g in env.split(",") if g.strip() and g.strip() != "-1"]
+    try:
+        return [str(i) for i in range(len(os.listdir("/proc/driver/nvidia/gpus")))]
+    except OSError:
+        return []
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` (an address of this machine) a moment ago."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def route_address(host: str) -> str | None:
+    """The local address this process uses to reach ``host`` (no packet is sent), or None."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(address)
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def interface_of(address: str | None) -> str | None:
+    """Name of the interface that holds ``address``, if any."""
+    if not address:
+        return None
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addrs):
+            return name
+    return None
+
+
+def ipv4_of(name: str) -> str | None:
+    """The IPv4 address of this host's interface ``name``, or None."""
+    import psutil
+
+    for a in psutil.net_if_addrs().get(name, ()):
+        if a.family == socket.AF_INET:
+            return a.address
+    return None
+
+
+def interface_address(name: str) -> str:
+    """:func:`ipv4_of`, or a RuntimeError naming this host and the interfaces it has."""
+    addr = ipv4_of(name)
+    if addr:
+        return addr
+    import psutil
+
+    have = ", ".join(f"{n} ({', '.join(a.address for a in v if a.family == socket.AF_INET) or 'no IPv4'})"
+                     for n, v in sorted(psutil.net_if_addrs().items()))
+    raise RuntimeError(f"--interface {name}: host {STATE.host or socket.gethostname()} has no IPv4 address on "
+                       f"{name}; its interfaces: {have}")
+
+
+def whereami(controller_ip: str) -> dict:
+    """Where this engine runs, before it becomes a rank (no torch import).
+
+    Returns
+    -------
+    dict
+        pid; host (hostname); address (the local address that reaches the controller,
+        which tells apart hosts that share a hostname); boot_id (Linux boot id); cores;
+        gpus (visible GPU ids); launch_rank, launch_local_rank (the rank MPI or Slurm gave
+        the process, if launched by one; else None).
+    """
+    env = os.environ
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot_id = f.read().strip()
+    except OSError:
+        boot_id = None
+    def first(*names):
+        for name in names:
+            if env.get(name, "").isdigit():
+                return int(env[name])
+        return None
+
+    return dict(pid=os.getpid(), host=socket.gethostname(), address=route_address(controller_ip),
+                boot_id=boot_id, cores=len(os.sched_getaffinity(0)), gpus=visible_gpus(),
+                launch_rank=first("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"),
+                launch_local_rank=first("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"))
+
+
+def is_loopback(addr: str) -> bool:
     import ipaddress
 
     try:
@@ -98,6 +211,7 @@ def _store(master_addr: str, master_port: int, timeout):
     import torch.distributed as dist
 
     if STATE.rank != 0:
+        _probe_rendezvous(master_addr, master_port, timeout.total_seconds())
         return dist.TCPStore(master_addr, master_port, STATE.world_size, False, timeout)
     family, kind, proto, _, address = socket.getaddrinfo(master_addr, master_port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
@@ -113,14 +227,43 @@ def _store(master_addr: str, master_port: int, timeout):
     return dist.TCPStore(master_addr, master_port, STATE.world_size, True, timeout, master_listen_fd=sock.detach())
 
 
+def _probe_rendezvous(master_addr: str, master_port: int, timeout: float) -> None:
+    """Connect to rank 0's store until it answers; an error naming this host, the address and the port.
+
+    torch's own client retries silently for the whole timeout and then names neither the host
+    that could not connect nor what to change.
+    """
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((master_addr, master_port), timeout=max(0.1, min(5.0, left))):
+                return
+        except OSError as exc:
+            last = exc
+        if time.monotonic() + 0.1 >= deadline:
+            break
+        time.sleep(0.1)
+    why = last.strerror if getattr(last, "strerror", None) else (str(last) or type(last).__name__)
+    raise RuntimeError(
+        f"rank {STATE.rank} on host {STATE.host} cannot reach the rendezvous at {master_addr}:{master_port} "
+        f"(rank 0's torch.distributed store) within {timeout:.0f} s: {why}. Check that {STATE.host} can reach "
+        f"{master_addr} on TCP port {master_port} (routes, firewall), or pick the network with "
+        "%dist start --interface NAME or --master-addr ADDR")
+
+
 def setup(ns: dict, rank: int, world_size: int, local_rank: int, backend: str, device_type: str,
           gpu: str | None, num_threads: int, master_addr: str, master_port: int,
-          timeout: float) -> dict:
+          timeout: float, node_rank: int = 0, host: str | None = None, interface: str | None = None) -> dict:
     """Make this engine rank ``rank``: env vars, device, threads, process group.
 
-    Sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (and for GPU engines
-    CUDA_VISIBLE_DEVICES=gpu, before torch is imported, so the engine sees one GPU),
-    defines ``rank``, ``world_size`` and ``device`` in the engine namespace ``ns``.
+    Sets RANK, WORLD_SIZE, LOCAL_RANK, NODE_RANK, MASTER_ADDR, MASTER_PORT (and for GPU
+    engines CUDA_VISIBLE_DEVICES=gpu, before torch is imported, so the engine sees one GPU),
+    GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME (``interface``, else the interface that reaches
+    ``master_addr``; unless set by the user), and defines ``rank``, ``world_size``,
+    ``local_rank``, ``node_rank`` and ``device`` in the engine namespace ``ns``. ``host``
+    names this rank's host in errors.
 
     Returns
     -------
@@ -128,8 +271,12 @@ def setup(ns: dict, rank: int, world_size: int, local_rank: int, backend: str, d
         rank, pid, host, device, backend, num_threads, seconds (float, set-up time).
     """
     t0 = time.perf_counter()
+    if STATE.rank is None:  # first set-up: what the user set stays theirs
+        STATE.user_env = frozenset(v for v in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if v in os.environ)
+    STATE.node_rank, STATE.interface = node_rank, interface
+    STATE.host = host or socket.gethostname()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
-                      OMP_NUM_THREADS=str(num_threads))
+                      NODE_RANK=str(node_rank), OMP_NUM_THREADS=str(num_threads))
     if device_type == "cuda" and gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
     import torch  # torch._dynamo (DDP needs it) loads meanwhile in the engine's preload thread, see warm_up()
@@ -148,7 +295,7 @@ def setup(ns: dict, rank: int, world_size: int, local_rank: int, backend: str, d
         preload = sys.modules.get("distnb.engine.ipengine")
         if preload is not None:
             preload.RESUME.set()
-    ns.update(rank=rank, world_size=world_size, local_rank=local_rank, device=STATE.device)
+    ns.update(rank=rank, world_size=world_size, local_rank=local_rank, node_rank=node_rank, device=STATE.device)
     return info(seconds=time.perf_counter() - t0)
 
 
@@ -214,7 +361,8 @@ def info(**extra) -> dict:
     """This rank's identity: rank, pid, host, device, backend, group generation."""
     import torch
 
-    out = dict(rank=STATE.rank, pid=os.getpid(), host=socket.gethostname(), device=str(STATE.device),
+    out = dict(rank=STATE.rank, pid=os.getpid(), host=STATE.host or socket.gethostname(), device=str(STATE.device),
+               local_rank=STATE.local_rank, node_rank=STATE.node_rank,
                backend=STATE.backend, generation=STATE.generation, broken=STATE.broken,
                num_threads=torch.get_num_threads())
     out.update(extra)
@@ -331,7 +479,13 @@ def run_cell(ns: dict, code: str):
 
 
 def shutdown() -> None:
-    """Destroy the process group and exit the engine process at once with status 0."""
+    """:func:`leave`, then exit the engine process at once with status 0."""
+    leave()
+    os._exit(0)
+
+
+def leave() -> None:
+    """Destroy the process group and drop weights the kernel never collected (the engine stays up)."""
     from . import wire
 
     wire.drop_outstanding()  # weights written for the kernel that it never collected
@@ -344,4 +498,3 @@ def shutdown() -> None:
         pass
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)

@@ -1,5 +1,5 @@
-"""Self-test of the multihost infrastructure: namespaces reachable by ssh, cut links, and
-ipyparallel's real SSH engine launcher starting one engine in each namespace.
+"""Self-test of the multihost infrastructure: namespaces reachable by ssh, cut links. distnb's own
+use of ipyparallel's SSH launcher over them is tested in test_ssh_hosts.py.
 
 What the launcher test established (ipyparallel 9.2, 2 hosts, this 2-core machine):
 
@@ -26,8 +26,6 @@ What the launcher test established (ipyparallel 9.2, 2 hosts, this 2-core machin
 
 from __future__ import annotations
 
-import json
-import os
 import socket
 import subprocess
 import sys
@@ -92,52 +90,3 @@ def test_cut_and_restore(test_hosts):
     finally:
         h.restore(1)
     assert h.ssh(1, "true", timeout=30).returncode == 0
-
-
-@pytest.mark.timeout(240)
-def test_ssh_engine_launcher_starts_an_engine_per_host(test_hosts, tmp_path):
-    """ipyparallel's SSHEngineSetLauncher puts engine i in host i; stop_cluster_sync removes them all."""
-    import ipyparallel as ipp
-    from traitlets.config import Config
-
-    h = test_hosts
-    c = Config()
-    c.SSHEngineSetLauncher.engines = {addr: 1 for addr in h.addresses}
-    c.SSHEngineSetLauncher.environment = {"IPYTHONDIR": os.environ["IPYTHONDIR"], "OMP_NUM_THREADS": "1"}
-    c.SSHLauncher.ssh_cmd = h.ssh_cmd
-    c.SSHLauncher.scp_cmd = h.scp_cmd
-    c.SSHLauncher.remote_python = sys.executable
-    cluster = ipp.Cluster(engine_launcher_class="ssh", controller_ip=h.bridge_address, n=h.n,
-                          profile_dir=str(tmp_path / "profile"), config=c)
-    rc = None
-    try:
-        t0 = time.monotonic()
-        rc = cluster.start_and_connect_sync(activate=False)
-        rc.wait_for_engines(h.n, timeout=90)
-        started = time.monotonic() - t0
-
-        # a stdlib function (pickled by reference): the engines cannot import this test module
-        seen = [out.split("\n", 1) for out in
-                rc[:].apply_sync(subprocess.check_output, ["sh", "-c", "hostname; ip -4 -o addr"], text=True)]
-        assert sorted(name for name, _ in seen) == sorted(h.namespaces)
-        for name, addrs in seen:
-            assert f"inet {h.addresses[h.namespaces.index(name)]}/24" in addrs
-        # the scp of the connection files onto themselves left them whole
-        security = tmp_path / "profile" / "security"
-        for f in security.glob("ipcontroller-*.json"):
-            assert "key" in json.loads(f.read_text())
-        # the controller listens on the bridge address only
-        listening = subprocess.run(["ss", "-Hltn"], capture_output=True, text=True).stdout
-        assert f"{h.bridge_address}:" in listening
-        rc.close()
-        rc = None
-        t0 = time.monotonic()
-        cluster.stop_cluster_sync()
-        stopped = time.monotonic() - t0
-    finally:
-        if rc is not None:
-            rc.close()
-        if cluster.controller is not None or cluster.engines:
-            cluster.stop_cluster_sync()
-    assert _wait_only_sshd_left(h) == {}
-    print(f"\nssh launcher: {h.n} engines up in {started:.1f} s, cluster stopped in {stopped:.1f} s")

@@ -1,0 +1,256 @@
+"""Where engines run: ipyparallel's launcher settings, the controller's address, rank order over hosts.
+
+distnb writes no launcher of its own: ``%dist start --launcher local|mpi|ssh|slurm|...``
+picks one of ipyparallel's engine launchers (``ipyparallel.cluster.launcher``) and this
+module only fills in its settings (traitlets config), which a user's ``--profile`` can
+override key by key. Local engines keep distnb's own fast local launcher
+(:mod:`distnb.cluster`).
+
+Ranks are assigned deterministically across hosts (:func:`assign_ranks`): by the rank MPI
+or Slurm gave each process when they launched it, else host by host in ``--hosts`` order
+(then by address) and by engine id within a host. ``node_rank`` numbers the hosts and
+``local_rank`` the engines on one host; a GPU host gives local rank ``i`` its ``i``-th GPU.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+import sys
+
+from traitlets.config import Config
+
+from .engine.runtime import ipv4_of as interface_address, route_address
+from .errors import ClusterError, PlanError
+from .plan import BATCH_LAUNCHERS
+
+#: Launchers whose engines run on other hosts (ssh even to this host: its engines reach the
+#: controller over the network).
+REMOTE_LAUNCHERS = frozenset(("ssh", "sshproxy", "winhpc", "batch") + BATCH_LAUNCHERS)
+#: OpenMPI refuses to start as root without both of these (containers and CI run as root).
+OPENMPI_ROOT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+ENGINE_MODULE = "distnb.engine.ipengine"
+
+
+def engine_command(python: str | None = None) -> list:
+    """distnb's engine entry point (ipyparallel's engine plus the torch preload)."""
+    return [python or sys.executable, "-m", ENGINE_MODULE]
+
+
+def profile_config(profile: str | None) -> tuple[dict, Config]:
+    """``ipp.Cluster`` keyword arguments naming the profile, and the config its ipcluster_config.py sets.
+
+    ``profile`` is a profile name (in the IPython directory) or a profile directory.
+    """
+    if profile is None:
+        return {}, Config()
+    import ipyparallel as ipp
+
+    kwargs = {"profile_dir": os.path.abspath(profile)} if os.sep in profile or os.path.isdir(profile) \
+        else {"profile": profile}
+    probe = ipp.Cluster(**kwargs, log=logging.getLogger("distnb.ipyparallel"))
+    if not os.path.isdir(probe.profile_dir):
+        raise PlanError(f"--profile {profile}: no ipyparallel profile at {probe.profile_dir}; create it with "
+                        f"`ipython profile create --parallel {profile}` or pass a profile directory")
+    return kwargs, probe.profile_config
+
+
+def launcher_name(spec, config: Config) -> str:
+    """The engine launcher in use: ``--launcher``, else the profile's, else ``local``."""
+    if spec.launcher is not None:
+        return spec.launcher
+    cls = config.get("Cluster", {}).get("engine_launcher_class", "local")
+    name = cls if isinstance(cls, str) else getattr(cls, "__name__", "local")
+    name = name.rsplit(".", 1)[-1].lower()
+    for suffix in ("enginesetlauncher", "launcher"):
+        if name.endswith(suffix) and name != suffix:
+            name = name[: -len(suffix)]
+    return name
+
+
+def engines_remote(launcher: str | None, hosts=()) -> bool:
+    """Whether engines may run on other hosts (the controller then listens on the network).
+
+    None (the launcher a profile sets, not known yet) counts as remote.
+    """
+    return launcher is None or launcher in REMOTE_LAUNCHERS or (launcher == "mpi" and bool(hosts))
+
+
+def hostname_of(host: str) -> str:
+    """``host`` of ``[user@]host[:port]``."""
+    host = host.rsplit("@", 1)[-1]
+    if host.startswith("["):  # [v6]:port
+        return host[1: host.index("]")]
+    return host.split(":", 1)[0] if host.count(":") == 1 else host
+
+
+def local_addresses() -> set:
+    """Every address of this host's interfaces."""
+    import psutil
+
+    return {a.address for addrs in psutil.net_if_addrs().values() for a in addrs}
+
+
+def controller_ip(spec, remote: bool) -> str:
+    """Where the controller listens: 127.0.0.1 for local engines, else an address the hosts can reach.
+
+    In order: the address of ``--interface`` on this host; this host's address on the route
+    to the first of ``--hosts``; on the default route; of its hostname. Raises ClusterError
+    when only loopback is found.
+    """
+    if not remote:
+        return "127.0.0.1"
+    if spec.interface:
+        addr = interface_address(spec.interface)
+        if addr:
+            return addr
+    candidates = [route_address(hostname_of(h)) for h in spec.hosts[:1]]
+    candidates += [route_address("192.0.2.1")]  # TEST-NET-1: only the default route is looked up
+    try:
+        candidates.append(socket.gethostbyname(socket.gethostname()))
+    except OSError:
+        pass
+    for addr in candidates:
+        if addr and not ipaddress.ip_address(addr).is_loopback:
+            return addr
+    raise ClusterError("engines on other hosts need an address of this host that they can reach, and only "
+                       "loopback was found; name the network with %dist start --interface NAME")
+
+
+def engines_per_host(spec) -> int:
+    hosts = len(spec.hosts) or spec.nodes or 1
+    return spec.engines_per_node or -(-spec.num_engines // hosts)
+
+
+def launcher_config(spec, launcher: str, profile: Config, env: dict) -> Config:
+    """traitlets config for ipyparallel's ``launcher``: distnb's engine command, environment, placement.
+
+    A key the user's profile sets is left to the profile, except where an option given on
+    the command line sets it (``--hosts``, ``--queue``, ...).
+    """
+    c = Config()
+
+    def default(section, key, value):
+        if key not in profile.get(section, {}):
+            c[section][key] = value
+
+    env = dict(env)
+    if launcher != "mpi" and os.environ.get("IPYTHONDIR"):  # remote shells start with their login environment
+        env.setdefault("IPYTHONDIR", os.environ["IPYTHONDIR"])
+    default("EngineLauncher", "environment", env)
+    # the nanny process forwards signals (the interrupt) to engines on other hosts and reports their exit
+    default("EngineLauncher", "engine_args", ["--HistoryManager.enabled=False"])
+    per_host = engines_per_host(spec)
+    if launcher == "ssh":
+        python = profile.get("SSHLauncher", {}).get("remote_python") or sys.executable
+        default("SSHLauncher", "remote_python", python)
+        default("SSHEngineSetLauncher", "engine_cmd", engine_command(python))
+        default("SSHEngineLauncher", "engine_cmd", engine_command(python))
+        if spec.hosts:
+            c.SSHEngineSetLauncher.engines = {h: per_host for h in spec.hosts}
+    elif launcher == "mpi":
+        default("MPIEngineSetLauncher", "engine_cmd", engine_command())
+        args = list(profile.get("MPIEngineSetLauncher", {}).get("mpi_args", mpi_default_args()))
+        if spec.hosts:
+            args += ["--host", ",".join(f"{hostname_of(h)}:{per_host}" for h in spec.hosts)]
+        c.MPIEngineSetLauncher.mpi_args = args
+        if os.geteuid() == 0:
+            c.EngineLauncher.environment = {**OPENMPI_ROOT_ENV, **c.EngineLauncher.get("environment", env)}
+    elif launcher in BATCH_LAUNCHERS:
+        section = launcher.capitalize() if launcher != "htcondor" else "HTCondor"
+        section = {"pbs": "PBS", "sge": "SGE", "lsf": "LSF"}.get(launcher, section) + "EngineSetLauncher"
+        default(section, "engine_cmd", engine_command())
+        if spec.queue:
+            c[section].queue = spec.queue
+        if launcher == "slurm":
+            if spec.time_limit:
+                c[section].timelimit = spec.time_limit
+            if spec.account:
+                c[section].account = spec.account
+            if spec.nodes:
+                extra = profile.get(section, {}).get("options", "")
+                c[section].options = f"{extra} --nodes={spec.nodes} --ntasks-per-node={per_host}".strip()
+        elif spec.time_limit or spec.account or spec.nodes:
+            raise PlanError(f"--time, --account and --nodes are passed to slurm only; for --launcher {launcher} "
+                            f"set them in the batch template of an ipyparallel profile ({section}.batch_template) "
+                            "and use --profile NAME")
+    return c
+
+
+def mpi_default_args() -> list:
+    """mpiexec options: more engines than cores is allowed (engines mostly wait), no binding to one core.
+
+    Binding would pin every engine's torch threads to a single core.
+    """
+    return ["--oversubscribe", "--bind-to", "none"]
+
+
+def assign_ranks(where: dict, hosts: tuple = ()) -> list[dict]:
+    """Rank order for the engines described by ``where`` ({engine_id: :func:`runtime.whereami` dict}).
+
+    Returns one dict per rank (rank order) with engine_id, node_rank, local_rank, node (a
+    label for the host: its hostname, or its address when hostnames repeat) and local (True
+    when the engine runs on this machine, so its pid can be signalled and watched here).
+    """
+    def node_key(info):
+        return (info["host"], info["address"])
+
+    nodes = {}
+    for eid, info in where.items():
+        nodes.setdefault(node_key(info), []).append(eid)
+    launch = [info.get("launch_rank") for info in where.values()]
+    by_launch = None not in launch and sorted(launch) == list(range(len(launch)))
+    if by_launch:  # mpiexec / srun numbered the processes: that is the rank
+        order = sorted(where, key=lambda e: where[e]["launch_rank"])
+        node_order = []
+        for eid in order:
+            if node_key(where[eid]) not in node_order:
+                node_order.append(node_key(where[eid]))
+    else:
+        wanted = [hostname_of(h) for h in hosts]
+        resolved = {}
+        for h in wanted:
+            try:
+                resolved[socket.gethostbyname(h)] = h
+            except OSError:
+                pass
+
+        def position(key):
+            host, address = key
+            for i, h in enumerate(wanted):
+                if h in (host, address) or resolved.get(address) == h:
+                    return i
+            return len(wanted)
+
+        node_order = sorted(nodes, key=lambda k: (position(k), k[0], _addr_key(k[1])))
+        order = [eid for key in node_order for eid in sorted(nodes[key])]
+    hostnames = [k[0] for k in node_order]
+    unique = len(set(hostnames)) == len(hostnames)
+    mine = local_addresses() | {"127.0.0.1", "::1"}
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot_id = f.read().strip()
+    except OSError:
+        boot_id = None
+    seen = {}
+    out = []
+    for eid in order:
+        info = where[eid]
+        key = node_key(info)
+        local_rank = seen.get(key, 0)
+        seen[key] = local_rank + 1
+        if by_launch and info.get("launch_local_rank") is not None:
+            local_rank = info["launch_local_rank"]
+        out.append(dict(engine_id=eid, node_rank=node_order.index(key), local_rank=local_rank,
+                        node=key[0] if unique else (key[1] or key[0]),
+                        local=info.get("boot_id") == boot_id and info["address"] in mine))
+    return out
+
+
+def _addr_key(address):
+    try:
+        return (0, int(ipaddress.ip_address(address)))
+    except (ValueError, TypeError):
+        return (1, str(address))

@@ -1,0 +1,150 @@
+"""Training across hosts: engines in network namespaces, started by ipyparallel's SSH launcher.
+
+The kernel and the controller stay in the root namespace; each test host (hosts.py) is a
+network namespace with its own address, hostname and a real sshd. ``%dist start --launcher
+ssh --hosts ... --profile P`` starts one engine per host through ssh (the profile only tells
+ipyparallel which ssh client configuration to use), and the ranks rendezvous over the bridge.
+"""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distnb import session
+from distnb.engine import shard
+from distnb.errors import ClusterError, RankError
+
+pytestmark = pytest.mark.timeout(240)
+BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
+
+
+@pytest.fixture(scope="module")
+def ssh_profile(test_hosts, tmp_path_factory):
+    """An ipyparallel profile directory whose ipcluster_config.py points ssh at the test hosts' client config."""
+    folder = tmp_path_factory.mktemp("profile_multihost")
+    (folder / "ipcluster_config.py").write_text(
+        f"c.SSHLauncher.ssh_cmd = {test_hosts.ssh_cmd!r}\nc.SSHLauncher.scp_cmd = {test_hosts.scp_cmd!r}\n")
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def own_shell():
+    """A real IPython shell whose %dist is free: the suite's shared cluster (if any) is set aside."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
+
+    saved = session._CURRENT
+    session._CURRENT = None
+    config = Config()
+    config.HistoryManager.enabled = False
+    sh = InteractiveShell.instance(config=config)
+    sh.run_line_magic("load_ext", "distnb")
+    try:
+        yield sh
+    finally:
+        if session._CURRENT is not None:
+            session._CURRENT.stop(quiet=True)
+        session._CURRENT = saved
+
+
+@pytest.fixture(scope="module")
+def two_hosts(test_hosts, ssh_profile, own_shell):
+    """``%dist start`` over the two test hosts; the running session."""
+    hosts = ",".join(test_hosts.addresses)
+    own_shell.run_line_magic("dist", f"start --launcher ssh --hosts {hosts} --profile {ssh_profile} --timeout 20")
+    assert session._CURRENT is not None
+    yield session._CURRENT
+    if session._CURRENT is not None:
+        session._CURRENT.stop(quiet=True)
+
+
+def _digits():
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    return torch.utils.data.TensorDataset(torch.tensor(x[:600], dtype=torch.float32) / 16, torch.tensor(y[:600]))
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def test_ranks_are_placed_one_per_host(test_hosts, two_hosts):
+    cluster = two_hosts.cluster
+    table = two_hosts.status()
+    assert [r["alive"] for r in table.rows] == [True, True]
+    assert [r["node_rank"] for r in table.rows] == [0, 1]  # --hosts order
+    assert [r["local_rank"] for r in table.rows] == [0, 0]
+    assert [r["host"] for r in table.rows] == test_hosts.namespaces  # each namespace has its own hostname
+    # the rendezvous is rank 0's address on the bridge, never loopback
+    assert cluster.master_addr == test_hosts.addresses[0]
+    assert table.store.startswith(test_hosts.addresses[0] + ":")
+    # the controller listens on the bridge address only (engines are remote)
+    listening = {c.laddr.ip for c in psutil.Process(cluster.pids["controller"]).net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN}
+    assert listening == {test_hosts.bridge_address}
+    # each rank's gloo traffic goes over its host's bridge link
+    two_hosts.run("import os\n_ifname = os.environ['GLOO_SOCKET_IFNAME']")
+    assert two_hosts.pull("_ifname") == ["eth0", "eth0"]
+
+
+def test_training_across_hosts_matches_one_process(own_shell, two_hosts):
+    ns = own_shell.user_ns
+    ns["mh_model"], ns["mh_data"], ns["F"] = _mlp(), _digits(), F
+    ref = _mlp()
+    result = two_hosts.train(BODY, model="mh_model", data="mh_data", epochs=2, batch_size=32, optimizer="adam",
+                             lr=0.01, seed=3, progress="none", quiet=True)
+    assert [r["steps"] for r in result.rows] == [20, 20]  # ceil(300 / 32) = 10 steps per epoch
+    x, y = ns["mh_data"].tensors
+    opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    for epoch in range(2):
+        for idx in shard.global_batches(len(x), 2, 3, epoch, 32, False):
+            opt.zero_grad()
+            F.cross_entropy(ref(x[idx]), y[idx]).backward()
+            opt.step()
+    for p_dist, p_ref in zip(ns["mh_model"].parameters(), ref.parameters()):
+        torch.testing.assert_close(p_dist, p_ref, atol=1e-5, rtol=1e-5)
+    accuracy = (ns["mh_model"](x).argmax(1) == y).float().mean().item()
+    assert accuracy > 0.85
+
+
+def test_rank_error_on_one_host_leaves_the_cluster_usable(own_shell, two_hosts):
+    with pytest.raises(RankError) as info:
+        two_hosts.run("if rank == 1:\n    raise ValueError('bad shard')\n")
+    assert info.value.rank == 1 and "bad shard" in str(info.value)
+    two_hosts.run("import torch, torch.distributed as dist\n_t = torch.ones(1) * (rank + 1)\ndist.all_reduce(_t)")
+    assert [t.item() for t in two_hosts.pull("_t")] == [3.0, 3.0]
+
+
+def test_host_that_cannot_reach_the_rendezvous_is_named(test_hosts, ssh_profile, own_shell, two_hosts):
+    """h2 loses its route to h1 (rank 0) but still reaches the controller: the error names h2, the address, the port."""
+    two_hosts.stop(quiet=True)
+    rank0 = test_hosts.addresses[0]
+    test_hosts.run(1, ["ip", "route", "add", "prohibit", f"{rank0}/32"], check=True)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ClusterError) as info:
+            session.start(launcher="ssh", hosts=tuple(test_hosts.addresses), profile=ssh_profile, timeout=8,
+                          quiet=True)
+        took = time.monotonic() - t0
+    finally:
+        test_hosts.run(1, ["ip", "route", "del", "prohibit", f"{rank0}/32"], check=True)
+    text = str(info.value)
+    assert f"on host {test_hosts.namespaces[1]} cannot reach the rendezvous at {rank0}:" in text, text
+    assert "--interface" in text
+    assert session._CURRENT is None
+    assert took < 8 + 60, took  # the rendezvous timeout, not a hang
+
+
+def test_loopback_interface_across_hosts_is_refused(test_hosts, ssh_profile, own_shell):
+    with pytest.raises(ClusterError, match="--interface lo is loopback"):
+        session.start(launcher="ssh", hosts=tuple(test_hosts.addresses), profile=ssh_profile, timeout=8,
+                      interface="lo", quiet=True)
+    assert session._CURRENT is None
