@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/jupyter kernelspec install --sys-prefix --name distnb jupyter-config/kernels/distnb >/dev/null
 	touch $@
 
-.PHONY: install demo test bench chromium
+.PHONY: install demo test bench chromium multihost
 install: $(VENV)/.installed
 
 # The browser test (tests/browser) drives Debian's Chromium through playwright (pip, in the test
@@ -25,10 +25,15 @@ chromium:
 	  { $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
 	  || echo "warning: could not install chromium; the browser test will be skipped"; }
 
+# tests/multihost: sshd and iproute2 (test hosts in network namespaces) and Open MPI (the MPI launcher
+# test), installed with apt when missing (needs root or sudo; without them those tests skip).
+multihost:
+	@sh .ci/install-multihost.sh
+
 demo: $(VENV)/.installed
 	$(PY) -m distnb.demo
 
-test: $(VENV)/.installed chromium
+test: $(VENV)/.installed chromium multihost
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # Benchmark-only extra (Accelerate, the launcher reference), installed with the pinned torch so pip keeps it.

@@ -5,7 +5,7 @@
 set -u
 need=""
 have() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
-for pkg in openssh-server openssh-client iproute2 openmpi-bin libopenmpi-dev; do
+for pkg in openssh-server openssh-client iproute2 openmpi-bin; do
     have "$pkg" || need="$need $pkg"
 done
 [ -z "$need" ] && exit 0

@@ -269,6 +269,7 @@ class Cluster:
         profile_kwargs, profile = placement.profile_config(spec.profile)
         self.launcher = placement.launcher_name(spec, profile)
         self.remote = placement.engines_remote(self.launcher, spec.hosts)
+        placement.check_launcher_tools(self.launcher)
         if self.remote and spec.interface and is_loopback(placement.interface_address(spec.interface) or "x"):
             raise ClusterError(f"--interface {spec.interface} is loopback: engines on other hosts can reach neither "
                                "the controller nor rank 0 over it; name the network the hosts share (e.g. eth0)")
@@ -318,11 +319,17 @@ class Cluster:
     def _wait_for_engines(self, timeout: float) -> None:
         """Wait until every engine has registered; else a ClusterError naming the hosts that are missing."""
         n = self.spec.num_engines
-        try:
-            self.client.wait_for_engines(n, timeout=timeout, interactive=False)
-            return
-        except TimeoutError:
-            pass
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.client.wait_for_engines(n, timeout=min(1.0, max(0.0, deadline - time.monotonic())),
+                                             interactive=False)
+                return
+            except TimeoutError:
+                pass
+            self._check_launcher_alive()
+            if time.monotonic() >= deadline:
+                break
         got = sorted(self.client.ids)
         where = self._whereami(got) if got else {}
         seen = {info["address"] for info in where.values()} | {info["host"] for info in where.values()}
@@ -333,6 +340,28 @@ class Cluster:
             f"only {len(got)} of {n} engines registered with the controller at {url} within {timeout:.0f} s"
             f"{hosts}. Check that every host can reach {self.controller_ip} (routes, firewall) and start engines "
             f"({self.launcher} launcher); on several networks pick one with %dist start --interface NAME")
+
+    def _launcher_processes(self) -> list:
+        """The launcher processes of the engine sets that are one process (mpiexec), as psutil.Process."""
+        out = []
+        for engine_set in self._ipp.engines.values():
+            proc = getattr(engine_set, "process", None)
+            if self.launcher == "mpi" and isinstance(proc, psutil.Process):
+                out.append((engine_set, proc))
+        return out
+
+    def _check_launcher_alive(self) -> None:
+        """A launcher (mpiexec) that exited before its engines registered: ClusterError with what it printed."""
+        for engine_set, proc in self._launcher_processes():
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                continue
+            try:
+                output = engine_set.get_output() or ""
+            except Exception:
+                output = ""
+            lines = [line for line in output.strip().splitlines() if line.strip() and not line.startswith("---")]
+            raise ClusterError(f"{self.launcher} launcher exited before the engines registered"
+                               + (":\n" + "\n".join(lines[-12:]) if lines else ""))
 
     def _registration_port(self):
         try:
@@ -428,6 +457,7 @@ class Cluster:
         pids = [p for p in [self.pids["controller"], *(r["pid"] for r in self.ranks if r.get("local", True))] if p]
         for engine_set in self._ipp.engines.values():
             pids += [l.pid for l in getattr(engine_set, "launchers", {}).values() if getattr(l, "pid", None)]
+        pids += [proc.pid for _, proc in self._launcher_processes()]
         pids += self._controller_children()
         self.family = sorted(set(pids))  # everything we started, even what a dead controller leaves behind
         self.reaper = spawn(self.family)

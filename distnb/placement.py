@@ -140,8 +140,10 @@ def launcher_config(spec, launcher: str, profile: Config, env: dict) -> Config:
     if launcher != "mpi" and os.environ.get("IPYTHONDIR"):  # remote shells start with their login environment
         env.setdefault("IPYTHONDIR", os.environ["IPYTHONDIR"])
     default("EngineLauncher", "environment", env)
-    # the nanny process forwards signals (the interrupt) to engines on other hosts and reports their exit
-    default("EngineLauncher", "engine_args", ["--HistoryManager.enabled=False"])
+    # on other hosts the nanny process forwards signals (the interrupt) to the engine and reports its exit;
+    # engines on this host are signalled by pid and need none
+    nanny = [] if engines_remote(launcher, spec.hosts) else ["--IPEngine.enable_nanny=False"]
+    default("EngineLauncher", "engine_args", nanny + ["--HistoryManager.enabled=False"])
     per_host = engines_per_host(spec)
     if launcher == "ssh":
         python = profile.get("SSHLauncher", {}).get("remote_python") or sys.executable
@@ -155,6 +157,8 @@ def launcher_config(spec, launcher: str, profile: Config, env: dict) -> Config:
         args = list(profile.get("MPIEngineSetLauncher", {}).get("mpi_args", mpi_default_args()))
         if spec.hosts:
             args += ["--host", ",".join(f"{hostname_of(h)}:{per_host}" for h in spec.hosts)]
+            for name in [*env, "IPP_CONNECTION_INFO", "IPP_CLUSTER_ID", "IPP_PROFILE_DIR"]:
+                args += ["-x", name]  # Open MPI forwards only what -x names to other hosts
         c.MPIEngineSetLauncher.mpi_args = args
         if os.geteuid() == 0:
             c.EngineLauncher.environment = {**OPENMPI_ROOT_ENV, **c.EngineLauncher.get("environment", env)}
@@ -180,11 +184,32 @@ def launcher_config(spec, launcher: str, profile: Config, env: dict) -> Config:
 
 
 def mpi_default_args() -> list:
-    """mpiexec options: more engines than cores is allowed (engines mostly wait), no binding to one core.
+    """Open MPI mpiexec options for engines.
 
-    Binding would pin every engine's torch threads to a single core.
+    ``--oversubscribe``: more engines than cores is allowed (engines mostly wait).
+    ``--bind-to none``: otherwise, with 2 ranks or fewer, each rank's torch threads are pinned
+    to one core. ``--enable-recovery``: one engine that dies (or is shut down) does not make
+    mpiexec abort every other rank, so a lost engine is reported as for any launcher.
     """
-    return ["--oversubscribe", "--bind-to", "none"]
+    return ["--oversubscribe", "--bind-to", "none", "--enable-recovery"]
+
+
+def check_launcher_tools(launcher: str) -> None:
+    """PlanError naming what is missing for ``launcher`` on this machine (mpiexec and mpi4py for mpi)."""
+    import importlib.util
+    import shutil
+
+    if launcher == "mpi":
+        if shutil.which("mpiexec") is None:
+            raise PlanError("--launcher mpi needs mpiexec on PATH (Debian/Ubuntu: apt install openmpi-bin)")
+        if importlib.util.find_spec("mpi4py") is None:
+            raise PlanError("--launcher mpi needs mpi4py in this environment (pip install mpi4py), which the "
+                            "engines use to join MPI")
+    elif launcher in ("slurm", "pbs", "sge", "lsf", "htcondor"):
+        submit = {"slurm": "sbatch", "pbs": "qsub", "sge": "qsub", "lsf": "bsub", "htcondor": "condor_submit"}
+        if shutil.which(submit[launcher]) is None:
+            raise PlanError(f"--launcher {launcher} needs {submit[launcher]} on PATH (run the kernel on a login "
+                            "node of the cluster)")
 
 
 def assign_ranks(where: dict, hosts: tuple = ()) -> list[dict]:

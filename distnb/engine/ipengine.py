@@ -106,6 +106,13 @@ def main() -> None:
         threading.Thread(target=_preload, args=(level,), name="distnb-preload", daemon=True).start()
     else:
         PRELOADED.set()
+    if "--mpi" in sys.argv:  # started by mpiexec: an engine shut down alone must not wait in MPI_Finalize
+        try:                  # for every other rank (ipyparallel's --mpi joins MPI through mpi4py)
+            import mpi4py
+
+            mpi4py.rc.finalize = False
+        except ImportError:
+            pass
     wait_for_connection_file(connection_file())
     TIMES["connection_file"] = time.time()
     sys.argv[0] = "ipengine"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from distnb import session
+
 from .hosts import TestHosts
 
 
@@ -23,3 +25,23 @@ def test_hosts(request):
         yield hosts.start()
     finally:
         hosts.stop()
+
+
+@pytest.fixture(scope="module")
+def own_shell():
+    """A real IPython shell whose %dist is free: the suite's shared cluster (if any) is set aside."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
+
+    saved = session._CURRENT
+    session._CURRENT = None
+    config = Config()
+    config.HistoryManager.enabled = False
+    sh = InteractiveShell.instance(config=config)
+    sh.run_line_magic("load_ext", "distnb")
+    try:
+        yield sh
+    finally:
+        if session._CURRENT is not None:
+            session._CURRENT.stop(quiet=True)
+        session._CURRENT = saved

@@ -12,16 +12,13 @@ import time
 
 import psutil
 import pytest
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from distnb import session
-from distnb.engine import shard
 from distnb.errors import ClusterError, RankError
 
+from .parity import train_and_check_parity
+
 pytestmark = pytest.mark.timeout(240)
-BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
 
 
 @pytest.fixture(scope="module")
@@ -34,26 +31,6 @@ def ssh_profile(test_hosts, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def own_shell():
-    """A real IPython shell whose %dist is free: the suite's shared cluster (if any) is set aside."""
-    from IPython.core.interactiveshell import InteractiveShell
-    from traitlets.config import Config
-
-    saved = session._CURRENT
-    session._CURRENT = None
-    config = Config()
-    config.HistoryManager.enabled = False
-    sh = InteractiveShell.instance(config=config)
-    sh.run_line_magic("load_ext", "distnb")
-    try:
-        yield sh
-    finally:
-        if session._CURRENT is not None:
-            session._CURRENT.stop(quiet=True)
-        session._CURRENT = saved
-
-
-@pytest.fixture(scope="module")
 def two_hosts(test_hosts, ssh_profile, own_shell):
     """``%dist start`` over the two test hosts; the running session."""
     hosts = ",".join(test_hosts.addresses)
@@ -62,18 +39,6 @@ def two_hosts(test_hosts, ssh_profile, own_shell):
     yield session._CURRENT
     if session._CURRENT is not None:
         session._CURRENT.stop(quiet=True)
-
-
-def _digits():
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    return torch.utils.data.TensorDataset(torch.tensor(x[:600], dtype=torch.float32) / 16, torch.tensor(y[:600]))
-
-
-def _mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
 
 
 def test_ranks_are_placed_one_per_host(test_hosts, two_hosts):
@@ -96,23 +61,7 @@ def test_ranks_are_placed_one_per_host(test_hosts, two_hosts):
 
 
 def test_training_across_hosts_matches_one_process(own_shell, two_hosts):
-    ns = own_shell.user_ns
-    ns["mh_model"], ns["mh_data"], ns["F"] = _mlp(), _digits(), F
-    ref = _mlp()
-    result = two_hosts.train(BODY, model="mh_model", data="mh_data", epochs=2, batch_size=32, optimizer="adam",
-                             lr=0.01, seed=3, progress="none", quiet=True)
-    assert [r["steps"] for r in result.rows] == [20, 20]  # ceil(300 / 32) = 10 steps per epoch
-    x, y = ns["mh_data"].tensors
-    opt = torch.optim.Adam(ref.parameters(), lr=0.01)
-    for epoch in range(2):
-        for idx in shard.global_batches(len(x), 2, 3, epoch, 32, False):
-            opt.zero_grad()
-            F.cross_entropy(ref(x[idx]), y[idx]).backward()
-            opt.step()
-    for p_dist, p_ref in zip(ns["mh_model"].parameters(), ref.parameters()):
-        torch.testing.assert_close(p_dist, p_ref, atol=1e-5, rtol=1e-5)
-    accuracy = (ns["mh_model"](x).argmax(1) == y).float().mean().item()
-    assert accuracy > 0.85
+    train_and_check_parity(own_shell.user_ns, two_hosts, "mh")
 
 
 def test_rank_error_on_one_host_leaves_the_cluster_usable(own_shell, two_hosts):
@@ -123,9 +72,29 @@ def test_rank_error_on_one_host_leaves_the_cluster_usable(own_shell, two_hosts):
     assert [t.item() for t in two_hosts.pull("_t")] == [3.0, 3.0]
 
 
+def test_lost_host_is_reported_by_name_and_restart_recovers(test_hosts, own_shell, two_hosts):
+    """h2's link goes down under a live cluster: the cell fails naming rank 1 and its host; then restart."""
+    test_hosts.cut(1)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RankError) as info:
+            two_hosts.run("import torch, torch.distributed as dist\n_t = torch.ones(1)\ndist.all_reduce(_t)")
+        took = time.monotonic() - t0
+        text = str(info.value)
+        assert info.value.rank == 1 and test_hosts.namespaces[1] in text and "heartbeat" in text, text
+        assert took < two_hosts.cluster.spec.timeout + 30, took
+        assert [r["alive"] for r in two_hosts.status().rows] == [True, False]
+    finally:
+        test_hosts.restore(1)
+    fresh = two_hosts.restart(quiet=True)
+    fresh.run("import torch, torch.distributed as dist\n_t = torch.ones(1) * (rank + 1)\ndist.all_reduce(_t)")
+    assert [t.item() for t in fresh.pull("_t")] == [3.0, 3.0]
+
+
 def test_host_that_cannot_reach_the_rendezvous_is_named(test_hosts, ssh_profile, own_shell, two_hosts):
     """h2 loses its route to h1 (rank 0) but still reaches the controller: the error names h2, the address, the port."""
-    two_hosts.stop(quiet=True)
+    if session._CURRENT is not None:
+        session._CURRENT.stop(quiet=True)
     rank0 = test_hosts.addresses[0]
     test_hosts.run(1, ["ip", "route", "add", "prohibit", f"{rank0}/32"], check=True)
     try:
