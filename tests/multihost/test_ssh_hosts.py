@@ -8,6 +8,9 @@ ipyparallel which ssh client configuration to use), and the ranks rendezvous ove
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 
 import psutil
@@ -68,6 +71,21 @@ def test_rank_error_on_one_host_leaves_the_cluster_usable(own_shell, two_hosts):
     with pytest.raises(RankError) as info:
         two_hosts.run("if rank == 1:\n    raise ValueError('bad shard')\n")
     assert info.value.rank == 1 and "bad shard" in str(info.value)
+    two_hosts.run("import torch, torch.distributed as dist\n_t = torch.ones(1) * (rank + 1)\ndist.all_reduce(_t)")
+    assert [t.item() for t in two_hosts.pull("_t")] == [3.0, 3.0]
+
+
+def test_interrupt_reaches_ranks_on_other_hosts(own_shell, two_hosts):
+    """The kernel's interrupt reaches each remote engine through its ipyparallel nanny (no pid to signal here)."""
+    timer = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT))
+    t0 = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            two_hosts.run("import time\nfor _ in range(600):\n    time.sleep(0.1)\n")
+    finally:
+        timer.cancel()
+    assert time.monotonic() - t0 < 2.0 + 10.0
     two_hosts.run("import torch, torch.distributed as dist\n_t = torch.ones(1) * (rank + 1)\ndist.all_reduce(_t)")
     assert [t.item() for t in two_hosts.pull("_t")] == [3.0, 3.0]
 
