@@ -6,9 +6,11 @@ FIELD-NOTES pitfall 2). Engines are ranked by ascending engine id. Each engine g
 its rank's environment, device and thread count before torch is imported on it
 (:func:`distnb.engine.runtime.setup`).
 
-Security: every socket the cluster listens on is bound to 127.0.0.1 (the controller's
-``--ip``; the torch.distributed store and gloo's pair sockets, see
-:func:`distnb.engine.runtime._init_group`); ipyparallel's HMAC-SHA256 message signing
+Security: with engines on this machine every socket the cluster listens on is bound to
+127.0.0.1 (the controller's ``--ip``; the torch.distributed store and gloo's pair sockets, see
+:func:`distnb.engine.runtime._init_group`); with engines on other hosts (ssh, batch, mpi with
+hosts, :mod:`distnb.placement`) the controller listens on one address those hosts reach and
+rank 0's store on its own such address, never on every interface; ipyparallel's HMAC-SHA256 message signing
 stays on (the connection files carry a key) and every file in the profile's
 ``security`` folder is readable by the owner only (mode 0600).
 
@@ -39,9 +41,11 @@ from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLaun
 from . import placement
 from .engine.runtime import is_loopback, free_port, visible_gpus
 from .errors import ClusterError, PlanError
-from .plan import ClusterSpec
+from .plan import BATCH_LAUNCHERS, ClusterSpec
 
 HEARTBEAT_MS = 250
+#: Seconds engines started by a batch system (slurm, ...) may take to register: the job may queue.
+BATCH_QUEUE_WAIT = 600.0
 #: Most CPU engines ``-n`` may ask for: this many per core, and at least MIN_ENGINE_CAP.
 ENGINES_PER_CORE = 8
 MIN_ENGINE_CAP = 16
@@ -195,6 +199,8 @@ def default_spec(n: int | None = None, backend: str | None = None, timeout: floa
         where["hosts"] = tuple(where["hosts"])
     launcher = where.get("launcher", "local" if "profile" not in where else None)
     where["launcher"] = launcher
+    if n is None and "profile" in where and not where.get("hosts") and not where.get("nodes"):
+        n = placement.engine_count(placement.profile_config(where["profile"])[1])
     if launcher is None or placement.engines_remote(launcher, where.get("hosts")):
         hosts = len(where.get("hosts", ())) or where.get("nodes")
         if n is None:
@@ -269,7 +275,7 @@ class Cluster:
         profile_kwargs, profile = placement.profile_config(spec.profile)
         self.launcher = placement.launcher_name(spec, profile)
         self.remote = placement.engines_remote(self.launcher, spec.hosts)
-        placement.check_launcher_tools(self.launcher)
+        placement.check_launcher_tools(self.launcher, profile)
         if self.remote and spec.interface and is_loopback(placement.interface_address(spec.interface) or "x"):
             raise ClusterError(f"--interface {spec.interface} is loopback: engines on other hosts can reach neither "
                                "the controller nor rank 0 over it; name the network the hosts share (e.g. eth0)")
@@ -305,7 +311,9 @@ class Cluster:
                     if isinstance(getattr(launcher, "process", None), psutil.Process):
                         self._procs[launcher.process.pid] = launcher.process
             self.client = self._ipp.connect_client_sync()
-            self._wait_for_engines(engine_timeout)
+            # engines register within engine_timeout; a batch job may first wait in the queue
+            self._wait_for_engines(max(engine_timeout, spec.timeout,
+                                       BATCH_QUEUE_WAIT if self.launcher in BATCH_LAUNCHERS else 0))
             self._place()
             self._setup_ranks()
         except BaseException as exc:
@@ -402,7 +410,7 @@ class Cluster:
             info = self.where[p["engine_id"]]
             p["num_threads"] = max(1, info["cores"] // per_node[p["node_rank"]])
         if self.auto_device:  # no --backend: nccl when every rank's host has a GPU for it
-            gpus = all(len(self.where[p["engine_id"]]["gpus"]) > p["local_rank"] for p in self.placement)
+            gpus = all(_gpu_for(self.where[p["engine_id"]]["gpus"], p["local_rank"]) for p in self.placement)
             device, backend = ("cuda", "nccl") if gpus else ("cpu", "gloo")
             self.spec = dataclasses.replace(spec, device_type=device, backend=backend)
 
@@ -439,7 +447,7 @@ class Cluster:
         local_gpus = visible_gpus() if spec.device_type == "cuda" else []
         for rank, p in enumerate(self.placement):
             gpus = self.where[p["engine_id"]]["gpus"] if self.remote else local_gpus
-            gpu = gpus[p["local_rank"]] if spec.device_type == "cuda" and len(gpus) > p["local_rank"] else None
+            gpu = _gpu_for(gpus, p["local_rank"]) if spec.device_type == "cuda" else None
             threads = p.get("num_threads", spec.num_threads)
             ars.append(self.apply(rank, "distnb.engine.runtime", "setup", True, rank, spec.num_engines,
                                   p["local_rank"], spec.backend, spec.device_type, gpu, threads, self.master_addr,
@@ -542,7 +550,11 @@ class Cluster:
         return len(self.engine_ids)
 
     def host_of(self, rank: int) -> str:
-        return self.ranks[rank]["host"] if rank < len(self.ranks) else ""
+        """How messages name ``rank``'s host (known from placement before the group forms)."""
+        if rank < len(self.ranks):
+            return self.ranks[rank]["host"]
+        places = getattr(self, "placement", None) or []
+        return places[rank]["node"] if rank < len(places) else ""
 
     @property
     def pids(self) -> dict:
@@ -687,6 +699,17 @@ class Cluster:
         out.sort(key=lambda f: (f["collateral"], f.get("failed_at") or float("inf"),
                                 f["rank"]))
         return out
+
+
+def _gpu_for(gpus: list, local_rank: int):
+    """The GPU of local rank ``local_rank`` among the ``gpus`` its engine sees, or None.
+
+    The ``local_rank``-th; or the only one, when the launcher gave each engine its own GPU
+    (Slurm's ``--gpus-per-task=1`` sets CUDA_VISIBLE_DEVICES per task).
+    """
+    if len(gpus) > local_rank:
+        return gpus[local_rank]
+    return gpus[0] if len(gpus) == 1 else None
 
 
 def _resolve(host: str) -> str | None:

@@ -119,6 +119,12 @@ def controller_ip(spec, remote: bool) -> str:
                        "loopback was found; name the network with %dist start --interface NAME")
 
 
+def launcher_section(launcher: str) -> str:
+    """ipyparallel's engine-set launcher class name for a batch ``launcher`` (its config section)."""
+    names = {"slurm": "Slurm", "pbs": "PBS", "sge": "SGE", "lsf": "LSF", "htcondor": "HTCondor"}
+    return names[launcher] + "EngineSetLauncher"
+
+
 def engines_per_host(spec) -> int:
     hosts = len(spec.hosts) or spec.nodes or 1
     return spec.engines_per_node or -(-spec.num_engines // hosts)
@@ -139,14 +145,18 @@ def launcher_config(spec, launcher: str, profile: Config, env: dict) -> Config:
     env = dict(env)
     if launcher != "mpi" and os.environ.get("IPYTHONDIR"):  # remote shells start with their login environment
         env.setdefault("IPYTHONDIR", os.environ["IPYTHONDIR"])
-    default("EngineLauncher", "environment", env)
+    if launcher == "mpi" and os.geteuid() == 0:
+        env = {**OPENMPI_ROOT_ENV, **env}
+    # the profile's variables are added to distnb's (a variable both set: the profile's value)
+    c.EngineLauncher.environment = {**env, **_profile_value(profile, "environment", "EngineLauncher", {})}
     # on other hosts the nanny process forwards signals (the interrupt) to the engine and reports its exit;
     # engines on this host are signalled by pid and need none
     nanny = [] if engines_remote(launcher, spec.hosts) else ["--IPEngine.enable_nanny=False"]
     default("EngineLauncher", "engine_args", nanny + ["--HistoryManager.enabled=False"])
     per_host = engines_per_host(spec)
     if launcher == "ssh":
-        python = profile.get("SSHLauncher", {}).get("remote_python") or sys.executable
+        python = _profile_value(profile, "remote_python", "SSHEngineLauncher", "SSHEngineSetLauncher",
+                                "SSHLauncher", None) or sys.executable
         default("SSHLauncher", "remote_python", python)
         default("SSHEngineSetLauncher", "engine_cmd", engine_command(python))
         default("SSHEngineLauncher", "engine_cmd", engine_command(python))
@@ -154,17 +164,14 @@ def launcher_config(spec, launcher: str, profile: Config, env: dict) -> Config:
             c.SSHEngineSetLauncher.engines = {h: per_host for h in spec.hosts}
     elif launcher == "mpi":
         default("MPIEngineSetLauncher", "engine_cmd", engine_command())
-        args = list(profile.get("MPIEngineSetLauncher", {}).get("mpi_args", mpi_default_args()))
+        args = list(_profile_value(profile, "mpi_args", "MPIEngineSetLauncher", "MPILauncher", mpi_default_args()))
         if spec.hosts:
             args += ["--host", ",".join(f"{hostname_of(h)}:{per_host}" for h in spec.hosts)]
             for name in [*env, "IPP_CONNECTION_INFO", "IPP_CLUSTER_ID", "IPP_PROFILE_DIR"]:
                 args += ["-x", name]  # Open MPI forwards only what -x names to other hosts
         c.MPIEngineSetLauncher.mpi_args = args
-        if os.geteuid() == 0:
-            c.EngineLauncher.environment = {**OPENMPI_ROOT_ENV, **c.EngineLauncher.get("environment", env)}
     elif launcher in BATCH_LAUNCHERS:
-        section = launcher.capitalize() if launcher != "htcondor" else "HTCondor"
-        section = {"pbs": "PBS", "sge": "SGE", "lsf": "LSF"}.get(launcher, section) + "EngineSetLauncher"
+        section = launcher_section(launcher)
         default(section, "engine_cmd", engine_command())
         if spec.queue:
             c[section].queue = spec.queue
@@ -173,14 +180,56 @@ def launcher_config(spec, launcher: str, profile: Config, env: dict) -> Config:
                 c[section].timelimit = spec.time_limit
             if spec.account:
                 c[section].account = spec.account
-            if spec.nodes:
-                extra = profile.get(section, {}).get("options", "")
-                c[section].options = f"{extra} --nodes={spec.nodes} --ntasks-per-node={per_host}".strip()
+            if spec.nodes or spec.engines_per_node:
+                if _profile_value(profile, "batch_template", section, "SlurmLauncher", "") or \
+                        _profile_value(profile, "batch_template_file", section, "SlurmLauncher", ""):
+                    raise PlanError("--nodes and --engines-per-node go into distnb's Slurm job script, but the "
+                                    "profile sets its own batch_template: put #SBATCH --nodes/--ntasks-per-node "
+                                    "there and leave out these options")
+                c[section].batch_template = slurm_template(spec, per_host)
         elif spec.time_limit or spec.account or spec.nodes:
             raise PlanError(f"--time, --account and --nodes are passed to slurm only; for --launcher {launcher} "
                             f"set them in the batch template of an ipyparallel profile ({section}.batch_template) "
                             "and use --profile NAME")
     return c
+
+
+def _profile_value(profile: Config, key: str, *sections_then_default):
+    """``key`` from the first of ``sections`` that sets it in the profile, else the default (last argument)."""
+    *sections, fallback = sections_then_default
+    for section in sections:
+        if key in profile.get(section, {}):
+            return profile[section][key]
+    return fallback
+
+
+def slurm_template(spec, per_host: int) -> str:
+    """The engines' sbatch script (ipyparallel's template syntax) for ``--nodes``/``--engines-per-node``.
+
+    ipyparallel's own script only asks for ``--ntasks``, so Slurm could place every engine on
+    one node; this one fixes nodes and tasks per node. ``srun`` starts the engines (Slurm sets
+    SLURM_PROCID, which becomes the rank).
+    """
+    lines = ["#!/bin/sh", "#SBATCH --export=ALL", "#SBATCH --job-name=ipengine-{cluster_id}",
+             "#SBATCH --ntasks={n}", f"#SBATCH --ntasks-per-node={per_host}", "#SBATCH --output={output_file}"]
+    if spec.nodes:
+        lines.append(f"#SBATCH --nodes={spec.nodes}")
+    if spec.queue:
+        lines.append(f"#SBATCH --partition={spec.queue}")
+    if spec.time_limit:
+        lines.append(f"#SBATCH --time={spec.time_limit}")
+    if spec.account:
+        lines.append(f"#SBATCH --account={spec.account}")
+    return "\n".join(lines + ["srun {program_and_args}", ""])
+
+
+def engine_count(profile: Config) -> int | None:
+    """How many engines a profile asks for (``SSHEngineSetLauncher.engines``, ``Cluster.n``), if it says."""
+    engines = _profile_value(profile, "engines", "SSHEngineSetLauncher", None)
+    if engines:
+        return sum(v if isinstance(v, int) else int(v.get("n", 1)) for v in engines.values())
+    n = _profile_value(profile, "n", "Cluster", "IPClusterEngines", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
 
 
 def mpi_default_args() -> list:
@@ -194,19 +243,24 @@ def mpi_default_args() -> list:
     return ["--oversubscribe", "--bind-to", "none", "--enable-recovery"]
 
 
-def check_launcher_tools(launcher: str) -> None:
+def check_launcher_tools(launcher: str, profile: Config) -> None:
     """PlanError naming what is missing for ``launcher`` on this machine (mpiexec and mpi4py for mpi)."""
     import importlib.util
     import shutil
 
     if launcher == "mpi":
-        if shutil.which("mpiexec") is None:
-            raise PlanError("--launcher mpi needs mpiexec on PATH (Debian/Ubuntu: apt install openmpi-bin)")
+        mpiexec = (_profile_value(profile, "mpi_cmd", "MPIEngineSetLauncher", "MPILauncher", None) or ["mpiexec"])[0]
+        if shutil.which(mpiexec) is None:
+            raise PlanError(f"--launcher mpi needs {mpiexec} on PATH (Debian/Ubuntu: apt install openmpi-bin)")
         if importlib.util.find_spec("mpi4py") is None:
             raise PlanError("--launcher mpi needs mpi4py in this environment (pip install mpi4py), which the "
                             "engines use to join MPI")
     elif launcher in ("slurm", "pbs", "sge", "lsf", "htcondor"):
         submit = {"slurm": "sbatch", "pbs": "qsub", "sge": "qsub", "lsf": "bsub", "htcondor": "condor_submit"}
+        section = launcher_section(launcher)
+        command = _profile_value(profile, "submit_command", section, section.replace("EngineSet", ""), None)
+        if command:
+            submit[launcher] = command[0]
         if shutil.which(submit[launcher]) is None:
             raise PlanError(f"--launcher {launcher} needs {submit[launcher]} on PATH (run the kernel on a login "
                             "node of the cluster)")

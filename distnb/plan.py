@@ -115,16 +115,17 @@ class ClusterSpec:
         ``--hosts``: hosts to start engines on (``[user@]host[:sshport]``), ``engines_per_node``
         on each; ssh and mpi.
     nodes : int or None
-        ``--nodes``: batch launchers (slurm, pbs, ...): nodes to ask for.
+        ``--nodes``: slurm: nodes to ask for (other batch systems: set it in the profile's
+        batch template).
     engines_per_node : int or None
         ``--engines-per-node``: engines on each host or node (default: num_engines spread
         evenly over the hosts or nodes).
     queue : str or None
         ``--queue``: batch queue (slurm: partition).
     time_limit : str or None
-        ``--time``: batch wall-clock limit in the scheduler's format (slurm: ``HH:MM:SS``).
+        ``--time``: slurm: wall-clock limit in Slurm's format (``HH:MM:SS``).
     account : str or None
-        ``--account``: batch account to charge.
+        ``--account``: slurm: account to charge.
     profile : str or None
         ``--profile``: an ipyparallel profile (name in the IPython directory, or a path to a
         profile directory) whose ``ipcluster_config.py`` configures the launchers; options

@@ -78,9 +78,9 @@ def start(n=None, backend=None, timeout=60.0, ns=None, quiet=False, master_port=
     quiet : bool
         Print nothing.
     master_port : int, optional
-        TCP port of the torch.distributed store on 127.0.0.1 (default: a free one for
-        every process group formed). A taken port is a ClusterError naming it, before
-        any engine starts.
+        TCP port of the torch.distributed store on rank 0's rendezvous address (default: a
+        free one for every process group formed). A taken port is a ClusterError naming it,
+        before any engine starts when the engines run on this machine.
     auto_restart : bool, optional
         When an engine dies during a cell, start a fresh world of the same size at once
         (the cell still fails, naming the rank and how it died). Default off; None keeps

@@ -54,7 +54,15 @@ def test_ssh_settings_run_distnb_engines_on_each_host():
     c = placement.launcher_config(spec, "ssh", Config(), {"A": "1"})
     assert c.SSHEngineSetLauncher.engines == {"n1": 2, "u@n2:2222": 2}
     assert c.SSHEngineSetLauncher.engine_cmd[1:] == ["-m", "distnb.engine.ipengine"]
-    assert c.EngineLauncher.environment == {"A": "1"}
+    assert c.EngineLauncher.environment["A"] == "1"
+
+
+def test_profile_environment_is_added_to_distnbs():
+    spec = default_spec(launcher="ssh", hosts=("n1",))
+    profile = Config()
+    profile.EngineLauncher.environment = {"B": "2", "A": "profile"}
+    env = placement.launcher_config(spec, "ssh", profile, {"A": "1", "C": "3"}).EngineLauncher.environment
+    assert (env["A"], env["B"], env["C"]) == ("profile", "2", "3")
 
 
 def test_profile_settings_win_where_no_option_is_given():
@@ -67,14 +75,45 @@ def test_profile_settings_win_where_no_option_is_given():
     assert "engine_args" not in c.EngineLauncher
 
 
-def test_slurm_settings():
+def test_slurm_job_script_places_engines_per_node(tmp_path):
+    """The job script ipyparallel writes (its own template code) asks for nodes and tasks per node."""
+    from ipyparallel.cluster.launcher import SlurmEngineSetLauncher
+
     spec = default_spec(launcher="slurm", nodes=2, engines_per_node=4, queue="gpu", time_limit="01:00:00",
                         account="proj")
     assert spec.num_engines == 8
     c = placement.launcher_config(spec, "slurm", Config(), {})
     s = c.SlurmEngineSetLauncher
     assert (s.queue, s.timelimit, s.account) == ("gpu", "01:00:00", "proj")
-    assert "--nodes=2" in s.options and "--ntasks-per-node=4" in s.options
+    launcher = SlurmEngineSetLauncher(work_dir=str(tmp_path), config=c, cluster_id="abc", profile_dir=str(tmp_path))
+    launcher.write_batch_script(8)
+    script = (tmp_path / launcher.batch_file_name).read_text().splitlines()
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --ntasks=8", "#SBATCH --partition=gpu",
+                 "#SBATCH --time=01:00:00", "#SBATCH --account=proj", "#SBATCH --job-name=ipengine-abc"):
+        assert line in script
+    assert script[-1].startswith("srun ") and "distnb.engine.ipengine" in script[-1]
+
+
+def test_a_profile_with_its_own_slurm_script_cannot_take_nodes():
+    profile = Config()
+    profile.SlurmEngineSetLauncher.batch_template = "#!/bin/sh\nsrun {program_and_args}\n"
+    with pytest.raises(PlanError, match="batch_template"):
+        placement.launcher_config(default_spec(launcher="slurm", nodes=2), "slurm", profile, {})
+
+
+def test_profile_says_how_many_engines():
+    profile = Config()
+    profile.SSHEngineSetLauncher.engines = {"a": 2, "b": {"n": 3}}
+    assert placement.engine_count(profile) == 5
+    assert placement.engine_count(Config()) is None
+
+
+def test_gpu_per_local_rank_or_the_one_the_launcher_gave():
+    from distnb.cluster import _gpu_for
+
+    assert _gpu_for(["0", "1"], 1) == "1"
+    assert _gpu_for(["3"], 2) == "3"  # --gpus-per-task=1: each engine sees only its own
+    assert _gpu_for([], 0) is None and _gpu_for(["0", "1"], 2) is None
 
 
 def test_mpi_settings_with_hosts():
