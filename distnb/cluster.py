@@ -30,13 +30,15 @@ import re
 import signal
 import socket
 import stat
+import subprocess
 import sys
 import time
 
 import ipyparallel as ipp
 import psutil
 from traitlets import Float, List
-from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
+from ipyparallel.cluster.launcher import (LocalEngineLauncher, LocalEngineSetLauncher, SSHEngineLauncher,
+                                          SSHEngineSetLauncher)
 
 from . import placement
 from .engine.runtime import is_loopback, free_port, visible_gpus
@@ -158,6 +160,31 @@ class _EngineSetLauncher(LocalEngineSetLauncher):
     def start(self, n):
         self.environment = {**self.environment, **getattr(self.parent, "_distnb_engine_env", {})}
         return super().start(n)
+
+
+class _SSHEngineLauncher(SSHEngineLauncher):
+    """ipyparallel's ssh engine launcher, whose watch on the remote engine outlives a lost link.
+
+    Its wait thread asks the host over ssh whether the engine still runs; when the host
+    cannot be reached, ipyparallel's thread dies with an uncaught CalledProcessError. Here
+    it keeps asking: the controller's heartbeat is what tells distnb that the engine is gone.
+    """
+
+    def wait_one(self, timeout):
+        try:
+            return super().wait_one(timeout)
+        except subprocess.CalledProcessError:
+            if self._stop_waiting.wait(timeout):
+                return None
+            raise TimeoutError("host unreachable") from None
+
+
+class _SSHEngineSetLauncher(SSHEngineSetLauncher):
+    launcher_class = _SSHEngineLauncher
+
+
+#: ipyparallel launchers distnb adjusts (by --launcher name); the others are ipyparallel's own.
+LAUNCHER_CLASSES = {"ssh": _SSHEngineSetLauncher}
 
 
 def _restrict_security_files(profile_dir: str) -> None:
@@ -291,7 +318,7 @@ class Cluster:
             launch = dict(engine_launcher_class=_EngineSetLauncher, delay=0,
                           send_engines_connection_env=False)  # engines start with the controller
         else:
-            launch = dict(engine_launcher_class=self.launcher,
+            launch = dict(engine_launcher_class=LAUNCHER_CLASSES.get(self.launcher, self.launcher),
                           config=placement.launcher_config(spec, self.launcher, profile, env))
         self._ipp = ipp.Cluster(
             n=spec.num_engines,
