@@ -47,13 +47,23 @@ def profile_config(profile: str | None) -> tuple[dict, Config]:
     if profile is None:
         return {}, Config()
     import ipyparallel as ipp
+    from IPython.core.profiledir import ProfileDir, ProfileDirError
+    from IPython.paths import get_ipython_dir
 
-    kwargs = {"profile_dir": os.path.abspath(profile)} if os.sep in profile or os.path.isdir(profile) \
-        else {"profile": profile}
+    if os.sep in profile or os.path.isdir(profile):
+        folder = os.path.abspath(profile)
+        if not os.path.isdir(folder):
+            raise PlanError(f"--profile {profile}: no such directory")
+        kwargs = {"profile_dir": folder}
+    else:
+        try:  # looked up, never created (ipyparallel would create an empty one)
+            ProfileDir.find_profile_dir_by_name(get_ipython_dir(), profile)
+        except ProfileDirError:
+            raise PlanError(f"--profile {profile}: no ipyparallel profile named {profile} in {get_ipython_dir()}; "
+                            f"create it with `ipython profile create --parallel {profile}` or pass a profile "
+                            "directory") from None
+        kwargs = {"profile": profile}
     probe = ipp.Cluster(**kwargs, log=logging.getLogger("distnb.ipyparallel"))
-    if not os.path.isdir(probe.profile_dir):
-        raise PlanError(f"--profile {profile}: no ipyparallel profile at {probe.profile_dir}; create it with "
-                        f"`ipython profile create --parallel {profile}` or pass a profile directory")
     return kwargs, probe.profile_config
 
 

@@ -142,3 +142,19 @@ def test_bad_placement_names_the_option(kwargs, words):
         return
     with pytest.raises(PlanError, match=words.replace("-", r"\-")):
         ClusterSpec(**kwargs)
+
+
+def test_profile_by_name_gives_its_launcher_and_engines(tmp_path, monkeypatch):
+    """``--profile NAME`` finds profile_NAME in the IPython directory and reads its ipcluster_config.py."""
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path))
+    folder = tmp_path / "profile_mycluster"
+    folder.mkdir()
+    (folder / "ipcluster_config.py").write_text(
+        "c.Cluster.engine_launcher_class = 'ssh'\nc.SSHEngineSetLauncher.engines = {'n1': 2, 'n2': 2}\n")
+    kwargs, config = placement.profile_config("mycluster")
+    assert kwargs == {"profile": "mycluster"}
+    spec = default_spec(profile="mycluster")
+    assert spec.launcher is None and spec.num_engines == 4
+    assert placement.launcher_name(spec, config) == "ssh"
+    with pytest.raises(PlanError, match="no ipyparallel profile named nosuchprofile"):
+        placement.profile_config("nosuchprofile")
