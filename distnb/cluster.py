@@ -318,8 +318,9 @@ class Cluster:
             launch = dict(engine_launcher_class=_EngineSetLauncher, delay=0,
                           send_engines_connection_env=False)  # engines start with the controller
         else:
-            launch = dict(engine_launcher_class=LAUNCHER_CLASSES.get(self.launcher, self.launcher),
-                          config=placement.launcher_config(spec, self.launcher, profile, env))
+            launch = dict(config=placement.launcher_config(spec, self.launcher, profile, env))
+            if spec.launcher is not None:  # else the profile's own launcher class, whatever it is
+                launch["engine_launcher_class"] = LAUNCHER_CLASSES.get(self.launcher, self.launcher)
         self._ipp = ipp.Cluster(
             n=spec.num_engines,
             controller_ip=self.controller_ip,

@@ -77,7 +77,7 @@ def launcher_name(spec, config: Config) -> str:
     for suffix in ("enginesetlauncher", "launcher"):
         if name.endswith(suffix) and name != suffix:
             name = name[: -len(suffix)]
-    return name
+    return {"mpiexec": "mpi"}.get(name, name)  # ipyparallel's deprecated MPIExec names
 
 
 def engines_remote(launcher: str | None, hosts=()) -> bool:
