@@ -42,10 +42,12 @@ from ipyparallel.cluster.launcher import (LocalEngineLauncher, LocalEngineSetLau
 
 from . import placement
 from .engine.runtime import is_loopback, free_port, visible_gpus
-from .errors import ClusterError, PlanError
-from .plan import BATCH_LAUNCHERS, ClusterSpec
+from .errors import ClusterError, PlanError, RankError
+from .plan import BATCH_LAUNCHERS, ClusterSpec, _check_int
 
 HEARTBEAT_MS = 250
+#: Seconds an ssh launcher keeps asking an unreachable host about its engine before giving up.
+UNREACHABLE_GIVE_UP = 20.0
 #: Seconds engines started by a batch system (slurm, ...) may take to register: the job may queue.
 BATCH_QUEUE_WAIT = 600.0
 #: Most CPU engines ``-n`` may ask for: this many per core, and at least MIN_ENGINE_CAP.
@@ -163,20 +165,39 @@ class _EngineSetLauncher(LocalEngineSetLauncher):
 
 
 class _SSHEngineLauncher(SSHEngineLauncher):
-    """ipyparallel's ssh engine launcher, whose watch on the remote engine outlives a lost link.
+    """ipyparallel's ssh engine launcher, bounded when the engine's host cannot be reached.
 
-    Its wait thread asks the host over ssh whether the engine still runs; when the host
-    cannot be reached, ipyparallel's thread dies with an uncaught CalledProcessError. Here
-    it keeps asking: the controller's heartbeat is what tells distnb that the engine is gone.
+    ipyparallel asks the host over ssh whether the engine still runs and signals it over
+    ssh; when the host is unreachable, its watch thread dies with an uncaught
+    CalledProcessError and stopping retries for minutes. Here the watch keeps asking for
+    :data:`UNREACHABLE_GIVE_UP` seconds (the controller's heartbeat is what tells distnb the
+    engine is gone), then, or as soon as a signal cannot be delivered, the engine counts as
+    exited with an unknown status.
     """
 
     def wait_one(self, timeout):
+        if getattr(self, "_unreachable", False):
+            return -1
         try:
-            return super().wait_one(timeout)
+            out = super().wait_one(timeout)
+            self._unreachable_since = None
+            return out
         except subprocess.CalledProcessError:
-            if self._stop_waiting.wait(timeout):
-                return None
-            raise TimeoutError("host unreachable") from None
+            since = getattr(self, "_unreachable_since", None) or time.monotonic()
+            self._unreachable_since = since
+            if time.monotonic() - since > UNREACHABLE_GIVE_UP:
+                self._unreachable = True
+                return -1
+            stop = getattr(self, "_stop_waiting", None)
+            if stop is not None and stop.wait(min(timeout or 1.0, 1.0)):
+                return -1
+            raise TimeoutError(f"host {self.hostname} unreachable") from None
+
+    def signal(self, sig):
+        try:
+            super().signal(sig)
+        except subprocess.CalledProcessError:  # nothing can reach it: do not wait for it to exit either
+            self._unreachable = True
 
 
 class _SSHEngineSetLauncher(SSHEngineSetLauncher):
@@ -224,6 +245,9 @@ def default_spec(n: int | None = None, backend: str | None = None, timeout: floa
     where = {k: v for k, v in where.items() if v is not None}
     if "hosts" in where:
         where["hosts"] = tuple(where["hosts"])
+    for name in ("engines_per_node", "nodes"):  # checked before they make -n
+        if name in where:
+            _check_int("--" + name.replace("_", "-"), where[name], 1)
     launcher = where.get("launcher", "local" if "profile" not in where else None)
     where["launcher"] = launcher
     if n is None and "profile" in where and not where.get("hosts") and not where.get("nodes"):
@@ -306,6 +330,14 @@ class Cluster:
         if self.remote and spec.interface and is_loopback(placement.interface_address(spec.interface) or "x"):
             raise ClusterError(f"--interface {spec.interface} is loopback: engines on other hosts can reach neither "
                                "the controller nor rank 0 over it; name the network the hosts share (e.g. eth0)")
+        if spec.master_addr is not None:
+            try:
+                socket.getaddrinfo(spec.master_addr, None)
+            except OSError as exc:
+                raise ClusterError(f"--master-addr {spec.master_addr}: not an address ({exc.strerror})") from None
+            if self.remote and is_loopback(spec.master_addr) and len(spec.hosts) != 1:
+                raise ClusterError(f"--master-addr {spec.master_addr} is loopback: ranks on other hosts cannot "
+                                   "reach it; give rank 0's address on the network the hosts share")
         if spec.master_port is not None and not self.remote:  # a pinned port that is taken: say so now
             check_port_free(spec.master_port, spec.master_addr or "127.0.0.1")
         self.controller_ip = profile.get("Cluster", {}).get("controller_ip") or placement.controller_ip(
@@ -327,6 +359,7 @@ class Cluster:
             controller_args=[f"--HeartMonitor.period={HEARTBEAT_MS}"],
             log=_log,
             engine_timeout=int(engine_timeout),
+            shutdown_atexit=False,  # distnb stops it (session atexit, the reaper); ipyparallel's retries hang
             **launch,
             **profile_kwargs,
         )
@@ -345,10 +378,11 @@ class Cluster:
             self._place()
             self._setup_ranks()
         except BaseException as exc:
+            where = self._failed_host() if self.launcher == "ssh" else ""
             self.stop()
-            if isinstance(exc, (ClusterError, PlanError)):
+            if isinstance(exc, (ClusterError, PlanError, KeyboardInterrupt)):
                 raise
-            raise ClusterError(f"could not start {spec.num_engines} engines: {exc}") from exc
+            raise ClusterError(f"could not start {spec.num_engines} engines{where}: {exc}") from exc
         self.start_seconds = time.perf_counter() - t0
         return self
 
@@ -376,6 +410,18 @@ class Cluster:
             f"only {len(got)} of {n} engines registered with the controller at {url} within {timeout:.0f} s"
             f"{hosts}. Check that every host can reach {self.controller_ip} (routes, firewall) and start engines "
             f"({self.launcher} launcher); on several networks pick one with %dist start --interface NAME")
+
+    def _failed_host(self) -> str:
+        """`` on HOST (over ssh)`` for the host whose engine the ssh launcher was starting when it failed."""
+        try:
+            engine_set = next(iter(self._ipp.engines.values()))
+            failed = [key for key, l in engine_set.launchers.items() if l.state != "running"]
+            started = {key.rsplit("/", 1)[0] for key in engine_set.launchers}
+            hosts = [key.rsplit("/", 1)[0] for key in failed]
+            hosts += [h for h in self.spec.hosts if h not in started][:1] if not hosts else []
+            return f" on {hosts[0]} (over ssh)" if hosts else ""
+        except Exception:
+            return ""
 
     def _launcher_processes(self) -> list:
         """The launcher processes of the engine sets that are one process (mpiexec), as psutil.Process."""
@@ -437,6 +483,13 @@ class Cluster:
         for p in self.placement:
             info = self.where[p["engine_id"]]
             p["num_threads"] = max(1, info["cores"] // per_node[p["node_rank"]])
+        if spec.backend == "nccl":
+            short = [p for p in self.placement if not _gpu_for(self.where[p["engine_id"]]["gpus"], p["local_rank"])]
+            if short:
+                raise ClusterError(f"--backend nccl needs a GPU for every rank, and host {short[0]['node']} has none "
+                                   f"for local rank {short[0]['local_rank']} (it sees "
+                                   f"{len(self.where[short[0]['engine_id']]['gpus'])} GPUs); use --backend gloo, "
+                                   "or fewer --engines-per-node")
         if self.auto_device:  # no --backend: nccl when every rank's host has a GPU for it
             gpus = all(_gpu_for(self.where[p["engine_id"]]["gpus"], p["local_rank"]) for p in self.placement)
             device, backend = ("cuda", "nccl") if gpus else ("cpu", "gloo")
@@ -461,11 +514,20 @@ class Cluster:
         return addr
 
     def _free_port(self) -> int:
-        """A port free on rank 0's host (asked there when rank 0 is on another host)."""
-        if self.placement[0]["local"]:
-            return free_port(self.master_addr)
-        return self.wait_all([self.apply(0, "distnb.engine.runtime", "free_port", False, self.master_addr)],
-                             timeout=self.spec.timeout, what="picking the rendezvous port")[0]
+        """A port free on rank 0's host (asked there when rank 0 is on another host).
+
+        A ClusterError naming ``--master-addr`` when rank 0 cannot listen on that address.
+        """
+        try:
+            if self.placement[0]["local"]:
+                return free_port(self.master_addr)
+            return self.wait_all([self.apply(0, "distnb.engine.runtime", "free_port", False, self.master_addr)],
+                                 timeout=self.spec.timeout, what="picking the rendezvous port")[0]
+        except (OSError, RankError) as exc:
+            why = exc.failures[0]["evalue"] if isinstance(exc, RankError) else str(exc)
+            raise ClusterError(f"rank 0 (on {self.host_of(0)}) cannot listen on the rendezvous address "
+                               f"{self.master_addr} ({why}): --master-addr must be an address of rank 0's host "
+                               "(the first of --hosts); or leave it out") from None
 
     def _setup_ranks(self):
         spec = self.spec
@@ -491,8 +553,9 @@ class Cluster:
         from .reaper import spawn
 
         pids = [p for p in [self.pids["controller"], *(r["pid"] for r in self.ranks if r.get("local", True))] if p]
-        for engine_set in self._ipp.engines.values():
-            pids += [l.pid for l in getattr(engine_set, "launchers", {}).values() if getattr(l, "pid", None)]
+        if self.launcher == "local":  # an ssh launcher's pid is the engine's pid on its own host
+            for engine_set in self._ipp.engines.values():
+                pids += [l.pid for l in getattr(engine_set, "launchers", {}).values() if getattr(l, "pid", None)]
         pids += [proc.pid for _, proc in self._launcher_processes()]
         pids += self._controller_children()
         self.family = sorted(set(pids))  # everything we started, even what a dead controller leaves behind
@@ -551,18 +614,27 @@ class Cluster:
                     time.sleep(0.2)
             except Exception:
                 pass
-        if self._ipp is not None:
-            try:
-                self._ipp.stop_cluster_sync()
-            except Exception:
-                pass
-        if self.client is not None:
-            try:
-                self.client.close()
-            except Exception:
-                pass
-        self.client, self._ipp = None, None
-        self._kill_family()
+        try:
+            if self._ipp is not None:
+                try:
+                    self._ipp.stop_cluster_sync()
+                except Exception:
+                    pass
+                try:  # ipyparallel leaves it behind when a stop fails (an unreachable host)
+                    os.remove(self._ipp.cluster_file)
+                except OSError:
+                    pass
+            if self.client is not None:
+                try:
+                    self.client.close()
+                except Exception:
+                    pass
+        finally:  # even when interrupted: this machine's processes are ended, the cluster is forgotten
+            self.client, self._ipp = None, None
+            self._kill_family()
+        self._stop_reaper()
+
+    def _stop_reaper(self) -> None:
         reaper = getattr(self, "reaper", None)
         if reaper is not None:
             try:
@@ -697,8 +769,6 @@ class Cluster:
             raise ClusterError(f"ranks {late} did not finish {what} within {timeout:.0f} s")
         failures = self.failures(ars)
         if failures:
-            from .errors import RankError
-
             raise RankError(failures, context=what)
         return [ar.get() for ar in ars]
 

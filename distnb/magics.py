@@ -40,10 +40,11 @@ def _session():
           help="when an engine dies during a cell, start a fresh world of the same size at once (default off; "
                "on a running cluster this only switches the setting)")
 @argument("--launcher", choices=list(LAUNCHERS), default=None,
-          help="ipyparallel engine launcher: local (default), mpi (mpiexec), ssh, or a batch system "
-               f"({', '.join(BATCH_LAUNCHERS)})")
+          help="ipyparallel engine launcher: local (default; with --profile, the profile's), mpi (mpiexec), ssh, "
+               f"or a batch system ({', '.join(BATCH_LAUNCHERS)})")
 @argument("--hosts", type=_hosts, default=None,
-          help="ssh/mpi: hosts to start engines on, comma-separated ([user@]host[:sshport])")
+          help="ssh/mpi: hosts to start engines on, comma-separated without spaces or quotes "
+               "([user@]host[:sshport]); rank 0 runs on the first")
 @argument("--engines-per-node", type=int, default=None,
           help="engines on each host or node (default: -n spread evenly; one per GPU on GPU hosts is usual)")
 @argument("--nodes", type=int, default=None, help="slurm: nodes to ask the scheduler for")
@@ -54,10 +55,12 @@ def _session():
           help="ipyparallel profile (name or directory) whose ipcluster_config.py configures the launcher; "
                "options given here override it")
 @argument("--interface", default=None,
-          help="network interface the ranks rendezvous and communicate over (e.g. eth0, ib0); default: the one "
-               "that reaches rank 0 (loopback on one host)")
+          help="network interface the ranks rendezvous and communicate over (e.g. eth0, ib0), by its name on the "
+               "hosts; the controller listens on it too when this machine has it; default: the one that reaches "
+               "rank 0 (loopback on one host)")
 @argument("--master-addr", default=None,
-          help="rendezvous address (rank 0's host) for the torch.distributed store; default: chosen for you")
+          help="rendezvous address for the torch.distributed store: an address of rank 0's host (the first of "
+               "--hosts); default: rank 0's address that the other ranks reach (127.0.0.1 on one host)")
 def _start(line):
     """Start the cluster and its process group (keeps a running one).
 
@@ -82,7 +85,7 @@ def _restart(line):
 
 @magic_arguments(name="dist status")
 def _status(line):
-    """Table of rank, engine id, host, pid, device, backend, threads and liveness."""
+    """Table of rank, engine id, host, node_rank, local_rank, pid, device, backend, threads and liveness."""
 
 
 @magic_arguments(name="dist push")

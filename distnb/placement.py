@@ -168,6 +168,9 @@ def launcher_config(spec, launcher: str, profile: Config, env: dict) -> Config:
         python = _profile_value(profile, "remote_python", "SSHEngineLauncher", "SSHEngineSetLauncher",
                                 "SSHLauncher", None) or sys.executable
         default("SSHLauncher", "remote_python", python)
+        # never wait at a password prompt no one can answer; an unreachable host fails in seconds
+        default("SSHLauncher", "ssh_args", ["-o", "BatchMode=yes", "-o", "ConnectTimeout=10"])
+        default("SSHLauncher", "scp_args", ["-o", "BatchMode=yes", "-o", "ConnectTimeout=10"])
         default("SSHEngineSetLauncher", "engine_cmd", engine_command(python))
         default("SSHEngineLauncher", "engine_cmd", engine_command(python))
         if spec.hosts:

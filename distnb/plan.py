@@ -65,8 +65,12 @@ def _check_placement(spec) -> None:
                             f"got {value!r}")
     launcher = spec.launcher
     if spec.hosts and launcher not in ("ssh", "mpi", None):
-        raise PlanError(f"--hosts is for --launcher ssh or mpi, not {launcher}: a batch launcher gets its hosts "
-                        "from the scheduler (use --nodes)")
+        why = ("a batch launcher gets its hosts from the scheduler (use --nodes)" if launcher in BATCH_LAUNCHERS
+               else "local engines run on this machine (add --launcher ssh or --launcher mpi)")
+        raise PlanError(f"--hosts is for --launcher ssh or mpi, not {launcher}: {why}")
+    if spec.engines_per_node is not None and launcher in ("ssh", "mpi") and not spec.hosts:
+        raise PlanError(f"--engines-per-node needs --hosts with --launcher {launcher} (on this machine alone, "
+                        "use -n)")
     if launcher == "ssh" and not spec.hosts and spec.profile is None:
         raise PlanError("--launcher ssh needs --hosts (e.g. --hosts node1,node2) or a --profile that sets "
                         "SSHEngineSetLauncher.engines")

@@ -290,7 +290,7 @@ class Session:
 
     # lifecycle -----------------------------------------------------------
     def status(self, timeout: float = 10.0) -> StatusTable:
-        """Rank, engine id, host, pid, device, backend, threads and liveness of every rank.
+        """Rank, engine id, host, node_rank, local_rank, pid, device, backend, threads and liveness of every rank.
 
         A rank is alive when its engine process runs and answers within ``timeout`` seconds
         (an engine still loading torch right after a start can take a few seconds).
@@ -327,11 +327,13 @@ class Session:
                 print("distnb: the cluster is already stopped")
             return
         pids = self.cluster.pids
-        self.cluster.stop()
-        self._forget()
-        sweep_shm()  # shared-memory transfer files a failure may have left
-        if _CURRENT is self:
-            _CURRENT = None
+        try:
+            self.cluster.stop()
+        finally:  # interrupted or not, this session's cluster is gone: %dist start may start a new one
+            self._forget()
+            sweep_shm()  # shared-memory transfer files a failure may have left
+            if _CURRENT is self:
+                _CURRENT = None
         if not quiet:
             print(f"distnb: stopped {_count(len(pids['engines']), 'engine')} and the controller")
 

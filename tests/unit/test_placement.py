@@ -158,3 +158,13 @@ def test_profile_by_name_gives_its_launcher_and_engines(tmp_path, monkeypatch):
     assert placement.launcher_name(spec, config) == "ssh"
     with pytest.raises(PlanError, match="no ipyparallel profile named nosuchprofile"):
         placement.profile_config("nosuchprofile")
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(launcher="mpi", engines_per_node=4), "--engines-per-node needs --hosts"),
+    (dict(launcher="ssh", hosts=("a", "b"), engines_per_node=0), "--engines-per-node must be at least 1"),
+    (dict(launcher="local", hosts=("a",)), "add --launcher ssh"),
+])
+def test_placement_option_errors_name_the_option(kwargs, words):
+    with pytest.raises(PlanError, match=words.replace("-", r"\-")):
+        default_spec(**kwargs)
