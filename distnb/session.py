@@ -857,6 +857,8 @@ class Session:
             rows = self._watch(ars, "training", state, view, show_ranks=show)
         except (RankError, KeyboardInterrupt):
             self._weights_back(plan.model, model_obj, best_effort=True)
+            if plan.builtin_optimizer:  # a built-in optimizer was not what failed (a dead engine, the body, ...)
+                self._remember_optimizer(plan)
             raise
         self._weights_back(plan.model, model_obj, packed=rows[0].pop("state"))
         for row in rows:
@@ -875,12 +877,16 @@ class Session:
                   "already trained); it counts as the first of this cell's epochs")
         result = TrainResult(rows, plan, time.perf_counter() - t0, num_shards)
         self.last_result = result
-        if plan.optimizer is not None:  # what the ranks accepted becomes the model's chosen optimizer
+        self._remember_optimizer(plan)  # what the ranks accepted becomes the model's chosen optimizer
+        return result
+
+    def _remember_optimizer(self, plan) -> None:
+        """The optimizer and lr ``plan`` asked for become the model's choice for optimizers made new later."""
+        if plan.optimizer is not None:
             known = self._optimizer_of.get(plan.model)
             same = known is not None and known[0] == plan.optimizer
             self._optimizer_of[plan.model] = (plan.optimizer, plan.lr if plan.lr is not None else
                                               known[1] if same else None)
-        return result
 
     # checkpoints -----------------------------------------------------------
     def _trained_model(self, model):

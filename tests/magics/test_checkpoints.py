@@ -7,6 +7,7 @@ seed, epoch and step, so a resumed run must reach the same parameters to float t
 import json
 import os
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -142,6 +143,21 @@ def test_the_chosen_optimizer_and_rate_survive_a_resend(dist_session, shell):
     train(dist_session, "ck_opt", 1, strategy="fsdp")  # re-distributed: a new optimizer on the ranks
     dist_session.run("_opt = (type(optimizer).__name__, optimizer.param_groups[0]['lr'])")
     assert dist_session.pull("_opt", rank=0) == ("Adam", 0.02)
+
+
+def test_the_optimizer_of_a_failed_cell_is_remembered(dist_session, shell):
+    """A cell that fails (here its body; in use, often a dead engine) still says which optimizer the user wants."""
+    from distnb.errors import RankError
+
+    ns = shell.user_ns
+    ns["ck_data"], ns["F"] = make_data(), F
+    ns["ck_failopt"] = make_model()
+    with pytest.raises(RankError):
+        dist_session.train("assert ctx.step < 2\n" + BODY, model="ck_failopt", data="ck_data", epochs=1,
+                           batch_size=8, seed=5, optimizer="adam", lr=0.005, progress="none", quiet=True)
+    train(dist_session, "ck_failopt", 1, reset=True)  # a fresh optimizer: the one asked for, not SGD 0.01
+    dist_session.run("_opt = (type(optimizer).__name__, optimizer.param_groups[0]['lr'])")
+    assert dist_session.pull("_opt", rank=0) == ("Adam", 0.005)
 
 
 def test_save_after_a_failed_cell(dist_session, shell, tmp_path):
