@@ -24,6 +24,7 @@ Usage::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -90,6 +91,15 @@ class Table:
         self.rows.append((figure, _fmt(distnb, digits), _fmt(reference, digits), _fmt(ratio, ratio_digits),
                           target, verdict))
 
+    @contextlib.contextmanager
+    def section(self, figure):
+        """One section of the suite: a failure is printed and becomes an error row; the suite goes on."""
+        try:
+            yield
+        except Exception as exc:
+            traceback.print_exc()
+            self.error(figure, exc)
+
     def error(self, figure, exc):
         self.rows.append((figure, "", "", "", "", f"ERROR: {type(exc).__name__}: {exc}"[:120]))
 
@@ -153,16 +163,13 @@ def main(argv=None) -> int:
             import accel_digits
             import cold_start
 
-            try:
+            with table.section("cold start"):
                 log("cold start: %dist start vs ipyparallel.Cluster defaults + naive process group")
                 c = results["cold_start"] = loaded("cold", lambda: cold_start.measure_start(nb, args.rounds, log=log))
                 table.add("cold start: `%dist start -n 2` until ready, s (ref: ipyparallel.Cluster defaults + naive "
                           "gloo group)", c["distnb"], c["reference"], c["distnb"] / c["reference"], "<= 0.40",
                           c["distnb"] / c["reference"] <= 0.40)
-            except Exception as exc:
-                traceback.print_exc()
-                table.error("cold start", exc)
-            try:
+            with table.section("cold start + first cell"):
                 log(f"cold start + first training cell ({EPOCHS} epochs) vs Accelerate notebook_launcher")
                 X, Y = nb.ns["train"].tensors
                 launch = lambda: accel_digits.launch(ref.DigitsCNN, X, Y, EPOCHS, 64, 1e-3)  # noqa: E731
@@ -171,21 +178,15 @@ def main(argv=None) -> int:
                 table.add(f"cold start + first training cell ({EPOCHS} epochs digits CNN), s (ref: Accelerate "
                           "notebook_launcher, same training)", f["distnb"], f["reference"],
                           f["distnb"] / f["reference"], "< 1.00", f["distnb"] / f["reference"] < 1.0)
-            except Exception as exc:
-                traceback.print_exc()
-                table.error("cold start + first cell", exc)
 
         if "launch" in only:
             import cold_start
 
-            try:
+            with table.section("launch"):
                 log("launch: %dist start now vs the engine launch before the cold-start fix")
                 c = results["launch"] = cold_start.measure_launch_fix(nb, args.rounds, log=log)
                 table.add("`%dist start -n 2`, s (ref: the same before the launch fix)", c["distnb"], c["reference"],
                           c["distnb"] / c["reference"], "< 1.00 (what the fix gained)", c["distnb"] < c["reference"])
-            except Exception as exc:
-                traceback.print_exc()
-                table.error("launch", exc)
 
         if any(s in only for s in ("transfer", "throughput", "threads", "scaling")):
             nb.cell("%dist start -n 2", quiet=True)
@@ -194,7 +195,7 @@ def main(argv=None) -> int:
         if "transfer" in only:
             import transfer
 
-            try:
+            with table.section("transfer"):
                 log("transfer: 403 MB model to 2 ranks and back, 200 MB data scattered; shared memory vs ipyparallel")
                 t = results["transfer"] = loaded("transfer", lambda: transfer.measure(nb, args.rounds, log=log))
                 a, b = t["shm"], t["ipyparallel"]
@@ -212,13 +213,10 @@ def main(argv=None) -> int:
                 table.add("  bytes each rank holds of the 200 MB set, MB", " / ".join(f"{x:.0f}" for x in a["shard_mb"]),
                           " / ".join(f"{x:.0f}" for x in b["shard_mb"]), "", "its shard only (100)",
                           all(x < 110 for x in a["shard_mb"]))
-            except Exception as exc:
-                traceback.print_exc()
-                table.error("transfer", exc)
 
         if "throughput" in only:
             for model, label in (("cnn", "digits CNN, 38k params"), ("mlp5m", "MLP, 4.9M params")):
-                try:
+                with table.section(f"throughput {model}"):
                     log(f"throughput: {label}, warm %%distrain vs torchrun --nproc-per-node 2")
                     epochs = EPOCHS if model == "cnn" else 3
                     t = results[f"throughput_{model}"] = loaded(model, lambda: throughput.against_torchrun(
@@ -227,9 +225,6 @@ def main(argv=None) -> int:
                               t["distnb"], t["reference"], t["ratio_of_medians"], ">= 1.00",
                               t["ratio_of_medians"] >= 1.0, digits=0)
                     table.add("  same, median of the per-round ratios", "", "", t["median_round_ratio"], "", None)
-                except Exception as exc:
-                    traceback.print_exc()
-                    table.error(f"throughput {model}", exc)
             cnn = results.get("throughput_cnn")
             launcher = results.get("first_cell", {}).get("runs", {}).get("accelerate")
             if cnn:
@@ -241,7 +236,7 @@ def main(argv=None) -> int:
                           digits=0, ratio_digits=4)
 
         if "threads" in only:
-            try:
+            with table.section("threads"):
                 log("threads: distnb's threads per rank vs torch's default, compute-bound CNN")
                 t = results["threads"] = loaded("threads", lambda: throughput.threads(
                     nb, ref.DigitsWideCNN, args.rounds, COMPUTE_EPOCHS, COMPUTE_BATCH, log=log))
@@ -249,12 +244,9 @@ def main(argv=None) -> int:
                           f"(ref: torch default, {t['default_threads']}/rank)", t["distnb"], t["reference"],
                           t["distnb"] / t["reference"], ">= 1.00 (speed-up)", t["distnb"] / t["reference"] >= 1.0,
                           digits=0)
-            except Exception as exc:
-                traceback.print_exc()
-                table.error("threads", exc)
 
         if "scaling" in only:
-            try:
+            with table.section("scaling"):
                 log("scaling: compute-bound CNN, 2 ranks vs 1 rank")
                 t = results["scaling"] = loaded("scaling", lambda: throughput.scaling(
                     nb, ref.DigitsWideCNN, args.rounds, COMPUTE_EPOCHS, COMPUTE_BATCH, log=log))
@@ -263,24 +255,20 @@ def main(argv=None) -> int:
                           digits=0)
                 table.add(f"  2 ranks vs 1 rank with {t['cores']} threads, samples/s", t["two"], t["one_all_threads"],
                           t["speedup_vs_threads"], "report", None, digits=0)
-            except Exception as exc:
-                traceback.print_exc()
-                table.error("scaling", exc)
     finally:
         harness.stop_and_sweep(nb, tmp)
 
     if "dashboard" in only:
         out = tempfile.mktemp(prefix="distnb-bench-dashboard-", suffix=".json")
         try:
-            log("dashboard: --progress widgets vs none")
-            harness.main(["--dashboard", "--rounds", str(args.rounds), "--repeats", str(args.repeats), "--json", out])
-            with open(out) as fh:
-                d = results["dashboard"] = json.load(fh)
-            table.add("dashboard on vs off: throughput widgets / none (median of per-round ratios)",
-                      "", "", d["ratio"], "overhead < 1 %", d["overhead"] < 0.01, ratio_digits=4)
-        except Exception as exc:
-            traceback.print_exc()
-            table.error("dashboard", exc)
+            with table.section("dashboard"):
+                log("dashboard: --progress widgets vs none")
+                harness.main(["--dashboard", "--rounds", str(args.rounds), "--repeats", str(args.repeats),
+                              "--json", out])
+                with open(out) as fh:
+                    d = results["dashboard"] = json.load(fh)
+                table.add("dashboard on vs off: throughput widgets / none (median of per-round ratios)",
+                          "", "", d["ratio"], "overhead < 1 %", d["overhead"] < 0.01, ratio_digits=4)
         finally:
             if os.path.exists(out):
                 os.unlink(out)

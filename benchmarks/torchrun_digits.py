@@ -44,12 +44,13 @@ class DigitsMLP(nn.Module):
 class DigitsCNN(nn.Module):
     """Small CNN on 8x8 digits: two 3x3 convs (16, 32 channels), 2x2 max-pool, 2 linear layers."""
 
-    def __init__(self):
+    def __init__(self, channels=(16, 32), hidden=64):
         super().__init__()
-        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
-        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
-        self.fc1 = nn.Linear(32 * 4 * 4, 64)
-        self.fc2 = nn.Linear(64, 10)
+        c1, c2 = channels
+        self.conv1 = nn.Conv2d(1, c1, 3, padding=1)
+        self.conv2 = nn.Conv2d(c1, c2, 3, padding=1)
+        self.fc1 = nn.Linear(c2 * 4 * 4, hidden)
+        self.fc2 = nn.Linear(hidden, 10)
 
     def forward(self, x):
         x = x.view(-1, 1, 8, 8)
@@ -70,21 +71,11 @@ class DigitsMLP5M(nn.Module):
         return self.net(x)
 
 
-class DigitsWideCNN(nn.Module):
+class DigitsWideCNN(DigitsCNN):
     """A compute-bound CNN on digits (convs of 64 and 128 channels, 0.6M parameters, ~5M MACs per sample)."""
 
     def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 64, 3, padding=1)
-        self.conv2 = nn.Conv2d(64, 128, 3, padding=1)
-        self.fc1 = nn.Linear(128 * 4 * 4, 256)
-        self.fc2 = nn.Linear(256, 10)
-
-    def forward(self, x):
-        x = x.view(-1, 1, 8, 8)
-        x = F.relu(self.conv1(x))
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+        super().__init__(channels=(64, 128), hidden=256)
 
 
 MODELS = {"mlp": DigitsMLP, "cnn": DigitsCNN, "mlp5m": DigitsMLP5M, "widecnn": DigitsWideCNN}

@@ -403,7 +403,7 @@ class Cluster:
         got = sorted(self.client.ids)
         where = self._whereami(got) if got else {}
         seen = {info["address"] for info in where.values()} | {info["host"] for info in where.values()}
-        missing = [h for h in self.spec.hosts if not {placement.hostname_of(h), _resolve(h)} & seen]
+        missing = [h for h in self.spec.hosts if not {placement.hostname_of(h), placement.resolve(h)} & seen]
         url = f"{self.controller_ip}:{self._registration_port()}"
         hosts = f"; none from {', '.join(missing)}" if missing else ""
         raise ClusterError(
@@ -808,14 +808,6 @@ def _gpu_for(gpus: list, local_rank: int):
     if len(gpus) > local_rank:
         return gpus[local_rank]
     return gpus[0] if len(gpus) == 1 else None
-
-
-def _resolve(host: str) -> str | None:
-    """The IPv4 address of ``[user@]host[:port]``, or None."""
-    try:
-        return socket.gethostbyname(placement.hostname_of(host))
-    except OSError:
-        return None
 
 
 def _collateral(f) -> int:

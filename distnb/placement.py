@@ -96,6 +96,14 @@ def hostname_of(host: str) -> str:
     return host.split(":", 1)[0] if host.count(":") == 1 else host
 
 
+def resolve(host: str) -> str | None:
+    """The IPv4 address of ``[user@]host[:port]``, or None."""
+    try:
+        return socket.gethostbyname(hostname_of(host))
+    except OSError:
+        return None
+
+
 def local_addresses() -> set:
     """Every address of this host's interfaces."""
     import psutil
@@ -302,12 +310,7 @@ def assign_ranks(where: dict, hosts: tuple = ()) -> list[dict]:
                 node_order.append(node_key(where[eid]))
     else:
         wanted = [hostname_of(h) for h in hosts]
-        resolved = {}
-        for h in wanted:
-            try:
-                resolved[socket.gethostbyname(h)] = h
-            except OSError:
-                pass
+        resolved = {resolve(h): h for h in wanted}
 
         def position(key):
             host, address = key
