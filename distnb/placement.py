@@ -22,7 +22,7 @@ import sys
 
 from traitlets.config import Config
 
-from .engine.runtime import ipv4_of as interface_address, route_address
+from .engine.runtime import boot_id as this_boot, ipv4_of as interface_address, route_address
 from .errors import ClusterError, PlanError
 from .plan import BATCH_LAUNCHERS
 
@@ -324,11 +324,7 @@ def assign_ranks(where: dict, hosts: tuple = ()) -> list[dict]:
     hostnames = [k[0] for k in node_order]
     unique = len(set(hostnames)) == len(hostnames)
     mine = local_addresses() | {"127.0.0.1", "::1"}
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot_id = f.read().strip()
-    except OSError:
-        boot_id = None
+    boot_id = this_boot()
     seen = {}
     out = []
     for eid in order:

@@ -150,6 +150,15 @@ def interface_address(name: str) -> str:
                        f"{name}; its interfaces: {have}")
 
 
+def boot_id() -> str | None:
+    """This machine's Linux boot id (the same for every process on it), or None."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 def whereami(controller_ip: str) -> dict:
     """Where this engine runs, before it becomes a rank (no torch import).
 
@@ -162,11 +171,6 @@ def whereami(controller_ip: str) -> dict:
         the process, if launched by one; else None).
     """
     env = os.environ
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot_id = f.read().strip()
-    except OSError:
-        boot_id = None
     def first(*names):
         for name in names:
             if env.get(name, "").isdigit():
@@ -174,7 +178,7 @@ def whereami(controller_ip: str) -> dict:
         return None
 
     return dict(pid=os.getpid(), host=socket.gethostname(), address=route_address(controller_ip),
-                boot_id=boot_id, cores=len(os.sched_getaffinity(0)), gpus=visible_gpus(),
+                boot_id=boot_id(), cores=len(os.sched_getaffinity(0)), gpus=visible_gpus(),
                 launch_rank=first("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"),
                 launch_local_rank=first("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"))
 
