@@ -36,7 +36,10 @@ class TextProgress:
             if r["status"] in ("failed", "interrupted") and self._status_shown.get(r["rank"]) != r["status"]:
                 self._status_shown[r["rank"]] = r["status"]
                 detail = f": {r['error']}" if r.get("error") else ""
-                print(f"rank {r['rank']} {r['status']} at epoch {r['epoch']}, step {r['step']}{detail}",
+                # the cell's step count (the progress bar's), not the step within the epoch that the
+                # interrupt summary names; the epoch is the last one the rank reported, if any
+                epoch = f" in epoch {r['epoch']}" if r.get("epoch") is not None else ""
+                print(f"rank {r['rank']} {r['status']} after {r['step']} of this cell's steps{epoch}{detail}",
                       file=self.stream)
         self.stream.flush()
 

@@ -56,3 +56,17 @@ def test_view_selection_without_a_widget_front_end(monkeypatch):
     assert type(make_view(st)).__name__ == "TextProgress"  # plain Python: no kernel, no widgets
     assert type(make_view(st, "none")).__name__ == "NullView"
     assert type(make_view(st, "widgets")).__name__ == "Dashboard"
+
+
+def test_text_progress_names_no_epoch_for_a_rank_that_never_reported():
+    st = ProgressState(2, total_steps=4, epochs=2)
+    out = io.StringIO()
+    view = TextProgress(st, stream=out)
+    st.update(0, dict(status="running", epoch=1, step=3, samples_per_s=100.0))
+    st.set_status("failed", ranks=[1], error="EngineDied: gone")
+    st.set_status("interrupted", ranks=[0])
+    view.close()
+    text = out.getvalue()
+    assert "None" not in text
+    assert "rank 1 failed after 0 of this cell's steps: EngineDied: gone" in text
+    assert "rank 0 interrupted after 3 of this cell's steps in epoch 1" in text
