@@ -47,6 +47,9 @@ def pytest_sessionfinish(session, exitstatus):
 
     if distnb_session._CURRENT is not None:
         distnb_session._CURRENT.stop(quiet=True)
+    from distnb import zygote
+
+    zygote.stop()  # the engine template (%load_ext started it); the engines it forked are checked below
     deadline = time.monotonic() + 15
     left = cluster_processes()
     while left and time.monotonic() < deadline:

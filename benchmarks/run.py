@@ -69,6 +69,9 @@ def stop_and_sweep(nb, tmp):
         nb.cell("%dist stop", quiet=True)
     except Exception as exc:  # report, then make sure below
         print(f"warning: %dist stop failed: {exc}", file=sys.stderr)
+    from distnb import zygote
+
+    zygote.stop()  # the engine template %load_ext started
     time.sleep(0.5)
     for proc in leftover_processes():  # only our own descendants
         print(f"warning: killing leftover process {proc.pid}: {' '.join(proc.cmdline())[:120]}", file=sys.stderr)

@@ -29,16 +29,24 @@ def current():
 
 
 def load_ipython_extension(ipython):
-    """Register distnb's magics (``%load_ext distnb``)."""
+    """Register distnb's magics (``%load_ext distnb``) and start the engine template in the background.
+
+    The template (:mod:`distnb.zygote`) imports torch and the engine's modules once, so that
+    ``%dist start`` can fork CPU engines instead of importing all of it in each of them.
+    ``DISTNB_ZYGOTE=0`` turns it off.
+    """
+    from . import zygote
     from .magics import DistMagics
 
     ipython.register_magics(DistMagics)
+    zygote.warm()
 
 
 def unload_ipython_extension(ipython):
     """``%unload_ext distnb``: stop the cluster this kernel started."""
-    from . import session
+    from . import session, zygote
 
     if session._CURRENT is not None:
         session._CURRENT._end_background()
         session._CURRENT.stop(quiet=True)
+    zygote.stop()

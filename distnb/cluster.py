@@ -40,7 +40,7 @@ from traitlets import Float, List
 from ipyparallel.cluster.launcher import (LocalEngineLauncher, LocalEngineSetLauncher, SSHEngineLauncher,
                                           SSHEngineSetLauncher)
 
-from . import placement
+from . import placement, zygote
 from .engine.runtime import is_loopback, free_port, visible_gpus
 from .errors import ClusterError, PlanError, RankError
 from .plan import BATCH_LAUNCHERS, ClusterSpec, _check_int
@@ -125,6 +125,10 @@ class _Process(psutil.Process):
         return code
 
 
+#: How a local engine starts (or what a fork from the engine template stands for).
+ENGINE_CMD = [sys.executable, "-m", placement.ENGINE_MODULE]
+
+
 class _EngineLauncher(LocalEngineLauncher):
     """ipyparallel's local engine launcher, keeping the engine's exit status.
 
@@ -134,9 +138,23 @@ class _EngineLauncher(LocalEngineLauncher):
     """
 
     def _start_waiting(self):
-        if self.process is not None and not isinstance(self.process, _Process):
+        if self.process is not None and not isinstance(self.process, (_Process, zygote.ForkedProcess)):
             self.process = _Process(self.process.pid)
         super()._start_waiting()
+
+    def start(self):
+        """Fork the engine from the kernel's engine template when the cluster has one, else start it."""
+        template = getattr(getattr(self.parent, "parent", None), "_distnb_zygote", None)
+        env = os.environ.copy()
+        env.update(self.get_env())
+        args, cmd = self.args, list(self.engine_cmd)
+        if template is None or cmd != ENGINE_CMD or not template.matches(env):
+            return super().start()
+        self.pid = template.fork(args[len(cmd):], env, os.path.abspath(self.work_dir), self.output_file,
+                                 title=" ".join(args))
+        self.process = template.process(self.pid)
+        self.notify_start(self.pid)
+        self._start_waiting()
 
 
 #: Set in every engine's environment unless the kernel's environment sets them. INFO makes DDP's
@@ -152,7 +170,7 @@ class _EngineSetLauncher(LocalEngineSetLauncher):
     """
 
     launcher_class = _EngineLauncher
-    engine_cmd = List([sys.executable, "-m", "distnb.engine.ipengine"], config=True)
+    engine_cmd = List(ENGINE_CMD, config=True)
     # no nanny process per engine: distnb signals engines by pid, and registration would wait
     # for a second Python interpreter to start (about 0.5 CPU-s per engine, more under load);
     # no IPython history database either (cells reach engines as function calls, not history)
@@ -364,6 +382,9 @@ class Cluster:
             **profile_kwargs,
         )
         self._ipp._distnb_engine_env = env
+        # local CPU engines are forked from the kernel's engine template (imports done once; distnb.zygote)
+        self._ipp._distnb_zygote = (zygote.get() if self.launcher == "local" and spec.device_type == "cpu"
+                                    else None)
         try:
             self._ipp.start_cluster_sync(spec.num_engines)
             _restrict_security_files(self._ipp.profile_dir)

@@ -22,6 +22,9 @@ def main(argv=None) -> float:
     parser.add_argument("--lr", type=float, default=2e-3)
     args = parser.parse_args(argv)
     os.environ.setdefault("IPYTHONDIR", tempfile.mkdtemp(prefix="distnb-ipython-"))
+    from distnb import zygote
+
+    zygote.warm()  # as %load_ext does: the engine template imports while this process loads torch and the data
 
     import torch
     import torch.nn as nn

@@ -95,6 +95,11 @@ def wait_for_connection_file(path: str | None, timeout: float = CONNECTION_WAIT)
 
 
 def main() -> None:
+    if sys.argv[1:] == ["--zygote"]:  # the engine template (distnb.engine.zygote): forks engines on request
+        from distnb.engine import zygote
+
+        zygote.serve()
+        return
     TIMES["main"] = time.time()
     import numpy  # noqa: F401  shared by both threads' imports: loaded here once, first
 

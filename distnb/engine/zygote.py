@@ -1,0 +1,173 @@
+"""The engine template ("zygote"): one process that imports an engine's modules once and forks engines.
+
+Started by the kernel (:mod:`distnb.zygote`) as ``python -m distnb.engine.ipengine --zygote``.
+It imports what a CPU engine needs before its first training cell (ipyparallel's engine,
+torch, ``torch.distributed``, ``torch._dynamo``, which DDP's constructor imports, and
+distnb's training loop: about 2.8 CPU-seconds and 300 MB on this machine), then waits. Each
+request forks a child that becomes a fresh engine (its own session, environment, working
+directory, argv and log file) without importing anything again; pages are shared
+copy-on-write. The idea is the one of Android's zygote and of Python's
+``multiprocessing`` forkserver with preloaded modules (``set_forkserver_preload``); the
+forkserver itself is not used because its children are ``multiprocessing.Process`` objects
+(joined at the parent's exit, ``__main__`` re-imported, daemon rules for their own children).
+
+Forking is safe here because the template never starts a thread, never runs a tensor
+operation (no OpenMP pool to lose) and never touches CUDA: the kernel uses it for CPU
+engines only.
+
+Protocol (JSON, one object per line; requests on stdin, replies on stdout):
+
+- ``{"ready": true, "pid": P, "seconds": S, "python_env": {...}}`` once the imports are done
+  (``python_env``: the ``PYTHON*`` variables it started with, which a fork cannot change).
+- request ``{"id": K, "args": [ipengine options], "title": COMMAND_LINE, "env": {...}, "cwd": DIR,
+  "output": FILE}`` ->
+  ``{"id": K, "pid": P}`` or ``{"id": K, "error": TEXT}``.
+- ``{"exit": P, "status": S}`` when a child ends: its exit code, or minus the signal number
+  that killed it (the convention of ``subprocess`` and psutil).
+
+It exits when its stdin closes (the kernel is gone); children it forked are not waited for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import sys
+import time
+import traceback
+
+#: Imported once in the template; what ``ipengine``'s preload would import in every engine.
+PRELOAD = ("numpy", "ipyparallel.engine.app", "torch", "torch.distributed", "torch.distributed.distributed_c10d",
+           "torch._dynamo", "distnb.engine.loop", "distnb.engine.runtime")
+
+
+def _preload() -> None:
+    import importlib
+
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception:  # the engine imports it again and reports what fails
+            traceback.print_exc()
+
+
+def _reread_environment() -> None:
+    """What the preloaded modules read from the environment at import, read again from the engine's."""
+    import numpy
+    import torch.distributed
+
+    numpy.random.seed()  # a fresh process draws its own seed; a fork would share the template's
+    torch.distributed.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG (distnb sets INFO for engines)
+
+
+def _become_engine(req: dict, close_fds: list) -> None:
+    """In the forked child: turn into the engine ``req`` asks for; never returns."""
+    code = 1
+    try:
+        os.setsid()  # like Popen(start_new_session=True): a Ctrl-C to the kernel's group is not ours
+        try:  # before the environment changes: setproctitle takes the space of argv and the first environ
+            import setproctitle
+
+            setproctitle.setproctitle(req["title"])  # ps shows the engine's command line, not the template's
+        except ImportError:
+            pass
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in close_fds:
+            os.close(fd)
+        out = os.open(req["output"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+        os.close(null)
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        sys.path[0] = os.getcwd()  # what `python -m` puts first
+        _reread_environment()
+        from distnb.engine import ipengine
+
+        sys.argv = ["ipengine", *req["args"]]
+        ipengine.main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            import atexit
+
+            atexit._run_exitfuncs()  # what a normal interpreter exit runs
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _status(raw: int) -> int:
+    return os.waitstatus_to_exitcode(raw)
+
+
+def serve() -> None:
+    """Import, say ready, then fork engines on request until stdin closes."""
+    t0 = time.perf_counter()
+    reply = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # anything printed by imports goes to stderr, never into the protocol
+    _preload()
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes select through the wakeup fd
+
+    def send(msg):
+        reply.write(json.dumps(msg) + "\n")
+
+    send(dict(ready=True, pid=os.getpid(), seconds=time.perf_counter() - t0,
+              python_env={k: v for k, v in os.environ.items() if k.startswith("PYTHON")}))
+    buf = b""
+    children = set()
+    while True:
+        try:
+            readable, _, _ = select.select([0, wake_r], [], [])
+        except InterruptedError:
+            continue
+        if wake_r in readable:
+            try:
+                os.read(wake_r, 4096)
+            except BlockingIOError:
+                pass
+        while children:  # reap every child that ended and report its status
+            try:
+                pid, raw = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                children.clear()
+                break
+            if pid == 0:
+                break
+            children.discard(pid)
+            send(dict(exit=pid, status=_status(raw)))
+        if 0 not in readable:
+            continue
+        chunk = os.read(0, 65536)
+        if not chunk:
+            return  # the kernel is gone
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            req = json.loads(line)
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                pid = os.fork()
+            except OSError as exc:
+                send(dict(id=req["id"], error=f"fork failed: {exc}"))
+                continue
+            if pid == 0:
+                _become_engine(req, [wake_r, wake_w, reply.fileno()])
+            children.add(pid)
+            send(dict(id=req["id"], pid=pid))
