@@ -9,7 +9,10 @@ each engine. Target: distnb <= 0.4 x reference.
 (b) A cold ``%dist start`` plus the first ``%%distrain`` cell (model and shards sent, DDP
 built, the training, the weights back) against Accelerate's ``notebook_launcher`` running
 the same training (``accel_digits.py``), each from a notebook with the data and the model
-class defined. Target: distnb faster (ratio < 1).
+class defined (and, for distnb, ``%load_ext distnb`` run earlier: its engine template has
+imported torch, as the launcher's kernel has). Target: distnb faster (ratio < 1). Also
+measured in the same rounds: ``%load_ext`` inside the timed cell (the template still
+importing), and no template at all (``DISTNB_ZYGOTE=0``, fresh engine processes).
 
 Rounds alternate which side goes first; each distnb round starts and stops its own cluster.
 """
@@ -106,37 +109,75 @@ def measure_start(nb, rounds: int, log=print) -> dict:
                 reference_group=med(x["group_seconds"] for x in b), runs=dict(distnb=a, reference=b))
 
 
+#: Variants of the distnb side of (b), measured in the same rounds (what the engine template gains, and
+#: what it costs when ``%dist start`` comes right after ``%load_ext``): name -> cell run first, inside the timing.
+FIRST_CELL_VARIANTS = {
+    # the template started by the timed cell itself: %dist start waits for its imports
+    "load_ext": "%reload_ext distnb",
+    # no template: engines start as fresh processes and import torch themselves (the launch before it)
+    "no_template": None,
+}
+
+
+def _distnb_first_cell(nb, cell, reset_cell, variant):
+    from distnb import zygote
+
+    if reset_cell:
+        nb.cell(reset_cell, quiet=True)
+    if variant == "load_ext":
+        zygote.stop()
+    elif variant == "no_template":
+        os.environ["DISTNB_ZYGOTE"] = "0"
+    else:
+        zygote.get()  # ready, as after %load_ext earlier in the notebook (untimed)
+    try:
+        t0 = time.perf_counter()
+        if FIRST_CELL_VARIANTS.get(variant):
+            nb.cell(FIRST_CELL_VARIANTS[variant], quiet=True)
+        start = distnb_start(nb)
+        nb.cell(cell, quiet=True)
+        wall = time.perf_counter() - t0
+        r = nb.ns["r"]
+        distnb_stop(nb)
+    finally:
+        os.environ.pop("DISTNB_ZYGOTE", None)
+    return dict(seconds=wall, start_seconds=start, cell_seconds=r.wall_seconds, train_seconds=r.train_seconds,
+                samples_per_s=r.samples_per_s)
+
+
 def measure_first_cell(nb, rounds: int, cell: str, launch, reset_cell: str = "", log=print) -> dict:
     """(b): cold start + first cell, against ``launch()`` (one notebook_launcher call), alternated.
 
     ``reset_cell`` (untimed) runs before each distnb round: a fresh model, as the launcher builds.
+    The main figure has the engine template ready (``%load_ext distnb`` ran earlier in the
+    notebook); :data:`FIRST_CELL_VARIANTS` are measured in the same rounds, the order of the
+    sides rotating from round to round.
     """
-    a, b = [], []
+    sides = ["distnb", "accelerate", *FIRST_CELL_VARIANTS]
+    runs = {s: [] for s in sides}
     for k in range(rounds):
-        for side in (("distnb", "accelerate") if k % 2 == 0 else ("accelerate", "distnb")):
-            if side == "distnb":
-                if reset_cell:
-                    nb.cell(reset_cell, quiet=True)
-                t0 = time.perf_counter()
-                start = distnb_start(nb)
-                nb.cell(cell, quiet=True)
-                wall = time.perf_counter() - t0
-                r = nb.ns["r"]
-                distnb_stop(nb)
-                a.append(dict(seconds=wall, start_seconds=start, cell_seconds=r.wall_seconds,
-                              train_seconds=r.train_seconds, samples_per_s=r.samples_per_s))
-            else:
+        for side in sides[k % len(sides):] + sides[:k % len(sides)]:
+            if side == "accelerate":
                 res = launch()
-                b.append(dict(seconds=res["wall_seconds"], train_seconds=res["train_seconds"],
-                              samples_per_s=res["samples_per_s"], setup_seconds=res["setup_seconds"]))
-        log(f"  first cell round {k + 1}: distnb start {a[-1]['start_seconds']:.2f} s + cell "
-            f"{a[-1]['cell_seconds']:.2f} s (training {a[-1]['train_seconds']:.2f} s) = {a[-1]['seconds']:.2f} s; "
-            f"notebook_launcher {b[-1]['seconds']:.2f} s (training {b[-1]['train_seconds']:.2f} s)")
+                runs[side].append(dict(seconds=res["wall_seconds"], train_seconds=res["train_seconds"],
+                                       samples_per_s=res["samples_per_s"], setup_seconds=res["setup_seconds"]))
+            else:
+                runs[side].append(_distnb_first_cell(nb, cell, reset_cell, side))
+        a, b = runs["distnb"][-1], runs["accelerate"][-1]
+        extra = "; ".join(f"{v} {runs[v][-1]['seconds']:.2f} s" for v in FIRST_CELL_VARIANTS)
+        log(f"  first cell round {k + 1}: distnb start {a['start_seconds']:.2f} s + cell "
+            f"{a['cell_seconds']:.2f} s (training {a['train_seconds']:.2f} s) = {a['seconds']:.2f} s; "
+            f"notebook_launcher {b['seconds']:.2f} s (training {b['train_seconds']:.2f} s); {extra}")
     med = statistics.median
-    return dict(distnb=med(x["seconds"] for x in a), reference=med(x["seconds"] for x in b),
-                distnb_start=med(x["start_seconds"] for x in a), distnb_cell=med(x["cell_seconds"] for x in a),
-                distnb_train=med(x["train_seconds"] for x in a), reference_train=med(x["train_seconds"] for x in b),
-                runs=dict(distnb=a, accelerate=b), pid=os.getpid())
+    a, b = runs["distnb"], runs["accelerate"]
+    out = dict(distnb=med(x["seconds"] for x in a), reference=med(x["seconds"] for x in b),
+               distnb_start=med(x["start_seconds"] for x in a), distnb_cell=med(x["cell_seconds"] for x in a),
+               distnb_train=med(x["train_seconds"] for x in a), reference_train=med(x["train_seconds"] for x in b),
+               runs=runs, pid=os.getpid())
+    for v in FIRST_CELL_VARIANTS:
+        out[v] = med(x["seconds"] for x in runs[v])
+        out[v + "_start"] = med(x["start_seconds"] for x in runs[v])
+    return out
 
 
 @contextlib.contextmanager

@@ -64,6 +64,9 @@ def _session():
 def _start(line):
     """Start the cluster and its process group (keeps a running one).
 
+    Local CPU engines are forked from the engine template that ``%load_ext distnb`` started
+    (imports done once; ``DISTNB_ZYGOTE=0`` turns it off; README "Start-up").
+
     Several hosts (ipyparallel's launchers; README "Beyond one machine")::
 
         %dist start --launcher ssh --hosts node1,node2 --engines-per-node 2

@@ -57,9 +57,9 @@ class ForkedProcess(psutil.Process):
     def wait(self, timeout=None):
         """Wait for the engine to end; its exit status. Raises ``psutil.TimeoutExpired``."""
         if self._zygote.wait_exit(self.pid, timeout):
-            return self._zygote.exits[self.pid]
-        if not self._zygote.alive():  # nobody reaps it any more: fall back to watching the pid
-            return super().wait(timeout)
+            if self.pid in self._zygote.exits:
+                return self._zygote.exits[self.pid]
+            return super().wait(timeout)  # the template is gone (nobody reaps it here): watch the pid
         raise psutil.TimeoutExpired(timeout, self.pid)
 
 
@@ -75,6 +75,9 @@ class Zygote:
     """
 
     def __init__(self, env: dict | None = None):
+        # if an import asks torch.cuda.is_available(), answer from NVML: the CUDA driver is never
+        # initialised in a process that forks (each engine gets the kernel's environment back at fork)
+        env = {**(os.environ if env is None else env), "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "distnb.engine.ipengine", "--zygote"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
