@@ -203,9 +203,9 @@ class ForeignCpu:
         total = t.user + t.system + t.children_user + t.children_system
         per = {}
         for proc in me.children(recursive=True):
-            try:
+            try:  # with what it reaped: engines forked by distnb's engine template are its children, not ours
                 c = proc.cpu_times()
-                per[proc.pid] = c.user + c.system
+                per[proc.pid] = c.user + c.system + c.children_user + c.children_system
             except psutil.Error:
                 pass
         return total, per

@@ -111,6 +111,7 @@ class Zygote:
                     self.exits[msg["exit"]] = msg["status"]
                 elif "id" in msg:
                     self._replies[msg["id"]] = msg
+                    self.exits.pop(msg.get("pid"), None)  # a reused pid: the old engine's status is not this one's
                 self._cond.notify_all()
             if msg.get("ready"):
                 self.ready_event.set()
