@@ -2,9 +2,11 @@
 
 The controller listens on 127.0.0.1 and its heartbeat period is shortened (the
 default 3 s heartbeat made a plain ``ipyparallel.Cluster`` start take ~6.6 s here;
-FIELD-NOTES pitfall 2). Engines are ranked by ascending engine id. Each engine gets
-its rank's environment, device and thread count before torch is imported on it
-(:func:`distnb.engine.runtime.setup`).
+FIELD-NOTES pitfall 2). Local CPU engines and their controller are forked from the kernel's
+engine template (:mod:`distnb.zygote`), others start as fresh processes. Engines are ranked
+by ascending engine id (or by placement over hosts). Each engine gets its rank's
+environment, device and thread count (:func:`distnb.engine.runtime.setup`); a GPU engine
+before torch is imported on it.
 
 Security: with engines on this machine every socket the cluster listens on is bound to
 127.0.0.1 (the controller's ``--ip``; the torch.distributed store and gloo's pair sockets, see
@@ -37,15 +39,16 @@ import time
 import ipyparallel as ipp
 import psutil
 from traitlets import Float, List
-from ipyparallel.cluster.launcher import (LocalEngineLauncher, LocalEngineSetLauncher, SSHEngineLauncher,
-                                          SSHEngineSetLauncher)
+from ipyparallel.cluster.launcher import (LocalControllerLauncher, LocalEngineLauncher, LocalEngineSetLauncher,
+                                          SSHEngineLauncher, SSHEngineSetLauncher)
 
 from . import placement, zygote
 from .engine.runtime import is_loopback, free_port, visible_gpus
 from .errors import ClusterError, PlanError, RankError
 from .plan import BATCH_LAUNCHERS, ClusterSpec, _check_int
 
-HEARTBEAT_MS = 250
+HEARTBEAT_MS = 100
+HEARTBEAT_MISSES = 25  # an engine is dropped after 2.5 s without a heartbeat
 #: Seconds an ssh launcher keeps asking an unreachable host about its engine before giving up.
 UNREACHABLE_GIVE_UP = 20.0
 #: Seconds engines started by a batch system (slurm, ...) may take to register: the job may queue.
@@ -127,15 +130,61 @@ class _Process(psutil.Process):
 
 #: How a local engine starts (or what a fork from the engine template stands for).
 ENGINE_CMD = [sys.executable, "-m", placement.ENGINE_MODULE]
+#: How the controller starts (ipyparallel's default), or what a fork from the template stands for.
+CONTROLLER_CMD = [sys.executable, "-m", "ipyparallel.controller"]
 
 
-class _EngineLauncher(LocalEngineLauncher):
-    """ipyparallel's local engine launcher, keeping the engine's exit status.
+def _template_of(launcher):
+    """The engine template the launcher's ``ipp.Cluster`` was given (None: start a fresh process)."""
+    while launcher is not None and not hasattr(launcher, "_distnb_zygote"):
+        launcher = getattr(launcher, "parent", None)
+    return getattr(launcher, "_distnb_zygote", None)
+
+
+class _Forkable:
+    """A local process launcher that forks its process from the kernel's engine template when it can.
+
+    What the launcher would run (``cmd`` + options), with the same environment, working
+    directory and log file; else (no template, another command, or ``PYTHON*`` variables a
+    fork cannot give) ipyparallel's own start.
+    """
+
+    _template_main = ""  # what the template's child runs: "engine" or "controller"
+
+    def _start_forked(self, cmd, default_cmd) -> bool:
+        template = _template_of(self)
+        env = os.environ.copy()
+        env.update(self.get_env())
+        if template is None or list(cmd) != default_cmd or not template.matches(env):
+            return False
+        args = self.args
+        self.pid = template.fork(args[len(default_cmd):], env, os.path.abspath(self.work_dir), self.output_file,
+                                 title=" ".join(args), main=self._template_main)
+        self.process = template.process(self.pid)
+        self.notify_start(self.pid)
+        self._start_waiting()
+        return True
+
+
+class _ControllerLauncher(_Forkable, LocalControllerLauncher):
+    """ipyparallel's local controller launcher; the controller is forked from the engine template when there is one."""
+
+    _template_main = "controller"
+
+    def start(self):
+        if not self._start_forked(self.controller_cmd, CONTROLLER_CMD):
+            super().start()
+
+
+class _EngineLauncher(_Forkable, LocalEngineLauncher):
+    """ipyparallel's local engine launcher, keeping the engine's exit status; forked from the template if any.
 
     Its wait thread reaps the engine as soon as it exits (pidfd/waitpid) but reports the
     status only through the launcher's event loop, which does not run in a plain kernel
     call; the status is kept on ``self.process.exit_status`` instead.
     """
+
+    _template_main = "engine"
 
     def _start_waiting(self):
         if self.process is not None and not isinstance(self.process, (_Process, zygote.ForkedProcess)):
@@ -143,18 +192,8 @@ class _EngineLauncher(LocalEngineLauncher):
         super()._start_waiting()
 
     def start(self):
-        """Fork the engine from the kernel's engine template when the cluster has one, else start it."""
-        template = getattr(getattr(self.parent, "parent", None), "_distnb_zygote", None)
-        env = os.environ.copy()
-        env.update(self.get_env())
-        args, cmd = self.args, list(self.engine_cmd)
-        if template is None or cmd != ENGINE_CMD or not template.matches(env):
-            return super().start()
-        self.pid = template.fork(args[len(cmd):], env, os.path.abspath(self.work_dir), self.output_file,
-                                 title=" ".join(args))
-        self.process = template.process(self.pid)
-        self.notify_start(self.pid)
-        self._start_waiting()
+        if not self._start_forked(self.engine_cmd, ENGINE_CMD):
+            super().start()
 
 
 #: Set in every engine's environment unless the kernel's environment sets them. INFO makes DDP's
@@ -365,8 +404,8 @@ class Cluster:
                "DISTNB_PRELOAD": "all" if spec.device_type == "cpu" and not self.remote else "torch"}
         env.update({k: v for k, v in ENGINE_ENV.items() if k not in os.environ})
         if self.launcher == "local":
-            launch = dict(engine_launcher_class=_EngineSetLauncher, delay=0,
-                          send_engines_connection_env=False)  # engines start with the controller
+            launch = dict(engine_launcher_class=_EngineSetLauncher, controller_launcher_class=_ControllerLauncher,
+                          delay=0, send_engines_connection_env=False)  # engines start with the controller
         else:
             launch = dict(config=placement.launcher_config(spec, self.launcher, profile, env))
             if spec.launcher is not None:  # else the profile's own launcher class, whatever it is
@@ -374,7 +413,8 @@ class Cluster:
         self._ipp = ipp.Cluster(
             n=spec.num_engines,
             controller_ip=self.controller_ip,
-            controller_args=[f"--HeartMonitor.period={HEARTBEAT_MS}"],
+            controller_args=[f"--HeartMonitor.period={HEARTBEAT_MS}",
+                             f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}"],
             log=_log,
             engine_timeout=int(engine_timeout),
             shutdown_atexit=False,  # distnb stops it (session atexit, the reaper); ipyparallel's retries hang

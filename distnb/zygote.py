@@ -129,8 +129,11 @@ class Zygote:
         want = {k: v for k, v in env.items() if k.startswith("PYTHON")}
         return want == self.info.get("python_env")
 
-    def fork(self, args: list, env: dict, cwd: str, output: str, title: str) -> int:
-        """Fork an engine: ``ipengine`` with ``args``, environment ``env``, in ``cwd``, logging to ``output``.
+    def fork(self, args: list, env: dict, cwd: str, output: str, title: str, main: str = "engine") -> int:
+        """Fork an engine (``main="engine"``: ``ipengine`` with ``args``) or the controller (``"controller"``).
+
+        The child gets the environment ``env``, works in ``cwd``, logs to ``output`` and shows
+        ``title`` as its command line.
 
         Returns
         -------
@@ -145,7 +148,8 @@ class Zygote:
         with self._lock:
             self._next += 1
             rid = self._next
-            line = json.dumps(dict(id=rid, args=list(args), env=dict(env), cwd=cwd, output=output, title=title))
+            line = json.dumps(dict(id=rid, main=main, args=list(args), env=dict(env), cwd=cwd, output=output,
+                                   title=title))
             try:
                 self.proc.stdin.write(line.encode() + b"\n")
                 self.proc.stdin.flush()

@@ -1,5 +1,7 @@
 """The engine template ("zygote"): one process that imports an engine's modules once and forks engines.
 
+It forks the cluster's controller too (ipyparallel's controller, imported here as well).
+
 Started by the kernel (:mod:`distnb.zygote`) as ``python -m distnb.engine.ipengine --zygote``.
 It imports what a CPU engine needs before its first training cell (ipyparallel's engine,
 torch, ``torch.distributed``, ``torch._dynamo``, which DDP's constructor imports, and
@@ -19,8 +21,8 @@ Protocol (JSON, one object per line; requests on stdin, replies on stdout):
 
 - ``{"ready": true, "pid": P, "seconds": S, "python_env": {...}}`` once the imports are done
   (``python_env``: the ``PYTHON*`` variables it started with, which a fork cannot change).
-- request ``{"id": K, "args": [ipengine options], "title": COMMAND_LINE, "env": {...}, "cwd": DIR,
-  "output": FILE}`` ->
+- request ``{"id": K, "main": "engine"|"controller", "args": [its options], "title": COMMAND_LINE,
+  "env": {...}, "cwd": DIR, "output": FILE}`` ->
   ``{"id": K, "pid": P}`` or ``{"id": K, "error": TEXT}``.
 - ``{"exit": P, "status": S}`` when a child ends: its exit code, or minus the signal number
   that killed it (the convention of ``subprocess`` and psutil).
@@ -39,7 +41,7 @@ import time
 import traceback
 
 #: Imported once in the template; what ``ipengine``'s preload would import in every engine.
-PRELOAD = ("numpy", "ipyparallel.engine.app", "torch", "torch.distributed", "torch.distributed.distributed_c10d",
+PRELOAD = ("numpy", "ipyparallel.engine.app", "ipyparallel.controller.app", "torch", "torch.distributed", "torch.distributed.distributed_c10d",
            "torch._dynamo", "distnb.engine.loop", "distnb.engine.runtime")
 
 
@@ -89,10 +91,16 @@ def _become_engine(req: dict, close_fds: list) -> None:
         os.environ.update(req["env"])
         sys.path[0] = os.getcwd()  # what `python -m` puts first
         _reread_environment()
-        from distnb.engine import ipengine
+        if req.get("main") == "controller":
+            from ipyparallel.controller.app import main as controller_main
 
-        sys.argv = ["ipengine", *req["args"]]
-        ipengine.main()
+            sys.argv = ["ipcontroller", *req["args"]]
+            controller_main()
+        else:
+            from distnb.engine import ipengine
+
+            sys.argv = ["ipengine", *req["args"]]
+            ipengine.main()
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

@@ -1,4 +1,5 @@
-"""The engine template (distnb.zygote): CPU engines forked with their imports done, behaving as fresh ones.
+"""The engine template (distnb.zygote): CPU engines (and their controller) forked with their imports done,
+behaving as fresh ones.
 
 Each test starts its own small cluster (the shared one is left alone) with the kernel's one template.
 """
@@ -44,6 +45,8 @@ def test_engines_are_forked_from_the_template_and_get_their_own_environment(monk
             cmd = " ".join(psutil.Process(p["pid"]).cmdline())
             assert "distnb.engine.ipengine" in cmd and "--zygote" not in cmd  # ps shows an engine
         assert probes[0]["numpy_draw"] != probes[1]["numpy_draw"]  # each engine seeds numpy afresh
+        controller = psutil.Process(session.cluster.pids["controller"])
+        assert controller.ppid() == template.pid and "ipyparallel.controller" in " ".join(controller.cmdline())
         session.run("import torch, torch.distributed as dist\nt = torch.ones(1) * (dist.get_rank() + 1)\n"
                     "dist.all_reduce(t)")
         assert float(session.pull("t", rank=1)) == 3.0
@@ -75,6 +78,7 @@ def test_engines_start_fresh_when_the_template_cannot_stand_in(monkeypatch, how)
     session, probes = _start(2)
     try:
         assert all(p["ppid"] == os.getpid() for p in probes)  # started by the kernel's launcher
+        assert psutil.Process(session.cluster.pids["controller"]).ppid() == os.getpid()
         session.run("import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)")
         assert float(session.pull("t", rank=0)) == 2.0
     finally:
