@@ -43,10 +43,10 @@ def load_ipython_extension(ipython):
 
 
 def unload_ipython_extension(ipython):
-    """``%unload_ext distnb``: stop the cluster this kernel started."""
+    """``%unload_ext distnb`` (and ``%reload_ext``): stop the cluster this kernel started and the engine template."""
     from . import session, zygote
 
     if session._CURRENT is not None:
         session._CURRENT._end_background()
-        session._CURRENT.stop(quiet=True)
+        session._CURRENT.stop(quiet=not session._CURRENT.running)  # says what it stopped, as %dist stop does
     zygote.stop()

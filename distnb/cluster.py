@@ -145,8 +145,8 @@ class _Forkable:
     """A local process launcher that forks its process from the kernel's engine template when it can.
 
     What the launcher would run (``cmd`` + options), with the same environment, working
-    directory and log file; else (no template, another command, or ``PYTHON*`` variables a
-    fork cannot give) ipyparallel's own start.
+    directory and log file; else (no template, another command, or variables read at start-up
+    that a fork cannot give, :meth:`distnb.zygote.Zygote.matches`) ipyparallel's own start.
     """
 
     _template_main = ""  # what the template's child runs: "engine" or "controller"
@@ -422,10 +422,11 @@ class Cluster:
             **profile_kwargs,
         )
         self._ipp._distnb_engine_env = env
-        # local CPU engines are forked from the kernel's engine template (imports done once; distnb.zygote)
-        self._ipp._distnb_zygote = (zygote.get() if self.launcher == "local" and spec.device_type == "cpu"
-                                    else None)
+        self._ipp._distnb_zygote = None
         try:
+            # local CPU engines are forked from the kernel's engine template (imports done once; distnb.zygote)
+            if self.launcher == "local" and spec.device_type == "cpu":
+                self._ipp._distnb_zygote = zygote.get()
             self._ipp.start_cluster_sync(spec.num_engines)
             _restrict_security_files(self._ipp.profile_dir)
             for engine_set in self._ipp.engines.values():

@@ -5,7 +5,7 @@ constructor imports) before it can train: about 2.8 CPU-seconds per engine on th
 machine, paid again at every ``%dist start`` and ``%dist restart``, and most of a cold
 start plus first cell (``benchmarks/cold_start.py``). ``%load_ext distnb`` starts one
 template process (:mod:`distnb.engine.zygote`) in the background that imports all of it
-once; local CPU engines are then forked from it in milliseconds. GPU engines and engines
+once; local CPU engines (and their controller) are then forked from it in milliseconds. GPU engines and engines
 on other hosts start as fresh processes, as before (a process that may have touched CUDA
 must not fork).
 
@@ -23,11 +23,15 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import psutil
 
 #: Seconds ``%dist start`` waits for a template that is still importing before starting fresh engines.
 READY_WAIT = 60.0
+#: Set in the template's own environment: if an import asks ``torch.cuda.is_available()``, NVML
+#: answers, so the CUDA driver is never initialised in a process that forks.
+TEMPLATE_ENV = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
 #: Seconds to wait for the template to answer a fork request.
 FORK_WAIT = 10.0
 
@@ -59,8 +63,22 @@ class ForkedProcess(psutil.Process):
         if self._zygote.wait_exit(self.pid, timeout):
             if self.pid in self._zygote.exits:
                 return self._zygote.exits[self.pid]
-            return super().wait(timeout)  # the template is gone (nobody reaps it here): watch the pid
+            return self._wait_orphan(timeout)
         raise psutil.TimeoutExpired(timeout, self.pid)
+
+    def _wait_orphan(self, timeout):
+        """The template is gone: watch the pid; a zombie counts as ended (an init that never reaps is common
+        in containers). Its exit status is lost (None)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                if self.status() == psutil.STATUS_ZOMBIE:
+                    return None
+            except psutil.NoSuchProcess:
+                return None
+            if deadline is not None and time.monotonic() >= deadline:
+                raise psutil.TimeoutExpired(timeout, self.pid)
+            time.sleep(0.05)
 
 
 class Zygote:
@@ -70,17 +88,16 @@ class Zygote:
     ----------
     env : dict, optional
         The template's environment (default: the kernel's). Each engine gets its own
-        environment at fork; only ``PYTHON*`` variables (read at interpreter start-up) are
-        fixed by the template's.
+        environment at fork; only the variables read at start-up (:meth:`matches`) are fixed
+        by the template's.
     """
 
     def __init__(self, env: dict | None = None):
-        # if an import asks torch.cuda.is_available(), answer from NVML: the CUDA driver is never
-        # initialised in a process that forks (each engine gets the kernel's environment back at fork)
-        env = {**(os.environ if env is None else env), "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+        env = {**(os.environ if env is None else env), **TEMPLATE_ENV}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "distnb.engine.ipengine", "--zygote"], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+        self._gone = False
         self.ready_event = threading.Event()
         self.info: dict = {}
         self.exits: dict = {}
@@ -96,7 +113,7 @@ class Zygote:
         return self.proc.pid
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return not self._gone and self.proc.poll() is None
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -115,7 +132,8 @@ class Zygote:
                 self._cond.notify_all()
             if msg.get("ready"):
                 self.ready_event.set()
-        with self._cond:  # the template is gone
+        with self._cond:  # the template is gone (its stdout closed: waiters must not wait for a poll() to agree)
+            self._gone = True
             self._cond.notify_all()
         self.ready_event.set()
 
@@ -125,9 +143,15 @@ class Zygote:
         return bool(self.info) and self.alive()
 
     def matches(self, env: dict) -> bool:
-        """Whether a fork can give an engine the environment ``env`` (its ``PYTHON*`` variables agree)."""
-        want = {k: v for k, v in env.items() if k.startswith("PYTHON")}
-        return want == self.info.get("python_env")
+        """Whether a fork can give an engine the environment ``env``: the variables read at start-up agree.
+
+        Those are ``PYTHON*``, ``LD_*``, torch's logging and compiler switches and the math
+        libraries' (:data:`distnb.engine.zygote.FROZEN_ENV_PREFIXES`), as the template started with them.
+        """
+        from .engine.zygote import frozen_env
+
+        theirs = {k: v for k, v in self.info.get("frozen_env", {}).items() if k not in TEMPLATE_ENV}
+        return frozen_env({k: v for k, v in env.items() if k not in TEMPLATE_ENV}) == theirs
 
     def fork(self, args: list, env: dict, cwd: str, output: str, title: str, main: str = "engine") -> int:
         """Fork an engine (``main="engine"``: ``ipengine`` with ``args``) or the controller (``"controller"``).

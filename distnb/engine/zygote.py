@@ -19,8 +19,8 @@ engines only.
 
 Protocol (JSON, one object per line; requests on stdin, replies on stdout):
 
-- ``{"ready": true, "pid": P, "seconds": S, "python_env": {...}}`` once the imports are done
-  (``python_env``: the ``PYTHON*`` variables it started with, which a fork cannot change).
+- ``{"ready": true, "pid": P, "seconds": S, "frozen_env": {...}}`` once the imports are done
+  (``frozen_env``: the variables it started with that a fork cannot change, :func:`frozen_env`).
 - request ``{"id": K, "main": "engine"|"controller", "args": [its options], "title": COMMAND_LINE,
   "env": {...}, "cwd": DIR, "output": FILE}`` ->
   ``{"id": K, "pid": P}`` or ``{"id": K, "error": TEXT}``.
@@ -55,12 +55,29 @@ def _preload() -> None:
             traceback.print_exc()
 
 
+#: Environment variables read when Python starts or a library loads, which a fork cannot change:
+#: an engine that needs other values than the template's starts as a fresh process. (TMPDIR,
+#: TORCH_DISTRIBUTED_DEBUG and the thread count are re-read in the child instead.)
+FROZEN_ENV_PREFIXES = ("PYTHON", "LD_", "TORCH_LOGS", "TORCHDYNAMO_", "TORCHINDUCTOR_", "TORCH_COMPILE",
+                       "PYTORCH_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_")
+
+
+def frozen_env(env) -> dict:
+    """The variables of ``env`` that a fork cannot change (:data:`FROZEN_ENV_PREFIXES`)."""
+    return {k: v for k, v in env.items() if k.startswith(FROZEN_ENV_PREFIXES)}
+
+
 def _reread_environment() -> None:
-    """What the preloaded modules read from the environment at import, read again from the engine's."""
+    """What the preloaded modules took from the template's state at import, taken again for this engine."""
+    import tempfile
+
     import numpy
+    import torch
     import torch.distributed
 
-    numpy.random.seed()  # a fresh process draws its own seed; a fork would share the template's
+    tempfile.tempdir = None  # TMPDIR and friends: found again on first use
+    numpy.random.seed()  # a fresh process draws its own seeds; a fork would share the template's
+    torch.seed()
     torch.distributed.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG (distnb sets INFO for engines)
 
 
@@ -69,10 +86,11 @@ def _become_engine(req: dict, close_fds: list) -> None:
     code = 1
     try:
         os.setsid()  # like Popen(start_new_session=True): a Ctrl-C to the kernel's group is not ours
-        try:  # before the environment changes: setproctitle takes the space of argv and the first environ
+        try:  # ps shows what the child is, not the template; SPT_NOENV: /proc/PID/environ is left readable
+            os.environ["SPT_NOENV"] = "1"  # (the title is then cut to the template's command-line length)
             import setproctitle
 
-            setproctitle.setproctitle(req["title"])  # ps shows the engine's command line, not the template's
+            setproctitle.setproctitle(req["title"])
         except ImportError:
             pass
         signal.set_wakeup_fd(-1)
@@ -90,16 +108,18 @@ def _become_engine(req: dict, close_fds: list) -> None:
         os.environ.clear()
         os.environ.update(req["env"])
         sys.path[0] = os.getcwd()  # what `python -m` puts first
+        # ipyparallel's apps chdir to their work_dir, whose default is the cwd when ipyparallel was imported
+        args = [f"--work-dir={os.getcwd()}", *req["args"]]
         _reread_environment()
         if req.get("main") == "controller":
             from ipyparallel.controller.app import main as controller_main
 
-            sys.argv = ["ipcontroller", *req["args"]]
+            sys.argv = ["ipcontroller", *args]
             controller_main()
         else:
             from distnb.engine import ipengine
 
-            sys.argv = ["ipengine", *req["args"]]
+            sys.argv = ["ipengine", *args]
             ipengine.main()
         code = 0
     except SystemExit as exc:
@@ -124,6 +144,7 @@ def _status(raw: int) -> int:
 def serve() -> None:
     """Import, say ready, then fork engines on request until stdin closes."""
     t0 = time.perf_counter()
+    started_with = frozen_env(os.environ)  # before the imports (torch sets TORCHINDUCTOR_CACHE_DIR itself)
     reply = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything printed by imports goes to stderr, never into the protocol
     _preload()
@@ -135,8 +156,7 @@ def serve() -> None:
     def send(msg):
         reply.write(json.dumps(msg) + "\n")
 
-    send(dict(ready=True, pid=os.getpid(), seconds=time.perf_counter() - t0,
-              python_env={k: v for k, v in os.environ.items() if k.startswith("PYTHON")}))
+    send(dict(ready=True, pid=os.getpid(), seconds=time.perf_counter() - t0, frozen_env=started_with))
     buf = b""
     children = set()
     while True:

@@ -15,11 +15,11 @@ from distnb.cluster import Cluster, default_spec
 from distnb.session import Session
 
 PROBE = """
-import os, sys, numpy, torch
+import os, sys, tempfile, numpy, torch
 probe = dict(pid=os.getpid(), ppid=os.getppid(), mark=os.environ.get("DISTNB_TEST_MARK"),
              omp=os.environ.get("OMP_NUM_THREADS"), threads=torch.get_num_threads(), cwd=os.getcwd(),
-             numpy_draw=float(numpy.random.random()), dynamo="torch._dynamo" in sys.modules,
-             setsid=os.getsid(0) == os.getpid())
+             numpy_draw=float(numpy.random.random()), torch_seed=torch.initial_seed(),
+             tmp=tempfile.gettempdir(), dynamo="torch._dynamo" in sys.modules, setsid=os.getsid(0) == os.getpid())
 """
 
 
@@ -29,10 +29,12 @@ def _start(n=2):
     return session, [session.pull("probe", rank=r) for r in range(n)]
 
 
-def test_engines_are_forked_from_the_template_and_get_their_own_environment(monkeypatch):
+def test_engines_are_forked_from_the_template_and_get_their_own_environment(monkeypatch, tmp_path):
     template = zygote.get()
     assert template is not None and template.ready(0)
     monkeypatch.setenv("DISTNB_TEST_MARK", "set after the template started")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # read once by tempfile: read again by each engine
+    monkeypatch.chdir(tmp_path)  # the kernel's directory at %dist start, not when the template started
     session, probes = _start(2)
     try:
         for p in probes:
@@ -41,10 +43,11 @@ def test_engines_are_forked_from_the_template_and_get_their_own_environment(monk
             assert p["omp"] == "1" and p["threads"] == 1  # the cluster's thread count, per engine
             assert p["dynamo"]  # DDP's import is done before the first cell
             assert p["setsid"]  # its own session: a Ctrl-C to the kernel's process group does not reach it
-            assert p["cwd"] == os.getcwd()
+            assert p["cwd"] == str(tmp_path) and p["tmp"] == str(tmp_path)
             cmd = " ".join(psutil.Process(p["pid"]).cmdline())
             assert "distnb.engine.ipengine" in cmd and "--zygote" not in cmd  # ps shows an engine
-        assert probes[0]["numpy_draw"] != probes[1]["numpy_draw"]  # each engine seeds numpy afresh
+        assert probes[0]["numpy_draw"] != probes[1]["numpy_draw"]  # each engine seeds numpy and torch afresh
+        assert probes[0]["torch_seed"] != probes[1]["torch_seed"]
         controller = psutil.Process(session.cluster.pids["controller"])
         assert controller.ppid() == template.pid and "ipyparallel.controller" in " ".join(controller.cmdline())
         session.run("import torch, torch.distributed as dist\nt = torch.ones(1) * (dist.get_rank() + 1)\n"
@@ -69,12 +72,14 @@ def test_a_forked_engine_uses_several_threads_and_reports_how_it_died():
         session.stop(quiet=True)
 
 
-@pytest.mark.parametrize("how", ["DISTNB_ZYGOTE=0", "PYTHONPATH differs"])
+@pytest.mark.parametrize("how", ["DISTNB_ZYGOTE=0", "PYTHONPATH differs", "TORCH_LOGS differs"])
 def test_engines_start_fresh_when_the_template_cannot_stand_in(monkeypatch, how):
     if how == "DISTNB_ZYGOTE=0":
         monkeypatch.setenv("DISTNB_ZYGOTE", "0")
-    else:  # read at interpreter start: a fork cannot give it to the engine
+    elif how == "PYTHONPATH differs":  # read at interpreter start: a fork cannot give it to the engine
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), "/nonexistent"])))
+    else:  # read when torch is imported
+        monkeypatch.setenv("TORCH_LOGS", "+dynamo")
     session, probes = _start(2)
     try:
         assert all(p["ppid"] == os.getpid() for p in probes)  # started by the kernel's launcher
@@ -96,3 +101,25 @@ def test_a_dead_template_is_replaced():
         assert all(p["ppid"] == new.pid for p in probes)
     finally:
         session.stop(quiet=True)
+
+
+def test_engines_outlive_a_dead_template_and_still_stop_promptly():
+    """Killing the template leaves its engines running (orphans); a death is still reported, stop is prompt."""
+    import time
+
+    session, probes = _start(2)
+    try:
+        old = zygote.get(0)
+        old.proc.kill()
+        old.proc.wait()
+        session.run("import torch.distributed as dist\nimport torch\nt = torch.ones(1)\ndist.all_reduce(t)")
+        assert float(session.pull("t", rank=0)) == 2.0
+        os.kill(probes[1]["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while 1 not in session.cluster.dead_ranks() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert 1 in session.cluster.dead_ranks()  # its status is lost with the template ("status unknown")
+    finally:
+        t0 = time.monotonic()
+        session.stop(quiet=True)
+        assert time.monotonic() - t0 < 5.0  # a zombie nobody reaps counts as ended, not waited for
