@@ -215,11 +215,20 @@ def previous_launch():
 
     cluster._EngineSetLauncher.start, ipp.Cluster.__init__ = old_start, old_init
     cluster.Cluster._setup_ranks = old_setup
+    before = os.environ.get("DISTNB_ZYGOTE")
+    os.environ["DISTNB_ZYGOTE"] = "0"  # nor were the controller and engines forked from a template then
+    beat = cluster.HEARTBEAT_MS, cluster.HEARTBEAT_MISSES
+    cluster.HEARTBEAT_MS, cluster.HEARTBEAT_MISSES = 250, 10  # the heartbeat then (misses: ipyparallel's default)
     try:
         yield
     finally:
+        cluster.HEARTBEAT_MS, cluster.HEARTBEAT_MISSES = beat
         cluster._EngineSetLauncher.start, ipp.Cluster.__init__ = start, init
         cluster.Cluster._setup_ranks = setup
+        if before is None:
+            os.environ.pop("DISTNB_ZYGOTE", None)
+        else:
+            os.environ["DISTNB_ZYGOTE"] = before
 
 
 def measure_launch_fix(nb, rounds: int, log=print) -> dict:

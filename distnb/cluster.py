@@ -370,6 +370,7 @@ class Cluster:
         self.num_nodes = 1
         self.remote = False
         self._procs: dict = {}  # engine pid -> _Process (its exit status once it died)
+        self.note = ""  # what the start wants the user to know (e.g. why engines were not forked)
 
     # lifecycle -----------------------------------------------------------
     def start(self, engine_timeout: float = 60.0) -> "Cluster":
@@ -426,7 +427,7 @@ class Cluster:
         try:
             # local CPU engines are forked from the kernel's engine template (imports done once; distnb.zygote)
             if self.launcher == "local" and spec.device_type == "cpu":
-                self._ipp._distnb_zygote = zygote.get()
+                self._ipp._distnb_zygote = self._template({**os.environ, **env})
             self._ipp.start_cluster_sync(spec.num_engines)
             _restrict_security_files(self._ipp.profile_dir)
             for engine_set in self._ipp.engines.values():
@@ -447,6 +448,17 @@ class Cluster:
             raise ClusterError(f"could not start {spec.num_engines} engines{where}: {exc}") from exc
         self.start_seconds = time.perf_counter() - t0
         return self
+
+    def _template(self, env: dict):
+        """The kernel's engine template if it can fork these engines, else None (``self.note`` says why)."""
+        template = zygote.get()
+        bad = template.mismatched(env) if template is not None else []
+        if bad:
+            self.note = (f"engines start as fresh processes: {', '.join(bad)} differ{'s' if len(bad) == 1 else ''} "
+                         "from the engine template's (read when Python or torch starts; set "
+                         f"{'it' if len(bad) == 1 else 'them'} before %load_ext distnb, or %reload_ext distnb)")
+            return None
+        return template
 
     def _wait_for_engines(self, timeout: float) -> None:
         """Wait until every engine has registered; else a ClusterError naming the hosts that are missing."""

@@ -135,6 +135,8 @@ def start(n=None, backend=None, timeout=60.0, ns=None, quiet=False, master_port=
         print(f"distnb: {_count(spec.num_engines, 'rank')}{hosts} ready ({spec.backend}, {spec.device_type}, "
               f"{'-'.join(map(str, threads[::max(1, len(threads) - 1)]))} threads/rank) in "
               f"{cluster.start_seconds:.1f} s")
+        if cluster.note:
+            print(f"distnb: {cluster.note}")
     return _CURRENT
 
 

@@ -147,11 +147,19 @@ class Zygote:
 
         Those are ``PYTHON*``, ``LD_*``, torch's logging and compiler switches and the math
         libraries' (:data:`distnb.engine.zygote.FROZEN_ENV_PREFIXES`), as the template started with them.
+        A variable may also hold what the template's own imports set it to (torch sets
+        ``TORCHINDUCTOR_CACHE_DIR``, in a fresh engine as in a kernel that imported it).
         """
+        return not self.mismatched(env)
+
+    def mismatched(self, env: dict) -> list:
+        """The variables of ``env`` that a fork cannot give (see :meth:`matches`), sorted."""
         from .engine.zygote import frozen_env
 
-        theirs = {k: v for k, v in self.info.get("frozen_env", {}).items() if k not in TEMPLATE_ENV}
-        return frozen_env({k: v for k, v in env.items() if k not in TEMPLATE_ENV}) == theirs
+        before, after = self.info.get("frozen_env", {}), self.info.get("frozen_env_after", {})
+        want = frozen_env(env)
+        return sorted(k for k in set(want) | set(before) | set(after)
+                      if k not in TEMPLATE_ENV and want.get(k) not in (before.get(k), after.get(k)))
 
     def fork(self, args: list, env: dict, cwd: str, output: str, title: str, main: str = "engine") -> int:
         """Fork an engine (``main="engine"``: ``ipengine`` with ``args``) or the controller (``"controller"``).

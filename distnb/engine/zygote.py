@@ -19,8 +19,9 @@ engines only.
 
 Protocol (JSON, one object per line; requests on stdin, replies on stdout):
 
-- ``{"ready": true, "pid": P, "seconds": S, "frozen_env": {...}}`` once the imports are done
-  (``frozen_env``: the variables it started with that a fork cannot change, :func:`frozen_env`).
+- ``{"ready": true, "pid": P, "seconds": S, "frozen_env": {...}, "frozen_env_after": {...}}`` once
+  the imports are done (the variables that a fork cannot change, :func:`frozen_env`, as it
+  started and after its imports, which set some themselves, e.g. ``TORCHINDUCTOR_CACHE_DIR``).
 - request ``{"id": K, "main": "engine"|"controller", "args": [its options], "title": COMMAND_LINE,
   "env": {...}, "cwd": DIR, "output": FILE}`` ->
   ``{"id": K, "pid": P}`` or ``{"id": K, "error": TEXT}``.
@@ -55,11 +56,13 @@ def _preload() -> None:
             traceback.print_exc()
 
 
-#: Environment variables read when Python starts or a library loads, which a fork cannot change:
-#: an engine that needs other values than the template's starts as a fresh process. (TMPDIR,
-#: TORCH_DISTRIBUTED_DEBUG and the thread count are re-read in the child instead.)
+#: Environment variables read when Python starts or torch loads, which a fork cannot change: an
+#: engine that needs other values than the template's starts as a fresh process. (TMPDIR,
+#: TORCH_DISTRIBUTED_DEBUG and the thread count are re-read in the child instead.) The math
+#: libraries' own variables (OMP_*, GOMP_*, KMP_*, MKL_*) are not here: scikit-learn sets KMP_*
+#: when a notebook imports it, and distnb sets each engine's thread count itself.
 FROZEN_ENV_PREFIXES = ("PYTHON", "LD_", "TORCH_LOGS", "TORCHDYNAMO_", "TORCHINDUCTOR_", "TORCH_COMPILE",
-                       "PYTORCH_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_")
+                       "PYTORCH_")
 
 
 def frozen_env(env) -> dict:
@@ -156,7 +159,8 @@ def serve() -> None:
     def send(msg):
         reply.write(json.dumps(msg) + "\n")
 
-    send(dict(ready=True, pid=os.getpid(), seconds=time.perf_counter() - t0, frozen_env=started_with))
+    send(dict(ready=True, pid=os.getpid(), seconds=time.perf_counter() - t0, frozen_env=started_with,
+              frozen_env_after=frozen_env(os.environ)))
     buf = b""
     children = set()
     while True:

@@ -83,11 +83,24 @@ def test_engines_start_fresh_when_the_template_cannot_stand_in(monkeypatch, how)
     session, probes = _start(2)
     try:
         assert all(p["ppid"] == os.getpid() for p in probes)  # started by the kernel's launcher
+        if how != "DISTNB_ZYGOTE=0":  # the start says why
+            assert ("PYTHONPATH" if how == "PYTHONPATH differs" else "TORCH_LOGS") in session.cluster.note
         assert psutil.Process(session.cluster.pids["controller"]).ppid() == os.getpid()
         session.run("import torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)")
         assert float(session.pull("t", rank=0)) == 2.0
     finally:
         session.stop(quiet=True)
+
+
+def test_variables_torch_sets_itself_do_not_stop_the_fork(monkeypatch):
+    """torch sets TORCHINDUCTOR_CACHE_DIR when imported: in the template, and in a kernel that imported it."""
+    template = zygote.get()
+    set_by_import = template.info["frozen_env_after"].get("TORCHINDUCTOR_CACHE_DIR")
+    assert set_by_import  # torch 2.13 sets it while the template imports
+    assert template.matches({**os.environ, "TORCHINDUCTOR_CACHE_DIR": set_by_import})
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    assert template.matches(env)
+    assert template.mismatched({**env, "TORCHINDUCTOR_CACHE_DIR": "/elsewhere"}) == ["TORCHINDUCTOR_CACHE_DIR"]
 
 
 def test_a_dead_template_is_replaced():
