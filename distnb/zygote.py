@@ -113,7 +113,7 @@ class Zygote:
         return self.proc.pid
 
     def alive(self) -> bool:
-        return not self._gone and self.proc.poll() is None
+        return self.proc.poll() is None and not self._gone  # poll() first: a dead template is reaped, no zombie
 
     def _read(self) -> None:
         for line in self.proc.stdout:
