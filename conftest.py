@@ -19,6 +19,13 @@ for _var, _sub in (("IPYTHONDIR", "ipython"), ("JUPYTER_CONFIG_DIR", "jupyter-co
     os.environ[_var] = os.path.join(_TMP, _sub)
     os.makedirs(os.environ[_var], exist_ok=True)
 os.environ.setdefault("DISTNB_PROGRESS", "text")
+# Started as a background job (`make test &`, some CI runners), a process begins with SIGINT ignored and Python
+# then installs no KeyboardInterrupt handler; the tests that press "interrupt" (a SIGINT to this process, as
+# Jupyter's button sends one to the kernel) need the handler a kernel has.
+import signal  # noqa: E402
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 CLUSTER_PROCESS_MARKERS = ("ipyparallel.engine", "ipyparallel.controller", "ipengine", "ipcontroller")
