@@ -445,6 +445,11 @@ def train(ns, plan_dict, code_text):
     stop = StopRequest().__enter__()
     try:
         note, resumed = _prepare(ns, plan, run)
+        if run.epoch_samples:  # stopped after an epoch's last batch, before its end: that epoch is done
+            order = sharding.epoch_order(data.num_samples, data.num_shards, data.index, plan.seed, run.epoch,
+                                         plan.drop_last)
+            if next(iter(sharding.batches(order[run.epoch_samples:], plan.batch_size, plan.drop_last)), None) is None:
+                run.epoch, run.epoch_step, run.epoch_samples = run.epoch + 1, 0, 0
         run.plan_dict = plan.to_dict()
         reporter.extra.update(run.strategy.holdings())
         ctx = Context(plan, run, data, reporter, stop=stop)

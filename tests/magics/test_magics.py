@@ -326,3 +326,19 @@ def test_interrupt_stops_every_rank_after_the_same_step(shell, dist_session):
     assert torch.equal(w[0], torch.cat([p.detach().flatten() for p in shell.user_ns["inet"].parameters()]))
     ok = dist_session.train(BODY, model="inet", data="train_ds", epochs=1, progress="none", quiet=True)
     assert ok.rows[0]["steps"] > 0
+
+
+def test_a_stop_after_an_epochs_last_step_continues_with_the_next_epoch(shell, dist_session):
+    """Interrupted after the last batch of an epoch but before its end: the next cell trains the next epoch.
+
+    (It used to "continue" the finished epoch: 0 steps for ``--epochs 1``; seen when an interrupt landed there.)
+    """
+    run(shell, TRAIN_SETUP.replace("mnet", "lnet"))
+    first = dist_session.train(BODY, model="lnet", data="train_ds", epochs=1, progress="none", quiet=True)
+    steps = first.rows[0]["steps"]
+    # the state an interrupt leaves after the epoch's last step: epoch 0 with every sample trained
+    dist_session.run("from distnb.engine.loop import RUNS\n_r = RUNS['lnet']\n_r.epoch -= 1\n"
+                     f"_r.epoch_step = {steps}\n_r.epoch_samples = 10**9")
+    nxt = dist_session.train(BODY, model="lnet", data="train_ds", epochs=1, progress="none", quiet=True)
+    assert nxt.rows[0]["steps"] == steps  # a whole epoch, not the empty rest of the finished one
+    assert not nxt.rows[0].get("continued")
