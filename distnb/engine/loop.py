@@ -448,7 +448,8 @@ def train(ns, plan_dict, code_text):
         if run.epoch_samples:  # stopped after an epoch's last batch, before its end: that epoch is done
             order = sharding.epoch_order(data.num_samples, data.num_shards, data.index, plan.seed, run.epoch,
                                          plan.drop_last)
-            if next(iter(sharding.batches(order[run.epoch_samples:], plan.batch_size, plan.drop_last)), None) is None:
+            left = len(order) - run.epoch_samples
+            if left <= 0 or (plan.drop_last and left < plan.batch_size):
                 run.epoch, run.epoch_step, run.epoch_samples = run.epoch + 1, 0, 0
         run.plan_dict = plan.to_dict()
         reporter.extra.update(run.strategy.holdings())

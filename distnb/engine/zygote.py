@@ -140,10 +140,6 @@ def _become_engine(req: dict, close_fds: list) -> None:
             os._exit(code)
 
 
-def _status(raw: int) -> int:
-    return os.waitstatus_to_exitcode(raw)
-
-
 def serve() -> None:
     """Import, say ready, then fork engines on request until stdin closes."""
     t0 = time.perf_counter()
@@ -182,7 +178,7 @@ def serve() -> None:
             if pid == 0:
                 break
             children.discard(pid)
-            send(dict(exit=pid, status=_status(raw)))
+            send(dict(exit=pid, status=os.waitstatus_to_exitcode(raw)))
         if 0 not in readable:
             continue
         chunk = os.read(0, 65536)
