@@ -43,23 +43,27 @@ RESUME_WAIT = 30.0
 TIMES = {}
 
 
-def _preload(level: str) -> None:
-    try:
-        import torch  # noqa: F401
+#: What the preload thread imports before the process group forms (torch first; runtime.setup needs the rest) ...
+PRELOAD_BEFORE_GROUP = ("torch", "torch.distributed", "torch.distributed.distributed_c10d")
+#: ... and after it, on CPU engines: ``torch._dynamo``, which DDP's constructor imports (about 1 CPU-second,
+#: see runtime.warm_up), and distnb's training loop (DDP, the strategies' base, the reporter).
+PRELOAD_AFTER_GROUP = ("torch._dynamo", "distnb.engine.loop")
 
+
+def _preload(level: str) -> None:
+    import importlib
+
+    try:
+        importlib.import_module("torch")
         TIMES["torch"] = time.time()
         if level == "all":
-            import torch.distributed  # noqa: F401  what setup needs, before it asks
-            import torch.distributed.distributed_c10d  # noqa: F401
-
+            for name in PRELOAD_BEFORE_GROUP[1:]:
+                importlib.import_module(name)
             RESUME.wait(RESUME_WAIT)
             TIMES["resume"] = time.time()
-            import torch._dynamo  # noqa: F401  DDP imports it (about 1 CPU-second); see runtime.warm_up
-
-            TIMES["dynamo"] = time.time()
-            from distnb.engine import loop  # noqa: F401  DDP, the strategies' base, the reporter
-
-            TIMES["loop"] = time.time()
+            for name in PRELOAD_AFTER_GROUP:
+                importlib.import_module(name)
+                TIMES[name.rsplit(".", 1)[-1].lstrip("_")] = time.time()  # "dynamo", "loop"
     except BaseException:  # setup() imports again and reports what fails
         pass
     finally:

@@ -41,9 +41,12 @@ import sys
 import time
 import traceback
 
-#: Imported once in the template; what ``ipengine``'s preload would import in every engine.
-PRELOAD = ("numpy", "ipyparallel.engine.app", "ipyparallel.controller.app", "torch", "torch.distributed", "torch.distributed.distributed_c10d",
-           "torch._dynamo", "distnb.engine.loop", "distnb.engine.runtime")
+from distnb.engine import ipengine
+
+#: Imported once in the template: the engine's and the controller's modules, then what ``ipengine``'s
+#: preload thread would import in every engine.
+PRELOAD = ("numpy", "ipyparallel.engine.app", "ipyparallel.controller.app", *ipengine.PRELOAD_BEFORE_GROUP,
+           *ipengine.PRELOAD_AFTER_GROUP, "distnb.engine.runtime")
 
 
 def _preload() -> None:
@@ -120,8 +123,6 @@ def _become_engine(req: dict, close_fds: list) -> None:
             sys.argv = ["ipcontroller", *args]
             controller_main()
         else:
-            from distnb.engine import ipengine
-
             sys.argv = ["ipengine", *args]
             ipengine.main()
         code = 0
