@@ -52,7 +52,7 @@ class PeakRss:
 
 def set_path(session, path: str) -> None:
     """Use the shared-memory path (``"shm"``) or the ipyparallel one (``"ipyparallel"``) both ways."""
-    from distnb import transfer
+    from distnb import calls, transfer
 
     cluster = session.cluster
     if path == "shm":
@@ -60,7 +60,7 @@ def set_path(session, path: str) -> None:
         assert transfer.shm_ranks(cluster) == set(range(cluster.world_size)), "ranks cannot see /dev/shm"
     else:
         cluster._distnb_shm_ranks = frozenset()
-        ars = cluster.apply_all("distnb.engine.wire", "probe_shm", False, "/nonexistent", "", os.getpid())
+        ars = cluster.apply_all(calls.probe_shm, "/nonexistent", "", os.getpid())
         cluster.wait_all(ars, timeout=60, what="turning shared memory off")
 
 

@@ -42,8 +42,9 @@ from traitlets import Float, List
 from ipyparallel.cluster.launcher import (LocalControllerLauncher, LocalEngineLauncher, LocalEngineSetLauncher,
                                           SSHEngineLauncher, SSHEngineSetLauncher)
 
-from . import placement, zygote
-from .engine.runtime import is_loopback, free_port, visible_gpus
+from . import calls, placement, zygote
+from .calls import RankFunction
+from .net import check_port_free, free_port, is_loopback, visible_gpus
 from .errors import ClusterError, PlanError, RankError
 from .plan import BATCH_LAUNCHERS, ClusterSpec, _check_int
 
@@ -61,38 +62,6 @@ _log = logging.getLogger("distnb.ipyparallel")
 _log.setLevel(logging.ERROR)
 _log.propagate = False
 _log.addHandler(logging.NullHandler())
-
-
-def check_port_free(port: int, host: str = "127.0.0.1", option: str = "--master-port", wait: float = 0.0) -> None:
-    """Raise ClusterError naming ``port``, who holds it (when psutil can tell) and the fix, if it is taken.
-
-    With ``wait``, keep trying that many seconds (a store that was just closed lets go of it).
-    """
-    deadline = time.monotonic() + wait
-    while True:
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds it: TIME_WAIT is fine
-            try:
-                s.bind((host, port))
-                return
-            except OSError as exc:
-                if exc.errno not in (errno.EADDRINUSE, errno.EACCES):
-                    raise ClusterError(f"{option} {port}: cannot listen on {host}:{port} ({exc})") from None
-                code = exc.errno
-        why = "needs privileges (ports below 1024)" if code == errno.EACCES else "is already in use"
-        if code == errno.EACCES or time.monotonic() >= deadline:
-            break
-        time.sleep(0.05)
-    holder = ""
-    try:
-        for conn in psutil.net_connections(kind="inet"):
-            if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
-                holder = f" by pid {conn.pid} ({psutil.Process(conn.pid).name()})"
-                break
-    except (psutil.Error, OSError):
-        pass
-    raise ClusterError(f"{option} {port} {why}{holder} on {host}: pick another port, or leave out {option} and "
-                       "distnb picks a free one")
 
 
 def exit_description(code) -> str:
@@ -338,11 +307,17 @@ def default_spec(n: int | None = None, backend: str | None = None, timeout: floa
 
 @ipp.interactive
 def _shim(module, fn, with_ns, *args):
-    # Runs on an engine. @interactive makes globals() the engine's user namespace.
+    # Runs on an engine (see distnb.calls). @interactive makes globals() the engine's user namespace.
     import importlib
 
     f = getattr(importlib.import_module(module), fn)
     return f(globals(), *args) if with_ns else f(*args)
+
+
+def _send(view, fn: RankFunction, *args):
+    """``fn(*args)`` on the engine(s) of ``view``, the arguments checked against its signature first."""
+    fn.check(args)
+    return view.apply_async(_shim, fn.module, fn.name, fn.with_ns, *args)
 
 
 class Cluster:
@@ -530,7 +505,7 @@ class Cluster:
             return "?"
 
     def _whereami(self, engine_ids) -> dict:
-        ars = {e: self.client[e].apply_async(_shim, "distnb.engine.runtime", "whereami", False, self.controller_ip)
+        ars = {e: _send(self.client[e], calls.whereami, self.controller_ip)
                for e in engine_ids}
         out = {}
         for e, ar in ars.items():
@@ -575,7 +550,7 @@ class Cluster:
         if spec.master_addr:
             addr = spec.master_addr
         elif spec.interface:
-            addr = self.wait_all([self.apply(0, "distnb.engine.runtime", "interface_address", False,
+            addr = self.wait_all([self.apply(0, calls.interface_address,
                                              spec.interface)], timeout=spec.timeout, what="--interface")[0]
         elif self.num_nodes == 1 and self.placement[0]["local"]:
             addr = "127.0.0.1"
@@ -595,7 +570,7 @@ class Cluster:
         try:
             if self.placement[0]["local"]:
                 return free_port(self.master_addr)
-            return self.wait_all([self.apply(0, "distnb.engine.runtime", "free_port", False, self.master_addr)],
+            return self.wait_all([self.apply(0, calls.free_port, self.master_addr)],
                                  timeout=self.spec.timeout, what="picking the rendezvous port")[0]
         except (OSError, RankError) as exc:
             why = exc.failures[0]["evalue"] if isinstance(exc, RankError) else str(exc)
@@ -613,13 +588,13 @@ class Cluster:
             gpus = self.where[p["engine_id"]]["gpus"] if self.remote else local_gpus
             gpu = _gpu_for(gpus, p["local_rank"]) if spec.device_type == "cuda" else None
             threads = p.get("num_threads", spec.num_threads)
-            ars.append(self.apply(rank, "distnb.engine.runtime", "setup", True, rank, spec.num_engines,
+            ars.append(self.apply(rank, calls.setup, rank, spec.num_engines,
                                   p["local_rank"], spec.backend, spec.device_type, gpu, threads, self.master_addr,
                                   self.master_port, spec.timeout, p["node_rank"], p["node"], spec.interface))
         infos = self.wait_all(ars, timeout=spec.timeout + 60, what="forming the process group")
         self.ranks = [dict(info, engine_id=p["engine_id"], local=p["local"], address=self.where[p["engine_id"]][
             "address"]) for info, p in zip(infos, self.placement)]
-        self.apply_all("distnb.engine.runtime", "warm_up", False)  # queued, not awaited
+        self.apply_all(calls.warm_up)  # queued, not awaited
         self._start_reaper()
 
     def _start_reaper(self):
@@ -666,12 +641,12 @@ class Cluster:
         if self.spec.master_port is not None:
             # the same port again: every rank must have left the old group (rank 0 closing the old
             # store) before any rank joins the new one, or a rank could reach the old store
-            self.wait_all(self.apply_all("distnb.engine.runtime", "release", True), timeout=self.spec.timeout,
+            self.wait_all(self.apply_all(calls.release), timeout=self.spec.timeout,
                           what="leaving the old process group")
             if self.placement[0]["local"]:
                 check_port_free(self.spec.master_port, self.master_addr, wait=5.0)
         self.master_port = self.spec.master_port or self._free_port()
-        ars = [self.apply(r, "distnb.engine.runtime", "reform", True, self.master_addr, self.master_port)
+        ars = [self.apply(r, calls.reform, self.master_addr, self.master_port)
                for r in range(self.world_size)]
         self.wait_all(ars, timeout=self.spec.timeout + 30, what="re-forming the process group")
 
@@ -681,10 +656,10 @@ class Cluster:
             try:  # live registered engines leave the group and exit at once; ipyparallel stops the rest
                 ids = [e for e in (self.engine_ids or self.client.ids) if e in self.client.ids]
                 if ids and self.remote:  # leave the group; the launcher stops them (ssh kill, scancel, ...)
-                    ar = self.client[ids].apply_async(_shim, "distnb.engine.runtime", "leave", False)
+                    ar = _send(self.client[ids], calls.leave)
                     ar.wait(min(5.0, self.spec.timeout))
                 elif ids:
-                    self.client[ids].apply_async(_shim, "distnb.engine.runtime", "shutdown", False)
+                    _send(self.client[ids], calls.shutdown)
                     time.sleep(0.2)
             except Exception:
                 pass
@@ -815,10 +790,11 @@ class Cluster:
             raise ClusterError(f"{what}. Run %dist restart (or session.restart()) for a fresh world of "
                                f"{self.world_size} ranks")
 
-    def apply(self, rank: int, module: str, fn: str, with_ns: bool, *args):
-        """Call ``module.fn(*args)`` (``fn(ns, *args)`` if with_ns) on ``rank``; returns an AsyncResult.
+    def apply(self, rank: int, fn: RankFunction, *args):
+        """Call the rank function ``fn(*args)`` (a :mod:`distnb.calls` entry) on ``rank``; an AsyncResult.
 
-        Raises ClusterError if the cluster is stopped or that rank's engine has died.
+        Raises ClusterError if the cluster is stopped or that rank's engine has died, TypeError
+        if ``args`` do not fit ``fn``'s signature.
         """
         if self.client is None:
             raise ClusterError("the cluster is not running; start it with %dist start")
@@ -828,10 +804,11 @@ class Cluster:
             self.check_alive([rank])
             raise ClusterError(f"{self.describe(rank)} is no longer registered with the controller; "
                                "run %dist restart")
-        return self.client[engine_id].apply_async(_shim, module, fn, with_ns, *args)
+        return _send(self.client[engine_id], fn, *args)
 
-    def apply_all(self, module: str, fn: str, with_ns: bool, *args):
-        return [self.apply(r, module, fn, with_ns, *args) for r in range(self.world_size)]
+    def apply_all(self, fn: RankFunction, *args):
+        """``fn(*args)`` on every rank: one AsyncResult per rank, in rank order."""
+        return [self.apply(r, fn, *args) for r in range(self.world_size)]
 
     def wait_all(self, ars, timeout: float, what: str):
         """Results of ``ars`` (one per rank, in rank order); a RankError names failing ranks."""

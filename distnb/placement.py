@@ -22,7 +22,7 @@ import sys
 
 from traitlets.config import Config
 
-from .engine.runtime import boot_id as this_boot, ipv4_of as interface_address, route_address
+from .net import boot_id as this_boot, ipv4_of as interface_address, route_address
 from .errors import ClusterError, PlanError
 from .plan import BATCH_LAUNCHERS
 

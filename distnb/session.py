@@ -24,6 +24,7 @@ from .cluster import Cluster, default_spec
 from .display import ProgressState, make_view, view_kind
 from .display.tables import Table
 from .background import BackgroundRun, check_idle, collect
+from . import calls
 from .errors import ClusterError, Interrupted, PlanError, RankError
 from .plan import TrainPlan
 from .transfer import sweep_shm
@@ -299,7 +300,7 @@ class Session:
         """
         self._check_running()
         dead = self.cluster.dead_ranks()
-        ars = {r: self.cluster.apply(r, "distnb.engine.runtime", "info", False)
+        ars = {r: self.cluster.apply(r, calls.info)
                for r in range(self.world_size) if r not in dead}
         deadline = time.monotonic() + timeout
         rows = []
@@ -486,7 +487,7 @@ class Session:
                 for r in failed - released:  # let peers blocked in a collective fail at once
                     released.add(r)
                     try:
-                        self.cluster.apply(r, "distnb.engine.runtime", "release", True)
+                        self.cluster.apply(r, calls.release)
                     except ClusterError:  # its engine died: the liveness check reports it
                         pass
                 if failed and failed_since is None:
@@ -613,7 +614,7 @@ class Session:
             compile(code, "<%%dist>", "exec")
         except SyntaxError as exc:
             raise PlanError(f"the cell is not valid Python: {exc}") from None
-        ars = self.cluster.apply_all("distnb.engine.runtime", "run_cell", True, code)
+        ars = self.cluster.apply_all(calls.run_cell, code)
         show = range(self.world_size) if all_output else (0,)
         values = self._watch(ars, "%%dist cell", show_ranks=tuple(show))
         for rank in show:
@@ -648,7 +649,7 @@ class Session:
                                     f"{type(exc).__name__}: {exc}. Create it on the ranks in a %%dist cell "
                                     "instead") from None
                 sent = files.enter_context(outgoing(self.cluster, buffers))
-                ars += self.cluster.apply_all("distnb.engine.wire", "bind", True, name, payload, descs, *sent)
+                ars += self.cluster.apply_all(calls.bind, name, payload, descs, *sent)
             self.cluster.wait_all(ars, timeout=self.cluster.spec.timeout, what="push")
 
     def pull(self, name: str, rank=None):
@@ -659,7 +660,7 @@ class Session:
         ranks = range(self.world_size) if rank is None else [self._rank(rank)]
         from .engine import wire
 
-        ars = [self.cluster.apply(r, "distnb.engine.wire", "lookup", True, name) for r in ranks]
+        ars = [self.cluster.apply(r, calls.lookup, name) for r in ranks]
         packed = self.cluster.wait_all(ars, timeout=self.cluster.spec.timeout, what=f"pull {name}")
         values = [wire.loads(*p) for p in packed]
         return values if rank is None else values[0]
@@ -701,7 +702,7 @@ class Session:
                 ranks = range(index, self.world_size, num_shards)
                 descs, sent = files.enter_context(outgoing_rows(self.cluster, columns, idx, ranks))
                 for rank in ranks:
-                    ars.append(self.cluster.apply(rank, "distnb.engine.loop", "install_shard", True, name, n,
+                    ars.append(self.cluster.apply(rank, calls.install_shard, name, n,
                                                   num_shards, seed, index, structure, descs, *sent))
             sizes = self.cluster.wait_all(ars, timeout=self.cluster.spec.timeout, what=f"scatter {name}")
         self._data[name] = dict(fingerprint=fingerprint(obj), seed=seed, num_samples=n, shards=shards,
@@ -853,7 +854,7 @@ class Session:
                               devices=[r["device"] for r in self.cluster.ranks], strategy=plan.strategy)
         view = make_view(state, progress)
         view.show()
-        ars = self.cluster.apply_all("distnb.engine.loop", "train", True, plan.to_dict(), code)
+        ars = self.cluster.apply_all(calls.train, plan.to_dict(), code)
         show = tuple(range(self.world_size)) if all_output else (0,)
         try:
             rows = self._watch(ars, "training", state, view, show_ranks=show)
@@ -926,7 +927,7 @@ class Session:
         if name not in self._models:
             raise PlanError(f"{name} is not on the ranks (train it with %%distrain first)")
         directory = os.path.abspath(os.path.expanduser(directory))
-        ars = self.cluster.apply_all("distnb.engine.loop", "save_checkpoint", True, name, directory)
+        ars = self.cluster.apply_all(calls.save_checkpoint, name, directory)
         meta = self._watch(ars, f"saving {name}")[0]
         if not quiet:
             print(f"distnb: saved {name} to {meta['path']} (epoch {meta['epoch']}, step {meta['epoch_step']} of it, "
@@ -971,7 +972,7 @@ class Session:
         saved = dict(meta["plan"], model=name, reset=True, checkpoint_dir=None, checkpoint_every=None)
         plan = TrainPlan.from_dict(saved)
         self._ensure_model(plan, model_obj, quiet=True)
-        ars = self.cluster.apply_all("distnb.engine.loop", "restore", True, name, meta["path"])
+        ars = self.cluster.apply_all(calls.restore, name, meta["path"])
         self._watch(ars, f"loading {name}")
         self._optimizer_of[name] = (meta["optimizer"], None)  # the restored optimizer is the live one now
         self._weights_back(name, model_obj)
@@ -1036,7 +1037,7 @@ class Session:
             return False
         payload, descs, buffers = pack(model_obj)
         with outgoing(self.cluster, buffers) as sent:  # shared memory on one host, else zero-copy frames
-            ars = self.cluster.apply_all("distnb.engine.loop", "install_model", True, plan.model, payload, descs,
+            ars = self.cluster.apply_all(calls.install_model, plan.model, payload, descs,
                                          *sent)
             counts = self.cluster.wait_all(ars, timeout=self.cluster.spec.timeout + 60,
                                            what=f"sending {plan.model}")
@@ -1094,7 +1095,7 @@ class Session:
 
         try:
             if packed is None:  # every rank: sharded strategies assemble the state with collectives
-                ars = self.cluster.apply_all("distnb.engine.loop", "pull_state", False, name)
+                ars = self.cluster.apply_all(calls.pull_state, name)
                 packed = self.cluster.wait_all(ars, timeout=self.cluster.spec.timeout, what="weights back")[0]
             keys, descs, sizes, flat = packed
             load_state_into(model_obj, keys, descs, sizes, flat)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+from . import calls
 from .errors import PlanError
 
 
@@ -215,7 +216,7 @@ def shm_ranks(cluster) -> frozenset:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(token)
-            ars = cluster.apply_all("distnb.engine.wire", "probe_shm", False, path, token, os.getpid())
+            ars = cluster.apply_all(calls.probe_shm, path, token, os.getpid())
             answers = cluster.wait_all(ars, timeout=cluster.spec.timeout, what="probing shared memory")
             ok = frozenset(r for r, yes in enumerate(answers) if yes)
         except OSError:

@@ -16,6 +16,8 @@ import sys
 import time
 import traceback
 
+from ..net import interface_of, is_loopback, loopback_interface, route_address
+
 
 class _State:
     rank = None
@@ -76,133 +78,11 @@ def _pin_interface(master_addr: str) -> None:
     """
     name = STATE.interface
     if not name:
-        name = _loopback_interface() if is_loopback(master_addr) else interface_of(route_address(master_addr))
+        name = loopback_interface() if is_loopback(master_addr) else interface_of(route_address(master_addr))
     if name:
         for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             if var not in STATE.user_env:
                 os.environ[var] = name
-
-
-def visible_gpus() -> list[str]:
-    """GPU ids this process may use, found without initialising CUDA (or importing torch).
-
-    ``CUDA_VISIBLE_DEVICES`` when set, else one entry per ``/proc/driver/nvidia/gpus/*``.
-    """
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        return [g.strip() for g in env.split(",") if g.strip() and g.strip() != "-1"]
-    try:
-        return [str(i) for i in range(len(os.listdir("/proc/driver/nvidia/gpus")))]
-    except OSError:
-        return []
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` (an address of this machine) a moment ago."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def route_address(host: str) -> str | None:
-    """The local address this process uses to reach ``host`` (no packet is sent), or None."""
-    try:
-        family, _, _, _, address = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect(address)
-            return s.getsockname()[0]
-    except OSError:
-        return None
-
-
-def interface_of(address: str | None) -> str | None:
-    """Name of the interface that holds ``address``, if any."""
-    if not address:
-        return None
-    import psutil
-
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.address == address for a in addrs):
-            return name
-    return None
-
-
-def ipv4_of(name: str) -> str | None:
-    """The IPv4 address of this host's interface ``name``, or None."""
-    import psutil
-
-    for a in psutil.net_if_addrs().get(name, ()):
-        if a.family == socket.AF_INET:
-            return a.address
-    return None
-
-
-def interface_address(name: str) -> str:
-    """:func:`ipv4_of`, or a RuntimeError naming this host and the interfaces it has."""
-    addr = ipv4_of(name)
-    if addr:
-        return addr
-    import psutil
-
-    have = ", ".join(f"{n} ({', '.join(a.address for a in v if a.family == socket.AF_INET) or 'no IPv4'})"
-                     for n, v in sorted(psutil.net_if_addrs().items()))
-    raise RuntimeError(f"--interface {name}: host {STATE.host or socket.gethostname()} has no IPv4 address on "
-                       f"{name}; its interfaces: {have}")
-
-
-def boot_id() -> str | None:
-    """This machine's Linux boot id (the same for every process on it), or None."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
-def whereami(controller_ip: str) -> dict:
-    """Where this engine runs, before it becomes a rank (no torch import).
-
-    Returns
-    -------
-    dict
-        pid; host (hostname); address (the local address that reaches the controller,
-        which tells apart hosts that share a hostname); boot_id (Linux boot id); cores;
-        gpus (visible GPU ids); launch_rank, launch_local_rank (the rank MPI or Slurm gave
-        the process, if launched by one; else None).
-    """
-    env = os.environ
-    def first(*names):
-        for name in names:
-            if env.get(name, "").isdigit():
-                return int(env[name])
-        return None
-
-    return dict(pid=os.getpid(), host=socket.gethostname(), address=route_address(controller_ip),
-                boot_id=boot_id(), cores=len(os.sched_getaffinity(0)), gpus=visible_gpus(),
-                launch_rank=first("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"),
-                launch_local_rank=first("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"))
-
-
-def is_loopback(addr: str) -> bool:
-    import ipaddress
-
-    try:
-        return ipaddress.ip_address(addr).is_loopback
-    except ValueError:
-        return addr == "localhost"
-
-
-def _loopback_interface() -> str | None:
-    """Name of the network interface that carries 127.0.0.1 (``lo`` on Linux), if any."""
-    try:
-        import psutil
-
-        for name, addrs in psutil.net_if_addrs().items():
-            if any(a.address == "127.0.0.1" for a in addrs):
-                return name
-    except Exception:
-        pass
-    return None
 
 
 def _store(master_addr: str, master_port: int, timeout):

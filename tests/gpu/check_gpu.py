@@ -34,7 +34,7 @@ def main() -> int:
     from sklearn.datasets import load_digits
 
     import distnb
-    from distnb.cluster import visible_gpus
+    from distnb.net import visible_gpus
     from distnb.engine import shard
 
     def check(ok, what):

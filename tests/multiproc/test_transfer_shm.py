@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distnb import transfer
+from distnb import calls, transfer
 from distnb.engine import shard, wire
 from distnb.errors import RankError
 
@@ -29,7 +29,7 @@ def no_shm(dist_session):
     """The ipyparallel path: the kernel sends bytes in messages and the ranks send them back so."""
     cluster = dist_session.cluster
     cluster._distnb_shm_ranks = frozenset()
-    cluster.wait_all(cluster.apply_all("distnb.engine.wire", "probe_shm", False, "/nonexistent", "x", os.getpid()),
+    cluster.wait_all(cluster.apply_all(calls.probe_shm, "/nonexistent", "x", os.getpid()),
                      timeout=30, what="turning shared memory off")
     yield
     del cluster._distnb_shm_ranks  # probed again (and turned on again on the ranks) by the next transfer

@@ -1,0 +1,151 @@
+"""Every rank-side function the kernel calls, with its signature: one table (stdlib only).
+
+The kernel never imports engine modules that need torch, so it cannot hold the functions
+themselves; instead each entry below is a stub with the same signature as the engine
+function it names (without the engine namespace ``ns`` that ``with_ns`` functions get
+first). :meth:`distnb.cluster.Cluster.apply` binds the arguments to that signature before
+anything is sent, so a wrong call is a ``TypeError`` in the kernel, and
+``tests/unit/test_calls.py`` imports every engine function and checks that its signature
+is the stub's, so renaming or changing one side alone fails a test.
+
+Example::
+
+    from distnb import calls
+    ars = cluster.apply_all(calls.run_cell, "print(rank)")
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+RUNTIME = "distnb.engine.runtime"
+WIRE = "distnb.engine.wire"
+LOOP = "distnb.engine.loop"
+NET = "distnb.net"
+
+
+@dataclass(frozen=True)
+class RankFunction:
+    """A function that runs on a rank: where it lives and how it is called.
+
+    Attributes
+    ----------
+    module, name : str
+        The engine module and the function's name in it.
+    with_ns : bool
+        The function takes the engine's namespace (a dict) as its first argument.
+    signature : inspect.Signature
+        Its parameters after ``ns``.
+    """
+
+    module: str
+    name: str
+    with_ns: bool
+    signature: inspect.Signature
+
+    def check(self, args: tuple) -> None:
+        """Raise TypeError (naming the function) unless ``args`` fit its signature."""
+        try:
+            self.signature.bind(*args)
+        except TypeError as exc:
+            raise TypeError(f"{self.module}.{self.name}{self.signature}: {exc}") from None
+
+    def __repr__(self):
+        return f"<rank function {self.module}.{self.name}>"
+
+
+TABLE: dict[str, RankFunction] = {}
+
+
+def _on_rank(module: str, with_ns: bool = False):
+    def declare(stub) -> RankFunction:
+        fn = RankFunction(module, stub.__name__, with_ns, inspect.signature(stub))
+        TABLE[f"{module}.{stub.__name__}"] = fn
+        return fn
+    return declare
+
+
+# engine/runtime.py: process group and cells ------------------------------------------
+@_on_rank(RUNTIME, with_ns=True)
+def setup(rank, world_size, local_rank, backend, device_type, gpu, num_threads, master_addr, master_port,
+          timeout, node_rank=0, host=None, interface=None): ...
+
+
+@_on_rank(RUNTIME)
+def warm_up(): ...
+
+
+@_on_rank(RUNTIME)
+def info(**extra): ...
+
+
+@_on_rank(RUNTIME, with_ns=True)
+def release(): ...
+
+
+@_on_rank(RUNTIME, with_ns=True)
+def reform(master_addr, master_port): ...
+
+
+@_on_rank(RUNTIME)
+def leave(): ...
+
+
+@_on_rank(RUNTIME)
+def shutdown(): ...
+
+
+@_on_rank(RUNTIME, with_ns=True)
+def run_cell(code): ...
+
+
+# distnb/net.py: where an engine runs, before it is a rank --------------------------------
+@_on_rank(NET)
+def whereami(controller_ip): ...
+
+
+@_on_rank(NET)
+def interface_address(name): ...
+
+
+@_on_rank(NET)
+def free_port(host="127.0.0.1"): ...
+
+
+# engine/wire.py: objects by value ----------------------------------------------------
+@_on_rank(WIRE)
+def probe_shm(path, token, owner_pid): ...
+
+
+@_on_rank(WIRE, with_ns=True)
+def bind(name, payload, descs, *buffers): ...
+
+
+@_on_rank(WIRE, with_ns=True)
+def lookup(name): ...
+
+
+# engine/loop.py: training ------------------------------------------------------------
+@_on_rank(LOOP, with_ns=True)
+def install_model(name, payload, descs, *buffers): ...
+
+
+@_on_rank(LOOP, with_ns=True)
+def install_shard(name, num_samples, num_shards, seed, index, structure, descs, *buffers): ...
+
+
+@_on_rank(LOOP, with_ns=True)
+def train(plan_dict, code_text): ...
+
+
+@_on_rank(LOOP)
+def pull_state(name): ...
+
+
+@_on_rank(LOOP, with_ns=True)
+def save_checkpoint(name, directory): ...
+
+
+@_on_rank(LOOP, with_ns=True)
+def restore(name, directory): ...
