@@ -21,7 +21,7 @@ import contextvars
 import threading
 import time
 
-from .errors import BusyError
+from .errors import BusyError, Interrupted
 
 #: Message of the error other distnb commands raise while a background run is going on.
 BUSY_MESSAGE = ("a background training run (%%distrain --background) is still going on; run %dist wait to wait "
@@ -175,3 +175,46 @@ def collect(session, note=False):
         print(f"distnb: the background run ended: {type(run.error).__name__}: {first}")
         return None
     raise run.error.with_traceback(None)
+
+
+def wait(session, timeout=None):
+    """``%dist wait`` (see :meth:`distnb.session.Session.wait`)."""
+    run = session._background
+    if run is None:
+        print("distnb: no background training run to wait for (start one with %%distrain --background)")
+        return None
+    try:
+        if not run.join(timeout):
+            print(f"distnb: the background run is still going on after {timeout:g} s")
+            return None
+    except KeyboardInterrupt:  # the interrupt button during the wait: stop the run as stop_training does
+        return stop(session)
+    return collect(session)
+
+
+def stop(session, quiet=False):
+    """``%dist stop-training`` (see :meth:`distnb.session.Session.stop_training`)."""
+    run = session._background
+    if run is None:
+        if not quiet:
+            print("distnb: no background training run to stop")
+        return None
+    run.request_stop()
+    run.join()
+    try:
+        return collect(session)
+    except Interrupted as exc:
+        if not quiet:
+            print(f"distnb: {exc}")
+        return None
+
+
+def end(session) -> None:
+    """At exit: stop a background run (bounded by the execute path's stop waits) so the cluster can stop."""
+    from .execute import INTERRUPT_WAIT, STOP_WAIT
+
+    run = session._background
+    if run is not None and not run.current_thread_is_runner():
+        run.request_stop()
+        run.join(STOP_WAIT + INTERRUPT_WAIT + 5)
+        session._background = None

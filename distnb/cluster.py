@@ -25,7 +25,6 @@ keeps the exit status it sees.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import logging
 import os
 import re
@@ -46,7 +45,8 @@ from . import calls, placement, zygote
 from .calls import RankFunction
 from .net import check_port_free, free_port, is_loopback, visible_gpus
 from .errors import ClusterError, PlanError, RankError
-from .plan import BATCH_LAUNCHERS, ClusterSpec, _check_int
+from .options import check_int, split_hosts
+from .plan import BATCH_LAUNCHERS, ClusterSpec
 
 HEARTBEAT_MS = 100
 HEARTBEAT_MISSES = 25  # an engine is dropped after 2.5 s without a heartbeat
@@ -270,10 +270,10 @@ def default_spec(n: int | None = None, backend: str | None = None, timeout: floa
     """
     where = {k: v for k, v in where.items() if v is not None}
     if "hosts" in where:
-        where["hosts"] = tuple(where["hosts"])
+        where["hosts"] = split_hosts("--hosts", where["hosts"])
     for name in ("engines_per_node", "nodes"):  # checked before they make -n
         if name in where:
-            _check_int("--" + name.replace("_", "-"), where[name], 1)
+            check_int("--" + name.replace("_", "-"), where[name], 1)
     launcher = where.get("launcher", "local" if "profile" not in where else None)
     where["launcher"] = launcher
     if n is None and "profile" in where and not where.get("hosts") and not where.get("nodes"):

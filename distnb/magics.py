@@ -3,20 +3,46 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from . import options
 from .errors import ClusterError, PlanError
-from .plan import BATCH_LAUNCHERS, LAUNCHERS
+from .plan import ClusterSpec, RunOptions, TrainPlan
 
 
-def _hosts(text: str) -> tuple:
-    hosts = tuple(h.strip() for h in text.split(","))
-    if not all(hosts):
-        raise argparse.ArgumentTypeError(f"hosts must be names separated by commas, got {text!r}")
-    return hosts
+_PARSE = {"int": int, "float": float}
+
+
+def declared_arguments(*classes):
+    """IPython ``@argument`` decorators for the magic options declared in ``classes``, in their order.
+
+    Each option's flags, type, default (what is passed when it is not given), help and
+    whether it is required come from its field (:mod:`distnb.options`); values are checked
+    by the dataclass itself, so the magic and the Python API give the same error.
+    """
+    def apply(fn):
+        for cls in reversed(classes):
+            for f, opt in reversed(options.declared(cls)):
+                if not opt.cli:
+                    continue
+                kw = dict(dest=opt.keyword or f.name, help=opt.help)
+                if f.default is dataclasses.MISSING and opt.given is options.FIELD_DEFAULT:
+                    kw["required"] = True
+                else:
+                    kw["default"] = options.given_of(f, opt)
+                if opt.kind == "flag":
+                    kw["action"] = "store_true" if kw["default"] is False else argparse.BooleanOptionalAction
+                else:
+                    kw["type"] = _PARSE.get(opt.kind, str)
+                    if opt.choices:
+                        kw["metavar"] = "{" + ",".join(opt.choices) + "}"
+                fn = argument(*options.flags_of(f, opt), **kw)(fn)
+        return fn
+    return apply
 
 
 def _session():
@@ -29,38 +55,7 @@ def _session():
 
 
 @magic_arguments(name="dist start")
-@argument("-n", "--engines", dest="n", type=int, default=None,
-          help="number of engines (ranks); default one per GPU, or one per CPU core without GPUs")
-@argument("--backend", choices=["gloo", "nccl"], default=None,
-          help="torch.distributed backend (default nccl on GPUs, gloo on CPU)")
-@argument("--timeout", type=float, default=60.0, help="collective/rendezvous timeout in seconds (default 60)")
-@argument("--master-port", type=int, default=None,
-          help="TCP port of the torch.distributed store (default: a free port); a taken port is an error naming it")
-@argument("--auto-restart", action=argparse.BooleanOptionalAction, default=None,
-          help="when an engine dies during a cell, start a fresh world of the same size at once (default off; "
-               "on a running cluster this only switches the setting)")
-@argument("--launcher", choices=list(LAUNCHERS), default=None,
-          help="ipyparallel engine launcher: local (default; with --profile, the profile's), mpi (mpiexec), ssh, "
-               f"or a batch system ({', '.join(BATCH_LAUNCHERS)})")
-@argument("--hosts", type=_hosts, default=None,
-          help="ssh/mpi: hosts to start engines on, comma-separated without spaces or quotes "
-               "([user@]host[:sshport]); rank 0 runs on the first")
-@argument("--engines-per-node", type=int, default=None,
-          help="engines on each host or node (default: -n spread evenly; one per GPU on GPU hosts is usual)")
-@argument("--nodes", type=int, default=None, help="slurm: nodes to ask the scheduler for")
-@argument("--queue", "--partition", dest="queue", default=None, help="batch queue (slurm partition)")
-@argument("--time", dest="time_limit", default=None, help="slurm: wall-clock limit (e.g. 01:00:00)")
-@argument("--account", default=None, help="slurm: account to charge")
-@argument("--profile", default=None,
-          help="ipyparallel profile (name or directory) whose ipcluster_config.py configures the launcher; "
-               "options given here override it")
-@argument("--interface", default=None,
-          help="network interface the ranks rendezvous and communicate over (e.g. eth0, ib0), by its name on the "
-               "hosts; the controller listens on it too when this machine has it; default: the one that reaches "
-               "rank 0 (loopback on one host)")
-@argument("--master-addr", default=None,
-          help="rendezvous address for the torch.distributed store: an address of rank 0's host (the first of "
-               "--hosts); default: rank 0's address that the other ranks reach (127.0.0.1 on one host)")
+@declared_arguments(ClusterSpec)
 def _start(line):
     """Start the cluster and its process group (keeps a running one).
 
@@ -190,54 +185,7 @@ def _dist_doc():
 
 
 @magic_arguments(name="%distrain")
-@argument("--model", required=True, help="notebook name of the torch.nn.Module to train")
-@argument("--data", required=True, help="notebook name of the data set (scattered as shards)")
-@argument("--epochs", type=int, default=1, help="epochs to run (default 1)")
-@argument("--batch-size", type=int, default=32, help="samples per rank per step (default 32)")
-@argument("--optimizer", default=None,
-          help="sgd, adam, adamw, or a notebook name f(params)->Optimizer; default: keep the optimizer live on "
-               "the ranks (with its state), sgd for a new model")
-@argument("--lr", type=float, default=None,
-          help="learning rate; default: keep the live one (a new optimizer: 0.01 sgd, 1e-3 adam/adamw)")
-@argument("--seed", type=int, default=0, help="seed of shards and per-epoch shuffles (default 0)")
-@argument("--strategy", default="ddp",
-          help="ddp (DistributedDataParallel, default), fsdp (FSDP2 fully_shard), pipeline "
-               "(torch.distributed.pipelining), tensor (DTensor tensor parallel) or ps (parameter server)")
-@argument("--fsdp-units", default=None,
-          help="fsdp: comma-separated submodules that become FSDP units (default: each child with parameters)")
-@argument("--split", default=None,
-          help="pipeline: comma-separated submodules that begin a new stage (default: balanced by parameters)")
-@argument("--microbatches", type=int, default=None,
-          help="pipeline: microbatches per batch, must divide --batch-size (default: world_size)")
-@argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe", help="pipeline: schedule (default gpipe)")
-@argument("--loss", default=None,
-          help="pipeline: notebook function loss(output, target); default: the body's `loss`")
-@argument("--tp-plan", default=None,
-          help="tensor: notebook dict {submodule: ParallelStyle}; default: Linear pairs column- then row-wise")
-@argument("--checkpoint-dir", default=None,
-          help="save model, optimizer and position there (torch.distributed.checkpoint); a model sent "
-               "fresh to the ranks (e.g. after %%dist restart) resumes from the newest checkpoint there")
-@argument("--checkpoint-every", type=int, default=None,
-          help="save every N steps (default: at the end of every epoch)")
-@argument("--servers", type=int, default=1, help="ps: ranks holding the parameters and optimizer (default 1)")
-@argument("--staleness", type=int, default=0,
-          help="ps: steps a worker may run ahead of the last update it received (default 0: synchronous)")
-@argument("--reset", action="store_true",
-          help="re-send the kernel's model as it is now (its trained weights; build a new model for fresh "
-               "ones) with a fresh optimizer and epoch count")
-@argument("--target-loss", type=float, default=None, help="stop after an epoch whose mean loss is <= this")
-@argument("--loop", action="store_true", help="the body is the whole per-rank loop, driven through ctx")
-@argument("--drop-last", action="store_true", help="drop the uneven tail instead of padding")
-@argument("--find-unused-parameters", action="store_true",
-          help="let DDP train models with parameters that get no gradient in a step")
-@argument("--nan", choices=["stop", "skip"], default="stop",
-          help="a non-finite loss stops training naming the rank and step (default); skip: drop that step on every rank")
-@argument("--progress", choices=["auto", "widgets", "text", "none"], default="auto",
-          help="dashboard (auto: widgets in Jupyter, text elsewhere)")
-@argument("--all-output", action="store_true", help="show every rank's printed output")
-@argument("--background", action="store_true",
-          help="return at once and keep the kernel free while the dashboard updates; %%dist wait returns the "
-               "result (and the weights), %%dist stop-training stops the run")
+@declared_arguments(TrainPlan, RunOptions)
 @argument("-o", "--output", default=None, help="also store the TrainResult under this notebook name")
 def _distrain(line):
     """Train a notebook model on every rank with --strategy (ddp, fsdp, pipeline, tensor, ps); the body is one step."""
@@ -328,9 +276,7 @@ class DistMagics(Magics):
 
                 check_idle(session._CURRENT)
             if verb == "start":
-                session.start(n=args.n, backend=args.backend, timeout=args.timeout, ns=ns,
-                              master_port=args.master_port, auto_restart=args.auto_restart,
-                              **{k: getattr(args, k) for k in session.PLACEMENT_OPTIONS})
+                session.start(ns=ns, **{k: getattr(args, k) for k in options.keywords(ClusterSpec)})
             elif verb == "stop":
                 if session._CURRENT is None:
                     print("distnb: no cluster is running")
@@ -359,19 +305,12 @@ class DistMagics(Magics):
     @cell_magic
     def distrain(self, line, cell):
         args = parse_argstring(_distrain, line)
-        options = dict(epochs=args.epochs, batch_size=args.batch_size, optimizer=args.optimizer, lr=args.lr,
-                       seed=args.seed, strategy=args.strategy, reset=args.reset, target_loss=args.target_loss,
-                       loop=args.loop, drop_last=args.drop_last,
-                       find_unused_parameters=args.find_unused_parameters, nan=args.nan,
-                       fsdp_units=args.fsdp_units, split=args.split, microbatches=args.microbatches,
-                       schedule=args.schedule, loss=args.loss, tp_plan=args.tp_plan, servers=args.servers,
-                       staleness=args.staleness, checkpoint_dir=args.checkpoint_dir,
-                       checkpoint_every=args.checkpoint_every)
+        given = {k: getattr(args, k) for k in (*options.keywords(TrainPlan), *options.keywords(RunOptions))
+                 if hasattr(args, k)}
         if args.output is not None and not args.output.isidentifier():
             raise UsageError(f"-o/--output must be a notebook name, got {args.output!r}")
         try:
-            result = _session().train(cell, model=args.model, data=args.data, progress=args.progress,
-                                      all_output=args.all_output, background=args.background, **options)
+            result = _session().train(cell, **given)
         except PlanError as exc:
             raise UsageError(str(exc)) from None
         if args.background:

@@ -1,20 +1,33 @@
-"""Validated descriptions of a cluster and of a training run (stdlib only).
+"""Validated descriptions of a cluster and of a training run, each option declared once (stdlib only).
 
-Both dataclasses are checked on construction, so a bad option becomes a
+:class:`TrainPlan` (a ``%%distrain`` cell), :class:`RunOptions` (how the kernel runs and
+shows that cell) and :class:`ClusterSpec` (what ``%dist start`` starts) are frozen
+dataclasses whose fields are declared with :func:`distnb.options.option`: name, type,
+default, help and check in one place. The magics' parsers, the Python keywords of
+``Session.train`` and ``distnb.start`` and their help are derived from these fields.
+All three are checked on construction, so a bad option becomes a
 :class:`~distnb.errors.PlanError` naming the option before any rank is touched.
-They travel to the engines as plain dicts (:meth:`TrainPlan.to_dict`).
+TrainPlan travels to the engines as a plain dict (:meth:`TrainPlan.to_dict`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
+from . import options
 from .errors import PlanError
+from .options import check_int, option
 
-#: Strategies that ``%%distrain`` knows about (one module each in distnb/engine/strategies/).
-STRATEGIES = ("ddp", "fsdp", "pipeline", "tensor", "ps")
+#: Strategies ``%%distrain --strategy`` takes: name -> (what it is, whether distributing it changes
+#: the module in place). One module each in distnb/engine/strategies/, named as the strategy.
+STRATEGIES = {
+    "ddp": ("DistributedDataParallel, default", False),
+    "fsdp": ("FSDP2 fully_shard", True),
+    "pipeline": ("torch.distributed.pipelining", True),
+    "tensor": ("DTensor tensor parallel", True),
+    "ps": ("parameter server", True),
+}
 #: Pipeline schedules (torch.distributed.pipelining): GPipe (Huang et al. 2019) and 1F1B
 #: (PipeDream-Flush, Narayanan et al. 2021).
 SCHEDULES = ("gpipe", "1f1b")
@@ -27,42 +40,165 @@ BATCH_LAUNCHERS = ("slurm", "pbs", "sge", "lsf", "htcondor")
 LAUNCHERS = ("local", "mpi", "ssh") + BATCH_LAUNCHERS
 #: Longest collective/rendezvous timeout ``%dist start --timeout`` takes, seconds.
 MAX_TIMEOUT = 7 * 24 * 3600
+#: Progress views of a training cell (auto: widgets in Jupyter, text elsewhere).
+PROGRESS_MODES = ("auto", "widgets", "text", "none")
 
 
-def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise PlanError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise PlanError(f"{name} must be at least {minimum}, got {value}")
+def redistribution(last, key: tuple, generation: int) -> str:
+    """What the ranks' copy of a model needs before a cell distributed as ``key`` (the one rule).
+
+    Parameters
+    ----------
+    last : tuple or None
+        ``(strategy key, process-group generation)`` the model was last distributed with on
+        this side, None if never.
+    key : tuple
+        :meth:`TrainPlan.strategy_key` of the cell; ``key[0]`` is the strategy name.
+    generation : int
+        The process group's generation now (it bumps whenever the group is re-formed).
+
+    Returns
+    -------
+    str
+        ``"keep"``: same distribution on the same group, the live model and optimizer
+        carry on. ``"rebuild"``: the module is intact (a strategy that wraps it, such as
+        DDP): wrap it again on the ranks. ``"resend"``: another strategy, or a strategy that
+        changed the module in place (sharded, split) asked to change or to survive a
+        re-formed group: the kernel sends the model again from its weights.
+    """
+    if last is None:
+        return "rebuild"
+    if last == (key, generation):
+        return "keep"
+    name = last[0][0]
+    if name != key[0] or STRATEGIES[name][1]:
+        return "resend"
+    return "rebuild"
 
 
-def _check_number(name, value, positive=True):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise PlanError(f"{name} must be a finite number, got {value!r}")
-    if positive and value <= 0:
-        raise PlanError(f"{name} must be positive, got {value}")
+@dataclass(frozen=True)
+class TrainPlan:
+    """One ``%%distrain`` cell: what to train, how, and how it is distributed.
+
+    Every field is an option (see :mod:`distnb.options`); the parameters are listed below
+    from their declarations.
+    """
+
+    model: str = option(kind="name", help="notebook name of the torch.nn.Module to train")
+    data: str = option(kind="name", help="notebook name of the data set (scattered as shards)",
+                       doc="Name of the data set in the kernel namespace (Dataset, TensorDataset, tensor, array, or "
+                           "tuple of tensors/arrays with equal first dimension).")
+    epochs: int = option(1, "int", "epochs to run (default 1)", minimum=1,
+                         doc="Passes over the data (>= 1). Epoch numbers continue across cells.")
+    batch_size: int = option(32, "int", "samples per rank per step (default 32)", minimum=1,
+                             doc="Samples per rank per step; the global batch is ``batch_size * world_size``.")
+    optimizer: str | None = option(None, "text", "sgd, adam, adamw, or a notebook name f(params)->Optimizer; default: "
+                                   "keep the optimizer live on the ranks (with its state), sgd for a new model")
+    lr: float | None = option(None, "float", "learning rate; default: keep the live one (a new optimizer: 0.01 sgd, "
+                              "1e-3 adam/adamw)")
+    seed: int = option(0, "int", "seed of shards and per-epoch shuffles (default 0)", minimum=0)
+    strategy: str = option("ddp", "choice", ", ".join(f"{k} ({v[0]})" for k, v in STRATEGIES.items()),
+                           choices=tuple(STRATEGIES), distribution=True)
+    fsdp_units: tuple | None = option(None, "names", "fsdp: comma-separated submodules that become FSDP units "
+                                      "(default: each child with parameters)", strategy="fsdp",
+                                      doc="Names of the submodules that become FSDP units (each gets its own "
+                                          "all-gather); None: every direct child that holds parameters. The root "
+                                          "always is one.")
+    split: tuple | None = option(None, "names", "pipeline: comma-separated submodules that begin a new stage "
+                                 "(default: balanced by parameters)", strategy="pipeline")
+    microbatches: int | None = option(None, "int", "pipeline: microbatches per batch, must divide --batch-size "
+                                      "(default: world_size)", minimum=1, strategy="pipeline")
+    schedule: str = option("gpipe", "choice", "pipeline: schedule (default gpipe)", choices=SCHEDULES,
+                           strategy="pipeline")
+    loss: str | None = option(None, "name", "pipeline: notebook function loss(output, target); default: the body's "
+                              "`loss`", strategy="pipeline")
+    tp_plan: str | None = option(None, "name", "tensor: notebook dict {submodule: ParallelStyle}; default: Linear "
+                                 "pairs column- then row-wise", strategy="tensor")
+    checkpoint_dir: str | None = option(None, "path", "save model, optimizer and position there "
+                                        "(torch.distributed.checkpoint); a model sent fresh to the ranks (e.g. after "
+                                        "%%dist restart) resumes from the newest checkpoint there")
+    checkpoint_every: int | None = option(None, "int", "save every N steps (default: at the end of every epoch)",
+                                          minimum=1)
+    servers: int = option(1, "int", "ps: ranks holding the parameters and optimizer (default 1)", minimum=1,
+                          strategy="ps")
+    staleness: int = option(0, "int", "ps: steps a worker may run ahead of the last update it received (default 0: "
+                            "synchronous)", minimum=0, strategy="ps",
+                            doc="0 synchronous; K > 0 lets workers run up to K steps ahead of the last update they "
+                                "have received (bounded asynchrony, Ho et al. 2013, \"Stale Synchronous Parallel\").")
+    reset: bool = option(False, "flag", "re-send the kernel's model as it is now (its trained weights; build a new "
+                         "model for fresh ones) with a fresh optimizer and epoch count")
+    target_loss: float | None = option(None, "float", "stop after an epoch whose mean loss is <= this", signed=True)
+    loop: bool = option(False, "flag", "the body is the whole per-rank loop, driven through ctx")
+    drop_last: bool = option(False, "flag", "drop the uneven tail instead of padding",
+                             doc="False (default): pad, so every rank runs ``ceil(ceil(n / world_size) / batch_size)`` "
+                                 "steps, a rank with a shorter shard repeating samples of its own shard. True: drop, "
+                                 "every rank uses ``floor(n / world_size)`` samples and full batches only.")
+    find_unused_parameters: bool = option(False, "flag", "let DDP train models with parameters that get no gradient "
+                                          "in a step", distribution=True)
+    nan: str = option("stop", "choice", "a non-finite loss stops training naming the rank and step (default); skip: "
+                      "drop that step on every rank", choices=("stop", "skip"))
+    report_interval: float = option(0.1, "float", "seconds between progress messages per rank (default: from "
+                                    "progress, 0.1 for the dashboard, at most 10 a second)", cli=False, given=None)
+    lr_if_new: float | None = option(None, "float", "learning rate for an optimizer made new while lr is None (the "
+                                     "kernel passes the last one the user gave)", cli=False, api=False)
+
+    def __post_init__(self):
+        options.check_fields(self)
+        if self.optimizer is not None:
+            if not isinstance(self.optimizer, str) or not self.optimizer:
+                raise PlanError(f"--optimizer must be sgd, adam, adamw or a notebook name, got {self.optimizer!r}")
+            if self.optimizer.lower() in DEFAULT_LR:
+                object.__setattr__(self, "optimizer", self.optimizer.lower())
+            elif not self.optimizer.isidentifier():
+                raise PlanError(f"--optimizer must be sgd, adam, adamw or a notebook name, got {self.optimizer!r}")
+        if self.checkpoint_every is not None and self.checkpoint_dir is None:
+            raise PlanError("--checkpoint-every needs --checkpoint-dir DIR (where to save)")
+        if self.strategy == "pipeline" and self.microbatches is not None and self.batch_size % self.microbatches:
+            raise PlanError(f"--microbatches {self.microbatches} does not divide --batch-size {self.batch_size}: "
+                            "each microbatch must have the same number of samples")
+
+    def strategy_key(self) -> tuple:
+        """What decides how a model is distributed (the distribution options, strategy first)."""
+        return tuple(getattr(self, name) for name in _DISTRIBUTION)
+
+    @property
+    def builtin_optimizer(self) -> bool:
+        """True unless --optimizer names a notebook callable."""
+        return self.optimizer is None or self.optimizer in DEFAULT_LR
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainPlan":
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How the kernel runs and shows a training cell (nothing here reaches the ranks)."""
+
+    progress: str = option("auto", "choice", "dashboard (auto: widgets in Jupyter, text elsewhere)",
+                           choices=PROGRESS_MODES)
+    all_output: bool = option(False, "flag", "show every rank's printed output")
+    background: bool = option(False, "flag", "return at once and keep the kernel free while the dashboard updates; "
+                              "%%dist wait returns the result (and the weights), %%dist stop-training stops the run")
+    quiet: bool = option(False, "flag", "print nothing but errors", cli=False)
+
+    def __post_init__(self):
+        options.check_fields(self)
+
+
+_DISTRIBUTION = options.distribution_fields(TrainPlan)
 
 
 def _check_placement(spec) -> None:
-    """Where engines run: launcher and its options (see ClusterSpec)."""
+    """Where engines run: how the launcher and its options fit together (see ClusterSpec)."""
     if spec.launcher is None and spec.profile is None:
         raise PlanError("--launcher is needed unless --profile names an ipyparallel profile that sets one")
-    if spec.launcher is not None and spec.launcher not in LAUNCHERS:
-        raise PlanError(f"--launcher must be one of {', '.join(LAUNCHERS)}, got {spec.launcher!r}")
-    if not isinstance(spec.hosts, tuple) or not all(isinstance(h, str) and h.strip() for h in spec.hosts):
-        raise PlanError(f"--hosts must be host names separated by commas, got {spec.hosts!r}")
     if len(set(spec.hosts)) != len(spec.hosts):
         raise PlanError(f"--hosts names a host twice: {', '.join(spec.hosts)} (use --engines-per-node for more "
                         "engines on one host)")
-    for name in ("nodes", "engines_per_node"):
-        value = getattr(spec, name)
-        if value is not None:
-            _check_int("--" + name.replace("_", "-"), value, 1)
-    for name in ("queue", "time_limit", "account", "profile", "interface", "master_addr"):
-        value = getattr(spec, name)
-        if value is not None and (not isinstance(value, str) or not value.strip() or value != value.strip()):
-            raise PlanError(f"--{name.replace('_', '-').replace('time-limit', 'time')} must be a non-empty word, "
-                            f"got {value!r}")
     launcher = spec.launcher
     if spec.hosts and launcher not in ("ssh", "mpi", None):
         why = ("a batch launcher gets its hosts from the scheduler (use --nodes)" if launcher in BATCH_LAUNCHERS
@@ -88,291 +224,70 @@ def _check_placement(spec) -> None:
         raise PlanError(f"-n {spec.num_engines} is fewer engines than the {hosts} hosts or nodes asked for")
 
 
+def _where(default, kind, help, **declared):
+    """A placement option of ClusterSpec: where engines run (group ``placement``)."""
+    return option(default, kind, help, group="placement", **declared)
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
-    """What ``%dist start`` starts.
+    """What ``%dist start`` starts; every field is an option (see :mod:`distnb.options`).
 
-    Parameters
-    ----------
-    num_engines : int
-        Number of engines, i.e. the world_size (>= 1).
-    backend : {"gloo", "nccl"}
-        torch.distributed backend. ``nccl`` needs one GPU per engine.
-    device_type : {"cpu", "cuda"}
-        Where each rank computes; with ``cuda`` rank ``r`` sees only GPU ``local_rank``.
-    num_threads : int
-        torch intra-op threads per engine (CPU engines: cores // num_engines).
-    timeout : float
-        Collective and rendezvous timeout in seconds.
-    master_addr : str or None
-        Rendezvous address (``--master-addr``): where rank 0 serves the torch.distributed
-        store. None: 127.0.0.1 when every rank runs on the kernel's host, else rank 0's
-        address on ``interface``, else the address rank 0 uses to reach the controller.
-    master_port : int or None
-        TCP port of the torch.distributed store (``--master-port``); None: a free port
-        is picked for every process group formed.
-    launcher : str
-        ipyparallel engine launcher (``--launcher``): ``local`` (default, distnb's fast
-        local engines), ``mpi``, ``ssh``, ``slurm``, ``pbs``, ``sge``, ``lsf``, ``htcondor``.
-        None with ``profile``: the profile's own launcher.
-    hosts : tuple of str
-        ``--hosts``: hosts to start engines on (``[user@]host[:sshport]``), ``engines_per_node``
-        on each; ssh and mpi.
-    nodes : int or None
-        ``--nodes``: slurm: nodes to ask for (other batch systems: set it in the profile's
-        batch template).
-    engines_per_node : int or None
-        ``--engines-per-node``: engines on each host or node (default: num_engines spread
-        evenly over the hosts or nodes).
-    queue : str or None
-        ``--queue``: batch queue (slurm: partition).
-    time_limit : str or None
-        ``--time``: slurm: wall-clock limit in Slurm's format (``HH:MM:SS``).
-    account : str or None
-        ``--account``: slurm: account to charge.
-    profile : str or None
-        ``--profile``: an ipyparallel profile (name in the IPython directory, or a path to a
-        profile directory) whose ``ipcluster_config.py`` configures the launchers; options
-        given here override it.
-    interface : str or None
-        ``--interface``: network interface the ranks rendezvous (and gloo/nccl connect) over,
-        e.g. ``eth0``; the controller also listens on it when engines are remote.
+    ``n`` (``num_engines``) and ``backend`` left out are decided from the machine (one engine
+    per GPU with nccl, else one per CPU core with gloo: :func:`distnb.cluster.default_spec`).
     """
 
-    num_engines: int
-    backend: str = "gloo"
-    device_type: str = "cpu"
-    num_threads: int = 1
-    timeout: float = 60.0
-    master_addr: str | None = None
-    master_port: int | None = None
-    launcher: str | None = "local"
-    hosts: tuple = ()
-    nodes: int | None = None
-    engines_per_node: int | None = None
-    queue: str | None = None
-    time_limit: str | None = None
-    account: str | None = None
-    profile: str | None = None
-    interface: str | None = None
+    num_engines: int = option(kind="int", help="number of engines (ranks); default one per GPU, or one per CPU core "
+                              "without GPUs", flags=("-n", "--engines"), keyword="n", given=None, minimum=1,
+                              label="num_engines (-n)")
+    backend: str = option("gloo", "choice", "torch.distributed backend (default nccl on GPUs, gloo on CPU)",
+                          choices=BACKENDS, given=None)
+    device_type: str = option("cpu", "choice", "where each rank computes; with cuda rank r sees only GPU local_rank",
+                              choices=("cpu", "cuda"), cli=False, api=False)
+    num_threads: int = option(1, "int", "torch intra-op threads per engine (CPU engines: cores // num_engines)",
+                              minimum=1, cli=False, api=False)
+    timeout: float = option(60.0, "float", "collective/rendezvous timeout in seconds (default 60)")
+    master_port: int | None = option(None, "int", "TCP port of the torch.distributed store (default: a free port); "
+                                     "a taken port is an error naming it", minimum=1)
+    auto_restart: bool = option(False, "flag", "when an engine dies during a cell, start a fresh world of the same "
+                                "size at once (default off; on a running cluster this only switches the setting)",
+                                given=None)
+    launcher: str | None = _where("local", "choice", "ipyparallel engine launcher: local (default; with --profile, "
+                                  "the profile's), mpi (mpiexec), ssh, or a batch system "
+                                  f"({', '.join(BATCH_LAUNCHERS)})", choices=LAUNCHERS, given=None)
+    hosts: tuple = _where((), "hosts", "ssh/mpi: hosts to start engines on, comma-separated without spaces or "
+                          "quotes ([user@]host[:sshport]); rank 0 runs on the first", given=None)
+    engines_per_node: int | None = _where(None, "int", "engines on each host or node (default: -n spread evenly; "
+                                          "one per GPU on GPU hosts is usual)", minimum=1)
+    nodes: int | None = _where(None, "int", "slurm: nodes to ask the scheduler for", minimum=1)
+    queue: str | None = _where(None, "word", "batch queue (slurm partition)", flags=("--queue", "--partition"))
+    time_limit: str | None = _where(None, "word", "slurm: wall-clock limit (e.g. 01:00:00)", flags=("--time",))
+    account: str | None = _where(None, "word", "slurm: account to charge")
+    profile: str | None = _where(None, "word", "ipyparallel profile (name or directory) whose ipcluster_config.py "
+                                 "configures the launcher; options given here override it")
+    interface: str | None = _where(None, "word", "network interface the ranks rendezvous and communicate over (e.g. "
+                                   "eth0, ib0), by its name on the hosts; the controller listens on it too when this "
+                                   "machine has it; default: the one that reaches rank 0 (loopback on one host)")
+    master_addr: str | None = _where(None, "word", "rendezvous address for the torch.distributed store: an address "
+                                     "of rank 0's host (the first of --hosts); default: rank 0's address that the "
+                                     "other ranks reach (127.0.0.1 on one host)")
 
     def __post_init__(self):
-        _check_int("num_engines (-n)", self.num_engines, 1)
+        options.check_fields(self)
         _check_placement(self)
-        if self.master_port is not None:
-            _check_int("--master-port", self.master_port, 1)
-            if self.master_port > 65535:
-                raise PlanError(f"--master-port must be a TCP port (1-65535), got {self.master_port}")
-        if self.backend not in BACKENDS:
-            raise PlanError(f"--backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
-        if self.device_type not in ("cpu", "cuda"):
-            raise PlanError(f"device_type must be 'cpu' or 'cuda', got {self.device_type!r}")
+        if self.master_port is not None and self.master_port > 65535:
+            raise PlanError(f"--master-port must be a TCP port (1-65535), got {self.master_port}")
         if self.backend == "nccl" and self.device_type != "cuda":
             raise PlanError("--backend nccl needs GPU engines; this machine has none (use --backend gloo)")
-        _check_int("num_threads", self.num_threads, 1)
-        _check_number("--timeout", self.timeout)
         if not 1 <= self.timeout <= MAX_TIMEOUT:
             raise PlanError(f"--timeout must be between 1 and {MAX_TIMEOUT} seconds (a week), got {self.timeout}")
 
 
-@dataclass(frozen=True)
-class TrainPlan:
-    """One ``%%distrain`` cell.
+#: Fields of ClusterSpec that say where engines run (the placement options).
+PLACEMENT_OPTIONS = tuple(f.name for f, opt in options.declared(ClusterSpec) if opt.group == "placement")
 
-    Parameters
-    ----------
-    model : str
-        Name of the ``torch.nn.Module`` in the kernel namespace.
-    data : str
-        Name of the data set in the kernel namespace (Dataset, TensorDataset,
-        tensor, array, or tuple of tensors/arrays with equal first dimension).
-    epochs : int
-        Passes over the data (>= 1). Epoch numbers continue across cells.
-    batch_size : int
-        Samples per rank per step; the global batch is ``batch_size * world_size``.
-    optimizer : str or None
-        ``sgd``, ``adam``, ``adamw`` (torch.optim), or the name of a kernel callable
-        ``f(params) -> torch.optim.Optimizer`` (an Optimizer subclass works). None keeps the
-        optimizer that lives on the ranks (with its state), or starts SGD if there is none.
-    lr : float or None
-        Learning rate. None keeps the live optimizer's rate; a new built-in optimizer then
-        gets :data:`DEFAULT_LR`, a custom one its own default.
-    seed : int
-        Seed of the shard assignment and of each epoch's shuffle.
-    strategy : str
-        One of :data:`STRATEGIES`.
-    reset : bool
-        Re-send the kernel's model and start a fresh optimizer and epoch count.
-    target_loss : float or None
-        Stop after the first epoch whose mean loss over all ranks is <= this.
-    loop : bool
-        The cell body is the whole per-rank loop (driven through ``ctx``) rather than one step.
-    drop_last : bool
-        False (default): pad, so every rank runs ``ceil(ceil(n / world_size) / batch_size)``
-        steps, a rank with a shorter shard repeating samples of its own shard. True: drop,
-        every rank uses ``floor(n / world_size)`` samples and full batches only.
-    find_unused_parameters : bool
-        Passed to DDP: allow parameters that get no gradient in a step (costs a graph walk).
-    nan : {"stop", "skip"}
-        A non-finite loss stops training with an error naming the rank and step (default),
-        or (``skip``) the step is dropped on every rank: no update, the ranks agree with one
-        tiny all-reduce per step, and the cell reports how many steps it skipped.
-    report_interval : float
-        Seconds between progress messages per rank (0.1 for the dashboard: at most 10 a
-        second; longer for text progress, which only prints per epoch).
-    fsdp_units : tuple of str or None
-        fsdp: names of the submodules that become FSDP units (each gets its own
-        all-gather); None: every direct child that holds parameters. The root always is one.
-    split : tuple of str or None
-        pipeline: names of the submodules that begin a new stage (``world_size - 1`` of
-        them); None: balance the top-level children by parameter count.
-    microbatches : int or None
-        pipeline: microbatches per batch (must divide --batch-size); None: world_size.
-    schedule : {"gpipe", "1f1b"}
-        pipeline schedule.
-    loss : str or None
-        pipeline: name of a kernel function ``loss(output, target) -> scalar tensor``; None:
-        the step body computes the loss.
-    tp_plan : str or None
-        tensor: name of a kernel dict ``{module name: ParallelStyle}`` for
-        ``parallelize_module``; None: consecutive nn.Linear pairs become column-wise then
-        row-wise parallel.
-    servers : int
-        ps: ranks that hold (a split of) the parameters and the optimizer state.
-    checkpoint_dir : str or None
-        Save model, optimizer and position there with torch.distributed.checkpoint (see
-        :mod:`distnb.engine.checkpoint`); a model the ranks receive fresh resumes from the
-        newest checkpoint there (unless ``reset``).
-    checkpoint_every : int or None
-        Save every this many steps (global step count); None: at the end of every epoch.
-    lr_if_new : float or None
-        Learning rate for an optimizer made new while ``lr`` is None (the kernel passes the
-        last one the user gave, so a model sent again keeps its rate); the live optimizer
-        ignores it.
-    staleness : int
-        ps: 0 synchronous; K > 0 lets workers run up to K steps ahead of the last update
-        they have received (bounded asynchrony, Ho et al. 2013, "Stale Synchronous Parallel").
-    """
-
-    model: str
-    data: str
-    epochs: int = 1
-    batch_size: int = 32
-    optimizer: str | None = None
-    lr: float | None = None
-    seed: int = 0
-    strategy: str = "ddp"
-    reset: bool = False
-    target_loss: float | None = None
-    loop: bool = False
-    drop_last: bool = False
-    find_unused_parameters: bool = False
-    nan: str = "stop"
-    report_interval: float = 0.1
-    fsdp_units: tuple | None = None
-    split: tuple | None = None
-    microbatches: int | None = None
-    schedule: str = "gpipe"
-    loss: str | None = None
-    tp_plan: str | None = None
-    servers: int = 1
-    staleness: int = 0
-    checkpoint_dir: str | None = None
-    checkpoint_every: int | None = None
-    lr_if_new: float | None = None
-
-    def __post_init__(self):
-        for name in ("model", "data"):
-            value = getattr(self, name)
-            if not isinstance(value, str) or not value.isidentifier():
-                raise PlanError(f"--{name} must name a variable in the notebook, got {value!r}")
-        _check_int("--epochs", self.epochs, 1)
-        _check_int("--batch-size", self.batch_size, 1)
-        _check_int("--seed", self.seed, 0)
-        if self.optimizer is not None:
-            if not isinstance(self.optimizer, str) or not self.optimizer:
-                raise PlanError(f"--optimizer must be sgd, adam, adamw or a notebook name, got {self.optimizer!r}")
-            if self.optimizer.lower() in DEFAULT_LR:
-                object.__setattr__(self, "optimizer", self.optimizer.lower())
-            elif not self.optimizer.isidentifier():
-                raise PlanError(f"--optimizer must be sgd, adam, adamw or a notebook name, got {self.optimizer!r}")
-        if self.lr is not None:
-            _check_number("--lr", self.lr)
-        if self.lr_if_new is not None:
-            _check_number("lr_if_new", self.lr_if_new)
-        if self.nan not in ("stop", "skip"):
-            raise PlanError(f"--nan must be 'stop' or 'skip', got {self.nan!r}")
-        if self.strategy not in STRATEGIES:
-            raise PlanError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}")
-        for flag in ("reset", "loop", "drop_last", "find_unused_parameters"):
-            if not isinstance(getattr(self, flag), bool):
-                raise PlanError(f"--{flag.replace('_', '-')} is a flag (True or False), got {getattr(self, flag)!r}")
-        self._check_strategy_options()
-        if self.checkpoint_dir is not None and (not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir):
-            raise PlanError(f"--checkpoint-dir must be a folder path, got {self.checkpoint_dir!r}")
-        if self.checkpoint_every is not None:
-            _check_int("--checkpoint-every", self.checkpoint_every, 1)
-            if self.checkpoint_dir is None:
-                raise PlanError("--checkpoint-every needs --checkpoint-dir DIR (where to save)")
-        if self.target_loss is not None:
-            _check_number("--target-loss", self.target_loss, positive=False)
-        _check_number("report_interval", self.report_interval)
-
-    def _check_strategy_options(self):
-        for field in ("fsdp_units", "split"):
-            value = getattr(self, field)
-            if isinstance(value, str):
-                value = tuple(v.strip() for v in value.split(",") if v.strip())
-                object.__setattr__(self, field, value)
-            if value is not None:
-                if isinstance(value, list):
-                    value = tuple(value)
-                    object.__setattr__(self, field, value)
-                flag = "--" + field.replace("_", "-")
-                if not isinstance(value, tuple) or not value or not all(
-                        isinstance(v, str) and all(part.isidentifier() or part.isdigit() for part in v.split(".")) for v in value):
-                    raise PlanError(f"{flag} must be comma-separated submodule names like `layers.2,head`, "
-                                    f"got {value!r}")
-        if self.microbatches is not None:
-            _check_int("--microbatches", self.microbatches, 1)
-        if self.schedule not in SCHEDULES:
-            raise PlanError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        for field in ("loss", "tp_plan"):
-            value = getattr(self, field)
-            if value is not None and (not isinstance(value, str) or not value.isidentifier()):
-                raise PlanError(f"--{field.replace('_', '-')} must name a variable in the notebook, got {value!r}")
-        _check_int("--servers", self.servers, 1)
-        _check_int("--staleness", self.staleness, 0)
-        own = {"fsdp": ("fsdp_units",), "pipeline": ("split", "microbatches", "loss"), "tensor": ("tp_plan",),
-               "ps": ()}
-        for strategy, fields in own.items():
-            for field in fields:
-                if getattr(self, field) is not None and self.strategy != strategy:
-                    raise PlanError(f"--{field.replace('_', '-')} is a --strategy {strategy} option "
-                                    f"(this cell uses --strategy {self.strategy})")
-        if self.strategy != "pipeline" and self.schedule != "gpipe":
-            raise PlanError(f"--schedule is a --strategy pipeline option (this cell uses --strategy {self.strategy})")
-        if self.strategy != "ps" and (self.servers != 1 or self.staleness != 0):
-            raise PlanError(f"--servers and --staleness are --strategy ps options (this cell uses "
-                            f"--strategy {self.strategy})")
-        if self.strategy == "pipeline" and self.microbatches is not None and self.batch_size % self.microbatches:
-            raise PlanError(f"--microbatches {self.microbatches} does not divide --batch-size {self.batch_size}: "
-                            "each microbatch must have the same number of samples")
-
-    def strategy_key(self) -> tuple:
-        """What decides how a model is distributed: a different key rebuilds the strategy."""
-        return (self.strategy, self.find_unused_parameters, self.fsdp_units, self.split, self.microbatches,
-                self.schedule, self.loss, self.tp_plan, self.servers, self.staleness)
-
-    @property
-    def builtin_optimizer(self) -> bool:
-        """True unless --optimizer names a notebook callable."""
-        return self.optimizer is None or self.optimizer in DEFAULT_LR
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TrainPlan":
-        return cls(**{k: tuple(v) if k in ("fsdp_units", "split") and isinstance(v, list) else v
-                      for k, v in d.items()})
+for _cls in (TrainPlan, RunOptions, ClusterSpec):
+    _cls.__doc__ += "\n    Parameters\n    ----------\n" + "\n".join(
+        "    " + line for line in options.doc(_cls, internal=True).splitlines()) + "\n"
+__all__ = ["TrainPlan", "RunOptions", "ClusterSpec", "STRATEGIES", "SCHEDULES", "DEFAULT_LR", "BACKENDS", "LAUNCHERS",
+           "BATCH_LAUNCHERS", "MAX_TIMEOUT", "PROGRESS_MODES", "PLACEMENT_OPTIONS", "redistribution", "check_int"]

@@ -48,3 +48,8 @@ class Table:
                        for r in self.rows)
         title = f"<b>{html.escape(self.title)}</b>" if self.title else ""
         return f"{title}<table class='distnb-table'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def count(n: int, word: str) -> str:
+    """``"1 rank"``, ``"2 ranks"``: a number and its noun."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"

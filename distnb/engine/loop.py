@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..plan import DEFAULT_LR, TrainPlan
+from ..plan import DEFAULT_LR, STRATEGIES, TrainPlan, redistribution
 from . import checkpoint, collectives, runtime, shard as sharding, wire
 from .report import Reporter
 from . import strategies
@@ -500,12 +500,13 @@ def _prepare(ns, plan, run):
     """
     st = runtime.STATE
     fresh = run.optimizer is None and run.steps == 0
-    key = strategy_key(plan)
-    if run.strategy is None or run.generation != st.generation or run.strategy_key != key:
-        if run.strategy_key is not None and run.strategy_key != key and \
-                strategies.strategy_class(run.strategy_key[0]).modifies_module:
-            raise RuntimeError(f"rank {st.rank}: {plan.model} was distributed for --strategy "
-                               f"{run.strategy_key[0]}; the kernel must send it again (--reset)")
+    key = plan.strategy_key()
+    last = None if run.strategy_key is None else (run.strategy_key, run.generation)
+    verdict = redistribution(last, key, st.generation)
+    if verdict == "resend":
+        raise RuntimeError(f"rank {st.rank}: {plan.model} was distributed for --strategy "
+                           f"{run.strategy_key[0]}; the kernel must send it again (--reset)")
+    if verdict == "rebuild" or run.strategy is None:
         if run.strategy is not None:
             run.strategy.close()
         run.strategy = strategies.build(run.module, plan, st.device, ns)
@@ -535,8 +536,7 @@ def save_checkpoint(ns, name, directory):
     if plan is None:
         raise RuntimeError(f"rank {runtime.STATE.rank}: {name} has not been trained yet; nothing to save")
     if run.strategy is None:  # dropped with the process group after a failed cell
-        cls = strategies.strategy_class(plan["strategy"])
-        if cls.modifies_module:
+        if STRATEGIES[plan["strategy"]][1]:  # sharded in place: that copy went with the group
             raise RuntimeError(f"rank {runtime.STATE.rank}: the ranks' {plan['strategy']} copy of {name} was lost "
                                "with the failed cell; the notebook's model holds the last weights (train a cell, "
                                "then save)")
@@ -558,8 +558,3 @@ def restore(ns, name, directory):
     run.plan_dict = plan.to_dict()
     checkpoint.load(run, meta)
     return meta
-
-
-def strategy_key(plan) -> tuple:
-    """What decides how a model is distributed (see :meth:`TrainPlan.strategy_key`)."""
-    return plan.strategy_key()

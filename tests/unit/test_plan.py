@@ -28,7 +28,8 @@ def test_bad_values_name_the_option(field, value, needle):
 @pytest.mark.parametrize("options,needle", [
     (dict(strategy="ddp", split="a"), "--split is a --strategy pipeline option"),
     (dict(strategy="fsdp", tp_plan="plan"), "--tp-plan is a --strategy tensor option"),
-    (dict(strategy="pipeline", servers=2), "--servers and --staleness are --strategy ps options"),
+    (dict(strategy="pipeline", servers=2), r"--servers is a --strategy ps option \(this cell uses --strategy pipeline\)"),
+    (dict(strategy="ddp", servers=2, staleness=1), "--servers and --staleness are --strategy ps options"),
     (dict(strategy="tensor", schedule="1f1b"), "--schedule is a --strategy pipeline option"),
     (dict(strategy="pipeline", microbatches=3, batch_size=32), "--microbatches 3 does not divide --batch-size 32"),
     (dict(strategy="pipeline", microbatches=0), "--microbatches"),

@@ -1,0 +1,49 @@
+"""``%dist save`` and ``%dist load`` in the kernel: checkpoints of the ranks' live model.
+
+The ranks write and read with torch.distributed.checkpoint (:mod:`distnb.engine.checkpoint`:
+model, optimizer, epoch and sampler position, in ``DIRECTORY/step_<global step>``); the
+kernel checks the names, sends the model distributed as the checkpoint was saved, and loads
+the restored weights into the notebook's model.
+"""
+
+from __future__ import annotations
+
+import os
+
+from . import calls, training
+from .display.tables import count
+from .errors import PlanError
+from .execute import run_on_ranks
+from .plan import TrainPlan
+
+
+def save(session, name: str, model_obj, directory: str, quiet: bool = False) -> dict:
+    """Checkpoint model ``name`` on every rank under ``directory``; its metadata (see Session.save)."""
+    if name not in session.holdings.models:
+        raise PlanError(f"{name} is not on the ranks (train it with %%distrain first)")
+    directory = os.path.abspath(os.path.expanduser(directory))
+    meta = run_on_ranks(session, calls.save_checkpoint, name, directory, what=f"saving {name}")[0]
+    if not quiet:
+        print(f"distnb: saved {name} to {meta['path']} (epoch {meta['epoch']}, step {meta['epoch_step']} of it, "
+              f"{meta['steps']} steps in all) in {meta['seconds']:.2f} s")
+    return meta
+
+
+def load(session, name: str, model_obj, directory: str, quiet: bool = False) -> dict:
+    """Restore the checkpoint in ``directory`` into the ranks and ``model_obj``; its metadata (see Session.load)."""
+    from .engine import checkpoint
+
+    directory = os.path.abspath(os.path.expanduser(directory))
+    try:
+        meta = checkpoint.read_meta(directory)
+    except FileNotFoundError as exc:
+        raise PlanError(str(exc)) from None
+    plan = TrainPlan.from_dict(dict(meta["plan"], model=name, reset=True, checkpoint_dir=None, checkpoint_every=None))
+    training.ensure_model(session, plan, model_obj, quiet=True)
+    run_on_ranks(session, calls.restore, name, meta["path"], what=f"loading {name}")
+    session.holdings.optimizer_of[name] = (meta["optimizer"], None)  # the restored optimizer is the live one now
+    training.weights_back(session, name, model_obj)
+    if not quiet:
+        print(f"distnb: loaded {meta['path']} into {name} on {count(session.world_size, 'rank')} and the kernel "
+              f"(--strategy {plan.strategy}, epoch {meta['epoch']}, step {meta['epoch_step']} of it)")
+    return meta

@@ -1,0 +1,228 @@
+"""The one execute path: run a rank function on every rank, watch it, and the single failure path.
+
+Every call that runs user code or training on the ranks goes through :class:`Watch`: it
+streams each rank's output (tagged ``[rank r]``) and progress while the ranks run, notices
+dead engines (``LIVENESS_SECONDS``) and failed ranks (releasing their peers from a
+collective at once, interrupting them after ``FAILURE_GRACE``), turns the interrupt button
+into a stop at one step boundary (``STOP_WAIT``, then a hard interrupt), and ends in one
+of three ways: the per-rank results, a :class:`~distnb.errors.RankError` naming the root
+cause (after re-forming the process group so the next cell works), or an
+:class:`~distnb.errors.Interrupted` saying where every rank stopped.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import time
+
+from . import calls
+from .errors import ClusterError, Interrupted, RankError
+
+#: Seconds between checks that the ranks' engine processes are alive while a cell runs.
+LIVENESS_SECONDS = 0.5
+#: Seconds between checks of running ranks (results, output, progress) in the kernel.
+POLL_SECONDS = 0.1
+#: Seconds to wait for the other ranks once one rank has failed, before interrupting them.
+FAILURE_GRACE = 5.0
+#: Seconds to wait for a finished rank's remaining output messages.
+OUTPUT_WAIT = 2.0
+#: Seconds to wait for ranks to stop together at a step boundary after the first SIGINT.
+STOP_WAIT = 3.0
+#: Seconds to wait for ranks to stop after the second (hard) SIGINT.
+INTERRUPT_WAIT = 10.0
+
+
+def run_on_ranks(session, fn, *args, what: str, state=None, view=None, show_ranks=(0,)) -> list:
+    """``fn(*args)`` (a :mod:`distnb.calls` entry) on every rank of ``session``, watched; per-rank results."""
+    return Watch(session, session.cluster.apply_all(fn, *args), what, state, view, show_ranks).wait()
+
+
+class Watch:
+    """Wait for one AsyncResult per rank, streaming tagged output and progress.
+
+    Parameters
+    ----------
+    session : distnb.session.Session
+    ars : list of ipyparallel.AsyncResult
+        One per rank, in rank order.
+    what : str
+        What runs, for messages ("training", "%%dist cell").
+    state : distnb.display.ProgressState, optional
+        Receives each rank's progress messages.
+    view : optional
+        The dashboard or text progress (``refresh``, ``close``).
+    show_ranks : tuple of int
+        Ranks whose printed output is shown (a failed rank's always is).
+    """
+
+    def __init__(self, session, ars, what, state=None, view=None, show_ranks=(0,)):
+        self.session, self.cluster, self.ars, self.what = session, session.cluster, ars, what
+        self.state, self.view, self.show_ranks = state, view, show_ranks
+        self.offsets, self.progress, self.dead = {}, {}, {}
+        self.released, self.interrupted = set(), set()
+        self.failed_since = None
+        self.next_liveness = time.monotonic() + LIVENESS_SECONDS
+
+    def wait(self) -> list:
+        """The per-rank results; RankError (after re-forming the group) or Interrupted otherwise."""
+        bg = self.session._background
+        bg = bg if bg is not None and bg.current_thread_is_runner() else None
+        if bg is not None:  # a background run: the ranks train, the caller of train() may return
+            bg.watching = True
+            bg.started.set()
+            if hasattr(self.view, "attach_stop"):
+                self.view.attach_stop(bg.request_stop)
+        user_interrupt = False
+        try:
+            while not self._tick(bg):
+                pass
+        except KeyboardInterrupt:
+            user_interrupt = True
+            self.interrupted |= self._interrupt_ranks()
+            self._poll()
+        return self._conclude(user_interrupt)
+
+    def _tick(self, bg) -> bool:
+        """One round of checks; True when every rank has finished (or died)."""
+        ars = self.ars
+        if bg is not None and bg.stop_requested.is_set():  # %dist stop-training: as the interrupt button
+            raise KeyboardInterrupt
+        if time.monotonic() >= self.next_liveness:  # a dead engine never answers: stop waiting for it
+            self.next_liveness = time.monotonic() + LIVENESS_SECONDS
+            self.dead.update({r: d for r, d in self.cluster.dead_ranks().items() if not ars[r].ready()})
+            if self.dead and self.failed_since is None:
+                self.failed_since = time.monotonic()
+        done = all(ar.ready() or r in self.dead for r, ar in enumerate(ars))
+        if done:  # a result can arrive before the rank's last printed output
+            deadline = time.monotonic() + OUTPUT_WAIT
+            for ar in ars:
+                ar.wait_for_output(max(0.0, deadline - time.monotonic()))
+        self._poll()
+        if done:
+            return True
+        failed = {r for r, ar in enumerate(ars) if ar.ready() and not ar.successful() and r not in self.dead}
+        for r in failed - self.released:  # let peers blocked in a collective fail at once
+            self.released.add(r)
+            try:
+                self.cluster.apply(r, calls.release)
+            except ClusterError:  # its engine died: the liveness check reports it
+                pass
+        if failed and self.failed_since is None:
+            self.failed_since = time.monotonic()
+        if self.failed_since is not None and time.monotonic() - self.failed_since > FAILURE_GRACE:
+            self.interrupted |= self._interrupt_ranks()
+            self.failed_since = math.inf
+        pending = [ar for r, ar in enumerate(ars) if not ar.ready() and r not in self.dead]
+        if pending:
+            pending[0].wait(POLL_SECONDS)
+        return False
+
+    def _conclude(self, user_interrupt: bool) -> list:
+        ars = self.ars
+        self.dead.update(self.cluster.dead_ranks())
+        failures = self._failures()
+        self._mark_failures(failures)
+        if self.view is not None:
+            self.view.close()
+        clean = all(ar.ready() and ar.successful() for ar in ars)
+        if (failures or not clean) and not self.dead:
+            recover(self.session)
+        if user_interrupt:
+            raise Interrupted(self._interrupted_message(clean))
+        if self.dead and self.session.auto_restart:
+            note = self.session._restart_in_place()
+            for f in failures:
+                if f["rank"] in self.dead:
+                    f["evalue"] = f["evalue"].split("; run %dist restart")[0] + f"; {note}"
+        if failures:
+            raise RankError(failures, context=self.what)
+        return [ar.get(0) for ar in ars]
+
+    def _mark_failures(self, failures) -> None:
+        if self.state is None:
+            return
+        for f in failures:
+            status = "interrupted" if f["rank"] in self.interrupted or f.get("collateral") else "failed"
+            error = f"{f['ename']}: {f['evalue']}"[:200]
+            if f.get("collateral") and f["rank"] not in self.interrupted and failures[0] is not f:
+                error = f"stopped because rank {failures[0]['rank']} failed"
+            self.state.set_status(status, ranks=[f["rank"]], error=error)
+
+    def _interrupted_message(self, clean: bool) -> str:
+        spots = {r: (ar.get(0).get("where") if clean and isinstance(ar.get(0), dict) else None)
+                 or self.progress.get(r) or {} for r, ar in enumerate(self.ars)}
+        where = ", ".join(f"rank {r}: epoch {m.get('epoch')}, step {m.get('step')}"
+                          for r, m in sorted(spots.items()) if m.get("epoch") is not None)
+        how = "every rank stopped after the same step" if clean else "ranks stopped where they were"
+        return f"{self.what} interrupted: {how}" + (f" ({where})" if where else "")
+
+    def _failures(self) -> list:
+        """RankError failure dicts: dead engines first, then raised exceptions, root cause first."""
+        cluster = self.cluster
+        failures = [f for f in cluster.failures(self.ars, self.progress, collateral=self.interrupted)
+                    if f["rank"] not in self.dead]
+        for rank, how in sorted(self.dead.items(), reverse=True):
+            where = self.progress.get(rank) or {}
+            failures.insert(0, dict(rank=rank, engine_id=cluster.engine_ids[rank], host=cluster.host_of(rank),
+                                    ename="EngineDied", traceback="", epoch=where.get("epoch"), step=where.get("step"),
+                                    evalue=f"{cluster.death_message(rank, how)}; run %dist restart for a "
+                                           f"fresh world of {cluster.world_size} ranks"))
+        return failures
+
+    def _poll(self) -> None:
+        tag = len(self.cluster.engine_ids) > 1
+        for rank, ar in enumerate(self.ars):
+            if rank in self.show_ranks or (ar.ready() and not ar.successful()):  # a failed rank's output too
+                for stream_name, out in (("stdout", sys.stdout), ("stderr", sys.stderr)):
+                    self._stream(rank, getattr(ar, stream_name) or "", stream_name, out, tag)
+            if self.state is not None:
+                msg = (ar.data or {}).get("distnb")
+                if msg:
+                    self.progress[rank] = msg
+                    self.state.update(rank, msg)
+        if self.view is not None:
+            self.view.refresh()
+
+    def _stream(self, rank, text, stream_name, out, tag) -> None:
+        """Write what ``rank`` printed to ``stream_name`` since last time, each line tagged ``[rank r]``."""
+        seen = self.offsets.get((rank, stream_name), 0)
+        if len(text) <= seen:
+            return
+        self.offsets[(rank, stream_name)] = len(text)
+        prefix = f"[rank {rank}] " if tag else ""
+        lines = text[seen:].splitlines(keepends=True)
+        at_start = seen == 0 or text[seen - 1] == "\n"  # a line continued: no second tag
+        out.write("".join(("" if i == 0 and not at_start else prefix) + line for i, line in enumerate(lines)))
+        out.flush()
+
+    def _interrupt_ranks(self) -> set:
+        """SIGINT every rank still running, then wait (bounded) for them to stop."""
+        ars = self.ars
+        running = [r for r, ar in enumerate(ars) if not ar.ready()]
+        if not running:
+            return set()
+        # first SIGINT: a training cell stops every rank after the same step (engine.loop.StopRequest)
+        self.cluster.signal(signal.SIGINT, running)
+        deadline = time.monotonic() + STOP_WAIT
+        for r in running:
+            ars[r].wait(max(0.0, deadline - time.monotonic()))
+        stuck = [r for r in running if not ars[r].ready()]
+        if stuck:  # second SIGINT: KeyboardInterrupt wherever they are
+            self.cluster.signal(signal.SIGINT, stuck)
+            deadline = time.monotonic() + INTERRUPT_WAIT
+            for r in stuck:
+                ars[r].wait(max(0.0, deadline - time.monotonic()))
+        return {r for r in running if not (ars[r].ready() and ars[r].successful())}
+
+
+def recover(session) -> None:
+    """After a failure: re-form the process group so the next cell works."""
+    session.cluster.check_alive()
+    try:
+        session.holdings.generation += 1
+        session.cluster.reform()
+    except Exception as exc:
+        raise ClusterError(f"could not re-form the process group after the failure ({exc}); "
+                           "run %dist restart") from exc

@@ -1,0 +1,278 @@
+"""One declaration per option: a dataclass field that carries its flag, help, kind and check (stdlib only).
+
+An option of ``%%distrain`` or ``%dist start`` is declared once, as a field of
+:class:`~distnb.plan.TrainPlan` or :class:`~distnb.plan.ClusterSpec` made with
+:func:`option`. Everything else is derived from that field:
+
+- validation and normalisation on construction (:func:`check_fields`), errors naming the flag;
+- the magic's argparse arguments (:func:`distnb.magics.declared_arguments`) and its help;
+- the Python keywords of ``Session.train`` and ``distnb.start`` (:func:`keywords`,
+  :func:`signature`), and the options section of their docstrings (:func:`doc`);
+- which options decide how a model is distributed (:func:`distribution_fields`).
+
+Adding an option means adding its field and the code that uses it, nothing else.
+
+Example::
+
+    @dataclass(frozen=True)
+    class Plan:
+        epochs: int = option(1, "int", "epochs to run (default 1)", minimum=1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import os
+import textwrap
+from dataclasses import dataclass
+
+from .errors import PlanError
+
+#: Option kinds and what each checks (None is accepted for every option whose default is None).
+KINDS = ("int", "float", "flag", "choice", "name", "names", "path", "word", "hosts", "text")
+#: ``given`` for an option whose value, when not given, is its field default.
+FIELD_DEFAULT = object()
+
+
+@dataclass(frozen=True)
+class Option:
+    """What a field declares about itself as an option.
+
+    Attributes
+    ----------
+    kind : str
+        One of :data:`KINDS`: how the value is checked and normalised, and parsed by the magic.
+    help : str
+        The magic's help text for it (also the docstring line of the Python keyword).
+    flags : tuple of str
+        The magic's flags; empty: ``--`` + the name with dashes. ``()`` with ``cli=False``.
+    keyword : str or None
+        The Python keyword, when it differs from the field name (``n`` for ``num_engines``).
+    cli, api : bool
+        Whether the magic takes it, whether the Python API takes it as a keyword.
+    minimum : float or None
+        ``int``: the least value; ``float``: values must be > 0 unless ``minimum`` is set
+        (then >= minimum), or any finite value with ``signed=True``.
+    maximum : float or None
+        The greatest value (int and float).
+    signed : bool
+        ``float``: any finite value (``--target-loss``).
+    choices : tuple
+        ``choice``: the allowed values.
+    strategy : str or None
+        The ``--strategy`` this option belongs to: a value other than the default with
+        another strategy is an error, and the option is part of how a model is distributed.
+    distribution : bool
+        Part of how a model is distributed even without ``strategy`` (``--strategy`` itself,
+        ``--find-unused-parameters``): see :func:`distribution_fields`.
+    given : object
+        What the magic and the Python keyword pass when the option is not given (None: "decide
+        for me" for options the session resolves, such as ``-n``); the field default otherwise.
+    label : str or None
+        How errors name it when that is not the first flag (``num_engines (-n)``).
+    doc : str
+        The longer description for the Python API's docstring (default: ``help``).
+    group : str
+        A group of related options (``placement``: where engines run).
+    """
+
+    kind: str
+    help: str
+    flags: tuple = ()
+    keyword: str | None = None
+    cli: bool = True
+    api: bool = True
+    minimum: float | None = None
+    maximum: float | None = None
+    signed: bool = False
+    choices: tuple = ()
+    strategy: str | None = None
+    distribution: bool = False
+    given: object = FIELD_DEFAULT
+    label: str | None = None
+    doc: str = ""
+    group: str = ""
+
+
+def option(default=dataclasses.MISSING, kind="text", help="", **declared):
+    """A dataclass field declared as an option (see :class:`Option` for ``declared``)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown option kind {kind!r}")
+    return dataclasses.field(default=default, metadata={"option": Option(kind=kind, help=help, **declared)})
+
+
+def declared(cls) -> list:
+    """``(field, Option)`` for every option field of the dataclass ``cls``, in declaration order."""
+    return [(f, f.metadata["option"]) for f in dataclasses.fields(cls) if "option" in f.metadata]
+
+
+def flags_of(f, opt: Option) -> tuple:
+    """The magic's flags of a field (``--batch-size`` for ``batch_size``)."""
+    return opt.flags or ("--" + f.name.replace("_", "-"),)
+
+
+def label_of(f, opt: Option) -> str:
+    """How an error names the option: its label, its long flag, or (not a magic option) its name."""
+    if opt.label:
+        return opt.label
+    if not opt.cli:
+        return f.name
+    return next((x for x in flags_of(f, opt) if x.startswith("--")), flags_of(f, opt)[0])
+
+
+def given_of(f, opt: Option):
+    """The value passed when the option is not given."""
+    return f.default if opt.given is FIELD_DEFAULT else opt.given
+
+
+def keywords(cls) -> dict:
+    """Python keyword -> field name, for the options the API takes."""
+    return {opt.keyword or f.name: f.name for f, opt in declared(cls) if opt.api}
+
+
+def signature(*classes, first=(), last=()) -> inspect.Signature:
+    """A keyword-only signature of the API options of ``classes`` between ``first`` and ``last``.
+
+    ``first``/``last``: :class:`inspect.Parameter` objects (``code``, ``ns``, ...).
+    """
+    params = list(first)
+    taken = {p.name for p in params}
+    for cls in classes:
+        for f, opt in declared(cls):
+            name = opt.keyword or f.name
+            if opt.api and name not in taken:  # required options are among ``first`` (positional)
+                params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=given_of(f, opt)))
+    return inspect.Signature(params + list(last))
+
+
+_TYPES = {"int": "int", "float": "float", "flag": "bool", "name": "str", "names": "tuple of str", "path": "str",
+          "word": "str", "hosts": "tuple of str", "text": "str"}
+
+
+def doc(*classes, internal=False, skip=()) -> str:
+    """numpydoc lines for the options of ``classes`` (the API's; all of them with ``internal``), less ``skip``.
+
+    Each is ``name : type`` (``, optional`` when None is its default) and its description.
+    """
+    lines = []
+    for cls in classes:
+        for f, opt in declared(cls):
+            if not (opt.api or internal) or f.name in skip:
+                continue
+            kind = "{" + ", ".join(map(repr, opt.choices)) + "}" if opt.choices else _TYPES[opt.kind]
+            if given_of(f, opt) is None:
+                kind += ", optional"
+            name = f.name if internal else opt.keyword or f.name
+            lines += [f"{name} : {kind}"] + textwrap.wrap(opt.doc or opt.help, 92, initial_indent="    ",
+                                                           subsequent_indent="    ")
+    return "\n".join(lines)
+
+
+def distribution_fields(cls) -> tuple:
+    """Names of the fields that decide how a model is distributed, in declaration order."""
+    return tuple(f.name for f, opt in declared(cls) if opt.distribution or opt.strategy)
+
+
+# checks -----------------------------------------------------------------------------------
+def check_int(name, value, minimum, maximum=None):
+    """PlanError naming ``name`` unless ``value`` is an int in [minimum, maximum]."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlanError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise PlanError(f"{name} must be at least {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise PlanError(f"{name} must be at most {maximum}, got {value}")
+
+
+def check_number(name, value, positive=True):
+    """PlanError naming ``name`` unless ``value`` is a finite number (and > 0 when ``positive``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise PlanError(f"{name} must be a finite number, got {value!r}")
+    if positive and value <= 0:
+        raise PlanError(f"{name} must be positive, got {value}")
+
+
+def _names(label, value):
+    if isinstance(value, str):
+        value = tuple(v.strip() for v in value.split(",") if v.strip())
+    if isinstance(value, list):
+        value = tuple(value)
+    if not isinstance(value, tuple) or not value or not all(
+            isinstance(v, str) and all(part.isidentifier() or part.isdigit() for part in v.split(".")) for v in value):
+        raise PlanError(f"{label} must be comma-separated submodule names like `layers.2,head`, got {value!r}")
+    return value
+
+
+def split_hosts(label, value):
+    """``value`` (``\"a,b\"`` or a sequence) as a tuple of host names, or a PlanError naming ``label``."""
+    if isinstance(value, str):
+        value = tuple(h.strip() for h in value.split(","))
+    if isinstance(value, list):
+        value = tuple(value)
+    if not isinstance(value, tuple) or not all(isinstance(h, str) and h.strip() for h in value):
+        raise PlanError(f"{label} must be host names separated by commas, got {value!r}")
+    return value
+
+
+def _check_one(f, opt: Option, value):
+    """The normalised value of one option, or a PlanError naming it."""
+    label = label_of(f, opt)
+    if value is None and (f.default is None or opt.given is None):
+        return None
+    kind = opt.kind
+    if kind == "int":
+        check_int(label, value, int(opt.minimum if opt.minimum is not None else 0),
+                  None if opt.maximum is None else int(opt.maximum))
+    elif kind == "float":
+        check_number(label, value, positive=not opt.signed and opt.minimum is None)
+        low, high = opt.minimum, opt.maximum
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise PlanError(f"{label} must be between {low:g} and {high:g}, got {value}")
+    elif kind == "flag":
+        if not isinstance(value, bool):
+            raise PlanError(f"{label} is a flag (True or False), got {value!r}")
+    elif kind == "choice":
+        if value not in opt.choices:
+            raise PlanError(f"{label} must be one of {', '.join(opt.choices)}, got {value!r}")
+    elif kind == "name":
+        if not isinstance(value, str) or not value.isidentifier():
+            raise PlanError(f"{label} must name a variable in the notebook, got {value!r}")
+    elif kind == "names":
+        value = _names(label, value)
+    elif kind == "path":
+        if not isinstance(value, str) or not value:
+            raise PlanError(f"{label} must be a folder path, got {value!r}")
+        value = os.path.abspath(os.path.expanduser(value))
+    elif kind == "word":
+        if not isinstance(value, str) or not value.strip() or value != value.strip():
+            raise PlanError(f"{label} must be a non-empty word, got {value!r}")
+    elif kind == "hosts":
+        value = split_hosts(label, value)
+    return value
+
+
+def check_fields(obj) -> None:
+    """Check and normalise every option field of the frozen dataclass ``obj`` in place.
+
+    Then options that belong to another ``--strategy`` than ``obj.strategy`` (if it has one)
+    are an error naming them.
+
+    Raises
+    ------
+    PlanError
+        Naming the first bad option and what it takes.
+    """
+    for f, opt in declared(type(obj)):
+        value = _check_one(f, opt, getattr(obj, f.name))
+        object.__setattr__(obj, f.name, value)
+    strategy = getattr(obj, "strategy", None)
+    foreign = {}
+    for f, opt in declared(type(obj)):
+        if opt.strategy and opt.strategy != strategy and getattr(obj, f.name) != f.default:
+            foreign.setdefault(opt.strategy, []).append(label_of(f, opt))
+    for owner, labels in foreign.items():
+        what = f"{labels[0]} is a --strategy {owner} option" if len(labels) == 1 else \
+            f"{', '.join(labels[:-1])} and {labels[-1]} are --strategy {owner} options"
+        raise PlanError(f"{what} (this cell uses --strategy {strategy})")

@@ -1,0 +1,77 @@
+"""Each option is declared once (a TrainPlan / RunOptions / ClusterSpec field): the magics' parsers, the
+Python keywords and the help are derived from it, so they hold the same set of options."""
+
+import dataclasses
+import inspect
+
+import pytest
+
+from distnb import options, session
+from distnb.errors import PlanError
+from distnb.magics import DistMagics, _distrain, _start
+from distnb.plan import ClusterSpec, RunOptions, TrainPlan
+
+
+def _dests(magic_fn):
+    return {a.dest for a in magic_fn.parser._actions if a.dest != "help"}
+
+
+def _fields(*classes, where):
+    return {opt.keyword or f.name for cls in classes for f, opt in options.declared(cls) if getattr(opt, where)}
+
+
+def test_distrain_magic_train_keywords_and_plan_fields_are_one_set():
+    magic = _dests(_distrain) - {"output"}  # -o binds the result to a notebook name: the magic's own
+    params = set(inspect.signature(session.Session.train).parameters) - {"self", "code"}
+    declared = {f.name for cls in (TrainPlan, RunOptions) for f in dataclasses.fields(cls)}
+    assert magic == _fields(TrainPlan, RunOptions, where="cli")
+    assert params == _fields(TrainPlan, RunOptions, where="api")
+    internal = declared - params
+    assert internal == {"lr_if_new"}, "only the kernel's own bookkeeping is not a keyword"
+    assert params - magic == {"report_interval", "quiet"}, "Python-only options (set by --progress / no printing)"
+
+
+def test_dist_start_magic_start_keywords_and_spec_fields_are_one_set():
+    magic = _dests(_start)
+    params = set(inspect.signature(session.start).parameters) - {"ns", "spec", "quiet"}
+    assert magic == params == _fields(ClusterSpec, where="cli") == set(session.START_OPTIONS)
+    assert {f.name for f in dataclasses.fields(ClusterSpec)} - set(session.START_OPTIONS.values()) == \
+        {"device_type", "num_threads"}, "decided from the machine, not options"
+
+
+@pytest.mark.parametrize("cls", [TrainPlan, RunOptions, ClusterSpec])
+def test_every_option_has_help_in_the_magic_and_the_docstring(cls):
+    for f, opt in options.declared(cls):
+        assert opt.help, f"{cls.__name__}.{f.name} has no help text"
+        assert f"{f.name} :" in cls.__doc__
+    text = DistMagics.distrain.__doc__ + DistMagics.dist.__doc__
+    for f, opt in options.declared(cls):
+        if opt.cli:
+            assert options.flags_of(f, opt)[-1] in text, f"{f.name} is missing from the magics' help"
+    train_doc = session.Session.train.__doc__
+    for name in options.keywords(TrainPlan):
+        if name not in ("model", "data"):
+            assert f"{name} :" in train_doc
+
+
+def test_an_option_declared_with_a_strategy_is_checked_and_part_of_the_distribution():
+    fields = options.distribution_fields(TrainPlan)
+    assert fields[0] == "strategy" and "find_unused_parameters" in fields and "microbatches" in fields
+    assert "epochs" not in fields and "lr" not in fields
+    with pytest.raises(PlanError, match=r"--tp-plan is a --strategy tensor option \(this cell uses --strategy ddp\)"):
+        TrainPlan(model="m", data="d", tp_plan="plan")
+
+
+def test_the_magic_and_the_python_api_give_the_same_error_for_a_bad_choice():
+    with pytest.raises(PlanError, match="--nan must be one of stop, skip, got 'maybe'"):
+        TrainPlan(model="m", data="d", nan="maybe")
+    args = _distrain.parser.parse_args(["--model", "m", "--data", "d", "--nan", "maybe"])
+    assert args.nan == "maybe"  # the parser passes it on; TrainPlan names the option and the choices
+
+
+def test_paths_are_normalised_once_by_the_declaration(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert TrainPlan(model="m", data="d", checkpoint_dir="ck").checkpoint_dir == str(tmp_path / "ck")
+    assert RunOptions(progress="text").progress == "text"
+    with pytest.raises(PlanError, match="progress must be one of"):
+        RunOptions(progress="fancy")
