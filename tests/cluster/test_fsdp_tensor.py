@@ -185,22 +185,6 @@ def test_tensor_matches_unsplit_model(dist_session, shell, capsys, optimizer, op
     assert_params_close(ns[name], ref)
 
 
-def test_default_tensor_plan_pairs_consecutive_linears():
-    from distnb.engine.strategies.tensor import default_pairs
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc1, self.act, self.drop, self.fc2 = nn.Linear(8, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 8)
-
-    model = nn.Sequential(nn.Linear(4, 8), Block(), nn.Linear(8, 6), nn.LayerNorm(6), nn.Linear(6, 6),
-                          nn.Linear(6, 2), nn.Linear(2, 2))
-    pairs, leftovers = default_pairs(model)
-    # block: fc1/fc2 across an activation and dropout; a LayerNorm (parameters) breaks a pair; 4-5 pair up
-    assert pairs == [("1.fc1", "1.fc2"), ("4", "5")]
-    assert leftovers == ["0", "2", "6"]
-
-
 def test_tensor_plan_from_the_kernel(dist_session, shell):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 

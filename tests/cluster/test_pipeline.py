@@ -145,25 +145,6 @@ def test_traced_model_default_split(dist_session, shell):
     assert sorted(stages[0]) == ["net.0.bias", "net.0.weight"]
 
 
-def test_default_split_balances_parameters_and_split_checks():
-    from distnb.engine.strategies import StrategyError
-    from distnb.engine.strategies.pipeline import balance, split_points, tensor_owners
-
-    assert balance([208, 0, 272, 0, 51], 2) == [0, 2]  # largest stage 323, not 480
-    assert split_points(make_model(), 2) == ["2"]
-    assert split_points(make_model(), 3) == ["2", "4"]
-    wrapper = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)))
-    assert split_points(wrapper, 2) == ["0.2"]  # a wrapper's single child is split
-    with pytest.raises(StrategyError, match=r"'0\.2' is inside '0'"):
-        split_points(wrapper, 3, ("0", "0.2"))
-    with pytest.raises(StrategyError, match=r"in model order .*: 0\.1, 0\.2"):
-        split_points(wrapper, 3, ("0.2", "0.1"))
-    tied = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    tied[1].weight = tied[0].weight
-    with pytest.raises(StrategyError, match=r"0\.weight and 1\.weight are the same tensor in different stages"):
-        tensor_owners(tied, split_points(tied, 2))
-
-
 def test_bad_options_error_before_anything_runs(dist_session, shell):
     ns = shell.user_ns
     ns["pp_bad"], ns["pp_small"], ns["pp_data"], ns["F"] = make_model(), nn.Sequential(nn.Linear(12, 3)), make_data(), F

@@ -12,7 +12,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distnb.engine.strategies.ps import assign_servers
 from distnb.errors import PlanError, RankError
 from support.data import digits_split, mlp, parity_data as make_data, parity_model as make_model
 from support.reference import reference
@@ -37,12 +36,6 @@ def assert_weights_back(dist_session, kernel_model, name):
     kernel = torch.cat([p.detach().flatten() for p in kernel_model.parameters()])
     for flat in ranks_params(dist_session, name):
         assert torch.equal(flat, kernel)
-
-
-def test_assign_servers_balances_whole_tensors_by_bytes():
-    assert assign_servers([400, 100, 300, 200], 2) == [0, 0, 1, 1]  # 400+100 | 300+200
-    assert assign_servers([8, 8, 8], 1) == [0, 0, 0]
-    assert assign_servers([0, 10], 2) == [1, 0]  # every server gets a tensor
 
 
 @pytest.mark.parametrize("optimizer,opt_cls,lr,servers", [("sgd", torch.optim.SGD, 0.1, 1),
