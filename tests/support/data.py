@@ -23,7 +23,10 @@ def blobs(n: int = 203, *, seed: int = 0, num_features: int = 12, num_classes: i
 
 
 def mlp(*widths: int, seed: int, activation: type[nn.Module] = nn.Tanh) -> nn.Sequential:
-    """``Linear(widths[0], widths[1]), activation(), ..., Linear(widths[-2], widths[-1])``, after ``torch.manual_seed(seed)``."""
+    """``Linear(widths[0], widths[1]), activation(), ..., Linear(widths[-2], widths[-1])``.
+
+    Made after ``torch.manual_seed(seed)``, as the tests' models always were.
+    """
     if len(widths) < 2:
         raise ValueError("mlp needs an input and an output width")
     torch.manual_seed(seed)
@@ -54,7 +57,7 @@ def _digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def digits(n: int | None = None) -> torch.utils.data.TensorDataset:
-    """The first ``n`` (default: all 1797) scikit-learn digits: float32 pixels in [0, 1] of shape (n, 64), int64 labels."""
+    """The first ``n`` (default: all 1797) scikit-learn digits: float32 pixels in [0, 1], shape (n, 64); labels."""
     x, y = _digits_tensors()
     return torch.utils.data.TensorDataset(x[:n], y[:n])
 

@@ -54,15 +54,25 @@ def is_package(name: str) -> bool:
 @lru_cache(maxsize=None)
 def imports(name: str) -> tuple[Import, ...]:
     """What module ``name`` imports, anywhere in its source, in source order."""
-    tree = ast.parse(modules()[name].read_text(), filename=str(modules()[name]))
-    package = name if is_package(name) else name.rpartition(".")[0]
+    path = modules()[name]
+    return imports_in(path.read_text(), name, is_package(name), set(modules()), filename=str(path))
+
+
+def imports_in(source: str, name: str, package: bool, known: set[str],
+               filename: str = "<source>") -> tuple[Import, ...]:
+    """The imports of ``source``, the code of module ``name`` (a package's ``__init__`` if ``package``).
+
+    ``from pkg import x`` is an import of ``pkg.x`` when that is in ``known`` (the modules that exist).
+    """
+    tree = ast.parse(source, filename=filename)
+    parent = name if package else name.rpartition(".")[0]
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found += [Import(name, alias.name, node.lineno) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base_parts = package.split(".")
+                base_parts = parent.split(".")
                 if node.level > 1:
                     base_parts = base_parts[:-(node.level - 1)]
                 base = ".".join(base_parts + ([node.module] if node.module else []))
@@ -70,7 +80,7 @@ def imports(name: str) -> tuple[Import, ...]:
                 base = node.module
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
-                found.append(Import(name, sub if sub in modules() else base, node.lineno))
+                found.append(Import(name, sub if sub in known else base, node.lineno))
     return tuple(sorted(found, key=lambda i: (i.line, i.target)))
 
 
