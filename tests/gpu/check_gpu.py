@@ -1,4 +1,5 @@
-"""One short GPU check for a machine that has one (run by hand, not collected by pytest).
+"""One short GPU check for a machine that has one (run by hand, or by pytest through test_check_gpu.py,
+which skips where no GPU is visible; this file itself is not a test module).
 
     python tests/gpu/check_gpu.py            # on a GPU machine: nccl, one engine per GPU
     python tests/gpu/check_gpu.py --cpu      # the same checks on CPU/gloo (to test this script)

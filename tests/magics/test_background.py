@@ -10,7 +10,6 @@ import torch
 
 from distnb import session as session_mod
 from distnb.errors import BusyError, RankError
-from distnb.magics import DistMagics
 
 SETUP = """import time
 import torch, torch.nn as nn, torch.nn.functional as F
@@ -129,14 +128,6 @@ def test_a_line_printed_in_pieces_is_tagged_once(shell, capsys):
                "print(' second half')")
     out = capsys.readouterr().out
     assert "[rank 0] first half second half" in out
-
-
-def test_every_verb_has_help_with_an_example():
-    doc = DistMagics.dist.__doc__
-    for verb in ("wait", "stop-training"):
-        section = doc[doc.index(f"%dist {verb}"):]
-        assert "Example" in section.split("::")[1]
-    assert "--background" in DistMagics.distrain.__doc__ and "%dist wait" in DistMagics.distrain.__doc__
 
 
 def test_the_dashboard_shows_each_ranks_pipeline_stage(shell, monkeypatch):

@@ -13,20 +13,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distnb import session
+from support.data import blobs, mlp
 
 BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
 
 
-def make_data(n=96, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 10, generator=g)
-    y = (x[:, :3].sum(1) > 0).long()
-    return torch.utils.data.TensorDataset(x, y)
+def make_data():
+    return blobs(96, num_features=10, num_classes=2, num_summed=3)
 
 
-def make_model(seed=3):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(10, 12), nn.Tanh(), nn.Linear(12, 2))
+def make_model():
+    return mlp(10, 12, 2, seed=3)
 
 
 def params(model):

@@ -83,14 +83,6 @@ def test_sigkill_during_training_names_rank_and_signal_then_restart(shell, tmp_p
     _restart_and_check(shell, old_pids, capsys)
 
 
-@pytest.mark.parametrize("code,expected", [(-9, "killed by SIGKILL"), (-15, "killed by SIGTERM"),
-                                           (1, "exited with status 1"), (None, "status unknown")])
-def test_exit_descriptions(code, expected):
-    from distnb.cluster import exit_description
-
-    assert expected in exit_description(code)
-
-
 def test_exit_in_a_collective_names_the_status_and_auto_restart_brings_back_a_full_world(shell, capsys):
     capsys.readouterr()
     assert run(shell, "%dist start --auto-restart").error_in_exec is None

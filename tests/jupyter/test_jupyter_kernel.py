@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SPEC_DIR = ROOT / "jupyter-config" / "kernels" / "distnb"
 JUPYTER = Path(sys.executable).parent / ("jupyter.exe" if os.name == "nt" else "jupyter")
 TIMEOUT = 30

@@ -2,49 +2,26 @@
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
-from distnb.engine import shard
+from support.data import parity_data, parity_model
+from support.reference import reference
 
 BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
-
-
-def make_data(n=203, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 12, generator=g)
-    y = (x[:, :4].sum(1) > 0).long() + (x[:, 4] > 1).long()
-    return torch.utils.data.TensorDataset(x, y)
-
-
-def make_model(seed=1):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 3))
-
-
-def reference(model, data, world_size, batch_size, epochs, seed, opt_cls, lr, first_epoch=0, opt=None):
-    """Single process: each step's global batch is the union of the ranks' batches."""
-    x, y = data.tensors
-    opt = opt or opt_cls(model.parameters(), lr=lr)
-    for epoch in range(first_epoch, first_epoch + epochs):
-        for idx in shard.global_batches(len(x), world_size, seed, epoch, batch_size, False):
-            opt.zero_grad()
-            F.cross_entropy(model(x[idx]), y[idx]).backward()
-            opt.step()
-    return opt
 
 
 @pytest.mark.parametrize("optimizer,opt_cls,lr", [("sgd", torch.optim.SGD, 0.1), ("adam", torch.optim.Adam, 0.01)])
 def test_ddp_matches_single_process_with_global_batch(dist_session, shell, optimizer, opt_cls, lr):
     ns = shell.user_ns
     name = f"parity_{optimizer}"
-    ns[name], ns["parity_data"], ns["F"] = make_model(), make_data(), F
-    ref = make_model()
+    ns[name], ns["parity_data"], ns["F"] = parity_model(), parity_data(), F
+    ref = parity_model()
     assert torch.equal(ref[0].weight, ns[name][0].weight)
 
     result = dist_session.train(BODY, model=name, data="parity_data", epochs=2, batch_size=16,
                                 optimizer=optimizer, lr=lr, seed=4, progress="none", quiet=True)
-    opt = reference(ref, ns["parity_data"], 2, 16, 2, 4, opt_cls, lr)
+    opt = reference(ref, ns["parity_data"], num_shards=2, batch_size=16, epochs=2, seed=4, optimizer=opt_cls,
+                    lr=lr).optimizer
     assert result.rows[0]["steps"] == result.rows[1]["steps"] == 2 * 7  # ceil(ceil(203 / 2) / 16) = 7 steps per epoch
     for p_dist, p_ref in zip(ns[name].parameters(), ref.parameters()):
         torch.testing.assert_close(p_dist, p_ref, atol=1e-5, rtol=1e-5)
@@ -60,14 +37,14 @@ def test_ddp_matches_single_process_with_global_batch(dist_session, shell, optim
     result2 = dist_session.train(BODY, model=name, data="parity_data", epochs=1, batch_size=16,
                                  optimizer=optimizer, lr=lr, seed=4, progress="none", quiet=True)
     assert result2.epochs == [2]
-    reference(ref, ns["parity_data"], 2, 16, 1, 4, opt_cls, lr, first_epoch=2, opt=opt)
+    reference(ref, ns["parity_data"], num_shards=2, batch_size=16, epochs=1, seed=4, optimizer=opt, first_epoch=2)
     for p_dist, p_ref in zip(ns[name].parameters(), ref.parameters()):
         torch.testing.assert_close(p_dist, p_ref, atol=1e-5, rtol=1e-5)
 
 
 def test_drop_last_uses_full_batches_only(dist_session, shell):
     ns = shell.user_ns
-    ns["drop_model"], ns["drop_data"] = make_model(), make_data(n=101)
+    ns["drop_model"], ns["drop_data"] = parity_model(), parity_data(n=101)
     r = dist_session.train(BODY, model="drop_model", data="drop_data", epochs=1, batch_size=16, drop_last=True,
                            progress="none", quiet=True)
     assert [row["steps"] for row in r.rows] == [3, 3]  # floor(floor(101/2)/16)

@@ -13,9 +13,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distnb.engine import shard
 from distnb.errors import PlanError, RankError
-from test_parity import make_data as parity_data
+from support.data import mlp, parity_data
+from support.reference import reference
 
 BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -36,33 +36,18 @@ def make_pipe_mlp(seed=1):
 """
 
 
-def make_data(n=N, seed=0):
-    return parity_data(n, seed)  # the parity reference's data, N samples
+def make_data():
+    return parity_data(N)  # the parity tests' data, N samples
 
 
 def make_model(seed=1):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    return mlp(12, 16, 16, 3, seed=seed)
 
 
-def reference(model, data, batch_size, epochs, seed, opt, first_epoch=0):
-    """One process, the unsplit model, the batches every rank trains on.
-
-    Returns the per-epoch mean losses and the last step's loss.
-    """
-    x, y = data.tensors
-    means, last = [], None
-    for epoch in range(first_epoch, first_epoch + epochs):
-        losses = []
-        for idx in shard.global_batches(len(x), 1, seed, epoch, batch_size, False):
-            opt.zero_grad()
-            loss = F.cross_entropy(model(x[idx]), y[idx])
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        means.append(sum(losses) / len(losses))
-        last = losses[-1]
-    return means, last
+def same_batches(model, data, epochs, opt, first_epoch=0):
+    """The reference: one process, the unsplit model, the batches every rank trains on (batch 16, seed 4)."""
+    return reference(model, data, num_shards=1, batch_size=16, epochs=epochs, seed=4, optimizer=opt,
+                     first_epoch=first_epoch)
 
 
 def assert_params_close(model, ref):
@@ -107,7 +92,8 @@ def test_pipeline_matches_the_unsplit_model(dist_session, shell, schedule, micro
 
     result = dist_session.train(BODY, epochs=2, **opts)
     opt = opt_cls(ref.parameters(), lr=lr)
-    means, last = reference(ref, ns["pp_data"], 16, 2, 4, opt)
+    run = same_batches(ref, ns["pp_data"], 2, opt)
+    means, last = run.epoch_losses, run.last_loss
     assert [row["steps"] for row in result.rows] == [12, 12]  # ceil(85 / 16) = 6 steps per epoch, every rank
     torch.testing.assert_close(result.epoch_losses, means, **TOL)
     for loss in dist_session.pull("loss"):  # the batch loss reaches every rank (broadcast from the last stage)
@@ -120,7 +106,7 @@ def test_pipeline_matches_the_unsplit_model(dist_session, shell, schedule, micro
     # a second cell continues: same stages and optimizer state, next epoch
     result2 = dist_session.train(BODY, epochs=1, **opts)
     assert result2.epochs == [2]
-    means2, _ = reference(ref, ns["pp_data"], 16, 1, 4, opt, first_epoch=2)
+    means2 = same_batches(ref, ns["pp_data"], 1, opt, first_epoch=2).epoch_losses
     torch.testing.assert_close(result2.epoch_losses, means2, **TOL)
     assert_params_close(ns[name], ref)
     check_stages(dist_session, name, ns[name], result2)
@@ -136,7 +122,7 @@ def test_traced_model_with_split_and_loss_function(dist_session, shell):
     result = dist_session.train("x, y = batch\nout = model(x)", model="pp_mlp", data="pp_data", epochs=1,
                                 batch_size=16, optimizer="sgd", lr=0.1, seed=4, strategy="pipeline", split="net.4",
                                 schedule="1f1b", loss="pp_loss", progress="none", quiet=True)
-    means, _ = reference(ref, ns["pp_data"], 16, 1, 4, opt)
+    means = same_batches(ref, ns["pp_data"], 1, opt).epoch_losses
     torch.testing.assert_close(result.epoch_losses, means, **TOL)
     assert_params_close(ns["pp_mlp"], ref)
     stages = check_stages(dist_session, "pp_mlp", ns["pp_mlp"], result)
@@ -153,29 +139,10 @@ def test_traced_model_default_split(dist_session, shell):
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     result = dist_session.train(BODY, model="pp_mlp2", data="pp_data", epochs=1, batch_size=16, optimizer="sgd",
                                 lr=0.1, seed=4, strategy="pipeline", progress="none", quiet=True)
-    reference(ref, ns["pp_data"], 16, 1, 4, opt)
+    same_batches(ref, ns["pp_data"], 1, opt)
     assert_params_close(ns["pp_mlp2"], ref)
     stages = check_stages(dist_session, "pp_mlp2", ns["pp_mlp2"], result)
     assert sorted(stages[0]) == ["net.0.bias", "net.0.weight"]
-
-
-def test_default_split_balances_parameters_and_split_checks():
-    from distnb.engine.strategies import StrategyError
-    from distnb.engine.strategies.pipeline import balance, split_points, tensor_owners
-
-    assert balance([208, 0, 272, 0, 51], 2) == [0, 2]  # largest stage 323, not 480
-    assert split_points(make_model(), 2) == ["2"]
-    assert split_points(make_model(), 3) == ["2", "4"]
-    wrapper = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)))
-    assert split_points(wrapper, 2) == ["0.2"]  # a wrapper's single child is split
-    with pytest.raises(StrategyError, match=r"'0\.2' is inside '0'"):
-        split_points(wrapper, 3, ("0", "0.2"))
-    with pytest.raises(StrategyError, match=r"in model order .*: 0\.1, 0\.2"):
-        split_points(wrapper, 3, ("0.2", "0.1"))
-    tied = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    tied[1].weight = tied[0].weight
-    with pytest.raises(StrategyError, match=r"0\.weight and 1\.weight are the same tensor in different stages"):
-        tensor_owners(tied, split_points(tied, 2))
 
 
 def test_bad_options_error_before_anything_runs(dist_session, shell):
@@ -226,7 +193,7 @@ def test_an_error_in_a_stage_names_it_and_the_next_cell_works(dist_session, shel
     result = dist_session.train(BODY, model="pp_fail", data="pp_data", epochs=1, batch_size=16, optimizer="sgd",
                                 lr=0.1, seed=4, strategy="pipeline", progress="none", quiet=True)
     assert result.epochs == [0]
-    reference(ref, ns["pp_data"], 16, 1, 4, torch.optim.SGD(ref.parameters(), lr=0.1))
+    same_batches(ref, ns["pp_data"], 1, torch.optim.SGD(ref.parameters(), lr=0.1))
     assert_params_close(ns["pp_fail"], ref)
 
 

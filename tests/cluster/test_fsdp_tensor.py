@@ -12,8 +12,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distnb.engine import shard
 from distnb.errors import PlanError, RankError
+from support.data import parity_data as make_data, parity_model
+from support.reference import reference
 
 BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
 LOOP = """
@@ -30,28 +31,11 @@ TOL = dict(atol=1e-5, rtol=1e-5)
 OPTIMIZERS = [("sgd", torch.optim.SGD, 0.1), ("adam", torch.optim.Adam, 0.01)]
 
 
-def make_data(n=203, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 12, generator=g)
-    y = (x[:, :4].sum(1) > 0).long() + (x[:, 4] > 1).long()
-    return torch.utils.data.TensorDataset(x, y)
-
-
 def make_model(seed=1, leftover=False):
-    torch.manual_seed(seed)
     if leftover:  # a third Linear with no partner: stays replicated under --strategy tensor
+        torch.manual_seed(seed)
         return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 8), nn.Linear(8, 3))
-    return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 3))
-
-
-def reference(model, data, num_shards, batch_size, epochs, seed, opt, first_epoch=0):
-    """Single process: each step trains on the union of the ranks' batches (one shard: the ranks' batch)."""
-    x, y = data.tensors
-    for epoch in range(first_epoch, first_epoch + epochs):
-        for idx in shard.global_batches(len(x), num_shards, seed, epoch, batch_size, False):
-            opt.zero_grad()
-            F.cross_entropy(model(x[idx]), y[idx]).backward()
-            opt.step()
+    return parity_model(seed)
 
 
 def assert_params_close(model, ref):
@@ -92,7 +76,7 @@ def test_fsdp_matches_single_process_with_global_batch(dist_session, shell, opti
 
     result = dist_session.train(BODY, model=name, data="fsdp_data", epochs=1, batch_size=16, optimizer=optimizer,
                                 lr=lr, seed=4, strategy="fsdp", progress="none", quiet=True)
-    reference(ref, ns["fsdp_data"], 2, 16, 1, 4, opt)
+    reference(ref, ns["fsdp_data"], num_shards=2, batch_size=16, epochs=1, seed=4, optimizer=opt)
     assert [row["steps"] for row in result.rows] == [7, 7]  # ceil(ceil(203 / 2) / 16)
     assert_params_close(ns[name], ref)
 
@@ -118,7 +102,7 @@ def test_fsdp_matches_single_process_with_global_batch(dist_session, shell, opti
     result2 = dist_session.train(BODY, model=name, data="fsdp_data", epochs=1, batch_size=16, seed=4,
                                  strategy="fsdp", progress="none", quiet=True)
     assert result2.epochs == [1]
-    reference(ref, ns["fsdp_data"], 2, 16, 1, 4, opt, first_epoch=1)
+    reference(ref, ns["fsdp_data"], num_shards=2, batch_size=16, epochs=1, seed=4, optimizer=opt, first_epoch=1)
     assert_params_close(ns[name], ref)
 
 
@@ -128,7 +112,7 @@ def test_fsdp_units_option_and_loop_body(dist_session, shell):
     ref = make_model()
     dist_session.train(LOOP, model="fsdp_units_net", data="fsdp_data", epochs=1, batch_size=16, optimizer="sgd",
                        lr=0.1, seed=4, strategy="fsdp", fsdp_units="2", loop=True, progress="none", quiet=True)
-    reference(ref, ns["fsdp_data"], 2, 16, 1, 4, torch.optim.SGD(ref.parameters(), lr=0.1))
+    reference(ref, ns["fsdp_data"], num_shards=2, batch_size=16, epochs=1, seed=4, optimizer=torch.optim.SGD, lr=0.1)
     assert_params_close(ns["fsdp_units_net"], ref)
     dist_session.run("from torch.distributed.fsdp import FSDPModule\n"
                      "_units = [n for n, m in fsdp_units_net.named_modules() if isinstance(m, FSDPModule)]")
@@ -161,7 +145,8 @@ def test_tensor_matches_unsplit_model(dist_session, shell, capsys, optimizer, op
                                 lr=lr, seed=4, strategy="tensor", progress="none", quiet=True)
     out = capsys.readouterr().out
     assert "tensor plan: '0' column-wise, '2' row-wise; '3' replicated on every rank" in out
-    reference(ref, ns["tp_data"], 1, 16, 1, 4, opt)  # every rank trains on the same batches
+    # every rank trains on the same batches
+    reference(ref, ns["tp_data"], num_shards=1, batch_size=16, epochs=1, seed=4, optimizer=opt)
     assert [row["steps"] for row in result.rows] == [13, 13]  # ceil(203 / 16)
     assert_params_close(ns[name], ref)
 
@@ -196,24 +181,8 @@ def test_tensor_matches_unsplit_model(dist_session, shell, capsys, optimizer, op
     result2 = dist_session.train(BODY, model=name, data="tp_data", epochs=1, batch_size=16, seed=4,
                                  strategy="tensor", progress="none", quiet=True)
     assert result2.epochs == [1]
-    reference(ref, ns["tp_data"], 1, 16, 1, 4, opt, first_epoch=1)
+    reference(ref, ns["tp_data"], num_shards=1, batch_size=16, epochs=1, seed=4, optimizer=opt, first_epoch=1)
     assert_params_close(ns[name], ref)
-
-
-def test_default_tensor_plan_pairs_consecutive_linears():
-    from distnb.engine.strategies.tensor import default_pairs
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc1, self.act, self.drop, self.fc2 = nn.Linear(8, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 8)
-
-    model = nn.Sequential(nn.Linear(4, 8), Block(), nn.Linear(8, 6), nn.LayerNorm(6), nn.Linear(6, 6),
-                          nn.Linear(6, 2), nn.Linear(2, 2))
-    pairs, leftovers = default_pairs(model)
-    # block: fc1/fc2 across an activation and dropout; a LayerNorm (parameters) breaks a pair; 4-5 pair up
-    assert pairs == [("1.fc1", "1.fc2"), ("4", "5")]
-    assert leftovers == ["0", "2", "6"]
 
 
 def test_tensor_plan_from_the_kernel(dist_session, shell):
@@ -236,7 +205,7 @@ def test_tensor_plan_from_the_kernel(dist_session, shell):
     ref.load_state_dict(ns["tp_block"].state_dict())
     dist_session.train(BODY, model="tp_block", data="tp_data", epochs=1, batch_size=32, optimizer="sgd", lr=0.1,
                        seed=4, strategy="tensor", tp_plan="tp_block_plan", progress="none", quiet=True)
-    reference(ref, ns["tp_data"], 1, 32, 1, 4, torch.optim.SGD(ref.parameters(), lr=0.1))
+    reference(ref, ns["tp_data"], num_shards=1, batch_size=32, epochs=1, seed=4, optimizer=torch.optim.SGD, lr=0.1)
     assert_params_close(ns["tp_block"], ref)
 
 
@@ -291,7 +260,7 @@ def test_switching_strategy_redistributes_from_the_kernel_weights(dist_session, 
         # a new strategy starts from the model re-sent from the kernel's (trained) weights: epoch 0 again
         assert result.epochs == [0], strategy
         assert result.rows[0]["steps"] == steps, strategy
-        reference(ref, ns["switch_data"], num_shards, 16, 1, 4, opt)
+        reference(ref, ns["switch_data"], num_shards=num_shards, batch_size=16, epochs=1, seed=4, optimizer=opt)
         assert_params_close(ns["switch_net"], ref)
 
 
@@ -315,7 +284,8 @@ def test_a_failing_rank_stops_the_others_fast_and_the_next_cell_works(dist_sessi
     result = dist_session.train(BODY, model=name, data="fail_data", epochs=1, batch_size=16, optimizer="sgd", lr=0.1,
                                 seed=4, strategy=strategy, progress="none", quiet=True)
     assert result.epochs == [0]
-    reference(ref, ns["fail_data"], 2 if strategy == "fsdp" else 1, 16, 1, 4, torch.optim.SGD(ref.parameters(), lr=0.1))
+    reference(ref, ns["fail_data"], num_shards=2 if strategy == "fsdp" else 1, batch_size=16, epochs=1, seed=4,
+              optimizer=torch.optim.SGD, lr=0.1)
     assert_params_close(ns[name], ref)
 
 

@@ -7,23 +7,20 @@ same parameters as never having stopped (Adam, so optimizer state matters).
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+
+from support.data import blobs, mlp
 
 BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
 OPTIONS = {"ddp": {}, "fsdp": {}, "tensor": {}, "pipeline": {"microbatches": 2}, "ps": {}}
 
 
-def make_data(n=64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 8, generator=g)
-    y = (x[:, :3].sum(1) > 0).long()
-    return torch.utils.data.TensorDataset(x, y)
+def make_data():
+    return blobs(64, num_features=8, num_classes=2, num_summed=3)
 
 
-def make_model(seed=7):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 2))
+def make_model():
+    return mlp(8, 16, 8, 2, seed=7)
 
 
 def params(model):

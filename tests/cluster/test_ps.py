@@ -12,24 +12,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distnb.engine import shard
-from distnb.engine.strategies.ps import assign_servers
 from distnb.errors import PlanError, RankError
+from support.data import digits_split, mlp, parity_data as make_data, parity_model as make_model
+from support.reference import reference
 
 BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
-from test_parity import make_data, make_model  # the parity reference's data and model
 
 TOL = dict(atol=1e-5, rtol=1e-5)
-
-
-def reference(model, data, batch_size, epochs, seed, opt, first_epoch=0):
-    """Single process: each step trains on the union of the 2 ranks' batches."""
-    x, y = data.tensors
-    for epoch in range(first_epoch, first_epoch + epochs):
-        for idx in shard.global_batches(len(x), 2, seed, epoch, batch_size, False):
-            opt.zero_grad()
-            F.cross_entropy(model(x[idx]), y[idx]).backward()
-            opt.step()
 
 
 def model_bytes(model):
@@ -49,12 +38,6 @@ def assert_weights_back(dist_session, kernel_model, name):
         assert torch.equal(flat, kernel)
 
 
-def test_assign_servers_balances_whole_tensors_by_bytes():
-    assert assign_servers([400, 100, 300, 200], 2) == [0, 0, 1, 1]  # 400+100 | 300+200
-    assert assign_servers([8, 8, 8], 1) == [0, 0, 0]
-    assert assign_servers([0, 10], 2) == [1, 0]  # every server gets a tensor
-
-
 @pytest.mark.parametrize("optimizer,opt_cls,lr,servers", [("sgd", torch.optim.SGD, 0.1, 1),
                                                            ("adam", torch.optim.Adam, 0.01, 1),
                                                            ("adam", torch.optim.Adam, 0.01, 2)])
@@ -67,7 +50,7 @@ def test_sync_matches_single_process_with_global_batch(dist_session, shell, opti
 
     result = dist_session.train(BODY, model=name, data="ps_data", epochs=2, batch_size=16, optimizer=optimizer,
                                 lr=lr, seed=4, strategy="ps", servers=servers, progress="none", quiet=True)
-    reference(ref, ns["ps_data"], 16, 2, 4, ref_opt)
+    reference(ref, ns["ps_data"], num_shards=2, batch_size=16, epochs=2, seed=4, optimizer=ref_opt)
     assert [row["steps"] for row in result.rows] == [14, 14]  # ceil(ceil(203 / 2) / 16) = 7 per epoch
     for p, p_ref in zip(ns[name].parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach(), p_ref.detach(), **TOL)
@@ -95,7 +78,7 @@ def test_sync_matches_single_process_with_global_batch(dist_session, shell, opti
     assert [row["server_updates"] for row in result2.rows if row["role"] == "server"] == [7] * servers
     for group in ref_opt.param_groups:
         group["lr"] = lr / 2
-    reference(ref, ns["ps_data"], 16, 1, 4, ref_opt, first_epoch=2)
+    reference(ref, ns["ps_data"], num_shards=2, batch_size=16, epochs=1, seed=4, optimizer=ref_opt, first_epoch=2)
     for p, p_ref in zip(ns[name].parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach(), p_ref.detach(), **TOL)
     assert_weights_back(dist_session, ns[name], name)
@@ -121,21 +104,11 @@ def test_loop_body_steps_through_the_servers(dist_session, shell):
     result = dist_session.train(LOOP_BODY, model="ps_loop_net", data="ps_data", epochs=1, batch_size=16,
                                 optimizer="sgd", lr=0.1, seed=4, loop=True, strategy="ps", servers=2,
                                 progress="none", quiet=True)
-    reference(ref, ns["ps_data"], 16, 1, 4, ref_opt)
+    reference(ref, ns["ps_data"], num_shards=2, batch_size=16, epochs=1, seed=4, optimizer=ref_opt)
     assert [row["server_updates"] for row in result.rows] == [7, 7]
     for p, p_ref in zip(ns["ps_loop_net"].parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach(), p_ref.detach(), **TOL)
     assert_weights_back(dist_session, ns["ps_loop_net"], "ps_loop_net")
-
-
-def digits():
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    x, y = torch.tensor(x, dtype=torch.float32) / 16, torch.tensor(y)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    train, test = perm[:1400], perm[1400:]
-    return torch.utils.data.TensorDataset(x[train], y[train]), (x[test], y[test])
 
 
 def accuracy(model, test):
@@ -146,9 +119,8 @@ def accuracy(model, test):
 
 def test_staleness_converges_on_digits_and_applies_every_push(dist_session, shell):
     ns = shell.user_ns
-    train, test = digits()
-    torch.manual_seed(0)
-    ns["ps_digits_net"] = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    train, test = digits_split()
+    ns["ps_digits_net"] = mlp(64, 64, 10, seed=0, activation=nn.ReLU)
     ns["ps_digits"], ns["F"] = train, F
     before = accuracy(ns["ps_digits_net"], test)
 

@@ -10,12 +10,12 @@ import os
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from distnb import calls, transfer
 from distnb.engine import shard, wire
 from distnb.errors import RankError
+from support.data import blobs, mlp
 
 BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
 
@@ -35,15 +35,12 @@ def no_shm(dist_session):
     del cluster._distnb_shm_ranks  # probed again (and turned on again on the ranks) by the next transfer
 
 
-def model(seed=3):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 3))
+def model():
+    return mlp(12, 32, 3, seed=3)
 
 
-def data(n=101):
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(n, 12, generator=g)
-    return torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 1).long())
+def data():
+    return blobs(101, seed=5, num_summed=1)
 
 
 def ranks_flat(dist_session, name):

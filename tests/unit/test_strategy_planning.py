@@ -1,0 +1,53 @@
+"""The strategies' planning functions, in one process: pipeline stage splits, the default tensor plan, ps servers."""
+
+import pytest
+import torch.nn as nn
+
+from distnb.engine.strategies.ps import assign_servers
+from support.data import mlp
+
+
+def pipeline_model():
+    """The pipeline parity tests' model (tests/cluster/test_pipeline.py): 208, 0, 272, 0 and 51 parameters."""
+    return mlp(12, 16, 16, 3, seed=1)
+
+
+def test_default_split_balances_parameters_and_split_checks():
+    from distnb.engine.strategies import StrategyError
+    from distnb.engine.strategies.pipeline import balance, split_points, tensor_owners
+
+    assert balance([208, 0, 272, 0, 51], 2) == [0, 2]  # largest stage 323, not 480
+    assert split_points(pipeline_model(), 2) == ["2"]
+    assert split_points(pipeline_model(), 3) == ["2", "4"]
+    wrapper = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)))
+    assert split_points(wrapper, 2) == ["0.2"]  # a wrapper's single child is split
+    with pytest.raises(StrategyError, match=r"'0\.2' is inside '0'"):
+        split_points(wrapper, 3, ("0", "0.2"))
+    with pytest.raises(StrategyError, match=r"in model order .*: 0\.1, 0\.2"):
+        split_points(wrapper, 3, ("0.2", "0.1"))
+    tied = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    tied[1].weight = tied[0].weight
+    with pytest.raises(StrategyError, match=r"0\.weight and 1\.weight are the same tensor in different stages"):
+        tensor_owners(tied, split_points(tied, 2))
+
+
+def test_default_tensor_plan_pairs_consecutive_linears():
+    from distnb.engine.strategies.tensor import default_pairs
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.act, self.drop, self.fc2 = nn.Linear(8, 32), nn.GELU(), nn.Dropout(0.1), nn.Linear(32, 8)
+
+    model = nn.Sequential(nn.Linear(4, 8), Block(), nn.Linear(8, 6), nn.LayerNorm(6), nn.Linear(6, 6),
+                          nn.Linear(6, 2), nn.Linear(2, 2))
+    pairs, leftovers = default_pairs(model)
+    # block: fc1/fc2 across an activation and dropout; a LayerNorm (parameters) breaks a pair; 4-5 pair up
+    assert pairs == [("1.fc1", "1.fc2"), ("4", "5")]
+    assert leftovers == ["0", "2", "6"]
+
+
+def test_assign_servers_balances_whole_tensors_by_bytes():
+    assert assign_servers([400, 100, 300, 200], 2) == [0, 0, 1, 1]  # 400+100 | 300+200
+    assert assign_servers([8, 8, 8], 1) == [0, 0, 0]
+    assert assign_servers([0, 10], 2) == [1, 0]  # every server gets a tensor
