@@ -1,7 +1,7 @@
 """Targets 4 and 5: moving a 400 MB model and a 200 MB data set between the kernel and 2 ranks.
 
-Measured through the code a training cell runs (``Session._ensure_model`` with ``reset``,
-``Session._weights_back``, ``Session.scatter``), once with distnb's same-host shared-memory
+Measured through the code a training cell runs (``training.ensure_model`` with ``reset``,
+``training.weights_back``, ``Session.scatter``), once with distnb's same-host shared-memory
 path and once with the ipyparallel path it falls back to (tensors as zero-copy message
 frames; what distnb used for every transfer before), alternated round by round.
 
@@ -77,7 +77,7 @@ def measure(nb, rounds: int, log=print) -> dict:
     import torch
     import torch.nn as nn
 
-    from distnb import session as sessions
+    from distnb import session as sessions, training
     from distnb.plan import TrainPlan
 
     s = sessions.current()
@@ -95,10 +95,10 @@ def measure(nb, rounds: int, log=print) -> dict:
         for k in range(rounds):
             for path in (("shm", "ipyparallel") if k % 2 == 0 else ("ipyparallel", "shm")):
                 set_path(s, path)
-                send, send_mem = _timed(lambda: s._ensure_model(plan, model, quiet=True))
+                send, send_mem = _timed(lambda: training.ensure_model(s, plan, model, quiet=True))
                 with torch.no_grad():
                     model[0].weight.add_(1.0)  # the kernel's copy differs, so "back" visibly restores it
-                back, back_mem = _timed(lambda: s._weights_back("bench_big", model))
+                back, back_mem = _timed(lambda: training.weights_back(s, "bench_big", model))
                 with torch.no_grad():
                     model[0].weight.sub_(1.0)
                 scatter, scatter_mem = _timed(lambda: s.scatter("bench_data", (X, Y), quiet=True))
@@ -122,8 +122,8 @@ def measure(nb, rounds: int, log=print) -> dict:
         s.run("for _n in ('bench_big', 'bench_data', '_bench_rows', '_bench_bytes'):\n    globals().pop(_n, None)\n"
               "from distnb.engine import loop as _loop\n_loop.RUNS.pop('bench_big', None)\n"
               "_ = _loop.SHARDS.pop('bench_data', None)")
-        s._models.pop("bench_big", None)
-        s._data.pop("bench_data", None)
+        s.holdings.models.pop("bench_big", None)
+        s.holdings.data.pop("bench_data", None)
         set_path(s, "shm")
     med = statistics.median
     out = dict(model_bytes=model_bytes, data_bytes=data_bytes, runs=runs)
