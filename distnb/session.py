@@ -20,7 +20,8 @@ import signal
 import sys
 import time
 
-from .cluster import Cluster, default_spec
+from .cluster import Cluster
+from .defaults import default_spec
 from .display import ProgressState, make_view, view_kind
 from .display.tables import Table
 from .background import BackgroundRun, check_idle, collect

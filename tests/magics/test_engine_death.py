@@ -86,7 +86,7 @@ def test_sigkill_during_training_names_rank_and_signal_then_restart(shell, tmp_p
 @pytest.mark.parametrize("code,expected", [(-9, "killed by SIGKILL"), (-15, "killed by SIGTERM"),
                                            (1, "exited with status 1"), (None, "status unknown")])
 def test_exit_descriptions(code, expected):
-    from distnb.cluster import exit_description
+    from distnb.launchers import exit_description
 
     assert expected in exit_description(code)
 

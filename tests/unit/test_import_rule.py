@@ -7,7 +7,7 @@ ENGINE_MODULES = ["distnb.engine", "distnb.engine.runtime", "distnb.engine.loop"
                   "distnb.engine.shard", "distnb.engine.wire", "distnb.engine.checkpoint", "distnb.engine.strategies",
                   "distnb.engine.strategies.ddp", "distnb.engine.zygote"]
 FORBIDDEN_IN_ENGINE = ["IPython", "distnb.magics", "distnb.session", "distnb.cluster", "distnb.display",
-                       "distnb.transfer", "ipywidgets"]
+                       "distnb.transfer", "distnb.launchers", "distnb.placement", "distnb.defaults", "ipywidgets"]
 
 
 def _modules_after(imports):
@@ -24,5 +24,6 @@ def test_engine_imports_no_kernel_side_module():
 
 def test_kernel_side_does_not_import_torch_at_import_time():
     loaded = _modules_after(["distnb", "distnb.magics", "distnb.session", "distnb.cluster", "distnb.display",
-                             "distnb.zygote"])
+                             "distnb.zygote", "distnb.launchers", "distnb.placement", "distnb.defaults",
+                             "distnb.tracebacks"])
     assert "torch" not in loaded
