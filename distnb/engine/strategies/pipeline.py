@@ -79,7 +79,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import Strategy, StrategyError, tensor_bytes
+from . import Strategy, StrategyError, check_loss, tensor_bytes
 
 
 # -- splitting (kernel and ranks) ----------------------------------------------------------
@@ -518,8 +518,6 @@ class Pipeline(Strategy):
             loss = ns.get("loss")
             if not calls:
                 raise RuntimeError("the step body never called model(...) on the last stage")
-        from ..loop import check_loss
-
         lenient = types.SimpleNamespace(plan=types.SimpleNamespace(nan="skip"), rank=mb.ctx.rank,
                                         epoch=mb.ctx.epoch, step=mb.ctx.step)
         check_loss(loss, lenient)  # the non-finite check runs on every rank after the step
