@@ -161,7 +161,7 @@ def test_traced_model_default_split(dist_session, shell):
 
 def test_default_split_balances_parameters_and_split_checks():
     from distnb.engine.strategies import StrategyError
-    from distnb.engine.strategies.pipeline import balance, split_points, tensor_owners
+    from distnb.engine.strategies.pipeline_split import balance, split_points, tensor_owners
 
     assert balance([208, 0, 272, 0, 51], 2) == [0, 2]  # largest stage 323, not 480
     assert split_points(make_model(), 2) == ["2"]
