@@ -272,8 +272,9 @@ def started_pids(cluster, launcher: str) -> list:
         for engine_set in cluster.engines.values():
             pids += [l.pid for l in getattr(engine_set, "launchers", {}).values() if getattr(l, "pid", None)]
     pids += [proc.pid for _, proc in launcher_processes(cluster, launcher)]
+    controller = getattr(getattr(cluster, "controller", None), "pid", None)
     try:
-        pids += [c.pid for c in psutil.Process(getattr(cluster.controller, "pid", None)).children(recursive=True)]
+        pids += [c.pid for c in psutil.Process(controller).children(recursive=True)]
     except (psutil.Error, TypeError, ValueError):
         pass
     return pids
