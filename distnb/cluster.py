@@ -96,7 +96,7 @@ class Cluster:
         """Start controller and engines, then form the process group. Raises ClusterError.
 
         Engines start through ipyparallel's launcher ``spec.launcher`` (distnb's fast local
-        launcher for ``local``); see :mod:`distnb.placement`.
+        launcher for ``local``, :mod:`distnb.launchers`); see :mod:`distnb.placement`.
         """
         t0 = time.perf_counter()
         spec = self.spec
