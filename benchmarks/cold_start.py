@@ -192,9 +192,9 @@ def previous_launch():
 
     import ipyparallel as ipp
 
-    from distnb import cluster
+    from distnb import cluster, launchers
 
-    start, init, setup = cluster._EngineSetLauncher.start, ipp.Cluster.__init__, cluster.Cluster._setup_ranks
+    start, init, setup = launchers._EngineSetLauncher.start, ipp.Cluster.__init__, cluster.Cluster._setup_ranks
 
     def old_setup(self):
         ars = [self.client[e].execute("import torch, torch._dynamo", block=False) for e in self.engine_ids]
@@ -213,7 +213,7 @@ def previous_launch():
         kwargs["send_engines_connection_env"] = True
         init(self, *args, **kwargs)
 
-    cluster._EngineSetLauncher.start, ipp.Cluster.__init__ = old_start, old_init
+    launchers._EngineSetLauncher.start, ipp.Cluster.__init__ = old_start, old_init
     cluster.Cluster._setup_ranks = old_setup
     before = os.environ.get("DISTNB_ZYGOTE")
     os.environ["DISTNB_ZYGOTE"] = "0"  # nor were the controller and engines forked from a template then
@@ -223,7 +223,7 @@ def previous_launch():
         yield
     finally:
         cluster.HEARTBEAT_MS, cluster.HEARTBEAT_MISSES = beat
-        cluster._EngineSetLauncher.start, ipp.Cluster.__init__ = start, init
+        launchers._EngineSetLauncher.start, ipp.Cluster.__init__ = start, init
         cluster.Cluster._setup_ranks = setup
         if before is None:
             os.environ.pop("DISTNB_ZYGOTE", None)

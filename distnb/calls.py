@@ -20,6 +20,7 @@ import inspect
 from dataclasses import dataclass
 
 RUNTIME = "distnb.engine.runtime"
+IPENGINE = "distnb.engine.ipengine"
 WIRE = "distnb.engine.wire"
 LOOP = "distnb.engine.loop"
 NET = "distnb.net"
@@ -73,10 +74,6 @@ def setup(rank, world_size, local_rank, backend, device_type, gpu, num_threads, 
 
 
 @_on_rank(RUNTIME)
-def warm_up(): ...
-
-
-@_on_rank(RUNTIME)
 def info(**extra): ...
 
 
@@ -98,6 +95,11 @@ def shutdown(): ...
 
 @_on_rank(RUNTIME, with_ns=True)
 def run_cell(code): ...
+
+
+# engine/ipengine.py: what an engine loads ahead of its first cell -------------------------
+@_on_rank(IPENGINE)
+def warm_up(): ...
 
 
 # distnb/net.py: where an engine runs, before it is a rank --------------------------------

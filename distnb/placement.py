@@ -4,16 +4,20 @@ distnb writes no launcher of its own: ``%dist start --launcher local|mpi|ssh|slu
 picks one of ipyparallel's engine launchers (``ipyparallel.cluster.launcher``) and this
 module only fills in its settings (traitlets config), which a user's ``--profile`` can
 override key by key. Local engines keep distnb's own fast local launcher
-(:mod:`distnb.cluster`).
+(:mod:`distnb.launchers`).
 
 Ranks are assigned deterministically across hosts (:func:`assign_ranks`): by the rank MPI
 or Slurm gave each process when they launched it, else host by host in ``--hosts`` order
 (then by address) and by engine id within a host. ``node_rank`` numbers the hosts and
-``local_rank`` the engines on one host; a GPU host gives local rank ``i`` its ``i``-th GPU.
+``local_rank`` the engines on one host; a GPU host gives local rank ``i`` its ``i``-th GPU
+(:func:`rank_gpus`), and engines on other hosts share their host's cores
+(:func:`fit_to_hosts`). The functions after :func:`assign_ranks` work on what the engines
+reported (``where``, :func:`distnb.net.whereami`); :class:`distnb.cluster.Cluster` asks them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -22,7 +26,7 @@ import sys
 
 from traitlets.config import Config
 
-from .net import boot_id as this_boot, ipv4_of as interface_address, route_address
+from .net import boot_id as this_boot, check_port_free, ipv4_of as interface_address, is_loopback, route_address
 from .errors import ClusterError, PlanError
 from .plan import BATCH_LAUNCHERS
 
@@ -288,7 +292,7 @@ def check_launcher_tools(launcher: str, profile: Config) -> None:
 
 
 def assign_ranks(where: dict, hosts: tuple = ()) -> list[dict]:
-    """Rank order for the engines described by ``where`` ({engine_id: :func:`runtime.whereami` dict}).
+    """Rank order for the engines described by ``where`` ({engine_id: :func:`distnb.net.whereami` dict}).
 
     Returns one dict per rank (rank order) with engine_id, node_rank, local_rank, node (a
     label for the host: its hostname, or its address when hostnames repeat) and local (True
@@ -345,3 +349,78 @@ def _addr_key(address):
         return (0, int(ipaddress.ip_address(address)))
     except (ValueError, TypeError):
         return (1, str(address))
+
+
+def missing_hosts(hosts, where: dict) -> list:
+    """The entries of ``hosts`` that none of the engines described by ``where`` runs on."""
+    seen = {info["address"] for info in where.values()} | {info["host"] for info in where.values()}
+    return [h for h in hosts if not {hostname_of(h), resolve(h)} & seen]
+
+
+def _gpu_for(gpus: list, local_rank: int):
+    """The GPU of local rank ``local_rank`` among the ``gpus`` its engine sees, or None.
+
+    The ``local_rank``-th; or the only one, when the launcher gave each engine its own GPU
+    (Slurm's ``--gpus-per-task=1`` sets CUDA_VISIBLE_DEVICES per task).
+    """
+    if len(gpus) > local_rank:
+        return gpus[local_rank]
+    return gpus[0] if len(gpus) == 1 else None
+
+
+def rank_gpus(places: list, where: dict, device_type: str, local_gpus=None) -> list:
+    """The GPU of each rank of ``places`` (None on CPU).
+
+    Among the GPUs its engine's host reports in ``where``, or with ``local_gpus`` (engines on
+    this machine) among those.
+    """
+    if device_type != "cuda":
+        return [None] * len(places)
+    return [_gpu_for(where[p["engine_id"]]["gpus"] if local_gpus is None else local_gpus, p["local_rank"])
+            for p in places]
+
+
+def fit_to_hosts(places: list, where: dict, spec, auto_device: bool = False):
+    """Engines on other hosts: share each host's cores among its ranks, and check or pick the device.
+
+    Sets ``num_threads`` in each of ``places``. Returns ``spec``, with cuda/nccl when
+    ``auto_device`` and every rank's host has a GPU for it, else cpu/gloo. Raises ClusterError
+    when ``--backend nccl`` leaves a rank without a GPU.
+    """
+    per_node = {}
+    for p in places:
+        per_node[p["node_rank"]] = per_node.get(p["node_rank"], 0) + 1
+    for p in places:
+        p["num_threads"] = max(1, where[p["engine_id"]]["cores"] // per_node[p["node_rank"]])
+    gpus = rank_gpus(places, where, "cuda")
+    if spec.backend == "nccl" and not all(gpus):
+        short = next(p for p, gpu in zip(places, gpus) if not gpu)
+        raise ClusterError(f"--backend nccl needs a GPU for every rank, and host {short['node']} has none "
+                           f"for local rank {short['local_rank']} (it sees "
+                           f"{len(where[short['engine_id']]['gpus'])} GPUs); use --backend gloo, "
+                           "or fewer --engines-per-node")
+    if auto_device:  # no --backend: nccl when every rank's host has a GPU for it
+        device, backend = ("cuda", "nccl") if all(gpus) else ("cpu", "gloo")
+        return dataclasses.replace(spec, device_type=device, backend=backend)
+    return spec
+
+
+def check_addresses(spec, remote: bool) -> None:
+    """ClusterError when ``--interface`` or ``--master-addr`` cannot serve, or ``--master-port`` is taken.
+
+    With engines on other hosts, neither may be loopback (``--master-addr`` may, with one
+    host); a pinned port is checked here when rank 0 runs on this machine.
+    """
+    if remote and spec.interface and is_loopback(interface_address(spec.interface) or "x"):
+        raise ClusterError(f"--interface {spec.interface} is loopback: engines on other hosts can reach neither "
+                           "the controller nor rank 0 over it; name the network the hosts share (e.g. eth0)")
+    if spec.master_addr is not None:
+        try:
+            socket.getaddrinfo(spec.master_addr, None)
+        except OSError as exc:
+            raise ClusterError(f"--master-addr {spec.master_addr}: not an address ({exc.strerror})") from None
+        if remote and is_loopback(spec.master_addr) and len(spec.hosts) != 1:
+            raise ClusterError(f"--master-addr {spec.master_addr} is loopback: ranks on other hosts cannot "
+                               "reach it; give rank 0's address on the network the hosts share")
+    if spec.master_port is not None and not remote:  # a pinned port that is taken: say so now
+        check_port_free(spec.master_port, spec.master_addr or "127.0.0.1")

@@ -32,8 +32,9 @@ import time
 
 from . import background, calls, checkpoints, options, training
 from .background import BackgroundRun, check_idle
-from .cluster import Cluster, default_spec
+from .cluster import Cluster
 from .data import reassemble, scatter as scatter_shards
+from .defaults import default_spec
 from .display import ProgressState, make_view, view_kind
 from .display.tables import count
 from .errors import ClusterError, PlanError, RankError

@@ -46,8 +46,25 @@ TIMES = {}
 #: What the preload thread imports before the process group forms (torch first; runtime.setup needs the rest) ...
 PRELOAD_BEFORE_GROUP = ("torch", "torch.distributed", "torch.distributed.distributed_c10d")
 #: ... and after it, on CPU engines: ``torch._dynamo``, which DDP's constructor imports (about 1 CPU-second,
-#: see runtime.warm_up), and distnb's training loop (DDP, the strategies' base, the reporter).
+#: see :func:`warm_up`), and distnb's training loop (DDP, the strategies' base, the reporter).
 PRELOAD_AFTER_GROUP = ("torch._dynamo", "distnb.engine.loop")
+
+
+def warm_up() -> float:
+    """Import the training loop (DDP) ahead of the first training cell; returns seconds taken.
+
+    The kernel queues this right after start-up without waiting for it; distnb's engines
+    have usually imported it already, in the preload thread, while the group formed.
+    ``torch._dynamo`` (about 1 CPU-second, imported by DDP) is among those imports: a module
+    imported while a group exists can capture it (torch has functions whose default argument
+    is ``group=dist.group.WORLD``) and keep it alive after ``destroy_process_group``, so that a
+    failed rank's peers would wait for the full timeout instead of failing at once;
+    :func:`distnb.engine.runtime.drop_captured_group` undoes that before every destroy.
+    """
+    t0 = time.perf_counter()
+    from distnb.engine import loop  # noqa: F401
+
+    return time.perf_counter() - t0
 
 
 def _preload(level: str) -> None:
@@ -102,7 +119,7 @@ def main() -> None:
     if sys.argv[1:] == ["--zygote"]:  # the engine template (distnb.engine.zygote): forks engines on request
         from distnb.engine import zygote
 
-        zygote.serve()
+        zygote.serve(main, (*PRELOAD_BEFORE_GROUP, *PRELOAD_AFTER_GROUP))
         return
     TIMES["main"] = time.time()
     import numpy  # noqa: F401  shared by both threads' imports: loaded here once, first

@@ -382,27 +382,6 @@ class Context:
         return float(local[0] / local[1]) if local[1] > 0 else math.nan
 
 
-def check_loss(loss, ctx):
-    """Validate the body's ``loss``; returns ``float(loss)`` on CPU (None on GPU: no sync per step)."""
-    if isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1:
-        if loss.device.type != "cpu":
-            return None
-        value = loss.item()
-        if ctx.plan.nan == "stop" and not math.isfinite(value):
-            raise FloatingPointError(f"the loss is {value} at rank {ctx.rank}, epoch {ctx.epoch}, step {ctx.step}; "
-                                     "training stopped before the update (lower --lr, check the data, or pass "
-                                     "--nan skip to drop such steps)")
-        return value
-    where = f"rank {ctx.rank}, epoch {ctx.epoch}, step {ctx.step}"
-    if loss is None:
-        raise ValueError(f"the %%distrain body left no `loss` ({where}); its last line should be "
-                         "like `loss = F.cross_entropy(model(x), y)`")
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ValueError(f"`loss` must be a scalar tensor, got {shape} ({where}); reduce it, e.g. `.mean()`")
-    raise ValueError(f"`loss` does not require grad ({where}); compute it from `model(...)` outputs")
-
-
 def _steps(ns, code, ctx):
     optimizer, step = ctx.optimizer, ctx.strategy.step
     for _ in ctx.epochs():

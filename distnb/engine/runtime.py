@@ -163,7 +163,7 @@ def setup(ns: dict, rank: int, world_size: int, local_rank: int, backend: str, d
                       NODE_RANK=str(node_rank), OMP_NUM_THREADS=str(num_threads))
     if device_type == "cuda" and gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    import torch  # torch._dynamo (DDP needs it) loads meanwhile in the engine's preload thread, see warm_up()
+    import torch  # torch._dynamo (DDP needs it) loads meanwhile in the engine's preload thread (ipengine)
 
     torch.set_num_threads(num_threads)
     STATE.rank, STATE.world_size, STATE.local_rank = rank, world_size, local_rank
@@ -181,23 +181,6 @@ def setup(ns: dict, rank: int, world_size: int, local_rank: int, backend: str, d
             preload.RESUME.set()
     ns.update(rank=rank, world_size=world_size, local_rank=local_rank, node_rank=node_rank, device=STATE.device)
     return info(seconds=time.perf_counter() - t0)
-
-
-def warm_up() -> float:
-    """Import the training loop (DDP) ahead of the first training cell; returns seconds taken.
-
-    The kernel queues this right after start-up without waiting for it; distnb's engines
-    (:mod:`distnb.engine.ipengine`) have usually imported it already, in a thread, while the
-    group formed. ``torch._dynamo`` (about 1 CPU-second, imported by DDP) is among those
-    imports: a module imported while a group exists can capture it (torch has functions whose
-    default argument is ``group=dist.group.WORLD``) and keep it alive after
-    ``destroy_process_group``, so that a failed rank's peers would wait for the full timeout
-    instead of failing at once; :func:`drop_captured_group` undoes that before every destroy.
-    """
-    t0 = time.perf_counter()
-    from . import loop  # noqa: F401
-
-    return time.perf_counter() - t0
 
 
 def drop_captured_group(pg) -> int:

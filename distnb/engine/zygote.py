@@ -2,13 +2,15 @@
 
 It forks the cluster's controller too (ipyparallel's controller, imported here as well).
 
-Started by the kernel (:mod:`distnb.zygote`) as ``python -m distnb.engine.ipengine --zygote``.
-It imports what a CPU engine needs before its first training cell (ipyparallel's engine,
-torch, ``torch.distributed``, ``torch._dynamo``, which DDP's constructor imports, and
-distnb's training loop: about 2.8 CPU-seconds and 300 MB on this machine), then waits. Each
-request forks a child that becomes a fresh engine (its own session, environment, working
-directory, argv and log file) without importing anything again; pages are shared
-copy-on-write. The idea is the one of Android's zygote and of Python's
+Started by the kernel (:mod:`distnb.zygote`) as ``python -m distnb.engine.ipengine --zygote``:
+the engine's entry point (:mod:`distnb.engine.ipengine`) calls :func:`serve` with its own
+``main`` and the modules its preload thread would import. The template imports what a CPU
+engine needs before its first training cell (ipyparallel's engine, torch,
+``torch.distributed``, ``torch._dynamo``, which DDP's constructor imports, and distnb's
+training loop: about 2.8 CPU-seconds and 300 MB on this machine), then waits. Each request
+forks a child that becomes a fresh engine (its own session, environment, working directory,
+argv and log file, then the entry point's ``main``) without importing anything again; pages
+are shared copy-on-write. The idea is the one of Android's zygote and of Python's
 ``multiprocessing`` forkserver with preloaded modules (``set_forkserver_preload``); the
 forkserver itself is not used because its children are ``multiprocessing.Process`` objects
 (joined at the parent's exit, ``__main__`` re-imported, daemon rules for their own children).
@@ -41,18 +43,16 @@ import sys
 import time
 import traceback
 
-from distnb.engine import ipengine
-
-#: Imported once in the template: the engine's and the controller's modules, then what ``ipengine``'s
-#: preload thread would import in every engine.
-PRELOAD = ("numpy", "ipyparallel.engine.app", "ipyparallel.controller.app", *ipengine.PRELOAD_BEFORE_GROUP,
-           *ipengine.PRELOAD_AFTER_GROUP, "distnb.engine.runtime")
+#: Imported once in the template: the engine's and the controller's modules (then what the engine's
+#: preload thread would import in every engine, given to :func:`serve`, then the runtime).
+PRELOAD_FIRST = ("numpy", "ipyparallel.engine.app", "ipyparallel.controller.app")
+PRELOAD_LAST = ("distnb.engine.runtime",)
 
 
-def _preload() -> None:
+def _preload(engine_modules) -> None:
     import importlib
 
-    for name in PRELOAD:
+    for name in (*PRELOAD_FIRST, *engine_modules, *PRELOAD_LAST):
         try:
             importlib.import_module(name)
         except Exception:  # the engine imports it again and reports what fails
@@ -87,8 +87,8 @@ def _reread_environment() -> None:
     torch.distributed.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG (distnb sets INFO for engines)
 
 
-def _become_engine(req: dict, close_fds: list) -> None:
-    """In the forked child: turn into the engine ``req`` asks for; never returns."""
+def _become_engine(req: dict, close_fds: list, engine_main) -> None:
+    """In the forked child: turn into the engine ``req`` asks for (``engine_main``) or the controller; never returns."""
     code = 1
     try:
         os.setsid()  # like Popen(start_new_session=True): a Ctrl-C to the kernel's group is not ours
@@ -124,7 +124,7 @@ def _become_engine(req: dict, close_fds: list) -> None:
             controller_main()
         else:
             sys.argv = ["ipengine", *args]
-            ipengine.main()
+            engine_main()
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -141,13 +141,17 @@ def _become_engine(req: dict, close_fds: list) -> None:
             os._exit(code)
 
 
-def serve() -> None:
-    """Import, say ready, then fork engines on request until stdin closes."""
+def serve(engine_main, engine_modules=()) -> None:
+    """Import, say ready, then fork engines on request until stdin closes.
+
+    ``engine_main`` is what a forked engine runs (with its ``sys.argv`` set), and
+    ``engine_modules`` what an engine would import before its first cell (imported here once).
+    """
     t0 = time.perf_counter()
     started_with = frozen_env(os.environ)  # before the imports (torch sets TORCHINDUCTOR_CACHE_DIR itself)
     reply = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything printed by imports goes to stderr, never into the protocol
-    _preload()
+    _preload(engine_modules)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -197,6 +201,6 @@ def serve() -> None:
                 send(dict(id=req["id"], error=f"fork failed: {exc}"))
                 continue
             if pid == 0:
-                _become_engine(req, [wake_r, wake_w, reply.fileno()])
+                _become_engine(req, [wake_r, wake_w, reply.fileno()], engine_main)
             children.add(pid)
             send(dict(id=req["id"], pid=pid))

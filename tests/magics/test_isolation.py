@@ -13,7 +13,7 @@ import psutil
 from jupyter_client import KernelManager
 
 from distnb import session as session_mod
-from distnb.cluster import free_port
+from distnb.net import free_port
 
 LOOP = """
 import torch, torch.distributed as dist

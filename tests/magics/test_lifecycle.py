@@ -5,7 +5,8 @@ import time
 import psutil
 import pytest
 
-from distnb.cluster import Cluster, default_spec
+from distnb.cluster import Cluster
+from distnb.defaults import default_spec
 from distnb.session import Session
 
 

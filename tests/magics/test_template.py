@@ -11,7 +11,8 @@ import psutil
 import pytest
 
 from distnb import zygote
-from distnb.cluster import Cluster, default_spec
+from distnb.cluster import Cluster
+from distnb.defaults import default_spec
 from distnb.session import Session
 
 PROBE = """

@@ -4,7 +4,7 @@ engine's exit is described."""
 import psutil
 import pytest
 
-from distnb.cluster import default_spec
+from distnb.defaults import default_spec
 from distnb.net import visible_gpus
 
 
@@ -35,6 +35,6 @@ def test_gpu_count_comes_from_the_environment_without_cuda(monkeypatch):
 @pytest.mark.parametrize("code,expected", [(-9, "killed by SIGKILL"), (-15, "killed by SIGTERM"),
                                            (1, "exited with status 1"), (None, "status unknown")])
 def test_exit_descriptions(code, expected):
-    from distnb.cluster import exit_description
+    from distnb.launchers import exit_description
 
     assert expected in exit_description(code)

@@ -6,7 +6,7 @@ import pytest
 from traitlets.config import Config
 
 from distnb import placement
-from distnb.cluster import default_spec
+from distnb.defaults import default_spec
 from distnb.errors import PlanError
 from distnb.plan import ClusterSpec
 
@@ -109,7 +109,7 @@ def test_profile_says_how_many_engines():
 
 
 def test_gpu_per_local_rank_or_the_one_the_launcher_gave():
-    from distnb.cluster import _gpu_for
+    from distnb.placement import _gpu_for
 
     assert _gpu_for(["0", "1"], 1) == "1"
     assert _gpu_for(["3"], 2) == "3"  # --gpus-per-task=1: each engine sees only its own

@@ -14,7 +14,7 @@ def pipeline_model():
 
 def test_default_split_balances_parameters_and_split_checks():
     from distnb.engine.strategies import StrategyError
-    from distnb.engine.strategies.pipeline import balance, split_points, tensor_owners
+    from distnb.engine.strategies.pipeline_split import balance, split_points, tensor_owners
 
     assert balance([208, 0, 272, 0, 51], 2) == [0, 2]  # largest stage 323, not 480
     assert split_points(pipeline_model(), 2) == ["2"]

@@ -13,6 +13,8 @@ Each module defines a :class:`Strategy` subclass; :func:`build` picks it by
   saves and restores for this rank;
 - ``holdings()``: what this rank holds (parameter bytes, stage, ...).
 
+Every ``step`` validates the body's ``loss`` with :func:`check_loss`.
+
 Kernel side, before anything runs, :func:`check` validates a plan against the model and
 the world size with the strategy's ``check`` classmethod (no process group needed), and
 :func:`data_parallel_size` tells how many shards the data set is cut into.
@@ -21,6 +23,7 @@ the world size with the strategy's ``check`` classmethod (no process group neede
 from __future__ import annotations
 
 import importlib
+import math
 
 import torch
 
@@ -101,8 +104,6 @@ class Strategy:
 
     def step(self, ns, code, ctx):
         """Run the body once on ``ns["batch"]`` and back-propagate; return (loss, float or None)."""
-        from ..loop import check_loss
-
         ns.pop("loss", None)
         exec(code, ns)
         loss = ns.get("loss")
@@ -146,6 +147,27 @@ class Strategy:
     def close(self) -> None:
         """Drop references to the process group (called before it is re-formed)."""
         self.model = None
+
+
+def check_loss(loss, ctx):
+    """Validate the body's ``loss``; returns ``float(loss)`` on CPU (None on GPU: no sync per step)."""
+    if isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1:
+        if loss.device.type != "cpu":
+            return None
+        value = loss.item()
+        if ctx.plan.nan == "stop" and not math.isfinite(value):
+            raise FloatingPointError(f"the loss is {value} at rank {ctx.rank}, epoch {ctx.epoch}, step {ctx.step}; "
+                                     "training stopped before the update (lower --lr, check the data, or pass "
+                                     "--nan skip to drop such steps)")
+        return value
+    where = f"rank {ctx.rank}, epoch {ctx.epoch}, step {ctx.step}"
+    if loss is None:
+        raise ValueError(f"the %%distrain body left no `loss` ({where}); its last line should be "
+                         "like `loss = F.cross_entropy(model(x), y)`")
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(f"`loss` must be a scalar tensor, got {shape} ({where}); reduce it, e.g. `.mean()`")
+    raise ValueError(f"`loss` does not require grad ({where}); compute it from `model(...)` outputs")
 
 
 def gathered_state(module):

@@ -12,7 +12,7 @@ K <= world_size). The trainable parameters are dealt to the servers whole, balan
 bytes (largest first, each to the least loaded server, ties to the lower rank); server
 ``s`` builds the real torch optimizer over the parameters it owns only, so the optimizer
 state (Adam moments, momentum buffers) lives only on the servers. The training loop's
-``optimizer.step()`` is the push/pull exchange (:class:`ServerOptimizer`); the loop builds
+``optimizer.step()`` is the push/pull exchange (:class:`~.ps_optimizer.ServerOptimizer`); the loop builds
 that optimizer from :meth:`ParameterServer.parameters`. A rank that owns nothing gets a
 placeholder parameter with no elements (torch optimizers refuse an empty list); it never
 steps, so it holds no optimizer state.
@@ -76,6 +76,7 @@ import time
 import torch
 
 from . import Strategy, StrategyError, tensor_bytes
+from .ps_optimizer import ServerOptimizer, clone_tensors, init_optimizer_state
 
 #: Tags of the point-to-point messages on the parameter-server group.
 GRAD_TAG, PARAMS_TAG = 71, 72
@@ -128,45 +129,6 @@ def assign_servers(sizes: list[int], num_servers: int) -> list[int]:
 
 def _trainable(module) -> list:
     return [p for p in module.parameters() if p.requires_grad]
-
-
-class ServerOptimizer(torch.optim.Optimizer):
-    """The optimizer the loop steps: ``step()`` is the push/pull exchange with the servers.
-
-    Shares ``param_groups``, ``state`` and ``defaults`` with the server's real optimizer
-    (``inner``), so learning-rate changes and schedulers act on it. ``zero_grad`` clears
-    the gradients of the whole model (every rank computes all of them).
-    """
-
-    def __init__(self, inner: torch.optim.Optimizer, strategy: "ParameterServer"):
-        # no Optimizer.__init__: it would build its own parameter groups
-        self.inner, self._strategy = inner, strategy
-        self.defaults, self.state, self.param_groups = inner.defaults, inner.state, inner.param_groups
-        for hooks in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
-                      "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
-                      "_optimizer_load_state_dict_post_hooks"):
-            setattr(self, hooks, collections.OrderedDict())
-        self._patch_step_function()
-
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._strategy.exchange()
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._strategy.zero_grad(set_to_none)
-
-    def state_dict(self):
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state_dict) -> None:
-        self.inner.load_state_dict(state_dict)
-
-    def __repr__(self) -> str:
-        return f"ServerOptimizer({self.inner!r})"
 
 
 class ParameterServer(Strategy):
@@ -508,8 +470,8 @@ class ParameterServer(Strategy):
                     model[name] = t.detach().clone()
             optim = {}
             if self.is_server:
-                _init_optimizer_state(inner)
-                optim[f"server{self.rank}"] = _clone(inner.state_dict())
+                init_optimizer_state(inner)
+                optim[f"server{self.rank}"] = clone_tensors(inner.state_dict())
         return model, optim
 
     def load_checkpoint_state(self, optimizer, model_state, optimizer_state) -> None:
@@ -591,39 +553,6 @@ class ParameterServer(Strategy):
             self._optimizer = None
         self._threads, self.group, self.model = [], None, None
         self._window = False
-
-
-def _clone(obj):
-    """``obj`` (nested dicts and lists) with every tensor cloned."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: _clone(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clone(v) for v in obj]
-    return obj
-
-
-def _init_optimizer_state(optimizer) -> None:
-    """Give a fresh optimizer its state: one step with zero gradients at lr 0 (values unchanged)."""
-    if optimizer.state:
-        return
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    grads = [p.grad for p in params]
-    lrs = [group.get("lr") for group in optimizer.param_groups]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    for group in optimizer.param_groups:
-        if "lr" in group:
-            group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
-    try:
-        optimizer.step()
-    finally:
-        for group, lr in zip(optimizer.param_groups, lrs):
-            if lr is not None:
-                group["lr"] = lr
-        for p, g in zip(params, grads):
-            p.grad = g
 
 
 def _without_frames(exc: BaseException) -> BaseException:

@@ -1,0 +1,302 @@
+"""The processes ipyparallel starts for distnb: its launcher classes as distnb adjusts them.
+
+Local engines and their controller are forked from the kernel's engine template
+(:mod:`distnb.zygote`) when there is one (:class:`_Forkable`), else started as fresh
+processes by ipyparallel's own local launchers; engines start through
+:mod:`distnb.engine.ipengine` (:data:`ENGINE_CMD`). The ssh launcher gives up on a host it
+cannot reach (:class:`_SSHEngineLauncher`); other launchers are ipyparallel's own
+(:data:`LAUNCHER_CLASSES`).
+
+Engine deaths are reported with how the process ended (``killed by SIGKILL``,
+``exited with status 1``, :func:`exit_description`): the engines are children of the kernel,
+started by ipyparallel's local launcher, whose wait thread reaps them; :class:`_EngineLauncher`
+keeps the exit status it sees (:class:`_Process`). The profile's connection files are made
+owner-only once the controller wrote them (:func:`_restrict_security_files`).
+
+The functions at the end read what a started ``ipyparallel.Cluster``'s launchers hold: the
+processes they started (for the reaper, :mod:`distnb.reaper`), a launcher process that
+exited early (mpiexec), the host an ssh launcher failed on, the registration port.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+
+import psutil
+from traitlets import Float, List
+from ipyparallel.cluster.launcher import (LocalControllerLauncher, LocalEngineLauncher, LocalEngineSetLauncher,
+                                          SSHEngineLauncher, SSHEngineSetLauncher)
+
+from . import zygote
+from .errors import ClusterError
+from .placement import engine_command
+
+#: Seconds an ssh launcher keeps asking an unreachable host about its engine before giving up.
+UNREACHABLE_GIVE_UP = 20.0
+
+
+def exit_description(code) -> str:
+    """How a process ended, from its exit status (psutil/subprocess: minus the signal number if killed)."""
+    if code is None:
+        return "exited (status unknown: killed, crashed or os._exit)"
+    code = int(code)
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}" + _SIGNAL_HINTS.get(name, "")
+    return f"exited with status {code}"
+
+
+_SIGNAL_HINTS = {
+    "SIGKILL": " (from outside the engine, or by the out-of-memory killer)",
+    "SIGABRT": " (native code aborted, e.g. gloo on a collective whose tensors differ in size across ranks)",
+    "SIGSEGV": " (a crash in native code)",
+}
+
+
+class _Process(psutil.Process):
+    """A psutil.Process that keeps the exit status its first successful ``wait`` returned."""
+
+    exit_status = None
+
+    def wait(self, timeout=None):
+        code = super().wait(timeout)
+        if code is not None and self.exit_status is None:
+            self.exit_status = code
+        return code
+
+
+#: How a local engine starts (or what a fork from the engine template stands for).
+ENGINE_CMD = engine_command()
+#: How the controller starts (ipyparallel's default), or what a fork from the template stands for.
+CONTROLLER_CMD = [sys.executable, "-m", "ipyparallel.controller"]
+
+
+def _template_of(launcher):
+    """The engine template the launcher's ``ipp.Cluster`` was given (None: start a fresh process)."""
+    while launcher is not None and not hasattr(launcher, "_distnb_zygote"):
+        launcher = getattr(launcher, "parent", None)
+    return getattr(launcher, "_distnb_zygote", None)
+
+
+class _Forkable:
+    """A local process launcher that forks its process from the kernel's engine template when it can.
+
+    What the launcher would run (``cmd`` + options), with the same environment, working
+    directory and log file; else (no template, another command, or variables read at start-up
+    that a fork cannot give, :meth:`distnb.zygote.Zygote.matches`) ipyparallel's own start.
+    """
+
+    _template_main = ""  # what the template's child runs: "engine" or "controller"
+
+    def _start_forked(self, cmd, default_cmd) -> bool:
+        template = _template_of(self)
+        env = os.environ.copy()
+        env.update(self.get_env())
+        if template is None or list(cmd) != default_cmd or not template.matches(env):
+            return False
+        args = self.args
+        self.pid = template.fork(args[len(default_cmd):], env, os.path.abspath(self.work_dir), self.output_file,
+                                 title=" ".join(args), main=self._template_main)
+        self.process = template.process(self.pid)
+        self.notify_start(self.pid)
+        self._start_waiting()
+        return True
+
+
+class _ControllerLauncher(_Forkable, LocalControllerLauncher):
+    """ipyparallel's local controller launcher; the controller is forked from the engine template when there is one."""
+
+    _template_main = "controller"
+
+    def start(self):
+        if not self._start_forked(self.controller_cmd, CONTROLLER_CMD):
+            super().start()
+
+
+class _EngineLauncher(_Forkable, LocalEngineLauncher):
+    """ipyparallel's local engine launcher, keeping the engine's exit status; forked from the template if any.
+
+    Its wait thread reaps the engine as soon as it exits (pidfd/waitpid) but reports the
+    status only through the launcher's event loop, which does not run in a plain kernel
+    call; the status is kept on ``self.process.exit_status`` instead.
+    """
+
+    _template_main = "engine"
+
+    def _start_waiting(self):
+        if self.process is not None and not isinstance(self.process, (_Process, zygote.ForkedProcess)):
+            self.process = _Process(self.process.pid)
+        super()._start_waiting()
+
+    def start(self):
+        if not self._start_forked(self.engine_cmd, ENGINE_CMD):
+            super().start()
+
+
+#: Set in every engine's environment unless the kernel's environment sets them. INFO makes DDP's
+#: "parameters that were not used in producing loss" error name the parameters (not only their
+#: indices); unlike DETAIL it adds no collective checks to training.
+ENGINE_ENV = {"TORCH_DISTRIBUTED_DEBUG": "INFO"}
+
+
+class _EngineSetLauncher(LocalEngineSetLauncher):
+    """Engines start through :mod:`distnb.engine.ipengine` (torch imports overlap registration), all at once.
+
+    The kernel's ``ipp.Cluster`` carries the engines' extra environment as ``_distnb_engine_env``.
+    """
+
+    launcher_class = _EngineLauncher
+    engine_cmd = List(ENGINE_CMD, config=True)
+    # no nanny process per engine: distnb signals engines by pid, and registration would wait
+    # for a second Python interpreter to start (about 0.5 CPU-s per engine, more under load);
+    # no IPython history database either (cells reach engines as function calls, not history)
+    engine_args = List(["--IPEngine.enable_nanny=False", "--HistoryManager.enabled=False"], config=True)
+    delay = Float(0.0, config=True)  # ipyparallel sleeps 0.1 s between engines by default
+
+    def start(self, n):
+        self.environment = {**self.environment, **getattr(self.parent, "_distnb_engine_env", {})}
+        return super().start(n)
+
+
+class _SSHEngineLauncher(SSHEngineLauncher):
+    """ipyparallel's ssh engine launcher, bounded when the engine's host cannot be reached.
+
+    ipyparallel asks the host over ssh whether the engine still runs and signals it over
+    ssh; when the host is unreachable, its watch thread dies with an uncaught
+    CalledProcessError and stopping retries for minutes. Here the watch keeps asking for
+    :data:`UNREACHABLE_GIVE_UP` seconds (the controller's heartbeat is what tells distnb the
+    engine is gone), then, or as soon as a signal cannot be delivered, the engine counts as
+    exited with an unknown status.
+    """
+
+    def wait_one(self, timeout):
+        if getattr(self, "_unreachable", False):
+            return -1
+        try:
+            out = super().wait_one(timeout)
+            self._unreachable_since = None
+            return out
+        except subprocess.CalledProcessError:
+            since = getattr(self, "_unreachable_since", None) or time.monotonic()
+            self._unreachable_since = since
+            if time.monotonic() - since > UNREACHABLE_GIVE_UP:
+                self._unreachable = True
+                return -1
+            stop = getattr(self, "_stop_waiting", None)
+            if stop is not None and stop.wait(min(timeout or 1.0, 1.0)):
+                return -1
+            raise TimeoutError(f"host {self.hostname} unreachable") from None
+
+    def signal(self, sig):
+        try:
+            super().signal(sig)
+        except subprocess.CalledProcessError:  # nothing can reach it: do not wait for it to exit either
+            self._unreachable = True
+
+
+class _SSHEngineSetLauncher(SSHEngineSetLauncher):
+    launcher_class = _SSHEngineLauncher
+
+
+#: ipyparallel launchers distnb adjusts (by --launcher name); the others are ipyparallel's own.
+LAUNCHER_CLASSES = {"ssh": _SSHEngineSetLauncher}
+
+
+def _restrict_security_files(profile_dir: str) -> None:
+    """Make every file in the profile's security folder owner-only (ipyparallel leaves the cluster file 0644)."""
+    folder = os.path.join(profile_dir or "", "security")
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            if stat.S_ISREG(os.lstat(path).st_mode) and os.stat(path).st_mode & 0o077:
+                os.chmod(path, 0o600)
+        except OSError:
+            pass
+
+
+def engine_processes(cluster) -> dict:
+    """{pid: psutil.Process} of the engines the local launchers of ``cluster`` (an ``ipp.Cluster``) started."""
+    out = {}
+    for engine_set in cluster.engines.values():
+        for launcher in getattr(engine_set, "launchers", {}).values():
+            if isinstance(getattr(launcher, "process", None), psutil.Process):
+                out[launcher.process.pid] = launcher.process
+    return out
+
+
+def launcher_processes(cluster, launcher: str) -> list:
+    """(engine set, psutil.Process) of the engine sets that are one process (mpiexec)."""
+    out = []
+    for engine_set in cluster.engines.values():
+        proc = getattr(engine_set, "process", None)
+        if launcher == "mpi" and isinstance(proc, psutil.Process):
+            out.append((engine_set, proc))
+    return out
+
+
+def check_launcher_alive(cluster, launcher: str) -> None:
+    """A launcher (mpiexec) that exited before its engines registered: ClusterError with what it printed."""
+    for engine_set, proc in launcher_processes(cluster, launcher):
+        if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+            continue
+        try:
+            output = engine_set.get_output() or ""
+        except Exception:
+            output = ""
+        lines = [line for line in output.strip().splitlines() if line.strip() and not line.startswith("---")]
+        raise ClusterError(f"{launcher} launcher exited before the engines registered"
+                           + (":\n" + "\n".join(lines[-12:]) if lines else ""))
+
+
+def started_pids(cluster, launcher: str) -> list:
+    """Pids of this machine's processes that ``cluster``'s launchers started, beside the engines and controller.
+
+    The local engines' launchers, a launcher process (mpiexec) and the controller's own
+    processes (its schedulers: orphaned, not stopped, if it is killed).
+    """
+    pids = []
+    if launcher == "local":  # an ssh launcher's pid is the engine's pid on its own host
+        for engine_set in cluster.engines.values():
+            pids += [l.pid for l in getattr(engine_set, "launchers", {}).values() if getattr(l, "pid", None)]
+    pids += [proc.pid for _, proc in launcher_processes(cluster, launcher)]
+    controller = getattr(getattr(cluster, "controller", None), "pid", None)
+    try:
+        pids += [c.pid for c in psutil.Process(controller).children(recursive=True)]
+    except (psutil.Error, TypeError, ValueError):
+        pass
+    return pids
+
+
+def failed_ssh_host(cluster, hosts) -> str:
+    """`` on HOST (over ssh)`` for the host whose engine the ssh launcher was starting when it failed."""
+    try:
+        engine_set = next(iter(cluster.engines.values()))
+        failed = [key for key, l in engine_set.launchers.items() if l.state != "running"]
+        started = {key.rsplit("/", 1)[0] for key in engine_set.launchers}
+        names = [key.rsplit("/", 1)[0] for key in failed]
+        names += [h for h in hosts if h not in started][:1] if not names else []
+        return f" on {names[0]} (over ssh)" if names else ""
+    except Exception:
+        return ""
+
+
+def registration_port(cluster):
+    """The port engines register at, from the controller's engine connection file ("?" if unknown)."""
+    try:
+        with open(os.path.join(cluster.profile_dir, "security", f"ipcontroller-{cluster.cluster_id}-engine.json")) as f:
+            return json.load(f)["registration"]
+    except Exception:
+        return "?"

@@ -1,0 +1,55 @@
+"""Failed ranks as :class:`~distnb.errors.RankError` failure dicts: tracebacks cleaned, root cause first.
+
+Stdlib only. :func:`clean_traceback` strips ANSI colours and ipyparallel's and distnb's own
+frames from a remote traceback; :func:`order_failures` marks the failures that look like a
+consequence of another rank's (a closed gloo connection) and sorts them last, so that a
+:class:`~distnb.errors.RankError` names the root cause first.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_OWN_FRAMES = (os.sep + "ipyparallel" + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep, "File <string>")
+#: Messages of a rank whose peer failed first (rank 0's store gave up on ranks that could not reach it:
+#: "waiting for clients").
+_COLLATERAL_MARKERS = ("Connection closed by peer", "Connection reset", "process group is broken", "Broken pipe",
+                       "waiting for clients")
+
+
+def clean_traceback(tb: str) -> str:
+    """The remote traceback as plain text, without ipyparallel's and distnb's own frames.
+
+    IPython formats remote tracebacks as blocks ("File PATH:LINE, in FUNC" plus context
+    lines) separated by blank lines; the user's cell frames (``<distrain-cell-N>``), library
+    frames (torch, ...) and the exception itself are kept.
+    """
+    keep = []
+    for block in _ANSI.sub("", tb or "").split("\n\n"):
+        lines = block.split("\n")
+        for i, line in enumerate(lines):
+            if line.startswith("File ") and any(m in line for m in _OWN_FRAMES):
+                lines = lines[:i]  # an own frame: drop it, keep a header above it
+                break
+        if any(line.strip() for line in lines):
+            keep.append("\n".join(lines))
+    return "\n\n".join(keep).strip("\n")
+
+
+def is_collateral(failure: dict) -> bool:
+    """Whether a failure looks like a consequence of another rank's (a closed gloo connection)."""
+    text = f"{failure.get('evalue')}"
+    return any(m in text for m in _COLLATERAL_MARKERS)
+
+
+def order_failures(failures: list, collateral=()) -> list:
+    """``failures`` with ``collateral`` set on each, root causes first, then by time failed and rank.
+
+    ``collateral`` are ranks distnb itself interrupted; they sort after the others, with the
+    failures that :func:`is_collateral`.
+    """
+    for f in failures:
+        f["collateral"] = bool(f["rank"] in collateral or is_collateral(f))
+    return sorted(failures, key=lambda f: (f["collateral"], f.get("failed_at") or float("inf"), f["rank"]))
