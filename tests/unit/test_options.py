@@ -75,3 +75,28 @@ def test_paths_are_normalised_once_by_the_declaration(tmp_path, monkeypatch):
     assert RunOptions(progress="text").progress == "text"
     with pytest.raises(PlanError, match="progress must be one of"):
         RunOptions(progress="fancy")
+
+
+def test_strategies_are_declared_once_and_each_has_its_engine_module():
+    from distnb.engine import strategies
+    from distnb.plan import STRATEGIES
+
+    for name in STRATEGIES:
+        assert strategies.strategy_class(name).name == name
+    assert _distrain.parser._option_string_actions["--strategy"].metavar == "{" + ",".join(STRATEGIES) + "}"
+
+
+@pytest.mark.parametrize("last,key,generation,verdict", [
+    (None, ("ddp", False), 0, "rebuild"),  # never distributed: build it
+    ((("ddp", False), 0), ("ddp", False), 0, "keep"),
+    ((("ddp", False), 0), ("ddp", True), 0, "rebuild"),  # DDP wraps the module: wrap it again
+    ((("ddp", False), 0), ("ddp", False), 1, "rebuild"),  # a re-formed group: wrap again on the new one
+    ((("ddp", False), 0), ("fsdp", False), 0, "resend"),  # another strategy: sent again
+    ((("fsdp", False), 0), ("fsdp", False), 0, "keep"),
+    ((("fsdp", False), 0), ("fsdp", False), 1, "resend"),  # sharded in place: cannot survive a new group
+    ((("pipeline", False, 4), 0), ("pipeline", False, 2), 0, "resend"),
+])
+def test_one_rule_decides_what_a_live_model_needs(last, key, generation, verdict):
+    from distnb.plan import redistribution
+
+    assert redistribution(last, key, generation) == verdict

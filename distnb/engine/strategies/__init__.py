@@ -27,7 +27,7 @@ import math
 
 import torch
 
-STRATEGY_MODULES = {"ddp": "ddp", "fsdp": "fsdp", "pipeline": "pipeline", "tensor": "tensor", "ps": "ps"}
+from ...plan import STRATEGIES
 
 
 class StrategyError(ValueError):
@@ -63,9 +63,6 @@ class Strategy:
     supports_loop = True
     #: True: ``model`` is a wrapper that must be called (calling the bare module skips the sync).
     wraps_model = False
-    #: True: distributing changes the module in place (sharded parameters): after a re-formed
-    #: process group or a different plan the kernel must send the model again.
-    modifies_module = False
 
     def __init__(self, module, plan, device, ns):
         self.module, self.plan, self.device = module, plan, device
@@ -186,10 +183,14 @@ def gathered_state(module):
 
 
 def strategy_class(name: str) -> type:
-    """The :class:`Strategy` subclass for ``name`` (imports its module)."""
-    if name not in STRATEGY_MODULES:
-        raise StrategyError(f"unknown strategy {name!r}; known: {', '.join(STRATEGY_MODULES)}")
-    module = importlib.import_module(f"{__name__}.{STRATEGY_MODULES[name]}")
+    """The :class:`Strategy` subclass for ``name`` (imports its module, named as the strategy).
+
+    Which strategies exist, and whether distributing one changes the module in place, is
+    declared once in :data:`distnb.plan.STRATEGIES`.
+    """
+    if name not in STRATEGIES:
+        raise StrategyError(f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}")
+    module = importlib.import_module(f"{__name__}.{name}")
     return module.STRATEGY
 
 

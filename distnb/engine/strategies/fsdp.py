@@ -69,7 +69,6 @@ class FSDP(Strategy):
     name = "fsdp"
     data_parallel = True
     wraps_model = False  # fully_shard changes the module in place: calling it directly is right
-    modifies_module = True
 
     def __init__(self, module, plan, device, ns):
         import torch.distributed as dist

@@ -176,7 +176,6 @@ class Pipeline(Strategy):
     name = "pipeline"
     data_parallel = False
     supports_loop = False
-    modifies_module = True
 
     # kernel side ---------------------------------------------------------------------
     @classmethod

@@ -46,8 +46,8 @@ authoritative values to every rank, so every rank (and the kernel's model) holds
 trained parameters and nothing is left in flight for the next cell. The optimizer state
 stays on the servers between cells. A failure in the middle of an asynchronous cell ends
 the exchange with the same stop messages (:meth:`ParameterServer.close`), so no peer waits
-for the collective timeout. The optimizer belongs to this layout, so the strategy counts as
-``modifies_module``: a different ``--servers``/``--staleness`` or a re-formed process group
+for the collective timeout. The optimizer belongs to this layout, so the strategy is declared as changing
+the module in place (:data:`distnb.plan.STRATEGIES`): a different ``--servers``/``--staleness`` or a re-formed process group
 makes the kernel send the model again (from its weights, the last trained ones).
 
 Buffers (BatchNorm running statistics) are not served: each rank keeps its own, and rank
@@ -153,7 +153,6 @@ class ParameterServer(Strategy):
     # re-formed process group or a different --servers/--staleness the kernel sends the model
     # again (from its weights, which are the last trained ones), as for strategies that shard
     # the module.
-    modifies_module = True
 
     @classmethod
     def check(cls, plan, module, world_size: int) -> None:

@@ -176,7 +176,6 @@ class Tensor(Strategy):
     name = "tensor"
     data_parallel = False
     wraps_model = False  # parallelize_module changes the module in place
-    modifies_module = True
 
     def __init__(self, module, plan, device, ns):
         import torch.distributed as dist
