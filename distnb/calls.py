@@ -23,6 +23,7 @@ RUNTIME = "distnb.engine.runtime"
 IPENGINE = "distnb.engine.ipengine"
 WIRE = "distnb.engine.wire"
 LOOP = "distnb.engine.loop"
+WHERE = "distnb.engine.where"
 NET = "distnb.net"
 
 
@@ -151,3 +152,8 @@ def save_checkpoint(name, directory): ...
 
 @_on_rank(LOOP, with_ns=True)
 def restore(name, directory): ...
+
+
+# engine/where.py: where a rank is ---------------------------------------------------
+@_on_rank(WHERE)
+def where_now(): ...

@@ -118,3 +118,19 @@ class RankError(DistnbError, RuntimeError):
             lines.append(f"--- traceback from {self._where(f)} ---")
             lines.extend((f.get("traceback") or f"{f.get('ename')}: {f.get('evalue')}").rstrip().splitlines())
         return lines
+
+
+class HangError(RankError):
+    """Ranks waited in a collective that other ranks never reached (see :mod:`distnb.execute`).
+
+    ``failures`` are those of :class:`RankError`: the ranks that never arrived first (their
+    traceback is the stack where each one was), then the ranks that waited. ``message`` says
+    which ranks waited in which collective, where the others were, and what was done.
+    """
+
+    def __init__(self, failures, context="cell", message=""):
+        self.message = message
+        super().__init__(failures, context)
+
+    def _summary(self):
+        return self.message or super()._summary()

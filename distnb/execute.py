@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 
-from . import calls
+from . import calls, hangs
 from .errors import ClusterError, Interrupted, RankError
 
 #: Seconds between checks that the ranks' engine processes are alive while a cell runs.
@@ -61,9 +61,11 @@ class Watch:
         self.session, self.cluster, self.ars, self.what = session, session.cluster, ars, what
         self.state, self.view, self.show_ranks = state, view, show_ranks
         self.offsets, self.progress, self.dead = {}, {}, {}
+        self.wheres = session.last_where = {}  # rank -> where its cell is (engine/where.py), for %dist where
         self.released, self.interrupted = set(), set()
         self.failed_since = None
         self.next_liveness = time.monotonic() + LIVENESS_SECONDS
+        self.hang = None  # set when ranks wait in a collective others never reached (see hangs.py)
 
     def wait(self) -> list:
         """The per-rank results; RankError (after re-forming the group) or Interrupted otherwise."""
@@ -114,6 +116,7 @@ class Watch:
         if self.failed_since is not None and time.monotonic() - self.failed_since > FAILURE_GRACE:
             self.interrupted |= self._interrupt_ranks()
             self.failed_since = math.inf
+        self.hang = hangs.check(self) if self.hang is None else hangs.follow_up(self, self.hang)
         pending = [ar for r, ar in enumerate(ars) if not ar.ready() and r not in self.dead]
         if pending:
             pending[0].wait(POLL_SECONDS)
@@ -136,6 +139,8 @@ class Watch:
             for f in failures:
                 if f["rank"] in self.dead:
                     f["evalue"] = f["evalue"].split("; run %dist restart")[0] + f"; {note}"
+        if self.hang is not None:
+            raise hangs.error(self, failures)
         if failures:
             raise RankError(failures, context=self.what)
         return [ar.get(0) for ar in ars]
@@ -177,8 +182,13 @@ class Watch:
             if rank in self.show_ranks or (ar.ready() and not ar.successful()):  # a failed rank's output too
                 for stream_name, out in (("stdout", sys.stdout), ("stderr", sys.stderr)):
                     self._stream(rank, getattr(ar, stream_name) or "", stream_name, out, tag)
+            data = ar.data or {}
+            if "distnb_where" in data:
+                self.wheres[rank] = data["distnb_where"]
+                if self.state is not None:
+                    self.state.set_where(rank, data["distnb_where"])
             if self.state is not None:
-                msg = (ar.data or {}).get("distnb")
+                msg = data.get("distnb")
                 if msg:
                     self.progress[rank] = msg
                     self.state.update(rank, msg)

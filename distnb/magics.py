@@ -143,6 +143,15 @@ def _wait(line):
     """
 
 
+@magic_arguments(name="dist where")
+def _where(line):
+    """Where every rank is: idle between cells; during a background run (%%distrain --background),
+    each rank's state, seconds there, the collective it waits in and its cell line.
+
+    Example: %dist where
+    """
+
+
 @magic_arguments(name="dist stop-training")
 def _stop_training(line):
     """Stop the background training run as the interrupt button would: every rank stops after the
@@ -159,7 +168,7 @@ def _cell(line):
 
 
 VERBS = {"start": _start, "stop": _stop, "restart": _restart, "status": _status, "push": _push,
-         "pull": _pull, "scatter": _scatter, "gather": _gather, "wait": _wait, "stop-training": _stop_training, "save": _save, "load": _load}
+         "pull": _pull, "scatter": _scatter, "gather": _gather, "wait": _wait, "stop-training": _stop_training, "where": _where, "save": _save, "load": _load}
 
 DIST_DOC = """Run code and manage the distributed cluster from a notebook.
 
@@ -266,11 +275,13 @@ class DistMagics(Magics):
                 raise UsageError(f"unknown %dist verb {verb!r}; use one of: {', '.join(VERBS)} (see %dist?)")
             args = parse_argstring(VERBS[verb], rest)
             ns = self.shell.user_ns
-            if verb in ("wait", "stop-training"):
+            if verb in ("wait", "stop-training", "where"):  # allowed while a background run goes on
                 if session._CURRENT is None:
                     print("distnb: no cluster is running")
                     return None
-                return session._CURRENT.wait() if verb == "wait" else session._CURRENT.stop_training()
+                current = session._CURRENT
+                return current.wait() if verb == "wait" else current.stop_training() if verb == "stop-training" \
+                    else current.where()
             if session._CURRENT is not None:  # one run at a time: a background run blocks every other verb
                 from .background import check_idle
 

@@ -247,6 +247,9 @@ class ClusterSpec:
     num_threads: int = option(1, "int", "torch intra-op threads per engine (CPU engines: cores // num_engines)",
                               minimum=1, cli=False, api=False)
     timeout: float = option(60.0, "float", "collective/rendezvous timeout in seconds (default 60)")
+    hang_after: float | None = option(None, "float", "seconds ranks may wait in a collective that another rank has "
+                                      "not reached before the cell ends, naming both (default 10, or half of a "
+                                      "--timeout under 20; at most --timeout)")
     master_port: int | None = option(None, "int", "TCP port of the torch.distributed store (default: a free port); "
                                      "a taken port is an error naming it", minimum=1)
     auto_restart: bool = option(False, "flag", "when an engine dies during a cell, start a fresh world of the same "
@@ -281,6 +284,14 @@ class ClusterSpec:
             raise PlanError("--backend nccl needs GPU engines; this machine has none (use --backend gloo)")
         if not 1 <= self.timeout <= MAX_TIMEOUT:
             raise PlanError(f"--timeout must be between 1 and {MAX_TIMEOUT} seconds (a week), got {self.timeout}")
+        if self.hang_after is not None and self.hang_after > self.timeout:
+            raise PlanError(f"--hang-after {self.hang_after:g} is longer than --timeout {self.timeout:g}: a hang would "
+                            "end with gloo's timeout first; give a --hang-after of at most the --timeout")
+
+
+def hang_seconds(spec: ClusterSpec) -> float:
+    """Seconds after which ranks waiting for others in a collective are a hang (``--hang-after``)."""
+    return spec.hang_after if spec.hang_after is not None else min(10.0, spec.timeout / 2)
 
 
 #: Fields of ClusterSpec that say where engines run (the placement options).

@@ -113,3 +113,34 @@ def status_table(session, timeout: float) -> StatusTable:
     table.title = (f"controller pid {table.controller_pid} · torch.distributed store {table.store} · "
                    f"auto restart {'on' if session.auto_restart else 'off'}")
     return table
+
+
+class WhereTable(Table):
+    """``%dist where``: where each rank is, one row per rank.
+
+    Columns: rank; state (``idle`` between cells, ``running`` in its cell's code, ``collective``
+    waiting in torch.distributed); seconds (at that spot); op and shape (the collective);
+    cell_line and code (the innermost line of the cell's code); at (the innermost frame,
+    ``file:line function``). ``stacks`` holds each rank's frames, innermost last.
+    """
+
+    columns = ("rank", "state", "seconds", "op", "shape", "cell_line", "code", "at")
+
+
+def where_table(wheres: dict, world_size: int, title: str) -> WhereTable:
+    """A WhereTable from ``{rank: where}`` (see distnb.engine.where); a rank with none is ``unknown``."""
+    rows, stacks = [], {}
+    for rank in range(world_size):
+        w = wheres.get(rank)
+        if w is None:
+            rows.append(dict(rank=rank, state="unknown"))
+            continue
+        top = (w.get("stack") or [None])[-1]
+        stacks[rank] = w.get("stack") or []
+        rows.append(dict(rank=rank, state=w.get("state"), seconds=round(max(0.0, w.get("sent", 0) - w.get("since", 0)), 1)
+                         if w.get("state") != "idle" else None, op=w.get("op"), shape=w.get("shape"),
+                         cell_line=w.get("cell_line"), code=w.get("cell_code"),
+                         at=f"{top[0].rsplit('/', 1)[-1]}:{top[1]} {top[2]}" if top else None))
+    table = WhereTable(rows, title=title)
+    table.stacks = stacks
+    return table

@@ -28,25 +28,20 @@ import atexit
 import contextlib
 import inspect
 import sys
-import time
 
 from . import background, calls, checkpoints, options, training
 from .background import BackgroundRun, check_idle
 from .cluster import Cluster
 from .data import reassemble, scatter as scatter_shards
 from .defaults import default_spec
-from .display import ProgressState, make_view, view_kind
 from .display.tables import count
-from .errors import ClusterError, PlanError, RankError
+from .errors import ClusterError, PlanError
 from .execute import run_on_ranks
 from .plan import ClusterSpec, RunOptions, TrainPlan
-from .results import StatusTable, TrainResult, status_table, training_notes
+from .results import StatusTable, TrainResult, WhereTable, status_table, where_table
 from .transfer import sweep_shm
 
 _CURRENT = None
-#: How often ranks report for each progress view (seconds): the dashboard redraws live,
-#: text progress prints per epoch (status and epoch-end messages are always sent at once).
-REPORT_INTERVAL = {"widgets": 0.1, "text": 2.0, "none": 3600.0}
 #: start()'s keyword options (Python keyword -> ClusterSpec field), from ClusterSpec's declarations.
 START_OPTIONS = options.keywords(ClusterSpec)
 #: Session.train()'s keyword options (TrainPlan and RunOptions fields), from their declarations.
@@ -182,6 +177,7 @@ class Session:
         self.last_result = None
         self._background = None  # a BackgroundRun while a %%distrain --background run is going on
         self.auto_restart = False  # start a fresh world when an engine dies during a cell
+        self.last_where = {}  # rank -> where the running (or last) cell is on it (distnb.engine.where)
 
     # basics --------------------------------------------------------------
     @property
@@ -216,6 +212,28 @@ class Session:
         """
         self._check_running()
         return status_table(self, timeout)
+
+    def where(self, timeout: float = 2.0) -> WhereTable:
+        """Where every rank is (``%dist where``): state, seconds there, collective, cell line, stack.
+
+        Between cells every rank answers at once and is ``idle``. During a background training
+        run (the kernel is free) it shows what the run's ranks last published, at most about
+        a second old, also while they are blocked in a collective.
+
+        Returns
+        -------
+        WhereTable
+            ``.stacks[rank]``: that rank's frames, innermost last.
+        """
+        if not self.running:
+            raise ClusterError("the distnb cluster is stopped; run %dist start")
+        run = self._background
+        if run is not None and run.active:
+            return where_table(self.last_where, self.world_size, "where the background run's ranks are")
+        check_idle(self)
+        wheres = dict(enumerate(self.cluster.wait_all(self.cluster.apply_all(calls.where_now), timeout=timeout,
+                                                      what="where")))
+        return where_table(wheres, self.world_size, "between cells: every rank is idle")
 
     def stop(self, quiet=False) -> None:
         """Stop every process this session started (engines, controller)."""
@@ -466,45 +484,7 @@ class Session:
             except BaseException:
                 self._background = None
                 raise
-        return self._train(code, model, data, run, given)
-
-    def _train(self, code, model, data, run, given) -> TrainResult:
-        """The foreground training cell: plan, send what is missing, train watched, weights back."""
-        t0 = time.perf_counter()
-        model_name, model_obj = self._named(model, "model")
-        data_name, data_obj = self._named(data, "data")
-        if not isinstance(code, str) or not code.strip():
-            raise PlanError("the training cell body is empty: write one step that sets `loss`, e.g. "
-                            "`x, y = batch; loss = F.cross_entropy(model(x), y)`")
-        if given.get("report_interval") is None:
-            given["report_interval"] = REPORT_INTERVAL[view_kind(run.progress)]
-        plan = training.make_plan(self, model_name, model_obj, data_name, given)
-        num_shards, steps = training.prepare(self, plan, code, model_obj, data_obj, run.quiet)
-        state = ProgressState(self.world_size, steps * plan.epochs, plan.epochs,
-                              hosts=[r["host"] for r in self.cluster.ranks],
-                              devices=[r["device"] for r in self.cluster.ranks], strategy=plan.strategy)
-        view = make_view(state, run.progress)
-        view.show()
-        show = tuple(range(self.world_size)) if run.all_output else (0,)
-        try:
-            rows = run_on_ranks(self, calls.train, plan.to_dict(), code, what="training", state=state, view=view,
-                                show_ranks=show)
-        except (RankError, KeyboardInterrupt):
-            training.weights_back(self, plan.model, model_obj, best_effort=True)
-            if plan.builtin_optimizer:  # a built-in optimizer was not what failed (a dead engine, the body, ...)
-                self.holdings.remember_optimizer(plan)
-            raise
-        training.weights_back(self, plan.model, model_obj, packed=rows[0].pop("state"))
-        for row in rows:
-            row.pop("state", None)
-            row.update(row.pop("holdings", {}))
-        if not run.quiet:
-            for note in training_notes(rows[0]):
-                print(f"distnb: {note}")
-        result = TrainResult(rows, plan, time.perf_counter() - t0, num_shards)
-        self.last_result = result
-        self.holdings.remember_optimizer(plan)  # what the ranks accepted becomes the model's chosen optimizer
-        return result
+        return training.train_cell(self, code, model, data, run, given)
 
     # checkpoints -----------------------------------------------------------
     def _trained_model(self, model):

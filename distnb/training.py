@@ -1,11 +1,12 @@
-"""Training preparation in the kernel: what the ranks hold, and what a training cell must send first.
+"""A training cell in the kernel: its plan, what the ranks hold, what it must send first, its run.
 
 A ``%%distrain`` cell's options become a :class:`~distnb.plan.TrainPlan` here
 (:func:`make_plan`); then :func:`prepare` sends only what the ranks lack: the names the
 body reads (:func:`autopush`), the model (:func:`ensure_model`, whose reuse decision is
 :func:`distnb.plan.redistribution`, the same rule the ranks apply) and the data's shards
-(:func:`ensure_data`). :class:`Holdings` records all of it; :func:`weights_back` loads the
-trained weights into the kernel's model when the cell ends.
+(:func:`ensure_data`). :class:`Holdings` records all of it; :func:`train_cell` runs the cell
+on the ranks (through :mod:`distnb.execute`) and :func:`weights_back` loads the trained
+weights into the kernel's model when it ends.
 """
 
 from __future__ import annotations
@@ -13,11 +14,19 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from . import calls, data
-from .display.tables import count
-from .errors import PlanError
-from .plan import TrainPlan, redistribution
+import time
 
+from . import calls, data
+from .display import ProgressState, make_view, view_kind
+from .display.tables import count
+from .errors import PlanError, RankError
+from .execute import run_on_ranks
+from .plan import TrainPlan, redistribution
+from .results import TrainResult, training_notes
+
+#: How often ranks report for each progress view (seconds): the dashboard redraws live,
+#: text progress prints per epoch (status and epoch-end messages are always sent at once).
+REPORT_INTERVAL = {"widgets": 0.1, "text": 2.0, "none": 3600.0}
 #: Names a training body gets from distnb, never pushed from the notebook.
 RESERVED_NAMES = frozenset({"batch", "model", "optimizer", "ctx", "loss", "rank", "world_size", "local_rank",
                             "device"})
@@ -229,3 +238,46 @@ def weights_back(session, name, model_obj, best_effort=False, packed=None) -> No
     except Exception:
         if not best_effort:
             raise
+
+
+def train_cell(session, code, model, data, run, given):
+    """A foreground training cell: the plan, what the ranks lack, training watched, weights back.
+
+    ``run``: the cell's :class:`~distnb.plan.RunOptions`; ``given``: its TrainPlan options. Returns
+    the :class:`~distnb.results.TrainResult`; see :meth:`distnb.session.Session.train`.
+    """
+    t0 = time.perf_counter()
+    model_name, model_obj = session._named(model, "model")
+    data_name, data_obj = session._named(data, "data")
+    if not isinstance(code, str) or not code.strip():
+        raise PlanError("the training cell body is empty: write one step that sets `loss`, e.g. "
+                        "`x, y = batch; loss = F.cross_entropy(model(x), y)`")
+    if given.get("report_interval") is None:
+        given["report_interval"] = REPORT_INTERVAL[view_kind(run.progress)]
+    plan = make_plan(session, model_name, model_obj, data_name, given)
+    num_shards, steps = prepare(session, plan, code, model_obj, data_obj, run.quiet)
+    state = ProgressState(session.world_size, steps * plan.epochs, plan.epochs,
+                          hosts=[r["host"] for r in session.cluster.ranks],
+                          devices=[r["device"] for r in session.cluster.ranks], strategy=plan.strategy)
+    view = make_view(state, run.progress)
+    view.show()
+    show = tuple(range(session.world_size)) if run.all_output else (0,)
+    try:
+        rows = run_on_ranks(session, calls.train, plan.to_dict(), code, what="training", state=state, view=view,
+                            show_ranks=show)
+    except (RankError, KeyboardInterrupt):
+        weights_back(session, plan.model, model_obj, best_effort=True)
+        if plan.builtin_optimizer:  # a built-in optimizer was not what failed (a dead engine, the body, ...)
+            session.holdings.remember_optimizer(plan)
+        raise
+    weights_back(session, plan.model, model_obj, packed=rows[0].pop("state"))
+    for row in rows:
+        row.pop("state", None)
+        row.update(row.pop("holdings", {}))
+    if not run.quiet:
+        for note in training_notes(rows[0]):
+            print(f"distnb: {note}")
+    result = TrainResult(rows, plan, time.perf_counter() - t0, num_shards)
+    session.last_result = result
+    session.holdings.remember_optimizer(plan)  # what the ranks accepted becomes the model's chosen optimizer
+    return result

@@ -14,6 +14,8 @@ STRAGGLER_THRESHOLD = 0.20
 SMOOTHING = 0.2
 #: Seconds of rank messages a rank's samples/s is measured over (cumulative samples / rank clock).
 RATE_WINDOW = 1.0
+#: Seconds a rank must stay at one spot before the dashboard says where it is.
+STALL_SECONDS = 2.0
 #: Fields of a rank message copied into the rank's row when present.
 ROW_FIELDS = ("status", "epoch", "step", "total", "loss", "samples_per_s", "step_time", "busy_time", "error",
               "stage", "peak_memory", "memory_kind", "samples")
@@ -75,7 +77,7 @@ class ProgressState:
         self.rows = [dict(rank=r, host=(hosts or [""] * world_size)[r], device=(devices or [""] * world_size)[r],
                           status="waiting", epoch=None, step=0, total=total_steps, loss=None, smooth_loss=None,
                           samples_per_s=0.0, step_time=0.0, busy_time=None, error=None, stage=None,
-                          peak_memory=None, memory_kind=None, samples=0, rate=None)
+                          peak_memory=None, memory_kind=None, samples=0, rate=None, where=None)
                      for r in range(world_size)]
         self.curves = [Series() for _ in range(world_size)]  # per rank: (step, loss)
         self.epoch_means = {}  # epoch -> mean loss over all ranks
@@ -135,6 +137,29 @@ class ProgressState:
             points[-1] = (points[-1][0], total)
         else:
             self.throughput.add(t, total)
+
+    def set_where(self, rank: int, where: dict) -> None:
+        """Note where ``rank`` is (a :mod:`distnb.engine.where` summary) once it stalls there.
+
+        The row's ``where`` becomes a short sentence ("waiting in all_reduce for 4 s", "at cell
+        line 3 `time.sleep(60)` for 4 s") after :data:`STALL_SECONDS` at one spot, else None.
+        """
+        if not 0 <= rank < self.world_size or not where:
+            return
+        waited = max(0.0, where.get("sent", 0.0) - where.get("since", 0.0))
+        text = None
+        if waited >= STALL_SECONDS and where.get("state") in ("collective", "running"):
+            if where["state"] == "collective":
+                text = f"waiting in {where.get('op')}"
+            elif where.get("cell_line"):
+                text = f"at cell line {where['cell_line']} `{where.get('cell_code')}`"
+            else:
+                top = (where.get("stack") or [("?", 0, "?", "")])[-1]
+                text = f"in {top[2]} ({top[0].rsplit('/', 1)[-1]}:{top[1]})"
+            text += f" for {waited:.0f} s"
+        if text != self.rows[rank]["where"]:
+            self.rows[rank]["where"] = text
+            self.version += 1
 
     def set_status(self, status: str, ranks=None, error=None) -> None:
         """Set the status (and error text) of ``ranks`` (default all)."""

@@ -129,6 +129,8 @@ def table_html(state) -> str:
         if row["memory_kind"] == "cuda":
             mem += " GPU"
         status_html = f"<b style='color:{STATUS_COLOR.get(status, '#333')}'>{esc(status)}</b>"
+        if row.get("where") and status == "running":  # a rank that stalls: where it is (engine/where.py)
+            status_html += f"<div class='distnb-where' style='{_MONO};color:#8a6d00'>{esc(one_line(row['where'], 90))}</div>"
         cells = [f"<td style='{_CELL}'><code>{r}</code></td>",
                  f"<td style='{_CELL};text-align:left'>{esc(row['host'])}</td>",
                  f"<td style='{_CELL};text-align:left'>{esc(row['device'])}</td>"]

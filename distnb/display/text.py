@@ -17,6 +17,7 @@ class TextProgress:
         self.stream = stream or sys.stdout
         self._epochs_shown = set()
         self._status_shown = {}
+        self._where_shown = {}
 
     def show(self):
         pass
@@ -32,6 +33,10 @@ class TextProgress:
                 continue
             ranks = "  ".join(f"rank {r['rank']} {_fmt(r['samples_per_s'], '.0f')} samples/s" for r in st.rows)
             print(f"epoch {epoch:>3}  mean loss {st.epoch_means[epoch]:.4f}  |  {ranks}", file=self.stream)
+        for r in st.rows:  # a rank that stalls: where it is, once per spot
+            if r.get("where") and r["status"] == "running" and self._where_shown.get(r["rank"]) != r["where"].rsplit(" for ", 1)[0]:
+                self._where_shown[r["rank"]] = r["where"].rsplit(" for ", 1)[0]
+                print(f"rank {r['rank']} is {r['where']}", file=self.stream)
         for r in st.rows if final else ():
             if r["status"] in ("failed", "interrupted") and self._status_shown.get(r["rank"]) != r["status"]:
                 self._status_shown[r["rank"]] = r["status"]

@@ -76,27 +76,38 @@ def _wrap(dist, torch, op, original):
         if not isinstance(tensor, torch.Tensor) or not dist.is_initialized() or dist.get_rank(group) < 0:
             return original(*args, **kwargs)
         world = dist.get_world_size(group)
-        mine = torch.tensor(_fingerprint(torch, op, tensor), dtype=torch.int64, device=tensor.device)
-        every = torch.empty(world * mine.numel(), dtype=torch.int64, device=tensor.device)
-        with warnings.catch_warnings():  # torch's deprecation notice is about its API, not the user's cell
-            warnings.simplefilter("ignore", FutureWarning)
-            _ORIGINALS["all_gather_into_tensor"](every, mine, group=group)
-        rows = every.view(world, -1).cpu().tolist()
-        if any(row != rows[0] for row in rows):
-            ranks = (dist.get_process_group_ranks(group) if group is not None else list(range(world)))
-            seen = "; ".join(f"rank {r}: {_describe(torch, row)}" for r, row in zip(ranks, rows))
-            ops = sorted({_OPS[row[0]] for row in rows})  # the same text on every rank: one error, not several
-            what = f"dist.{ops[0]} got different tensors on different ranks" if len(ops) == 1 else \
-                "the ranks called different collectives"
-            raise CollectiveMismatchError(
-                f"{what} ({seen}). Every rank must call the same collective with a tensor of the same shape and "
-                "dtype (gloo would abort the engine or return a wrong result)")
-        return original(*args, **kwargs)
+        CURRENT["call"] = (op, list(tensor.shape))  # what a rank waiting here waits in (distnb.engine.where)
+        try:
+            return _checked_call(dist, torch, op, original, args, kwargs, tensor, group, world)
+        finally:
+            CURRENT.pop("call", None)
 
     return checked_collective
 
 
+def _checked_call(dist, torch, op, original, args, kwargs, tensor, group, world):
+    """The fingerprint exchange, then the collective itself (see the module docstring)."""
+    mine = torch.tensor(_fingerprint(torch, op, tensor), dtype=torch.int64, device=tensor.device)
+    every = torch.empty(world * mine.numel(), dtype=torch.int64, device=tensor.device)
+    with warnings.catch_warnings():  # torch's deprecation notice is about its API, not the user's cell
+        warnings.simplefilter("ignore", FutureWarning)
+        _ORIGINALS["all_gather_into_tensor"](every, mine, group=group)
+    rows = every.view(world, -1).cpu().tolist()
+    if any(row != rows[0] for row in rows):
+        ranks = (dist.get_process_group_ranks(group) if group is not None else list(range(world)))
+        seen = "; ".join(f"rank {r}: {_describe(torch, row)}" for r, row in zip(ranks, rows))
+        ops = sorted({_OPS[row[0]] for row in rows})  # the same text on every rank: one error, not several
+        what = f"dist.{ops[0]} got different tensors on different ranks" if len(ops) == 1 else \
+            "the ranks called different collectives"
+        raise CollectiveMismatchError(
+            f"{what} ({seen}). Every rank must call the same collective with a tensor of the same shape and "
+            "dtype (gloo would abort the engine or return a wrong result)")
+    return original(*args, **kwargs)
+
+
 _ORIGINALS: dict = {}
+#: ``{"call": (op, shape)}`` while a collective called from cell code runs on this rank.
+CURRENT: dict = {}
 
 
 @contextlib.contextmanager

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from ..plan import DEFAULT_LR, STRATEGIES, TrainPlan, redistribution
 from . import checkpoint, collectives, runtime, shard as sharding, wire
-from .report import Reporter
+from . import where
+from .report import Reporter, publish_raw
 from . import strategies
 
 
@@ -439,11 +440,15 @@ def train(ns, plan_dict, code_text):
         run.module.train()
         reporter.set_status("running")
         t0 = time.perf_counter()
+        watchdog = where.Watchdog(publish_raw, ddp_backward=plan.strategy == "ddp")
+        watchdog.start()
         try:
             with collectives.checked():  # a mismatched collective in the body: an error, not a hang
                 _run_body(ns, code, ctx, plan)
         except _Stopped:
             pass
+        finally:
+            watchdog.stop()
         seconds = time.perf_counter() - t0
     except BaseException as exc:
         if "find_unused_parameters=True" in str(exc) and not plan.find_unused_parameters and exc.args:

@@ -26,10 +26,15 @@ import time
 TAIL = 16
 
 
-def _default_publish(data: dict) -> None:
+def publish_raw(payload: dict) -> None:
+    """``payload`` to the kernel, merged into the running cell's ``AsyncResult.data`` (engines only)."""
     from ipyparallel.datapub import publish_data  # lazy: only inside an engine
 
-    publish_data({"distnb": data})
+    publish_data(payload)
+
+
+def _default_publish(data: dict) -> None:
+    publish_raw({"distnb": data})
 
 
 def peak_memory(device=None) -> tuple:

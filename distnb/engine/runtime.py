@@ -328,7 +328,11 @@ def run_cell(ns: dict, code: str):
     if tree.body and isinstance(tree.body[-1], ast.Expr):
         last = ast.Expression(tree.body.pop().value)
     from .collectives import checked
+    from .report import publish_raw
+    from .where import Watchdog
 
+    watchdog = Watchdog(publish_raw)
+    watchdog.start()
     try:
         with checked():  # mismatched tensors in a user collective: an error on every rank, not an abort
             exec(compile(tree, filename, "exec"), ns)
@@ -341,6 +345,7 @@ def run_cell(ns: dict, code: str):
         mark_broken(ns)
         raise
     finally:
+        watchdog.stop()
         sys.stdout.flush()
         sys.stderr.flush()
 

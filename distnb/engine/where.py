@@ -1,0 +1,110 @@
+"""Where a rank is: its cell's main thread, read by a watchdog thread while the cell runs.
+
+While a ``%%dist`` or ``%%distrain`` cell runs, :class:`Watchdog` reads the stack of the
+thread that runs it every :data:`INTERVAL` seconds (``sys._current_frames``, which also works
+while that thread is blocked in a collective: torch releases the GIL while it waits) and
+publishes a summary to the kernel (ipyparallel's ``publish_data``, key ``distnb_where``):
+
+- ``state``: ``"collective"`` (inside ``torch.distributed``: a collective, FSDP's
+  all-gather, a pipeline's send/recv, DDP's gradient all-reduce at the end of
+  ``backward``), ``"running"`` (anywhere else), or ``"idle"`` (no cell);
+- ``op`` and ``shape``: the collective (for one called from cell code, the one the cell
+  called, with its tensor's shape: :data:`distnb.engine.collectives.CURRENT`);
+- ``cell_line`` and ``cell_code``: the innermost line of the cell's own code on the stack;
+- ``stack``: the innermost frames, ``(file, line, function, code)``;
+- ``since`` and ``sent``: when the rank got to this spot and when it said so (``time.time()``,
+  seconds, the rank's clock: the kernel only uses their difference).
+
+The kernel (:mod:`distnb.execute`) names a hang from these (ranks waiting in a collective that
+others never reached) and ``%dist where`` shows them. The idea of sampling a blocked
+process's stack from outside its blocked thread is py-spy's and ``faulthandler``'s; this
+reads it from inside, at no cost to the training thread beyond the GIL for a few microseconds.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+
+#: Seconds between two looks at the cell's thread.
+INTERVAL = 0.25
+#: Frames of the stack that are sent (innermost first is the end of the list).
+STACK_FRAMES = 10
+_TORCH_DIST = os.sep + os.path.join("torch", "distributed") + os.sep
+_DDP = os.sep + os.path.join("torch", "nn", "parallel", "distributed.py")  # DDP's own syncs (buckets, buffers)
+_BACKWARD = (os.sep + os.path.join("torch", "autograd") + os.sep, os.sep + os.path.join("torch", "_tensor.py"))
+_CELLS = ("<dist-cell-", "<distrain-cell-")
+
+
+def _summary(frame, ddp_backward: bool) -> dict:
+    """What :mod:`distnb.execute` needs to know about a stack whose innermost frame is ``frame``."""
+    from . import collectives
+
+    stack = traceback.extract_stack(frame)
+    cell = next((f for f in reversed(stack) if f.filename.startswith(_CELLS)), None)
+    op = None
+    for f in stack:  # the outermost frame inside torch.distributed names the call the rank waits in
+        if _TORCH_DIST in f.filename:
+            op = f.name
+            break
+    if op is None and stack and _DDP in stack[-1].filename:  # DDP's forward syncs (bucket rebuild, buffers)
+        op = f"DDP {stack[-1].name}"
+    if op is None and ddp_backward and any(b in f.filename for f in stack[-6:] for b in _BACKWARD):
+        op = "DDP gradient all-reduce (backward)"
+    current = collectives.CURRENT.get("call")
+    shape = None
+    if op is not None and current is not None:
+        op, shape = current
+    return dict(state="collective" if op is not None else "running", op=op, shape=shape,
+                cell_line=cell.lineno if cell else None, cell_code=(cell.line or "").strip() if cell else None,
+                stack=[(f.filename, f.lineno, f.name, (f.line or "").strip()) for f in stack[-STACK_FRAMES:]])
+
+
+class Watchdog(threading.Thread):
+    """Publishes where the calling thread is every :data:`INTERVAL` seconds until :meth:`stop`.
+
+    Parameters
+    ----------
+    publish : callable
+        ``publish(dict)`` (the engine: ipyparallel's ``publish_data``).
+    ddp_backward : bool
+        A DDP model trains: a long ``backward`` is a wait in the gradient all-reduce.
+    """
+
+    def __init__(self, publish, ddp_backward: bool = False):
+        super().__init__(name="distnb-where", daemon=True)
+        self.target_id = threading.get_ident()
+        self.publish, self.ddp_backward = publish, ddp_backward
+        self._stop_event = threading.Event()
+        self._spot, self._since = None, time.time()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(INTERVAL):
+            frame = sys._current_frames().get(self.target_id)
+            if frame is None:
+                return
+            try:
+                where = _summary(frame, self.ddp_backward)
+            except Exception:  # a look at the stack must never break the cell
+                continue
+            finally:
+                del frame
+            spot = (where["state"], where["op"], where["stack"][-1][:3] if where["stack"] else None)
+            if spot != self._spot:
+                self._spot, self._since = spot, time.time()
+            where["since"], where["sent"] = self._since, time.time()
+            try:
+                self.publish({"distnb_where": where})
+            except Exception:
+                pass
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
+def where_now() -> dict:
+    """``%dist where`` between cells: a rank that can answer runs no cell, so it is idle."""
+    return dict(state="idle", op=None, shape=None, cell_line=None, cell_code=None, stack=[], since=time.time())

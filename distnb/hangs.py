@@ -1,0 +1,122 @@
+"""A hang named in seconds: ranks waiting in a collective that other ranks never reached.
+
+Every running cell publishes where each rank is (:mod:`distnb.engine.where`). When some ranks
+have waited in a collective for ``--hang-after`` seconds (:func:`distnb.plan.hang_seconds`)
+while others are not in one (they finished the cell, or are still in their own code), or
+when every rank waits but in different collectives, :func:`check` ends the cell: ranks that
+finished are told to drop the process group (:data:`distnb.calls.release`), which makes
+the waiting ranks' collective fail at once instead of at gloo's ``--timeout``; ranks still in
+their code are interrupted. :func:`error` then raises a :class:`~distnb.errors.HangError`
+that says which ranks waited in which collective (op, shape, cell line, step) and where
+each missing rank was, with its stack; the execute path re-forms the group as after any
+failure, so the next cell works. This is the check torch's ``monitored_barrier`` makes at a
+barrier, made at every collective from the ranks' own stacks.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from . import calls
+from .errors import ClusterError, HangError
+from .plan import hang_seconds
+
+#: Seconds after the first interrupt of a missing rank before a second (hard) one: a training cell takes
+#: the first as "stop after this step", which a rank stuck inside its step never reaches.
+SECOND_INTERRUPT = 0.3
+
+
+def _waited(where) -> float:
+    """Seconds a rank had been at its spot when it last published it."""
+    return max(0.0, where.get("sent", time.time()) - where.get("since", time.time()))
+
+
+def check(watch):
+    """The hang ``watch``'s ranks are in, with the missing ranks released or interrupted, or None."""
+    limit = hang_seconds(watch.cluster.spec)
+    ars, wheres = watch.ars, watch.wheres
+    waiting = {r: w for r, w in wheres.items() if not ars[r].ready() and r not in watch.dead
+               and w.get("state") == "collective"}
+    if not waiting or max(_waited(w) for w in waiting.values()) < limit:
+        return None
+    missing = [r for r in range(len(ars)) if r not in waiting and r not in watch.dead]
+    if not missing and (len({w.get("op") for w in waiting.values()}) < 2
+                        or min(_waited(w) for w in waiting.values()) < limit):
+        return None
+    hang = dict(waiting=dict(waiting), missing={r: (None if ars[r].ready() else wheres.get(r)) for r in missing},
+                limit=limit, signalled=time.monotonic(), again=False)
+    for r in missing:
+        try:
+            if ars[r].ready():  # it finished the cell: dropping its group ends the others' wait at once
+                watch.cluster.apply(r, calls.release)
+            else:
+                watch.cluster.signal(signal.SIGINT, [r])
+        except ClusterError:
+            pass
+    return hang
+
+
+def follow_up(watch, hang):
+    """A missing rank still in its code after :data:`SECOND_INTERRUPT`: interrupt it once more."""
+    if not hang["again"] and time.monotonic() - hang["signalled"] > SECOND_INTERRUPT:
+        hang["again"] = True
+        stuck = [r for r in hang["missing"] if not watch.ars[r].ready()]
+        if stuck:
+            watch.cluster.signal(signal.SIGINT, stuck)
+    return hang
+
+
+def _call(where, step) -> str:
+    op = where.get("op") or "a collective"
+    shape = f" of {where['shape']}" if where.get("shape") is not None else ""
+    at = f"cell line {where['cell_line']}: `{where['cell_code']}`" if where.get("cell_line") else \
+        f"step {step}" if step is not None else "distnb's loop"
+    return f"{op}{shape} ({at})"
+
+
+def _spot(where) -> str:
+    if where is None:
+        return "it finished the cell without calling it"
+    if where.get("cell_line"):
+        return f"it is at cell line {where['cell_line']}: `{where['cell_code']}`"
+    top = (where.get("stack") or [("?", 0, "?", "")])[-1]
+    return f"it is in {top[2]} ({top[0]}:{top[1]})"
+
+
+def _stack_text(where) -> str:
+    """The rank's stack from its cell's code inward (the engine's own frames above it left out)."""
+    if where is None:
+        return "(finished the cell)"
+    stack = where.get("stack") or []
+    first = next((i for i, f in enumerate(stack) if f[0].startswith("<dist")), None)
+    stack = stack[first:] if first is not None else stack[-4:]
+    return "\n".join(f'  File "{f}", line {n}, in {fn}' + (f"\n    {code}" if code else "")
+                     for f, n, fn, code in stack)
+
+
+def error(watch, failures) -> HangError:
+    """The HangError for ``watch.hang``: the missing ranks first (with their stacks), then the waiting ones."""
+    hang = watch.hang
+    waiting, missing = hang["waiting"], hang["missing"]
+    steps = {r: (watch.progress.get(r) or {}).get("step") for r in range(len(watch.ars))}
+    calls_made = {}
+    for r, w in sorted(waiting.items()):
+        calls_made.setdefault(_call(w, steps[r]), []).append(r)
+    waited = max(_waited(w) for w in waiting.values())
+    parts = [f"ranks {ranks} waited {waited:.0f} s in {what}" if len(ranks) > 1 else
+             f"rank {ranks[0]} waited {waited:.0f} s in {what}" for what, ranks in calls_made.items()]
+    parts += [f"rank {r} never arrived: {_spot(w)}" for r, w in sorted(missing.items())]
+    message = (f"{watch.what} hung: " + "; ".join(parts) + f". Ended after --hang-after {hang['limit']:g} s and the "
+               "process group re-formed: every rank must call the same collectives in the same order (a rank that "
+               "is only slow needs a longer --hang-after)")
+    by_rank = {f["rank"]: f for f in failures}
+    out = []
+    for r, w in sorted(missing.items()):
+        base = by_rank.get(r, dict(rank=r, engine_id=watch.cluster.engine_ids[r], host=watch.cluster.host_of(r)))
+        out.append(dict(base, ename="NeverArrived", evalue=_spot(w), traceback=_stack_text(w), collateral=False))
+    for r, w in sorted(waiting.items()):
+        base = by_rank.get(r, dict(rank=r, engine_id=watch.cluster.engine_ids[r], host=watch.cluster.host_of(r)))
+        out.append(dict(base, ename="Waited", evalue=f"in {_call(w, steps[r])}", traceback=_stack_text(w),
+                        collateral=True))
+    return HangError(out, context=watch.what, message=message)
