@@ -43,10 +43,15 @@ def load_ipython_extension(ipython):
 
 
 def unload_ipython_extension(ipython):
-    """``%unload_ext distnb`` (and ``%reload_ext``): stop the cluster this kernel started and the engine template."""
+    """``%unload_ext distnb`` (and ``%reload_ext``): stop the cluster this kernel started and the engine
+    template, and unregister the magics (``%dist`` is then an unknown magic, as before ``%load_ext``)."""
     from . import session, zygote
 
     if session._CURRENT is not None:
         session._CURRENT._end_background()
         session._CURRENT.stop(quiet=not session._CURRENT.running)  # says what it stopped, as %dist stop does
     zygote.stop()
+    manager = ipython.magics_manager
+    for kind, name in (("line", "dist"), ("cell", "dist"), ("cell", "distrain")):
+        manager.magics[kind].pop(name, None)
+    manager.registry.pop("DistMagics", None)

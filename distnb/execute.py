@@ -1,7 +1,8 @@
 """The one execute path: run a rank function on every rank, watch it, and the single failure path.
 
 Every call that runs user code or training on the ranks goes through :class:`Watch`: it
-streams each rank's output (tagged ``[rank r]``) and progress while the ranks run, notices
+streams each rank's output (tagged ``[rank r]``, identical lines folded: :mod:`distnb.output`)
+and progress while the ranks run, names a hang (:mod:`distnb.hangs`), notices
 dead engines (``LIVENESS_SECONDS``) and failed ranks (releasing their peers from a
 collective at once, interrupting them after ``FAILURE_GRACE``), turns the interrupt button
 into a stop at one step boundary (``STOP_WAIT``, then a hard interrupt), and ends in one
@@ -19,6 +20,7 @@ import time
 
 from . import calls, hangs
 from .errors import ClusterError, Interrupted, RankError
+from .output import LineFolder
 
 #: Seconds between checks that the ranks' engine processes are alive while a cell runs.
 LIVENESS_SECONDS = 0.5
@@ -66,6 +68,7 @@ class Watch:
         self.failed_since = None
         self.next_liveness = time.monotonic() + LIVENESS_SECONDS
         self.hang = None  # set when ranks wait in a collective others never reached (see hangs.py)
+        self.folder = LineFolder({"stdout": sys.stdout, "stderr": sys.stderr}, len(self.cluster.engine_ids))
 
     def wait(self) -> list:
         """The per-rank results; RankError (after re-forming the group) or Interrupted otherwise."""
@@ -124,6 +127,7 @@ class Watch:
 
     def _conclude(self, user_interrupt: bool) -> list:
         ars = self.ars
+        self.folder.flush(final=True)
         self.dead.update(self.cluster.dead_ranks())
         failures = self._failures()
         self._mark_failures(failures)
@@ -177,11 +181,14 @@ class Watch:
         return failures
 
     def _poll(self) -> None:
-        tag = len(self.cluster.engine_ids) > 1
         for rank, ar in enumerate(self.ars):
             if rank in self.show_ranks or (ar.ready() and not ar.successful()):  # a failed rank's output too
-                for stream_name, out in (("stdout", sys.stdout), ("stderr", sys.stderr)):
-                    self._stream(rank, getattr(ar, stream_name) or "", stream_name, out, tag)
+                for stream_name in ("stdout", "stderr"):
+                    text = getattr(ar, stream_name) or ""
+                    seen = self.offsets.get((rank, stream_name), 0)
+                    if len(text) > seen:
+                        self.offsets[(rank, stream_name)] = len(text)
+                        self.folder.feed(rank, stream_name, text[seen:])
             data = ar.data or {}
             if "distnb_where" in data:
                 self.wheres[rank] = data["distnb_where"]
@@ -192,20 +199,9 @@ class Watch:
                 if msg:
                     self.progress[rank] = msg
                     self.state.update(rank, msg)
+        self.folder.flush()
         if self.view is not None:
             self.view.refresh()
-
-    def _stream(self, rank, text, stream_name, out, tag) -> None:
-        """Write what ``rank`` printed to ``stream_name`` since last time, each line tagged ``[rank r]``."""
-        seen = self.offsets.get((rank, stream_name), 0)
-        if len(text) <= seen:
-            return
-        self.offsets[(rank, stream_name)] = len(text)
-        prefix = f"[rank {rank}] " if tag else ""
-        lines = text[seen:].splitlines(keepends=True)
-        at_start = seen == 0 or text[seen - 1] == "\n"  # a line continued: no second tag
-        out.write("".join(("" if i == 0 and not at_start else prefix) + line for i, line in enumerate(lines)))
-        out.flush()
 
     def _interrupt_ranks(self) -> set:
         """SIGINT every rank still running, then wait (bounded) for them to stop."""

@@ -17,12 +17,14 @@ from .plan import ClusterSpec, RunOptions, TrainPlan
 _PARSE = {"int": int, "float": float}
 
 
-def declared_arguments(*classes):
+def declared_arguments(*classes, only_given=False):
     """IPython ``@argument`` decorators for the magic options declared in ``classes``, in their order.
 
     Each option's flags, type, default (what is passed when it is not given), help and
     whether it is required come from its field (:mod:`distnb.options`); values are checked
-    by the dataclass itself, so the magic and the Python API give the same error.
+    by the dataclass itself, so the magic and the Python API give the same error. With
+    ``only_given``, an option left out is absent from the parsed arguments (the Python
+    keyword's default applies, and the caller can tell what was given).
     """
     def apply(fn):
         for cls in reversed(classes):
@@ -40,6 +42,8 @@ def declared_arguments(*classes):
                     kw["type"] = _PARSE.get(opt.kind, str)
                     if opt.choices:
                         kw["metavar"] = "{" + ",".join(opt.choices) + "}"
+                if only_given:
+                    kw["default"] = argparse.SUPPRESS
                 fn = argument(*options.flags_of(f, opt), **kw)(fn)
         return fn
     return apply
@@ -55,7 +59,7 @@ def _session():
 
 
 @magic_arguments(name="dist start")
-@declared_arguments(ClusterSpec)
+@declared_arguments(ClusterSpec, only_given=True)
 def _start(line):
     """Start the cluster and its process group (keeps a running one).
 
@@ -77,8 +81,12 @@ def _stop(line):
 
 
 @magic_arguments(name="dist restart")
+@declared_arguments(ClusterSpec, only_given=True)
 def _restart(line):
-    """Stop and start again with the same options: a fresh process group, empty ranks."""
+    """Stop and start again: a fresh process group, empty ranks; options given replace the running cluster's.
+
+    Example: %dist restart -n 4
+    """
 
 
 @magic_arguments(name="dist status")
@@ -163,8 +171,14 @@ def _stop_training(line):
 
 @magic_arguments(name="%dist")
 @argument("--all-output", action="store_true", help="show every rank's output (default rank 0 only)")
+@argument("--targets", "--ranks", dest="targets", default=None,
+          help="run on these ranks only, e.g. 0,2 (a collective in such a cell is an error: every rank of the "
+               "group must call it)")
 def _cell(line):
-    """Run the cell on every rank, with rank, world_size, device defined."""
+    """Run the cell on every rank (or --targets), with rank, world_size, device defined.
+
+    Example: %%dist --targets 0
+    """
 
 
 VERBS = {"start": _start, "stop": _stop, "restart": _restart, "status": _status, "push": _push,
@@ -254,6 +268,59 @@ def _bind(ns, name, value):
     return value
 
 
+def _asks_help(text: str) -> bool:
+    return any(word in ("-h", "--help") for word in text.split())
+
+
+def _ranks(text):
+    """``--targets 0,2`` as a tuple of ints (None: every rank)."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(r) for r in text.split(","))
+    except ValueError:
+        raise UsageError(f"--targets must be rank numbers separated by commas (e.g. 0,2), got {text!r}") from None
+
+
+def _start_options(args) -> dict:
+    """The ``%dist start``/``restart`` options the line gave (the others are absent)."""
+    return {k: getattr(args, k) for k in options.keywords(ClusterSpec) if hasattr(args, k)}
+
+
+def _current():
+    from . import session
+
+    return session._CURRENT
+
+
+#: Verbs that run while a background training run goes on (the others raise BusyError then).
+ANY_TIME = ("wait", "stop-training", "where")
+#: Verbs that only print "no cluster is running" without one (the others raise it as an error).
+NEED_CLUSTER = ("stop",)
+#: What each ``%dist`` verb calls: ``(parsed args, the notebook namespace) -> value shown``.
+_VERB_CALLS = {
+    "start": lambda args, ns: _start_session(ns, _start_options(args)),
+    "stop": lambda args, ns: _current().stop(),
+    "restart": lambda args, ns: _session().restart(**_start_options(args)),
+    "status": lambda args, ns: _session().status(),
+    "push": lambda args, ns: _session().push(*args.names),
+    "pull": lambda args, ns: _bind(ns, args.output, _session().pull(args.name, rank=args.rank)),
+    "scatter": lambda args, ns: _session().scatter(args.name, seed=args.seed),
+    "gather": lambda args, ns: _bind(ns, args.output, _session().gather(args.name)),
+    "save": lambda args, ns: _session().save(args.directory, model=args.model),
+    "load": lambda args, ns: _session().load(args.directory, model=args.model),
+    "wait": lambda args, ns: _current().wait(),
+    "stop-training": lambda args, ns: _current().stop_training(),
+    "where": lambda args, ns: _current().where(),
+}
+
+
+def _start_session(ns, given):
+    from . import session
+
+    session.start(ns=ns, **given)
+
+
 @magics_class
 class DistMagics(Magics):
     """``%dist``, ``%%dist`` and ``%%distrain``."""
@@ -264,57 +331,36 @@ class DistMagics(Magics):
 
         try:
             if cell is not None:
+                if _asks_help(line):
+                    return print(_cell.parser.format_help())
                 args = parse_argstring(_cell, line)
-                _session().run(cell, all_output=args.all_output)
+                _session().run(cell, all_output=args.all_output, targets=_ranks(args.targets))
                 return None
             verb, _, rest = line.strip().partition(" ")
-            if not verb:
-                print(_dist_doc())
-                return None
+            if verb in ("", "help", "-h", "--help"):
+                return print(VERBS[rest.strip()].parser.format_help() if rest.strip() in VERBS else _dist_doc())
             if verb not in VERBS:
-                raise UsageError(f"unknown %dist verb {verb!r}; use one of: {', '.join(VERBS)} (see %dist?)")
+                raise UsageError(f"unknown %dist verb {verb!r}; use one of: {', '.join(VERBS)} (see %dist help)")
+            if _asks_help(rest):
+                return print(VERBS[verb].parser.format_help())
             args = parse_argstring(VERBS[verb], rest)
-            ns = self.shell.user_ns
-            if verb in ("wait", "stop-training", "where"):  # allowed while a background run goes on
-                if session._CURRENT is None:
-                    print("distnb: no cluster is running")
-                    return None
-                current = session._CURRENT
-                return current.wait() if verb == "wait" else current.stop_training() if verb == "stop-training" \
-                    else current.where()
-            if session._CURRENT is not None:  # one run at a time: a background run blocks every other verb
-                from .background import check_idle
+            if verb not in ANY_TIME:
+                if session._CURRENT is None and verb in NEED_CLUSTER:
+                    return print("distnb: no cluster is running")
+                if session._CURRENT is not None:  # one run at a time: a background run blocks the other verbs
+                    from .background import check_idle
 
-                check_idle(session._CURRENT)
-            if verb == "start":
-                session.start(ns=ns, **{k: getattr(args, k) for k in options.keywords(ClusterSpec)})
-            elif verb == "stop":
-                if session._CURRENT is None:
-                    print("distnb: no cluster is running")
-                else:
-                    session._CURRENT.stop()
-            elif verb == "restart":
-                _session().restart()
-            elif verb == "status":
-                return _session().status()
-            elif verb == "push":
-                _session().push(*args.names)
-            elif verb == "pull":
-                return _bind(ns, args.output, _session().pull(args.name, rank=args.rank))
-            elif verb == "scatter":
-                _session().scatter(args.name, seed=args.seed)
-            elif verb == "gather":
-                return _bind(ns, args.output, _session().gather(args.name))
-            elif verb == "save":
-                _session().save(args.directory, model=args.model)
-            elif verb == "load":
-                _session().load(args.directory, model=args.model)
+                    check_idle(session._CURRENT)
+            elif session._CURRENT is None:
+                return print("distnb: no cluster is running")
+            return _VERB_CALLS[verb](args, self.shell.user_ns)
         except PlanError as exc:
             raise UsageError(str(exc)) from None
-        return None
 
     @cell_magic
     def distrain(self, line, cell):
+        if _asks_help(line):
+            return print(DistMagics.distrain.__doc__)
         args = parse_argstring(_distrain, line)
         given = {k: getattr(args, k) for k in (*options.keywords(TrainPlan), *options.keywords(RunOptions))
                  if hasattr(args, k)}

@@ -83,6 +83,7 @@ def start(*args, ns=None, spec=None, quiet=False, **given) -> "Session":
     """
     global _CURRENT
     bound = _START_SIGNATURE.bind(*args, **given)
+    explicit = {k: v for k, v in bound.arguments.items() if k != "auto_restart"}
     bound.apply_defaults()
     given = dict(bound.arguments)
     auto_restart = given.pop("auto_restart")
@@ -98,7 +99,7 @@ def start(*args, ns=None, spec=None, quiet=False, **given) -> "Session":
                 print(f"distnb: automatic restart after an engine death is now {'on' if auto_restart else 'off'}")
         if not quiet:
             print(f"distnb: a cluster of {_CURRENT.world_size} ranks is already running; keeping it "
-                  "(%dist restart starts a fresh one)")
+                  f"{_differences(explicit, spec, _CURRENT.cluster.spec)}")
         return _CURRENT
     cluster = Cluster(spec, auto_device=auto_device).start()
     _CURRENT = Session(cluster, ns=ns)
@@ -119,6 +120,22 @@ start.__signature__ = _START_SIGNATURE.replace(parameters=[
     *_START_SIGNATURE.parameters.values(),
     *(inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=d) for k, d in
       (("ns", None), ("spec", None), ("quiet", False)))])
+
+
+def _differences(explicit: dict, asked: ClusterSpec, running: ClusterSpec) -> str:
+    """What a ``%dist start`` that keeps the running cluster says about the options it was given."""
+    changed = []
+    for keyword, value in explicit.items():
+        name = START_OPTIONS[keyword]
+        if getattr(asked, name) != getattr(running, name):
+            f, opt = next((f, o) for f, o in options.declared(ClusterSpec) if f.name == name)
+            show = ",".join(value) if isinstance(value, (tuple, list)) else value
+            changed.append((options.flags_of(f, opt)[0], show, getattr(running, name)))
+    if not changed:
+        return "(%dist restart starts a fresh one)"
+    said = ", ".join(f"{flag} {value} (running: {now})" for flag, value, now in changed)
+    return (f"and not these options, which differ from it: {said}; apply them with %dist restart "
+            + " ".join(f"{flag} {value}" for flag, value, _ in changed))
 
 
 def _say_ready(cluster) -> None:
@@ -254,10 +271,20 @@ class Session:
         if not quiet:
             print(f"distnb: stopped {count(len(pids['engines']), 'engine')} and the controller")
 
-    def restart(self, quiet=False) -> "Session":
-        """Stop and start again with the same spec; returns the new session."""
+    def restart(self, quiet=False, **given) -> "Session":
+        """Stop and start again, with the running cluster's options except those ``given``; the new session.
+
+        ``given``: :func:`start`'s options (``restart(n=4)`` is ``%dist restart -n 4``).
+        """
         spec = self.cluster.spec
-        auto = self.auto_restart
+        auto = given.pop("auto_restart", None)
+        auto = self.auto_restart if auto is None else auto
+        if given:
+            unknown = set(given) - set(START_OPTIONS)
+            if unknown:
+                raise TypeError(f"restart() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
+            kept = {k: getattr(spec, f) for k, f in START_OPTIONS.items() if k != "auto_restart"}
+            spec = default_spec(**dict(kept, **given))
         chosen = dict(self.holdings.optimizer_of)
         self.stop(quiet=True)
         new = start(spec=spec, ns=self._ns, quiet=quiet, auto_restart=auto)
@@ -327,14 +354,18 @@ class Session:
         background.end(self)
 
     # running code --------------------------------------------------------
-    def run(self, code: str, all_output: bool = False) -> list:
-        """Run ``code`` on every rank (``rank``, ``world_size``, ``device`` defined there).
+    def run(self, code: str, all_output: bool = False, targets=None) -> list:
+        """Run ``code`` on every rank, or on ``targets`` only (``rank``, ``world_size``, ``device`` defined).
 
-        Output is printed live, tagged ``[rank r]``, for rank 0 only unless
-        ``all_output``. Returns the repr of each rank's final expression (or None).
+        Output is printed live, tagged ``[rank r]``, for rank 0 (the first target) only unless
+        ``all_output``. Returns the repr of each rank's final expression (None for a rank
+        outside ``targets``). A collective in a cell run on some ranks only is an error on
+        those ranks (the others never call it), not a hang.
 
         Raises
         ------
+        PlanError
+            ``targets`` names a rank that does not exist.
         RankError
             Naming the failing rank(s) with their remote tracebacks; the process group
             is re-formed first, so the next cell works.
@@ -346,8 +377,10 @@ class Session:
             compile(code, "<%%dist>", "exec")
         except SyntaxError as exc:
             raise PlanError(f"the cell is not valid Python: {exc}") from None
-        show = range(self.world_size) if all_output else (0,)
-        values = run_on_ranks(self, calls.run_cell, code, what="%%dist cell", show_ranks=tuple(show))
+        ranks = tuple(range(self.world_size)) if targets is None else tuple(sorted({self._rank(r) for r in targets}))
+        show = ranks if all_output else ranks[:1]
+        values = run_on_ranks(self, calls.run_cell, code, None if targets is None else list(ranks),
+                              what="%%dist cell", show_ranks=show)
         for rank in show:
             if values[rank] is not None:
                 prefix = f"[rank {rank}] " if self.world_size > 1 else ""
@@ -361,8 +394,7 @@ class Session:
         binds ``obj`` to ``x`` on the ranks. Tensors travel through shared memory when the
         ranks are on this host, else as zero-copy buffers.
         """
-        from .engine.wire import pack
-        from .transfer import outgoing
+        from .transfer import outgoing, pack_named
 
         self._check_running()
         items = {name: self._lookup(name) for name in names}
@@ -372,13 +404,7 @@ class Session:
         ars = []
         with contextlib.ExitStack() as files:  # tensors: shared memory on one host, else zero-copy frames
             for name, value in items.items():
-                try:
-                    payload, descs, buffers = pack(value)
-                except Exception as exc:
-                    why = " (sent because the training cell reads it)" if auto else ""
-                    raise PlanError(f"cannot send {name!r} ({type(value).__name__}) to the ranks{why}: "
-                                    f"{type(exc).__name__}: {exc}. Create it on the ranks in a %%dist cell "
-                                    "instead") from None
+                payload, descs, buffers = pack_named(name, value, " (the training cell reads it)" if auto else "")
                 sent = files.enter_context(outgoing(self.cluster, buffers))
                 ars += self.cluster.apply_all(calls.bind, name, payload, descs, *sent)
             self.cluster.wait_all(ars, timeout=self.cluster.spec.timeout, what="push")
@@ -398,7 +424,7 @@ class Session:
 
     def _rank(self, rank):
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise PlanError(f"--rank must be between 0 and {self.world_size - 1}, got {rank!r}")
+            raise PlanError(f"--rank/--targets must be between 0 and {self.world_size - 1}, got {rank!r}")
         return rank
 
     def scatter(self, name: str, data=None, seed: int = 0, quiet: bool = False, num_shards=None) -> list:

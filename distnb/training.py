@@ -178,8 +178,7 @@ def ensure_model(session, plan, model_obj, quiet) -> bool:
     re-formed process group, so the model is then sent again from the kernel's weights
     (which are the last trained ones). Returns whether it was sent.
     """
-    from .engine.wire import pack
-    from .transfer import fingerprint, outgoing
+    from .transfer import fingerprint, outgoing, pack_named
 
     held = session.holdings
     fp = fingerprint(model_obj)
@@ -189,7 +188,7 @@ def ensure_model(session, plan, model_obj, quiet) -> bool:
     if not plan.reset and verdict != "resend" and held.models.get(plan.model) == fp:
         return False
     cluster = session.cluster
-    payload, descs, buffers = pack(model_obj)
+    payload, descs, buffers = pack_named(plan.model, model_obj, " as --model")
     with outgoing(cluster, buffers) as sent:  # shared memory on one host, else zero-copy frames
         ars = cluster.apply_all(calls.install_model, plan.model, payload, descs, *sent)
         counts = cluster.wait_all(ars, timeout=cluster.spec.timeout + 60, what=f"sending {plan.model}")

@@ -311,3 +311,120 @@ def free_names(code: str) -> set:
         elif isinstance(node, ast.arg):
             stored.add(node.arg)
     return {n for n in loaded - stored if not hasattr(builtins, n)}
+
+
+def pack_named(name: str, value, why: str = ""):
+    """:func:`distnb.engine.wire.pack` of the notebook's ``name``, or a PlanError that names what cannot travel.
+
+    The error names the notebook variable, the attribute path to the object that cannot be
+    pickled (``net.holder.gen: generator``) and the ways out, with no frames of distnb or
+    cloudpickle. ``why``: what the value is sent for, added to the message.
+
+    Raises
+    ------
+    PlanError
+        If ``value`` (or something it holds) cannot be pickled.
+    """
+    from .engine import wire
+
+    try:
+        return wire.pack(value)
+    except Exception as exc:  # cloudpickle raises TypeError, PicklingError, AttributeError, ...
+        path, culprit, reason = unpicklable_part(value, name) or (name, value, exc)
+        owner = type(_owner(value, path, name))
+        fix = "" if owner in (dict, list, tuple, set, frozenset) or path == name else \
+            f", or give {owner.__name__} a __getstate__ that leaves it out"
+        head = f"cannot send {name!r} ({type(value).__name__}) to the ranks{why}"
+        why_not = f"{type(reason).__name__}: {reason}"
+        if path == name:
+            raise PlanError(f"{head}: it cannot be pickled ({why_not}). Create it on the ranks in a %%dist cell "
+                            "instead") from None
+        raise PlanError(f"{head}: {path} is a {type(culprit).__name__}, which cannot be pickled ({why_not}). Leave it "
+                        f"out of what is sent (delete or move it, or create it on the ranks in a %%dist cell){fix}"
+                        ) from None
+
+
+def _owner(value, path, name):
+    """The object that holds the last attribute of ``path`` (``value`` itself if it is the culprit)."""
+    return value if path == name else _resolve_parent(value, path, name)
+
+
+def _resolve_parent(value, path, name):
+    node = value
+    for part in _parts(path[len(name):])[:-1]:
+        node = _child(node, part)
+    return node
+
+
+def _parts(rest: str) -> list:
+    import re
+
+    return re.findall(r"\.(\w+)|\[(.*?)\]", rest)
+
+
+def _child(node, part):
+    attr, key = part
+    if attr:
+        modules = getattr(node, "_modules", None) or {}
+        return modules[attr] if attr in modules else getattr(node, attr)
+    import ast
+
+    return node[ast.literal_eval(key)]
+
+
+def _children(obj, path):
+    """(path, child) of what pickling ``obj`` would pickle next: items, attributes, submodules."""
+    if isinstance(obj, dict):
+        return [(f"{path}[{k!r}]", v) for k, v in obj.items()]
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+    state = getattr(obj, "__dict__", None)
+    if not isinstance(state, dict):
+        return []
+    out = []
+    for k, v in state.items():
+        if k in ("_modules", "_parameters", "_buffers") and isinstance(v, dict):
+            out += [(f"{path}.{n}", m) for n, m in v.items() if m is not None]
+        else:
+            out.append((f"{path}.{k}", v))
+    return out
+
+
+def _pickle_error(obj):
+    """The exception pickling ``obj`` raises (its tensors left out), or None."""
+    import io
+
+    import cloudpickle
+    import torch
+
+    class _NoTensors(cloudpickle.Pickler):
+        def persistent_id(self, o):
+            return 0 if isinstance(o, torch.Tensor) else None
+
+    try:
+        _NoTensors(io.BytesIO(), protocol=5).dump(obj)
+    except Exception as exc:
+        return exc
+    return None
+
+
+def unpicklable_part(value, name: str, limit: int = 2000):
+    """``(path, object, exception)`` of the innermost part of ``value`` that cannot be pickled, or None.
+
+    Walks items, attributes and submodules breadth-first from ``value`` (named ``name``),
+    descending into the first child that fails, at most ``limit`` objects.
+    """
+    reason = _pickle_error(value)
+    if reason is None:
+        return None
+    path, node, seen = name, value, 0
+    while seen < limit:
+        for child_path, child in _children(node, path):
+            seen += 1
+            error = _pickle_error(child)
+            if error is not None:
+                path, node, reason = child_path, child, error
+                break
+        else:
+            return path, node, reason
+    return path, node, reason

@@ -76,6 +76,13 @@ def _wrap(dist, torch, op, original):
         if not isinstance(tensor, torch.Tensor) or not dist.is_initialized() or dist.get_rank(group) < 0:
             return original(*args, **kwargs)
         world = dist.get_world_size(group)
+        only = SUBSET.get("ranks")
+        members = dist.get_process_group_ranks(group) if group is not None else range(world)
+        if only is not None and not set(members) <= set(only):
+            raise CollectiveMismatchError(
+                f"dist.{op} in a cell run on ranks {', '.join(map(str, only))} only: ranks "
+                f"{', '.join(str(r) for r in members if r not in only)} of its group never call it, so it would hang. "
+                "Run the cell on every rank (leave out --targets)")
         CURRENT["call"] = (op, list(tensor.shape))  # what a rank waiting here waits in (distnb.engine.where)
         try:
             return _checked_call(dist, torch, op, original, args, kwargs, tensor, group, world)
@@ -108,11 +115,17 @@ def _checked_call(dist, torch, op, original, args, kwargs, tensor, group, world)
 _ORIGINALS: dict = {}
 #: ``{"call": (op, shape)}`` while a collective called from cell code runs on this rank.
 CURRENT: dict = {}
+#: ``{"ranks": [...]}`` while a cell runs on some ranks only (``%%dist --targets``).
+SUBSET: dict = {}
 
 
 @contextlib.contextmanager
-def checked():
-    """While active, collectives called from cell code check their tensors across ranks first."""
+def checked(only=None):
+    """While active, collectives called from cell code check their tensors across ranks first.
+
+    ``only``: the ranks running the cell when not all of them (``%%dist --targets``); a
+    collective called then on a group with other ranks raises at once instead of waiting.
+    """
     dist = sys.modules.get("torch.distributed")
     if dist is None or _ORIGINALS:  # torch not imported yet (nothing to check) or already active
         yield
@@ -120,6 +133,7 @@ def checked():
     import torch
 
     _ORIGINALS.update({op: getattr(dist, op) for op in _OPS})
+    SUBSET["ranks"] = only
     try:
         for op in _OPS:
             setattr(dist, op, _wrap(dist, torch, op, _ORIGINALS[op]))
@@ -128,3 +142,4 @@ def checked():
         for op, fn in _ORIGINALS.items():
             setattr(dist, op, fn)
         _ORIGINALS.clear()
+        SUBSET.clear()

@@ -316,12 +316,16 @@ def compile_cell(code: str, kind: str):
     return compile(code, cell_filename(code, kind), "exec")
 
 
-def run_cell(ns: dict, code: str):
+def run_cell(ns: dict, code: str, targets=None):
     """Run a ``%%dist`` cell in the engine namespace; return repr of a final expression.
 
+    ``targets``: the ranks that run it (None: all); another rank returns None at once, and
+    on the targets a collective of the default group is an error (the others never join it).
     On an exception the process group is torn down (see :func:`mark_broken`) so that
     ranks waiting for this one in a collective fail at once; the kernel re-forms it.
     """
+    if targets is not None and STATE.rank not in targets:
+        return None
     filename = cell_filename(code, "dist")
     tree = ast.parse(code, filename=filename, mode="exec")
     last = None
@@ -334,7 +338,7 @@ def run_cell(ns: dict, code: str):
     watchdog = Watchdog(publish_raw)
     watchdog.start()
     try:
-        with checked():  # mismatched tensors in a user collective: an error on every rank, not an abort
+        with checked(only=targets):  # mismatched tensors in a user collective: an error on every rank, not an abort
             exec(compile(tree, filename, "exec"), ns)
             if last is not None:
                 value = eval(compile(last, filename, "eval"), ns)

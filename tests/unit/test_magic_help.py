@@ -9,3 +9,42 @@ def test_every_verb_has_help_with_an_example():
         section = doc[doc.index(f"%dist {verb}"):]
         assert "Example" in section.split("::")[1]
     assert "--background" in DistMagics.distrain.__doc__ and "%dist wait" in DistMagics.distrain.__doc__
+
+
+def _magics():
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
+
+    config = Config()
+    config.HistoryManager.enabled = False
+    return DistMagics(shell=InteractiveShell.instance(config=config))
+
+
+def test_help_is_printed_for_dist_help_and_for_help_on_every_verb(capsys):
+    from distnb.magics import VERBS
+
+    magics = _magics()
+    for line in ("", "help", "--help"):
+        magics.dist(line)
+        out = capsys.readouterr().out
+        assert "Verbs:" in out and "%dist start" in out and "%dist where" in out
+    for verb in VERBS:
+        for line in (f"{verb} --help", f"{verb} -h", f"help {verb}"):
+            magics.dist(line)
+            out = capsys.readouterr().out
+            assert f"%dist {verb}" in out, (line, out[:200])
+    magics.distrain("--help", "loss = 0")
+    assert "--epochs" in capsys.readouterr().out  # printed, and the body not run
+    magics.distrain("-h", "")
+    out = capsys.readouterr().out
+    assert "%%distrain --model MODEL --data DATA" in out and "Example" in out
+    magics.dist("--help", "print(1)")
+    assert "--targets" in capsys.readouterr().out
+
+
+def test_restart_takes_the_start_options_and_only_those_given():
+    from distnb.magics import _restart, _start
+
+    assert vars(_restart.parser.parse_args([])) == {}
+    assert vars(_restart.parser.parse_args(["-n", "3", "--timeout", "20"])) == {"n": 3, "timeout": 20.0}
+    assert vars(_start.parser.parse_args(["--no-auto-restart"])) == {"auto_restart": False}

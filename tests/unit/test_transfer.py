@@ -125,3 +125,22 @@ def test_freezing_a_parameter_changes_the_fingerprint():
     before = fingerprint(net)
     net[0].weight.requires_grad_(False)
     assert fingerprint(net) != before
+
+
+def test_the_part_that_cannot_be_pickled_is_found_by_its_path():
+    import threading
+
+    import pytest
+
+    from distnb.errors import PlanError
+    from distnb.transfer import pack_named, unpicklable_part
+
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    assert unpicklable_part(net, "net") is None
+    net[1].lock = threading.Lock()
+    path, obj, exc = unpicklable_part(net, "net")
+    assert path == "net.1.lock" and type(obj).__name__ == "lock" and isinstance(exc, TypeError)
+    with pytest.raises(PlanError, match=r"'net' \(Sequential\) .*net\.1\.lock is a lock.* give ReLU a __getstate__"):
+        pack_named("net", net)
+    box = {"files": [1, (x for x in ())]}
+    assert unpicklable_part(box, "box")[0] == "box['files'][1]"

@@ -1,0 +1,107 @@
+"""What the ranks print, shown in the notebook once: identical lines folded across ranks and over time.
+
+:class:`LineFolder` receives each rank's new stdout/stderr text as the execute path reads it
+(:class:`distnb.execute.Watch`) and writes complete lines to the notebook's streams, tagged
+with the ranks that printed them:
+
+- the same line printed by several ranks within :data:`WINDOW` seconds is shown once,
+  ``[ranks 0-3] UserWarning: ...`` (``[rank 2] ...`` when one rank printed it);
+- a line on stderr that was already shown (a warning repeated every step) is not shown
+  again; when the cell ends, one line says how many more times it came, and from which ranks;
+- lines that differ are all shown, in the order they were read (``--all-output`` shows every
+  rank's distinct lines in time order).
+"""
+
+from __future__ import annotations
+
+import time
+
+#: Seconds lines are held so the same line from several ranks can be shown once.
+WINDOW = 0.3
+
+
+def rank_list(ranks) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2,5"``."""
+    ranks = sorted(set(ranks))
+    runs, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            runs.append(f"{start}" if start == r else f"{start}-{r}")
+            start = None
+    return ",".join(runs)
+
+
+def tag(ranks, world_size: int) -> str:
+    """The prefix of a line printed by ``ranks`` (none in a 1-rank world)."""
+    if world_size <= 1:
+        return ""
+    ranks = sorted(set(ranks))
+    return f"[rank {ranks[0]}] " if len(ranks) == 1 else f"[ranks {rank_list(ranks)}] "
+
+
+class LineFolder:
+    """Folds the lines ranks print; see the module docstring.
+
+    Parameters
+    ----------
+    streams : dict
+        ``{"stdout": file, "stderr": file}`` to write to.
+    world_size : int
+    clock : callable, optional
+        Seconds (default ``time.monotonic``).
+    """
+
+    def __init__(self, streams: dict, world_size: int, clock=time.monotonic):
+        self.streams, self.world_size, self.clock = streams, world_size, clock
+        self._partial = {}  # (rank, stream) -> text after the last newline
+        self._pending = []  # [stream, line, ranks, first seen], in arrival order
+        self._repeats = {}  # (stream, line) -> {rank: times} for stderr lines already shown
+
+    def feed(self, rank: int, stream: str, text: str) -> None:
+        """``rank`` printed ``text`` (any piece of its output) to ``stream``."""
+        text = self._partial.pop((rank, stream), "") + text
+        *lines, rest = text.split("\n")
+        if rest:
+            self._partial[(rank, stream)] = rest
+        now = self.clock()
+        for line in lines:
+            self._add(rank, stream, line, now)
+
+    def _add(self, rank, stream, line, now) -> None:
+        key = (stream, line)
+        if stream == "stderr" and key in self._repeats:
+            counts = self._repeats[key]
+            counts[rank] = counts.get(rank, 0) + 1
+            return
+        for item in self._pending:
+            if item[0] == stream and item[1] == line and rank not in item[2]:
+                item[2].append(rank)
+                return
+        self._pending.append([stream, line, [rank], now])
+
+    def flush(self, final: bool = False) -> None:
+        """Write the lines held longer than :data:`WINDOW` (all of them, and the repeat counts, if ``final``)."""
+        if final:
+            for (rank, stream), rest in sorted(self._partial.items()):
+                self._add(rank, stream, rest, self.clock())
+            self._partial.clear()
+        now = self.clock()
+        while self._pending and (final or now - self._pending[0][3] >= WINDOW):
+            stream, line, ranks, _ = self._pending.pop(0)
+            self._write(stream, tag(ranks, self.world_size) + line + "\n")
+            if stream == "stderr" and line.strip():
+                self._repeats.setdefault((stream, line), {})
+        if final:
+            for (stream, line), counts in self._repeats.items():
+                if counts:
+                    n = sum(counts.values())
+                    self._write(stream, f"{tag(counts, self.world_size)}(the line above, {line.strip()[:60]!r}, came "
+                                        f"{n} more time{'s' if n != 1 else ''})\n")
+            self._repeats.clear()
+        for out in self.streams.values():
+            out.flush()
+
+    def _write(self, stream: str, text: str) -> None:
+        self.streams[stream].write(text)

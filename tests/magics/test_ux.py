@@ -1,0 +1,69 @@
+"""Small things a notebook user meets: cells on some ranks, a second %dist start, %unload_ext (real cluster)."""
+
+from IPython.core.error import UsageError
+
+from distnb import session as session_mod
+from distnb.errors import RankError
+
+
+def run(shell, code):
+    return shell.run_cell(code, silent=False)
+
+
+def test_a_cell_on_some_ranks_runs_there_only_and_a_collective_in_it_is_an_error_not_a_hang(shell, capsys):
+    res = run(shell, "%%dist --targets 1\nwho = rank\nprint('here', rank)")
+    assert res.error_in_exec is None
+    out = capsys.readouterr().out
+    assert "[rank 1] here 1" in out and "rank 0" not in out
+    assert run(shell, "%dist pull who --rank 1").result == 1
+    err = run(shell, "%%dist --ranks 0\nimport torch, torch.distributed as dist\ndist.all_reduce(torch.ones(2))"
+              ).error_in_exec
+    assert isinstance(err, RankError) and err.ranks == [0]
+    assert "dist.all_reduce in a cell run on ranks 0 only: ranks 1 of its group never call it" in str(err)
+    assert isinstance(run(shell, "%%dist --targets 5\npass").error_in_exec, UsageError)
+    res = run(shell, "%%dist\nimport torch, torch.distributed as dist\n_t = torch.ones(1)\ndist.all_reduce(_t)")
+    assert res.error_in_exec is None  # the group is fine afterwards
+
+
+def test_a_second_start_with_other_options_says_which_differ_and_how_to_apply_them(shell, capsys):
+    before = session_mod.current()
+    assert run(shell, "%dist start -n 3 --timeout 30").error_in_exec is None
+    out = capsys.readouterr().out
+    assert "already running; keeping it and not these options, which differ from it: -n 3 (running: 2)" in out
+    assert "apply them with %dist restart -n 3" in out and "--timeout" not in out
+    assert session_mod.current() is before and before.world_size == 2
+    run(shell, "%dist start")
+    assert "(%dist restart starts a fresh one)" in capsys.readouterr().out
+
+
+def test_unload_ext_unregisters_the_magics_and_load_ext_brings_them_back(shell):
+    assert run(shell, "%unload_ext distnb").error_in_exec is None
+    assert session_mod._CURRENT is None
+    assert "dist" not in shell.magics_manager.magics["line"]
+    assert "distrain" not in shell.magics_manager.magics["cell"]
+    assert run(shell, "%dist status").error_in_exec is not None  # an unknown magic now
+    assert run(shell, "%load_ext distnb").error_in_exec is None
+    assert run(shell, "%dist start -n 2 --timeout 30").error_in_exec is None
+    assert session_mod.current().world_size == 2
+
+
+def test_a_model_that_cannot_be_sent_names_the_attribute_and_the_fix_before_anything_is_sent(shell):
+    run(shell, "import torch, torch.nn as nn, torch.nn.functional as F\n"
+               "class Holder:\n    def __init__(self):\n        self.gen = (i for i in range(3))\n"
+               "class HolderNet(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+               "        self.fc = nn.Linear(4, 2)\n        self.holder = Holder()\n"
+               "    def forward(self, x):\n        return self.fc(x)\n"
+               "unsend_net = HolderNet()\n"
+               "unsend_data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))")
+    err = run(shell, "%%distrain --model unsend_net --data unsend_data\nx, y = batch\n"
+                     "loss = F.cross_entropy(model(x), y)").error_in_exec
+    assert isinstance(err, UsageError)
+    text = str(err)
+    assert "cannot send 'unsend_net' (HolderNet) to the ranks as --model: unsend_net.holder.gen is a generator" in text
+    assert "give Holder a __getstate__ that leaves it out" in text and "cloudpickle" not in text
+    run(shell, "%%dist\nfrom distnb.engine import loop\n_held = 'unsend_net' in loop.RUNS")
+    assert run(shell, "%dist pull _held").result == [False, False]
+    run(shell, "del unsend_net.holder")
+    res = run(shell, "%%distrain --model unsend_net --data unsend_data --progress none\nx, y = batch\n"
+                     "loss = F.cross_entropy(model(x), y)")
+    assert res.error_in_exec is None

@@ -1,0 +1,51 @@
+"""Rank output folded: identical lines from several ranks shown once, a repeated warning once with a count."""
+
+import io
+
+from distnb.output import LineFolder, rank_list, tag
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _folder(world=4):
+    out, err, clock = io.StringIO(), io.StringIO(), Clock()
+    return LineFolder({"stdout": out, "stderr": err}, world, clock=clock), out, err, clock
+
+
+def test_rank_lists_and_tags():
+    assert rank_list([3, 0, 1, 2, 5, 7, 6]) == "0-3,5-7"
+    assert tag([2], 4) == "[rank 2] " and tag([1, 0], 4) == "[ranks 0-1] " and tag([0], 1) == ""
+
+
+def test_the_same_line_from_several_ranks_is_shown_once_with_their_ranks():
+    folder, out, err, clock = _folder()
+    for rank in range(4):
+        folder.feed(rank, "stderr", "UserWarning: FSDP2-wrapped module returned a view\n")
+    folder.feed(2, "stdout", "only me\n")
+    folder.flush()
+    assert err.getvalue() == ""  # held for the window
+    clock.t = 1.0
+    folder.flush()
+    assert err.getvalue() == "[ranks 0-3] UserWarning: FSDP2-wrapped module returned a view\n"
+    assert out.getvalue() == "[rank 2] only me\n"
+
+
+def test_a_warning_repeated_every_step_is_shown_once_with_a_count_and_distinct_lines_keep_their_order():
+    folder, out, err, clock = _folder(2)
+    for step in range(5):
+        folder.feed(0, "stderr", "Warning: deprecated\n")
+        folder.feed(0, "stdout", f"step {step}\n")
+        clock.t += 1.0
+        folder.flush()
+    folder.feed(1, "stdout", "partial ")
+    folder.feed(1, "stdout", "line")
+    folder.flush(final=True)
+    assert err.getvalue().splitlines() == ["[rank 0] Warning: deprecated",
+                                           "[rank 0] (the line above, 'Warning: deprecated', came 4 more times)"]
+    assert out.getvalue().splitlines() == [f"[rank 0] step {i}" for i in range(5)] + ["[rank 1] partial line"]
