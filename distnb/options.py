@@ -74,6 +74,8 @@ class Option:
         How errors name it when that is not the first flag (``num_engines (-n)``).
     doc : str
         The longer description for the Python API's docstring (default: ``help``).
+    nullable : bool
+        None is a valid value although the default is not (``launcher``: the profile's).
     group : str
         A group of related options (``placement``: where engines run).
     """
@@ -94,6 +96,7 @@ class Option:
     label: str | None = None
     doc: str = ""
     group: str = ""
+    nullable: bool = False
 
 
 def option(default=dataclasses.MISSING, kind="text", help="", **declared):
@@ -219,7 +222,7 @@ def split_hosts(label, value):
 def _check_one(f, opt: Option, value):
     """The normalised value of one option, or a PlanError naming it."""
     label = label_of(f, opt)
-    if value is None and (f.default is None or opt.given is None):
+    if value is None and (f.default is None or opt.nullable):
         return None
     kind = opt.kind
     if kind == "int":

@@ -257,7 +257,8 @@ class ClusterSpec:
                                 given=None)
     launcher: str | None = _where("local", "choice", "ipyparallel engine launcher: local (default; with --profile, "
                                   "the profile's), mpi (mpiexec), ssh, or a batch system "
-                                  f"({', '.join(BATCH_LAUNCHERS)})", choices=LAUNCHERS, given=None)
+                                  f"({', '.join(BATCH_LAUNCHERS)})", choices=LAUNCHERS, given=None,
+                                  nullable=True)
     hosts: tuple = _where((), "hosts", "ssh/mpi: hosts to start engines on, comma-separated without spaces or "
                           "quotes ([user@]host[:sshport]); rank 0 runs on the first", given=None)
     engines_per_node: int | None = _where(None, "int", "engines on each host or node (default: -n spread evenly; "
