@@ -76,7 +76,8 @@ DIST_LINES = [
     ("%dist start --backend nccl", "needs GPU engines"),
     ("%dist start --auto-restart yes", "unrecognized arguments: yes"),
     ("%dist stop now", "unrecognized arguments: now"),
-    ("%dist restart -n 3", "unrecognized arguments"),
+    ("%dist restart --engines-per-rank 3", "unrecognized arguments"),
+    ("%dist restart -n 0", "(-n) must be at least 1"),  # checked before anything stops
     ("%dist status --all", "unrecognized arguments: --all"),
     ("%dist scatter", "required: name"),
     ("%dist scatter no_such_data", "'no_such_data' is not defined in the notebook"),
