@@ -42,6 +42,7 @@ def load(session, name: str, model_obj, directory: str, quiet: bool = False) -> 
     training.ensure_model(session, plan, model_obj, quiet=True)
     run_on_ranks(session, calls.restore, name, meta["path"], what=f"loading {name}")
     session.holdings.optimizer_of[name] = (meta["optimizer"], None)  # the restored optimizer is the live one now
+    session.holdings.trained_steps[name] = meta["steps"]
     training.weights_back(session, name, model_obj)
     if not quiet:
         print(f"distnb: loaded {meta['path']} into {name} on {count(session.world_size, 'rank')} and the kernel "

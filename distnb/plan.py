@@ -141,6 +141,9 @@ class TrainPlan:
                                     "progress, 0.1 for the dashboard, at most 10 a second)", cli=False, given=None)
     lr_if_new: float | None = option(None, "float", "learning rate for an optimizer made new while lr is None (the "
                                      "kernel passes the last one the user gave)", cli=False, api=False)
+    resume: bool = option(True, "flag", "a model the ranks receive fresh resumes from --checkpoint-dir's newest "
+                          "checkpoint (the kernel sets False when the notebook's weights are as new)", cli=False,
+                          api=False)
 
     def __post_init__(self):
         options.check_fields(self)

@@ -285,10 +285,11 @@ class Session:
                 raise TypeError(f"restart() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
             kept = {k: getattr(spec, f) for k, f in START_OPTIONS.items() if k != "auto_restart"}
             spec = default_spec(**dict(kept, **given))
-        chosen = dict(self.holdings.optimizer_of)
+        chosen, steps = dict(self.holdings.optimizer_of), dict(self.holdings.trained_steps)
         self.stop(quiet=True)
         new = start(spec=spec, ns=self._ns, quiet=quiet, auto_restart=auto)
         new.holdings.optimizer_of.update(chosen)  # the optimizer the user chose for a model survives a restart
+        new.holdings.trained_steps.update(steps)  # and how far the notebook's weights are: resumes never go back
         return new
 
     def _restart_in_place(self) -> str:
@@ -377,7 +378,7 @@ class Session:
             compile(code, "<%%dist>", "exec")
         except SyntaxError as exc:
             raise PlanError(f"the cell is not valid Python: {exc}") from None
-        ranks = tuple(range(self.world_size)) if targets is None else tuple(sorted({self._rank(r) for r in targets}))
+        ranks = tuple(range(self.world_size)) if targets is None else tuple(sorted({self._rank(r, "--targets") for r in targets}))
         show = ranks if all_output else ranks[:1]
         values = run_on_ranks(self, calls.run_cell, code, None if targets is None else list(ranks),
                               what="%%dist cell", show_ranks=show)
@@ -422,9 +423,9 @@ class Session:
         values = [wire.loads(*p) for p in packed]
         return values if rank is None else values[0]
 
-    def _rank(self, rank):
+    def _rank(self, rank, flag="--rank"):
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise PlanError(f"--rank/--targets must be between 0 and {self.world_size - 1}, got {rank!r}")
+            raise PlanError(f"{flag} must be between 0 and {self.world_size - 1}, got {rank!r}")
         return rank
 
     def scatter(self, name: str, data=None, seed: int = 0, quiet: bool = False, num_shards=None) -> list:

@@ -48,6 +48,9 @@ class Holdings:
         Name -> fingerprint of what an automatic push sent.
     optimizer_of : dict
         Model name -> (optimizer, lr) the user chose last; survives restarts.
+    trained_steps : dict
+        Model name -> the ranks' global optimizer step count the notebook's weights come from (the
+        last cell that ended well); survives restarts, so a resume never goes backwards.
     generation : int
         Bumps whenever the process group is re-formed.
     """
@@ -57,6 +60,8 @@ class Holdings:
     data: dict = field(default_factory=dict)
     pushed: dict = field(default_factory=dict)
     optimizer_of: dict = field(default_factory=dict)
+    trained_steps: dict = field(default_factory=dict)
+    resume_steps: tuple = (None, None)  # (the notebook's, the newest checkpoint's) steps, for the cell's message
     generation: int = 0
 
     def forget(self) -> None:
@@ -112,7 +117,26 @@ def make_plan(session, model_name, model_obj, data_name, given: dict) -> TrainPl
         strategies.check(plan, model_obj, session.world_size, ns=session.ns)
     except strategies.StrategyError as exc:
         raise PlanError(f"--strategy {plan.strategy}: {exc}") from None
-    return plan
+    return _newest_start(session, plan)
+
+
+def _newest_start(session, plan):
+    """``plan`` with ``resume=False`` when the notebook's weights are at least as new as the newest checkpoint.
+
+    A model the ranks receive fresh (after ``%dist restart``, say) resumes from
+    ``--checkpoint-dir``'s newest checkpoint only if that is further on (in global optimizer
+    steps) than the weights the notebook already holds; ``ensure_model`` says which it took.
+    """
+    import dataclasses
+
+    if not plan.checkpoint_dir or plan.reset or not has_checkpoint(plan.checkpoint_dir):
+        return plan
+    from .engine import checkpoint
+
+    saved = checkpoint.read_meta(plan.checkpoint_dir)["steps"]
+    mine = session.holdings.trained_steps.get(plan.model)
+    session.holdings.resume_steps = (mine, saved)
+    return dataclasses.replace(plan, resume=False) if mine is not None and mine >= saved else plan
 
 
 def prepare(session, plan, code, model_obj, data_obj, quiet) -> tuple:
@@ -194,8 +218,13 @@ def ensure_model(session, plan, model_obj, quiet) -> bool:
         counts = cluster.wait_all(ars, timeout=cluster.spec.timeout + 60, what=f"sending {plan.model}")
     held.models[plan.model] = fp
     if not quiet:
-        if plan.checkpoint_dir and not plan.reset and has_checkpoint(plan.checkpoint_dir):
-            then = "it resumes from the newest checkpoint in --checkpoint-dir"
+        mine, saved = held.resume_steps
+        if plan.checkpoint_dir and not plan.reset and plan.resume and has_checkpoint(plan.checkpoint_dir):
+            newer = "" if mine is None else f", newer than the notebook's weights (step {mine})"
+            then = f"it resumes from the newest checkpoint in --checkpoint-dir (step {saved}{newer})"
+        elif not plan.resume:
+            then = (f"the notebook's weights (step {mine}) are as new as the newest checkpoint in --checkpoint-dir "
+                    f"(step {saved}), so training goes on from them with a fresh {plan.optimizer or 'sgd'} optimizer")
         else:
             then = f"fresh {plan.optimizer or 'sgd'} optimizer, epoch 0"
         print(f"distnb: sent {plan.model} ({type(model_obj).__name__}, {counts[0]:,} parameters) to "
@@ -278,5 +307,6 @@ def train_cell(session, code, model, data, run, given):
             print(f"distnb: {note}")
     result = TrainResult(rows, plan, time.perf_counter() - t0, num_shards)
     session.last_result = result
+    session.holdings.trained_steps[plan.model] = rows[0]["global_steps"]
     session.holdings.remember_optimizer(plan)  # what the ranks accepted becomes the model's chosen optimizer
     return result

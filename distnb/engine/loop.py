@@ -329,6 +329,12 @@ class Context:
         """Save model, optimizer and position under --checkpoint-dir (a collective)."""
         meta = checkpoint.save(self._run, self.plan.checkpoint_dir, self.plan.to_dict(), self.plan.seed)
         self.checkpoints.append(meta["path"])
+        self._saved_at = self._run.steps
+
+    def final_checkpoint(self):
+        """With --checkpoint-dir, save the cell's last step unless it was just saved (every rank calls it)."""
+        if self.plan.checkpoint_dir and self._run.steps and getattr(self, "_saved_at", None) != self._run.steps:
+            self.save_checkpoint()
 
     def _agree_on_stop(self):
         """All-reduce (max) of the stop flag and the step time, without waiting for it.
@@ -450,6 +456,7 @@ def train(ns, plan_dict, code_text):
         finally:
             watchdog.stop()
         seconds = time.perf_counter() - t0
+        ctx.final_checkpoint()  # a resume never goes back behind this cell's last step
     except BaseException as exc:
         if "find_unused_parameters=True" in str(exc) and not plan.find_unused_parameters and exc.args:
             exc.args = (f"{exc.args[0]}\n[distnb] some parameters got no gradient: run the cell with "
@@ -470,7 +477,8 @@ def train(ns, plan_dict, code_text):
                 samples_per_s=reporter.samples / seconds if seconds > 0 else 0.0,
                 final_loss=last, epoch_losses=list(ctx.epoch_losses),
                 first_epoch=run.epoch - len(ctx.epoch_losses), next_epoch=run.epoch,
-                stopped_early=ctx.stopped_early, steps_per_epoch=steps, note=note, interrupted=ctx.interrupted,
+                stopped_early=ctx.stopped_early, steps_per_epoch=steps, global_steps=run.steps, note=note,
+                interrupted=ctx.interrupted,
                 where=dict(epoch=run.epoch, step=run.epoch_step), holdings=run.strategy.holdings(), state=state,
                 resumed=resumed, continued=continued, checkpoints=ctx.checkpoints, skipped_steps=ctx.skipped_steps)
 
@@ -500,7 +508,7 @@ def _prepare(ns, plan, run):
             run.optimizer = None  # its parameters belong to the old distribution
         run.generation, run.strategy_key = st.generation, key
     meta = None
-    if fresh and plan.checkpoint_dir and not plan.reset and checkpoint.latest(plan.checkpoint_dir):
+    if fresh and plan.checkpoint_dir and not plan.reset and plan.resume and checkpoint.latest(plan.checkpoint_dir):
         meta = checkpoint.read_meta(plan.checkpoint_dir)
         if plan.optimizer is None:  # the optimizer the checkpoint was saved with (its lr comes back with it)
             plan = dataclasses.replace(plan, optimizer=meta["optimizer"])

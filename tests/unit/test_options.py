@@ -27,7 +27,7 @@ def test_distrain_magic_train_keywords_and_plan_fields_are_one_set():
     assert magic == _fields(TrainPlan, RunOptions, where="cli")
     assert params == _fields(TrainPlan, RunOptions, where="api")
     internal = declared - params
-    assert internal == {"lr_if_new"}, "only the kernel's own bookkeeping is not a keyword"
+    assert internal == {"lr_if_new", "resume"}, "only the kernel's own bookkeeping is not a keyword"
     assert params - magic == {"report_interval", "quiet"}, "Python-only options (set by --progress / no printing)"
 
 
