@@ -53,7 +53,7 @@ def test_a_collective_on_rank_0_only_is_named_within_hang_after(shell):
         took = time.monotonic() - t0
     err = res.error_in_exec
     assert isinstance(err, HangError), err
-    assert took < HANG + 6, took  # well before the 30 s --timeout; the +2 s target is a benchmark's
+    assert took < HANG + 15, took  # well before the 30 s --timeout (the +2 s target is measured by benchmarks/hangs.py, not here)
     text = str(err)
     assert "rank 0 waited" in text and "all_reduce of [4] (cell line 4: `dist.all_reduce(t)`)" in text
     assert "rank 1 never arrived: it finished the cell without calling it" in text
@@ -69,7 +69,7 @@ def test_a_rank_in_its_own_code_while_the_other_waits_is_named_with_its_line_and
                          "while rank == 1:\n    pass\ndist.all_reduce(t)\n")
         took = time.monotonic() - t0
     err = res.error_in_exec
-    assert isinstance(err, HangError) and took < HANG + 6, (err, took)
+    assert isinstance(err, HangError) and took < HANG + 15, (err, took)
     assert "rank 1 never arrived: it is at cell line 3: `while rank == 1:`" in str(err)
     lines = "\n".join(err._render_traceback_())
     assert "traceback from rank 1" in lines and '<dist-cell-' in lines and "ipykernel" not in lines
@@ -85,7 +85,7 @@ def test_a_rank_sleeping_in_a_step_while_the_other_waits_in_ddp_all_reduce(shell
                          "loss = F.cross_entropy(model(x), y)")
         took = time.monotonic() - t0
     err = res.error_in_exec
-    assert isinstance(err, HangError) and took < HANG + 6, (err, took)
+    assert isinstance(err, HangError) and took < HANG + 15, (err, took)
     text = str(err)
     assert text.startswith("training hung: rank 0 waited") and "DDP gradient all-reduce" in text
     assert "rank 1 never arrived: it is at cell line 3: `time.sleep(60)`" in text
