@@ -7,6 +7,8 @@ Synchronous Parallel): training must still converge on scikit-learn's digits, ev
 gradient must be applied, and the weights loaded back must equal every rank's state.
 """
 
+import os
+
 import pytest
 import torch
 import torch.nn as nn
@@ -262,5 +264,7 @@ def test_checkpoint_of_an_async_run_restores_every_server(dist_session, shell, t
     result = dist_session.train(BODY, epochs=1, checkpoint_dir=str(tmp_path / "every"), checkpoint_every=3,
                                 **options)
     assert all(row["server_updates"] == 2 * row["steps"] > 0 for row in result.rows)
-    assert len(result.rows[0]["checkpoints"]) == 2  # global steps 9 and 12 (7 restored, 7 more)
+    # global steps 9 and 12 (7 restored, 7 more), and the cell's last step, 14
+    assert [os.path.basename(p) for p in result.rows[0]["checkpoints"]] == ["step_00000009", "step_00000012",
+                                                                          "step_00000014"]
     assert_weights_back(dist_session, ns["ps_ckpt_net"], "ps_ckpt_net")
