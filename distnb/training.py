@@ -207,10 +207,15 @@ def ensure_model(session, plan, model_obj, quiet) -> bool:
     held = session.holdings
     fp = fingerprint(model_obj)
     key = plan.strategy_key()
-    verdict = redistribution(held.distributed.get(plan.model), key, held.generation)
+    last = held.distributed.get(plan.model)
+    verdict = redistribution(last, key, held.generation)
     held.distributed[plan.model] = (key, held.generation)
     if not plan.reset and verdict != "resend" and held.models.get(plan.model) == fp:
         return False
+    if not quiet:
+        why = _why_sent_again(plan, model_obj, held, fp, last, verdict)
+        if why:
+            print(f"distnb: {why}")
     cluster = session.cluster
     payload, descs, buffers = pack_named(plan.model, model_obj, " as --model")
     with outgoing(cluster, buffers) as sent:  # shared memory on one host, else zero-copy frames
@@ -230,6 +235,27 @@ def ensure_model(session, plan, model_obj, quiet) -> bool:
         print(f"distnb: sent {plan.model} ({type(model_obj).__name__}, {counts[0]:,} parameters) to "
               f"{count(session.world_size, 'rank')}; {then}")
     return True
+
+
+def _why_sent_again(plan, model_obj, held, fp, last, verdict):
+    """The sentence that says why a model the ranks held is sent again, or None when it is new to them."""
+    from .transfer import model_change
+
+    if plan.model not in held.models or plan.reset:
+        return None
+    if verdict == "resend" and last is not None and last[0][0] != plan.strategy:
+        return (f"--strategy {plan.strategy} (the last cell used {last[0][0]}): {plan.model} is sent again from the "
+                "notebook's weights and distributed anew; its optimizer state is rebuilt")
+    if held.models[plan.model] != fp:
+        change = model_change(held.models[plan.model], fp, list(model_obj.state_dict().keys()))
+        return (f"{plan.model} changed in the notebook since the last cell ({change}): the ranks get it again; its "
+                "optimizer state and epoch count start afresh (leave the notebook's copy alone between cells to "
+                "keep them)")
+    if verdict == "resend":
+        return (f"{plan.model} was sharded for --strategy {plan.strategy} on a process group that has been re-formed "
+                "(or with other options): it is sent again from the notebook's weights; its optimizer state is "
+                "rebuilt")
+    return None
 
 
 def ensure_data(session, plan, data_obj, quiet, num_shards, silent=False) -> None:

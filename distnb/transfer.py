@@ -428,3 +428,24 @@ def unpicklable_part(value, name: str, limit: int = 2000):
         else:
             return path, node, reason
     return path, node, reason
+
+
+def model_change(old, new, keys) -> str:
+    """What differs between two :func:`fingerprint` of a model (``keys``: its state_dict's keys), in words."""
+    if old[0] != new[0] or old[1] != new[1]:
+        return "it is a new object"
+    before, after = old[3], new[3]
+    if len(before) != len(after) or len(before) != len(keys) + 2:
+        return "its tensors changed"
+    names = [k for k, a, b in zip(keys, before, after) if a != b]
+    names = [f"{k[:-len('.num_batches_tracked')] or 'the'} running statistics (BatchNorm run in train mode)"
+             if k.endswith("num_batches_tracked") else k for k in names]
+    parts = []
+    if names:
+        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        parts.append(f"{shown} changed")
+    if before[-2] != after[-2]:
+        parts.append("a submodule's settings changed")
+    if before[-1] != after[-1]:
+        parts.append("which parameters train changed")
+    return "; ".join(parts) or "its state changed"

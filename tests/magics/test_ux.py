@@ -67,3 +67,24 @@ def test_a_model_that_cannot_be_sent_names_the_attribute_and_the_fix_before_anyt
     res = run(shell, "%%distrain --model unsend_net --data unsend_data --progress none\nx, y = batch\n"
                      "loss = F.cross_entropy(model(x), y)")
     assert res.error_in_exec is None
+
+
+def test_a_model_changed_in_the_notebook_or_a_strategy_switch_says_what_happens(shell, capsys):
+    run(shell, "import torch, torch.nn as nn, torch.nn.functional as F\ntorch.manual_seed(0)\n"
+               "bn_net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))\n"
+               "bn_data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))")
+    cell = "%%distrain --model bn_net --data bn_data --batch-size 16 --optimizer adam{}\nx, y = batch\n" \
+           "loss = F.cross_entropy(model(x), y)"
+    assert run(shell, cell.format("")).error_in_exec is None
+    capsys.readouterr()
+    run(shell, "bn_net.train()\n_ = bn_net(torch.randn(8, 4))")  # the kernel's copy moves on
+    assert run(shell, cell.format("")).error_in_exec is None
+    out = capsys.readouterr().out
+    assert "bn_net changed in the notebook since the last cell (1 running statistics (BatchNorm run in train " \
+           "mode) changed): the ranks get it again; its optimizer state and epoch count start afresh" in out
+    assert run(shell, cell.format(" --strategy fsdp")).error_in_exec is None
+    out = capsys.readouterr().out
+    assert "--strategy fsdp (the last cell used ddp): bn_net is sent again from the notebook's weights and " \
+           "distributed anew; its optimizer state is rebuilt" in out
+    assert run(shell, cell.format(" --strategy fsdp")).error_in_exec is None
+    assert "sent again" not in capsys.readouterr().out  # nothing changed: the ranks keep model and optimizer

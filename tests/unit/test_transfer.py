@@ -144,3 +144,22 @@ def test_the_part_that_cannot_be_pickled_is_found_by_its_path():
         pack_named("net", net)
     box = {"files": [1, (x for x in ())]}
     assert unpicklable_part(box, "box")[0] == "box['files'][1]"
+
+
+def test_a_changed_model_is_described_by_what_changed():
+    from distnb.transfer import model_change
+
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    keys = list(net.state_dict().keys())
+    before = fingerprint(net)
+    net.train()
+    net(torch.randn(4, 2))  # train mode in the kernel: BatchNorm's statistics move
+    assert "1 running statistics (BatchNorm run in train mode)" in model_change(before, fingerprint(net), keys)
+    before = fingerprint(net)
+    with torch.no_grad():
+        net[0].weight.mul_(2)
+    assert model_change(before, fingerprint(net), keys) == "0.weight changed"
+    before = fingerprint(net)
+    net[0].bias.requires_grad_(False)
+    assert model_change(before, fingerprint(net), keys) == "which parameters train changed"
+    assert model_change(before, fingerprint(torch.nn.Linear(2, 2)), keys) == "it is a new object"
