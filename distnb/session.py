@@ -29,6 +29,7 @@ import contextlib
 import inspect
 import sys
 import time
+import warnings
 
 from . import background, calls, checkpoints, options, training
 from .background import BackgroundRun, check_idle
@@ -37,10 +38,10 @@ from .data import reassemble, scatter as scatter_shards
 from .defaults import default_spec
 from .display import ProgressState, make_view, view_kind
 from .display.tables import count
-from .errors import ClusterError, PlanError, RankError
+from .errors import ClusterError, Interrupted, PlanError, RankError
 from .execute import run_on_ranks
 from .plan import ClusterSpec, RunOptions, TrainPlan
-from .results import StatusTable, TrainResult, status_table, training_notes
+from .results import StatusTable, TrainResult, status_table
 from .transfer import sweep_shm
 
 _CURRENT = None
@@ -479,6 +480,8 @@ class Session:
         if given.get("report_interval") is None:
             given["report_interval"] = REPORT_INTERVAL[view_kind(run.progress)]
         plan = training.make_plan(self, model_name, model_obj, data_name, given)
+        for sentence in training.body_warnings(code, plan):
+            warnings.warn(f"distnb: {sentence}", UserWarning, stacklevel=3)
         num_shards, steps = training.prepare(self, plan, code, model_obj, data_obj, run.quiet)
         state = ProgressState(self.world_size, steps * plan.epochs, plan.epochs,
                               hosts=[r["host"] for r in self.cluster.ranks],
@@ -486,24 +489,23 @@ class Session:
         view = make_view(state, run.progress)
         view.show()
         show = tuple(range(self.world_size)) if run.all_output else (0,)
+        stopped = None
         try:
             rows = run_on_ranks(self, calls.train, plan.to_dict(), code, what="training", state=state, view=view,
                                 show_ranks=show)
+        except Interrupted as exc:  # every rank stopped after the same step: the result of what was trained
+            if getattr(exc, "results", None) is None:
+                training.weights_back(self, plan.model, model_obj, best_effort=True)
+                raise
+            rows, stopped = exc.results, exc
         except (RankError, KeyboardInterrupt):
             training.weights_back(self, plan.model, model_obj, best_effort=True)
             if plan.builtin_optimizer:  # a built-in optimizer was not what failed (a dead engine, the body, ...)
                 self.holdings.remember_optimizer(plan)
             raise
-        training.weights_back(self, plan.model, model_obj, packed=rows[0].pop("state"))
-        for row in rows:
-            row.pop("state", None)
-            row.update(row.pop("holdings", {}))
-        if not run.quiet:
-            for note in training_notes(rows[0]):
-                print(f"distnb: {note}")
-        result = TrainResult(rows, plan, time.perf_counter() - t0, num_shards)
+        result = training.finish(self, plan, model_obj, rows, time.perf_counter() - t0, num_shards, run.quiet,
+                                 stopped)
         self.last_result = result
-        self.holdings.remember_optimizer(plan)  # what the ranks accepted becomes the model's chosen optimizer
         return result
 
     # checkpoints -----------------------------------------------------------

@@ -176,6 +176,7 @@ class Pipeline(Strategy):
     name = "pipeline"
     data_parallel = False
     supports_loop = False
+    grads_partitioned = True
 
     # kernel side ---------------------------------------------------------------------
     @classmethod
@@ -381,7 +382,7 @@ class Pipeline(Strategy):
         check_loss(loss, lenient)  # the non-finite check runs on every rank after the step
         weight = (stop - start) / mb.size
         mb.losses.append(loss.detach().double() * weight)
-        return loss * weight
+        return mb.ctx.scale_loss(loss * weight)  # --accumulate and fp16 scale what the stage back-propagates
 
     def step(self, ns, code, ctx):
         batch = ns["batch"]
@@ -395,7 +396,8 @@ class Pipeline(Strategy):
                 entry = self._build(size, args)
                 self.model = entry.submodule
             target = torch.arange(size) if last else None
-            entry.schedule.step(*(args if first else ()), target=target, return_outputs=False)
+            with ctx.autocast():
+                entry.schedule.step(*(args if first else ()), target=target, return_outputs=False)
         except BaseException as exc:
             _annotate(exc, self.where)
             raise
