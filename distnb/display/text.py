@@ -31,7 +31,11 @@ class TextProgress:
             if i % every and i != st.epochs - 1:
                 continue
             ranks = "  ".join(f"rank {r['rank']} {_fmt(r['samples_per_s'], '.0f')} samples/s" for r in st.rows)
-            print(f"epoch {epoch:>3}  mean loss {st.epoch_means[epoch]:.4f}  |  {ranks}", file=self.stream)
+            extra = ""
+            if st.validation:
+                loss, metric = st.validation[max(st.validation)]
+                extra = f"  val loss {loss:.4f}" + (f" {st.metric_name} {metric:.4f}" if metric is not None else "")
+            print(f"epoch {epoch:>3}  mean loss {st.epoch_means[epoch]:.4f}{extra}  |  {ranks}", file=self.stream)
         for r in st.rows if final else ():
             if r["status"] in ("failed", "interrupted") and self._status_shown.get(r["rank"]) != r["status"]:
                 self._status_shown[r["rank"]] = r["status"]

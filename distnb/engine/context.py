@@ -155,11 +155,11 @@ class Context:
             mean = self._epoch_mean()
             self.epoch_losses.append(mean)
             self._run.epoch, self._run.epoch_step, self._run.epoch_samples = epoch + 1, 0, 0
-            self._reporter.end_epoch(epoch, mean)
             judged = mean
             if self.validator is not None and ((epoch - first + 1) % self.plan.val_every == 0
                                                or epoch == first + self.plan.epochs - 1):
                 judged = self._validate(epoch)
+            self._reporter.end_epoch(epoch, mean)  # with the validation's figures, in one message
             if self.logger is not None:
                 self.logger.epoch(epoch, mean, self._reporter.samples_per_s)
             if self.plan.checkpoint_dir and self.plan.checkpoint_every is None:
@@ -179,7 +179,6 @@ class Context:
         self._reporter.extra["val_points"] = [(e["step"], e["loss"], e["metric"])
                                               for e in self.validator.history[-16:]]
         self._reporter.extra["metric_name"] = self.validator.metric_name
-        self._reporter.set_status(self._reporter.status)
         if self.logger is not None:
             self.logger.validation(entry)
         return entry["loss"]
