@@ -125,7 +125,17 @@ class Strategy:
         return contextlib.nullcontext()
 
     def compile(self) -> None:
-        """``--compile``: what the body calls becomes ``torch.compile(model)`` (after any wrapping)."""
+        """``--compile``: what the body calls becomes ``torch.compile(model)`` (after any wrapping).
+
+        The ranks of one host share inductor's cache folder (``TORCHINDUCTOR_CACHE_DIR``, default
+        ``<tmp>/torchinductor_<user>``): the second rank, and later cells, reuse compiled kernels.
+        """
+        import getpass
+        import os
+        import tempfile
+
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                              os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
         self.model = torch.compile(self.model)
 
     def eval_model(self):
