@@ -240,6 +240,9 @@ def _check_training(plan) -> None:
     if plan.loop and (plan.accumulate != 1 or plan.clip_grad_norm is not None or plan.precision != "fp32"):
         raise PlanError("--accumulate, --clip-grad-norm and --precision act on distnb's own step; a --loop body "
                         "drives its own (drop --loop, or do them in the loop)")
+    if plan.loop and plan.val_data is not None:
+        raise PlanError("--val-data runs the step body on each validation batch; a --loop body is the whole loop "
+                        "(drop --loop, or evaluate in the loop)")
     unsupported = (("ps", "--clip-grad-norm", plan.clip_grad_norm is not None, "the servers apply the averaged "
                     "gradients, which no single rank sees"),
                    ("ps", "--precision fp16", plan.precision == "fp16", "the GradScaler cannot unscale gradients "

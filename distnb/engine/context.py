@@ -193,7 +193,8 @@ class Context:
     def report(self, loss, num_samples=None, value=None, skipped=False):
         """Record one finished step (loss: scalar tensor; num_samples: default the last batch size).
 
-        ``value`` is ``float(loss)`` when the caller has it already.
+        ``value`` is ``float(loss)`` when the caller has it already. With ``--loop`` and
+        ``--lr-schedule``, each report is one optimizer step: it steps the schedule.
 
         Raises if the step never called ``model`` (the strategy wrapper): calling the
         unwrapped module (e.g. by its notebook name) skips the gradient all-reduce and the
@@ -226,6 +227,11 @@ class Context:
         every = self.plan.checkpoint_every
         if every and self.plan.checkpoint_dir and self._run.steps % every == 0:
             self._save_pending = True  # at the next optimizer step (a global step count every rank shares)
+        if self.plan.loop and self._run.scheduler is not None:  # the loop stepped its optimizer: the schedule too
+            stepper.lrs.add(self._run.optimizer_steps + 1, stepper.lr)
+            self._run.scheduler.step()
+            stepper.optimizer_steps += 1
+            self._run.optimizer_steps += 1
         if not stepper.at_boundary(self._run.epoch_step):
             return  # in the middle of an --accumulate group: stop checks and saves wait for its end
         if self.logger is not None and stepper.optimizer_steps:

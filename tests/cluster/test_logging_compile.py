@@ -54,3 +54,16 @@ def test_compile_trains_to_a_loss_bound_and_shows_the_compile_time(dist_session,
     w = dist_session.pull("_w")
     assert torch.equal(w[0], w[1])
     assert torch.equal(w[0], torch.cat([p.detach().flatten() for p in ns["cc_net"].parameters()]))
+
+
+@pytest.mark.parametrize("strategy", ["fsdp"])  # fully_shard, then torch.compile (tensor: the same path)
+def test_compile_after_sharding_trains_like_eager(dist_session, shell, strategy):
+    ns = shell.user_ns
+    ns[f"cc_{strategy}"], ns["cc_data"], ns["F"] = parity_model(), parity_data(n=192), F
+    ns[f"ref_{strategy}"] = parity_model()
+    opts = dict(data="cc_data", epochs=2, batch_size=16, optimizer="sgd", lr=0.1, seed=4, strategy=strategy,
+                progress="none", quiet=True)
+    dist_session.train(BODY, model=f"cc_{strategy}", compile=True, **opts)
+    dist_session.train(BODY, model=f"ref_{strategy}", **opts)
+    for a, b in zip(ns[f"cc_{strategy}"].parameters(), ns[f"ref_{strategy}"].parameters()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

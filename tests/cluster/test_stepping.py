@@ -141,3 +141,21 @@ def test_a_clip_call_in_the_body_warns_naming_the_option(dist_session, shell):
     with pytest.warns(UserWarning, match="--clip-grad-norm"):
         dist_session.train(body, model="warned", data="step_data", epochs=1, batch_size=32, progress="none",
                            quiet=True)
+
+
+LOOP = """
+for epoch in ctx.epochs():
+    for x, y in ctx.loader:
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        ctx.report(loss)
+"""
+
+
+def test_a_loop_body_gets_its_schedule_stepped_at_each_report(dist_session, shell):
+    fresh(shell, "loop_sched")
+    result = dist_session.train(LOOP, model="loop_sched", data="step_data", epochs=1, batch_size=16, loop=True,
+                                optimizer="sgd", lr=0.3, lr_schedule="linear", progress="none", quiet=True)
+    assert [v for _, v in result.lr_history] == pytest.approx(stepping.lr_sequence("linear", 0.3, 0, 6))
