@@ -112,13 +112,15 @@ def test_schedule_and_position_come_back_from_a_checkpoint(dist_session, shell, 
     assert [v for _, v in result.lr_history] == pytest.approx(want[4:])  # the schedule went on where it was
 
 
-def test_bf16_trains_to_a_loss_bound_with_fp32_weights_back(dist_session, shell):
-    fresh(shell, "bf16_net")
-    result = dist_session.train(BODY, model="bf16_net", data="step_data", epochs=15, batch_size=16, precision="bf16",
-                                optimizer="adam", lr=0.02, seed=4, progress="none", quiet=True)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])  # fsdp: with a MixedPrecisionPolicy
+def test_bf16_trains_to_a_loss_bound_with_fp32_weights_back(dist_session, shell, strategy):
+    name = f"bf16_{strategy}"
+    fresh(shell, name)
+    result = dist_session.train(BODY, model=name, data="step_data", epochs=15, batch_size=16, precision="bf16",
+                                optimizer="adam", lr=0.02, seed=4, strategy=strategy, progress="none", quiet=True)
     assert result.final_loss < 0.35 and result.epoch_losses[0] > result.final_loss
-    assert all(p.dtype == torch.float32 for p in shell.user_ns["bf16_net"].parameters())
-    dist_session.run("_dt = sorted({str(p.dtype) for p in bf16_net.parameters()})")
+    assert all(p.dtype == torch.float32 for p in shell.user_ns[name].parameters())
+    dist_session.run(f"_dt = sorted({{str(p.dtype) for p in {name}.parameters()}})")
     assert dist_session.pull("_dt") == [["torch.float32"], ["torch.float32"]]  # master weights stay fp32
 
 
