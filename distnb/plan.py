@@ -246,9 +246,7 @@ def _check_training(plan) -> None:
     unsupported = (("ps", "--clip-grad-norm", plan.clip_grad_norm is not None, "the servers apply the averaged "
                     "gradients, which no single rank sees"),
                    ("ps", "--precision fp16", plan.precision == "fp16", "the GradScaler cannot unscale gradients "
-                    "the servers apply (use bf16)"),
-                   ("pipeline", "--val-data", plan.val_data is not None, "validation forwards of pipeline stages "
-                    "are not supported yet"))
+                    "the servers apply (use bf16)"))
     for strategy, flag, on, why in unsupported:
         if on and plan.strategy == strategy:
             raise PlanError(f"{flag} is not available with --strategy {strategy}: {why}")

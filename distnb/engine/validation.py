@@ -15,7 +15,11 @@ output, which is also captured for the metric. Per batch of ``k`` real samples t
 adds the sum of its per-sample scores and their number (a scalar counts as a batch mean of
 ``k`` samples). The default metric is accuracy (``output.argmax(-1) == target``) when the
 output holds class scores for an integer target. The sums are all-reduced over the ranks
-that hold different shards, so the figures are exact, not means of means.
+that hold different shards, so the figures are exact, not means of means. Strategies where
+every rank trains on the same batches (tensor, pipeline) evaluate the whole set on every rank
+and need no reduction; a pipeline runs each batch through its stages with the schedule's
+forward-only ``eval()`` (``Pipeline.validation_sums``: the last stage runs the body and the
+metric, and broadcasts the sums).
 """
 
 from __future__ import annotations
@@ -134,6 +138,8 @@ class Validator:
             dist.all_reduce(sums)
             sums = sums.cpu()
         loss_sum, count, metric_sum, metric_count, has_metric = sums.tolist()
+        if has_metric:  # known on every rank (a pipeline's metric runs on its last stage only)
+            self.metric_name = self.plan.metric or "accuracy"
         loss = loss_sum / count if count else math.nan
         metric = metric_sum / metric_count if has_metric and metric_count else None
         entry = dict(epoch=epoch, loss=loss, metric=metric, metric_name=self.metric_name if metric is not None else None,
@@ -142,8 +148,23 @@ class Validator:
         self._track_best(entry)
         return entry
 
+    def _metric_sums(self, ctx, output, target, k):
+        """(sum, count) of the metric on one batch's output, or None when there is no metric."""
+        if output is None or target is None:
+            return None
+        fn = self._metric_fn(output, target)
+        if fn is None:
+            return None
+        try:
+            return _metric_sums(fn, output, target, max(k, 1))
+        except Exception as exc:
+            raise type(exc)(f"--metric {self.plan.metric or 'accuracy'} raised on rank {ctx.rank}: {exc}") from exc
+
     def _batch(self, ctx, code, idx, k, strategy):
         batch = self.data.batch(idx, self.device)
+        own = getattr(strategy, "validation_sums", None)  # pipeline: through the stages
+        if own is not None:
+            return own(self.ns, code, ctx, batch, k, lambda out, target, n: self._metric_sums(ctx, out, target, n))
         capture = _Capture(strategy.eval_model())
         ns = self.ns
         ns.update(batch=batch, model=capture)
@@ -156,19 +177,11 @@ class Validator:
         out = torch.zeros(5, dtype=torch.float64)
         if k:
             out[0], out[1] = float(loss.detach().double()) * k, k
-        target = _target(batch)
-        if capture.outputs and target is not None:
-            output = capture.outputs[-1]
-            fn = self._metric_fn(output, target)
-            if fn is not None:
-                try:
-                    m_sum, m_count = _metric_sums(fn, output, target, max(k, 1))
-                except Exception as exc:
-                    raise type(exc)(f"--metric {self.plan.metric or 'accuracy'} raised on rank {ctx.rank}: "
-                                    f"{exc}") from exc
-                out[4] = 1.0
-                if k:
-                    out[2], out[3] = m_sum, m_count
+        found = self._metric_sums(ctx, capture.outputs[-1] if capture.outputs else None, _target(batch), k)
+        if found is not None:
+            out[4] = 1.0
+            if k:
+                out[2], out[3] = found
         return out
 
     def _track_best(self, entry) -> None:

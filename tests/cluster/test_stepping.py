@@ -46,6 +46,17 @@ def test_accumulation_equals_one_process_on_the_global_batch(dist_session, shell
     assert_params_close(shell.user_ns[name], ref)
 
 
+@pytest.mark.parametrize("strategy,num_shards", [("tensor", 1), ("pipeline", 1), ("ps", 2)])
+def test_accumulation_with_the_other_strategies(dist_session, shell, strategy, num_shards):
+    name = f"acc_{strategy}"
+    ref = fresh(shell, name)
+    dist_session.train(BODY, model=name, data="step_data", epochs=1, batch_size=8, accumulate=3, optimizer="adam",
+                       lr=0.01, seed=4, strategy=strategy, progress="none", quiet=True)
+    reference(ref, shell.user_ns["step_data"], num_shards=num_shards, batch_size=8, epochs=1, seed=4,
+              optimizer=torch.optim.Adam, lr=0.01, accumulate=3)
+    assert_params_close(shell.user_ns[name], ref)
+
+
 def test_accumulation_with_a_short_last_group_steps_at_the_epoch_end(dist_session, shell):
     ref = fresh(shell, "acc_tail", n=160)  # 80 per rank: 10 batches of 8 -> groups of 4, 4, 2
     result = dist_session.train(BODY, model="acc_tail", data="step_data", epochs=1, batch_size=8, accumulate=4,

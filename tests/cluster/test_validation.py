@@ -28,7 +28,7 @@ def notebook_figures(model, data):
     return F.cross_entropy(out, y).item(), (out.argmax(-1) == y).float().mean().item()
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tensor", "ps"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tensor", "ps", "pipeline"])
 def test_reported_figures_equal_the_notebooks_on_the_returned_weights(dist_session, shell, strategy):
     name = f"val_{strategy}"
     setup(shell, name)  # 65 validation samples: shards of 33 and 32; rank 1 pads its 3rd forward (masked)

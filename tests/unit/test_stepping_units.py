@@ -63,8 +63,8 @@ def test_plan_rules_of_the_step_options():
         TrainPlan(model="m", data="d", val_data="d")
     with pytest.raises(PlanError, match="--warmup-steps is for the built-in schedules"):
         TrainPlan(model="m", data="d", lr_schedule="mine", warmup_steps=3)
-    with pytest.raises(PlanError, match="--val-data is not available with --strategy pipeline"):
-        TrainPlan(model="m", data="d", val_data="v", strategy="pipeline")
+    with pytest.raises(PlanError, match="--clip-grad-norm is not available with --strategy ps"):
+        TrainPlan(model="m", data="d", clip_grad_norm=1.0, strategy="ps")
     assert TrainPlan(model="m", data="d", lr_schedule="COSINE").lr_schedule == "cosine"
 
 
