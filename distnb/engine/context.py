@@ -111,6 +111,7 @@ class Context:
         self.stop_reason = None  # "target", "patience" or None (epochs ran out, or interrupted)
         self._save_pending = False
         self._step_times = []  # wall seconds of the first steps (--compile: the first one compiles)
+        self.epoch_batches, self.epoch_done = self.steps_per_epoch, 0  # batches of this epoch, and done
         self._t_step = time.perf_counter()
 
     # what the strategies' steps and the body use --------------------------------------
@@ -141,7 +142,10 @@ class Context:
         order = sharding.epoch_order(data.num_samples, data.num_shards, data.index, self.plan.seed, self.epoch,
                                      self.plan.drop_last)
         skip, self.skip = self.skip, 0
-        for idx in sharding.batches(order[skip:], self.plan.batch_size, self.plan.drop_last):
+        batches = list(sharding.batches(order[skip:], self.plan.batch_size, self.plan.drop_last))
+        # this epoch's batches in this cell (fewer for an epoch resumed in the middle): --accumulate groups them
+        self.epoch_batches, self.epoch_done = len(batches), 0
+        for idx in batches:
             self._batch_samples = len(idx)
             yield self._data.batch(idx, self.device)
 
@@ -216,6 +220,7 @@ class Context:
         self._run.steps += 1
         self._run.epoch_step += 1
         self._run.epoch_samples += self._batch_samples
+        self.epoch_done += 1
         self.loss_history.add(self._run.steps, detached if value is None else value)
         self._time_step()
         stepper, extra = self.stepper, self._reporter.extra
@@ -232,7 +237,7 @@ class Context:
             self._run.scheduler.step()
             stepper.optimizer_steps += 1
             self._run.optimizer_steps += 1
-        if not stepper.at_boundary(self._run.epoch_step):
+        if not stepper.at_boundary(self.epoch_done, self.epoch_batches):
             return  # in the middle of an --accumulate group: stop checks and saves wait for its end
         if self.logger is not None and stepper.optimizer_steps:
             self.logger.optimizer_step(self._run.optimizer_steps, stepper.lrs.values[-1] if stepper.lrs.values

@@ -177,14 +177,14 @@ def _optimizer(ns, run, plan):
 
 def _steps(ns, code, ctx):
     """The micro-steps and optimizer steps of a step body (engine/stepping.py)."""
-    stepper, run = ctx.stepper, ctx._run
+    stepper = ctx.stepper
     for _ in ctx.epochs():
         for batch in ctx.loader:
             ns["batch"] = batch
-            at = run.epoch_step
-            loss, value = stepper.micro_step(ns, code, ctx, at)
+            at, batches = ctx.epoch_done, ctx.epoch_batches  # this epoch's micro-step, of how many
+            loss, value = stepper.micro_step(ns, code, ctx, at, batches)
             bad = ctx.plan.nan == "skip" and ctx.any_nonfinite(loss, value)
-            stepper.finish_micro(at, bad)  # a non-finite loss drops its whole group, on every rank
+            stepper.finish_micro(at, batches, bad)  # a non-finite loss drops its whole group, on every rank
             ctx.report(loss, value=value, skipped=bad)
 
 
@@ -273,8 +273,9 @@ def _cell_extras(ns, plan, run, ctx, code, steps) -> str:
     from .stepping import Stepper
 
     ctx._code = code
-    groups = Stepper.groups_per_epoch(steps, plan.accumulate)
-    total = groups * plan.epochs - (run.epoch_step // plan.accumulate if ctx.skip else 0)
+    first = max(1, steps - math.ceil(ctx.skip / plan.batch_size))  # an epoch resumed in the middle: its rest
+    total = Stepper.groups_per_epoch(first, plan.accumulate) + \
+        (plan.epochs - 1) * Stepper.groups_per_epoch(steps, plan.accumulate)
     note = stepping.prepare_schedule(plan, run, max(1, total), ns, lr_given=plan.lr is not None)
     if plan.val_data is not None:
         ctx.validator = Validator(plan, run, SHARDS[plan.val_data], ns, runtime.STATE.device)

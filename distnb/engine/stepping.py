@@ -190,15 +190,15 @@ def total_norm(params, partitioned: bool, device) -> float:
     once = torch.zeros((), dtype=torch.float64, device=device)
     any_sharded = partitioned
     for p in params:
+        sharded = any(pl.is_shard() or pl.is_partial() for pl in getattr(p, "placements", ()))
+        any_sharded |= sharded  # decided by the parameters, the same on every rank, never by which have grads
         g = p.grad
         if g is None:
             continue
-        placements = getattr(g, "placements", None)
-        if placements is not None:
+        if hasattr(g, "to_local"):
             local = g.to_local().detach().double().pow(2).sum()
-            if any(pl.is_shard() or pl.is_partial() for pl in placements):
+            if sharded or any(pl.is_shard() or pl.is_partial() for pl in g.placements):
                 summed += local.to(device)
-                any_sharded = True
             else:
                 once += local.to(device)
         elif partitioned:
@@ -206,9 +206,7 @@ def total_norm(params, partitioned: bool, device) -> float:
         else:
             once += g.detach().double().pow(2).sum().to(device)
     if any_sharded and dist.is_initialized():
-        flag = torch.stack([summed, torch.ones((), dtype=torch.float64, device=device)])
-        dist.all_reduce(flag)
-        summed = flag[0]
+        dist.all_reduce(summed)
     return float((summed + once).sqrt())
 
 
@@ -259,16 +257,16 @@ class Stepper:
     def groups_per_epoch(steps_per_epoch: int, accumulate: int) -> int:
         return -(-steps_per_epoch // accumulate)
 
-    def position(self, epoch_step: int) -> tuple:
-        """(first, last, size) of the group the micro-step at ``epoch_step`` (0-based) belongs to."""
+    def position(self, index: int, batches: int) -> tuple:
+        """(first, last, size) of the group of the micro-step at ``index`` (0-based) of an epoch of ``batches``."""
         n = self.accumulate
-        start = epoch_step - epoch_step % n
-        size = min(n, self.steps_per_epoch - start)
-        return epoch_step == start, epoch_step == start + size - 1, size
+        start = index - index % n
+        size = max(1, min(n, batches - start))
+        return index == start, index == start + size - 1, size
 
-    def at_boundary(self, epoch_step_done: int) -> bool:
-        """True when ``epoch_step_done`` micro-steps of the epoch end an optimizer step (or none ran)."""
-        return epoch_step_done % self.accumulate == 0 or epoch_step_done >= self.steps_per_epoch
+    def at_boundary(self, done: int, batches: int) -> bool:
+        """True when ``done`` micro-steps of an epoch of ``batches`` end an optimizer step (or none ran)."""
+        return done % self.accumulate == 0 or done >= batches
 
     def autocast(self):
         """The autocast context of the forward and the loss (nothing for fp32)."""
@@ -293,9 +291,9 @@ class Stepper:
             raise TypeError(f"ctx.after_backward takes a function of no arguments, got {type(fn).__name__}")
         self._after.append(fn)
 
-    def micro_step(self, ns, code, ctx, epoch_step: int):
-        """One forward and backward (the strategy's step); returns (loss, float or None)."""
-        first, last, size = self.position(epoch_step)
+    def micro_step(self, ns, code, ctx, index: int, batches: int):
+        """One forward and backward (the strategy's step) of micro-step ``index`` of ``batches``; (loss, value)."""
+        first, last, size = self.position(index, batches)
         if first:
             self.optimizer.zero_grad(set_to_none=True)
             self._group_bad = False
@@ -305,14 +303,14 @@ class Stepper:
         with sync:
             return self.strategy.step(ns, code, ctx)
 
-    def finish_micro(self, epoch_step: int, bad: bool) -> bool:
-        """After the micro-step at ``epoch_step``: the optimizer step at the group's end.
+    def finish_micro(self, index: int, batches: int, bad: bool) -> bool:
+        """After micro-step ``index`` of ``batches``: the optimizer step at the group's end.
 
         ``bad``: its loss was not finite on some rank (``--nan skip``): the whole group is
         dropped on every rank. Returns True when an optimizer step was applied.
         """
         self._group_bad |= bad
-        _, last, _ = self.position(epoch_step)
+        _, last, _ = self.position(index, batches)
         if not last:
             return False
         if self._group_bad:
@@ -332,7 +330,7 @@ class Stepper:
             fn()
         self._after = []
         if self.plan.clip_grad_norm is not None:
-            params = [p for g in self._grad_groups() for p in g]
+            params = [p for p in self.strategy.module.parameters() if p.requires_grad]  # this rank's part
             norm = total_norm(params, self.strategy.grads_partitioned, self.device)
             clip_(params, self.plan.clip_grad_norm, norm)
             self.last_norm = norm
@@ -347,10 +345,6 @@ class Stepper:
             self.run.scheduler.step()
         self.optimizer_steps += 1
         self.run.optimizer_steps += 1
-
-    def _grad_groups(self):
-        """The parameters whose gradients this rank holds (the whole module's: the clip acts on them)."""
-        yield [p for p in self.strategy.module.parameters() if p.requires_grad]
 
     def _agree_on_inf(self) -> None:
         """fp16 with sharded gradients: every rank skips the step if any rank's shard overflowed."""

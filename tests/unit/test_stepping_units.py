@@ -50,10 +50,11 @@ def test_stepper_groups_micro_steps_per_epoch():
         optimizer_steps = 0
 
     st = stepping.Stepper(plan, Run(), 10, torch.device("cpu"))
-    assert [st.position(i) for i in (0, 3, 4, 8, 9)] == [(True, False, 4), (False, True, 4), (True, False, 4),
-                                                         (True, False, 2), (False, True, 2)]
+    assert [st.position(i, 10) for i in (0, 3, 4, 8, 9)] == [(True, False, 4), (False, True, 4), (True, False, 4),
+                                                             (True, False, 2), (False, True, 2)]
+    assert st.position(2, 3) == (False, True, 3)  # an epoch resumed with 3 batches left: one group of 3
     assert stepping.Stepper.groups_per_epoch(10, 4) == 3
-    assert [st.at_boundary(n) for n in (1, 4, 9, 10)] == [False, True, False, True]
+    assert [st.at_boundary(n, 10) for n in (1, 4, 9, 10)] == [False, True, False, True]
 
 
 def test_plan_rules_of_the_step_options():
