@@ -202,11 +202,14 @@ def stop(session, quiet=False):
     run.request_stop()
     run.join()
     try:
-        return collect(session)
+        result = collect(session)
     except Interrupted as exc:
         if not quiet:
             print(f"distnb: {exc}")
         return None
+    if result is not None and result.interrupted and not quiet:
+        print(f"distnb: {result.interrupted_message}; the result holds what was trained")
+    return result
 
 
 def end(session) -> None:

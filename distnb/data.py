@@ -98,3 +98,17 @@ def describe_cut(plan, info: dict, num_shards: int, world_size: int) -> str:
         how = f"every rank visits {per} samples"
     return (f"{plan.data}: {count(n, 'sample')} in {count(w, 'shard')}; {how}; {count(steps, 'step')}/epoch of "
             f"{plan.batch_size} per rank")
+
+
+def describe_validation(name: str, info: dict, num_shards: int, batch_size: int) -> str:
+    """One sentence: how the validation set ``name`` is cut (every sample counted once, masked padding)."""
+    from .engine import shard as sharding
+
+    n = info["num_samples"]
+    lens = [sharding.shard_length(n, num_shards, r) for r in range(num_shards)]
+    forwards = -(-max(lens) // batch_size)
+    pad = ("; shorter shards end with a masked pad sample (counted in no sum)" if min(lens) < max(lens)
+           and -(-min(lens) // batch_size) < forwards else "")
+    where = f"in {count(num_shards, 'shard')}" if num_shards > 1 else "on every rank (the same batches)"
+    return (f"validation set {name}: {count(n, 'sample')} {where}, each counted once; "
+            f"{count(forwards, 'forward')} of up to {batch_size} per rank{pad}")

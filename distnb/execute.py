@@ -137,7 +137,10 @@ class Watch:
         if (failures or not clean) and not self.dead:
             recover(self.session)
         if user_interrupt:
-            raise Interrupted(self._interrupted_message(clean))
+            stop = Interrupted(self._interrupted_message(clean))
+            # every rank stopped after the same step and returned its figures: what was trained comes back
+            stop.results = [ar.get(0) for ar in ars] if clean and not failures else None
+            raise stop
         if self.dead and self.session.auto_restart:
             note = self.session._restart_in_place()
             for f in failures:

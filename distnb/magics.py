@@ -246,6 +246,14 @@ With ``--loop`` the body is the whole loop::
             optimizer.step()
             ctx.report(loss)
 
+A real training job: bf16 autocast, 2 micro-steps per optimizer step, a cosine schedule after 100
+warm-up steps, the gradients' total norm clipped to 1, validation after every epoch until its loss
+stops improving for 3 epochs (then the best weights come back)::
+
+    %%distrain --model net --data train --val-data val --epochs 50 --precision bf16 --accumulate 2 --lr-schedule cosine --warmup-steps 100 --clip-grad-norm 1.0 --patience 3 --restore-best -o result
+    x, y = batch
+    loss = F.cross_entropy(model(x), y)
+
 In the background, the kernel stays free while the dashboard updates::
 
     %%distrain --model net --data train --epochs 50 --background -o result

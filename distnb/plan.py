@@ -42,6 +42,10 @@ LAUNCHERS = ("local", "mpi", "ssh") + BATCH_LAUNCHERS
 MAX_TIMEOUT = 7 * 24 * 3600
 #: Progress views of a training cell (auto: widgets in Jupyter, text elsewhere).
 PROGRESS_MODES = ("auto", "widgets", "text", "none")
+#: Autocast precisions of ``--precision`` (fp16 needs GPU ranks: it scales the loss with a GradScaler).
+PRECISIONS = ("fp32", "bf16", "fp16")
+#: Built-in learning-rate schedules of ``--lr-schedule`` (after ``--warmup-steps`` of linear warm-up).
+LR_SCHEDULES = ("cosine", "linear", "constant")
 
 
 def redistribution(last, key: tuple, generation: int) -> str:
@@ -128,6 +132,42 @@ class TrainPlan:
     reset: bool = option(False, "flag", "re-send the kernel's model as it is now (its trained weights; build a new "
                          "model for fresh ones) with a fresh optimizer and epoch count")
     target_loss: float | None = option(None, "float", "stop after an epoch whose mean loss is <= this", signed=True)
+    precision: str = option("fp32", "choice", "fp32 (default), bf16 or fp16 (GPU only: with a GradScaler) autocast in "
+                            "the forward and the loss; weights stay fp32", choices=PRECISIONS, distribution=True,
+                            doc="Autocast dtype of the forward pass and the loss (``torch.autocast``). ``fp16`` "
+                                "scales the loss with ``torch.amp.GradScaler`` and needs GPU ranks; fsdp also gets "
+                                "a ``MixedPrecisionPolicy``. Master weights, optimizer state and the weights that "
+                                "come back to the notebook stay fp32.")
+    accumulate: int = option(1, "int", "micro-steps whose gradients are summed before one optimizer step (default 1)",
+                             minimum=1, doc="Gradient accumulation: N consecutive micro-steps (batches) add up their "
+                                            "gradients (each loss scaled by 1/N) before one optimizer step; ddp skips "
+                                            "the all-reduce on the first N-1 (``no_sync``), fsdp its reduce-scatter "
+                                            "(``set_requires_gradient_sync``).")
+    clip_grad_norm: float | None = option(None, "float", "clip the gradients' total norm (over the whole model, every "
+                                          "rank's part) to this before each optimizer step")
+    lr_schedule: str | None = option(None, "text", "cosine, linear, constant, or a notebook name f(optimizer, "
+                                     "total_steps) -> LRScheduler; stepped per optimizer step (default: keep the "
+                                     "live one, none for a new optimizer)")
+    warmup_steps: int = option(0, "int", "optimizer steps of linear warm-up before --lr-schedule (default 0)",
+                               minimum=0)
+    val_data: str | None = option(None, "name", "notebook name of a validation set, sharded like --data; evaluated "
+                                  "after every --val-every epochs with model.eval() and no_grad")
+    val_every: int = option(1, "int", "epochs between validations (default 1; the cell's last epoch always is one)",
+                            minimum=1)
+    metric: str | None = option(None, "name", "notebook function metric(output, target) -> per-sample scores (or a "
+                                "batch mean); default: accuracy for class scores")
+    patience: int | None = option(None, "int", "stop when the validation loss has not improved for K validations "
+                                  "(needs --val-data)", minimum=1)
+    min_delta: float = option(0.0, "float", "improvement smaller than this does not count for --patience (default 0)",
+                              minimum=0.0)
+    restore_best: bool = option(False, "flag", "at the end, load the weights of the best validation loss back "
+                                "(needs --val-data)")
+    compile: bool = option(False, "flag", "torch.compile the model on every rank (after DDP/FSDP wrapping)",
+                           distribution=True)
+    sync_bn: bool = option(False, "flag", "BatchNorm becomes SyncBatchNorm on the ranks (GPU ranks only); the "
+                           "notebook's model keeps plain BatchNorm", distribution=True)
+    log_dir: str | None = option(None, "path", "write TensorBoard event files there (loss, lr, grad norm, samples/s "
+                                 "per rank, validation); needs the tensorboard package")
     loop: bool = option(False, "flag", "the body is the whole per-rank loop, driven through ctx")
     drop_last: bool = option(False, "flag", "drop the uneven tail instead of padding",
                              doc="False (default): pad, so every rank runs ``ceil(ceil(n / world_size) / batch_size)`` "
@@ -156,6 +196,7 @@ class TrainPlan:
                 raise PlanError(f"--optimizer must be sgd, adam, adamw or a notebook name, got {self.optimizer!r}")
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise PlanError("--checkpoint-every needs --checkpoint-dir DIR (where to save)")
+        _check_training(self)
         if self.strategy == "pipeline" and self.microbatches is not None and self.batch_size % self.microbatches:
             raise PlanError(f"--microbatches {self.microbatches} does not divide --batch-size {self.batch_size}: "
                             "each microbatch must have the same number of samples")
@@ -175,6 +216,47 @@ class TrainPlan:
     @classmethod
     def from_dict(cls, d: dict) -> "TrainPlan":
         return cls(**d)
+
+
+def _check_training(plan) -> None:
+    """How the step, schedule and validation options fit together (see TrainPlan)."""
+    if plan.lr_schedule is not None:
+        if not isinstance(plan.lr_schedule, str) or not (plan.lr_schedule.lower() in LR_SCHEDULES
+                                                         or plan.lr_schedule.isidentifier()):
+            raise PlanError(f"--lr-schedule must be {', '.join(LR_SCHEDULES)} or a notebook name "
+                            f"f(optimizer, total_steps) -> LRScheduler, got {plan.lr_schedule!r}")
+        if plan.lr_schedule.lower() in LR_SCHEDULES:
+            object.__setattr__(plan, "lr_schedule", plan.lr_schedule.lower())
+        elif plan.warmup_steps:
+            raise PlanError(f"--warmup-steps is for the built-in schedules ({', '.join(LR_SCHEDULES)}); "
+                            f"--lr-schedule {plan.lr_schedule} builds its own warm-up")
+    elif plan.warmup_steps:
+        raise PlanError("--warmup-steps needs --lr-schedule (cosine, linear, constant): warm-up is its first phase")
+    if plan.val_data is None:
+        needs = [flag for flag, on in (("--patience", plan.patience is not None), ("--metric", plan.metric is not None),
+                                        ("--restore-best", plan.restore_best), ("--min-delta", plan.min_delta != 0.0),
+                                        ("--val-every", plan.val_every != 1)) if on]
+        if needs:
+            raise PlanError(f"{needs[0]} needs validation: pass --val-data NAME (a held-out data set)")
+    elif plan.val_data == plan.data:
+        raise PlanError(f"--val-data {plan.val_data} is the training set (--data); validation needs held-out data")
+    if plan.loop and (plan.accumulate != 1 or plan.clip_grad_norm is not None or plan.precision != "fp32"):
+        raise PlanError("--accumulate, --clip-grad-norm and --precision act on distnb's own step; a --loop body "
+                        "drives its own (drop --loop, or do them in the loop)")
+    if plan.loop and plan.val_data is not None:
+        raise PlanError("--val-data runs the step body on each validation batch; a --loop body is the whole loop "
+                        "(drop --loop, or evaluate in the loop)")
+    unsupported = (("ps", "--clip-grad-norm", plan.clip_grad_norm is not None, "the servers apply the averaged "
+                    "gradients, which no single rank sees"),
+                   ("ps", "--precision fp16", plan.precision == "fp16", "the GradScaler cannot unscale gradients "
+                    "the servers apply (use bf16)"))
+    for strategy, flag, on, why in unsupported:
+        if on and plan.strategy == strategy:
+            raise PlanError(f"{flag} is not available with --strategy {strategy}: {why}")
+    if plan.compile and plan.strategy in ("pipeline", "ps"):
+        raise PlanError(f"--compile is not available with --strategy {plan.strategy} (use ddp, fsdp or tensor)")
+    if plan.sync_bn and plan.strategy not in ("ddp", "fsdp"):
+        raise PlanError(f"--sync-bn is for data-parallel ddp and fsdp, not --strategy {plan.strategy}")
 
 
 @dataclass(frozen=True)
@@ -305,4 +387,4 @@ for _cls in (TrainPlan, RunOptions, ClusterSpec):
     _cls.__doc__ += "\n    Parameters\n    ----------\n" + "\n".join(
         "    " + line for line in options.doc(_cls, internal=True).splitlines()) + "\n"
 __all__ = ["TrainPlan", "RunOptions", "ClusterSpec", "STRATEGIES", "SCHEDULES", "DEFAULT_LR", "BACKENDS", "LAUNCHERS",
-           "BATCH_LAUNCHERS", "MAX_TIMEOUT", "PROGRESS_MODES", "PLACEMENT_OPTIONS", "redistribution", "check_int"]
+           "BATCH_LAUNCHERS", "MAX_TIMEOUT", "PRECISIONS", "LR_SCHEDULES", "PROGRESS_MODES", "PLACEMENT_OPTIONS", "redistribution", "check_int"]

@@ -28,7 +28,7 @@ class TrainResult(Table):
     Attributes
     ----------
     rows : list of dict
-        Per rank: rank, steps, samples, seconds (training time on the rank),
+        Per rank: rank, steps (micro-steps: batches), samples, seconds (training time on the rank),
         samples_per_s, final_loss (the rank's mean loss over its last epoch), param_bytes
         (bytes of parameters the rank holds: all of them for ddp, a shard for fsdp and
         tensor, its stage for pipeline) and, for pipeline, stage.
@@ -46,7 +46,34 @@ class TrainResult(Table):
         Distinct samples trained per second: the sum over ranks for data parallelism,
         divided by the ranks that share each batch for model parallelism.
     stopped_early : bool
-        True when --target-loss was reached.
+        True when --target-loss was reached or --patience ran out.
+    optimizer_steps : int
+        Optimizer steps of this cell (micro-steps / --accumulate, rounded up per epoch).
+    loss_history : dict
+        ``{rank: [(step, loss), ...]}`` per micro-step (steps count across cells; a long run
+        keeps at most about 2000 points, consecutive pairs averaged).
+    mean_loss_history : list of (int, float)
+        The mean over ranks at each step of ``loss_history``.
+    lr_history, grad_norm_history : list of (int, float)
+        The lr of every optimizer step, and the pre-clip total gradient norm (``--clip-grad-norm``).
+    lr, grad_norm : float or None
+        The lr now, and the last pre-clip gradient norm.
+    val_history : list of dict
+        Every validation: epoch, loss, metric, metric_name, samples, step.
+    val_loss, val_metric : float or None
+        The last validation's figures; ``metric_name`` names the metric.
+    best_epoch : int or None
+        The epoch of the best validation loss; ``restored_best``: its weights were loaded back.
+    converged : bool
+        True when the run stopped on --target-loss or --patience; False when it used up its epochs
+        (or was interrupted). ``stop_reason``: ``"target"``, ``"patience"``, ``"epochs"`` or
+        ``"interrupted"``.
+    interrupted : bool
+        The cell was interrupted (the interrupt button, ``%dist stop-training``): every rank
+        stopped after the same step, and this is what was trained until then.
+    compile_seconds : float or None
+        With --compile: the first step's extra time (compiling); ``speedup``: eager step time of an
+        earlier cell / compiled step time, when known.
     """
 
     columns = ("rank", "steps", "samples", "seconds", "samples_per_s", "final_loss", "param_bytes")
@@ -64,9 +91,56 @@ class TrainResult(Table):
         share = len(rows) // (num_shards or len(rows))  # ranks that train on the same batch
         self.samples_per_s = sum(r["samples_per_s"] for r in rows) / max(1, share)
         self.final_loss = self.epoch_losses[-1] if self.epoch_losses else math.nan
-        how = "reached --target-loss" if self.stopped_early else count(len(self.epochs), "epoch")
-        self.title = (f"{plan.strategy} · {count(len(rows), 'rank')} · {how} · final mean loss {self.final_loss:.4f} · "
-                      f"{self.samples_per_s:.0f} samples/s · {self.wall_seconds:.2f} s")
+        self._step_figures(rows)
+        self.interrupted = any(r.get("interrupted") for r in rows)
+        self.interrupted_message = "training interrupted" if self.interrupted else ""
+        self.stop_reason = "interrupted" if self.interrupted else first.get("stop_reason") or "epochs"
+        self.converged = self.stop_reason in ("target", "patience")
+        self._make_title()
+
+    def _step_figures(self, rows) -> None:
+        first = rows[0]
+        self.optimizer_steps = first.get("optimizer_steps", first["steps"])
+        self.loss_history = {r["rank"]: list(r.get("loss_history", ())) for r in rows}
+        steps = [s for s, _ in self.loss_history[first["rank"]]]
+        per_rank = [dict(h) for h in self.loss_history.values()]
+        self.mean_loss_history = [(s, math.fsum(h[s] for h in per_rank) / len(per_rank)) for s in steps
+                                  if all(s in h for h in per_rank)]
+        self.lr_history = list(first.get("lr_history", ()))
+        self.grad_norm_history = list(first.get("grad_norm_history", ()))
+        self.lr, self.grad_norm = first.get("lr"), first.get("grad_norm")
+        self.val_history = list(first.get("val_history", ()))
+        last = self.val_history[-1] if self.val_history else {}
+        self.val_loss, self.val_metric = last.get("loss"), last.get("metric")
+        self.metric_name = first.get("metric_name")
+        self.best_epoch, self.restored_best = first.get("best_epoch"), bool(first.get("restored_best"))
+        self.compile_seconds = self.speedup = None
+        if first.get("compiled") and first.get("first_step_seconds") is not None:
+            self.compile_seconds = max(0.0, first["first_step_seconds"] - first["step_seconds"])
+            if first.get("eager_step_seconds") and first["step_seconds"] > 0:
+                self.speedup = first["eager_step_seconds"] / first["step_seconds"]
+
+    def mark_interrupted(self, message: str) -> None:
+        """Mark this result as the part of an interrupted run (``message``: where the ranks stopped)."""
+        self.interrupted, self.interrupted_message, self.stop_reason, self.converged = True, message, \
+            "interrupted", False
+        self._make_title()
+
+    def _make_title(self) -> None:
+        how = {"target": "reached --target-loss", "patience": "converged (--patience)",
+               "interrupted": "interrupted"}.get(self.stop_reason, count(len(self.epochs), "epoch"))
+        parts = [self.plan.strategy, count(len(self.rows), "rank"), how, f"final mean loss {self.final_loss:.4f}"]
+        if self.val_loss is not None:
+            metric = f", {self.metric_name} {self.val_metric:.4f}" if self.val_metric is not None else ""
+            parts.append(f"validation loss {self.val_loss:.4f}{metric}")
+        if self.plan.accumulate > 1:
+            parts.append(f"{self.optimizer_steps} optimizer steps")
+        if self.lr is not None and (self.plan.lr_schedule or len({v for _, v in self.lr_history}) > 1):
+            parts.append(f"lr {self.lr:.3g}")
+        if self.grad_norm is not None:
+            parts.append(f"grad norm {self.grad_norm:.3g}")
+        parts += [f"{self.samples_per_s:.0f} samples/s", f"{self.wall_seconds:.2f} s"]
+        self.title = " · ".join(parts)
 
 
 def training_notes(first: dict) -> list:
@@ -79,6 +153,15 @@ def training_notes(first: dict) -> list:
                      "(--nan skip): no update was applied for them")
     if first.get("resumed"):
         notes.append(f"resumed from checkpoint {first['resumed']}")
+    if first.get("restored_best"):
+        notes.append(f"loaded the weights of the best validation loss back (epoch {first['best_epoch']})")
+    if first.get("compiled") and first.get("first_step_seconds") is not None:
+        extra = max(0.0, first["first_step_seconds"] - first["step_seconds"])
+        speed = ""
+        if first.get("eager_step_seconds") and first["step_seconds"] > 0:
+            speed = f", {first['eager_step_seconds'] / first['step_seconds']:.2f}x the eager steps of an earlier cell"
+        notes.append(f"torch.compile: the first step took {first['first_step_seconds']:.1f} s ({extra:.1f} s "
+                     f"compiling); later steps {first['step_seconds'] * 1000:.1f} ms{speed}")
     if first.get("continued"):
         c = first["continued"]
         notes.append(f"continued epoch {c['epoch']} where it stopped ({c['samples']} samples per rank already "

@@ -341,7 +341,7 @@ class Session:
         Returns
         -------
         TrainResult or None
-            The result if the run had finished anyway, else None.
+            The result of what was trained (``interrupted`` True unless it had finished anyway).
 
         Raises
         ------

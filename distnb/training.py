@@ -12,17 +12,15 @@ weights into the kernel's model when it ends.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-
 import time
+from dataclasses import dataclass, field
 
 from . import calls, data
 from .display import ProgressState, make_view, view_kind
 from .display.tables import count
 from .errors import PlanError, RankError
 from .execute import run_on_ranks
-from .plan import TrainPlan, redistribution
-from .results import TrainResult, training_notes
+from .plan import LR_SCHEDULES, TrainPlan, redistribution
 
 #: How often ranks report for each progress view (seconds): the dashboard redraws live,
 #: text progress prints per epoch (status and epoch-end messages are always sent at once).
@@ -117,6 +115,7 @@ def make_plan(session, model_name, model_obj, data_name, given: dict) -> TrainPl
         strategies.check(plan, model_obj, session.world_size, ns=session.ns)
     except strategies.StrategyError as exc:
         raise PlanError(f"--strategy {plan.strategy}: {exc}") from None
+    check_step_options(session, plan, model_obj)
     return _newest_start(session, plan)
 
 
@@ -139,6 +138,84 @@ def _newest_start(session, plan):
     return dataclasses.replace(plan, resume=False) if mine is not None and mine >= saved else plan
 
 
+def _is_data_set(obj) -> bool:
+    import numpy as np
+    import torch
+
+    if isinstance(obj, (torch.Tensor, np.ndarray, torch.utils.data.TensorDataset)):
+        return True
+    if isinstance(obj, (tuple, list)):
+        return bool(obj) and all(isinstance(x, (torch.Tensor, np.ndarray)) for x in obj)
+    if isinstance(obj, dict):
+        return bool(obj) and all(isinstance(x, (torch.Tensor, np.ndarray)) for x in obj.values())
+    return isinstance(obj, torch.utils.data.Dataset) and hasattr(obj, "__len__")
+
+
+def check_step_options(session, plan, model_obj) -> None:
+    """Kernel side: the step, validation and logging options against the cluster and the notebook.
+
+    Raises PlanError, naming the option, before anything is sent.
+    """
+    import importlib.util
+
+    from .engine import batchnorm
+
+    on_cpu = session.cluster.spec.device_type != "cuda"
+    if plan.precision == "fp16" and on_cpu:
+        raise PlanError("--precision fp16 needs GPU ranks (its torch.amp.GradScaler scales CUDA gradients); these "
+                        "ranks compute on CPU: use --precision bf16")
+    if on_cpu and (plan.sync_bn or batchnorm.holds_sync_batchnorm(model_obj)):
+        what = "--sync-bn" if plan.sync_bn else f"--model {plan.model} holds torch.nn.SyncBatchNorm layers, which"
+        raise PlanError(f"{what} needs GPU ranks: torch's SyncBatchNorm runs on CUDA only, and these ranks compute "
+                        "on CPU (use plain BatchNorm: each rank normalises over its own batch)")
+    ns = session.ns
+    if plan.val_data is not None:
+        if plan.val_data not in ns:
+            raise PlanError(f"--val-data {plan.val_data!r} is not defined in the notebook; define it in a cell first")
+        if not _is_data_set(ns[plan.val_data]):
+            raise PlanError(f"--val-data {plan.val_data} is a {type(ns[plan.val_data]).__name__}, not a data set "
+                            "(a tensor, a tuple or dict of tensors, a TensorDataset or a torch Dataset)")
+    for flag, name in (("--metric", plan.metric), ("--lr-schedule", None if plan.lr_schedule in LR_SCHEDULES
+                                                   else plan.lr_schedule)):
+        if name is None:
+            continue
+        if name not in ns:
+            raise PlanError(f"{flag} {name!r} is not defined in the notebook"
+                            + (f" (nor one of {', '.join(LR_SCHEDULES)})" if flag == "--lr-schedule" else ""))
+        if not callable(ns[name]):
+            raise PlanError(f"{flag} {name} is a {type(ns[name]).__name__}, not callable: "
+                            + ("metric(output, target) -> per-sample scores" if flag == "--metric"
+                               else "f(optimizer, total_steps) -> LRScheduler"))
+    if plan.log_dir is not None and importlib.util.find_spec("tensorboard") is None:
+        raise PlanError("--log-dir writes TensorBoard event files and needs the tensorboard package (pip install "
+                        "tensorboard)")
+
+
+def body_warnings(code: str, plan) -> list:
+    """Sentences about a step body that does something distnb's step undoes (e.g. clipping before backward)."""
+    import ast
+
+    if plan.loop:
+        return []
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return []
+    deferred = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef)):
+            deferred.update(id(n) for n in ast.walk(node) if n is not node)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and id(node) not in deferred:
+            fn = node.func
+            name = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else ""
+            if name in ("clip_grad_norm_", "clip_grad_value_"):
+                return [f"the step body calls {name} before distnb's backward, so it clips nothing: pass "
+                        "--clip-grad-norm X (the norm over the whole model, every rank's part), or clip in "
+                        "ctx.after_backward(lambda: ...), which runs once the gradients are complete"]
+    return []
+
+
 def prepare(session, plan, code, model_obj, data_obj, quiet) -> tuple:
     """Send what the ranks lack for ``plan``: named objects, the body's names, the model, the shards.
 
@@ -152,13 +229,18 @@ def prepare(session, plan, code, model_obj, data_obj, quiet) -> tuple:
     if not plan.builtin_optimizer:
         session.push(plan.optimizer)
     num_shards = strategies.data_parallel_size(plan, session.world_size)
-    for option, flag in ((plan.loss, "--loss"), (plan.tp_plan, "--tp-plan")):
+    schedule = None if plan.lr_schedule in LR_SCHEDULES else plan.lr_schedule
+    for option, flag in ((plan.loss, "--loss"), (plan.tp_plan, "--tp-plan"), (plan.metric, "--metric"),
+                         (schedule, "--lr-schedule")):
         if option is not None:
             session._lookup(option, flag)
             session.push(option)
-    autopush(session, code, exclude=(model_obj, data_obj))
+    val_obj = session.ns[plan.val_data] if plan.val_data is not None else None
+    autopush(session, code, exclude=(model_obj, data_obj, val_obj))
     sent = ensure_model(session, plan, model_obj, quiet)
     ensure_data(session, plan, data_obj, quiet or not sent, num_shards, silent=quiet)
+    if val_obj is not None:  # the same scatter as the training set: seeded, disjoint, covering shards
+        ensure_data(session, plan, val_obj, quiet, num_shards, silent=quiet, name=plan.val_data)
     n = session.holdings.data[plan.data]["num_samples"]
     try:
         sharding.check_sizes(n, num_shards, plan.batch_size, plan.drop_last)
@@ -258,23 +340,27 @@ def _why_sent_again(plan, model_obj, held, fp, last, verdict):
     return None
 
 
-def ensure_data(session, plan, data_obj, quiet, num_shards, silent=False) -> None:
-    """Scatter ``data_obj`` unless the ranks hold it cut this way; say how batches are cut when
-    that changes (unless ``silent``)."""
+def ensure_data(session, plan, data_obj, quiet, num_shards, silent=False, name=None) -> None:
+    """Scatter ``data_obj`` (``plan.data``, or the validation set ``name``) unless the ranks hold it cut
+    this way; say how batches are cut when that changes (unless ``silent``)."""
     from .transfer import fingerprint
 
-    info = session.holdings.data.get(plan.data)
+    name = name or plan.data
+    info = session.holdings.data.get(name)
     if info is None or info["fingerprint"] != fingerprint(data_obj) or info["seed"] != plan.seed or \
             info["num_shards"] != num_shards:
-        data.scatter(session, plan.data, data_obj, plan.seed, num_shards)
-        info = session.holdings.data[plan.data]
+        data.scatter(session, name, data_obj, plan.seed, num_shards)
+        info = session.holdings.data[name]
         quiet = False
     layout = (plan.batch_size, plan.drop_last)
     if info.get("layout") != layout:  # say how batches are cut whenever that changes
         info["layout"] = layout
         quiet = False
     if not (quiet or silent):
-        print(f"distnb: {data.describe_cut(plan, info, num_shards, session.world_size)}")
+        if name == plan.data:
+            print(f"distnb: {data.describe_cut(plan, info, num_shards, session.world_size)}")
+        else:
+            print(f"distnb: {data.describe_validation(name, info, num_shards, plan.batch_size)}")
 
 
 def weights_back(session, name, model_obj, best_effort=False, packed=None) -> None:
@@ -300,6 +386,10 @@ def train_cell(session, code, model, data, run, given):
     ``run``: the cell's :class:`~distnb.plan.RunOptions`; ``given``: its TrainPlan options. Returns
     the :class:`~distnb.results.TrainResult`; see :meth:`distnb.session.Session.train`.
     """
+    import warnings
+
+    from .errors import Interrupted
+
     t0 = time.perf_counter()
     model_name, model_obj = session._named(model, "model")
     data_name, data_obj = session._named(data, "data")
@@ -309,6 +399,8 @@ def train_cell(session, code, model, data, run, given):
     if given.get("report_interval") is None:
         given["report_interval"] = REPORT_INTERVAL[view_kind(run.progress)]
     plan = make_plan(session, model_name, model_obj, data_name, given)
+    for sentence in body_warnings(code, plan):
+        warnings.warn(f"distnb: {sentence}", UserWarning, stacklevel=4)
     num_shards, steps = prepare(session, plan, code, model_obj, data_obj, run.quiet)
     state = ProgressState(session.world_size, steps * plan.epochs, plan.epochs,
                           hosts=[r["host"] for r in session.cluster.ranks],
@@ -316,23 +408,46 @@ def train_cell(session, code, model, data, run, given):
     view = make_view(state, run.progress)
     view.show()
     show = tuple(range(session.world_size)) if run.all_output else (0,)
+    stopped = None
     try:
         rows = run_on_ranks(session, calls.train, plan.to_dict(), code, what="training", state=state, view=view,
                             show_ranks=show)
+    except Interrupted as exc:  # every rank stopped after the same step: the result of what was trained
+        if getattr(exc, "results", None) is None:
+            weights_back(session, plan.model, model_obj, best_effort=True)
+            raise
+        rows, stopped = exc.results, exc
     except (RankError, KeyboardInterrupt):
         weights_back(session, plan.model, model_obj, best_effort=True)
         if plan.builtin_optimizer:  # a built-in optimizer was not what failed (a dead engine, the body, ...)
             session.holdings.remember_optimizer(plan)
         raise
+    result = finish(session, plan, model_obj, rows, time.perf_counter() - t0, num_shards, run.quiet, stopped)
+    session.last_result = result
+    return result
+
+
+def finish(session, plan, model_obj, rows, wall_seconds, num_shards, quiet, stopped=None):
+    """The end of a training cell: weights back, the notes, the TrainResult (``stopped``: the Interrupted).
+
+    A run stopped by the interrupt button or ``%dist stop-training`` (every rank after the same
+    step) still gives the result of what was trained, marked ``interrupted``.
+    """
+    from .results import TrainResult, training_notes
+
     weights_back(session, plan.model, model_obj, packed=rows[0].pop("state"))
     for row in rows:
         row.pop("state", None)
         row.update(row.pop("holdings", {}))
-    if not run.quiet:
+    result = TrainResult(rows, plan, wall_seconds, num_shards)
+    if stopped is not None:
+        result.mark_interrupted(str(stopped))
+    if not quiet:
         for note in training_notes(rows[0]):
             print(f"distnb: {note}")
-    result = TrainResult(rows, plan, time.perf_counter() - t0, num_shards)
-    session.last_result = result
+        background = session._background
+        if stopped is not None and not (background is not None and background.current_thread_is_runner()):
+            print(f"distnb: {stopped}; the result holds what was trained")
     session.holdings.trained_steps[plan.model] = rows[0]["global_steps"]
     session.holdings.remember_optimizer(plan)  # what the ranks accepted becomes the model's chosen optimizer
     return result

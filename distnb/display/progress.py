@@ -18,7 +18,7 @@ RATE_WINDOW = 1.0
 STALL_SECONDS = 2.0
 #: Fields of a rank message copied into the rank's row when present.
 ROW_FIELDS = ("status", "epoch", "step", "total", "loss", "samples_per_s", "step_time", "busy_time", "error",
-              "stage", "peak_memory", "memory_kind", "samples")
+              "stage", "peak_memory", "memory_kind", "samples", "opt_step", "lr", "grad_norm")
 
 
 class Series:
@@ -77,11 +77,14 @@ class ProgressState:
         self.rows = [dict(rank=r, host=(hosts or [""] * world_size)[r], device=(devices or [""] * world_size)[r],
                           status="waiting", epoch=None, step=0, total=total_steps, loss=None, smooth_loss=None,
                           samples_per_s=0.0, step_time=0.0, busy_time=None, error=None, stage=None,
-                          peak_memory=None, memory_kind=None, samples=0, rate=None, where=None)
+                          peak_memory=None, memory_kind=None, samples=0, rate=None, where=None, opt_step=None,
+                          lr=None, grad_norm=None)
                      for r in range(world_size)]
         self.curves = [Series() for _ in range(world_size)]  # per rank: (step, loss)
         self.epoch_means = {}  # epoch -> mean loss over all ranks
         self.throughput = Series()  # (seconds since the first message, samples/s summed over ranks)
+        self.validation = {}  # cell step -> (validation loss, metric or None), from rank 0's messages
+        self.metric_name = None
         self.version = 0
         self._clock = clock
         self._t0 = None
@@ -102,10 +105,14 @@ class ProgressState:
         for step, value in new_points:
             ema = row["smooth_loss"]
             row["smooth_loss"] = value if ema is None else ema + SMOOTHING * (value - ema)
-        n_means = len(self.epoch_means)
+        n_means, n_val = len(self.epoch_means), len(self.validation)
         for epoch, mean in msg.get("epoch_losses", ()):
             self.epoch_means[int(epoch)] = float(mean)
-        changed = bool(new_points) or n_means != len(self.epoch_means) or before != {k: row[k] for k in ROW_FIELDS}
+        for step, loss, metric in msg.get("val_points", ()):  # the same figures on every rank
+            self.validation[int(step)] = (float(loss), None if metric is None else float(metric))
+        self.metric_name = msg.get("metric_name") or self.metric_name
+        changed = bool(new_points) or n_means != len(self.epoch_means) or n_val != len(self.validation) or \
+            before != {k: row[k] for k in ROW_FIELDS}
         if changed:
             self.version += 1
             if "samples" in msg or "samples_per_s" in msg:

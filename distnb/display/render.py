@@ -286,10 +286,27 @@ def straggler_svg(state, width=300, height=130, threshold=STRAGGLER_THRESHOLD) -
     return "".join(out)
 
 
+def validation_svg(state, width=300, height=130) -> str:
+    """The validation loss (and metric, in the title) at each validation, against the cell's step.
+
+    Returns
+    -------
+    str
+        An ``<svg class='distnb-validation'>`` element with ``polyline.distnb-val-loss``.
+    """
+    points = sorted(state.validation.items())
+    title = "validation loss"
+    if points and points[-1][1][1] is not None:
+        title += f" · {state.metric_name or 'metric'} {points[-1][1][1]:.4f}"
+    series = [([(s, v[0]) for s, v in points], "#d62728", 2, "distnb-val-loss", "validation")]
+    return _plot(series, "distnb-validation", title, width, height)
+
+
 def charts_html(state) -> str:
-    """Loss curve, throughput line and straggler view side by side."""
+    """Loss curve (and the validation curve beside it), throughput line and straggler view side by side."""
+    val = validation_svg(state) if state.validation else ""
     return (f"<div class='distnb-charts' style='display:flex;flex-wrap:wrap;gap:8px;margin-top:4px'>"
-            f"{loss_svg(state)}{throughput_svg(state)}{straggler_svg(state)}</div>")
+            f"{loss_svg(state)}{val}{throughput_svg(state)}{straggler_svg(state)}</div>")
 
 
 # --- header and the whole dashboard --------------------------------------------------------------
@@ -313,12 +330,29 @@ def header_html(state, title="") -> str:
     if state.epoch_means:
         last = max(state.epoch_means)
         parts.append(f"epoch {last} mean loss {state.epoch_means[last]:.4f}")
+    parts += step_parts(state)
     total = sum(_rate(r) for r in state.rows)
     if total:
         parts.append(f"{total:.0f} samples/s")
     if title:
         parts.append(esc(title))
     return f"<div class='distnb-header' style='{_FONT};margin-bottom:2px'>{' · '.join(parts)}</div>"
+
+
+def step_parts(state) -> list:
+    """Header pieces of the optimizer step: micro/optimizer steps, lr, grad norm, last validation."""
+    row, parts = state.rows[0], []
+    if row.get("opt_step") is not None and row["opt_step"] != row["step"]:
+        parts.append(f"optimizer step {row['opt_step']} ({row['step']} micro-steps)")
+    if row.get("lr") is not None:
+        parts.append(f"<span class='distnb-lr'>lr {row['lr']:.3g}</span>")
+    if row.get("grad_norm") is not None:
+        parts.append(f"grad norm {row['grad_norm']:.3g}")
+    if state.validation:
+        loss, metric = state.validation[max(state.validation)]
+        extra = f" {esc(state.metric_name or 'metric')} {metric:.4f}" if metric is not None else ""
+        parts.append(f"<span class='distnb-val'>validation loss {loss:.4f}{extra}</span>")
+    return parts
 
 
 def dashboard_html(state, title="") -> str:

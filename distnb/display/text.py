@@ -32,7 +32,11 @@ class TextProgress:
             if i % every and i != st.epochs - 1:
                 continue
             ranks = "  ".join(f"rank {r['rank']} {_fmt(r['samples_per_s'], '.0f')} samples/s" for r in st.rows)
-            print(f"epoch {epoch:>3}  mean loss {st.epoch_means[epoch]:.4f}  |  {ranks}", file=self.stream)
+            extra = ""
+            if st.validation:
+                loss, metric = st.validation[max(st.validation)]
+                extra = f"  val loss {loss:.4f}" + (f" {st.metric_name} {metric:.4f}" if metric is not None else "")
+            print(f"epoch {epoch:>3}  mean loss {st.epoch_means[epoch]:.4f}{extra}  |  {ranks}", file=self.stream)
         for r in st.rows:  # a rank that stalls: where it is, once per spot
             if r.get("where") and r["status"] == "running" and self._where_shown.get(r["rank"]) != r["where"].rsplit(" for ", 1)[0]:
                 self._where_shown[r["rank"]] = r["where"].rsplit(" for ", 1)[0]

@@ -100,8 +100,10 @@ def save(run, directory: str, plan_dict: dict, data_seed: int) -> dict:
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path)
     _barrier()  # every rank's part is on disk
     plan_dict = dict(plan_dict, optimizer=run.optimizer_key)  # the optimizer that made the saved state
+    from .stepping import scheduler_state
+
     meta = dict(path=path, epoch=run.epoch, epoch_step=run.epoch_step, epoch_samples=run.epoch_samples,
-                steps=run.steps, plan=plan_dict,
+                steps=run.steps, plan=plan_dict, optimizer_steps=run.optimizer_steps, scheduler=scheduler_state(run),
                 data_seed=data_seed, world_size=runtime.STATE.world_size, optimizer=run.optimizer_key,
                 seconds=time.perf_counter() - t0)
     if runtime.STATE.rank == 0:  # file I/O only: no collective under this branch
@@ -120,7 +122,7 @@ def _prune(directory: str) -> None:
         shutil.rmtree(os.path.join(directory, d), ignore_errors=True)
 
 
-def load(run, meta: dict) -> None:
+def load(run, meta: dict, ns=None) -> None:
     """Restore ``run``'s model, optimizer and position from checkpoint ``meta`` (every rank).
 
     The strategy and optimizer must already be built as ``meta["plan"]`` describes
@@ -143,3 +145,7 @@ def load(run, meta: dict) -> None:
     run.strategy.load_checkpoint_state(run.optimizer, state["model"], state["optimizer"])
     run.epoch, run.epoch_step, run.steps = meta["epoch"], meta["epoch_step"], meta["steps"]
     run.epoch_samples = meta["epoch_samples"]
+    run.optimizer_steps = meta.get("optimizer_steps", run.steps)
+    from .stepping import load_scheduler
+
+    load_scheduler(run, meta.get("scheduler"), ns or {})  # the lr schedule, where it was

@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import signal
 import sys
-import threading
 import time
 
 import torch
-import torch.distributed as dist
 
 from ..plan import DEFAULT_LR, STRATEGIES, TrainPlan, redistribution
-from . import checkpoint, collectives, runtime, shard as sharding, wire
+from . import batchnorm, checkpoint, collectives, runtime, shard as sharding, stepping, wire
 from . import where
 from .report import Reporter, publish_raw
 from . import strategies
+from .context import Context, StopRequest, _Stopped  # noqa: F401 - the cell's ctx and its stop
+from .validation import Validator
 
 
 class Shard:
@@ -73,6 +72,11 @@ class Run:
         self.steps = 0
         self.plan_dict = None  # the plan it was last trained with (recorded in checkpoints)
         self.forwards = 0  # calls of the strategy wrapper, to catch bodies that bypass it
+        self.optimizer_steps = 0
+        self.scheduler = self.schedule_name = None  # --lr-schedule, live between cells
+        self.schedule_total = 0
+        self.scaler = None  # fp16's GradScaler (its scale carries on between cells)
+        self.eager_step_time = None  # seconds per step of the last cell without --compile
 
     def count_forward(self, module, args):
         self.forwards += 1
@@ -168,240 +172,21 @@ def _optimizer(ns, run, plan):
     # a first optimizer was announced with the model ("fresh ... optimizer"); say only replacements
     note = f"new {name} optimizer (was {run.optimizer_key})" if run.optimizer is not None else ""
     run.optimizer, run.optimizer_key = run.strategy.wrap_optimizer(optimizer), name
+    run.scheduler = run.schedule_name = None  # a schedule drives the optimizer it was made for
     return run.optimizer, note
 
 
-class _Stopped(BaseException):
-    """Every rank agreed to stop at this step boundary (an interrupt from the kernel)."""
-
-
-class StopRequest:
-    """SIGINT during a training cell, turned into a stop that every rank takes at the same step.
-
-    The first SIGINT only sets :attr:`requested`; ranks OR their flags with an all-reduce about
-    every :data:`STOP_CHECK_SECONDS` (at a step count all ranks agree on), so they all stop after
-    the same completed step, with identical parameters and a healthy process group. A second
-    SIGINT raises KeyboardInterrupt at once (for a body stuck between steps).
-    """
-
-    def __init__(self):
-        self.requested = False
-        self._previous = None
-
-    def _handler(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handler)
-        return self
-
-    def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-        return False
-
-
-#: Seconds of training between two checks for a stop request (one tiny all-reduce each).
-STOP_CHECK_SECONDS = 0.1
-
-
-class Context:
-    """What a ``%%distrain`` body sees as ``ctx``.
-
-    Attributes
-    ----------
-    rank, world_size, local_rank : int
-    device : torch.device
-    model : torch.nn.Module
-        The strategy-wrapped model (DistributedDataParallel for ddp, the sharded module
-        for fsdp and tensor, this rank's pipeline stage for pipeline).
-    module : torch.nn.Module
-        The unwrapped model.
-    optimizer : torch.optim.Optimizer
-    plan : TrainPlan
-    epoch : int
-        Current epoch number (counts across cells).
-    step : int
-        Steps finished in this cell.
-    steps_per_epoch : int
-    loader : iterable
-        Batches of this rank's shard for the current epoch (used with ``--loop``).
-    """
-
-    def __init__(self, plan, run, data, reporter, stop=None):
-        st = runtime.STATE
-        self.rank, self.world_size, self.local_rank, self.device = st.rank, st.world_size, st.local_rank, st.device
-        self.plan, self.model, self.module, self.optimizer = plan, run.strategy.model, run.module, run.optimizer
-        self.strategy = run.strategy
-        self._run, self._data, self._reporter = run, data, reporter
-        self.steps_per_epoch = sharding.steps_per_epoch(data.num_samples, data.num_shards, plan.batch_size,
-                                                        plan.drop_last)
-        self.epoch = run.epoch
-        self.step = 0
-        self.epoch_losses = []
-        self.local_losses = []
-        self.stopped_early = False
-        self._losses = []
-        self._loss_count = 0
-        self._batch_samples = 0
-        self._forwards_seen = run.forwards
-        self._stop = stop or StopRequest()
-        self._check_at = 1  # step count of the next stop check (the same on every rank)
-        self._stop_work = None  # the stop check in flight: (work, flags)
-        self._check_t0 = time.perf_counter()
-        self._check_step0 = 0
-        self.interrupted = False
-        self.skipped_steps = 0  # steps dropped for a non-finite loss (--nan skip)
-        self.skip = run.epoch_samples  # resume mid-epoch: samples of the first epoch already trained
-        self.checkpoints = []
-
-    @property
-    def loader(self):
-        data = self._data
-        order = sharding.epoch_order(data.num_samples, data.num_shards, data.index, self.plan.seed, self.epoch,
-                                     self.plan.drop_last)
-        skip, self.skip = self.skip, 0
-        for idx in sharding.batches(order[skip:], self.plan.batch_size, self.plan.drop_last):
-            self._batch_samples = len(idx)
-            yield self._data.batch(idx, self.device)
-
-    def epochs(self):
-        """Yield epoch numbers; after each, all-reduce the mean loss and honour --target-loss."""
-        first = self._run.epoch
-        for epoch in range(first, first + self.plan.epochs):
-            self.epoch = self._reporter.epoch = epoch
-            self._losses, self._loss_count = [], 0
-            yield epoch
-            mean = self._epoch_mean()
-            self.epoch_losses.append(mean)
-            self._run.epoch, self._run.epoch_step, self._run.epoch_samples = epoch + 1, 0, 0
-            self._reporter.end_epoch(epoch, mean)
-            if self.plan.checkpoint_dir and self.plan.checkpoint_every is None:
-                self.save_checkpoint()
-            self._settle_stop_check()  # a stop asked for during the epoch lands here, after it
-            if self.plan.target_loss is not None and mean <= self.plan.target_loss:
-                self.stopped_early = True
-                break
-
-    def any_nonfinite(self, loss, value) -> bool:
-        """True on every rank when the loss of this step is NaN or infinite on any rank."""
-        bad = (not math.isfinite(value)) if value is not None else bool((~torch.isfinite(loss.detach())).item())
-        flag = torch.tensor([1.0 if bad else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
-    def report(self, loss, num_samples=None, value=None, skipped=False):
-        """Record one finished step (loss: scalar tensor; num_samples: default the last batch size).
-
-        ``value`` is ``float(loss)`` when the caller has it already.
-
-        Raises if the step never called ``model`` (the strategy wrapper): calling the
-        unwrapped module (e.g. by its notebook name) skips the gradient all-reduce and the
-        replicas silently diverge.
-        """
-        if self.strategy.wraps_model and self._run.forwards == self._forwards_seen:
-            raise RuntimeError(
-                f"rank {self.rank}, epoch {self.epoch}, step {self.step}: the step never called `model`, "
-                "the DistributedDataParallel-wrapped model; calling the notebook's model directly (e.g. "
-                "`net(x)`) skips the gradient all-reduce and the ranks diverge. Use `model(x)` in the body")
-        self._forwards_seen = self._run.forwards
-        detached = loss.detach()
-        if skipped:
-            self.skipped_steps += 1
-        else:  # a float when the step already read it (CPU); a tensor otherwise, summed per epoch (no GPU sync)
-            self._losses.append(detached if value is None else value)
-            self._loss_count += 1
-        self.step += 1
-        self._run.steps += 1
-        self._run.epoch_step += 1
-        self._run.epoch_samples += self._batch_samples
-        self._reporter.record(detached, self._batch_samples if num_samples is None else num_samples)
-        every = self.plan.checkpoint_every
-        if every and self.plan.checkpoint_dir and self._run.steps % every == 0:
-            self.save_checkpoint()  # at a global step count every rank shares
-        if self.step >= self._check_at:
-            self._agree_on_stop()
-
-    def save_checkpoint(self):
-        """Save model, optimizer and position under --checkpoint-dir (a collective)."""
-        meta = checkpoint.save(self._run, self.plan.checkpoint_dir, self.plan.to_dict(), self.plan.seed)
-        self.checkpoints.append(meta["path"])
-        self._saved_at = self._run.steps
-
-    def final_checkpoint(self):
-        """With --checkpoint-dir, save the cell's last step unless it was just saved (every rank calls it)."""
-        if self.plan.checkpoint_dir and self._run.steps and getattr(self, "_saved_at", None) != self._run.steps:
-            self.save_checkpoint()
-
-    def _agree_on_stop(self):
-        """All-reduce (max) of the stop flag and the step time, without waiting for it.
-
-        The all-reduce started here is read at the next check (or epoch end), when it has long
-        finished: every rank reads the same answer at the same step, so all stop after the same
-        step (one check interval after the request), and training never stalls on a sync point
-        of its own (a synchronous check cost a model with 50-ms steps several per cent).
-        """
-        now = time.perf_counter()
-        per_step = (now - self._check_t0) / max(1, self.step - self._check_step0)
-        flags = torch.tensor([1.0 if self._stop.requested else 0.0, per_step], dtype=torch.float64,
-                             device=self.device)
-        pending = self._stop_work
-        self._stop_work = (dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True), flags)
-        if pending is None:  # the first check since the last epoch end: read its answer at the next step
-            self._check_at = self.step + 1
-        else:
-            stop, slowest = self._stop_answer(pending)
-            self._check_at = self.step + max(1, min(10_000, math.ceil(STOP_CHECK_SECONDS / max(slowest, 1e-6))))
-        self._check_t0, self._check_step0 = time.perf_counter(), self.step
-
-    def _stop_answer(self, pending):
-        """(stop, slowest step time) of a finished check; stops every rank here if one asked to."""
-        work, flags = pending
-        work.wait()
-        stop, slowest = flags.tolist()
-        if stop:
-            if self._stop_work is not None and self._stop_work is not pending:
-                self._stop_work[0].wait()  # the check just started: finished on every rank before leaving
-            self._stop_work = None
-            self.interrupted = True
-            raise _Stopped()
-        return stop, slowest
-
-    def _settle_stop_check(self):
-        """At an epoch end (every rank at the same step): read the check in flight, if any."""
-        pending, self._stop_work = self._stop_work, None
-        if pending is not None:
-            self._stop_answer(pending)
-
-    def _epoch_mean(self):
-        local = torch.zeros(2, dtype=torch.float64, device=self.device)
-        if self._loss_count:
-            floats = [v for v in self._losses if isinstance(v, float)]
-            tensors = [v for v in self._losses if not isinstance(v, float)]
-            total = math.fsum(floats) + (float(torch.stack(tensors).double().sum()) if tensors else 0.0)
-            local[0] = total
-            local[1] = self._loss_count
-        self.local_losses.append(float(local[0] / local[1]) if local[1] > 0 else math.nan)
-        dist.all_reduce(local)
-        return float(local[0] / local[1]) if local[1] > 0 else math.nan
-
-
 def _steps(ns, code, ctx):
-    optimizer, step = ctx.optimizer, ctx.strategy.step
+    """The micro-steps and optimizer steps of a step body (engine/stepping.py)."""
+    stepper = ctx.stepper
     for _ in ctx.epochs():
         for batch in ctx.loader:
-            optimizer.zero_grad(set_to_none=True)
             ns["batch"] = batch
-            loss, value = step(ns, code, ctx)
-            if ctx.plan.nan == "skip" and ctx.any_nonfinite(loss, value):
-                optimizer.zero_grad(set_to_none=True)  # drop the step on every rank
-                ctx.report(loss, value=value, skipped=True)
-                continue
-            optimizer.step()
-            ctx.report(loss, value=value)
+            at, batches = ctx.epoch_done, ctx.epoch_batches  # this epoch's micro-step, of how many
+            loss, value = stepper.micro_step(ns, code, ctx, at, batches)
+            bad = ctx.plan.nan == "skip" and ctx.any_nonfinite(loss, value)
+            stepper.finish_micro(at, batches, bad)  # a non-finite loss drops its whole group, on every rank
+            ctx.report(loss, value=value, skipped=bad)
 
 
 def _run_body(ns, code, ctx, plan):
@@ -422,8 +207,9 @@ def train(ns, plan_dict, code_text):
         raise RuntimeError(f"rank {st.rank}: the process group is broken; the kernel must re-form it")
     run = RUNS.get(plan.model)
     data = SHARDS.get(plan.data)
-    if run is None or data is None:
-        raise RuntimeError(f"rank {st.rank}: model {plan.model!r} or data {plan.data!r} was not sent")
+    if run is None or data is None or (plan.val_data is not None and plan.val_data not in SHARDS):
+        raise RuntimeError(f"rank {st.rank}: model {plan.model!r} or data {plan.data!r} "
+                           f"{'' if plan.val_data is None else f'or {plan.val_data!r} '}was not sent")
     sharding.check_sizes(data.num_samples, data.num_shards, plan.batch_size, plan.drop_last)
     steps = sharding.steps_per_epoch(data.num_samples, data.num_shards, plan.batch_size, plan.drop_last)
     reporter = Reporter(st.rank, steps * plan.epochs, plan.epochs, interval=plan.report_interval)
@@ -442,6 +228,7 @@ def train(ns, plan_dict, code_text):
         ctx = Context(plan, run, data, reporter, stop=stop)
         reporter.total = steps * plan.epochs - math.ceil(ctx.skip / plan.batch_size)
         continued = dict(epoch=run.epoch, samples=ctx.skip) if ctx.skip else None
+        note = " ".join(x for x in (note, _cell_extras(ns, plan, run, ctx, code, steps)) if x)
         ns.update(model=run.strategy.model, optimizer=run.optimizer, ctx=ctx)
         run.module.train()
         reporter.set_status("running")
@@ -455,8 +242,11 @@ def train(ns, plan_dict, code_text):
             pass
         finally:
             watchdog.stop()
+            if ctx.logger is not None:
+                ctx.logger.close()
         seconds = time.perf_counter() - t0
-        ctx.final_checkpoint()  # a resume never goes back behind this cell's last step
+        restored = ctx.validator.restore_best() if plan.restore_best and not ctx.interrupted else False
+        ctx.final_checkpoint()  # a resume never goes back behind this cell's last step (the restored best, if any)
     except BaseException as exc:
         if "find_unused_parameters=True" in str(exc) and not plan.find_unused_parameters and exc.args:
             exc.args = (f"{exc.args[0]}\n[distnb] some parameters got no gradient: run the cell with "
@@ -480,7 +270,41 @@ def train(ns, plan_dict, code_text):
                 stopped_early=ctx.stopped_early, steps_per_epoch=steps, global_steps=run.steps, note=note,
                 interrupted=ctx.interrupted,
                 where=dict(epoch=run.epoch, step=run.epoch_step), holdings=run.strategy.holdings(), state=state,
-                resumed=resumed, continued=continued, checkpoints=ctx.checkpoints, skipped_steps=ctx.skipped_steps)
+                resumed=resumed, continued=continued, checkpoints=ctx.checkpoints, skipped_steps=ctx.skipped_steps,
+                **_step_figures(plan, run, ctx, restored))
+
+
+def _cell_extras(ns, plan, run, ctx, code, steps) -> str:
+    """The cell's lr schedule, validator and TensorBoard writer; returns a note ("" if none)."""
+    from .stepping import Stepper
+
+    ctx._code = code
+    first = max(1, steps - math.ceil(ctx.skip / plan.batch_size))  # an epoch resumed in the middle: its rest
+    total = Stepper.groups_per_epoch(first, plan.accumulate) + \
+        (plan.epochs - 1) * Stepper.groups_per_epoch(steps, plan.accumulate)
+    note = stepping.prepare_schedule(plan, run, max(1, total), ns, lr_given=plan.lr is not None)
+    if plan.val_data is not None:
+        ctx.validator = Validator(plan, run, SHARDS[plan.val_data], ns, runtime.STATE.device)
+    if plan.log_dir is not None:
+        from .tblog import Logger
+
+        ctx.logger = Logger(plan.log_dir, runtime.STATE.rank)
+    return note
+
+
+def _step_figures(plan, run, ctx, restored) -> dict:
+    """The result's histories and step figures (engine/stepping.py, validation) of this rank."""
+    stepper, validator = ctx.stepper, ctx.validator
+    timing = ctx.step_timing()
+    if not plan.compile and timing:
+        run.eager_step_time = timing["step_seconds"]
+    return dict(optimizer_steps=stepper.optimizer_steps, loss_history=ctx.loss_history.points(),
+                lr_history=stepper.lrs.points(), grad_norm_history=stepper.grad_norms.points(),
+                grad_norm=stepper.last_norm, lr=stepper.lr, stop_reason=ctx.stop_reason,
+                val_history=list(validator.history) if validator else [], restored_best=restored,
+                best_epoch=validator.best[1] if validator and validator.best else None,
+                metric_name=validator.metric_name if validator else None, precision=plan.precision,
+                compiled=plan.compile, eager_step_seconds=run.eager_step_time, **timing)
 
 
 def _prepare(ns, plan, run):
@@ -501,11 +325,14 @@ def _prepare(ns, plan, run):
     if verdict == "rebuild" or run.strategy is None:
         if run.strategy is not None:
             run.strategy.close()
+        run.module = batchnorm.convert(run.module, plan.sync_bn)
         run.strategy = strategies.build(run.module, plan, st.device, ns)
         if run.strategy.wraps_model:
             run.strategy.model.register_forward_pre_hook(run.count_forward)
-        if run.optimizer is not None and run.strategy_key is not None and run.strategy_key != key:
+        if run.optimizer is not None and run.strategy_key is not None and run.strategy_key != key and \
+                _param_ids(run.optimizer) != {id(p) for p in run.strategy.parameters()}:
             run.optimizer = None  # its parameters belong to the old distribution
+            run.scheduler = run.schedule_name = None
         run.generation, run.strategy_key = st.generation, key
     meta = None
     if fresh and plan.checkpoint_dir and not plan.reset and plan.resume and checkpoint.latest(plan.checkpoint_dir):
@@ -515,8 +342,12 @@ def _prepare(ns, plan, run):
     _, note = _optimizer(ns, run, plan)
     if meta is None:
         return note, None
-    checkpoint.load(run, meta)
+    checkpoint.load(run, meta, ns)
     return note, meta["path"]
+
+
+def _param_ids(optimizer) -> set:
+    return {id(p) for group in optimizer.param_groups for p in group["params"]}
 
 
 def save_checkpoint(ns, name, directory):
@@ -548,5 +379,5 @@ def restore(ns, name, directory):
     run = RUNS[name]
     _prepare(ns, plan, run)
     run.plan_dict = plan.to_dict()
-    checkpoint.load(run, meta)
+    checkpoint.load(run, meta, ns)
     return meta

@@ -9,7 +9,13 @@ Checks, printing one line each and exiting non-zero on the first failure:
 2. ``distnb.start()`` picks nccl and one engine per GPU, each engine seeing only its own GPU;
 3. a DDP training cell on digits matches a single-process reference on the global batch
    (1e-4 on GPU: cuDNN/cuBLAS reductions differ slightly from the CPU);
-4. the weights back in this process equal rank 0's, and stop leaves no engine behind.
+4. the weights back in this process equal rank 0's;
+5. ``--precision fp16`` trains with a ``torch.amp.GradScaler`` on every rank (GPU only), the loss falls and
+   the weights back are fp32;
+6. ``--sync-bn``: the ranks' BatchNorm is SyncBatchNorm, so their running statistics agree although their
+   batches differ, and the kernel's model keeps plain BatchNorm with rank 0's statistics (GPU only);
+7. ``--compile`` trains (torch.compile after DDP) to a falling loss and reports the compile time;
+8. stop leaves no engine behind.
 """
 
 from __future__ import annotations
@@ -86,6 +92,7 @@ def main() -> int:
         w0 = s.pull("_w", rank=0)
         check(torch.equal(w0, torch.cat([p.detach().flatten() for p in net.parameters()])),
               "weights back in the kernel equal rank 0's")
+        step_checks(s, ns, data, gpus, check)
         pids = s.cluster.pids["engines"]
     finally:
         s.stop(quiet=True)
@@ -95,6 +102,50 @@ def main() -> int:
     left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     check(not left, "stop left no engine behind")
     return 0
+
+
+BN_NET = """
+import torch.nn as nn
+torch.manual_seed(0)
+bn_net = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10))
+"""
+
+
+def step_checks(s, ns, data, gpus, check) -> None:
+    """Issue 15's GPU checks: fp16 with its GradScaler, --sync-bn, --compile on nccl."""
+    import torch
+    import torch.nn as nn
+
+    body = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
+    opts = dict(data="data", batch_size=32, optimizer="adam", lr=1e-2, progress="none", quiet=True)
+    if gpus:
+        torch.manual_seed(0)
+        ns["net16"] = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+        r = s.train(body, model="net16", epochs=3, precision="fp16", **opts)
+        s.run("from distnb.engine.loop import RUNS\n_scale = float(RUNS['net16'].scaler.get_scale())")
+        scales = s.pull("_scale")
+        check(r.epoch_losses[-1] < r.epoch_losses[0] and all(x > 0 for x in scales),
+              f"fp16 with GradScaler (scales {scales}): mean loss {r.epoch_losses[0]:.3f} -> {r.epoch_losses[-1]:.3f}")
+        check(all(p.dtype == torch.float32 for p in ns["net16"].parameters()), "fp16: the weights back are fp32")
+        exec(BN_NET, ns)
+        s.train(body, model="bn_net", epochs=2, sync_bn=True, **opts)
+        s.run("import torch\n_kinds = sorted({type(m).__name__ for m in bn_net.modules()})\n"
+              "_rm = bn_net[1].running_mean.detach().float().cpu().clone()")
+        kinds, means = s.pull("_kinds"), s.pull("_rm")
+        check(all("SyncBatchNorm" in k for k in kinds), f"--sync-bn: the ranks hold SyncBatchNorm ({kinds[0]})")
+        agree = max((m - means[0]).abs().max().item() for m in means)
+        check(agree < 1e-5, f"--sync-bn: the ranks' running statistics agree (max diff {agree:.1e})")
+        back = ns["bn_net"][1]
+        check(type(back) is nn.BatchNorm1d and torch.allclose(back.running_mean, means[0]),
+              "--sync-bn: the kernel's model keeps plain BatchNorm1d with rank 0's statistics")
+    else:
+        print("skip fp16 and --sync-bn: they need GPU ranks", flush=True)
+    torch.manual_seed(0)
+    ns["cnet"] = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    r = s.train(body, model="cnet", epochs=3, compile=True, **opts)
+    check(r.epoch_losses[-1] < r.epoch_losses[0] and r.compile_seconds is not None,
+          f"--compile: mean loss {r.epoch_losses[0]:.3f} -> {r.epoch_losses[-1]:.3f}, compiling took "
+          f"{r.compile_seconds:.1f} s")
 
 
 if __name__ == "__main__":

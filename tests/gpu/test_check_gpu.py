@@ -15,7 +15,7 @@ import pytest
 CHECK = Path(__file__).with_name("check_gpu.py")
 REPO = Path(__file__).resolve().parents[2]
 NUM_GPUS_NEEDED = 1  # one engine per GPU: one GPU is a world of one rank (nccl), more are a real DDP world
-TIMEOUT = 240  # seconds: engines start, two epochs of digits, stop
+TIMEOUT = 420  # seconds: engines start, two epochs of digits, fp16, --sync-bn, --compile (compiling), stop
 
 
 @pytest.mark.timeout(TIMEOUT + 60)
@@ -31,4 +31,4 @@ def test_check_gpu():
                          env=env)
     print(out.stdout)
     assert out.returncode == 0, f"check_gpu.py exited with {out.returncode}:\n{out.stdout}\n{out.stderr}"
-    assert "FAIL" not in out.stdout and out.stdout.count("ok   ") >= 6, out.stdout
+    assert "FAIL" not in out.stdout and out.stdout.count("ok   ") >= 11, out.stdout

@@ -58,12 +58,14 @@ def test_background_run_frees_the_kernel_refuses_other_commands_and_wait_returns
 
 def test_stop_training_stops_every_rank_at_the_same_step(shell, capsys):
     run(shell, SETUP)
-    run(shell, "%%distrain --model bg_net --data bg_train --epochs 500 --batch-size 16 --background\n"
+    run(shell, "%%distrain --model bg_net --data bg_train --epochs 500 --batch-size 16 --background -o bg_stopped\n"
                "x, y = batch\ntime.sleep(0.002)\nloss = F.cross_entropy(model(x), y)")
     time.sleep(0.5)  # let it train a while (the thing under test is stopping a run in progress)
     t0 = time.monotonic()
     res = run(shell, "%dist stop-training")
     assert res.error_in_exec is None and time.monotonic() - t0 < 10
+    stopped = shell.user_ns["bg_stopped"]  # bound by -o: the TrainResult of what was trained, marked interrupted
+    assert res.result is stopped and stopped.interrupted and stopped.rows[0]["steps"] > 0
     out = capsys.readouterr().out
     assert "every rank stopped after the same step" in out
     assert session_mod.current()._background is None
@@ -89,7 +91,8 @@ def test_interrupting_wait_stops_the_run_like_stop_training(shell, capsys):
         res = run(shell, "%dist wait")
     finally:
         timer.cancel()
-    assert res.error_in_exec is None and res.result is None and time.monotonic() - t0 < 10
+    assert res.error_in_exec is None and time.monotonic() - t0 < 10
+    assert res.result is not None and res.result.interrupted  # the result of what was trained
     assert "every rank stopped after the same step" in capsys.readouterr().out  # the Interrupted, as one line
     assert session_mod.current()._background is None
     net = shell.user_ns["bg_net"]

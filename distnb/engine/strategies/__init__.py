@@ -6,7 +6,11 @@ Each module defines a :class:`Strategy` subclass; :func:`build` picks it by
 - ``model``: what the step body calls (the DDP wrapper, the sharded module, ...);
 - ``parameters()``: what this rank's optimizer updates;
 - ``wrap_optimizer(opt)``: a hook for strategies that own the update (parameter server);
-- ``step(ns, code, ctx)``: one forward and backward on ``ns["batch"]``, returning the loss;
+- ``step(ns, code, ctx)``: one forward (under ``ctx.autocast()``) and backward (``ctx.backward``:
+  scaled for accumulation and fp16) on ``ns["batch"]``, returning the loss;
+- ``no_sync()``: a context in which backward skips the gradient reduction (the first
+  micro-steps of ``--accumulate``);
+- ``compile()``: ``torch.compile`` what the body calls, after the wrapping (``--compile``);
 - ``full_state()``: the whole model's state dict, assembled on rank 0 (a collective: called
   on every rank);
 - ``checkpoint_state(opt)`` / ``load_checkpoint_state(...)``: what torch.distributed.checkpoint
@@ -63,6 +67,11 @@ class Strategy:
     supports_loop = True
     #: True: ``model`` is a wrapper that must be called (calling the bare module skips the sync).
     wraps_model = False
+    #: True: after backward every rank holds the same whole gradients (ddp): no rank can overflow alone.
+    replicated_grads = False
+    #: True: plain (non-DTensor) gradients of different ranks belong to different parameters
+    #: (pipeline stages): the total gradient norm adds them over the ranks.
+    grads_partitioned = False
 
     def __init__(self, module, plan, device, ns):
         self.module, self.plan, self.device = module, plan, device
@@ -102,11 +111,36 @@ class Strategy:
     def step(self, ns, code, ctx):
         """Run the body once on ``ns["batch"]`` and back-propagate; return (loss, float or None)."""
         ns.pop("loss", None)
-        exec(code, ns)
+        with ctx.autocast():
+            exec(code, ns)
         loss = ns.get("loss")
         value = check_loss(loss, ctx)
-        loss.backward()
+        ctx.backward(loss)
         return loss, value
+
+    def no_sync(self):
+        """A context whose backward passes skip the gradient reduction (default: nothing to skip)."""
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def compile(self) -> None:
+        """``--compile``: what the body calls becomes ``torch.compile(model)`` (after any wrapping).
+
+        The ranks of one host share inductor's cache folder (``TORCHINDUCTOR_CACHE_DIR``, default
+        ``<tmp>/torchinductor_<user>``): the second rank, and later cells, reuse compiled kernels.
+        """
+        import getpass
+        import os
+        import tempfile
+
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                              os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
+        self.model = torch.compile(self.model)
+
+    def eval_model(self):
+        """What validation calls: the model in this rank's distributed form (``model`` by default)."""
+        return self.model
 
     def full_state(self):
         """The whole model's state as :func:`wire.flatten_state` on rank 0, None elsewhere.
@@ -195,8 +229,11 @@ def strategy_class(name: str) -> type:
 
 
 def build(module, plan, device, ns) -> Strategy:
-    """Distribute ``module`` (already on ``device``) for ``plan.strategy`` on this rank."""
-    return strategy_class(plan.strategy)(module, plan, device, ns)
+    """Distribute ``module`` (already on ``device``) for ``plan.strategy`` on this rank (then compile it)."""
+    strategy = strategy_class(plan.strategy)(module, plan, device, ns)
+    if getattr(plan, "compile", False):
+        strategy.compile()
+    return strategy
 
 
 def check(plan, module, world_size: int, ns=None) -> None:

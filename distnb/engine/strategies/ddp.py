@@ -18,12 +18,26 @@ class DDP(Strategy):
 
     name = "ddp"
     wraps_model = True
+    replicated_grads = True
 
     def __init__(self, module, plan, device, ns):
         super().__init__(module, plan, device, ns)
         device_ids = [device.index if device.index is not None else 0] if device.type == "cuda" else None
-        self.model = DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True,
-                                             find_unused_parameters=plan.find_unused_parameters)
+        self.model = self.ddp = DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True,
+                                                        find_unused_parameters=plan.find_unused_parameters)
+
+    def no_sync(self):
+        """DDP's own ``no_sync()``: gradients accumulate locally, the next synced backward all-reduces the sum."""
+        return self.ddp.no_sync()
+
+    def compile(self) -> None:
+        """Compile the DDP wrapper (DDP first, then ``torch.compile``: dynamo's DDPOptimizer splits the
+        graph at the gradient buckets so the all-reduce still overlaps backward)."""
+        super().compile()
+
+    def eval_model(self):
+        """The module itself: the replicas are identical and validation needs no gradient sync."""
+        return self.module
 
     def close(self) -> None:
         """Also take the reducer's autograd hooks off the parameters.
@@ -32,11 +46,12 @@ class DDP(Strategy):
         the next wrapper over the same parameters would then see every gradient twice
         ("Expected to mark a variable ready only once").
         """
-        if self.model is not None:
+        if getattr(self, "ddp", None) is not None:
             try:
-                self.model._remove_autograd_hooks()
+                self.ddp._remove_autograd_hooks()
             except Exception:  # a torch without it: dropping the wrapper is all we can do
                 pass
+        self.ddp = None
         super().close()
 
 

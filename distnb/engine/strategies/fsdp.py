@@ -79,9 +79,16 @@ class FSDP(Strategy):
         # innermost first: a unit inside another must be sharded before its parent
         self.units.sort(key=lambda n: -n.count("."))
         self.mesh = make_mesh(device.type, dist.get_world_size())
+        kwargs = {}
+        if plan.precision in ("bf16", "fp16"):  # compute in low precision, reduce gradients in fp32
+            import torch
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float16
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         for unit in self.units:
-            fully_shard(module.get_submodule(unit), mesh=self.mesh)
-        fully_shard(module, mesh=self.mesh)
+            fully_shard(module.get_submodule(unit), mesh=self.mesh, **kwargs)
+        fully_shard(module, mesh=self.mesh, **kwargs)
         self.model = module
         self._optimizer = None
 
@@ -99,6 +106,21 @@ class FSDP(Strategy):
             if not _has_params(sub):
                 raise StrategyError(f"--fsdp-units: {unit} ({type(sub).__name__}) holds no parameters; an FSDP "
                                     f"unit shards parameters, so name a module that has some")
+
+    def no_sync(self):
+        """FSDP2's equivalent of ``no_sync``: no reduce-scatter; unsharded gradients accumulate until
+        the next micro-step with gradient sync on."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def unsynced():
+            self.module.set_requires_gradient_sync(False)
+            try:
+                yield
+            finally:
+                self.module.set_requires_gradient_sync(True)
+
+        return unsynced()
 
     def full_state(self):
         """Gather the full (unsharded) state dict on rank 0, on CPU; a collective."""

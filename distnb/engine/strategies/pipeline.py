@@ -150,6 +150,15 @@ def _slice_batch(batch, start, stop):
     return batch
 
 
+def _target_of(batch):
+    """The target of a microbatch: the last element of a tuple or dict (None for one tensor)."""
+    if isinstance(batch, dict):
+        return list(batch.values())[-1] if batch else None
+    if isinstance(batch, (tuple, list)) and len(batch) > 1:
+        return batch[-1]
+    return None
+
+
 def _annotate(exc: BaseException, where: str) -> None:
     """Prefix ``exc``'s message with ``where`` (the stage and rank)."""
     if not isinstance(exc, Exception):
@@ -176,6 +185,7 @@ class Pipeline(Strategy):
     name = "pipeline"
     data_parallel = False
     supports_loop = False
+    grads_partitioned = True
 
     # kernel side ---------------------------------------------------------------------
     @classmethod
@@ -376,18 +386,22 @@ class Pipeline(Strategy):
             loss = ns.get("loss")
             if not calls:
                 raise RuntimeError("the step body never called model(...) on the last stage")
+        weight = (stop - start) / mb.size
+        if mb.evaluating:  # validation: no gradient; the metric sees this microbatch's output and target
+            mb.losses.append(loss.detach().double() * weight)
+            mb.outputs.append((output, _target_of(part)))
+            return loss
         lenient = types.SimpleNamespace(plan=types.SimpleNamespace(nan="skip"), rank=mb.ctx.rank,
                                         epoch=mb.ctx.epoch, step=mb.ctx.step)
         check_loss(loss, lenient)  # the non-finite check runs on every rank after the step
-        weight = (stop - start) / mb.size
         mb.losses.append(loss.detach().double() * weight)
-        return loss * weight
+        return mb.ctx.scale_loss(loss * weight)  # --accumulate and fp16 scale what the stage back-propagates
 
     def step(self, ns, code, ctx):
         batch = ns["batch"]
         size = _batch_size(batch)
         first, last = self.rank == 0, self.rank == self.world_size - 1
-        self._mb = types.SimpleNamespace(batch=batch, size=size, code=code, ctx=ctx, losses=[])
+        self._mb = types.SimpleNamespace(batch=batch, size=size, code=code, ctx=ctx, losses=[], evaluating=False)
         try:
             entry = self._schedules.get(size)
             args = self._record(ns, code) if first or entry is None else None
@@ -395,7 +409,8 @@ class Pipeline(Strategy):
                 entry = self._build(size, args)
                 self.model = entry.submodule
             target = torch.arange(size) if last else None
-            entry.schedule.step(*(args if first else ()), target=target, return_outputs=False)
+            with ctx.autocast():
+                entry.schedule.step(*(args if first else ()), target=target, return_outputs=False)
         except BaseException as exc:
             _annotate(exc, self.where)
             raise
@@ -414,6 +429,50 @@ class Pipeline(Strategy):
         loss = total.float()
         ns["loss"] = loss
         return loss, value
+
+    def validation_sums(self, ns, code, ctx, batch, k, metric_sums):
+        """One validation forward through the stages (``schedule.eval``, no backward); every rank calls it.
+
+        The last stage runs the body on each microbatch's output; its sums (loss x samples,
+        samples, metric sum, metric count, has metric: see :mod:`distnb.engine.validation`) are
+        broadcast, so every rank returns them. ``k``: real samples (0: a masked pad batch).
+        """
+        size = _batch_size(batch)
+        first, last = self.rank == 0, self.rank == self.world_size - 1
+        self._mb = types.SimpleNamespace(batch=batch, size=size, code=code, ctx=ctx, losses=[], outputs=[],
+                                         evaluating=True)
+        saved = {key: ns.get(key) for key in ("batch", "model", "loss")}
+        ns["batch"] = batch
+        try:
+            entry = self._schedules.get(size)
+            args = self._record(ns, code) if first or entry is None else None
+            if entry is None:
+                entry = self._build(size, args)
+                self.model = entry.submodule
+            with ctx.autocast():
+                entry.schedule.eval(*(args if first else ()), target=torch.arange(size) if last else None,
+                                    return_outputs=False)
+            sums = torch.zeros(5, dtype=torch.float64)
+            if last:
+                if k:
+                    sums[0], sums[1] = float(torch.stack(self._mb.losses).sum()) * k, k
+                for output, target in self._mb.outputs:
+                    found = metric_sums(output, target, k)
+                    if found is not None:
+                        sums[4] = 1.0
+                        if k:
+                            sums[2] += found[0]
+                            sums[3] += found[1]
+        except BaseException as exc:
+            _annotate(exc, self.where)
+            raise
+        finally:
+            self._mb = None
+            ns.update(saved)
+            ns["model"] = self.model
+        sums = sums.to(self.device)
+        dist.broadcast(sums, src=self.world_size - 1)
+        return sums.cpu()
 
     # state -----------------------------------------------------------------------------
     def full_state(self):

@@ -1,0 +1,326 @@
+"""What a ``%%distrain`` body sees as ``ctx``, and the stop that every rank takes at the same step.
+
+:class:`Context` counts micro-steps and epochs, reports progress, runs validation at epoch
+ends, saves checkpoints and agrees with the other ranks on a stop (:class:`StopRequest`); the
+optimizer step itself is :class:`distnb.engine.stepping.Stepper`'s (``ctx.stepper``).
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import checkpoint, runtime, shard as sharding, stepping
+
+
+class _Stopped(BaseException):
+    """Every rank agreed to stop at this step boundary (an interrupt from the kernel)."""
+
+
+class StopRequest:
+    """SIGINT during a training cell, turned into a stop that every rank takes at the same step.
+
+    The first SIGINT only sets :attr:`requested`; ranks OR their flags with an all-reduce about
+    every :data:`STOP_CHECK_SECONDS` (at a step count all ranks agree on), so they all stop after
+    the same completed step, with identical parameters and a healthy process group. A second
+    SIGINT raises KeyboardInterrupt at once (for a body stuck between steps).
+    """
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def _handler(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+        return False
+
+
+#: Seconds of training between two checks for a stop request (one tiny all-reduce each).
+STOP_CHECK_SECONDS = 0.1
+
+
+class Context:
+    """What a ``%%distrain`` body sees as ``ctx``.
+
+    Attributes
+    ----------
+    rank, world_size, local_rank : int
+    device : torch.device
+    model : torch.nn.Module
+        The strategy-wrapped model (DistributedDataParallel for ddp, the sharded module
+        for fsdp and tensor, this rank's pipeline stage for pipeline).
+    module : torch.nn.Module
+        The unwrapped model.
+    optimizer : torch.optim.Optimizer
+    plan : TrainPlan
+    epoch : int
+        Current epoch number (counts across cells).
+    step : int
+        Steps finished in this cell.
+    steps_per_epoch : int
+    loader : iterable
+        Batches of this rank's shard for the current epoch (used with ``--loop``).
+    """
+
+    def __init__(self, plan, run, data, reporter, stop=None):
+        st = runtime.STATE
+        self.rank, self.world_size, self.local_rank, self.device = st.rank, st.world_size, st.local_rank, st.device
+        self.plan, self.model, self.module, self.optimizer = plan, run.strategy.model, run.module, run.optimizer
+        self.strategy = run.strategy
+        self._run, self._data, self._reporter = run, data, reporter
+        self.steps_per_epoch = sharding.steps_per_epoch(data.num_samples, data.num_shards, plan.batch_size,
+                                                        plan.drop_last)
+        self.epoch = run.epoch
+        self.step = 0
+        self.epoch_losses = []
+        self.local_losses = []
+        self.stopped_early = False
+        self._losses = []
+        self._loss_count = 0
+        self._batch_samples = 0
+        self._forwards_seen = run.forwards
+        self._stop = stop or StopRequest()
+        self._check_at = 1  # step count of the next stop check (the same on every rank)
+        self._stop_work = None  # the stop check in flight: (work, flags)
+        self._check_t0 = time.perf_counter()
+        self._check_step0 = 0
+        self.interrupted = False
+        self.skipped_steps = 0  # steps dropped for a non-finite loss (--nan skip)
+        self.skip = run.epoch_samples  # resume mid-epoch: samples of the first epoch already trained
+        self.checkpoints = []
+        self.stepper = stepping.Stepper(plan, run, self.steps_per_epoch, self.device)
+        self.validator = None
+        self.loss_history = stepping.History()
+        self.logger = None
+        self.stop_reason = None  # "target", "patience" or None (epochs ran out, or interrupted)
+        self._save_pending = False
+        self._step_times = []  # wall seconds of the first steps (--compile: the first one compiles)
+        self.epoch_batches, self.epoch_done = self.steps_per_epoch, 0  # batches of this epoch, and done
+        self._t_step = time.perf_counter()
+
+    # what the strategies' steps and the body use --------------------------------------
+    def autocast(self):
+        """The autocast context of ``--precision`` (forward and loss)."""
+        return self.stepper.autocast()
+
+    def backward(self, loss):
+        self.stepper.backward(loss)
+
+    def scale_loss(self, loss):
+        return self.stepper.scale_loss(loss)
+
+    def after_backward(self, fn):
+        """Run ``fn()`` once the gradients of this optimizer step are complete (reduced, unscaled),
+        before ``--clip-grad-norm`` and the optimizer step: e.g. ``ctx.after_backward(lambda:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))``. Register it in the body of
+        every step (with ``--accumulate``, the last micro-step's registration runs)."""
+        self.stepper.after_backward(fn)
+
+    @property
+    def lr(self) -> float:
+        return self.stepper.lr
+
+    @property
+    def loader(self):
+        data = self._data
+        order = sharding.epoch_order(data.num_samples, data.num_shards, data.index, self.plan.seed, self.epoch,
+                                     self.plan.drop_last)
+        skip, self.skip = self.skip, 0
+        batches = list(sharding.batches(order[skip:], self.plan.batch_size, self.plan.drop_last))
+        # this epoch's batches in this cell (fewer for an epoch resumed in the middle): --accumulate groups them
+        self.epoch_batches, self.epoch_done = len(batches), 0
+        for idx in batches:
+            self._batch_samples = len(idx)
+            yield self._data.batch(idx, self.device)
+
+    def epochs(self):
+        """Yield epoch numbers; after each, all-reduce the mean loss and honour --target-loss."""
+        first = self._run.epoch
+        for epoch in range(first, first + self.plan.epochs):
+            self.epoch = self._reporter.epoch = epoch
+            self._losses, self._loss_count = [], 0
+            yield epoch
+            mean = self._epoch_mean()
+            self.epoch_losses.append(mean)
+            self._run.epoch, self._run.epoch_step, self._run.epoch_samples = epoch + 1, 0, 0
+            judged = mean
+            if self.validator is not None and ((epoch - first + 1) % self.plan.val_every == 0
+                                               or epoch == first + self.plan.epochs - 1):
+                judged = self._validate(epoch)
+            self._reporter.end_epoch(epoch, mean)  # with the validation's figures, in one message
+            if self.logger is not None:
+                self.logger.epoch(epoch, mean, self._reporter.samples_per_s)
+            if self.plan.checkpoint_dir and self.plan.checkpoint_every is None:
+                self.save_checkpoint()
+            self._settle_stop_check()  # a stop asked for during the epoch lands here, after it
+            if self.plan.target_loss is not None and judged <= self.plan.target_loss:
+                self.stopped_early, self.stop_reason = True, "target"
+                break
+            if self.validator is not None and self.validator.out_of_patience:
+                self.stopped_early, self.stop_reason = True, "patience"
+                break
+
+    def _validate(self, epoch):
+        """One validation pass (every rank, same epoch); returns the validation loss."""
+        entry = self.validator.evaluate(self, self._code, epoch)
+        entry["step"] = self.step
+        self._reporter.extra["val_points"] = [(e["step"], e["loss"], e["metric"])
+                                              for e in self.validator.history[-16:]]
+        self._reporter.extra["metric_name"] = self.validator.metric_name
+        if self.logger is not None:
+            self.logger.validation(entry)
+        return entry["loss"]
+
+    def any_nonfinite(self, loss, value) -> bool:
+        """True on every rank when the loss of this step is NaN or infinite on any rank."""
+        bad = (not math.isfinite(value)) if value is not None else bool((~torch.isfinite(loss.detach())).item())
+        flag = torch.tensor([1.0 if bad else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def report(self, loss, num_samples=None, value=None, skipped=False):
+        """Record one finished step (loss: scalar tensor; num_samples: default the last batch size).
+
+        ``value`` is ``float(loss)`` when the caller has it already. With ``--loop`` and
+        ``--lr-schedule``, each report is one optimizer step: it steps the schedule.
+
+        Raises if the step never called ``model`` (the strategy wrapper): calling the
+        unwrapped module (e.g. by its notebook name) skips the gradient all-reduce and the
+        replicas silently diverge.
+        """
+        if self.strategy.wraps_model and self._run.forwards == self._forwards_seen:
+            raise RuntimeError(
+                f"rank {self.rank}, epoch {self.epoch}, step {self.step}: the step never called `model`, "
+                "the DistributedDataParallel-wrapped model; calling the notebook's model directly (e.g. "
+                "`net(x)`) skips the gradient all-reduce and the ranks diverge. Use `model(x)` in the body")
+        self._forwards_seen = self._run.forwards
+        detached = loss.detach()
+        if skipped:
+            self.skipped_steps += 1
+        else:  # a float when the step already read it (CPU); a tensor otherwise, summed per epoch (no GPU sync)
+            self._losses.append(detached if value is None else value)
+            self._loss_count += 1
+        self.step += 1
+        self._run.steps += 1
+        self._run.epoch_step += 1
+        self._run.epoch_samples += self._batch_samples
+        self.epoch_done += 1
+        self.loss_history.add(self._run.steps, detached if value is None else value)
+        self._time_step()
+        stepper, extra = self.stepper, self._reporter.extra
+        extra.update(micro_step=self.step, opt_step=stepper.optimizer_steps, lr=stepper.lr,
+                     grad_norm=stepper.last_norm)
+        self._reporter.record(detached, self._batch_samples if num_samples is None else num_samples)
+        if self.logger is not None:
+            self.logger.micro_step(detached if value is None else value)
+        every = self.plan.checkpoint_every
+        if every and self.plan.checkpoint_dir and self._run.steps % every == 0:
+            self._save_pending = True  # at the next optimizer step (a global step count every rank shares)
+        if self.plan.loop and self._run.scheduler is not None:  # the loop stepped its optimizer: the schedule too
+            stepper.lrs.add(self._run.optimizer_steps + 1, stepper.lr)
+            self._run.scheduler.step()
+            stepper.optimizer_steps += 1
+            self._run.optimizer_steps += 1
+        if not stepper.at_boundary(self.epoch_done, self.epoch_batches):
+            return  # in the middle of an --accumulate group: stop checks and saves wait for its end
+        if self.logger is not None and stepper.optimizer_steps:
+            self.logger.optimizer_step(self._run.optimizer_steps, stepper.lrs.values[-1] if stepper.lrs.values
+                                       else stepper.lr, stepper.last_norm)
+        if self._save_pending:
+            self._save_pending = False
+            self.save_checkpoint()
+        if self.step >= self._check_at:
+            self._agree_on_stop()
+
+    def _time_step(self):
+        if len(self._step_times) < 20:
+            now = time.perf_counter()
+            self._step_times.append(now - self._t_step)
+            self._t_step = now
+
+    def step_timing(self) -> dict:
+        """``first_step_seconds`` and ``step_seconds`` (median of the next ones), for --compile's note."""
+        times = self._step_times
+        if not times:
+            return {}
+        later = sorted(times[1:])
+        return dict(first_step_seconds=times[0], step_seconds=later[len(later) // 2] if later else times[0])
+
+    def save_checkpoint(self):
+        """Save model, optimizer and position under --checkpoint-dir (a collective)."""
+        meta = checkpoint.save(self._run, self.plan.checkpoint_dir, self.plan.to_dict(), self.plan.seed)
+        self.checkpoints.append(meta["path"])
+        self._saved_at = self._run.steps
+
+    def final_checkpoint(self):
+        """With --checkpoint-dir, save the cell's last step unless it was just saved (every rank calls it)."""
+        if self.plan.checkpoint_dir and self._run.steps and getattr(self, "_saved_at", None) != self._run.steps:
+            self.save_checkpoint()
+
+    def _agree_on_stop(self):
+        """All-reduce (max) of the stop flag and the step time, without waiting for it.
+
+        The all-reduce started here is read at the next check (or epoch end), when it has long
+        finished: every rank reads the same answer at the same step, so all stop after the same
+        step (one check interval after the request), and training never stalls on a sync point
+        of its own (a synchronous check cost a model with 50-ms steps several per cent).
+        """
+        now = time.perf_counter()
+        per_step = (now - self._check_t0) / max(1, self.step - self._check_step0)
+        flags = torch.tensor([1.0 if self._stop.requested else 0.0, per_step], dtype=torch.float64,
+                             device=self.device)
+        pending = self._stop_work
+        self._stop_work = (dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True), flags)
+        if pending is None:  # the first check since the last epoch end: read its answer at the next step
+            self._check_at = self.step + 1
+        else:
+            stop, slowest = self._stop_answer(pending)
+            self._check_at = self.step + max(1, min(10_000, math.ceil(STOP_CHECK_SECONDS / max(slowest, 1e-6))))
+        self._check_t0, self._check_step0 = time.perf_counter(), self.step
+
+    def _stop_answer(self, pending):
+        """(stop, slowest step time) of a finished check; stops every rank here if one asked to."""
+        work, flags = pending
+        work.wait()
+        stop, slowest = flags.tolist()
+        if stop:
+            if self._stop_work is not None and self._stop_work is not pending:
+                self._stop_work[0].wait()  # the check just started: finished on every rank before leaving
+            self._stop_work = None
+            self.interrupted = True
+            raise _Stopped()
+        return stop, slowest
+
+    def _settle_stop_check(self):
+        """At an epoch end (every rank at the same step): read the check in flight, if any."""
+        pending, self._stop_work = self._stop_work, None
+        if pending is not None:
+            self._stop_answer(pending)
+
+    def _epoch_mean(self):
+        local = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if self._loss_count:
+            floats = [v for v in self._losses if isinstance(v, float)]
+            tensors = [v for v in self._losses if not isinstance(v, float)]
+            total = math.fsum(floats) + (float(torch.stack(tensors).double().sum()) if tensors else 0.0)
+            local[0] = total
+            local[1] = self._loss_count
+        self.local_losses.append(float(local[0] / local[1]) if local[1] > 0 else math.nan)
+        dist.all_reduce(local)
+        return float(local[0] / local[1]) if local[1] > 0 else math.nan

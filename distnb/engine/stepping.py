@@ -1,0 +1,357 @@
+"""The optimizer step of a training cell on one rank: accumulation, precision, clipping, the lr schedule.
+
+A cell's batches are *micro-steps* (one forward and backward each); every ``--accumulate N``
+consecutive micro-steps of an epoch form one *optimizer step* (the last group of an epoch may
+be shorter: an epoch always ends with an optimizer step). :class:`Stepper` runs them:
+
+- **accumulation**: each micro-step's loss is scaled by ``1 / group size`` before backward, so
+  the summed gradients are the mean over the group's batches (2 ranks x batch B x N equals one
+  process on the global batch 2*B*N). On the first N-1 micro-steps the strategy skips its
+  gradient reduction (``Strategy.no_sync``: DDP's ``no_sync()``, FSDP2's
+  ``set_requires_gradient_sync(False)``); the last one reduces the sum.
+- **precision**: the body's forward and loss run under ``torch.autocast`` (bf16/fp16);
+  fp16 scales the loss with ``torch.amp.GradScaler`` (GPU only), unscaled before clipping.
+  Parameters and optimizer state stay fp32.
+- **hooks**: callables the body registered with ``ctx.after_backward(fn)`` during the group's
+  last micro-step run once the gradients are complete (reduced and unscaled), before clipping.
+- **clipping**: the total gradient norm over the *whole* model (:func:`total_norm`: DTensor
+  shards of fsdp and tensor summed over the mesh, pipeline stages summed over the ranks) is
+  computed, reported (``grad_norm``) and the gradients scaled to at most ``--clip-grad-norm``,
+  with ``torch.nn.utils.clip_grad_norm_``'s coefficient ``max_norm / (norm + 1e-6)``.
+- **schedule**: ``--lr-schedule`` (cosine, linear, constant after ``--warmup-steps``, or a
+  notebook ``f(optimizer, total_steps)``) is an ``LRScheduler`` stepped after each optimizer
+  step; it lives on the :class:`~distnb.engine.loop.Run` between cells and in checkpoints.
+
+Histories (:class:`History`, bounded) of the lr and the pre-clip norm per optimizer step go
+back in the cell's result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+
+#: Points a history keeps at most before halving (pairs averaged): long runs cost the same.
+HISTORY_POINTS = 1000
+
+
+class History:
+    """(step, value) points, at most ``2 * cap``: past that, consecutive pairs are averaged.
+
+    ``values`` may be floats or 0-d tensors (a GPU loss is read only at the end, in :meth:`points`).
+    """
+
+    def __init__(self, cap=HISTORY_POINTS):
+        self.cap = cap
+        self.steps, self.values = [], []
+        self.stride = 1  # how many raw points each kept point stands for
+        self._pending = None  # (step, sum, count) of the pair being formed at stride > 1
+
+    def add(self, step, value) -> None:
+        if self.stride > 1:
+            if self._pending is None:
+                self._pending = (step, value, 1)
+            else:
+                s, total, n = self._pending
+                total, n = total + value, n + 1
+                self._pending = (s, total, n) if n < self.stride else None
+                if n == self.stride:
+                    self._append(step, total / n)
+            return
+        self._append(step, value)
+
+    def _append(self, step, value) -> None:
+        self.steps.append(step)
+        self.values.append(value)
+        if len(self.steps) > 2 * self.cap:
+            self.steps = self.steps[1::2]
+            self.values = [(a + b) / 2 for a, b in zip(self.values[0::2], self.values[1::2])]
+            self.stride *= 2
+
+    def points(self) -> list:
+        """``[(step, float)]`` (the partial group at the end included)."""
+        steps, values = list(self.steps), list(self.values)
+        if self._pending is not None:
+            s, total, n = self._pending
+            steps.append(s)
+            values.append(total / n)
+        floats = [float(v) for v in values]
+        return [(int(s), v) for s, v in zip(steps, floats)]
+
+
+# -- learning-rate schedules --------------------------------------------------------------
+class Schedule:
+    """The factor of the built-in ``--lr-schedule`` at optimizer step ``s`` (0-based), as a picklable object.
+
+    ``warmup`` steps rise linearly to 1 (``(s + 1) / (warmup + 1)``), then ``cosine`` falls as
+    ``0.5 * (1 + cos(pi * p))``, ``linear`` as ``1 - p``, ``constant`` stays 1, with
+    ``p = (s - warmup) / (total - warmup)``, clamped to 1 past ``total`` (the factor stays 0).
+    ``LambdaLR.state_dict`` keeps this object's attributes, so a checkpoint restores it.
+    """
+
+    def __init__(self, kind: str, warmup: int, total: int):
+        self.kind, self.warmup, self.total = kind, int(warmup), int(total)
+
+    def __call__(self, s: int) -> float:
+        if s < self.warmup:
+            return (s + 1) / (self.warmup + 1)
+        if self.kind == "constant":
+            return 1.0
+        p = min(1.0, (s - self.warmup) / max(1, self.total - self.warmup))
+        return 0.5 * (1.0 + math.cos(math.pi * p)) if self.kind == "cosine" else 1.0 - p
+
+
+def lr_sequence(kind: str, base_lr: float, warmup: int, total: int) -> list:
+    """The lr of each of ``total`` optimizer steps under a built-in schedule (for tests and docs)."""
+    f = Schedule(kind, warmup, total)
+    return [base_lr * f(s) for s in range(total)]
+
+
+def make_scheduler(plan, optimizer, total_steps: int, ns: dict):
+    """A new ``LRScheduler`` for ``plan.lr_schedule`` over ``total_steps`` optimizer steps."""
+    from torch.optim.lr_scheduler import LambdaLR, LRScheduler
+
+    for group in optimizer.param_groups:  # the schedule scales the lr the optimizer has now
+        group["initial_lr"] = group["lr"]
+    name = plan.lr_schedule
+    if name in ("cosine", "linear", "constant"):
+        return LambdaLR(optimizer, Schedule(name, plan.warmup_steps, total_steps))
+    factory = ns.get(name)
+    if not callable(factory):
+        raise NameError(f"--lr-schedule {name!r} is not a function on this rank")
+    scheduler = factory(optimizer, total_steps)
+    if not isinstance(scheduler, LRScheduler):
+        raise TypeError(f"--lr-schedule {name} returned {type(scheduler).__name__}, not a "
+                        "torch.optim.lr_scheduler.LRScheduler (f(optimizer, total_steps) -> scheduler)")
+    return scheduler
+
+
+def scheduler_state(run) -> dict | None:
+    """What a checkpoint records of ``run``'s live schedule (JSON-safe), or None."""
+    import json
+
+    if run.scheduler is None:
+        return None
+    state = {}
+    for key, value in run.scheduler.state_dict().items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            continue
+        state[key] = value
+    return dict(name=run.schedule_name, total=run.schedule_total, state=state)
+
+
+def load_scheduler(run, saved, ns) -> None:
+    """Rebuild ``run``'s schedule from :func:`scheduler_state` (None: no schedule)."""
+    import types
+
+    run.scheduler = run.schedule_name = None
+    if not saved:
+        return
+    plan = types.SimpleNamespace(lr_schedule=saved["name"], warmup_steps=0)
+    run.scheduler = make_scheduler(plan, run.optimizer, saved["total"], ns)
+    run.scheduler.load_state_dict(saved["state"])
+    run.schedule_name, run.schedule_total = saved["name"], saved["total"]
+
+
+def prepare_schedule(plan, run, total_steps: int, ns: dict, lr_given: bool) -> str:
+    """A new schedule when the cell names one, else the live one (kept); returns a note ("" if none)."""
+    if plan.lr_schedule is not None:
+        run.scheduler = make_scheduler(plan, run.optimizer, total_steps, ns)
+        run.schedule_name, run.schedule_total = plan.lr_schedule, total_steps
+        return ""
+    if run.scheduler is None:
+        return ""
+    if getattr(run.scheduler, "optimizer", None) is not run.optimizer:
+        run.scheduler = run.schedule_name = None  # it drove an optimizer that was replaced
+        return ""
+    if lr_given:
+        run.scheduler.base_lrs = [g["lr"] for g in run.optimizer.param_groups]
+    if run.scheduler.last_epoch >= run.schedule_total:
+        return (f"the --lr-schedule {run.schedule_name} of an earlier cell has run its {run.schedule_total} steps "
+                f"(lr {run.optimizer.param_groups[0]['lr']:.3g}); pass --lr-schedule again for a new one")
+    return ""
+
+
+# -- gradient norm --------------------------------------------------------------------------
+def total_norm(params, partitioned: bool, device) -> float:
+    """The 2-norm of the gradients of the whole model, of which this rank holds ``params``' part.
+
+    DTensor gradients sharded over a mesh (fsdp, tensor) add their local squares over the
+    ranks; replicated ones (DTensor ``Replicate`` or plain tensors of ddp and tensor) count
+    once. With ``partitioned`` (pipeline: every rank holds other parameters), plain tensors
+    add over the ranks too. A collective whenever anything is summed: every rank calls it.
+    """
+    summed = torch.zeros((), dtype=torch.float64, device=device)
+    once = torch.zeros((), dtype=torch.float64, device=device)
+    any_sharded = partitioned
+    for p in params:
+        sharded = any(pl.is_shard() or pl.is_partial() for pl in getattr(p, "placements", ()))
+        any_sharded |= sharded  # decided by the parameters, the same on every rank, never by which have grads
+        g = p.grad
+        if g is None:
+            continue
+        if hasattr(g, "to_local"):
+            local = g.to_local().detach().double().pow(2).sum()
+            if sharded or any(pl.is_shard() or pl.is_partial() for pl in g.placements):
+                summed += local.to(device)
+            else:
+                once += local.to(device)
+        elif partitioned:
+            summed += g.detach().double().pow(2).sum().to(device)
+        else:
+            once += g.detach().double().pow(2).sum().to(device)
+    if any_sharded and dist.is_initialized():
+        dist.all_reduce(summed)
+    return float((summed + once).sqrt())
+
+
+def clip_(params, max_norm: float, norm: float) -> None:
+    """Scale the gradients by ``torch.nn.utils.clip_grad_norm_``'s clamped coefficient."""
+    coef = max_norm / (norm + 1e-6)
+    if coef >= 1.0 or not math.isfinite(norm):
+        return
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+
+
+# -- the step -----------------------------------------------------------------------------
+class Stepper:
+    """Runs the micro-steps and optimizer steps of one cell on this rank.
+
+    Parameters
+    ----------
+    plan : distnb.plan.TrainPlan
+    run : distnb.engine.loop.Run
+        Model, strategy, optimizer, schedule and scaler (kept between cells).
+    steps_per_epoch : int
+        Micro-steps per epoch (the same on every rank).
+    """
+
+    def __init__(self, plan, run, steps_per_epoch: int, device):
+        self.plan, self.run, self.device = plan, run, device
+        self.strategy, self.optimizer = run.strategy, run.optimizer
+        self.accumulate = plan.accumulate
+        self.steps_per_epoch = steps_per_epoch
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.precision)
+        self.scaler = None
+        if plan.precision == "fp16":
+            if run.scaler is None:
+                run.scaler = torch.amp.GradScaler(device.type)
+            self.scaler = run.scaler
+        self.optimizer_steps = 0
+        self.lrs, self.grad_norms = History(), History()
+        self.last_norm = None
+        self.skipped_groups = 0
+        self._after = []  # hooks the body registered in this micro-step
+        self._group_bad = False
+        self.scale = 1.0  # the loss scale of the micro-step in progress (1 / group size)
+
+    @staticmethod
+    def groups_per_epoch(steps_per_epoch: int, accumulate: int) -> int:
+        return -(-steps_per_epoch // accumulate)
+
+    def position(self, index: int, batches: int) -> tuple:
+        """(first, last, size) of the group of the micro-step at ``index`` (0-based) of an epoch of ``batches``."""
+        n = self.accumulate
+        start = index - index % n
+        size = max(1, min(n, batches - start))
+        return index == start, index == start + size - 1, size
+
+    def at_boundary(self, done: int, batches: int) -> bool:
+        """True when ``done`` micro-steps of an epoch of ``batches`` end an optimizer step (or none ran)."""
+        return done % self.accumulate == 0 or done >= batches
+
+    def autocast(self):
+        """The autocast context of the forward and the loss (nothing for fp32)."""
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def backward(self, loss) -> None:
+        """Back-propagate this micro-step's share of the loss (scaled for accumulation and fp16)."""
+        scaled = loss * self.scale if self.scale != 1.0 else loss
+        if self.scaler is not None:
+            scaled = self.scaler.scale(scaled)
+        scaled.backward()
+
+    def scale_loss(self, loss):
+        """The loss as :meth:`backward` would back-propagate it (for strategies that call backward themselves)."""
+        scaled = loss * self.scale if self.scale != 1.0 else loss
+        return self.scaler.scale(scaled) if self.scaler is not None else scaled
+
+    def after_backward(self, fn) -> None:
+        if not callable(fn):
+            raise TypeError(f"ctx.after_backward takes a function of no arguments, got {type(fn).__name__}")
+        self._after.append(fn)
+
+    def micro_step(self, ns, code, ctx, index: int, batches: int):
+        """One forward and backward (the strategy's step) of micro-step ``index`` of ``batches``; (loss, value)."""
+        first, last, size = self.position(index, batches)
+        if first:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._group_bad = False
+        self.scale = 1.0 / size
+        self._after = []
+        sync = contextlib.nullcontext() if last else self.strategy.no_sync()
+        with sync:
+            return self.strategy.step(ns, code, ctx)
+
+    def finish_micro(self, index: int, batches: int, bad: bool) -> bool:
+        """After micro-step ``index`` of ``batches``: the optimizer step at the group's end.
+
+        ``bad``: its loss was not finite on some rank (``--nan skip``): the whole group is
+        dropped on every rank. Returns True when an optimizer step was applied.
+        """
+        self._group_bad |= bad
+        _, last, _ = self.position(index, batches)
+        if not last:
+            return False
+        if self._group_bad:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_groups += 1
+            return False
+        self.optimizer_step()
+        return True
+
+    def optimizer_step(self) -> None:
+        opt, scaler = self.optimizer, self.scaler
+        if scaler is not None:
+            scaler.unscale_(opt)
+            if not self.strategy.replicated_grads:
+                self._agree_on_inf()
+        for fn in self._after:
+            fn()
+        self._after = []
+        if self.plan.clip_grad_norm is not None:
+            params = [p for p in self.strategy.module.parameters() if p.requires_grad]  # this rank's part
+            norm = total_norm(params, self.strategy.grads_partitioned, self.device)
+            clip_(params, self.plan.clip_grad_norm, norm)
+            self.last_norm = norm
+            self.grad_norms.add(self.run.optimizer_steps + 1, norm)
+        self.lrs.add(self.run.optimizer_steps + 1, float(opt.param_groups[0]["lr"]))
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        if self.run.scheduler is not None:
+            self.run.scheduler.step()
+        self.optimizer_steps += 1
+        self.run.optimizer_steps += 1
+
+    def _agree_on_inf(self) -> None:
+        """fp16 with sharded gradients: every rank skips the step if any rank's shard overflowed."""
+        state = self.scaler._per_optimizer_states[id(self.optimizer)]
+        for found in state["found_inf_per_device"].values():
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])

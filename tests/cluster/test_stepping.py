@@ -1,0 +1,174 @@
+"""The optimizer step on the real 2-rank cluster: --accumulate, --clip-grad-norm, --lr-schedule, --precision.
+
+Each is checked against the single-process reference (tests/support/reference.py) to 1e-5:
+2 ranks x batch B x accumulate N equals one process on the global batch 2*B*N; clipping at X
+equals one process clipping at X (and the reported pre-clip norms are its norms); the lr of
+every optimizer step is the reference scheduler's.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from distnb.engine import stepping
+from support.data import parity_data, parity_model
+from support.reference import reference
+
+BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
+TOL = dict(atol=1e-5, rtol=1e-5)
+OPTIMIZERS = [("sgd", torch.optim.SGD, 0.1), ("adam", torch.optim.Adam, 0.01)]
+
+
+def assert_params_close(model, ref):
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), p_ref.detach(), **TOL, msg=lambda m: f"{name}: {m}")
+
+
+def fresh(shell, name, n=192):
+    ns = shell.user_ns
+    ns[name], ns["step_data"], ns["F"] = parity_model(), parity_data(n=n), F
+    return parity_model()
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("optimizer,opt_cls,lr", OPTIMIZERS)
+def test_accumulation_equals_one_process_on_the_global_batch(dist_session, shell, strategy, optimizer, opt_cls, lr):
+    name = f"acc_{strategy}_{optimizer}"
+    ref = fresh(shell, name)  # 192 samples: 96 per rank, 12 batches of 8, 4 optimizer steps of 3 per epoch
+    result = dist_session.train(BODY, model=name, data="step_data", epochs=2, batch_size=8, accumulate=3,
+                                optimizer=optimizer, lr=lr, seed=4, strategy=strategy, progress="none", quiet=True)
+    assert [r["steps"] for r in result.rows] == [24, 24]  # micro-steps
+    assert result.optimizer_steps == 8
+    reference(ref, shell.user_ns["step_data"], num_shards=2, batch_size=8, epochs=2, seed=4, optimizer=opt_cls,
+              lr=lr, accumulate=3)
+    assert_params_close(shell.user_ns[name], ref)
+
+
+@pytest.mark.parametrize("strategy,num_shards", [("tensor", 1), ("pipeline", 1), ("ps", 2)])
+def test_accumulation_with_the_other_strategies(dist_session, shell, strategy, num_shards):
+    name = f"acc_{strategy}"
+    ref = fresh(shell, name)
+    dist_session.train(BODY, model=name, data="step_data", epochs=1, batch_size=8, accumulate=3, optimizer="adam",
+                       lr=0.01, seed=4, strategy=strategy, progress="none", quiet=True)
+    reference(ref, shell.user_ns["step_data"], num_shards=num_shards, batch_size=8, epochs=1, seed=4,
+              optimizer=torch.optim.Adam, lr=0.01, accumulate=3)
+    assert_params_close(shell.user_ns[name], ref)
+
+
+def test_accumulation_with_a_short_last_group_steps_at_the_epoch_end(dist_session, shell):
+    ref = fresh(shell, "acc_tail", n=160)  # 80 per rank: 10 batches of 8 -> groups of 4, 4, 2
+    result = dist_session.train(BODY, model="acc_tail", data="step_data", epochs=1, batch_size=8, accumulate=4,
+                                optimizer="sgd", lr=0.1, seed=4, progress="none", quiet=True)
+    assert result.optimizer_steps == 3
+    reference(ref, shell.user_ns["step_data"], num_shards=2, batch_size=8, epochs=1, seed=4,
+              optimizer=torch.optim.SGD, lr=0.1, accumulate=4)
+    assert_params_close(shell.user_ns["acc_tail"], ref)
+
+
+@pytest.mark.parametrize("strategy,num_shards", [("ddp", 2), ("fsdp", 2), ("tensor", 1), ("pipeline", 1)])
+def test_clipping_uses_the_whole_models_norm(dist_session, shell, strategy, num_shards):
+    name = f"clip_{strategy}"
+    ref = fresh(shell, name)
+    result = dist_session.train(BODY, model=name, data="step_data", epochs=2, batch_size=16, clip_grad_norm=0.05,
+                                optimizer="sgd", lr=0.5, seed=4, strategy=strategy, progress="none", quiet=True)
+    run = reference(ref, shell.user_ns["step_data"], num_shards=num_shards, batch_size=16, epochs=2, seed=4,
+                    optimizer=torch.optim.SGD, lr=0.5, clip_grad_norm=0.05)
+    assert_params_close(shell.user_ns[name], ref)
+    norms = [v for _, v in result.grad_norm_history]
+    assert len(norms) == len(run.grad_norms) and min(norms) > 0.05  # every step clipped
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(run.grad_norms), **TOL)
+    assert result.grad_norm == pytest.approx(run.grad_norms[-1], rel=1e-5)
+    assert "grad norm" in result.title
+
+
+def test_cosine_schedule_with_warmup_is_the_reference_lr_sequence_and_lives_across_cells(dist_session, shell):
+    ref = fresh(shell, "sched")  # 6 steps of 16 per rank per epoch
+    result = dist_session.train(BODY, model="sched", data="step_data", epochs=2, batch_size=16, optimizer="sgd",
+                                lr=0.2, seed=4, lr_schedule="cosine", warmup_steps=3, progress="none", quiet=True)
+    want = stepping.lr_sequence("cosine", 0.2, 3, 12)
+    assert [v for _, v in result.lr_history] == pytest.approx(want, rel=1e-12)
+    assert want[0] < want[2] < want[3] == pytest.approx(0.2) and want[-1] < 0.01
+    opt = torch.optim.SGD(ref.parameters(), lr=0.2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, stepping.Schedule("cosine", 3, 12))
+    run = reference(ref, shell.user_ns["step_data"], num_shards=2, batch_size=16, epochs=2, seed=4, optimizer=opt,
+                    scheduler=sched)
+    assert run.lrs == pytest.approx(want, rel=1e-12)
+    assert_params_close(shell.user_ns["sched"], ref)
+    assert result.lr == pytest.approx(sched.get_last_lr()[0])
+    # the schedule stays live on the ranks: a next cell without --lr-schedule goes on with it
+    nxt = dist_session.train(BODY, model="sched", data="step_data", epochs=1, batch_size=16, seed=4,
+                             progress="none", quiet=True)
+    assert nxt.lr_history[0][1] == pytest.approx(0.0, abs=1e-12)  # the cosine of 12 steps has ended
+    # a notebook callable f(optimizer, total_steps)
+    shell.user_ns["halve"] = lambda optimizer, total: torch.optim.lr_scheduler.StepLR(optimizer, 2, gamma=0.5)
+    third = dist_session.train(BODY, model="sched", data="step_data", epochs=1, batch_size=16, seed=4, lr=0.4,
+                               lr_schedule="halve", progress="none", quiet=True)
+    assert [v for _, v in third.lr_history] == pytest.approx([0.4, 0.4, 0.2, 0.2, 0.1, 0.1])
+
+
+def test_schedule_and_position_come_back_from_a_checkpoint(dist_session, shell, tmp_path):
+    fresh(shell, "sched_ckpt")  # 6 steps per epoch; a checkpoint after step 4
+    opts = dict(model="sched_ckpt", data="step_data", batch_size=16, seed=4, progress="none", quiet=True)
+    first = dist_session.train(BODY, epochs=1, optimizer="sgd", lr=0.2, lr_schedule="linear", warmup_steps=2,
+                               checkpoint_dir=str(tmp_path), checkpoint_every=4, **opts)
+    want = stepping.lr_sequence("linear", 0.2, 2, 6)
+    assert [v for _, v in first.lr_history] == pytest.approx(want)
+    dist_session.restart(quiet=True)
+    from distnb import session
+
+    result = session.current().train(BODY, epochs=1, checkpoint_dir=str(tmp_path), **opts)
+    assert result.rows[0]["resumed"].endswith("step_00000004")
+    assert [v for _, v in result.lr_history] == pytest.approx(want[4:])  # the schedule went on where it was
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])  # fsdp: with a MixedPrecisionPolicy
+def test_bf16_trains_to_a_loss_bound_with_fp32_weights_back(dist_session, shell, strategy):
+    name = f"bf16_{strategy}"
+    fresh(shell, name)
+    result = dist_session.train(BODY, model=name, data="step_data", epochs=15, batch_size=16, precision="bf16",
+                                optimizer="adam", lr=0.02, seed=4, strategy=strategy, progress="none", quiet=True)
+    assert result.final_loss < 0.35 and result.epoch_losses[0] > result.final_loss
+    assert all(p.dtype == torch.float32 for p in shell.user_ns[name].parameters())
+    dist_session.run(f"_dt = sorted({{str(p.dtype) for p in {name}.parameters()}})")
+    assert dist_session.pull("_dt") == [["torch.float32"], ["torch.float32"]]  # master weights stay fp32
+
+
+def test_after_backward_runs_once_per_optimizer_step_with_complete_gradients(dist_session, shell):
+    fresh(shell, "hooked")
+    body = ("x, y = batch\nloss = F.cross_entropy(model(x), y)\n"
+            "ctx.after_backward(lambda: seen.append(float(sum(p.grad.norm() ** 2 for p in model.parameters()))))")
+    dist_session.run("seen = []")
+    result = dist_session.train(body, model="hooked", data="step_data", epochs=1, batch_size=8, accumulate=3,
+                                optimizer="sgd", lr=0.1, seed=4, progress="none", quiet=True)
+    seen = dist_session.pull("seen")
+    assert len(seen[0]) == result.optimizer_steps == 4
+    assert seen[0] == pytest.approx(seen[1])  # reduced gradients: the same on both ranks
+
+
+def test_a_clip_call_in_the_body_warns_naming_the_option(dist_session, shell):
+    fresh(shell, "warned")
+    shell.user_ns["torch"] = torch
+    body = BODY + "\ntorch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)"
+    with pytest.warns(UserWarning, match="--clip-grad-norm"):
+        dist_session.train(body, model="warned", data="step_data", epochs=1, batch_size=32, progress="none",
+                           quiet=True)
+
+
+LOOP = """
+for epoch in ctx.epochs():
+    for x, y in ctx.loader:
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        ctx.report(loss)
+"""
+
+
+def test_a_loop_body_gets_its_schedule_stepped_at_each_report(dist_session, shell):
+    fresh(shell, "loop_sched")
+    result = dist_session.train(LOOP, model="loop_sched", data="step_data", epochs=1, batch_size=16, loop=True,
+                                optimizer="sgd", lr=0.3, lr_schedule="linear", progress="none", quiet=True)
+    assert [v for _, v in result.lr_history] == pytest.approx(stepping.lr_sequence("linear", 0.3, 0, 6))
