@@ -41,6 +41,8 @@ def check(watch):
     if not waiting or max(_waited(w) for w in waiting.values()) < limit:
         return None
     missing = [r for r in range(len(ars)) if r not in waiting and r not in watch.dead]
+    if any(ars[r].ready() and not ars[r].successful() for r in missing):
+        return None  # a rank that failed (or whose engine was dropped): the failure path ends the cell
     if not missing and (len({w.get("op") for w in waiting.values()}) < 2
                         or min(_waited(w) for w in waiting.values()) < limit):
         return None

@@ -120,11 +120,12 @@ def make_plan(session, model_name, model_obj, data_name, given: dict) -> TrainPl
 
 
 def _newest_start(session, plan):
-    """``plan`` with ``resume=False`` when the notebook's weights are at least as new as the newest checkpoint.
+    """``plan`` with ``resume=False`` when the notebook's weights are newer than the newest checkpoint.
 
     A model the ranks receive fresh (after ``%dist restart``, say) resumes from
-    ``--checkpoint-dir``'s newest checkpoint only if that is further on (in global optimizer
-    steps) than the weights the notebook already holds; ``ensure_model`` says which it took.
+    ``--checkpoint-dir``'s newest checkpoint unless the weights the notebook holds are further
+    on (in global optimizer steps); at the same step the checkpoint wins, as it also holds the
+    optimizer, the schedule and the sampler position. ``ensure_model`` says which it took.
     """
     import dataclasses
 
@@ -135,7 +136,7 @@ def _newest_start(session, plan):
     saved = checkpoint.read_meta(plan.checkpoint_dir)["steps"]
     mine = session.holdings.trained_steps.get(plan.model)
     session.holdings.resume_steps = (mine, saved)
-    return dataclasses.replace(plan, resume=False) if mine is not None and mine >= saved else plan
+    return dataclasses.replace(plan, resume=False) if mine is not None and mine > saved else plan
 
 
 def _is_data_set(obj) -> bool:
@@ -307,10 +308,10 @@ def ensure_model(session, plan, model_obj, quiet) -> bool:
     if not quiet:
         mine, saved = held.resume_steps
         if plan.checkpoint_dir and not plan.reset and plan.resume and has_checkpoint(plan.checkpoint_dir):
-            newer = "" if mine is None else f", newer than the notebook's weights (step {mine})"
+            newer = "" if mine is None else f"; the notebook's weights are at step {mine}"
             then = f"it resumes from the newest checkpoint in --checkpoint-dir (step {saved}{newer})"
         elif not plan.resume:
-            then = (f"the notebook's weights (step {mine}) are as new as the newest checkpoint in --checkpoint-dir "
+            then = (f"the notebook's weights (step {mine}) are newer than the newest checkpoint in --checkpoint-dir "
                     f"(step {saved}), so training goes on from them with a fresh {plan.optimizer or 'sgd'} optimizer")
         else:
             then = f"fresh {plan.optimizer or 'sgd'} optimizer, epoch 0"

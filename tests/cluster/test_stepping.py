@@ -109,7 +109,7 @@ def test_cosine_schedule_with_warmup_is_the_reference_lr_sequence_and_lives_acro
 
 
 def test_schedule_and_position_come_back_from_a_checkpoint(dist_session, shell, tmp_path):
-    fresh(shell, "sched_ckpt")  # 6 steps per epoch; a checkpoint after step 4
+    fresh(shell, "sched_ckpt")  # 6 steps per epoch; checkpoints after step 4 and at the cell's last step, 6
     opts = dict(model="sched_ckpt", data="step_data", batch_size=16, seed=4, progress="none", quiet=True)
     first = dist_session.train(BODY, epochs=1, optimizer="sgd", lr=0.2, lr_schedule="linear", warmup_steps=2,
                                checkpoint_dir=str(tmp_path), checkpoint_every=4, **opts)
@@ -118,6 +118,10 @@ def test_schedule_and_position_come_back_from_a_checkpoint(dist_session, shell, 
     dist_session.restart(quiet=True)
     from distnb import session
 
+    import shutil
+
+    shutil.rmtree(tmp_path / "step_00000006")  # as if the engines died after step 4's checkpoint
+    session.current().holdings.trained_steps.pop("sched_ckpt")  # ... and the notebook never got step 6's weights
     result = session.current().train(BODY, epochs=1, checkpoint_dir=str(tmp_path), **opts)
     assert result.rows[0]["resumed"].endswith("step_00000004")
     assert [v for _, v in result.lr_history] == pytest.approx(want[4:])  # the schedule went on where it was
