@@ -117,6 +117,9 @@ class Cluster:
             toward = slurm.controller_address() if self.launcher == "slurm" and not spec.interface else None
         except slurm.SubmitError as exc:  # no slurmctld to submit to
             raise ClusterError(slurm.submit_error(exc, spec)) from None
+        refused = slurm.check_request(spec) if self.launcher == "slurm" else ""
+        if refused:  # a job that could never start is not submitted
+            raise ClusterError(f"{refused}; no job was submitted")
         self.controller_ip = profile.get("Cluster", {}).get("controller_ip") or placement.controller_ip(
             spec, self.remote, toward)
         # thread count fixed before torch loads; CPU engines preload DDP too (GPU ones wait for their device)

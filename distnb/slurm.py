@@ -107,6 +107,15 @@ def listed(job_id) -> bool:
 LIVE = "PENDING,RUNNING,SUSPENDED,COMPLETING,CONFIGURING,REQUEUED,RESIZING,SIGNALING,STAGE_OUT"
 
 
+#: Pending reasons that do not pass with time: the request itself cannot be met.
+NEVER = {
+    "PartitionConfig": "more nodes or CPUs than the partition has: fewer --nodes or --engines-per-node",
+    "BadConstraints": "no node has what the job asks for",
+    "InvalidAccount": "check --account",
+    "InvalidQOS": "the QOS is not allowed",
+}
+
+
 def wait_gone(job_id, timeout: float = 20.0) -> bool:
     """Wait until ``squeue`` no longer lists job ``job_id``; whether that happened within ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
@@ -154,14 +163,40 @@ def why_gone(job_id, time_limit: str | None, hosts=()) -> str:
 
 
 def partitions() -> dict:
-    """{partition: node count} from ``sinfo`` (empty when it cannot tell)."""
-    p = run(["sinfo", "-h", "-o", "%R %D"], timeout=15)
+    """{partition: node count} from ``sinfo`` (hidden partitions too; empty when it cannot tell)."""
+    p = run(["sinfo", "-a", "-h", "-o", "%R %D"], timeout=15)
     out = {}
     for line in p.stdout.splitlines() if p.returncode == 0 else ():
         name, _, count = line.strip().partition(" ")
         if name and count.strip().isdigit():
             out[name] = out.get(name, 0) + int(count)
     return out
+
+
+def default_partition() -> str | None:
+    """The partition a job without ``--partition`` goes to (``sinfo`` marks it with ``*``), if any."""
+    p = run(["sinfo", "-a", "-h", "-o", "%P"], timeout=15)
+    return next((ln.strip()[:-1] for ln in p.stdout.splitlines() if ln.strip().endswith("*")), None) \
+        if p.returncode == 0 else None
+
+
+def check_request(spec) -> str:
+    """Before submitting: why the job could never start here ("" when sinfo sees no reason).
+
+    Slurm accepts by default (without ``EnforcePartLimits``) a job that asks for a partition's
+    nodes beyond what it has, and keeps it pending for ever (reason ``PartitionConfig``).
+    """
+    counts = partitions()
+    if not counts:
+        return ""
+    if spec.queue and spec.queue not in counts:
+        return f"--partition {spec.queue}: Slurm has no such partition (it has: {', '.join(sorted(counts))})"
+    part = spec.queue or default_partition()
+    if spec.nodes and part in counts and spec.nodes > counts[part]:
+        per = f" x --engines-per-node {spec.engines_per_node}" if spec.engines_per_node else ""
+        return (f"--nodes {spec.nodes}{per} is more than Slurm can give (partition {part} has {counts[part]} "
+                f"node{'s' if counts[part] != 1 else ''})")
+    return ""
 
 
 def submit_error(exc: SubmitError, spec) -> str:
@@ -241,6 +276,9 @@ class QueueWatch:
         self.next_look = time.monotonic() + self.every
         self.info = info = job_info(self.job_id)
         state = (info or {}).get("state")
+        if state == "PENDING" and info.get("reason") in NEVER:
+            raise ClusterError(f"{pending_note(self.job_id, info)}: Slurm will not start it as asked "
+                               f"({NEVER[info['reason']]}); cancelled")
         if state == "PENDING":
             note = pending_note(self.job_id, info)
             if note != self.last and self.say is not None:

@@ -166,6 +166,18 @@ class SlurmCluster:
         out = self.squeue_cmd("sinfo", "-h", "-N", "-o", "%N %T").stdout.split("\n")
         return dict(line.split() for line in out if line.strip())
 
+    def job_processes(self):
+        """``name (pid) on NODE`` of every process on a node but its sshd and slurmd: what jobs left running."""
+        daemons = {p.pid for p in self._procs.values()} | set(self.hosts.sshd_pids)
+        out = []
+        for i, node in enumerate(self.nodes, start=1):
+            for pid in set(self.hosts.pids(i)) - daemons:
+                try:
+                    out.append(f"{psutil.Process(pid).name()} ({pid}) on {node}")
+                except psutil.NoSuchProcess:
+                    pass
+        return out
+
     def wait_idle(self, timeout=None):
         """Wait until every node is idle (a node resumed after DOWN, or the cluster just started)."""
         deadline = time.monotonic() + (timeout or self.idle_timeout)
@@ -248,16 +260,19 @@ class SlurmCluster:
             "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none", "JobCompType=jobcomp/none", "MpiDefault=none",
             "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU", "SchedulerType=sched/builtin",
-            "SlurmdParameters=config_overrides", "ReturnToService=2", "JobRequeue=0",
+            "SlurmdParameters=config_overrides", "ReturnToService=1", "JobRequeue=0",
             "SlurmctldTimeout=30", "SlurmdTimeout=30", "MessageTimeout=5", "InactiveLimit=0", "KillWait=2",
             "MinJobAge=60", "OverTimeLimit=0", f"PlugStackConfig={t}/plugstack.conf",
         ]
         for name, addr in zip(self.nodes, self.hosts.addresses[1:]):
+            os.mkdir(os.path.join(t, "spool", name))
             lines.append(f"NodeName={name} NodeAddr={addr} CPUs={self.cpus} RealMemory=1000 State=UNKNOWN")
         nodes = ",".join(self.nodes)
         lines += [f"PartitionName=debug Nodes={nodes} Default=YES MaxTime=INFINITE State=UP",
                   f"PartitionName=down Nodes={nodes} MaxTime=INFINITE State=DOWN"]
         open(os.path.join(t, "plugstack.conf"), "w").close()  # none of the machine's SPANK plugins
+        with open(os.path.join(t, "cgroup.conf"), "w") as f:  # slurmd 22.05 loads a cgroup plugin whatever it uses
+            f.write(os.environ.get("DNB_CGROUP_CONF", "CgroupPlugin=cgroup/v1\n"))
         self.conf = os.path.join(t, "slurm.conf")
         with open(self.conf, "w") as f:
             f.write("\n".join(lines) + "\n")

@@ -37,8 +37,16 @@ def two_nodes(slurm_cluster, own_shell):
         session._CURRENT.stop(quiet=True)
 
 
-def _no_job_left(slurm_cluster):
+def _no_job_left(slurm_cluster, timeout=20.0):
+    """squeue lists no job, and no process of a job (slurmstepd, engine) is left on any node."""
     assert slurm_cluster.jobs() == [], slurm_cluster.squeue_cmd("squeue").stdout
+    deadline = time.monotonic() + timeout
+    while True:
+        left = slurm_cluster.job_processes()
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not left, f"left on the nodes: {left}"
 
 
 def test_srun_starts_one_engine_per_node_ranked_by_slurm(slurm_cluster, two_nodes):
@@ -89,6 +97,7 @@ def test_node_down_during_a_cell_is_named(slurm_cluster, own_shell):
                      "    _t = torch.ones(1)\n    dist.all_reduce(_t)\n    time.sleep(0.1)\n")
         took = time.monotonic() - t0
         text = str(info.value)
+        print(f"node down after {took:.1f} s: {text}")
         assert f"node {node} is down" in text and "heartbeat" in text, text
         assert took < sess.cluster.spec.timeout + 30, took
         t0 = time.monotonic()
@@ -138,6 +147,7 @@ def test_job_killed_at_its_time_limit_is_reported(slurm_cluster, own_shell):
         with pytest.raises(RankError) as info:  # Slurm checks limits every 30 s: killed 60 to 90 s in
             sess.run("import time\nfor _ in range(1500):\n    time.sleep(0.1)\n")
         text = str(info.value)
+        print(f"time limit: {text}")
         assert f"Slurm job {job} reached its time limit (--time 1) and was killed" in text, text
     finally:
         if session._CURRENT is not None:

@@ -71,5 +71,25 @@ def test_queue_watch_says_each_reason_once_and_fails_when_the_job_ends(monkeypat
         watch.check()
 
 
+def test_a_request_that_could_never_start_is_refused_before_sbatch(monkeypatch):
+    monkeypatch.setattr(slurm, "partitions", lambda: {"debug": 2, "gpu": 1})
+    monkeypatch.setattr(slurm, "default_partition", lambda: "debug")
+    spec = lambda **kw: default_spec(launcher="slurm", engines_per_node=1, **kw)  # noqa: E731
+    assert slurm.check_request(spec(nodes=2)) == ""
+    assert slurm.check_request(spec(nodes=3)) == \
+        "--nodes 3 x --engines-per-node 1 is more than Slurm can give (partition debug has 2 nodes)"
+    assert "partition gpu has 1 node)" in slurm.check_request(spec(nodes=2, queue="gpu"))
+    assert slurm.check_request(spec(nodes=1, queue="big")) == \
+        "--partition big: Slurm has no such partition (it has: debug, gpu)"
+    monkeypatch.setattr(slurm, "partitions", lambda: {})  # sinfo could not tell: sbatch decides
+    assert slurm.check_request(spec(nodes=9)) == ""
+
+
+def test_a_reason_that_never_passes_ends_the_wait(monkeypatch):
+    monkeypatch.setattr(slurm, "job_info", lambda job: dict(state="PENDING", reason="PartitionConfig"))
+    with pytest.raises(ClusterError, match="job 5 pending: PartitionConfig: Slurm will not start it as asked"):
+        slurm.QueueWatch("5", None, None, every=0).check()
+
+
 def test_a_missing_command_is_an_exit_status():
     assert slurm.run(["distnb-no-such-command"]).returncode == 127
