@@ -143,7 +143,14 @@ def why_gone(job_id, time_limit: str | None, hosts=()) -> str:
     says on the node).
     """
     info = job_info(job_id)
+    deadline = time.monotonic() + 3.0
+    while (info or {}).get("state") == "COMPLETING" and info.get("reason") not in _ENDED_BY:
+        if time.monotonic() > deadline:  # its processes are being killed: the final state comes after
+            break
+        time.sleep(0.2)
+        info = job_info(job_id)
     state = (info or {}).get("state")
+    state = _ENDED_BY.get((info or {}).get("reason"), state) if state == "COMPLETING" else state
     down = []
     for host in dict.fromkeys(hosts):
         node = node_state(host)
@@ -160,6 +167,11 @@ def why_gone(job_id, time_limit: str | None, hosts=()) -> str:
     elif info is None:
         said.append(f"Slurm no longer knows job {job_id}")
     return "; ".join(said + down)
+
+
+#: What a completing job's Reason says it ended by (scontrol shows JobState=COMPLETING until its
+#: processes are gone, the final state only after).
+_ENDED_BY = {"TimeLimit": "TIMEOUT", "NodeDown": "NODE_FAIL"}
 
 
 def partitions() -> dict:

@@ -9,10 +9,12 @@ nothing listens in the machine's own namespace. One ``munged`` (Unix socket only
 serves them all: the hosts share the machine's filesystem.
 
 The ``slurm.conf`` (written into a fresh temporary folder with the state, spool, pid and log files)
-is minimal: ``proctrack/linuxproc`` and ``task/none`` (no cgroups), no accounting, root as
+is minimal: ``proctrack/linuxproc`` and ``task/none`` (no cgroups; ``cgroup.conf`` names
+``cgroup/v1`` only because slurmd 22.05 loads a cgroup plugin regardless), no accounting, root as
 SlurmUser and SlurmdUser, the nodes' size from the configuration (``config_overrides``), no requeue,
-short timeouts. Partitions: ``debug`` (the default, every node, up) and ``down`` (every node, state
-DOWN: jobs queue there and never start). :meth:`start` points ``SLURM_CONF`` of this process at it, so
+short timeouts, and a node set DOWN stays down until resumed (``ReturnToService=1``). Partitions:
+``debug`` (the default, every node, up) and ``down`` (every node, state DOWN: jobs queue there and
+never start). :meth:`start` points ``SLURM_CONF`` of this process at it, so
 ``sbatch``, ``squeue`` and ``scancel`` (the kernel's, in the tests) use this cluster; :meth:`stop` puts
 it back.
 """
@@ -271,8 +273,10 @@ class SlurmCluster:
         lines += [f"PartitionName=debug Nodes={nodes} Default=YES MaxTime=INFINITE State=UP",
                   f"PartitionName=down Nodes={nodes} MaxTime=INFINITE State=DOWN"]
         open(os.path.join(t, "plugstack.conf"), "w").close()  # none of the machine's SPANK plugins
-        with open(os.path.join(t, "cgroup.conf"), "w") as f:  # slurmd 22.05 loads a cgroup plugin whatever it uses
-            f.write(os.environ.get("DNB_CGROUP_CONF", "CgroupPlugin=cgroup/v1\n"))
+        # slurmd 22.05 loads a cgroup plugin whatever else it uses; autodetection fails in `ip netns exec`
+        # (a fresh sysfs on /sys: no /sys/fs/cgroup mounts), cgroup/v1 named loads and, unused, does nothing
+        with open(os.path.join(t, "cgroup.conf"), "w") as f:
+            f.write("CgroupPlugin=cgroup/v1\n")
         self.conf = os.path.join(t, "slurm.conf")
         with open(self.conf, "w") as f:
             f.write("\n".join(lines) + "\n")

@@ -49,6 +49,8 @@ def test_why_engines_stopped_is_slurms_account(monkeypatch):
     monkeypatch.setattr(slurm, "job_info", lambda job: dict(state="NODE_FAIL"))
     assert slurm.why_gone("12", None, ["n1", "n2", "n2"]) == \
         "Slurm job 12 was ended by a node failure; node n2 is down (distnb test)"
+    monkeypatch.setattr(slurm, "job_info", lambda job: dict(state="COMPLETING", reason="TimeLimit"))
+    assert slurm.why_gone("12", "1", []) == "Slurm job 12 reached its time limit (--time 1) and was killed"
     monkeypatch.setattr(slurm, "job_info", lambda job: dict(state="RUNNING"))
     assert slurm.why_gone("12", None, ["n1"]) == ""
 
