@@ -233,7 +233,7 @@ def submit_error(exc: SubmitError, spec) -> str:
         asked = f"--nodes {spec.nodes}" if spec.nodes else f"-n {spec.num_engines}"
         per = f" x --engines-per-node {spec.engines_per_node}" if spec.engines_per_node else ""
         return f"{asked}{per} is more than Slurm can give ({has}; sbatch: {said}); no job was submitted"
-    if "time limit" in text:
+    if "time limit" in text or "--time" in text:
         return f"--time {spec.time_limit}: sbatch refused it ({said}); no job was submitted"
     if "account" in text:
         return f"--account {spec.account}: sbatch refused it ({said}); no job was submitted"

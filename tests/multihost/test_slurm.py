@@ -158,6 +158,7 @@ def test_job_killed_at_its_time_limit_is_reported(slurm_cluster, own_shell):
 @pytest.mark.parametrize("given, match", [
     (dict(queue="nope"), r"--partition nope: Slurm has no such partition \(it has: debug, down\)"),
     (dict(nodes=3), r"--nodes 3 x --engines-per-node 1 is more than Slurm can give \(partition debug has 2 nodes"),
+    (dict(time_limit="soon"), r"--time soon: sbatch refused it \(Invalid --time specification\)"),  # sbatch's own
 ])
 def test_bad_request_is_refused_naming_the_option(slurm_cluster, own_shell, given, match):
     with pytest.raises(ClusterError, match=match):
