@@ -334,6 +334,9 @@ class Cluster:
 
     def stop(self) -> None:
         """Stop engines (cleanly leaving the process group), the controller and the client."""
+        if self._ipp is not None and not getattr(self, "family", None):  # a start that failed before the reaper:
+            self.family = [p for p in [self.pids["controller"], *launchers.started_pids(self._ipp, self.launcher)]
+                           if p]  # the controller's own processes, found while it still runs
         if self.client is not None:
             try:  # live registered engines leave the group and exit at once; ipyparallel stops the rest
                 ids = [e for e in (self.engine_ids or self.client.ids) if e in self.client.ids]
