@@ -211,12 +211,19 @@ class _SSHEngineSetLauncher(SSHEngineSetLauncher):
 class _SlurmEngineSetLauncher(SlurmEngineSetLauncher):
     """ipyparallel's Slurm engine launcher: sbatch's refusal kept whole, and a stop that waits for the job to go.
 
-    ipyparallel runs ``sbatch`` without capturing its stderr (the reason it refused the job
+    The job script goes into the profile folder (ipyparallel writes it into the working
+    directory). ipyparallel runs ``sbatch`` without capturing its stderr (the reason it refused the job
     goes to the kernel's terminal) and ``scancel`` without waiting: here a failed submit is a
     :class:`distnb.slurm.SubmitError` carrying sbatch's message, and :meth:`stop` returns once
     ``squeue`` no longer lists the job (its processes on every node are gone), at most
     :data:`SCANCEL_WAIT` seconds later.
     """
+
+    def write_batch_script(self, n=1):
+        # into the cluster's profile folder, not the notebook's (ipyparallel's default: the working directory)
+        if self.batch_file_name == type(self).batch_file_name.default_value and self.profile_dir:
+            self.batch_file = os.path.join(self.profile_dir, f"slurm_engine-{self.cluster_id}.sbatch")
+        return super().write_batch_script(n)
 
     def _run_command(self, command, **kwargs):
         kwargs.setdefault("timeout", slurm.COMMAND_TIMEOUT)

@@ -69,6 +69,9 @@ def test_srun_starts_one_engine_per_node_ranked_by_slurm(slurm_cluster, two_node
                  if c.status == psutil.CONN_LISTEN}
     assert listening == {slurm_cluster.hosts.bridge_address}
     assert table.store.startswith(slurm_cluster.hosts.addresses[1] + ":")  # rank 0's node
+    # the job script is in the cluster's profile folder, not left in the notebook's working directory
+    assert os.path.exists(os.path.join(cluster._ipp.profile_dir, f"slurm_engine-{cluster._ipp.cluster_id}.sbatch"))
+    assert not os.path.exists("slurm_engine.sbatch")
 
 
 def test_training_on_slurm_nodes_matches_one_process(own_shell, two_nodes):
