@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/jupyter kernelspec install --sys-prefix --name distnb jupyter-config/kernels/distnb >/dev/null
 	touch $@
 
-.PHONY: install demo test bench chromium multihost
+.PHONY: install demo test bench chromium multihost slurm
 install: $(VENV)/.installed
 
 # The browser test (tests/browser) drives Debian's Chromium through playwright (pip, in the test
@@ -30,10 +30,15 @@ chromium:
 multihost:
 	@sh .ci/install-multihost.sh
 
+# tests/multihost/test_slurm.py: Slurm (slurmctld, slurmd, the client commands) and munge, installed with apt
+# when missing; no service is started (the tests run their own daemons inside the test hosts' namespaces).
+slurm:
+	@sh .ci/install-slurm.sh
+
 demo: $(VENV)/.installed
 	$(PY) -m distnb.demo
 
-test: $(VENV)/.installed chromium multihost
+test: $(VENV)/.installed chromium multihost slurm
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # Benchmark-only extra (Accelerate, the launcher reference), installed with the pinned torch so pip keeps it.

@@ -18,8 +18,12 @@ rank 0's store on its own such address, never on every interface; ipyparallel's 
 stays on (the connection files carry a key) and every file in the profile's
 ``security`` folder is readable by the owner only (mode 0600).
 
+A Slurm job's engines are awaited while the job queues (squeue's reason said in the cell,
+:class:`distnb.slurm.QueueWatch`); sbatch's refusals name the option (:func:`distnb.slurm.submit_error`).
+
 Engine deaths are reported with how the process ended (``killed by SIGKILL``,
-``exited with status 1``, :func:`distnb.launchers.exit_description`); failed ranks as
+``exited with status 1``, :func:`distnb.launchers.exit_description`; for a Slurm job, what Slurm
+did: its time limit, a node down, :func:`distnb.slurm.why_gone`); failed ranks as
 :class:`~distnb.errors.RankError` with their tracebacks cleaned (:mod:`distnb.tracebacks`).
 """
 
@@ -32,7 +36,7 @@ import time
 import ipyparallel as ipp
 import psutil
 
-from . import calls, launchers, placement, tracebacks, zygote
+from . import calls, launchers, placement, slurm, tracebacks, zygote
 from .calls import RankFunction
 from .errors import ClusterError, PlanError, RankError
 from .net import check_port_free, free_port, is_loopback, visible_gpus
@@ -77,8 +81,11 @@ class Cluster:
         Per rank: rank, engine_id, pid, host, device, backend, num_threads.
     """
 
-    def __init__(self, spec: ClusterSpec, auto_device: bool = False):
+    def __init__(self, spec: ClusterSpec, auto_device: bool = False, say=None):
         self.spec = spec
+        self.say = say  # prints a line into the cell while starting (a queued batch job), or None
+        self.job_id = None  # the batch job of the engines (slurm), once submitted
+        self._gone_note = (None, "", 0.0)  # (dead ranks, what Slurm said about them, when)
         self.auto_device = auto_device  # remote engines: pick cuda/nccl or cpu/gloo from what their hosts have
         self._ipp = None
         self.client = None
@@ -105,8 +112,16 @@ class Cluster:
         self.remote = placement.engines_remote(self.launcher, spec.hosts)
         placement.check_launcher_tools(self.launcher, profile)
         placement.check_addresses(spec, self.remote)
+        # Slurm's nodes reach slurmctld: the controller listens on this host's address toward it, by default
+        try:
+            toward = slurm.controller_address() if self.launcher == "slurm" and not spec.interface else None
+        except slurm.SubmitError as exc:  # no slurmctld to submit to
+            raise ClusterError(slurm.submit_error(exc, spec)) from None
+        refused = slurm.check_request(spec) if self.launcher == "slurm" else ""
+        if refused:  # a job that could never start is not submitted
+            raise ClusterError(f"{refused}; no job was submitted")
         self.controller_ip = profile.get("Cluster", {}).get("controller_ip") or placement.controller_ip(
-            spec, self.remote)
+            spec, self.remote, toward)
         # thread count fixed before torch loads; CPU engines preload DDP too (GPU ones wait for their device)
         env = {"OMP_NUM_THREADS": str(spec.num_threads),
                "DISTNB_PRELOAD": "all" if spec.device_type == "cpu" and not self.remote else "torch"}
@@ -117,6 +132,7 @@ class Cluster:
             if self.launcher == "local" and spec.device_type == "cpu":
                 self._ipp._distnb_zygote = self._template({**os.environ, **env})
             self._ipp.start_cluster_sync(spec.num_engines)
+            self.job_id = launchers.batch_job_id(self._ipp)
             launchers._restrict_security_files(self._ipp.profile_dir)
             self._procs.update(launchers.engine_processes(self._ipp))
             self.client = self._ipp.connect_client_sync()
@@ -130,6 +146,8 @@ class Cluster:
             self.stop()
             if isinstance(exc, (ClusterError, PlanError, KeyboardInterrupt)):
                 raise
+            if isinstance(exc, slurm.SubmitError):
+                raise ClusterError(slurm.submit_error(exc, spec)) from None
             raise ClusterError(f"could not start {spec.num_engines} engines{where}: {exc}") from exc
         self.start_seconds = time.perf_counter() - t0
         return self
@@ -175,6 +193,9 @@ class Cluster:
         """Wait until every engine has registered; else a ClusterError naming the hosts that are missing."""
         n = self.spec.num_engines
         deadline = time.monotonic() + timeout
+        queue = None  # a Slurm job may wait in the queue: say why, and stop waiting once it ended
+        if self.launcher == "slurm" and self.job_id:
+            queue = slurm.QueueWatch(self.job_id, self.say, launchers.batch_output_file(self._ipp))
         while True:
             try:
                 self.client.wait_for_engines(n, timeout=min(1.0, max(0.0, deadline - time.monotonic())),
@@ -183,12 +204,16 @@ class Cluster:
             except TimeoutError:
                 pass
             launchers.check_launcher_alive(self._ipp, self.launcher)
+            if queue is not None and len(self.client.ids) < n:
+                queue.check()
             if time.monotonic() >= deadline:
                 break
         got = sorted(self.client.ids)
         missing = placement.missing_hosts(self.spec.hosts, self._whereami(got) if got else {})
         url = f"{self.controller_ip}:{launchers.registration_port(self._ipp)}"
         hosts = f"; none from {', '.join(missing)}" if missing else ""
+        if queue is not None and queue.last:  # never left the queue
+            raise ClusterError(f"{queue.summary()} after {timeout:.0f} s: cancelled (a longer --timeout waits longer)")
         raise ClusterError(
             f"only {len(got)} of {n} engines registered with the controller at {url} within {timeout:.0f} s"
             f"{hosts}. Check that every host can reach {self.controller_ip} (routes, firewall) and start engines "
@@ -309,6 +334,9 @@ class Cluster:
 
     def stop(self) -> None:
         """Stop engines (cleanly leaving the process group), the controller and the client."""
+        if self._ipp is not None and not getattr(self, "family", None):  # a start that failed before the reaper:
+            self.family = [p for p in [self.pids["controller"], *launchers.started_pids(self._ipp, self.launcher)]
+                           if p]  # the controller's own processes, found while it still runs
         if self.client is not None:
             try:  # live registered engines leave the group and exit at once; ipyparallel stops the rest
                 ids = [e for e in (self.engine_ids or self.client.ids) if e in self.client.ids]
@@ -432,7 +460,22 @@ class Cluster:
                 except psutil.NoSuchProcess:
                     pass
             dead[rank] = launchers.exit_description(self.exit_status(rank))
-        return dead
+        return self._slurm_says(dead)
+
+    def _slurm_says(self, dead: dict) -> dict:
+        """``dead`` with what Slurm did to the engines' job or nodes (time limit, node down) added to remote deaths.
+
+        Slurm is asked once for each set of dead ranks (the liveness check runs every second).
+        """
+        remote = sorted(r for r in dead if not self.ranks[r].get("local", True))
+        if getattr(self, "launcher", None) != "slurm" or not self.job_id or not remote:
+            return dead
+        known, note, when = self._gone_note
+        if known != remote or (not note and time.monotonic() - when > 1.0):
+            hosts = [info["host"] for info in self.ranks]  # a node that is down stops every rank of the job
+            note = slurm.why_gone(self.job_id, self.spec.time_limit, hosts)
+            self._gone_note = (remote, note, time.monotonic())
+        return {r: f"{how}; {note}" if note and r in remote else how for r, how in dead.items()}
 
     def death_message(self, rank: int, how: str) -> str:
         """``rank 1 (engine 1, pid N) died: killed by SIGKILL``."""

@@ -4,8 +4,9 @@ Local engines and their controller are forked from the kernel's engine template
 (:mod:`distnb.zygote`) when there is one (:class:`_Forkable`), else started as fresh
 processes by ipyparallel's own local launchers; engines start through
 :mod:`distnb.engine.ipengine` (:data:`ENGINE_CMD`). The ssh launcher gives up on a host it
-cannot reach (:class:`_SSHEngineLauncher`); other launchers are ipyparallel's own
-(:data:`LAUNCHER_CLASSES`).
+cannot reach (:class:`_SSHEngineLauncher`); the Slurm launcher keeps sbatch's refusal and waits
+for a cancelled job to leave the queue (:class:`_SlurmEngineSetLauncher`); other launchers are
+ipyparallel's own (:data:`LAUNCHER_CLASSES`).
 
 Engine deaths are reported with how the process ended (``killed by SIGKILL``,
 ``exited with status 1``, :func:`exit_description`): the engines are children of the kernel,
@@ -31,9 +32,9 @@ import time
 import psutil
 from traitlets import Float, List
 from ipyparallel.cluster.launcher import (LocalControllerLauncher, LocalEngineLauncher, LocalEngineSetLauncher,
-                                          SSHEngineLauncher, SSHEngineSetLauncher)
+                                          SlurmEngineSetLauncher, SSHEngineLauncher, SSHEngineSetLauncher)
 
-from . import zygote
+from . import slurm, zygote
 from .errors import ClusterError
 from .placement import engine_command
 
@@ -207,8 +208,65 @@ class _SSHEngineSetLauncher(SSHEngineSetLauncher):
     launcher_class = _SSHEngineLauncher
 
 
+class _SlurmEngineSetLauncher(SlurmEngineSetLauncher):
+    """ipyparallel's Slurm engine launcher: sbatch's refusal kept whole, and a stop that waits for the job to go.
+
+    The job script goes into the profile folder (ipyparallel writes it into the working
+    directory). ipyparallel runs ``sbatch`` without capturing its stderr (the reason it refused the job
+    goes to the kernel's terminal) and ``scancel`` without waiting: here a failed submit is a
+    :class:`distnb.slurm.SubmitError` carrying sbatch's message, and :meth:`stop` returns once
+    ``squeue`` no longer lists the job (its processes on every node are gone), at most
+    :data:`SCANCEL_WAIT` seconds later.
+    """
+
+    def write_batch_script(self, n=1):
+        # into the cluster's profile folder, not the notebook's (ipyparallel's default: the working directory)
+        if self.batch_file_name == type(self).batch_file_name.default_value and self.profile_dir:
+            self.batch_file = os.path.join(self.profile_dir, f"slurm_engine-{self.cluster_id}.sbatch")
+        return super().write_batch_script(n)
+
+    def _run_command(self, command, **kwargs):
+        kwargs.setdefault("timeout", slurm.COMMAND_TIMEOUT)
+        try:
+            p = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, **kwargs)
+        except FileNotFoundError as exc:
+            raise slurm.SubmitError(command, 127, f"{command[0]}: {exc.strerror}") from None
+        except subprocess.TimeoutExpired:
+            raise slurm.SubmitError(command, 124, f"{command[0]} did not answer within "
+                                                  f"{kwargs['timeout']:.0f} s") from None
+        if p.returncode:
+            raise slurm.SubmitError(command, p.returncode, p.stderr.decode("utf8", "replace"))
+        return p.stdout.decode("utf8", "replace")
+
+    def stop(self):
+        if not self.job_id:  # never submitted
+            return ""
+        try:
+            output = super().stop()
+        except slurm.SubmitError as exc:  # slurmctld unreachable: nothing more can be done from here
+            output = str(exc)
+        slurm.wait_gone(self.job_id, SCANCEL_WAIT)
+        return output
+
+
+#: Seconds ``%dist stop`` waits, after scancel, for squeue to stop listing the engines' job.
+SCANCEL_WAIT = 20.0
 #: ipyparallel launchers distnb adjusts (by --launcher name); the others are ipyparallel's own.
-LAUNCHER_CLASSES = {"ssh": _SSHEngineSetLauncher}
+LAUNCHER_CLASSES = {"ssh": _SSHEngineSetLauncher, "slurm": _SlurmEngineSetLauncher}
+
+
+def batch_job_id(cluster) -> str | None:
+    """The batch job id of ``cluster``'s (an ``ipp.Cluster``) engines, once submitted (slurm, pbs, ...)."""
+    for engine_set in getattr(cluster, "engines", {}).values():
+        job = getattr(engine_set, "job_id", "")
+        if job:
+            return str(job)
+    return None
+
+
+def batch_output_file(cluster) -> str | None:
+    """Where the batch job of ``cluster``'s engines writes its output (the job script's --output)."""
+    return next((getattr(e, "output_file", None) for e in getattr(cluster, "engines", {}).values()), None)
 
 
 def _restrict_security_files(profile_dir: str) -> None:

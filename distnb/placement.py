@@ -115,12 +115,13 @@ def local_addresses() -> set:
     return {a.address for addrs in psutil.net_if_addrs().values() for a in addrs}
 
 
-def controller_ip(spec, remote: bool) -> str:
+def controller_ip(spec, remote: bool, toward: str | None = None) -> str:
     """Where the controller listens: 127.0.0.1 for local engines, else an address the hosts can reach.
 
     In order: the address of ``--interface`` on this host; this host's address on the route
-    to the first of ``--hosts``; on the default route; of its hostname. Raises ClusterError
-    when only loopback is found.
+    to the first of ``--hosts``, or to ``toward`` (a host the engines' hosts reach: slurmctld's
+    address for Slurm); on the default route; of its hostname. Raises ClusterError when only
+    loopback is found.
     """
     if not remote:
         return "127.0.0.1"
@@ -128,7 +129,7 @@ def controller_ip(spec, remote: bool) -> str:
         addr = interface_address(spec.interface)
         if addr:
             return addr
-    candidates = [route_address(hostname_of(h)) for h in spec.hosts[:1]]
+    candidates = [route_address(hostname_of(h)) for h in [*spec.hosts[:1], *([toward] if toward else [])]]
     candidates += [route_address("192.0.2.1")]  # TEST-NET-1: only the default route is looked up
     try:
         candidates.append(socket.gethostbyname(socket.gethostname()))
@@ -235,7 +236,8 @@ def slurm_template(spec, per_host: int) -> str:
     one node; this one fixes nodes and tasks per node. ``srun`` starts the engines (Slurm sets
     SLURM_PROCID, which becomes the rank).
     """
-    lines = ["#!/bin/sh", "#SBATCH --export=ALL", "#SBATCH --job-name=ipengine-{cluster_id}",
+    # --no-requeue: a job Slurm restarts (after a node failure) would start engines no session waits for
+    lines = ["#!/bin/sh", "#SBATCH --export=ALL", "#SBATCH --job-name=ipengine-{cluster_id}", "#SBATCH --no-requeue",
              "#SBATCH --ntasks={n}", f"#SBATCH --ntasks-per-node={per_host}", "#SBATCH --output={output_file}"]
     if spec.nodes:
         lines.append(f"#SBATCH --nodes={spec.nodes}")

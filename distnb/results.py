@@ -8,7 +8,7 @@ from .display.tables import Table, count
 
 
 class StatusTable(Table):
-    """``%dist status``: one row per rank; the title names the controller's pid and the store's address.
+    """``%dist status``: one row per rank; the title names the batch job, the controller's pid and the store's address.
 
     Attributes
     ----------
@@ -16,6 +16,8 @@ class StatusTable(Table):
         The ipyparallel controller's process id.
     store : str
         ``host:port`` of the torch.distributed store (rank 0's).
+    job_id : str or None
+        The batch job that holds the engines (``--launcher slurm``), also named in the title.
     """
 
     columns = ("rank", "engine_id", "host", "node_rank", "local_rank", "pid", "device", "backend", "threads",
@@ -193,7 +195,9 @@ def status_table(session, timeout: float) -> StatusTable:
     table = StatusTable(rows)
     table.controller_pid = cluster.pids["controller"]
     table.store = f"{cluster.master_addr}:{cluster.master_port}"
-    table.title = (f"controller pid {table.controller_pid} · torch.distributed store {table.store} · "
+    table.job_id = getattr(cluster, "job_id", None)
+    job = f"{cluster.launcher} job {table.job_id} · " if table.job_id else ""
+    table.title = (f"{job}controller pid {table.controller_pid} · torch.distributed store {table.store} · "
                    f"auto restart {'on' if session.auto_restart else 'off'}")
     return table
 

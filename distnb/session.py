@@ -101,7 +101,7 @@ def start(*args, ns=None, spec=None, quiet=False, **given) -> "Session":
             print(f"distnb: a cluster of {_CURRENT.world_size} ranks is already running; keeping it "
                   f"{_differences(explicit, spec, _CURRENT.cluster.spec)}")
         return _CURRENT
-    cluster = Cluster(spec, auto_device=auto_device).start()
+    cluster = Cluster(spec, auto_device=auto_device, say=None if quiet else print).start()
     _CURRENT = Session(cluster, ns=ns)
     _CURRENT.auto_restart = bool(auto_restart)
     atexit.register(_stop_at_exit)

@@ -45,3 +45,24 @@ def own_shell():
         if session._CURRENT is not None:
             session._CURRENT.stop(quiet=True)
         session._CURRENT = saved
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A started :class:`~tests.multihost.slurm.SlurmCluster` (2 nodes), built once per test run.
+
+    ``SLURM_CONF`` points at it while it runs. Afterwards every daemon is stopped and the
+    teardown fails if a job was still queued or a daemon had to be killed. Skips, with the
+    reason, where it cannot be built (not root, no namespaces, Slurm or munge not installed).
+    """
+    from .slurm import SlurmCluster
+
+    ok, reason = SlurmCluster.available()
+    if not ok:
+        pytest.skip(f"slurm: {reason}")
+    cluster = SlurmCluster(2)
+    try:
+        yield cluster.start()
+    finally:
+        left = cluster.stop()
+    assert not left, f"the Slurm tests left behind: {'; '.join(left)}"

@@ -89,7 +89,8 @@ def test_slurm_job_script_places_engines_per_node(tmp_path):
     launcher.write_batch_script(8)
     script = (tmp_path / launcher.batch_file_name).read_text().splitlines()
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --ntasks=8", "#SBATCH --partition=gpu",
-                 "#SBATCH --time=01:00:00", "#SBATCH --account=proj", "#SBATCH --job-name=ipengine-abc"):
+                 "#SBATCH --time=01:00:00", "#SBATCH --account=proj", "#SBATCH --job-name=ipengine-abc",
+                 "#SBATCH --no-requeue"):
         assert line in script
     assert script[-1].startswith("srun ") and "distnb.engine.ipengine" in script[-1]
 
