@@ -23,6 +23,7 @@ RUNTIME = "distnb.engine.runtime"
 IPENGINE = "distnb.engine.ipengine"
 WIRE = "distnb.engine.wire"
 LOOP = "distnb.engine.loop"
+DATASETS = "distnb.engine.datasets"
 NET = "distnb.net"
 
 
@@ -139,6 +140,15 @@ def install_shard(name, num_samples, num_shards, seed, index, structure, descs, 
 
 @_on_rank(LOOP, with_ns=True)
 def train(plan_dict, code_text): ...
+
+
+# engine/datasets.py: data sets loaded on the ranks ---------------------------------------
+@_on_rank(DATASETS, with_ns=True)
+def install_dataset(name, kind, num_shards, payload, descs, *buffers): ...
+
+
+@_on_rank(DATASETS, with_ns=True)
+def adopt_dataset(name, num_shards): ...
 
 
 @_on_rank(LOOP)

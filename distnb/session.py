@@ -416,7 +416,7 @@ class Session:
         """
         values = self.pull(name)
         info = self.holdings.data.get(name)
-        return values if info is None else reassemble(values, info)
+        return values if info is None or "structure" not in info else reassemble(values, info)
 
     # training ------------------------------------------------------------
     def train(self, code: str, model, data, **given) -> TrainResult:
@@ -472,7 +472,7 @@ class Session:
         """The foreground training cell: plan, send what is missing, train watched, weights back."""
         t0 = time.perf_counter()
         model_name, model_obj = self._named(model, "model")
-        data_name, data_obj = self._named(data, "data")
+        data_name, data_obj = (data, None) if given.get("data_on_ranks") else self._named(data, "data")
         if not isinstance(code, str) or not code.strip():
             raise PlanError("the training cell body is empty: write one step that sets `loss`, e.g. "
                             "`x, y = batch; loss = F.cross_entropy(model(x), y)`")

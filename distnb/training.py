@@ -113,25 +113,19 @@ def prepare(session, plan, code, model_obj, data_obj, quiet) -> tuple:
     -------
     (num_shards, steps_per_epoch) : tuple of int
     """
-    from .engine import shard as sharding
     from .engine import strategies
 
     if not plan.builtin_optimizer:
         session.push(plan.optimizer)
     num_shards = strategies.data_parallel_size(plan, session.world_size)
-    for option, flag in ((plan.loss, "--loss"), (plan.tp_plan, "--tp-plan")):
+    for option, flag in ((plan.loss, "--loss"), (plan.tp_plan, "--tp-plan"), (plan.collate, "--collate")):
         if option is not None:
             session._lookup(option, flag)
             session.push(option)
     autopush(session, code, exclude=(model_obj, data_obj))
     sent = ensure_model(session, plan, model_obj, quiet)
     ensure_data(session, plan, data_obj, quiet or not sent, num_shards, silent=quiet)
-    n = session.holdings.data[plan.data]["num_samples"]
-    try:
-        sharding.check_sizes(n, num_shards, plan.batch_size, plan.drop_last)
-    except ValueError as exc:
-        raise PlanError(f"--data {plan.data}: {exc}") from None
-    return num_shards, sharding.steps_per_epoch(n, num_shards, plan.batch_size, plan.drop_last)
+    return num_shards, data.steps_of(plan, session.holdings.data[plan.data], num_shards)
 
 
 def autopush(session, code, exclude=()) -> None:
@@ -196,12 +190,21 @@ def ensure_model(session, plan, model_obj, quiet) -> bool:
 
 
 def ensure_data(session, plan, data_obj, quiet, num_shards, silent=False) -> None:
-    """Scatter ``data_obj`` unless the ranks hold it cut this way; say how batches are cut when
-    that changes (unless ``silent``)."""
+    """Scatter ``data_obj`` (tensors), or have the ranks load it (a Dataset, ``make``, ``--data-on-ranks``:
+    :func:`distnb.data.ensure_dataset`), unless the ranks hold it cut this way; say which path
+    and how batches are cut when that changes (unless ``silent``)."""
     from .transfer import fingerprint
 
+    path, why = data.path_of(plan, data_obj)
     info = session.holdings.data.get(plan.data)
-    if info is None or info["fingerprint"] != fingerprint(data_obj) or info["seed"] != plan.seed or \
+    if path != "tensors":
+        info, changed = data.ensure_dataset(session, plan, data_obj, path, why, num_shards)
+        layout = (plan.batch_size, plan.drop_last, plan.workers, plan.steps_per_epoch)
+        if (changed or info.get("layout") != layout) and not silent:
+            print(f"distnb: {data.describe_loaded(plan, info, session.world_size)}")
+        info["layout"] = layout
+        return
+    if info is None or "structure" not in info or info["fingerprint"] != fingerprint(data_obj) or info["seed"] != plan.seed or \
             info["num_shards"] != num_shards:
         data.scatter(session, plan.data, data_obj, plan.seed, num_shards)
         info = session.holdings.data[plan.data]
