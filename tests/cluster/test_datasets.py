@@ -254,3 +254,27 @@ def test_loader_options_with_tensors_are_an_error(dist_session, ns):
         dist_session.train(BODY, model="m_tensors", data="as_tensors", workers=2, **QUIET)
     with pytest.raises(PlanError, match="--prefetch-factor needs --workers"):
         dist_session.train(BODY, model="m_tensors", data="as_tensors", prefetch_factor=4, **QUIET)
+
+
+def test_workers_end_when_the_cell_is_interrupted(dist_session, ns):
+    import time
+
+    ns["slowish"], ns["lin_stop"] = ns["Noisy"](400, slow=0.002), torch.nn.Linear(4, 1)
+    dist_session.run("_seen = []")
+    dist_session.train(RECORD, model="lin_stop", data="slowish", epochs=100, batch_size=8, workers=2,
+                       background=True, **QUIET)
+    deadline = time.monotonic() + 30
+    while len(children(dist_session)) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(children(dist_session)) == 4  # two workers on each rank
+    dist_session.stop_training(quiet=True)
+    assert children(dist_session) == []
+
+
+def test_the_magic_takes_the_loader_options(shell, dist_session, ns):
+    ns["ragged"], ns["lin_magic"] = ns["Ragged"](), torch.nn.Linear(3, 2)
+    result = shell.run_cell("%%distrain --model lin_magic --data ragged --batch-size 4 --workers 1 "
+                            "--prefetch-factor 3 --collate pad --progress none -o magic_run\n" + BODY)
+    result.raise_error()
+    assert [row["steps"] for row in ns["magic_run"].rows] == [5, 5]
+    assert ns["magic_run"].plan.collate == "pad" and ns["magic_run"].plan.prefetch_factor == 3
