@@ -151,7 +151,7 @@ def path_of(plan, obj) -> tuple:
     elif isinstance(obj, (types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial)):
         path, why = "factory", f"{name}(rank, world_size) runs on each rank and returns that rank's part"
     else:
-        path, why = "tensors", "a tensor container: materialised once, shipped as shards"
+        path, why = "tensors", "a tensor container, materialised once and shipped as shards"
     if path == "tensors":
         given = [flag for field, flag in _LOADER_OPTIONS if getattr(plan, field)] + \
             (["--steps-per-epoch"] if plan.steps_per_epoch else [])

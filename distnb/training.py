@@ -204,8 +204,8 @@ def ensure_data(session, plan, data_obj, quiet, num_shards, silent=False) -> Non
             print(f"distnb: {data.describe_loaded(plan, info, session.world_size)}")
         info["layout"] = layout
         return
-    if info is None or "structure" not in info or info["fingerprint"] != fingerprint(data_obj) or info["seed"] != plan.seed or \
-            info["num_shards"] != num_shards:
+    if info is None or "structure" not in info or info["fingerprint"] != fingerprint(data_obj) or \
+            info["seed"] != plan.seed or info["num_shards"] != num_shards:
         data.scatter(session, plan.data, data_obj, plan.seed, num_shards)
         info = session.holdings.data[plan.data]
         quiet = False
@@ -214,7 +214,8 @@ def ensure_data(session, plan, data_obj, quiet, num_shards, silent=False) -> Non
         info["layout"] = layout
         quiet = False
     if not (quiet or silent):
-        print(f"distnb: {data.describe_cut(plan, info, num_shards, session.world_size)}")
+        print(f"distnb: {data.describe_cut(plan, info, num_shards, session.world_size)}; the tensor fast path "
+              f"({type(data_obj).__name__}: {why})")
 
 
 def weights_back(session, name, model_obj, best_effort=False, packed=None) -> None:

@@ -96,7 +96,8 @@ def test_errors_name_the_rank_the_indices_and_the_fix():
         indexed.__getitems__((0, [4, 5]))
     with pytest.raises(datasets.SampleError) as err:
         indexed.__getitems__((0, [0, 1]))
-    assert "samples [0, 1] of bad cannot be batched" in str(err.value) and "(float32[1], int) and (float32[2], int)" in str(err.value)
+    text = str(err.value)
+    assert "samples [0, 1] of bad cannot be batched" in text and "(float32[1], int) and (float32[2], int)" in text
     assert "--collate NAME" in str(err.value)
 
 
