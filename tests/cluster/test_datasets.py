@@ -278,3 +278,15 @@ def test_the_magic_takes_the_loader_options(shell, dist_session, ns):
     result.raise_error()
     assert [row["steps"] for row in ns["magic_run"].rows] == [5, 5]
     assert ns["magic_run"].plan.collate == "pad" and ns["magic_run"].plan.prefetch_factor == 3
+
+
+def test_a_strategy_that_trains_every_rank_on_the_same_batches_gets_the_whole_set(dist_session, ns):
+    data = parity_data(n=64)
+    ns["tp_tensors"], ns["tp_dataset"] = data, ns["Plain"](*data.tensors)
+    ns["tp_a"], ns["tp_b"] = parity_model(), parity_model()
+    common = dict(epochs=1, batch_size=16, optimizer="sgd", lr=0.1, seed=2, strategy="tensor", **QUIET)
+    dist_session.train(BODY, model="tp_a", data="tp_tensors", **common)
+    r = dist_session.train(BODY, model="tp_b", data="tp_dataset", **common)
+    assert [row["samples"] for row in r.rows] == [64, 64]  # every rank saw all of it
+    for a, b in zip(ns["tp_a"].parameters(), ns["tp_b"].parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
