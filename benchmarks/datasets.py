@@ -124,6 +124,7 @@ def _reference(args) -> None:
 
 
 def run_torchrun(args, workers) -> list:
+    """samples/s of ``args.repeats`` runs of the reference under torchrun (after its own warm-up)."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [torchrun, "--nproc-per-node", "2", os.path.abspath(__file__), "--reference", "--workers", str(workers),
            "--epochs", str(args.epochs), "--repeats", str(args.repeats), "--samples", str(args.samples),
@@ -135,6 +136,7 @@ def run_torchrun(args, workers) -> list:
 # distnb ---------------------------------------------------------------------------------------
 
 def run_distnb(session, ns, args, workers, model) -> list:
+    """samples/s summed over the ranks of ``args.repeats`` warm cells."""
     rates = []
     for _ in range(args.repeats):
         r = session.train(BODY, model=model, data="flips", epochs=args.epochs, batch_size=args.batch_size,
@@ -153,10 +155,14 @@ def main(argv=None):
     p.add_argument("--workers", type=int, default=None, help="with --reference: the DataLoader's workers")
     p.add_argument("--warmup-epochs", type=int, default=1)
     p.add_argument("--reference", action="store_true", help="(under torchrun) run the reference side")
+    p.add_argument("--wait-quiet", type=float, default=10.0, help="seconds to wait for an idle machine before a side")
     args = p.parse_args(argv)
     if args.reference:
         return _reference(args)
     import distnb
+
+    sys.path.insert(0, HERE)
+    import run as suite_run  # ForeignCpu, wait_quiet
 
     ns = {"F": F, "torch": torch, "Flips": Flips, "MLP": MLP}
     ns["flips"] = Flips(args.samples)
@@ -169,24 +175,29 @@ def main(argv=None):
             ns[model] = MLP()
             session.train(BODY, model=model, data="flips", epochs=1, batch_size=args.batch_size, workers=workers,
                           optimizer="adam", progress="none", quiet=True)  # warm: model sent, DDP built
-            mine, ref = [], []
+            mine, ref, foreign = [], [], []
             for k in range(args.rounds):
                 sides = ("distnb", "torchrun") if k % 2 == 0 else ("torchrun", "distnb")
                 for side in sides:
-                    if side == "distnb":
-                        mine += run_distnb(session, ns, args, workers, model)
-                    else:
-                        ref += run_torchrun(args, workers)
+                    suite_run.wait_quiet(args.wait_quiet)
+                    with suite_run.ForeignCpu() as other:
+                        if side == "distnb":
+                            mine += run_distnb(session, ns, args, workers, model)
+                        else:
+                            ref += run_torchrun(args, workers)
+                    foreign.append(other.cores)
             a, b = statistics.median(mine), statistics.median(ref)
-            rows.append((workers, a, b, a / b))
+            rows.append((workers, a, b, a / b, max(foreign)))
             print(f"workers {workers}: distnb {a:.0f} samples/s, torchrun {b:.0f} samples/s, ratio {a / b:.3f} "
-                  f"(distnb {', '.join(f'{x:.0f}' for x in mine)}; torchrun {', '.join(f'{x:.0f}' for x in ref)})",
-                  flush=True)
+                  f"(distnb {', '.join(f'{x:.0f}' for x in mine)}; torchrun {', '.join(f'{x:.0f}' for x in ref)}; "
+                  f"others' CPU up to {max(foreign):.2f} cores)", flush=True)
     finally:
         session.stop(quiet=True)
-    print("\n| --workers | distnb, samples/s | torchrun, samples/s | ratio | target |\n|---|---|---|---|---|")
-    for workers, a, b, ratio in rows:
-        print(f"| {workers} | {a:.0f} | {b:.0f} | {ratio:.3f} | >= 0.95: {'PASS' if ratio >= 0.95 else 'FAIL'} |")
+    print("\n| --workers | distnb, samples/s | torchrun, samples/s | ratio | target | others' CPU, cores |\n"
+          "|---|---|---|---|---|---|")
+    for workers, a, b, ratio, other in rows:
+        print(f"| {workers} | {a:.0f} | {b:.0f} | {ratio:.3f} | >= 0.95: {'PASS' if ratio >= 0.95 else 'FAIL'} | "
+              f"{other:.2f} |")
     load = os.getloadavg()
     print(f"\n{os.cpu_count()} cores; torch {torch.__version__}; load average at the end {load[0]:.2f} {load[1]:.2f}")
 
