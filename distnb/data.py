@@ -179,14 +179,28 @@ def _pack(name, obj, path):
                         "Dataset, or create it in a %%dist cell and pass --data-on-ranks") from None
 
 
-def _sample(obj) -> str:
-    """What sample 0 of a map-style Dataset looks like (its one ``__getitem__`` call in the kernel)."""
-    from .engine.datasets import _shape
+def _sample(plan, obj) -> str:
+    """What sample 0 of a map-style Dataset looks like (its one ``__getitem__`` call in the kernel).
+
+    Raises PlanError when torch's ``default_collate`` cannot batch it and no ``--collate`` is given.
+    """
+    from torch.utils.data import default_collate
+
+    from .engine.datasets import describe_sample
 
     try:
-        return f"samples like {_shape(obj[0])}"
+        sample = obj[0]
     except Exception as exc:  # the ranks name the rank and index when they hit it
         return f"sample 0 raised {type(exc).__name__} in the kernel"
+    if plan.collate is None:
+        try:
+            default_collate([sample])
+        except Exception as exc:
+            raise PlanError(f"--data {plan.data}: sample 0 is {describe_sample(sample)}, which torch's "
+                            f"default_collate cannot batch ({type(exc).__name__}: {exc}); return tensors, numbers or "
+                            "numpy arrays from __getitem__, or pass --collate NAME (a notebook function list of "
+                            "samples -> batch)") from None
+    return f"samples like {describe_sample(sample)}"
 
 
 def ensure_dataset(session, plan, obj, path, why, num_shards) -> tuple:
@@ -208,6 +222,7 @@ def ensure_dataset(session, plan, obj, path, why, num_shards) -> tuple:
     """
     cluster, name = session.cluster, plan.data
     held = session.holdings.data.get(name)
+    sample = None
     if path == "ranks":
         fp = None
         ars = cluster.apply_all(calls.adopt_dataset, name, num_shards)
@@ -219,6 +234,7 @@ def ensure_dataset(session, plan, obj, path, why, num_shards) -> tuple:
             return held, False
         from .transfer import outgoing
 
+        sample = _sample(plan, obj) if path == "dataset" else None  # before anything is sent
         kind = {"factory": "part"}.get(path, path)
         with outgoing(cluster, buffers) as sent:
             ars = cluster.apply_all(calls.install_dataset, name, kind, num_shards, payload, descs, *sent)
@@ -227,7 +243,7 @@ def ensure_dataset(session, plan, obj, path, why, num_shards) -> tuple:
         answers = cluster.wait_all(ars, timeout=cluster.spec.timeout, what=f"finding {name} on the ranks")
     info = _agree(plan, path, answers, num_shards)
     info.update(path=path, why=why, fingerprint=fp, num_shards=num_shards,
-                sample=_sample(obj) if path == "dataset" else None)
+                sample=sample)
     session.holdings.data[name] = info
     _check_steps_option(plan, info)
     return info, True

@@ -97,15 +97,16 @@ def to_device(batch, device):
     return batch
 
 
-def _shape(sample) -> str:
+def describe_sample(sample) -> str:
+    """A sample's structure in words: ``(float32[3, 32, 32], int)`` (dtype and shape of arrays, else the type)."""
     if isinstance(sample, torch.Tensor):
         return f"{str(sample.dtype).removeprefix('torch.')}{list(sample.shape)}"
     if hasattr(sample, "shape") and hasattr(sample, "dtype"):
         return f"{sample.dtype}{list(sample.shape)}"
     if isinstance(sample, (tuple, list)):
-        return "(" + ", ".join(_shape(s) for s in sample) + ")"
+        return "(" + ", ".join(describe_sample(s) for s in sample) + ")"
     if isinstance(sample, dict):
-        return "{" + ", ".join(f"{k!r}: {_shape(v)}" for k, v in sample.items()) + "}"
+        return "{" + ", ".join(f"{k!r}: {describe_sample(v)}" for k, v in sample.items()) + "}"
     return type(sample).__name__
 
 
@@ -124,7 +125,7 @@ class Batcher:
             if self.collate is not None:
                 raise SampleError(f"rank {self.rank}: --collate {self.collate_name} raised {type(exc).__name__}: "
                                   f"{exc} on {where} of {self.name}; fix the collate function") from exc
-            shapes = sorted({_shape(s) for s in samples})
+            shapes = sorted({describe_sample(s) for s in samples})
             raise SampleError(
                 f"rank {self.rank}: {where} of {self.name} cannot be batched by torch's default_collate "
                 f"({type(exc).__name__}: {exc}); the samples are {' and '.join(shapes[:4])}. Give samples of one "
@@ -266,7 +267,7 @@ class Source:
         loader = self._loader_for(plan, device, epoch)
         loader.batch_sampler.keys = keys
         it = iter(loader)
-        for step, key in enumerate(keys):
+        for key in keys:
             batch = self._next(it, plan, epoch, f"samples {_few(key[1])}")
             yield len(key[1]), (batch if device.type == "cpu" else to_device(batch, device))
 
@@ -329,9 +330,6 @@ class Source:
             it._shutdown_workers()
         if loader is not None:
             loader._iterator = None
-
-    def as_value(self):
-        return self.dataset
 
 
 class _Keys:

@@ -139,3 +139,21 @@ def test_the_kernel_sends_datasets_by_value_and_tensors_as_shards():
         data.path_of(plan(), NoLen())
     with pytest.raises(PlanError, match="--workers, --collate: for a Dataset loaded on the ranks"):
         data.path_of(plan(workers=1, collate="f"), torch.zeros(3))
+
+
+def test_the_kernel_looks_at_one_sample_and_stops_what_cannot_be_batched():
+    from distnb import data
+    from distnb.errors import PlanError
+
+    class Strings(Rows):
+        calls = []
+
+        def __getitem__(self, i):
+            Strings.calls.append(i)
+            return object()
+
+    with pytest.raises(PlanError, match="sample 0 is object, which torch's default_collate cannot batch"):
+        data._sample(plan(), Strings(3))
+    assert Strings.calls == [0]
+    assert data._sample(plan(collate="mine"), Strings(3)) == "samples like object"
+    assert data._sample(plan(), Rows(3)) == "samples like (float32[1], int)"
