@@ -268,7 +268,7 @@ class Source:
         loader.batch_sampler.keys = keys
         it = iter(loader)
         for key in keys:
-            batch = self._next(it, plan, epoch, f"samples {_few(key[1])}")
+            batch = self._next(it, epoch, key[1])
             yield len(key[1]), (batch if device.type == "cpu" else to_device(batch, device))
 
     def _stream(self, plan, epoch, device):
@@ -277,24 +277,26 @@ class Source:
         for step in itertools.count():
             if plan.steps_per_epoch is not None and step >= plan.steps_per_epoch:
                 return
-            batch = self._next(it, plan, epoch, f"step {step}", stream=True)
+            batch = self._next(it, epoch, step, stream=True)
             have.fill_(0.0 if batch is None else 1.0)
             dist.all_reduce(have, op=dist.ReduceOp.MIN)  # the first stream to end ends the epoch on every rank
             if not have.item():
                 return
             yield _count(batch), (batch if device.type == "cpu" else to_device(batch, device))
 
-    def _next(self, it, plan, epoch, where, stream=False):
+    def _next(self, it, epoch, what, stream=False):
+        """The next batch of ``it`` (None at a stream's end); ``what``: its indices (a stream: its step)."""
         try:
             return next(it)
         except StopIteration:
             if stream:
                 return None
             raise RuntimeError(f"rank {runtime.STATE.rank}: the DataLoader of {self.name} ended early "
-                               f"(epoch {epoch}, before {where})") from None
+                               f"(epoch {epoch}, before samples {_few(what)})") from None
         except SampleError as exc:  # raised in a worker: the DataLoader wrapped it with the worker's traceback
             raise SampleError(_original_message(exc)) from None
         except Exception as exc:
+            where = f"step {what}" if stream else f"samples {_few(what)}"
             explain(exc, f"while loading {where} of {self.name} (epoch {epoch})")
             raise
 
