@@ -99,7 +99,8 @@ class TrainPlan:
                                    "keep the optimizer live on the ranks (with its state), sgd for a new model")
     lr: float | None = option(None, "float", "learning rate; default: keep the live one (a new optimizer: 0.01 sgd, "
                               "1e-3 adam/adamw)")
-    seed: int = option(0, "int", "seed of shards and per-epoch shuffles (default 0)", minimum=0)
+    seed: int = option(0, "int", "seed of shards, per-epoch shuffles and, for a Dataset, the ranks' and workers' "
+                       "random streams (default 0)", minimum=0)
     strategy: str = option("ddp", "choice", ", ".join(f"{k} ({v[0]})" for k, v in STRATEGIES.items()),
                            choices=tuple(STRATEGIES), distribution=True)
     fsdp_units: tuple | None = option(None, "names", "fsdp: comma-separated submodules that become FSDP units "
