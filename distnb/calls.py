@@ -24,6 +24,7 @@ IPENGINE = "distnb.engine.ipengine"
 WIRE = "distnb.engine.wire"
 LOOP = "distnb.engine.loop"
 WHERE = "distnb.engine.where"
+DATASETS = "distnb.engine.datasets"
 NET = "distnb.net"
 
 
@@ -140,6 +141,15 @@ def install_shard(name, num_samples, num_shards, seed, index, structure, descs, 
 
 @_on_rank(LOOP, with_ns=True)
 def train(plan_dict, code_text): ...
+
+
+# engine/datasets.py: data sets loaded on the ranks ---------------------------------------
+@_on_rank(DATASETS, with_ns=True)
+def install_dataset(name, kind, num_shards, payload, descs, *buffers): ...
+
+
+@_on_rank(DATASETS, with_ns=True)
+def adopt_dataset(name, num_shards): ...
 
 
 @_on_rank(LOOP)

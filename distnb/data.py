@@ -1,15 +1,29 @@
-"""Data sets in the kernel: scattered to the ranks as shards, gathered back, and how batches are cut.
+"""Data sets in the kernel: which way ``--data`` reaches the ranks, shards, and how batches are cut.
 
-The kernel materialises a notebook data set once as columns of tensors
-(:func:`distnb.transfer.columns_of`), deals them out with the seeded assignment of
-:mod:`distnb.engine.shard` (disjoint, covering) and writes each shard once (shared memory
-on one host). What the ranks hold is recorded in ``session.holdings.data`` so a training
-cell scatters again only when the data, the seed or the number of shards changed.
+Two paths (:func:`path_of` decides, and the cell's first message says which and why):
+
+- **Tensors** (a TensorDataset, tensor, array, or a tuple/list/dict of them): the fast path.
+  The kernel materialises the set once as columns (:func:`distnb.transfer.columns_of`),
+  deals them out with the seeded assignment of :mod:`distnb.engine.shard` (disjoint,
+  covering) and writes each shard once (shared memory on one host).
+- **Loaded on the ranks** (:func:`ensure_dataset`): any other map-style ``Dataset`` or an
+  ``IterableDataset`` is sent *by value* (cloudpickle: its class and attributes, such as file
+  paths and a transform, never its samples); a function ``make(rank, world_size)`` is sent
+  and run on each rank; ``--data-on-ranks`` uses a Dataset a ``%%dist`` cell made there.
+  The ranks load their samples every epoch (:mod:`distnb.engine.datasets`) with the same
+  shard arithmetic as the tensor path. The kernel calls ``__getitem__`` at most once (sample
+  0, to describe it), when the set is sent.
+
+What the ranks hold is recorded in ``session.holdings.data`` so a training cell sends again
+only when the data, the seed or the number of shards changed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import types
 
 from . import calls
 from .display.tables import count
@@ -112,3 +126,190 @@ def describe_validation(name: str, info: dict, num_shards: int, batch_size: int)
     where = f"in {count(num_shards, 'shard')}" if num_shards > 1 else "on every rank (the same batches)"
     return (f"validation set {name}: {count(n, 'sample')} {where}, each counted once; "
             f"{count(forwards, 'forward')} of up to {batch_size} per rank{pad}")
+
+
+# data sets loaded on the ranks -------------------------------------------------------------
+
+#: Options that only a data set loaded on the ranks through a DataLoader takes.
+_LOADER_OPTIONS = (("workers", "--workers"), ("collate", "--collate"), ("prefetch_factor", "--prefetch-factor"))
+
+
+def path_of(plan, obj) -> tuple:
+    """Which way ``obj`` (``--data``) reaches the ranks, and why: ``(path, why)``.
+
+    ``path`` is ``"tensors"`` (the fast path: shards of tensors), ``"dataset"`` (a map-style
+    Dataset sent by value), ``"stream"`` (an IterableDataset sent by value), ``"factory"``
+    (a function ``make(rank, world_size)`` run on each rank) or ``"ranks"``
+    (``--data-on-ranks``: a Dataset made on the ranks).
+
+    Raises
+    ------
+    PlanError
+        For a Dataset without ``__len__`` that is not an IterableDataset, or loader options
+        (``--workers``, ``--collate``, ``--prefetch-factor``) with tensors.
+    """
+    from torch.utils.data import Dataset, IterableDataset, TensorDataset
+
+    name = plan.data
+    if plan.data_on_ranks:
+        path, why = "ranks", "made on the ranks (--data-on-ranks); nothing passes through the kernel"
+    elif isinstance(obj, IterableDataset):
+        path, why = "stream", f"an IterableDataset ({type(obj).__name__}) sent by value, read on the ranks"
+    elif isinstance(obj, Dataset) and not isinstance(obj, TensorDataset):
+        if not hasattr(obj, "__len__"):
+            raise PlanError(f"--data {name} is a {type(obj).__name__} without __len__: a map-style Dataset needs "
+                            "one (or derive it from torch.utils.data.IterableDataset for a stream)")
+        path, why = "dataset", (f"a map-style {type(obj).__name__} sent by value (its class and attributes, not its "
+                                "samples; the tensor fast path is for tensor containers); each rank loads its shard "
+                                "with __getitem__ every epoch")
+    elif isinstance(obj, (types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial)):
+        path, why = "factory", f"{name}(rank, world_size) runs on each rank and returns that rank's part"
+    else:
+        path, why = "tensors", "a tensor container, materialised once and shipped as shards"
+    if path == "tensors":
+        given = [flag for field, flag in _LOADER_OPTIONS if getattr(plan, field)] + \
+            (["--steps-per-epoch"] if plan.steps_per_epoch else [])
+        if given:
+            raise PlanError(f"{', '.join(given)}: for a Dataset loaded on the ranks; --data {name} is a tensor "
+                            "container, whose batches are sliced from memory (nothing to load). Wrap the loading "
+                            "in a torch.utils.data.Dataset to use DataLoader workers")
+    return path, why
+
+
+def _fingerprint(payload: bytes, descs, buffers) -> tuple:
+    """Identity of a packed object: its pickle's hash, its tensors' descriptions and where their bytes are."""
+    where = tuple(b.__array_interface__["data"][0] for b in buffers)
+    return hashlib.blake2b(payload, digest_size=16).hexdigest(), tuple(map(tuple, descs)), where
+
+
+def _pack(name, obj, path):
+    from .engine.wire import pack
+
+    try:
+        return pack(obj)
+    except Exception as exc:
+        raise PlanError(f"cannot send --data {name} ({type(obj).__name__}) to the ranks: {type(exc).__name__}: "
+                        f"{exc}. Build it on the ranks instead: --data with a function make(rank, world_size) -> "
+                        "Dataset, or create it in a %%dist cell and pass --data-on-ranks") from None
+
+
+def _sample(plan, obj) -> str:
+    """What sample 0 of a map-style Dataset looks like (its one ``__getitem__`` call in the kernel).
+
+    Raises PlanError when torch's ``default_collate`` cannot batch it and no ``--collate`` is given.
+    """
+    from torch.utils.data import default_collate
+
+    from .engine.datasets import describe_sample
+
+    try:
+        sample = obj[0]
+    except Exception as exc:  # the ranks name the rank and index when they hit it
+        return f"sample 0 raised {type(exc).__name__} in the kernel"
+    if plan.collate is None:
+        try:
+            default_collate([sample])
+        except Exception as exc:
+            raise PlanError(f"--data {plan.data}: sample 0 is {describe_sample(sample)}, which torch's "
+                            f"default_collate cannot batch ({type(exc).__name__}: {exc}); return tensors, numbers or "
+                            "numpy arrays from __getitem__, or pass --collate NAME (a notebook function list of "
+                            "samples -> batch)") from None
+    return f"samples like {describe_sample(sample)}"
+
+
+def ensure_dataset(session, plan, obj, path, why, num_shards) -> tuple:
+    """Make the ranks hold ``plan.data`` loaded on the ranks (sent again only when it changed).
+
+    Returns
+    -------
+    (info, changed) : (dict, bool)
+        ``session.holdings.data[plan.data]``: path, kind, why, length (per rank's part for
+        ``make``), num_samples (None for a stream), num_shards; and whether it was (re)sent.
+
+    Raises
+    ------
+    PlanError
+        The object cannot be pickled, the ranks' lengths differ, or ``--steps-per-epoch``
+        was given for a map-style set.
+    RankError
+        A rank failed to build or adopt it (``make`` raised, no such name on the ranks).
+    """
+    cluster, name = session.cluster, plan.data
+    held = session.holdings.data.get(name)
+    sample = None
+    if path == "ranks":
+        fp = None
+        ars = cluster.apply_all(calls.adopt_dataset, name, num_shards)
+    else:
+        payload, descs, buffers = _pack(name, obj, path)
+        fp = (path, _fingerprint(payload, descs, buffers), id(obj))
+        if held is not None and held.get("fingerprint") == fp and held["num_shards"] == num_shards:
+            _check_steps_option(plan, held)
+            return held, False
+        from .transfer import outgoing
+
+        sample = _sample(plan, obj) if path == "dataset" else None  # before anything is sent
+        kind = {"factory": "part"}.get(path, path)
+        with outgoing(cluster, buffers) as sent:
+            ars = cluster.apply_all(calls.install_dataset, name, kind, num_shards, payload, descs, *sent)
+            answers = cluster.wait_all(ars, timeout=cluster.spec.timeout + 60, what=f"sending {name}")
+    if path == "ranks":
+        answers = cluster.wait_all(ars, timeout=cluster.spec.timeout, what=f"finding {name} on the ranks")
+    info = _agree(plan, path, answers, num_shards)
+    info.update(path=path, why=why, fingerprint=fp, num_shards=num_shards,
+                sample=sample)
+    session.holdings.data[name] = info
+    _check_steps_option(plan, info)
+    return info, True
+
+
+def _agree(plan, path, answers, num_shards) -> dict:
+    """The ranks' answers (kind, length) as one description; PlanError when their lengths differ."""
+    kinds = {a["kind"] for a in answers}
+    lengths = [a["length"] for a in answers]
+    kind = "stream" if "stream" in kinds else answers[0]["kind"]
+    if kind != "stream" and len(set(lengths)) > 1:
+        each = ", ".join(f"rank {r}: {n}" for r, n in enumerate(lengths))
+        fix = ("every part must have the same length so that every rank runs the same number of steps: give each "
+               "rank as many samples (drop the extra ones in make)" if path == "factory" else
+               "every rank must hold the same data set (distnb gives each rank its shard of it): build it from the "
+               "same files or data on every rank")
+        raise PlanError(f"--data {plan.data} has different lengths on the ranks ({each}): {fix}")
+    length = None if kind == "stream" else lengths[0]
+    num_samples = None if length is None else length * (num_shards if kind == "part" else 1)
+    return dict(kind=kind, length=length, num_samples=num_samples)
+
+
+def _check_steps_option(plan, info) -> None:
+    if plan.steps_per_epoch and info["kind"] != "stream":
+        raise PlanError(f"--steps-per-epoch is for an IterableDataset (a stream has no length); --data {plan.data} "
+                        f"has {count(info['num_samples'], 'sample')}: leave it out")
+
+
+def steps_of(plan, info, num_shards) -> int:
+    """Steps per epoch on every rank for ``info`` (0: a stream read until one rank's ends); PlanError if none."""
+    from .engine import shard as sharding
+
+    if info.get("kind") == "stream":
+        return plan.steps_per_epoch or 0
+    n = info["num_samples"]
+    try:
+        sharding.check_sizes(n, num_shards, plan.batch_size, plan.drop_last)
+    except ValueError as exc:
+        raise PlanError(f"--data {plan.data}: {exc}") from None
+    return sharding.steps_per_epoch(n, num_shards, plan.batch_size, plan.drop_last)
+
+
+def describe_loaded(plan, info, world_size) -> str:
+    """One sentence for a data set loaded on the ranks: the path and why, the cut, the loader."""
+    workers = f"{count(plan.workers, 'DataLoader worker')}/rank" if plan.workers else "loaded in each rank (no workers)"
+    if info["kind"] == "stream":
+        split = f"split across {count(info['num_shards'], 'rank')} x {max(1, plan.workers)} loaders without duplicates"
+        steps = (f"{count(plan.steps_per_epoch, 'step')}/epoch" if plan.steps_per_epoch else
+                 "each epoch until the first rank's stream ends (the ranks agree at every step)")
+        return f"{plan.data}: {info['why']}; {split}; {steps} of {plan.batch_size}; {workers}"
+    cut = describe_cut(plan, info, info["num_shards"], world_size).split(": ", 1)[1]
+    if info["kind"] == "part":
+        cut = f"parts of {count(info['length'], 'sample')} ({cut})"
+    sample = f" ({info['sample']})" if info.get("sample") else ""
+    return f"{plan.data}: {info['why']}{sample}; {cut}; {workers}"

@@ -235,6 +235,13 @@ Model parallelism, the same body::
     x, y = batch
     loss = F.cross_entropy(model(x), y)
 
+A Dataset (not a tensor container) is sent by value and loaded on the ranks every epoch;
+``--data make`` runs ``make(rank, world_size) -> Dataset`` on each rank (README "Data")::
+
+    %%distrain --model net --data images --epochs 5 --workers 2 --collate pad_batch
+    x, y = batch
+    loss = F.cross_entropy(model(x), y)
+
 With ``--loop`` the body is the whole loop::
 
     %%distrain --model net --data train --epochs 3 --loop

@@ -89,9 +89,12 @@ class TrainPlan:
     """
 
     model: str = option(kind="name", help="notebook name of the torch.nn.Module to train")
-    data: str = option(kind="name", help="notebook name of the data set (scattered as shards)",
-                       doc="Name of the data set in the kernel namespace (Dataset, TensorDataset, tensor, array, or "
-                           "tuple of tensors/arrays with equal first dimension).")
+    data: str = option(kind="name", help="notebook name of the data set: tensors (scattered as shards), a Dataset "
+                       "or IterableDataset (sent by value, loaded on the ranks), or make(rank, world_size) -> Dataset",
+                       doc="Name of the data set in the kernel namespace. Tensor containers (TensorDataset, tensor, "
+                           "array, tuple or dict of them) are scattered once as shards; any other map-style Dataset "
+                           "or IterableDataset is sent by value and loaded on the ranks each epoch; a function "
+                           "``make(rank, world_size) -> Dataset`` runs on each rank and returns that rank's part.")
     epochs: int = option(1, "int", "epochs to run (default 1)", minimum=1,
                          doc="Passes over the data (>= 1). Epoch numbers continue across cells.")
     batch_size: int = option(32, "int", "samples per rank per step (default 32)", minimum=1,
@@ -100,7 +103,8 @@ class TrainPlan:
                                    "keep the optimizer live on the ranks (with its state), sgd for a new model")
     lr: float | None = option(None, "float", "learning rate; default: keep the live one (a new optimizer: 0.01 sgd, "
                               "1e-3 adam/adamw)")
-    seed: int = option(0, "int", "seed of shards and per-epoch shuffles (default 0)", minimum=0)
+    seed: int = option(0, "int", "seed of shards, per-epoch shuffles and, for a Dataset, the ranks' and workers' "
+                       "random streams (default 0)", minimum=0)
     strategy: str = option("ddp", "choice", ", ".join(f"{k} ({v[0]})" for k, v in STRATEGIES.items()),
                            choices=tuple(STRATEGIES), distribution=True)
     fsdp_units: tuple | None = option(None, "names", "fsdp: comma-separated submodules that become FSDP units "
@@ -173,6 +177,16 @@ class TrainPlan:
                              doc="False (default): pad, so every rank runs ``ceil(ceil(n / world_size) / batch_size)`` "
                                  "steps, a rank with a shorter shard repeating samples of its own shard. True: drop, "
                                  "every rank uses ``floor(n / world_size)`` samples and full batches only.")
+    workers: int = option(0, "int", "a Dataset: DataLoader worker processes per rank (default 0: the rank loads "
+                          "its samples itself)", minimum=0, maximum=64)
+    prefetch_factor: int | None = option(None, "int", "a Dataset with --workers: batches each worker loads ahead "
+                                         "(default 2)", minimum=1)
+    collate: str | None = option(None, "name", "a Dataset: notebook function list of samples -> batch for the "
+                                 "DataLoader (default: torch's default_collate)")
+    data_on_ranks: bool = option(False, "flag", "--data names a Dataset that a %%dist cell made on the ranks; "
+                                 "nothing passes through the kernel")
+    steps_per_epoch: int | None = option(None, "int", "an IterableDataset: steps per epoch on every rank (default: "
+                                         "until the first rank's stream ends)", minimum=1)
     find_unused_parameters: bool = option(False, "flag", "let DDP train models with parameters that get no gradient "
                                           "in a step", distribution=True)
     nan: str = option("stop", "choice", "a non-finite loss stops training naming the rank and step (default); skip: "
@@ -194,6 +208,8 @@ class TrainPlan:
                 object.__setattr__(self, "optimizer", self.optimizer.lower())
             elif not self.optimizer.isidentifier():
                 raise PlanError(f"--optimizer must be sgd, adam, adamw or a notebook name, got {self.optimizer!r}")
+        if self.prefetch_factor is not None and not self.workers:
+            raise PlanError("--prefetch-factor needs --workers N (batches are loaded ahead by worker processes)")
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise PlanError("--checkpoint-every needs --checkpoint-dir DIR (where to save)")
         _check_training(self)

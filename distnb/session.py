@@ -461,7 +461,7 @@ class Session:
         """
         values = self.pull(name)
         info = self.holdings.data.get(name)
-        return values if info is None else reassemble(values, info)
+        return values if info is None or "structure" not in info else reassemble(values, info)
 
     # training ------------------------------------------------------------
     def train(self, code: str, model, data, **given) -> TrainResult:

@@ -224,7 +224,6 @@ def prepare(session, plan, code, model_obj, data_obj, quiet) -> tuple:
     -------
     (num_shards, steps_per_epoch) : tuple of int
     """
-    from .engine import shard as sharding
     from .engine import strategies
 
     if not plan.builtin_optimizer:
@@ -232,7 +231,7 @@ def prepare(session, plan, code, model_obj, data_obj, quiet) -> tuple:
     num_shards = strategies.data_parallel_size(plan, session.world_size)
     schedule = None if plan.lr_schedule in LR_SCHEDULES else plan.lr_schedule
     for option, flag in ((plan.loss, "--loss"), (plan.tp_plan, "--tp-plan"), (plan.metric, "--metric"),
-                         (schedule, "--lr-schedule")):
+                         (schedule, "--lr-schedule"), (plan.collate, "--collate")):
         if option is not None:
             session._lookup(option, flag)
             session.push(option)
@@ -242,12 +241,7 @@ def prepare(session, plan, code, model_obj, data_obj, quiet) -> tuple:
     ensure_data(session, plan, data_obj, quiet or not sent, num_shards, silent=quiet)
     if val_obj is not None:  # the same scatter as the training set: seeded, disjoint, covering shards
         ensure_data(session, plan, val_obj, quiet, num_shards, silent=quiet, name=plan.val_data)
-    n = session.holdings.data[plan.data]["num_samples"]
-    try:
-        sharding.check_sizes(n, num_shards, plan.batch_size, plan.drop_last)
-    except ValueError as exc:
-        raise PlanError(f"--data {plan.data}: {exc}") from None
-    return num_shards, sharding.steps_per_epoch(n, num_shards, plan.batch_size, plan.drop_last)
+    return num_shards, data.steps_of(plan, session.holdings.data[plan.data], num_shards)
 
 
 def autopush(session, code, exclude=()) -> None:
@@ -342,14 +336,23 @@ def _why_sent_again(plan, model_obj, held, fp, last, verdict):
 
 
 def ensure_data(session, plan, data_obj, quiet, num_shards, silent=False, name=None) -> None:
-    """Scatter ``data_obj`` (``plan.data``, or the validation set ``name``) unless the ranks hold it cut
-    this way; say how batches are cut when that changes (unless ``silent``)."""
+    """Scatter ``data_obj`` (tensors: ``plan.data``, or the validation set ``name``), or have the ranks load
+    it (a Dataset, ``make``, ``--data-on-ranks``: :func:`distnb.data.ensure_dataset`), unless the ranks
+    hold it cut this way; say which path and how batches are cut when that changes (unless ``silent``)."""
     from .transfer import fingerprint
 
     name = name or plan.data
+    path, why = data.path_of(plan, data_obj) if name == plan.data else ("tensors", "the validation set")
     info = session.holdings.data.get(name)
-    if info is None or info["fingerprint"] != fingerprint(data_obj) or info["seed"] != plan.seed or \
-            info["num_shards"] != num_shards:
+    if path != "tensors":
+        info, changed = data.ensure_dataset(session, plan, data_obj, path, why, num_shards)
+        layout = (plan.batch_size, plan.drop_last, plan.workers, plan.steps_per_epoch)
+        if (changed or info.get("layout") != layout) and not silent:
+            print(f"distnb: {data.describe_loaded(plan, info, session.world_size)}")
+        info["layout"] = layout
+        return
+    if info is None or "structure" not in info or info["fingerprint"] != fingerprint(data_obj) or \
+            info["seed"] != plan.seed or info["num_shards"] != num_shards:
         data.scatter(session, name, data_obj, plan.seed, num_shards)
         info = session.holdings.data[name]
         quiet = False
@@ -359,7 +362,8 @@ def ensure_data(session, plan, data_obj, quiet, num_shards, silent=False, name=N
         quiet = False
     if not (quiet or silent):
         if name == plan.data:
-            print(f"distnb: {data.describe_cut(plan, info, num_shards, session.world_size)}")
+            print(f"distnb: {data.describe_cut(plan, info, num_shards, session.world_size)}; the tensor fast path "
+                  f"({type(data_obj).__name__}: {why})")
         else:
             print(f"distnb: {data.describe_validation(name, info, num_shards, plan.batch_size)}")
 
@@ -393,7 +397,7 @@ def train_cell(session, code, model, data, run, given):
 
     t0 = time.perf_counter()
     model_name, model_obj = session._named(model, "model")
-    data_name, data_obj = session._named(data, "data")
+    data_name, data_obj = (data, None) if given.get("data_on_ranks") else session._named(data, "data")
     if not isinstance(code, str) or not code.strip():
         raise PlanError("the training cell body is empty: write one step that sets `loss`, e.g. "
                         "`x, y = batch; loss = F.cross_entropy(model(x), y)`")

@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, runtime, shard as sharding, stepping
+from . import checkpoint, runtime, stepping
 
 
 class _Stopped(BaseException):
@@ -84,8 +84,7 @@ class Context:
         self.plan, self.model, self.module, self.optimizer = plan, run.strategy.model, run.module, run.optimizer
         self.strategy = run.strategy
         self._run, self._data, self._reporter = run, data, reporter
-        self.steps_per_epoch = sharding.steps_per_epoch(data.num_samples, data.num_shards, plan.batch_size,
-                                                        plan.drop_last)
+        self.steps_per_epoch = data.steps_per_epoch(plan)
         self.epoch = run.epoch
         self.step = 0
         self.epoch_losses = []
@@ -138,16 +137,17 @@ class Context:
 
     @property
     def loader(self):
-        data = self._data
-        order = sharding.epoch_order(data.num_samples, data.num_shards, data.index, self.plan.seed, self.epoch,
-                                     self.plan.drop_last)
         skip, self.skip = self.skip, 0
-        batches = list(sharding.batches(order[skip:], self.plan.batch_size, self.plan.drop_last))
         # this epoch's batches in this cell (fewer for an epoch resumed in the middle): --accumulate groups them
-        self.epoch_batches, self.epoch_done = len(batches), 0
-        for idx in batches:
-            self._batch_samples = len(idx)
-            yield self._data.batch(idx, self.device)
+        length, size = self._data.epoch_length(self.plan), self.plan.batch_size
+        if length is None:  # a stream: at most --steps-per-epoch, fewer if the streams end first
+            self.epoch_batches = self.steps_per_epoch
+        else:
+            left = max(0, length - skip)
+            self.epoch_batches = left // size if self.plan.drop_last else -(-left // size)
+        self.epoch_done = 0
+        for self._batch_samples, batch in self._data.epoch(self.plan, self.epoch, skip, self.device):
+            yield batch
 
     def epochs(self):
         """Yield epoch numbers; after each, all-reduce the mean loss and honour --target-loss."""

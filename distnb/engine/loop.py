@@ -2,7 +2,9 @@
 
 State that lives between cells is kept here per name: the model (unwrapped module,
 its strategy wrapper, the optimizer, the epoch count) in ``RUNS`` and each rank's
-data shard in ``SHARDS``.
+data shard in ``SHARDS`` (the tensor path); data sets loaded on the ranks through a
+DataLoader are :mod:`distnb.engine.datasets`'s. The loop asks either for an epoch's
+batches (``data.epoch(plan, epoch, skip, device)``) and ends its loader with the cell.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import time
 import torch
 
 from ..plan import DEFAULT_LR, STRATEGIES, TrainPlan, redistribution
-from . import batchnorm, checkpoint, collectives, runtime, shard as sharding, stepping, wire
+from . import batchnorm, checkpoint, collectives, datasets, runtime, shard as sharding, stepping, wire
 from . import where
 from .report import Reporter, publish_raw
 from . import strategies
@@ -54,6 +56,22 @@ class Shard:
     def as_value(self):
         """The shard as the user gave it: tensor, tuple of tensors or dict."""
         return self.batch(slice(None), torch.device("cpu"))
+
+    def steps_per_epoch(self, plan) -> int:
+        sharding.check_sizes(self.num_samples, self.num_shards, plan.batch_size, plan.drop_last)
+        return sharding.steps_per_epoch(self.num_samples, self.num_shards, plan.batch_size, plan.drop_last)
+
+    def epoch_length(self, plan) -> int:
+        return sharding.samples_per_epoch(self.num_samples, self.num_shards, plan.drop_last)
+
+    def epoch(self, plan, epoch, skip, device):
+        """Yield ``(samples, batch)`` per step of ``epoch``, starting ``skip`` samples in."""
+        order = sharding.epoch_order(self.num_samples, self.num_shards, self.index, plan.seed, epoch, plan.drop_last)
+        for idx in sharding.batches(order[skip:], plan.batch_size, plan.drop_last):
+            yield len(idx), self.batch(idx, device)
+
+    def close(self):
+        """Nothing to end: the shard is plain tensors."""
 
 
 class Run:
@@ -117,6 +135,9 @@ def install_shard(ns, name, num_samples, num_shards, seed, index, structure, des
     From shared memory the shard is mapped copy-on-write, not copied (it is read, not written).
     """
     columns = wire.receive(descs, buffers, mapped=True)
+    old = datasets.SOURCES.pop(name, None)  # a data set of that name loaded on the ranks before
+    if old is not None:
+        old.close()
     SHARDS[name] = Shard(num_samples, num_shards, seed, index, structure, columns)
     ns[name] = SHARDS[name].as_value()
     return len(SHARDS[name])
@@ -206,21 +227,18 @@ def train(ns, plan_dict, code_text):
     if st.broken:
         raise RuntimeError(f"rank {st.rank}: the process group is broken; the kernel must re-form it")
     run = RUNS.get(plan.model)
-    data = SHARDS.get(plan.data)
+    data = datasets.SOURCES.get(plan.data) or SHARDS.get(plan.data)
     if run is None or data is None or (plan.val_data is not None and plan.val_data not in SHARDS):
         raise RuntimeError(f"rank {st.rank}: model {plan.model!r} or data {plan.data!r} "
                            f"{'' if plan.val_data is None else f'or {plan.val_data!r} '}was not sent")
-    sharding.check_sizes(data.num_samples, data.num_shards, plan.batch_size, plan.drop_last)
-    steps = sharding.steps_per_epoch(data.num_samples, data.num_shards, plan.batch_size, plan.drop_last)
+    steps = data.steps_per_epoch(plan)
     reporter = Reporter(st.rank, steps * plan.epochs, plan.epochs, interval=plan.report_interval)
     code = runtime.compile_cell(code_text, "distrain")
     stop = StopRequest().__enter__()
     try:
         note, resumed = _prepare(ns, plan, run)
-        if run.epoch_samples:  # stopped after an epoch's last batch, before its end: that epoch is done
-            order = sharding.epoch_order(data.num_samples, data.num_shards, data.index, plan.seed, run.epoch,
-                                         plan.drop_last)
-            left = len(order) - run.epoch_samples
+        if run.epoch_samples:  # stopped after an epoch's last batch, before its end (or a stream): it is done
+            left = (data.epoch_length(plan) or 0) - run.epoch_samples
             if left <= 0 or (plan.drop_last and left < plan.batch_size):
                 run.epoch, run.epoch_step, run.epoch_samples = run.epoch + 1, 0, 0
         run.plan_dict = plan.to_dict()
@@ -251,6 +269,7 @@ def train(ns, plan_dict, code_text):
         if "find_unused_parameters=True" in str(exc) and not plan.find_unused_parameters and exc.args:
             exc.args = (f"{exc.args[0]}\n[distnb] some parameters got no gradient: run the cell with "
                         "--find-unused-parameters",) + exc.args[1:]
+        datasets.explain(exc)  # a DataLoader worker that died, a full /dev/shm
         status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
         reporter.set_status(status, error=f"{type(exc).__name__}: {exc}"[:300], failed_at=time.time())
         runtime.clear_exception_frames(exc)  # frames must not keep the DDP wrapper alive
@@ -259,6 +278,7 @@ def train(ns, plan_dict, code_text):
         raise
     finally:
         stop.__exit__()
+        data.close()  # DataLoader workers end with the cell, however it ends
         sys.stdout.flush()
     reporter.set_status("interrupted" if ctx.interrupted else "done")
     state = run.strategy.full_state()  # a collective for sharded strategies: every rank calls it

@@ -14,12 +14,17 @@ import math
 import torch
 
 
-def _generator(*keys: int) -> torch.Generator:
+def mix(*keys: int) -> int:
+    """One seed in [0, 2**63 - 1) from integer ``keys`` (seed, epoch, rank, ...): same keys, same seed."""
     value = 0
     for k in keys:
         value = (value * 1_000_003 + int(k)) % (2**63 - 1)
+    return value
+
+
+def _generator(*keys: int) -> torch.Generator:
     g = torch.Generator()
-    g.manual_seed(value)
+    g.manual_seed(mix(*keys))
     return g
 
 
