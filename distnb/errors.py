@@ -97,18 +97,21 @@ class RankError(DistnbError, RuntimeError):
         others = self.failures[1:]
         if others:
             same = [o["rank"] for o in others if _key(o) == _key(f)]
-            diff = [o["rank"] for o in others if o["rank"] not in same]
+            own = [o for o in others if o["rank"] not in same and not o.get("collateral")]
+            stopped = [o["rank"] for o in others if o["rank"] not in same and o.get("collateral")]
             if same:
                 msg += f" (ranks {same} raised the same error)"
-            if diff:
-                msg += f"; ranks {diff} were stopped as a consequence"
+            for o in own:  # a rank that failed for a reason of its own is named with it
+                msg += f"; rank {o.get('rank')} raised {o.get('ename')}: {o.get('evalue')}"
+            if stopped:
+                msg += f"; ranks {stopped} were stopped as a consequence"
         return msg
 
     def _render_traceback_(self):
         # IPython calls this instead of printing the kernel-side traceback.
         lines = [f"RankError: {self._summary()}"]
         shown = set()
-        root_causes = [f for f in self.failures if not f.get("collateral")] or self.failures[:1]
+        root_causes = [f for f in self.failures if not f.get("collateral") or f is self.failures[0]]
         for f in root_causes:  # ranks stopped as a consequence are named in the summary only
             key = _key(f)
             if key in shown:

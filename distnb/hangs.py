@@ -16,6 +16,7 @@ barrier, made at every collective from the ranks' own stacks.
 from __future__ import annotations
 
 import signal
+import sys
 import time
 
 from . import calls
@@ -47,7 +48,11 @@ def check(watch):
                         or min(_waited(w) for w in waiting.values()) < limit):
         return None
     hang = dict(waiting=dict(waiting), missing={r: (None if ars[r].ready() else wheres.get(r)) for r in missing},
-                limit=limit, signalled=time.monotonic(), again=False)
+                limit=limit, signalled=time.monotonic(), again=False, stuck=not missing)
+    if not missing:  # every rank waits, in different collectives: nothing here can interrupt gloo's wait
+        said = "; ".join(f"rank {r} in {_call(w, None)}" for r, w in sorted(waiting.items()))
+        print(f"distnb: the ranks wait in different collectives ({said}): a hang that only gloo's --timeout "
+              f"({watch.cluster.spec.timeout:g} s) can end; the cell will fail then", file=sys.stderr, flush=True)
     for r in missing:
         try:
             if ars[r].ready():  # it finished the cell: dropping its group ends the others' wait at once
@@ -109,9 +114,12 @@ def error(watch, failures) -> HangError:
     parts = [f"ranks {ranks} waited {waited:.0f} s in {what}" if len(ranks) > 1 else
              f"rank {ranks[0]} waited {waited:.0f} s in {what}" for what, ranks in calls_made.items()]
     parts += [f"rank {r} never arrived: {_spot(w)}" for r, w in sorted(missing.items())]
-    message = (f"{watch.what} hung: " + "; ".join(parts) + f". Ended after --hang-after {hang['limit']:g} s and the "
-               "process group re-formed: every rank must call the same collectives in the same order (a rank that "
-               "is only slow needs a longer --hang-after)")
+    ended = (f"Ended by gloo's --timeout ({watch.cluster.spec.timeout:g} s): every rank waited, in different "
+             "collectives, which nothing can interrupt" if hang["stuck"] else
+             f"Ended after --hang-after {hang['limit']:g} s")
+    message = (f"{watch.what} hung: " + "; ".join(parts) + f". {ended}, and the process group re-formed: every rank "
+               "must call the same collectives in the same order (a rank that is only slow needs a longer "
+               "--hang-after)")
     by_rank = {f["rank"]: f for f in failures}
     out = []
     for r, w in sorted(missing.items()):

@@ -315,19 +315,24 @@ NEED_CLUSTER = ("stop",)
 #: What each ``%dist`` verb calls: ``(parsed args, the notebook namespace) -> value shown``.
 _VERB_CALLS = {
     "start": lambda args, ns: _start_session(ns, _start_options(args)),
-    "stop": lambda args, ns: _current().stop(),
-    "restart": lambda args, ns: _session().restart(**_start_options(args)),
+    "stop": lambda args, ns: _quiet(_current().stop()),
+    "restart": lambda args, ns: _quiet(_session().restart(**_start_options(args))),
     "status": lambda args, ns: _session().status(),
-    "push": lambda args, ns: _session().push(*args.names),
+    "push": lambda args, ns: _quiet(_session().push(*args.names)),
     "pull": lambda args, ns: _bind(ns, args.output, _session().pull(args.name, rank=args.rank)),
-    "scatter": lambda args, ns: _session().scatter(args.name, seed=args.seed),
+    "scatter": lambda args, ns: _quiet(_session().scatter(args.name, seed=args.seed)),
     "gather": lambda args, ns: _bind(ns, args.output, _session().gather(args.name)),
-    "save": lambda args, ns: _session().save(args.directory, model=args.model),
-    "load": lambda args, ns: _session().load(args.directory, model=args.model),
+    "save": lambda args, ns: _quiet(_session().save(args.directory, model=args.model)),
+    "load": lambda args, ns: _quiet(_session().load(args.directory, model=args.model)),
     "wait": lambda args, ns: _current().wait(),
     "stop-training": lambda args, ns: _current().stop_training(),
     "where": lambda args, ns: _current().where(),
 }
+
+
+def _quiet(_value) -> None:
+    """A verb that only acts (and says what it did): nothing for the notebook to show as ``Out[...]``."""
+    return None
 
 
 def _start_session(ns, given):

@@ -162,6 +162,10 @@ def check_step_options(session, plan, model_obj) -> None:
     from .engine import batchnorm
 
     on_cpu = session.cluster.spec.device_type != "cuda"
+    if plan.precision != "fp32" and plan.strategy == "pipeline":
+        raise PlanError(f"--precision {plan.precision} with --strategy pipeline is not supported yet (the stages' "
+                        "losses come out NaN: the activations sent between stages are not cast); use fp32 for "
+                        "pipeline, or --precision with ddp, fsdp or tensor")
     if plan.precision == "fp16" and on_cpu:
         raise PlanError("--precision fp16 needs GPU ranks (its torch.amp.GradScaler scales CUDA gradients); these "
                         "ranks compute on CPU: use --precision bf16")

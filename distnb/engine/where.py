@@ -37,6 +37,7 @@ _TORCH_DIST = os.sep + os.path.join("torch", "distributed") + os.sep
 _DDP = os.sep + os.path.join("torch", "nn", "parallel", "distributed.py")  # DDP's own syncs (buckets, buffers)
 _BACKWARD = (os.sep + os.path.join("torch", "autograd") + os.sep, os.sep + os.path.join("torch", "_tensor.py"))
 _CELLS = ("<dist-cell-", "<distrain-cell-")
+_WRAPPERS = ("wrapper", "inner", "_fn", "decorate_context")
 
 
 def _summary(frame, ddp_backward: bool) -> dict:
@@ -46,8 +47,8 @@ def _summary(frame, ddp_backward: bool) -> dict:
     stack = traceback.extract_stack(frame)
     cell = next((f for f in reversed(stack) if f.filename.startswith(_CELLS)), None)
     op = None
-    for f in stack:  # the outermost frame inside torch.distributed names the call the rank waits in
-        if _TORCH_DIST in f.filename:
+    for f in stack:  # the outermost frame inside torch.distributed names the call (not a decorator's wrapper)
+        if _TORCH_DIST in f.filename and f.name not in _WRAPPERS:
             op = f.name
             break
     if op is None and stack and _DDP in stack[-1].filename:  # DDP's forward syncs (bucket rebuild, buffers)
