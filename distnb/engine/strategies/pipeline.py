@@ -397,17 +397,22 @@ class Pipeline(Strategy):
         mb.losses.append(loss.detach().double() * weight)
         return mb.ctx.scale_loss(loss * weight)  # --accumulate and fp16 scale what the stage back-propagates
 
+    def _schedule_for(self, ns, code, size, first):
+        """The schedule for batches of ``size`` (built on first use) and the first stage's recorded inputs."""
+        entry = self._schedules.get(size)
+        args = self._record(ns, code) if first or entry is None else None
+        if entry is None:
+            entry = self._build(size, args)
+            self.model = entry.submodule
+        return entry, args
+
     def step(self, ns, code, ctx):
         batch = ns["batch"]
         size = _batch_size(batch)
         first, last = self.rank == 0, self.rank == self.world_size - 1
         self._mb = types.SimpleNamespace(batch=batch, size=size, code=code, ctx=ctx, losses=[], evaluating=False)
         try:
-            entry = self._schedules.get(size)
-            args = self._record(ns, code) if first or entry is None else None
-            if entry is None:
-                entry = self._build(size, args)
-                self.model = entry.submodule
+            entry, args = self._schedule_for(ns, code, size, first)
             target = torch.arange(size) if last else None
             with ctx.autocast():
                 entry.schedule.step(*(args if first else ()), target=target, return_outputs=False)
@@ -444,11 +449,7 @@ class Pipeline(Strategy):
         saved = {key: ns.get(key) for key in ("batch", "model", "loss")}
         ns["batch"] = batch
         try:
-            entry = self._schedules.get(size)
-            args = self._record(ns, code) if first or entry is None else None
-            if entry is None:
-                entry = self._build(size, args)
-                self.model = entry.submodule
+            entry, args = self._schedule_for(ns, code, size, first)
             with ctx.autocast():
                 entry.schedule.eval(*(args if first else ()), target=torch.arange(size) if last else None,
                                     return_outputs=False)
