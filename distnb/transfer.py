@@ -330,8 +330,8 @@ def pack_named(name: str, value, why: str = ""):
     try:
         return wire.pack(value)
     except Exception as exc:  # cloudpickle raises TypeError, PicklingError, AttributeError, ...
-        path, culprit, reason = unpicklable_part(value, name) or (name, value, exc)
-        owner = type(_owner(value, path, name))
+        path, culprit, reason, owner = _walk(value, name) or (name, value, exc, value)
+        owner = type(owner)
         fix = "" if owner in (dict, list, tuple, set, frozenset) or path == name else \
             f", or give {owner.__name__} a __getstate__ that leaves it out"
         head = f"cannot send {name!r} ({type(value).__name__}) to the ranks{why}"
@@ -342,34 +342,6 @@ def pack_named(name: str, value, why: str = ""):
         raise PlanError(f"{head}: {path} is a {type(culprit).__name__}, which cannot be pickled ({why_not}). Leave it "
                         f"out of what is sent (delete or move it, or create it on the ranks in a %%dist cell){fix}"
                         ) from None
-
-
-def _owner(value, path, name):
-    """The object that holds the last attribute of ``path`` (``value`` itself if it is the culprit)."""
-    return value if path == name else _resolve_parent(value, path, name)
-
-
-def _resolve_parent(value, path, name):
-    node = value
-    for part in _parts(path[len(name):])[:-1]:
-        node = _child(node, part)
-    return node
-
-
-def _parts(rest: str) -> list:
-    import re
-
-    return re.findall(r"\.(\w+)|\[(.*?)\]", rest)
-
-
-def _child(node, part):
-    attr, key = part
-    if attr:
-        modules = getattr(node, "_modules", None) or {}
-        return modules[attr] if attr in modules else getattr(node, attr)
-    import ast
-
-    return node[ast.literal_eval(key)]
 
 
 def _children(obj, path):
@@ -414,20 +386,26 @@ def unpicklable_part(value, name: str, limit: int = 2000):
     Walks items, attributes and submodules breadth-first from ``value`` (named ``name``),
     descending into the first child that fails, at most ``limit`` objects.
     """
+    found = _walk(value, name, limit)
+    return None if found is None else found[:3]
+
+
+def _walk(value, name, limit=2000):
+    """:func:`unpicklable_part` plus the object that holds the culprit (``value`` itself at the top)."""
     reason = _pickle_error(value)
     if reason is None:
         return None
-    path, node, seen = name, value, 0
+    path, node, owner, seen = name, value, value, 0
     while seen < limit:
         for child_path, child in _children(node, path):
             seen += 1
             error = _pickle_error(child)
             if error is not None:
-                path, node, reason = child_path, child, error
+                path, owner, node, reason = child_path, node, child, error
                 break
         else:
-            return path, node, reason
-    return path, node, reason
+            return path, node, reason, owner
+    return path, node, reason, owner
 
 
 def model_change(old, new, keys) -> str:
