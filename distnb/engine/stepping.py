@@ -161,6 +161,10 @@ def load_scheduler(run, saved, ns) -> None:
 def prepare_schedule(plan, run, total_steps: int, ns: dict, lr_given: bool) -> str:
     """A new schedule when the cell names one, else the live one (kept); returns a note ("" if none)."""
     if plan.lr_schedule is not None:
+        old = run.scheduler
+        if old is not None and not lr_given and getattr(old, "optimizer", None) is run.optimizer:
+            for group, base in zip(run.optimizer.param_groups, old.base_lrs):
+                group["lr"] = base  # a new schedule starts from the lr the last one started from, not where it ended
         run.scheduler = make_scheduler(plan, run.optimizer, total_steps, ns)
         run.schedule_name, run.schedule_total = plan.lr_schedule, total_steps
         return ""
@@ -168,6 +172,9 @@ def prepare_schedule(plan, run, total_steps: int, ns: dict, lr_given: bool) -> s
         return ""
     if getattr(run.scheduler, "optimizer", None) is not run.optimizer:
         run.scheduler = run.schedule_name = None  # it drove an optimizer that was replaced
+        return ""
+    if lr_given and run.scheduler.last_epoch >= run.schedule_total:
+        run.scheduler = run.schedule_name = None  # --lr after a schedule that has run out: that lr, unscheduled
         return ""
     if lr_given:
         run.scheduler.base_lrs = [g["lr"] for g in run.optimizer.param_groups]
