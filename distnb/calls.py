@@ -26,6 +26,7 @@ LOOP = "distnb.engine.loop"
 WHERE = "distnb.engine.where"
 DATASETS = "distnb.engine.datasets"
 NET = "distnb.net"
+POSTMORTEM = "distnb.engine.postmortem"
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,23 @@ def shutdown(): ...
 
 @_on_rank(RUNTIME, with_ns=True)
 def run_cell(code, targets=None): ...
+
+
+# engine/postmortem.py: %dist debug, pdb on a failed rank's kept traceback --------------------
+@_on_rank(POSTMORTEM)
+def debug_kept(): ...
+
+
+@_on_rank(POSTMORTEM, with_ns=True)
+def debug_begin(): ...
+
+
+@_on_rank(POSTMORTEM, with_ns=True)
+def debug_command(line): ...
+
+
+@_on_rank(POSTMORTEM, with_ns=True)
+def debug_end(release=True): ...
 
 
 # engine/ipengine.py: what an engine loads ahead of its first cell -------------------------

@@ -17,7 +17,7 @@ import time
 import torch
 
 from ..plan import DEFAULT_LR, STRATEGIES, TrainPlan, redistribution
-from . import batchnorm, checkpoint, collectives, datasets, runtime, shard as sharding, stepping, wire
+from . import batchnorm, checkpoint, collectives, datasets, postmortem, runtime, shard as sharding, stepping, wire
 from . import where
 from .report import Reporter, publish_raw
 from . import strategies
@@ -222,6 +222,7 @@ def _run_body(ns, code, ctx, plan):
 
 def train(ns, plan_dict, code_text):
     """Run one ``%%distrain`` cell on this rank; returns this rank's figures (dict)."""
+    postmortem.drop(ns)  # the next cell releases the frames the last failure kept
     plan = TrainPlan.from_dict(plan_dict)
     st = runtime.STATE
     if st.broken:
@@ -272,7 +273,7 @@ def train(ns, plan_dict, code_text):
         datasets.explain(exc)  # a DataLoader worker that died, a full /dev/shm
         status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
         reporter.set_status(status, error=f"{type(exc).__name__}: {exc}"[:300], failed_at=time.time())
-        runtime.clear_exception_frames(exc)  # frames must not keep the DDP wrapper alive
+        postmortem.keep(exc, ns, "training")  # for %dist debug; mark_broken frees the group the frames hold
         ctx = None
         runtime.mark_broken(ns)
         raise

@@ -269,11 +269,15 @@ def mark_broken(ns: dict | None = None) -> None:
     in a collective then waits for the full timeout. So every reference distnb holds is
     dropped first (:data:`RELEASE_HOOKS`, ``model``/``ctx`` in the namespace, the last
     traceback); the peers' pending collectives then fail at once with "Connection
-    closed by peer", and the kernel re-forms the group on a fresh port.
+    closed by peer", and the kernel re-forms the group on a fresh port. A traceback kept for
+    ``%dist debug`` keeps its frames: the objects in them let go of the group instead
+    (:func:`distnb.engine.postmortem.free_groups`).
     """
     import gc
 
     import torch.distributed as dist
+
+    from . import postmortem
 
     STATE.broken = True
     for hook in RELEASE_HOOKS:
@@ -285,11 +289,13 @@ def mark_broken(ns: dict | None = None) -> None:
     if hasattr(sys, "last_exc"):
         sys.last_exc = None
     if dist.is_initialized():
+        groups = postmortem.live_groups()  # frames kept for %dist debug: their objects must let go of the group
         drop_captured_group(dist.group.WORLD)
         try:
             dist.destroy_process_group()
         except Exception:
             pass
+        postmortem.free_groups(groups)
     gc.collect()
 
 
@@ -322,8 +328,12 @@ def run_cell(ns: dict, code: str, targets=None):
     ``targets``: the ranks that run it (None: all); another rank returns None at once, and
     on the targets a collective of the default group is an error (the others never join it).
     On an exception the process group is torn down (see :func:`mark_broken`) so that
-    ranks waiting for this one in a collective fail at once; the kernel re-forms it.
+    ranks waiting for this one in a collective fail at once; the kernel re-forms it. The
+    exception's frames are kept for ``%dist debug`` until the next cell (:mod:`.postmortem`).
     """
+    from . import postmortem
+
+    postmortem.drop(ns)  # the next cell releases the frames the last failure kept
     if targets is not None and STATE.rank not in targets:
         return None
     filename = cell_filename(code, "dist")
@@ -345,7 +355,7 @@ def run_cell(ns: dict, code: str, targets=None):
                 return None if value is None else repr(value)
         return None
     except BaseException as exc:
-        clear_exception_frames(exc)
+        postmortem.keep(exc, ns, "%%dist cell")  # its frames stay for %dist debug, until the next cell
         mark_broken(ns)
         raise
     finally:

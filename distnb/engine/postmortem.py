@@ -1,0 +1,294 @@
+"""A failed rank keeps its traceback for ``%dist debug``: post-mortem pdb, one command per call.
+
+When a ``%%dist`` or ``%%distrain`` cell raises, the rank keeps the exception with its frames
+(:func:`keep`) instead of clearing them, so that ``%dist debug`` can show their locals (the
+DDP wrapper, the batch, the tensors). The broken process group must still close at once (the
+peers blocked in a collective fail on "Connection closed by peer" instead of waiting for the
+timeout), and gloo's sockets only close when nothing references the group any more: so
+:func:`free_groups` takes the groups out of the objects that hold them (DDP's reducer and
+logger, ``process_group`` attributes, dicts and lists, such as FSDP's mesh info or a pipeline
+stage) while the objects themselves stay for pdb to show. The frames go (:func:`drop`) when
+the debugging session ends or the next cell runs.
+
+The debugging session is a :class:`pdb.Pdb` with its own input and output (text buffers),
+set up on the kept traceback at the innermost frame of the user's code, as
+``pdb.post_mortem`` does at the innermost frame. The kernel drives it one command at a time
+(:func:`debug_begin`, :func:`debug_command`, :func:`debug_end`); each call returns what pdb printed. Stdlib only
+at import time (torch is imported when groups are freed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import io
+import os
+import pdb
+import sys
+import sysconfig
+import traceback
+import types
+
+#: Names the training loop binds in the rank namespace; a failure takes them out (they may hold the
+#: wrapper) and the debugging session puts them back while it lasts.
+NAMES = ("model", "ctx", "loss", "batch")
+#: Commands that end the debugging session (and release the frames).
+ENDING = frozenset({"q", "quit", "exit", "EOF", "c", "cont", "continue"})
+#: Commands that would run the program on: it has finished, so they are refused.
+REFUSED = {**dict.fromkeys(("n", "next", "s", "step", "r", "return", "unt", "until", "j", "jump", "run",
+                             "restart"), "the cell has finished; post-mortem pdb cannot run it on"),
+           "interact": "not on a rank: evaluate expressions with p, pp or ! instead"}
+#: Most characters one command's output sends back to the kernel.
+MAX_TEXT = 200_000
+PROMPT = "(Pdb) "
+#: Code names that start with "<" but are not the user's (generated code, frozen modules).
+GENERATED = ("<frozen", "<string>", "<eval_with_key")
+
+#: The kept failure: exc, tb (from where the cell caught it), what ("%%dist cell", "training"), names.
+KEPT: dict = {}
+_SESSION: dict = {}  # "pdb": the Pdb of the debugging session going on, "restored": names put back in ns
+
+
+def keep(exc: BaseException, ns: dict, what: str) -> None:
+    """Keep ``exc`` with its frames for ``%dist debug`` (the one kept before is released).
+
+    Call it where the cell catches the exception, before the process group is torn down: the
+    traceback then starts at the cell's own frame, and :data:`NAMES` still in ``ns`` are kept
+    with it (the tear-down takes them out of ``ns``).
+    """
+    _forget()
+    KEPT.update(exc=exc, tb=exc.__traceback__, what=what, names={k: ns[k] for k in NAMES if k in ns})
+
+
+def drop(ns: dict | None = None) -> bool:
+    """End any debugging session and release the kept frames; True if there were any.
+
+    The names a session put back in ``ns`` are taken out again.
+    """
+    had = bool(KEPT)
+    if ns is not None:
+        debug_end(ns, release=False)
+    _forget()
+    if had:
+        gc.collect()
+    return had
+
+
+def _forget() -> None:
+    exc = KEPT.get("exc")
+    seen = set()
+    while exc is not None and id(exc) not in seen:  # the locals go with the frames
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
+    tb = KEPT.get("tb")
+    if tb is not None:
+        traceback.clear_frames(tb)
+    KEPT.clear()
+    _SESSION.clear()
+
+
+def live_groups() -> list:
+    """The process groups torch knows now (before ``destroy_process_group``), or [] when no frames are kept."""
+    if not KEPT or "torch.distributed" not in sys.modules:
+        return []
+    from torch.distributed import distributed_c10d as c10d
+
+    return list(c10d._world.pg_map) if c10d.is_initialized() else []
+
+
+def free_groups(groups: list) -> int:
+    """After ``destroy_process_group``: take ``groups`` out of every object that still holds one.
+
+    Every DistributedDataParallel object loses its reducer and logger (C++ objects holding the
+    group) and its autograd hooks. Then each group, and each collective's handle (a ``Work``,
+    which holds gloo's connections too) found in the kept frames, is replaced by None wherever
+    it is held: in a dict (an object's attributes, a namespace), a list, or a frame's local
+    variable. The objects themselves, and the tensors, stay. ``groups`` is emptied. Returns
+    how many references were taken out.
+    """
+    if not groups:
+        return 0
+    from torch.nn.parallel import DistributedDataParallel
+
+    changed = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, DistributedDataParallel) and "reducer" in vars(obj):
+            with contextlib.suppress(Exception):
+                obj._remove_autograd_hooks()
+            for attr in ("reducer", "logger"):
+                vars(obj).pop(attr, None)
+            changed += 1
+    groups.extend(_handles())
+    mine = sys._getframe()
+    while groups:
+        held = groups.pop()
+        for holder in gc.get_referrers(held):
+            if holder is not mine and holder is not groups:
+                changed += _take_out(holder, held)
+        del held
+    return changed
+
+
+def _handles() -> list:
+    """The collectives' handles (``torch.distributed.Work``) in the kept frames' locals, or one or two steps in."""
+    from torch.distributed import Work
+
+    found, seen = [], set()
+
+    def look(value, depth):
+        if id(value) in seen:
+            return
+        seen.add(id(value))
+        if isinstance(value, Work):
+            found.append(value)
+        elif depth and type(value) in (list, tuple, set, dict):
+            for item in list(value.values() if type(value) is dict else value)[:1000]:
+                look(item, depth - 1)
+        elif depth and not isinstance(value, (type, types.ModuleType)) and isinstance(getattr(value, "__dict__", None), dict):
+            for item in list(vars(value).values())[:1000]:
+                look(item, depth - 1)
+
+    tb = KEPT.get("tb")
+    while tb is not None:
+        for value in tb.tb_frame.f_locals.values():
+            look(value, 2)
+        tb = tb.tb_next
+    return found
+
+
+def _take_out(holder, held) -> int:
+    """Replace ``held`` by None in ``holder`` (a dict, a list or a frame); how many places."""
+    if type(holder) is dict:
+        keys = [k for k, v in holder.items() if v is held]
+        holder.update(dict.fromkeys(keys))
+        return len(keys)
+    if type(holder) is list:
+        spots = [i for i, v in enumerate(holder) if v is held]
+        for i in spots:
+            holder[i] = None
+        return len(spots)
+    if type(holder) is types.FrameType:
+        variables = holder.f_locals  # one snapshot: before 3.13 each read copies the frame's variables again
+        names = [k for k, v in variables.items() if v is held]
+        for name in names:
+            variables[name] = None  # Python 3.13+: written through to the frame
+        if names and sys.version_info < (3, 13):  # before: copied back explicitly
+            ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(holder), ctypes.c_int(0))
+        return len(names)
+    return 0
+
+
+def debug_kept() -> dict | None:
+    """What this rank keeps for ``%dist debug``: exception, message, what failed, and whether a session runs."""
+    if not KEPT:
+        return None
+    exc = KEPT["exc"]
+    return dict(ename=type(exc).__name__, evalue=str(exc)[:300], what=KEPT["what"], pid=os.getpid(),
+                debugging="pdb" in _SESSION)
+
+
+def _library_dirs() -> tuple:
+    paths = sysconfig.get_paths()
+    dirs = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    dirs.add(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # distnb itself
+    return tuple(os.path.join(d, "") for d in dirs)
+
+
+def user_frame(stack) -> int:
+    """Index in pdb's ``stack`` of the innermost frame of the user's code (cell code, notebook functions).
+
+    Frames of the standard library, installed packages (torch) and distnb are not the user's;
+    when every frame is, the innermost one.
+    """
+    library = _library_dirs()
+    for i in range(len(stack) - 1, -1, -1):
+        name = stack[i][0].f_code.co_filename
+        ours = not name.startswith(GENERATED) if name.startswith("<") else not os.path.abspath(name).startswith(library)
+        if ours:
+            return i
+    return len(stack) - 1
+
+
+def debug_begin(ns: dict) -> dict:
+    """Start the debugging session on the kept traceback; ``{"text", "done", "prompt"}``.
+
+    Raises
+    ------
+    RuntimeError
+        This rank keeps no traceback (it did not fail, or its frames were released).
+    """
+    rank = ns.get("rank")
+    if not KEPT:
+        raise RuntimeError(f"rank {rank} keeps no traceback: it did not fail in the last cell, or its frames were "
+                           "released (by the next cell or the end of a debugging session)")
+    debug_end(ns, release=False)  # a session left open (the kernel went away): start afresh
+    out = io.StringIO()  # pdb's output, and the engine's stdout while a command runs
+    debugger = pdb.Pdb(stdin=io.StringIO(), stdout=out, nosigint=True, readrc=False)
+    debugger.prompt = PROMPT
+    debugger.reset()
+    restored = {k: v for k, v in KEPT["names"].items() if k not in ns}
+    ns.update(restored)  # the training body's frame reads them from the namespace
+    _SESSION.update(pdb=debugger, restored=restored)
+    debugger.setup(None, KEPT["tb"])
+    innermost = len(debugger.stack) - 1
+    chosen = user_frame(debugger.stack)
+    exc = KEPT["exc"]
+    out.write(f"post-mortem pdb on rank {rank} (pid {os.getpid()}): {type(exc).__name__}: {exc}\n")
+    if chosen != innermost:
+        debugger.curindex, debugger.curframe = chosen, debugger.stack[chosen][0]
+        debugger.curframe_locals = debugger.curframe.f_locals
+        out.write(f"(the innermost frame of your code; `down` goes {innermost - chosen} frame(s) deeper, "
+                  "into library code)\n")
+    debugger.print_stack_entry(debugger.stack[debugger.curindex])
+    return dict(text=_text(out), done=False, prompt=PROMPT)
+
+
+def debug_command(ns: dict, line: str) -> dict:
+    """Run one pdb command line (``;;`` separates several); ``{"text", "done", "prompt"}``.
+
+    ``q``/``quit``/``exit``/``c``/``EOF`` end the session and release the frames (``done``);
+    commands that would run the finished cell on (``n``, ``s``, ``r``, ...) are refused.
+    """
+    debugger = _SESSION.get("pdb")
+    if debugger is None:
+        return debug_begin(ns) if KEPT else dict(text=f"rank {ns.get('rank')}: no debugging session\n", done=True,
+                                           prompt=PROMPT)
+    out = debugger.stdout
+    queue = [line]
+    while queue:
+        line = debugger.precmd(queue.pop(0).rstrip("\n"))
+        name = debugger.parseline(line)[0] if line.strip() else None
+        if name in ENDING:
+            debug_end(ns)
+            return dict(text=_text(out) + "debugging session ended; the frames were released\n", done=True,
+                        prompt=PROMPT)
+        if name in REFUSED:
+            out.write(f"*** {name}: {REFUSED[name]} (q ends the session)\n")
+        else:
+            with contextlib.redirect_stdout(out):
+                debugger.onecmd(line)
+        queue.extend(debugger.cmdqueue)
+        debugger.cmdqueue.clear()
+    return dict(text=_text(out), done=False, prompt=PROMPT)
+
+
+def debug_end(ns: dict, release: bool = True) -> dict:
+    """End the debugging session (if one runs); with ``release``, also release the kept frames."""
+    if release:
+        return dict(text="", done=True, released=drop(ns))
+    for key, value in (_SESSION.get("restored") or {}).items():
+        if ns.get(key) is value:
+            del ns[key]
+    _SESSION.clear()
+    return dict(text="", done=True, released=False)
+
+
+def _text(out: io.StringIO) -> str:
+    text = out.getvalue()
+    out.seek(0)
+    out.truncate()
+    if len(text) > MAX_TEXT:
+        text = text[:MAX_TEXT] + f"\n... ({len(text) - MAX_TEXT} more characters not shown)\n"
+    return text
