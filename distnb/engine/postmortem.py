@@ -150,6 +150,8 @@ def _handles() -> list:
             for item in list(vars(value).values())[:1000]:
                 look(item, depth - 1)
 
+    for value in KEPT.get("names", {}).values():  # the training loop's ctx, model, ...
+        look(value, 2)
     tb = KEPT.get("tb")
     while tb is not None:
         for value in tb.tb_frame.f_locals.values():
@@ -158,25 +160,29 @@ def _handles() -> list:
     return found
 
 
-def _take_out(holder, held) -> int:
-    """Replace ``held`` by None in ``holder`` (a dict, a list or a frame); how many places."""
+def _take_out(holder, held, new=None, nested=False) -> int:
+    """Replace ``held`` by ``new`` in ``holder`` (a dict, list, frame, or a tuple in one); how many places."""
     if type(holder) is dict:
         keys = [k for k, v in holder.items() if v is held]
-        holder.update(dict.fromkeys(keys))
+        holder.update(dict.fromkeys(keys, new))
         return len(keys)
     if type(holder) is list:
         spots = [i for i, v in enumerate(holder) if v is held]
         for i in spots:
-            holder[i] = None
+            holder[i] = new
         return len(spots)
     if type(holder) is types.FrameType:
         variables = holder.f_locals  # one snapshot: before 3.13 each read copies the frame's variables again
         names = [k for k, v in variables.items() if v is held]
         for name in names:
-            variables[name] = None  # Python 3.13+: written through to the frame
+            variables[name] = new  # Python 3.13+: written through to the frame
         if names and sys.version_info < (3, 13):  # before: copied back explicitly
             ctypes.pythonapi.PyFrame_LocalsToFast(ctypes.py_object(holder), ctypes.c_int(0))
         return len(names)
+    if type(holder) is tuple and not nested:  # e.g. (work, flags): a copy without it, where the tuple was
+        copy = tuple(new if v is held else v for v in holder)
+        return sum(_take_out(outer, holder, copy, nested=True) for outer in gc.get_referrers(holder)
+                   if type(outer) is not tuple)
     return 0
 
 
