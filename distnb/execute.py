@@ -147,9 +147,11 @@ class Watch:
                 if f["rank"] in self.dead:
                     f["evalue"] = f["evalue"].split("; run %dist restart")[0] + f"; {note}"
         if self.hang is not None:
-            raise hangs.error(self, failures)
+            self.session.last_error = hangs.error(self, failures)
+            raise self.session.last_error
         if failures:
-            raise RankError(failures, context=self.what)
+            self.session.last_error = RankError(failures, context=self.what)  # %dist debug's default rank
+            raise self.session.last_error
         return [ar.get(0) for ar in ars]
 
     def _mark_failures(self, failures) -> None:

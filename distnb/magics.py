@@ -169,6 +169,28 @@ def _stop_training(line):
     """
 
 
+@magic_arguments(name="dist debug")
+@argument("--rank", type=int, default=None,
+          help="the rank to debug (default: the root cause of the last RankError); any rank whose cell raised")
+@argument("-c", "--command", dest="commands", action="append", default=None, metavar="CMD",
+          help="a pdb command to run instead of asking for one (repeat it; the session ends after the last): "
+               "for scripts and front ends without input boxes")
+def _debug(line):
+    """Post-mortem pdb on a failed rank: its traceback's frames, kept until the next cell.
+
+    Commands typed into the input box run on the rank (p, pp, l, up, down, where, !expr); the
+    innermost frame of your code comes first. q (or c) ends the session and releases the frames.
+
+    Example::
+
+        %dist debug                  # after a RankError: pdb on the rank that raised
+        (Pdb) p x.shape
+        (Pdb) up
+        (Pdb) q
+        %dist debug --rank 0 -c "pp locals()" -c "where"
+    """
+
+
 @magic_arguments(name="%dist")
 @argument("--all-output", action="store_true", help="show every rank's output (default rank 0 only)")
 @argument("--targets", "--ranks", dest="targets", default=None,
@@ -182,7 +204,8 @@ def _cell(line):
 
 
 VERBS = {"start": _start, "stop": _stop, "restart": _restart, "status": _status, "push": _push,
-         "pull": _pull, "scatter": _scatter, "gather": _gather, "wait": _wait, "stop-training": _stop_training, "where": _where, "save": _save, "load": _load}
+         "pull": _pull, "scatter": _scatter, "gather": _gather, "wait": _wait, "stop-training": _stop_training, "where": _where, "save": _save, "load": _load,
+         "debug": _debug}
 
 DIST_DOC = """Run code and manage the distributed cluster from a notebook.
 
@@ -327,7 +350,15 @@ _VERB_CALLS = {
     "wait": lambda args, ns: _current().wait(),
     "stop-training": lambda args, ns: _current().stop_training(),
     "where": lambda args, ns: _current().where(),
+    "debug": lambda args, ns: _quiet(_session().debug(rank=args.rank, commands=_unquoted(args.commands))),
 }
+
+
+def _unquoted(words):
+    """``-c "p x"`` as ``p x``: IPython's magic arguments keep the quotes (None stays None)."""
+    if words is None:
+        return None
+    return [w[1:-1] if len(w) >= 2 and w[0] == w[-1] and w[0] in "'\"" else w for w in words]
 
 
 def _quiet(_value) -> None:

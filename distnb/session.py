@@ -29,7 +29,7 @@ import contextlib
 import inspect
 import sys
 
-from . import background, calls, checkpoints, options, training
+from . import background, calls, checkpoints, debugger, options, training
 from .background import BackgroundRun, check_idle
 from .cluster import Cluster
 from .data import reassemble, scatter as scatter_shards
@@ -195,6 +195,7 @@ class Session:
         self._background = None  # a BackgroundRun while a %%distrain --background run is going on
         self.auto_restart = False  # start a fresh world when an engine dies during a cell
         self.last_where = {}  # rank -> where the running (or last) cell is on it (distnb.engine.where)
+        self.last_error = None  # the last RankError of a cell: %dist debug's rank by default
 
     # basics --------------------------------------------------------------
     @property
@@ -387,6 +388,9 @@ class Session:
                 prefix = f"[rank {rank}] " if self.world_size > 1 else ""
                 print(f"{prefix}{values[rank]}")
         return values
+
+    def debug(self, rank=None, commands=None) -> str:
+        return debugger.debug(self, rank, commands)
 
     def push(self, *names, auto=False, **values) -> None:
         """Send notebook objects to every rank by value (classes and functions included).
@@ -589,3 +593,4 @@ Session.train.__signature__ = options.signature(TrainPlan, RunOptions, first=[
     inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in ("self", "code", "model", "data")])
 Session.train.__doc__ = Session.train.__doc__.replace("        {options}", "\n".join(
     "        " + line for line in options.doc(TrainPlan, RunOptions, skip=("model", "data")).splitlines()))
+Session.debug.__doc__ = debugger.debug.__doc__.replace("    session : distnb.session.Session\n", "")
