@@ -37,7 +37,9 @@ def declared_arguments(*classes, only_given=False):
                 else:
                     kw["default"] = options.given_of(f, opt)
                 if opt.kind == "flag":
-                    kw["action"] = "store_true" if kw["default"] is False else argparse.BooleanOptionalAction
+                    # a flag that carries over between cells can also be turned off (--no-...)
+                    plain = kw["default"] is False and not options.carries(opt)
+                    kw["action"] = "store_true" if plain else argparse.BooleanOptionalAction
                 else:
                     kw["type"] = _PARSE.get(opt.kind, str)
                     if opt.choices:
@@ -208,7 +210,8 @@ def _dist_doc():
 
 
 @magic_arguments(name="%distrain")
-@declared_arguments(TrainPlan, RunOptions)
+@declared_arguments(TrainPlan, only_given=True)  # an option left out is absent: the carry-over rule sees it
+@declared_arguments(RunOptions)
 @argument("-o", "--output", default=None, help="also store the TrainResult under this notebook name")
 def _distrain(line):
     """Train a notebook model on every rank with --strategy (ddp, fsdp, pipeline, tensor, ps); the body is one step."""
@@ -222,6 +225,9 @@ and must assign a scalar tensor to ``loss``. distnb does backward, the gradient 
 step, epochs and progress. The kernel's model is sent before training (class and
 state, so every rank starts identical) and receives the trained weights afterwards;
 the ranks keep model and optimizer, so the next cell continues unless ``--reset``.
+State carries, settings do not: a cell that leaves out ``--strategy``, that strategy's options,
+``--find-unused-parameters`` or ``--optimizer`` keeps the model's last values (and says so for
+the strategy); every other option applies to its own cell (README "What carries over").
 
 Example::
 

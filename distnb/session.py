@@ -285,11 +285,10 @@ class Session:
                 raise TypeError(f"restart() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
             kept = {k: getattr(spec, f) for k, f in START_OPTIONS.items() if k != "auto_restart"}
             spec = default_spec(**dict(kept, **given))
-        chosen, steps = dict(self.holdings.optimizer_of), dict(self.holdings.trained_steps)
+        held = self.holdings
         self.stop(quiet=True)
         new = start(spec=spec, ns=self._ns, quiet=quiet, auto_restart=auto)
-        new.holdings.optimizer_of.update(chosen)  # the optimizer the user chose for a model survives a restart
-        new.holdings.trained_steps.update(steps)  # and how far the notebook's weights are: resumes never go back
+        held.keep_across_restart(new.holdings)  # carried options, and how far the weights are: no resume goes back
         return new
 
     def _restart_in_place(self) -> str:
