@@ -125,10 +125,10 @@ def make_plan(session, model_name, model_obj, data_name, given: dict, quiet=Fals
     try:
         plan = TrainPlan(model=model_name, data=data_name, **dict(given, **kept))
     except PlanError as exc:
-        if "strategy" not in kept:
+        if not kept:
             raise
-        raise PlanError(f"{exc}; --strategy {kept['strategy']} carried over from {model_name}'s last cell: "
-                        "name the --strategy this cell needs") from None
+        raise PlanError(f"{exc}; {_carried_flags(kept)} carried over from {model_name}'s last cell: "
+                        "give the options this cell needs") from None
     if not quiet:
         _say_carried(model_name, kept)
     if not isinstance(model_obj, torch.nn.Module):
@@ -147,20 +147,24 @@ def make_plan(session, model_name, model_obj, data_name, given: dict, quiet=Fals
     return _newest_start(session, plan)
 
 
-def _say_carried(model_name, kept) -> None:
-    """One line naming the distribution options a cell kept from the model's last cell."""
+def _carried_flags(kept, only=None) -> str:
+    """``--strategy fsdp, --compile`` for the carried options ``kept`` (those in ``only``, if given)."""
     from . import options
 
     flags = {f.name: options.flags_of(f, opt)[0] for f, opt in options.declared(TrainPlan)}
-    shown = [f"{flags[k]} {_shown(v)}".strip() for k, v in kept.items() if k in DISTRIBUTION]
+    shown = []
+    for name, value in kept.items():
+        if only is None or name in only:
+            value = "" if value is True else ",".join(value) if isinstance(value, tuple) else str(value)
+            shown.append(f"{flags[name]} {value}".strip())
+    return ", ".join(shown)
+
+
+def _say_carried(model_name, kept) -> None:
+    """One line naming the distribution options a cell kept from the model's last cell."""
+    shown = _carried_flags(kept, only=DISTRIBUTION)
     if shown:
-        print(f"distnb: {', '.join(shown)}, as in {model_name}'s last cell (name another to change it)")
-
-
-def _shown(value) -> str:
-    if value is True:
-        return ""
-    return ",".join(value) if isinstance(value, tuple) else str(value)
+        print(f"distnb: {shown}, as in {model_name}'s last cell (name another to change it)")
 
 
 def _newest_start(session, plan):
