@@ -6,7 +6,9 @@ kept by :meth:`~distnb.display.progress.ProgressState.set_where`). The live dash
 state, so it can be opened while the kernel is busy in a foreground training cell; the kernel
 keeps its HTML up to date from iopub messages, which the front end applies at once.
 
-DOM hooks (used by the browser test, stable): ``div.distnb-where-panel``; one
+DOM hooks (used by the browser test, stable): the live dashboard's Accordion carries
+``.distnb-where`` (its title bar, the button, is ipywidgets' ``.jupyter-widget-Collapse-header``);
+the static snapshot's ``details.distnb-where-snapshot``; ``div.distnb-where-panel``; one
 ``div.distnb-where-rank`` per rank with ``data-rank`` and ``data-state`` (``running``,
 ``stalled``, ``collective``, ``idle``, ``done``, ``failed``, ``interrupted``, ``waiting`` or
 ``unknown``); in it ``.distnb-where-state`` (the state in words), ``.distnb-where-op`` (the
