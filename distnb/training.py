@@ -15,7 +15,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from . import calls, data
+from . import calls, data, export
 from .display import ProgressState, make_view, view_kind
 from .display.tables import count
 from .errors import PlanError, RankError
@@ -411,6 +411,7 @@ def train_cell(session, code, model, data, run, given):
     for sentence in body_warnings(code, plan):
         warnings.warn(f"distnb: {sentence}", UserWarning, stacklevel=4)
     num_shards, steps = prepare(session, plan, code, model_obj, data_obj, run.quiet)
+    cell = export.capture(session, plan, code, model_obj, data_obj, RESERVED_NAMES)  # as it starts, for %dist export
     state = ProgressState(session.world_size, steps * plan.epochs, plan.epochs,
                           hosts=[r["host"] for r in session.cluster.ranks],
                           devices=[r["device"] for r in session.cluster.ranks], strategy=plan.strategy)
@@ -433,6 +434,7 @@ def train_cell(session, code, model, data, run, given):
         raise
     result = finish(session, plan, model_obj, rows, time.perf_counter() - t0, num_shards, run.quiet, stopped)
     session.last_result = result
+    export.remember(cell, result)
     return result
 
 
