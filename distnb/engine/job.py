@@ -208,13 +208,16 @@ def _plan(spec, args, directory):
 
 
 def _say_start(spec, plan, world_size) -> None:
-    cell = spec["cell"]
-    print(f"distnb job: {plan.model} on {world_size} ranks ({plan.strategy}), {plan.epochs} epochs from epoch "
-          f"{spec['start']['epoch']}; the cell ran on {cell['world_size']}", flush=True)
+    from . import checkpoint
+
+    cell, newest = spec["cell"], checkpoint.latest(plan.checkpoint_dir)
+    where = f"resuming from {newest}" if newest else f"from epoch {spec['start']['epoch']}"
+    print(f"distnb job: {plan.model} on {world_size} ranks ({plan.strategy}), {plan.epochs} epoch"
+          f"{'s' if plan.epochs != 1 else ''} {where}; the cell ran on {cell['world_size']} ranks", flush=True)
     if world_size != cell["world_size"]:
         print(f"distnb job: {world_size} ranks where the cell had {cell['world_size']}: the shards and batches "
               "differ, so the losses will not be the cell's", flush=True)
-    if not spec["start"]["exact"]:
+    if not newest and not spec["start"]["exact"]:
         print(f"distnb job: {spec['start']['why']}", flush=True)
 
 
@@ -263,7 +266,8 @@ def main(directory: str, step: str, argv=None) -> int:
         if env["rank"] == 0:
             out = dict(epochs=list(range(row["first_epoch"], row["next_epoch"])), epoch_losses=row["epoch_losses"],
                        steps=row["steps"], global_steps=row["global_steps"], world_size=env["world_size"],
-                       seconds=seconds, resumed=row["resumed"], checkpoint=checkpoint.latest(plan.checkpoint_dir))
+                       seconds=seconds, resumed=row["resumed"], val_history=row["val_history"],
+                       checkpoint=checkpoint.latest(plan.checkpoint_dir))
             path = args.losses or os.path.join(directory, LOSSES)
             with open(path, "w") as f:
                 json.dump(out, f, indent=1)
