@@ -43,7 +43,7 @@ class Cell:
     plan: object
     code: str
     model_class: type
-    model_packed: tuple
+    model_packed: tuple | None  # (payload, descs, buffers) as sent, with copied weights; None: not sent this cell
     model_repr: str
     classes: list
     data_obj: object
@@ -57,6 +57,8 @@ class Cell:
     when: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
     start: dict = field(default_factory=dict)
     problem: str = ""  # why it cannot be exported, if it cannot
+    model_obj: object = None  # the notebook's model (a cell that went on with the ranks' live one exports it as is)
+    model_fp: object = None  # its fingerprint when that cell ended
     epoch_losses: list = field(default_factory=list)
 
 
@@ -73,30 +75,42 @@ def _names_read(session, plan, code, exclude, reserved) -> dict:
     return {n: ns[n] for n in sorted(wanted) if n in ns and not any(ns[n] is e for e in exclude)}
 
 
-def capture(session, plan, code, model_obj, data_obj, reserved=()) -> Cell:
+def capture(session, plan, code, model_obj, data_obj, reserved=(), fresh=True) -> Cell:
     """A training cell at its start, once the ranks hold what it needs (called by ``train_cell``).
 
     ``reserved``: the names a body gets from distnb (``model``, ``batch``, ...), never the notebook's.
+    ``fresh``: the model was sent to the ranks for this cell; then its weights are copied here
+    (the cell's end overwrites the notebook's), since the job starts from them. A cell that goes on
+    with the ranks' live model copies nothing: its job goes on from the notebook's weights after it.
+    Never raises: a cell that cannot be captured trains as usual, and exporting it says why not.
     """
+    try:
+        return _capture(session, plan, code, model_obj, data_obj, reserved, fresh)
+    except Exception as exc:  # noqa: BLE001 - export is a by-product of the cell: it must not stop it
+        return Cell(plan=plan, code=code, model_class=type(model_obj), model_packed=None, model_repr="",
+                    classes=[], data_obj=None, data_path="", data_fp=None, val_obj=None, val_fp=None, names={},
+                    ns={}, cluster={}, problem=f"it could not be recorded ({type(exc).__name__}: {exc})")
+
+
+def _capture(session, plan, code, model_obj, data_obj, reserved, fresh) -> Cell:
     from .data import path_of
     from .engine import wire
 
-    try:
-        payload, descs, buffers = wire.pack(model_obj)  # as the ranks received it; the weights copied
-    except Exception as exc:  # never stops the cell: the model reached the ranks another way (it was not resent)
-        payload, descs, buffers = b"", [], []
-        problem = f"--model {plan.model} cannot be pickled now ({type(exc).__name__}: {exc})"
-    else:
-        problem = ""
+    packed, problem = None, ""
+    if fresh:
+        try:
+            payload, descs, buffers = wire.pack(model_obj)  # as the ranks received it; the weights copied
+            packed = (payload, descs, [b.copy() for b in buffers])
+        except Exception as exc:  # noqa: BLE001 - the ranks got it (it was packed to be sent): only a by-product
+            problem = f"--model {plan.model} could not be packed ({type(exc).__name__}: {exc})"
     held = session.holdings.data
     val_obj = session.ns.get(plan.val_data) if plan.val_data else None
     path = "ranks" if plan.data_on_ranks else path_of(plan, data_obj)[0]
     cluster = session.cluster
     threads = sorted({r.get("num_threads", cluster.spec.num_threads) for r in cluster.ranks})
     return Cell(plan=plan, code=code, model_class=type(model_obj), model_repr=repr(model_obj),
-                classes=notebook_classes(model_obj),
-                model_packed=(payload, descs, [b.copy() for b in buffers]), data_obj=data_obj, data_path=path,
-                data_fp=held.get(plan.data, {}).get("fingerprint"), val_obj=val_obj,
+                classes=notebook_classes(model_obj), model_packed=packed, model_obj=model_obj, data_obj=data_obj,
+                data_path=path, data_fp=held.get(plan.data, {}).get("fingerprint"), val_obj=val_obj,
                 val_fp=held.get(plan.val_data, {}).get("fingerprint") if plan.val_data else None,
                 names=_names_read(session, plan, code, (model_obj, data_obj, val_obj), reserved), ns=session.ns,
                 cluster=dict(world_size=session.world_size, num_nodes=cluster.num_nodes,
@@ -104,9 +118,11 @@ def capture(session, plan, code, model_obj, data_obj, reserved=()) -> Cell:
                              timeout=cluster.spec.timeout), problem=problem)
 
 
-def remember(cell: Cell, result) -> None:
-    """``cell`` ended with ``result`` (a TrainResult): it becomes the one ``%dist export`` writes."""
+def remember(cell: Cell, result, model_obj) -> None:
+    """``cell`` ended with ``result`` (a TrainResult; ``model_obj`` holds its weights): the one ``%dist export`` writes."""
     import math
+
+    from .transfer import fingerprint
 
     first = result.rows[0]
     start_steps = first["global_steps"] - first["steps"]
@@ -114,16 +130,19 @@ def remember(cell: Cell, result) -> None:
     skip = continued.get("samples", 0)
     cell.start = dict(epoch=first["first_epoch"], epoch_samples=skip, steps=start_steps,
                       epoch_step=math.ceil(skip / cell.plan.batch_size), exact=True, why="")
-    if first.get("resumed"):
+    if cell.model_packed is None and not cell.problem:  # it went on with the ranks' live model and optimizer
+        epoch = (first.get("where") or {}).get("epoch", first["next_epoch"])
+        cell.model_fp = fingerprint(model_obj)
+        cell.start = dict(epoch=epoch, epoch_samples=0, steps=first["global_steps"], epoch_step=0, exact=False,
+                          why=f"the cell went on with the ranks' live model and its optimizer ({start_steps} steps "
+                          "in), whose state (and lr schedule) the kernel does not hold: the job goes on from the "
+                          f"notebook's weights after the cell, from epoch {epoch}, with a fresh optimizer, and does "
+                          "not repeat the cell's losses. For a job that repeats a cell, run the cell with --reset "
+                          "(its model sent fresh), then export")
+    elif first.get("resumed"):
         cell.start.update(exact=False, why=f"the cell resumed from the checkpoint {first['resumed']}, which the job "
                           "does not read: it starts from the notebook's weights at the cell's start, with a fresh "
                           "optimizer, so its losses can differ from the cell's")
-    elif start_steps:
-        cell.start.update(exact=False, why=f"the cell continued the ranks' live model {start_steps} steps in, with "
-                          f"the optimizer (and lr schedule) state they kept, which the kernel does not hold: the job "
-                          f"starts from the weights the cell started from, at epoch {first['first_epoch']}, with a "
-                          "fresh optimizer, so its losses can differ from the cell's. To export a cell exactly, run "
-                          "it with --reset (its model fresh on the ranks), then export")
     cell.epoch_losses = list(result.epoch_losses)
     _LAST[0] = cell
 
@@ -195,7 +214,7 @@ def model_source(cell: Cell) -> str:
     shown = shown[:40] + (["..."] if len(shown) > 40 else [])
     head = (f'"""--model {cell.plan.model}: the classes the notebook defined it with, for reading.\n\n'
             "The job does not import this file: it loads model.pkl, which holds these classes by value\n"
-            "and the weights the cell started from, as the ranks received them. The model:\n\n"
+            "and the weights the job starts from (options.json, \"start\"). The model:\n\n"
             + "\n".join("    " + line for line in shown) + '\n"""\n')
     note = f"# the classes also read these notebook names (in model.pkl by value): {', '.join(other)}\n" if other \
         else ""
@@ -361,6 +380,17 @@ def _data_file(cell) -> tuple:
     return "data.pkl", pickle.dumps(packed, protocol=5)
 
 
+def _model_packed(cell) -> tuple:
+    """The model the job starts from: as sent at the cell's start, or the notebook's after a cell that went on."""
+    from .transfer import fingerprint, pack_named
+
+    if cell.model_packed is not None:
+        return cell.model_packed
+    if fingerprint(cell.model_obj) != cell.model_fp:
+        raise _changed(cell.plan.model, "--model")
+    return pack_named(cell.plan.model, cell.model_obj, " (the exported job loads it from model.pkl)")
+
+
 def _placement(cell, nodes, per_node) -> tuple:
     world = cell.cluster["world_size"]
     for flag, value in (("--nodes", nodes), ("--nproc-per-node", per_node)):
@@ -391,7 +421,7 @@ def contents(cell: Cell, directory: str, nodes=None, per_node=None) -> dict:
         val = dict(name=cell.plan.val_data, path="tensors", file="val.pt")
     if cell.names:
         files["names.pkl"] = pickle.dumps(pack_named("the names the training body reads", cell.names), protocol=5)
-    files["model.pkl"] = pickle.dumps(cell.model_packed, protocol=5)
+    files["model.pkl"] = pickle.dumps(_model_packed(cell), protocol=5)
     files["model.py"] = model_source(cell).encode()
     options = dict(exported=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), cell_ran=cell.when,
                    plan=dict(plan, checkpoint_dir=None, report_interval=1.0), data=data, val_data=val,
@@ -463,10 +493,13 @@ def session_export(session, directory: str, force: bool = False, nodes=None, npr
     ``Session.export``. The folder gets ``train.py`` (run it with ``torchrun --nproc-per-node N
     train.py``), ``options.json``, ``model.pkl`` and ``model.py``, the data (``data.pt`` or
     ``data.pkl``, ``val.pt``), ``names.pkl`` and ``job.sbatch`` (Slurm: ``srun torchrun``). The
-    job runs distnb's own training loop from the weights the cell started from, so a cell whose
-    model was fresh on the ranks (its first cell, ``--reset``, after ``%dist restart``) gives the
-    same per-epoch losses; it saves distnb checkpoints that ``%dist load`` reads. Works with the
-    cluster stopped too: nothing is sent to the ranks and the notebook's objects are not touched.
+    job runs distnb's own training loop. A cell whose model was sent fresh to the ranks (its first
+    cell, ``--reset``, a changed model, after ``%dist restart``) is exported from the weights it
+    started from, and the job gives the cell's per-epoch losses; a cell that went on with the
+    ranks' live model and optimizer is exported from the notebook's weights after it, with a fresh
+    optimizer (the kernel never holds the ranks' optimizer state). The job saves distnb checkpoints
+    that ``%dist load`` reads. Works with the cluster stopped too: nothing is sent to the ranks and
+    the notebook's objects are not touched.
 
     Parameters
     ----------

@@ -6,6 +6,7 @@ reads back into a notebook model, and every bad input must leave the notebook's 
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -208,19 +209,29 @@ def test_data_changed_since_the_cell_is_refused(exported, shell, tmp_path):
     assert not (tmp_path / "job").exists()
 
 
-def test_a_continued_cell_says_what_the_job_starts_from(exported, shell, tmp_path, capsys):
+def test_a_cell_that_went_on_is_exported_from_the_notebooks_weights_after_it(exported, shell, tmp_path, capsys):
     ns = shell.user_ns
     ns["ex_c"] = ns["ExportNet"]()
     ns["ex_c_data"] = blobs(40, seed=3, num_features=10, num_classes=2)
     line = "--model ex_c --data ex_c_data --epochs 1 --batch-size 8 --optimizer adam --progress none"
     shell.run_cell_magic("distrain", line, BODY)
-    shell.run_cell_magic("distrain", line.replace("--optimizer adam ", ""), BODY)  # continues: Adam's state
+    shell.run_cell_magic("distrain", line.replace("--optimizer adam ", ""), BODY)  # goes on: Adam's live state
+    after = params(ns["ex_c"]).clone()
     capsys.readouterr()
     info = distnb.session.current().export(str(tmp_path / "job"))
     assert not info["exact"] and "--reset" in info["why"] and "fresh optimizer" in info["why"]
-    assert "continued the ranks' live model" in capsys.readouterr().out
+    assert "went on with the ranks' live model" in capsys.readouterr().out
     options = json.loads((tmp_path / "job" / "options.json").read_text())
-    assert options["start"]["epoch"] == 1 and options["start"]["steps"] == 3 and not options["start"]["exact"]
+    assert options["start"] == dict(epoch=2, epoch_samples=0, steps=6, epoch_step=0, exact=False,
+                                    why=info["why"])  # 2 cells of 40 / 2 ranks / 8 = 3 steps
+    from distnb.engine import wire
+
+    payload, descs, buffers = pickle.loads((tmp_path / "job" / "model.pkl").read_bytes())
+    torch.testing.assert_close(params(wire.loads(payload, descs, buffers)), after, rtol=0, atol=0)
+    with torch.no_grad():
+        ns["ex_c"].out.bias.add_(1.0)  # changed after the cell: the job would not go on from the cell's end
+    with pytest.raises(UsageError, match="--model ex_c changed in the notebook since the training cell ran"):
+        shell.run_line_magic("dist", f"export {tmp_path / 'again'}")
 
 
 def test_data_made_on_the_ranks_cannot_be_exported(exported, shell, tmp_path):
