@@ -177,6 +177,31 @@ def test_a_dataset_by_value_with_validation_gives_the_cells_losses(exported, she
                                                                           strict=True)) <= 1e-5
 
 
+MAKE = '''
+def ex_make(rank, world_size):
+    """Each rank's own part, made on the rank (here by the job too): make(rank, world_size) -> Dataset."""
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(24, 10, generator=g)
+    return torch.utils.data.TensorDataset(x, (x[:, 0] > 0).long())
+'''
+
+
+def test_a_make_function_gives_the_cells_losses(exported, shell, tmp_path):
+    ns = shell.user_ns
+    shell.run_cell(MAKE)
+    torch.manual_seed(4)
+    ns["ex_f"] = ns["ExportNet"]()
+    result = shell.run_cell_magic("distrain", "--model ex_f --data ex_make --epochs 2 --batch-size 8 --optimizer adam "
+                                  "--lr 0.01 --progress none", BODY)
+    shell.run_line_magic("dist", f"export {tmp_path / 'job'}")
+    options = json.loads((tmp_path / "job" / "options.json").read_text())
+    assert options["data"] == dict(name="ex_make", path="factory", file="data.pkl")
+    code, out = run_job(tmp_path / "job")
+    assert code == 0, out[-4000:]
+    written = json.loads((tmp_path / "job" / "losses.json").read_text())
+    assert max(abs(a - b) for a, b in zip(written["epoch_losses"], result.epoch_losses, strict=True)) <= 1e-5
+
+
 def test_a_folder_that_is_not_empty_needs_force(exported, shell, tmp_path):
     ns = shell.user_ns
     kept = params(ns["ex_net"]).clone()
