@@ -207,16 +207,20 @@ def _plan(spec, args, directory):
     return TrainPlan.from_dict(given)
 
 
+def _count(n, what) -> str:
+    return f"{n} {what}{'s' if n != 1 else ''}"
+
+
 def _say_start(spec, plan, world_size) -> None:
     from . import checkpoint
 
     cell, newest = spec["cell"], checkpoint.latest(plan.checkpoint_dir)
     where = f"resuming from {newest}" if newest else f"from epoch {spec['start']['epoch']}"
-    print(f"distnb job: {plan.model} on {world_size} ranks ({plan.strategy}), {plan.epochs} epoch"
-          f"{'s' if plan.epochs != 1 else ''} {where}; the cell ran on {cell['world_size']} ranks", flush=True)
+    print(f"distnb job: {plan.model} on {_count(world_size, 'rank')} ({plan.strategy}), "
+          f"{_count(plan.epochs, 'epoch')} {where}; the cell ran on {_count(cell['world_size'], 'rank')}", flush=True)
     if world_size != cell["world_size"]:
-        print(f"distnb job: {world_size} ranks where the cell had {cell['world_size']}: the shards and batches "
-              "differ, so the losses will not be the cell's", flush=True)
+        print(f"distnb job: {_count(world_size, 'rank')} where the cell had {cell['world_size']}: the shards and "
+              "batches differ, so the losses will not be the cell's", flush=True)
     if not newest and not spec["start"]["exact"]:
         print(f"distnb job: {spec['start']['why']}", flush=True)
 

@@ -75,3 +75,10 @@ def test_the_body_is_written_as_a_literal_that_reads_back_the_same(code):
     assert eval(literal) == code
     if "\\" not in code and '"""' not in code:
         assert literal.startswith('"""\\\n')  # readable: the body as it was typed, from the next line on
+
+
+def test_dist_export_help_has_an_example():
+    from distnb.magics import _export
+
+    text = _export.parser.format_help()
+    assert "%dist export" in text and "Example: %dist export" in text and "--force" in text
