@@ -144,6 +144,21 @@ def _load(line):
     """
 
 
+@magic_arguments(name="dist export")
+@argument("directory", help="a new or empty folder for the job (created)")
+@argument("--force", action="store_true", help="write into a folder that is not empty (replacing an export's files)")
+@argument("--nodes", type=int, default=None, help="nodes in job.sbatch (default: the cell's hosts)")
+@argument("--nproc-per-node", type=int, default=None, dest="nproc_per_node",
+          help="ranks per node in job.sbatch and the torchrun command (default: the cell's)")
+def _export(line):
+    """Write the last training cell as a job that runs without a notebook: train.py (torchrun), the
+    model (by value, with the weights the cell started from), the data, the options and job.sbatch
+    (Slurm: srun torchrun). The job runs distnb's own loop and saves checkpoints that %dist load reads.
+
+    Example: %dist export jobs/digits    then, in a shell: cd jobs/digits && torchrun --nproc-per-node 2 train.py
+    """
+
+
 @magic_arguments(name="dist wait")
 def _wait(line):
     """Wait for the background training run and return its result; the trained weights are then in
@@ -184,7 +199,8 @@ def _cell(line):
 
 
 VERBS = {"start": _start, "stop": _stop, "restart": _restart, "status": _status, "push": _push,
-         "pull": _pull, "scatter": _scatter, "gather": _gather, "wait": _wait, "stop-training": _stop_training, "where": _where, "save": _save, "load": _load}
+         "pull": _pull, "scatter": _scatter, "gather": _gather, "wait": _wait, "stop-training": _stop_training, "where": _where, "save": _save, "load": _load,
+         "export": _export}
 
 DIST_DOC = """Run code and manage the distributed cluster from a notebook.
 
@@ -330,6 +346,7 @@ _VERB_CALLS = {
     "gather": lambda args, ns: _bind(ns, args.output, _session().gather(args.name)),
     "save": lambda args, ns: _quiet(_session().save(args.directory, model=args.model)),
     "load": lambda args, ns: _quiet(_session().load(args.directory, model=args.model)),
+    "export": lambda args, ns: _quiet(_export_cell(args)),
     "wait": lambda args, ns: _current().wait(),
     "stop-training": lambda args, ns: _current().stop_training(),
     "where": lambda args, ns: _current().where(),
@@ -339,6 +356,14 @@ _VERB_CALLS = {
 def _quiet(_value) -> None:
     """A verb that only acts (and says what it did): nothing for the notebook to show as ``Out[...]``."""
     return None
+
+
+def _export_cell(args):
+    """``%dist export``: the kernel's last training cell, with or without a running cluster."""
+    from .export import session_export
+
+    return session_export(_current(), args.directory, force=args.force, nodes=args.nodes,
+                          nproc_per_node=args.nproc_per_node)
 
 
 def _start_session(ns, given):

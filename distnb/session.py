@@ -37,6 +37,7 @@ from .defaults import default_spec
 from .display.tables import count
 from .errors import ClusterError, PlanError
 from .execute import run_on_ranks
+from .export import session_export
 from .plan import ClusterSpec, RunOptions, TrainPlan
 from .results import StatusTable, TrainResult, WhereTable, status_table, where_table
 from .transfer import sweep_shm
@@ -573,6 +574,8 @@ class Session:
         """
         self._check_running()
         return checkpoints.load(self, *self._trained_model(model), directory, quiet)
+
+    export = session_export  # %dist export DIR: the last training cell as a torchrun job (distnb/export.py)
 
     def _named(self, value, what):
         if isinstance(value, str):

@@ -15,7 +15,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from . import calls, data
+from . import calls, data, export
 from .display import ProgressState, make_view, view_kind
 from .display.tables import count
 from .errors import PlanError, RankError
@@ -274,7 +274,8 @@ def prepare(session, plan, code, model_obj, data_obj, quiet) -> tuple:
 
     Returns
     -------
-    (num_shards, steps_per_epoch) : tuple of int
+    (num_shards, steps_per_epoch, sent) : tuple of int, int, bool
+        ``sent``: the model was sent this cell (the ranks train it fresh, from the kernel's weights).
     """
     from .engine import strategies
 
@@ -293,7 +294,7 @@ def prepare(session, plan, code, model_obj, data_obj, quiet) -> tuple:
     ensure_data(session, plan, data_obj, quiet or not sent, num_shards, silent=quiet)
     if val_obj is not None:  # the same scatter as the training set: seeded, disjoint, covering shards
         ensure_data(session, plan, val_obj, quiet, num_shards, silent=quiet, name=plan.val_data)
-    return num_shards, data.steps_of(plan, session.holdings.data[plan.data], num_shards)
+    return num_shards, data.steps_of(plan, session.holdings.data[plan.data], num_shards), sent
 
 
 def autopush(session, code, exclude=()) -> None:
@@ -458,7 +459,8 @@ def train_cell(session, code, model, data, run, given):
     plan = make_plan(session, model_name, model_obj, data_name, given, quiet=run.quiet)
     for sentence in body_warnings(code, plan):
         warnings.warn(f"distnb: {sentence}", UserWarning, stacklevel=4)
-    num_shards, steps = prepare(session, plan, code, model_obj, data_obj, run.quiet)
+    num_shards, steps, sent = prepare(session, plan, code, model_obj, data_obj, run.quiet)
+    cell = export.capture(session, plan, code, model_obj, data_obj, RESERVED_NAMES, sent)  # for %dist export
     state = ProgressState(session.world_size, steps * plan.epochs, plan.epochs,
                           hosts=[r["host"] for r in session.cluster.ranks],
                           devices=[r["device"] for r in session.cluster.ranks], strategy=plan.strategy)
@@ -481,6 +483,7 @@ def train_cell(session, code, model, data, run, given):
         raise
     result = finish(session, plan, model_obj, rows, time.perf_counter() - t0, num_shards, run.quiet, stopped)
     session.last_result = result
+    export.remember(cell, result, model_obj)
     return result
 
 
