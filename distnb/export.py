@@ -60,6 +60,7 @@ class Cell:
     model_obj: object = None  # the notebook's model (a cell that went on with the ranks' live one exports it as is)
     model_fp: object = None  # its fingerprint when that cell ended
     epoch_losses: list = field(default_factory=list)
+    not_kept: str = ""  # why a model sent fresh had its starting weights left uncopied (too large)
 
 
 def _names_read(session, plan, code, exclude, reserved) -> dict:
@@ -73,6 +74,12 @@ def _names_read(session, plan, code, exclude, reserved) -> dict:
     wanted |= {n for n in (optimizer, plan.loss, plan.tp_plan, plan.metric, schedule, plan.collate) if n}
     ns = session.ns
     return {n: ns[n] for n in sorted(wanted) if n in ns and not any(ns[n] is e for e in exclude)}
+
+
+#: Bytes of a model's starting weights the kernel copies for the export of a cell that sent it fresh
+#: (a larger model is exported from its weights after the cell, and export says so): a full copy of
+#: a large model in the kernel would double its memory for a by-product.
+KEEP_START_BYTES = 256 * 2**20
 
 
 def capture(session, plan, code, model_obj, data_obj, reserved=(), fresh=True) -> Cell:
@@ -96,11 +103,16 @@ def _capture(session, plan, code, model_obj, data_obj, reserved, fresh) -> Cell:
     from .data import path_of
     from .engine import wire
 
-    packed, problem = None, ""
+    packed, problem, not_kept = None, "", ""
     if fresh:
         try:
             payload, descs, buffers = wire.pack(model_obj)  # as the ranks received it; the weights copied
-            packed = (payload, descs, [b.copy() for b in buffers])
+            size = sum(b.nbytes for b in buffers)
+            if size <= KEEP_START_BYTES:
+                packed = (payload, descs, [b.copy() for b in buffers])
+            else:
+                not_kept = (f"--model {plan.model} ({size / 2**20:.0f} MiB) is larger than the "
+                            f"{KEEP_START_BYTES / 2**20:.0f} MiB of starting weights the kernel keeps a copy of")
         except Exception as exc:  # noqa: BLE001 - the ranks got it (it was packed to be sent): only a by-product
             problem = f"--model {plan.model} could not be packed ({type(exc).__name__}: {exc})"
     held = session.holdings.data
@@ -115,7 +127,7 @@ def _capture(session, plan, code, model_obj, data_obj, reserved, fresh) -> Cell:
                 names=_names_read(session, plan, code, (model_obj, data_obj, val_obj), reserved), ns=session.ns,
                 cluster=dict(world_size=session.world_size, num_nodes=cluster.num_nodes,
                              device=cluster.spec.device_type, backend=cluster.spec.backend, threads=threads[-1],
-                             timeout=cluster.spec.timeout), problem=problem)
+                             timeout=cluster.spec.timeout), problem=problem, not_kept=not_kept)
 
 
 def remember(cell: Cell, result, model_obj) -> None:
@@ -134,11 +146,13 @@ def remember(cell: Cell, result, model_obj) -> None:
         epoch = (first.get("where") or {}).get("epoch", first["next_epoch"])
         cell.model_fp = fingerprint(model_obj)
         cell.start = dict(epoch=epoch, epoch_samples=0, steps=first["global_steps"], epoch_step=0, exact=False,
-                          why=f"the cell went on with the ranks' live model and its optimizer ({start_steps} steps "
-                          "in), whose state (and lr schedule) the kernel does not hold: the job goes on from the "
-                          f"notebook's weights after the cell, from epoch {epoch}, with a fresh optimizer, and does "
-                          "not repeat the cell's losses. For a job that repeats a cell, run the cell with --reset "
-                          "(its model sent fresh), then export")
+                          why=(f"{cell.not_kept}: " if cell.not_kept else
+                               f"the cell went on with the ranks' live model and its optimizer ({start_steps} steps "
+                               "in), whose state (and lr schedule) the kernel does not hold: ") +
+                          f"the job goes on from the notebook's weights after the cell, from epoch {epoch}, with a "
+                          "fresh optimizer, and does not repeat the cell's losses" +
+                          ("" if cell.not_kept else ". For a job that repeats a cell, run the cell with --reset "
+                           "(its model sent fresh), then export"))
     elif first.get("resumed"):
         cell.start.update(exact=False, why=f"the cell resumed from the checkpoint {first['resumed']}, which the job "
                           "does not read: it starts from the notebook's weights at the cell's start, with a fresh "

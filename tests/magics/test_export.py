@@ -259,6 +259,22 @@ def test_a_cell_that_went_on_is_exported_from_the_notebooks_weights_after_it(exp
         shell.run_line_magic("dist", f"export {tmp_path / 'again'}")
 
 
+def test_a_model_too_large_to_keep_a_copy_of_is_exported_from_its_weights_after_the_cell(exported, shell, tmp_path,
+                                                                                        monkeypatch):
+    from distnb import export
+
+    ns = shell.user_ns
+    ns["ex_big"] = ns["ExportNet"]()
+    ns["ex_big_data"] = blobs(40, seed=4, num_features=10, num_classes=2)
+    monkeypatch.setattr(export, "KEEP_START_BYTES", 100)  # this model's weights are larger than that
+    shell.run_cell_magic("distrain", "--model ex_big --data ex_big_data --epochs 1 --batch-size 8 --progress none",
+                         BODY)
+    assert export.last().model_packed is None  # no copy of its starting weights in the kernel
+    info = distnb.session.current().export(str(tmp_path / "job"), quiet=True)
+    assert not info["exact"] and "is larger than the 0 MiB of starting weights the kernel keeps" in info["why"]
+    assert "--reset" not in info["why"]  # a --reset would not help: the size is the reason
+
+
 def test_data_made_on_the_ranks_cannot_be_exported(exported, shell, tmp_path):
     ns = shell.user_ns
     shell.run_cell_magic("dist", "", "import torch\n_g = torch.Generator().manual_seed(0)\nex_ranks = "
