@@ -199,8 +199,8 @@ def _cell(line):
 
 
 VERBS = {"start": _start, "stop": _stop, "restart": _restart, "status": _status, "push": _push,
-         "pull": _pull, "scatter": _scatter, "gather": _gather, "wait": _wait, "stop-training": _stop_training, "where": _where, "save": _save, "load": _load,
-         "export": _export}
+         "pull": _pull, "scatter": _scatter, "gather": _gather, "wait": _wait, "stop-training": _stop_training,
+         "where": _where, "save": _save, "load": _load, "export": _export}
 
 DIST_DOC = """Run code and manage the distributed cluster from a notebook.
 
@@ -434,3 +434,5 @@ class DistMagics(Magics):
 
 DistMagics.dist.__doc__ = _dist_doc()
 DistMagics.distrain.__doc__ = DISTRAIN_DOC + _distrain.parser.format_help().replace("usage: ", "")
+for _fn in (*VERBS.values(), _cell, _distrain):
+    _fn.parser.allow_abbrev = False  # `--epoch 3` is an error naming --epochs's absence, not a guess at it
