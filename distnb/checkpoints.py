@@ -8,6 +8,7 @@ the restored weights into the notebook's model.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from . import calls, training
@@ -41,7 +42,8 @@ def load(session, name: str, model_obj, directory: str, quiet: bool = False) -> 
     plan = TrainPlan.from_dict(dict(meta["plan"], model=name, reset=True, checkpoint_dir=None, checkpoint_every=None))
     training.ensure_model(session, plan, model_obj, quiet=True)
     run_on_ranks(session, calls.restore, name, meta["path"], what=f"loading {name}")
-    session.holdings.optimizer_of[name] = (meta["optimizer"], None)  # the restored optimizer is the live one now
+    session.holdings.remember(dataclasses.replace(plan, optimizer=meta["optimizer"], lr=None))  # live now
+    session.holdings.lr_of[name] = None
     session.holdings.trained_steps[name] = meta["steps"]
     training.weights_back(session, name, model_obj)
     if not quiet:

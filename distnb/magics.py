@@ -37,7 +37,9 @@ def declared_arguments(*classes, only_given=False):
                 else:
                     kw["default"] = options.given_of(f, opt)
                 if opt.kind == "flag":
-                    kw["action"] = "store_true" if kw["default"] is False else argparse.BooleanOptionalAction
+                    # a flag that carries over between cells can also be turned off (--no-...)
+                    plain = kw["default"] is False and not options.carries(opt)
+                    kw["action"] = "store_true" if plain else argparse.BooleanOptionalAction
                 else:
                     kw["type"] = _PARSE.get(opt.kind, str)
                     if opt.choices:
@@ -142,6 +144,21 @@ def _load(line):
     """
 
 
+@magic_arguments(name="dist export")
+@argument("directory", help="a new or empty folder for the job (created)")
+@argument("--force", action="store_true", help="write into a folder that is not empty (replacing an export's files)")
+@argument("--nodes", type=int, default=None, help="nodes in job.sbatch (default: the cell's hosts)")
+@argument("--nproc-per-node", type=int, default=None, dest="nproc_per_node",
+          help="ranks per node in job.sbatch and the torchrun command (default: the cell's)")
+def _export(line):
+    """Write the last training cell as a job that runs without a notebook: train.py (torchrun), the
+    model (by value, with the weights the cell started from), the data, the options and job.sbatch
+    (Slurm: srun torchrun). The job runs distnb's own loop and saves checkpoints that %dist load reads.
+
+    Example: %dist export jobs/digits    then, in a shell: cd jobs/digits && torchrun --nproc-per-node 2 train.py
+    """
+
+
 @magic_arguments(name="dist wait")
 def _wait(line):
     """Wait for the background training run and return its result; the trained weights are then in
@@ -204,8 +221,8 @@ def _cell(line):
 
 
 VERBS = {"start": _start, "stop": _stop, "restart": _restart, "status": _status, "push": _push,
-         "pull": _pull, "scatter": _scatter, "gather": _gather, "wait": _wait, "stop-training": _stop_training, "where": _where, "save": _save, "load": _load,
-         "debug": _debug}
+         "pull": _pull, "scatter": _scatter, "gather": _gather, "wait": _wait, "stop-training": _stop_training,
+         "where": _where, "save": _save, "load": _load, "export": _export, "debug": _debug}
 
 DIST_DOC = """Run code and manage the distributed cluster from a notebook.
 
@@ -231,7 +248,8 @@ def _dist_doc():
 
 
 @magic_arguments(name="%distrain")
-@declared_arguments(TrainPlan, RunOptions)
+@declared_arguments(TrainPlan, only_given=True)  # an option left out is absent: the carry-over rule sees it
+@declared_arguments(RunOptions)
 @argument("-o", "--output", default=None, help="also store the TrainResult under this notebook name")
 def _distrain(line):
     """Train a notebook model on every rank with --strategy (ddp, fsdp, pipeline, tensor, ps); the body is one step."""
@@ -245,6 +263,9 @@ and must assign a scalar tensor to ``loss``. distnb does backward, the gradient 
 step, epochs and progress. The kernel's model is sent before training (class and
 state, so every rank starts identical) and receives the trained weights afterwards;
 the ranks keep model and optimizer, so the next cell continues unless ``--reset``.
+State carries, settings do not: a cell that leaves out ``--strategy``, that strategy's options,
+``--find-unused-parameters`` or ``--optimizer`` keeps the model's last values (and says so for
+the strategy); every other option applies to its own cell (README "What carries over").
 
 Example::
 
@@ -347,6 +368,7 @@ _VERB_CALLS = {
     "gather": lambda args, ns: _bind(ns, args.output, _session().gather(args.name)),
     "save": lambda args, ns: _quiet(_session().save(args.directory, model=args.model)),
     "load": lambda args, ns: _quiet(_session().load(args.directory, model=args.model)),
+    "export": lambda args, ns: _quiet(_export_cell(args)),
     "wait": lambda args, ns: _current().wait(),
     "stop-training": lambda args, ns: _current().stop_training(),
     "where": lambda args, ns: _current().where(),
@@ -364,6 +386,14 @@ def _unquoted(words):
 def _quiet(_value) -> None:
     """A verb that only acts (and says what it did): nothing for the notebook to show as ``Out[...]``."""
     return None
+
+
+def _export_cell(args):
+    """``%dist export``: the kernel's last training cell, with or without a running cluster."""
+    from .export import session_export
+
+    return session_export(_current(), args.directory, force=args.force, nodes=args.nodes,
+                          nproc_per_node=args.nproc_per_node)
 
 
 def _start_session(ns, given):
@@ -434,3 +464,5 @@ class DistMagics(Magics):
 
 DistMagics.dist.__doc__ = _dist_doc()
 DistMagics.distrain.__doc__ = DISTRAIN_DOC + _distrain.parser.format_help().replace("usage: ", "")
+for _fn in (*VERBS.values(), _cell, _distrain):
+    _fn.parser.allow_abbrev = False  # `--epoch 3` is an error naming --epochs's absence, not a guess at it

@@ -78,6 +78,9 @@ class Option:
         None is a valid value although the default is not (``launcher``: the profile's).
     group : str
         A group of related options (``placement``: where engines run).
+    carry : bool
+        Part of the ranks' live training state (``--optimizer``): a cell that leaves it out
+        keeps the value of the model's last cell (see :func:`carried_fields`).
     """
 
     kind: str
@@ -97,6 +100,7 @@ class Option:
     doc: str = ""
     group: str = ""
     nullable: bool = False
+    carry: bool = False
 
 
 def option(default=dataclasses.MISSING, kind="text", help="", **declared):
@@ -176,6 +180,16 @@ def doc(*classes, internal=False, skip=()) -> str:
 def distribution_fields(cls) -> tuple:
     """Names of the fields that decide how a model is distributed, in declaration order."""
     return tuple(f.name for f, opt in declared(cls) if opt.distribution or opt.strategy)
+
+
+def carries(opt: Option) -> bool:
+    """Whether an option carries over between cells: declared ``carry``, or part of how a model is distributed."""
+    return opt.carry or opt.distribution or bool(opt.strategy)
+
+
+def carried_fields(cls) -> tuple:
+    """Names of the fields that carry over between cells (:func:`carries`), in declaration order."""
+    return tuple(f.name for f, opt in declared(cls) if carries(opt))
 
 
 # checks -----------------------------------------------------------------------------------

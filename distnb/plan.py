@@ -100,13 +100,14 @@ class TrainPlan:
     batch_size: int = option(32, "int", "samples per rank per step (default 32)", minimum=1,
                              doc="Samples per rank per step; the global batch is ``batch_size * world_size``.")
     optimizer: str | None = option(None, "text", "sgd, adam, adamw, or a notebook name f(params)->Optimizer; default: "
-                                   "keep the optimizer live on the ranks (with its state), sgd for a new model")
+                                   "keep the optimizer live on the ranks (with its state), sgd for a new model", carry=True)
     lr: float | None = option(None, "float", "learning rate; default: keep the live one (a new optimizer: 0.01 sgd, "
                               "1e-3 adam/adamw)")
     seed: int = option(0, "int", "seed of shards, per-epoch shuffles and, for a Dataset, the ranks' and workers' "
                        "random streams (default 0)", minimum=0)
-    strategy: str = option("ddp", "choice", ", ".join(f"{k} ({v[0]})" for k, v in STRATEGIES.items()),
-                           choices=tuple(STRATEGIES), distribution=True)
+    strategy: str = option("ddp", "choice", ", ".join(f"{k} ({v[0]})" for k, v in STRATEGIES.items())
+                           + "; default: the model's last one, ddp at first", choices=tuple(STRATEGIES),
+                           distribution=True)
     fsdp_units: tuple | None = option(None, "names", "fsdp: comma-separated submodules that become FSDP units "
                                       "(default: each child with parameters)", strategy="fsdp",
                                       doc="Names of the submodules that become FSDP units (each gets its own "
@@ -219,7 +220,7 @@ class TrainPlan:
 
     def strategy_key(self) -> tuple:
         """What decides how a model is distributed (the distribution options, strategy first)."""
-        return tuple(getattr(self, name) for name in _DISTRIBUTION)
+        return tuple(getattr(self, name) for name in DISTRIBUTION)
 
     @property
     def builtin_optimizer(self) -> bool:
@@ -290,7 +291,50 @@ class RunOptions:
         options.check_fields(self)
 
 
-_DISTRIBUTION = options.distribution_fields(TrainPlan)
+#: The options that decide how a model is distributed (:meth:`TrainPlan.strategy_key`).
+DISTRIBUTION = options.distribution_fields(TrainPlan)
+#: The options that carry over between cells (see :func:`carry_over`).
+CARRIED = options.carried_fields(TrainPlan)
+
+
+def carry_over(last: dict | None, given: dict) -> dict:
+    """The options a cell left out that keep the values of the model's last cell: the one rule.
+
+    State carries, settings do not. How a model is distributed (``--strategy`` and the
+    options of that strategy, ``--precision``, ``--compile``, ``--sync-bn``,
+    ``--find-unused-parameters``: :data:`DISTRIBUTION`) and its optimizer (``--optimizer``)
+    are state the ranks keep between cells, so a cell that leaves one out keeps the value of
+    the model's last cell. The options of a strategy carry only while that strategy does: a
+    cell that names another ``--strategy`` starts them afresh. The learning rate and
+    ``--lr-schedule`` live on in the ranks' optimizer and scheduler in the same way (their
+    default, None, means "keep the live one"). Every other option applies to its own cell
+    alone and takes its default when left out.
+
+    Parameters
+    ----------
+    last : dict or None
+        :data:`CARRIED` field -> value of the model's last cell (None: no cell trained it yet).
+    given : dict
+        The options the cell gave (field names; a None for an option whose default is None
+        counts as left out).
+
+    Returns
+    -------
+    dict
+        Field -> value for each carried option the cell left out (only values that are not
+        the field's default).
+    """
+    if not last:
+        return {}
+    strategy = given.get("strategy") or last.get("strategy")
+    kept = {}
+    for f, opt in options.declared(TrainPlan):
+        name = f.name
+        if name not in CARRIED or given.get(name) is not None or last.get(name, f.default) == f.default:
+            continue
+        if opt.strategy is None or opt.strategy == strategy:
+            kept[name] = last[name]
+    return kept
 
 
 def _check_placement(spec) -> None:

@@ -63,7 +63,8 @@ class TrainResult(Table):
     val_history : list of dict
         Every validation: epoch, loss, metric, metric_name, samples, step.
     val_loss, val_metric : float or None
-        The last validation's figures; ``metric_name`` names the metric.
+        The validation figures of the weights the model holds: the last validation's, or with
+        ``restored_best`` the best one's; ``metric_name`` names the metric.
     best_epoch : int or None
         The epoch of the best validation loss; ``restored_best``: its weights were loaded back.
     converged : bool
@@ -112,10 +113,12 @@ class TrainResult(Table):
         self.grad_norm_history = list(first.get("grad_norm_history", ()))
         self.lr, self.grad_norm = first.get("lr"), first.get("grad_norm")
         self.val_history = list(first.get("val_history", ()))
+        self.best_epoch, self.restored_best = first.get("best_epoch"), bool(first.get("restored_best"))
         last = self.val_history[-1] if self.val_history else {}
+        if self.restored_best:  # the model holds the best validation's weights: its figures are the result's
+            last = next((v for v in reversed(self.val_history) if v.get("epoch") == self.best_epoch), last)
         self.val_loss, self.val_metric = last.get("loss"), last.get("metric")
         self.metric_name = first.get("metric_name")
-        self.best_epoch, self.restored_best = first.get("best_epoch"), bool(first.get("restored_best"))
         self.compile_seconds = self.speedup = None
         if first.get("compiled") and first.get("first_step_seconds") is not None:
             self.compile_seconds = max(0.0, first["first_step_seconds"] - first["step_seconds"])

@@ -37,6 +37,7 @@ from .defaults import default_spec
 from .display.tables import count
 from .errors import ClusterError, PlanError
 from .execute import run_on_ranks
+from .export import session_export
 from .plan import ClusterSpec, RunOptions, TrainPlan
 from .results import StatusTable, TrainResult, WhereTable, status_table, where_table
 from .transfer import sweep_shm
@@ -286,11 +287,10 @@ class Session:
                 raise TypeError(f"restart() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
             kept = {k: getattr(spec, f) for k, f in START_OPTIONS.items() if k != "auto_restart"}
             spec = default_spec(**dict(kept, **given))
-        chosen, steps = dict(self.holdings.optimizer_of), dict(self.holdings.trained_steps)
+        held = self.holdings
         self.stop(quiet=True)
         new = start(spec=spec, ns=self._ns, quiet=quiet, auto_restart=auto)
-        new.holdings.optimizer_of.update(chosen)  # the optimizer the user chose for a model survives a restart
-        new.holdings.trained_steps.update(steps)  # and how far the notebook's weights are: resumes never go back
+        held.keep_across_restart(new.holdings)  # carried options, and how far the weights are: no resume goes back
         return new
 
     def _restart_in_place(self) -> str:
@@ -578,6 +578,8 @@ class Session:
         """
         self._check_running()
         return checkpoints.load(self, *self._trained_model(model), directory, quiet)
+
+    export = session_export  # %dist export DIR: the last training cell as a torchrun job (distnb/export.py)
 
     def _named(self, value, what):
         if isinstance(value, str):

@@ -15,12 +15,12 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from . import calls, data
+from . import calls, data, export
 from .display import ProgressState, make_view, view_kind
 from .display.tables import count
 from .errors import PlanError, RankError
 from .execute import run_on_ranks
-from .plan import LR_SCHEDULES, TrainPlan, redistribution
+from .plan import DISTRIBUTION, LR_SCHEDULES, TrainPlan, carry_over, redistribution
 
 #: How often ranks report for each progress view (seconds): the dashboard redraws live,
 #: text progress prints per epoch (status and epoch-end messages are always sent at once).
@@ -44,8 +44,11 @@ class Holdings:
         Data set name -> dict(fingerprint, seed, num_samples, shards, structure, num_shards, layout).
     pushed : dict
         Name -> fingerprint of what an automatic push sent.
-    optimizer_of : dict
-        Model name -> (optimizer, lr) the user chose last; survives restarts.
+    carried : dict
+        Model name -> the values of its last cell's options that carry over
+        (:func:`distnb.plan.carry_over`); survives restarts.
+    lr_of : dict
+        Model name -> the lr its carried optimizer was chosen with, for one made new; survives restarts.
     trained_steps : dict
         Model name -> the ranks' global optimizer step count the notebook's weights come from (the
         last cell that ended well); survives restarts, so a resume never goes backwards.
@@ -57,7 +60,8 @@ class Holdings:
     distributed: dict = field(default_factory=dict)
     data: dict = field(default_factory=dict)
     pushed: dict = field(default_factory=dict)
-    optimizer_of: dict = field(default_factory=dict)
+    carried: dict = field(default_factory=dict)
+    lr_of: dict = field(default_factory=dict)
     trained_steps: dict = field(default_factory=dict)
     resume_steps: tuple = (None, None)  # (the notebook's, the newest checkpoint's) steps, for the cell's message
     generation: int = 0
@@ -67,13 +71,27 @@ class Holdings:
         for held in (self.models, self.distributed, self.data, self.pushed):
             held.clear()
 
-    def remember_optimizer(self, plan) -> None:
-        """The optimizer and lr ``plan`` asked for become the model's choice for optimizers made new later."""
-        if plan.optimizer is not None:
-            known = self.optimizer_of.get(plan.model)
-            same = known is not None and known[0] == plan.optimizer
-            self.optimizer_of[plan.model] = (plan.optimizer, plan.lr if plan.lr is not None else
-                                             known[1] if same else None)
+    def remember(self, plan) -> None:
+        """What of ``plan`` carries over to the model's next cell (the ranks accepted it).
+
+        ``--optimizer`` left out keeps the one chosen before, and its lr (for an optimizer made
+        new later) is the last one given with it.
+        """
+        from .plan import CARRIED
+
+        last = self.carried.get(plan.model, {})
+        values = {name: getattr(plan, name) for name in CARRIED}
+        if plan.optimizer is None:
+            values["optimizer"] = last.get("optimizer")
+        elif plan.lr is not None or last.get("optimizer") != plan.optimizer:
+            self.lr_of[plan.model] = plan.lr
+        self.carried[plan.model] = values
+
+    def keep_across_restart(self, new: "Holdings") -> None:
+        """Copy into ``new`` what survives ``%dist restart``: the carried options, lrs and step counts."""
+        new.carried.update(self.carried)
+        new.lr_of.update(self.lr_of)
+        new.trained_steps.update(self.trained_steps)
 
 
 def has_checkpoint(directory: str) -> bool:
@@ -85,8 +103,11 @@ def has_checkpoint(directory: str) -> bool:
     return checkpoint.latest(directory) is not None
 
 
-def make_plan(session, model_name, model_obj, data_name, given: dict) -> TrainPlan:
-    """The TrainPlan of a cell: ``given`` options plus the optimizer the user chose for this model last.
+def make_plan(session, model_name, model_obj, data_name, given: dict, quiet=False) -> TrainPlan:
+    """The TrainPlan of a cell: ``given`` options plus those that carry over from the model's last cell.
+
+    What carries over is :func:`distnb.plan.carry_over`'s rule; the cell says so for the options
+    of how the model is distributed (unless ``quiet``).
 
     Raises PlanError for a bad option, a model that is not a Module, a bad ``--optimizer``
     name or a strategy that cannot run the model on this world.
@@ -95,14 +116,21 @@ def make_plan(session, model_name, model_obj, data_name, given: dict) -> TrainPl
 
     from .engine import strategies
 
-    remembered = session.holdings.optimizer_of.get(model_name)
-    if remembered is not None and given.get("optimizer") is None:
+    held = session.holdings
+    kept = carry_over(held.carried.get(model_name), given)
+    if "optimizer" in kept and given.get("lr") is None:
         # the ranks keep their live optimizer anyway; one made new (the model sent again after a
         # restart, a strategy switch, --reset or a changed model) is the one the user chose last
-        given["optimizer"] = remembered[0]
-        if given.get("lr") is None:
-            given["lr_if_new"] = remembered[1]
-    plan = TrainPlan(model=model_name, data=data_name, **given)
+        given["lr_if_new"] = held.lr_of.get(model_name)
+    try:
+        plan = TrainPlan(model=model_name, data=data_name, **dict(given, **kept))
+    except PlanError as exc:
+        if not kept:
+            raise
+        raise PlanError(f"{exc}; {_carried_flags(kept)} carried over from {model_name}'s last cell: "
+                        "give the options this cell needs") from None
+    if not quiet:
+        _say_carried(model_name, kept)
     if not isinstance(model_obj, torch.nn.Module):
         raise PlanError(f"--model {model_name} is a {type(model_obj).__name__}, not a torch.nn.Module")
     if not plan.builtin_optimizer:
@@ -117,6 +145,26 @@ def make_plan(session, model_name, model_obj, data_name, given: dict) -> TrainPl
         raise PlanError(f"--strategy {plan.strategy}: {exc}") from None
     check_step_options(session, plan, model_obj)
     return _newest_start(session, plan)
+
+
+def _carried_flags(kept, only=None) -> str:
+    """``--strategy fsdp, --compile`` for the carried options ``kept`` (those in ``only``, if given)."""
+    from . import options
+
+    flags = {f.name: options.flags_of(f, opt)[0] for f, opt in options.declared(TrainPlan)}
+    shown = []
+    for name, value in kept.items():
+        if only is None or name in only:
+            value = "" if value is True else ",".join(value) if isinstance(value, tuple) else str(value)
+            shown.append(f"{flags[name]} {value}".strip())
+    return ", ".join(shown)
+
+
+def _say_carried(model_name, kept) -> None:
+    """One line naming the distribution options a cell kept from the model's last cell."""
+    shown = _carried_flags(kept, only=DISTRIBUTION)
+    if shown:
+        print(f"distnb: {shown}, as in {model_name}'s last cell (name another to change it)")
 
 
 def _newest_start(session, plan):
@@ -226,7 +274,8 @@ def prepare(session, plan, code, model_obj, data_obj, quiet) -> tuple:
 
     Returns
     -------
-    (num_shards, steps_per_epoch) : tuple of int
+    (num_shards, steps_per_epoch, sent) : tuple of int, int, bool
+        ``sent``: the model was sent this cell (the ranks train it fresh, from the kernel's weights).
     """
     from .engine import strategies
 
@@ -245,7 +294,7 @@ def prepare(session, plan, code, model_obj, data_obj, quiet) -> tuple:
     ensure_data(session, plan, data_obj, quiet or not sent, num_shards, silent=quiet)
     if val_obj is not None:  # the same scatter as the training set: seeded, disjoint, covering shards
         ensure_data(session, plan, val_obj, quiet, num_shards, silent=quiet, name=plan.val_data)
-    return num_shards, data.steps_of(plan, session.holdings.data[plan.data], num_shards)
+    return num_shards, data.steps_of(plan, session.holdings.data[plan.data], num_shards), sent
 
 
 def autopush(session, code, exclude=()) -> None:
@@ -407,10 +456,11 @@ def train_cell(session, code, model, data, run, given):
                         "`x, y = batch; loss = F.cross_entropy(model(x), y)`")
     if given.get("report_interval") is None:
         given["report_interval"] = REPORT_INTERVAL[view_kind(run.progress)]
-    plan = make_plan(session, model_name, model_obj, data_name, given)
+    plan = make_plan(session, model_name, model_obj, data_name, given, quiet=run.quiet)
     for sentence in body_warnings(code, plan):
         warnings.warn(f"distnb: {sentence}", UserWarning, stacklevel=4)
-    num_shards, steps = prepare(session, plan, code, model_obj, data_obj, run.quiet)
+    num_shards, steps, sent = prepare(session, plan, code, model_obj, data_obj, run.quiet)
+    cell = export.capture(session, plan, code, model_obj, data_obj, RESERVED_NAMES, sent)  # for %dist export
     state = ProgressState(session.world_size, steps * plan.epochs, plan.epochs,
                           hosts=[r["host"] for r in session.cluster.ranks],
                           devices=[r["device"] for r in session.cluster.ranks], strategy=plan.strategy)
@@ -429,10 +479,11 @@ def train_cell(session, code, model, data, run, given):
     except (RankError, KeyboardInterrupt):
         weights_back(session, plan.model, model_obj, best_effort=True)
         if plan.builtin_optimizer:  # a built-in optimizer was not what failed (a dead engine, the body, ...)
-            session.holdings.remember_optimizer(plan)
+            session.holdings.remember(plan)
         raise
     result = finish(session, plan, model_obj, rows, time.perf_counter() - t0, num_shards, run.quiet, stopped)
     session.last_result = result
+    export.remember(cell, result, model_obj)
     return result
 
 
@@ -458,5 +509,5 @@ def finish(session, plan, model_obj, rows, wall_seconds, num_shards, quiet, stop
         if stopped is not None and not (background is not None and background.current_thread_is_runner()):
             print(f"distnb: {stopped}; the result holds what was trained")
     session.holdings.trained_steps[plan.model] = rows[0]["global_steps"]
-    session.holdings.remember_optimizer(plan)  # what the ranks accepted becomes the model's chosen optimizer
+    session.holdings.remember(plan)  # what the ranks accepted carries over to the model's next cell
     return result

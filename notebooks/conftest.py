@@ -19,7 +19,7 @@ def mpi_missing() -> str | None:
     if shutil.which("mpiexec") is None:
         return "mpiexec is not on PATH (Debian/Ubuntu: apt install openmpi-bin)"
     if importlib.util.find_spec("mpi4py") is None:
-        return 'mpi4py is not installed (pip install "distnb[mpi]")'
+        return 'mpi4py is not installed (pip install mpi4py, or the [mpi] extra of distnb)'
     return None
 
 

@@ -16,6 +16,8 @@ SMOOTHING = 0.2
 RATE_WINDOW = 1.0
 #: Seconds a rank must stay at one spot before the dashboard says where it is.
 STALL_SECONDS = 2.0
+#: Innermost frames of each rank's stack that the where panel shows.
+WHERE_FRAMES = 6
 #: Fields of a rank message copied into the rank's row when present.
 ROW_FIELDS = ("status", "epoch", "step", "total", "loss", "samples_per_s", "step_time", "busy_time", "error",
               "stage", "peak_memory", "memory_kind", "samples", "opt_step", "lr", "grad_norm")
@@ -86,6 +88,9 @@ class ProgressState:
         self.validation = {}  # cell step -> (validation loss, metric or None), from rank 0's messages
         self.metric_name = None
         self.version = 0
+        self.wheres = {}  # rank -> its latest where report (engine/where.py), for the where panel
+        self.where_version = 0  # bumped when the where panel would draw differently
+        self._where_keys = {}
         self._clock = clock
         self._t0 = None
         self._counts = [collections.deque() for _ in range(world_size)]  # per rank: (time, cumulative samples)
@@ -146,14 +151,23 @@ class ProgressState:
             self.throughput.add(t, total)
 
     def set_where(self, rank: int, where: dict) -> None:
-        """Note where ``rank`` is (a :mod:`distnb.engine.where` summary) once it stalls there.
+        """Keep where ``rank`` is (a :mod:`distnb.engine.where` summary) and note it once it stalls there.
 
-        The row's ``where`` becomes a short sentence ("waiting in all_reduce for 4 s", "at cell
-        line 3 `time.sleep(60)` for 4 s") after :data:`STALL_SECONDS` at one spot, else None.
+        The report is kept in :attr:`wheres` (the dashboard's where panel); :attr:`where_version`
+        changes only when the panel would draw differently (another spot or frame, another
+        whole second there). The row's ``where`` becomes a short sentence ("waiting in
+        all_reduce for 4 s", "at cell line 3 `time.sleep(60)` for 4 s") after
+        :data:`STALL_SECONDS` at one spot, else None.
         """
         if not 0 <= rank < self.world_size or not where:
             return
         waited = max(0.0, where.get("sent", 0.0) - where.get("since", 0.0))
+        self.wheres[rank] = where
+        key = (where.get("state"), where.get("op"), where.get("shape"), where.get("cell_line"),
+               tuple(map(tuple, (where.get("stack") or [])[-WHERE_FRAMES:])), int(waited))
+        if key != self._where_keys.get(rank):  # the panel shows whole seconds: a new second is a change
+            self._where_keys[rank] = key
+            self.where_version += 1
         text = None
         if waited >= STALL_SECONDS and where.get("state") in ("collective", "running"):
             if where["state"] == "collective":

@@ -355,7 +355,7 @@ def step_parts(state) -> list:
     return parts
 
 
-def dashboard_html(state, title="") -> str:
+def dashboard_html(state, title="", extra="") -> str:
     """The whole dashboard as one HTML fragment (the static snapshot).
 
     Parameters
@@ -363,6 +363,8 @@ def dashboard_html(state, title="") -> str:
     state : ProgressState
     title : str, optional
         Extra text for the header line.
+    extra : str, optional
+        HTML put after the charts (the dashboard's where panel, :func:`distnb.display.stacks.snapshot_html`).
 
     Returns
     -------
@@ -370,7 +372,7 @@ def dashboard_html(state, title="") -> str:
         A ``<div class='distnb-dashboard distnb-snapshot'>`` with header, table and charts.
     """
     return (f"<div class='distnb-dashboard distnb-snapshot' style='{_FONT}'>{header_html(state, title)}"
-            f"{table_html(state)}{charts_html(state)}</div>")
+            f"{table_html(state)}{charts_html(state)}{extra}</div>")
 
 
 def dashboard_text(state) -> str:
@@ -404,10 +406,12 @@ class Snapshot:
     state : ProgressState
     title : str, optional
         Extra text for the header line.
+    extra : str, optional
+        HTML put after the charts.
     """
 
-    def __init__(self, state, title=""):
-        self.html = dashboard_html(state, title)
+    def __init__(self, state, title="", extra=""):
+        self.html = dashboard_html(state, title, extra)
         self.text = dashboard_text(state)
 
     def _repr_html_(self):

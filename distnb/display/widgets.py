@@ -9,9 +9,19 @@ Histories are kept short by :class:`~distnb.display.progress.Series`, so a redra
 same (about 1 ms) at the start of a run and after hours. For a background run a "Stop training" button
 is added (it works because the kernel is idle while the run goes on).
 
+The "where" button is the header of an Accordion holding every rank's state and innermost stack
+frames (:mod:`distnb.display.stacks`). Opening it is the front end's own state, so it opens at once
+even while the kernel is busy in a foreground training cell (a click on a button that needs the
+kernel would wait for the cell to end); the kernel keeps its HTML up to date from the ranks' where
+reports, at most ``where_fps`` (2) times a second and only when it would draw differently (another
+spot, another whole second there). It is updated while closed too: the kernel cannot know it was
+opened before the cell ends.
+
 When the run ends the widget's output is replaced by a static snapshot of the final state
 (:class:`~distnb.display.render.Snapshot`: HTML, with a text fallback), so a saved notebook
-shows what happened without a kernel or widget state, and the widget models are closed.
+shows what happened without a kernel or widget state, and the widget models are closed. The
+snapshot keeps where the ranks were last seen (a closed ``<details>``) when the run did not end
+with every rank done; after a clean run the stacks would only show code the ranks have left.
 """
 
 from __future__ import annotations
@@ -20,7 +30,10 @@ import time
 
 import ipywidgets as W
 
-from . import render
+from . import render, stacks
+
+#: The where button's text (the Accordion's title).
+WHERE_TITLE = "where: every rank's state and stack"
 
 
 class Dashboard:
@@ -34,22 +47,28 @@ class Dashboard:
         10 a second per rank).
     chart_fps : float
         Redraws of the charts per second at most.
+    where_fps : float
+        Redraws of the where panel per second at most.
     """
 
-    def __init__(self, state, max_fps: float = 10.0, chart_fps: float = 3.0):
+    def __init__(self, state, max_fps: float = 10.0, chart_fps: float = 3.0, where_fps: float = 2.0):
         self.state = state
         self.min_interval = 1.0 / max_fps
         self.chart_interval = 1.0 / chart_fps
-        self._last = 0.0
-        self._last_charts = 0.0
+        self.where_interval = 1.0 / where_fps
+        self._last = self._last_charts = self._last_where = 0.0
         self._version = -1
+        self._where_key = None
         self._handle = None
-        self.redraws = 0
+        self.redraws = self.where_redraws = 0
         self.header = W.HTML(render.header_html(state))
         self.table = W.HTML(render.table_html(state))
         self.charts = W.HTML(render.charts_html(state))
+        self.where_panel = W.HTML(stacks.where_html(state))
+        self.where_box = W.Accordion(children=[self.where_panel], titles=(WHERE_TITLE,), selected_index=None)
+        self.where_box.add_class("distnb-where")
         self.stop_button = None
-        self.widget = W.VBox([self.header, self.table, self.charts])
+        self.widget = W.VBox([self.header, self.table, self.where_box, self.charts])
         self.widget.add_class("distnb-dashboard")
 
     def show(self):
@@ -76,16 +95,24 @@ class Dashboard:
         self.widget.children = (*self.widget.children, button)
 
     def refresh(self, final=False):
-        """Redraw what changed, at most ``max_fps`` times a second (always when ``final``)."""
-        now = time.monotonic()
-        if not final and (self.state.version == self._version or now - self._last < self.min_interval):
-            return
-        self._last, self._version = now, self.state.version
-        self.redraws += 1
-        parts = [(self.header, render.header_html), (self.table, render.table_html)]
-        if final or now - self._last_charts >= self.chart_interval:  # the SVG charts: a few times a second
-            self._last_charts = now
-            parts.append((self.charts, render.charts_html))
+        """Redraw what changed, at most ``max_fps`` times a second (always when ``final``).
+
+        The where panel is redrawn on its own clock (``where_fps``), when a where report or a
+        rank's status changed what it shows.
+        """
+        now, state, parts = time.monotonic(), self.state, []
+        if final or (state.version != self._version and now - self._last >= self.min_interval):
+            self._last, self._version = now, state.version
+            self.redraws += 1
+            parts += [(self.header, render.header_html), (self.table, render.table_html)]
+            if final or now - self._last_charts >= self.chart_interval:  # the SVG charts: a few times a second
+                self._last_charts = now
+                parts.append((self.charts, render.charts_html))
+        where_key = (state.where_version, tuple(row["status"] for row in state.rows))
+        if final or (where_key != self._where_key and now - self._last_where >= self.where_interval):
+            self._last_where, self._where_key = now, where_key
+            self.where_redraws += 1
+            parts.append((self.where_panel, stacks.where_html))
         for widget, draw in parts:
             html = draw(self.state)
             if widget.value != html:
@@ -94,13 +121,14 @@ class Dashboard:
     def close(self):
         """Final redraw, then leave a static snapshot in place of the widget and close the widgets."""
         self.refresh(final=True)
-        snapshot = render.Snapshot(self.state)
+        snapshot = render.Snapshot(self.state, extra=stacks.snapshot_html(self.state))
         if self._handle is not None:
             self._handle.update(snapshot)
         else:
             from IPython.display import display
 
             display(snapshot)
-        for w in (self.header, self.table, self.charts, self.stop_button, self.widget):
+        for w in (self.header, self.table, self.charts, self.where_panel, self.where_box, self.stop_button,
+                  self.widget):
             if w is not None:
                 w.close()

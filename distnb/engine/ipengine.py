@@ -73,6 +73,9 @@ def _preload(level: str) -> None:
     try:
         importlib.import_module("torch")
         TIMES["torch"] = time.time()
+        from distnb.engine.zygote import freeze_imports
+
+        freeze_imports()  # before any process group exists: collections stay cheap (see freeze_imports)
         if level == "all":
             for name in PRELOAD_BEFORE_GROUP[1:]:
                 importlib.import_module(name)

@@ -1,7 +1,8 @@
 """Throttled progress messages from a rank to the kernel.
 
 Messages go through ipyparallel's ``publish_data`` (the kernel reads them from
-``AsyncResult.data`` while the cell runs). A rank publishes at most once per
+``AsyncResult.data`` while the cell runs), or to :data:`SINK` in a job run without a kernel.
+A rank publishes at most once per
 ``interval`` seconds (default 0.1 s, i.e. <= 10 messages/s), plus once on every
 status change and epoch end. Loss values are read off the device (``.item()``)
 only when a message goes out, so reporting never forces a GPU sync per step.
@@ -26,8 +27,16 @@ import time
 TAIL = 16
 
 
+#: Where messages go outside an engine: a callable taking each payload (a job that torchrun started,
+#: :mod:`distnb.engine.job`, prints the epochs' losses from them). None in an engine: to the kernel.
+SINK = None
+
+
 def publish_raw(payload: dict) -> None:
-    """``payload`` to the kernel, merged into the running cell's ``AsyncResult.data`` (engines only)."""
+    """``payload`` to the kernel, merged into the running cell's ``AsyncResult.data`` (or to :data:`SINK`)."""
+    if SINK is not None:
+        SINK(payload)
+        return
     from ipyparallel.datapub import publish_data  # lazy: only inside an engine
 
     publish_data(payload)

@@ -8,6 +8,11 @@ Asserted from the page DOM, as a user would see it:
   (seen at least twice before the end), both reach 100%, the loss curve has points;
 - a ``--background`` run leaves the kernel free (a later cell finishes while the dashboard
   still updates) and ``%dist wait`` returns its result;
+- the "where" button works while a foreground cell runs (the kernel busy in it): in a run where
+  rank 1 sleeps inside its step while rank 0 waits in DDP's gradient all-reduce, a click opens
+  every rank's state and stack at once (rank 1 at the sleep's cell line, rank 0 in the
+  collective), and the open panel keeps updating before the cell ends; the click-to-stacks time
+  is printed;
 - a deliberately failing rank turns its row red and shows its exception.
 
 Screenshots of the finished dashboards are saved (paths listed at the end of the test
@@ -40,7 +45,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 pytestmark = [
     pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"Chromium is not installed at {CHROMIUM} "
                        "(Debian: apt-get install -y chromium; `make test` installs it)"),
-    pytest.mark.timeout(150),
+    pytest.mark.timeout(180),
 ]
 
 SETUP = "%load_ext distnb\n%dist start -n 2 --timeout 30"
@@ -57,14 +62,22 @@ TRAIN = f"%%distrain --model net --data train --epochs 3 --batch-size 16 -o resu
 BACKGROUND = f"%%distrain --model net --data train --epochs 3 --batch-size 16 --background -o bg\n{BODY}"
 FREE = "print('kernel is free')"
 WAIT = "waited = %dist wait\nprint('waited', waited.epochs)"
+# rank 1 sleeps in step 3 (cell line 3) while rank 0 waits for it in DDP's gradient all-reduce: shorter than
+# the --hang-after (10 s with --timeout 30), so the cell is still running, and then finishes, when the button is used
+STUCK_SLEEP = 7
+STUCK = ("%%distrain --model net --data train --epochs 1 --batch-size 16\n"
+         "x, y = batch\n"
+         "if ctx.rank == 1 and ctx.step == 3:\n"
+         f"    time.sleep({STUCK_SLEEP})\n"
+         "loss = F.cross_entropy(model(x), y)")
 FAIL = ("%%distrain --model net --data train --epochs 2 --batch-size 16\n"
         "x, y = batch\n"
         "if ctx.rank == 1 and ctx.step == 5:\n"
         "    raise ValueError('deliberate failure on rank 1')\n"
         "loss = F.cross_entropy(model(x), y)")
 STOP = "%dist stop"
-CELLS = [SETUP, DATA, TRAIN, BACKGROUND, FREE, WAIT, FAIL, STOP]
-I_SETUP, I_DATA, I_TRAIN, I_BACKGROUND, I_FREE, I_WAIT, I_FAIL, I_STOP = range(len(CELLS))
+CELLS = [SETUP, DATA, TRAIN, BACKGROUND, FREE, WAIT, STUCK, FAIL, STOP]
+I_SETUP, I_DATA, I_TRAIN, I_BACKGROUND, I_FREE, I_WAIT, I_STUCK, I_FAIL, I_STOP = range(len(CELLS))
 
 
 def _notebook(cells):
@@ -203,6 +216,29 @@ LOSS_POINTS = """(i) => {
   return out;
 }"""
 
+# the table's status cell says where a rank is once it stays at one spot for 2 s
+STALLED = """(i) => {
+  const cell = window.jupyterapp.shell.currentWidget.content.widgets[i].node;
+  const w = cell.querySelector('tr.distnb-rank[data-rank="1"] .distnb-where');
+  return w ? w.textContent : null;
+}"""
+# the where panel as shown: null while it is not visible, else per rank what it says
+WHERE_PANEL = """(i) => {
+  const cell = window.jupyterapp.shell.currentWidget.content.widgets[i].node;
+  const panel = cell.querySelector('.distnb-where .distnb-where-panel');
+  if (!panel || !panel.checkVisibility() || panel.getBoundingClientRect().height === 0) return null;
+  const text = (el, sel) => (el.querySelector(sel) || {}).textContent || '';
+  return Array.from(panel.querySelectorAll('.distnb-where-rank')).map(d => ({
+    rank: +d.dataset.rank, state: d.dataset.state, words: text(d, '.distnb-where-state'),
+    op: text(d, '.distnb-where-op'), cell: text(d, '.distnb-where-cell'),
+    user: Array.from(d.querySelectorAll('.distnb-where-user')).map(li => li.textContent)}));
+}"""
+WHERE_SEEN = """(i) => {
+  const ranks = (%s)(i);
+  return !!ranks && ranks.length === 2 && ranks[0].state === 'collective'
+      && ranks[1].cell.includes('time.sleep(%d)');
+}""" % (WHERE_PANEL, STUCK_SLEEP)
+
 
 def _run(page, i, timeout=60):
     """Run cell ``i`` and wait (bounded) until JupyterLab says it finished."""
@@ -253,6 +289,45 @@ def _assert_finished(page, i):
     assert points.get("distnb-loss-mean", 0) >= 2, points
 
 
+def _running(page, i):
+    return page.evaluate(f"() => window.__distnbRuns[{i}]") == "running"
+
+
+def _check_where_button(page, artifacts):
+    """While the STUCK cell runs (the kernel busy in it), the where button shows every rank's stack."""
+    _start(page, I_STUCK)
+    page.wait_for_function(f"(i) => ({STALLED})(i) && ({STALLED})(i).includes('time.sleep')", arg=I_STUCK,
+                           timeout=30_000)
+    assert _running(page, I_STUCK) and not page.evaluate(KERNEL_IDLE)  # the cell runs: the kernel is busy
+    cell = page.locator(".jp-Notebook .jp-Cell").nth(I_STUCK)
+    button = cell.locator(".distnb-where .jupyter-widget-Collapse-header")  # the Accordion's title bar
+    assert page.evaluate(WHERE_PANEL, I_STUCK) is None  # closed until clicked
+    t_click = time.monotonic()
+    button.click()
+    page.wait_for_function(WHERE_SEEN, arg=I_STUCK, timeout=5_000)
+    latency = time.monotonic() - t_click
+    ranks = page.evaluate(WHERE_PANEL, I_STUCK)
+    assert _running(page, I_STUCK), "the cell ended before the stacks were seen"
+    assert "in a collective for" in ranks[0]["words"] and "all-reduce" in ranks[0]["op"], ranks
+    assert ranks[1]["state"] == "stalled" and ranks[1]["cell"] == f"cell line 3: time.sleep({STUCK_SLEEP})", ranks
+    assert any(f"time.sleep({STUCK_SLEEP})" in u and "your cell, line 3" in u for u in ranks[1]["user"]), ranks
+    # the open panel goes on updating from the kernel while the cell runs (iopub arrives during a busy cell)
+    before = ranks[1]["words"]
+    changed = f"(i) => {{ const r = ({WHERE_PANEL})(i); return r && r[1].words !== {json.dumps(before)}; }}"
+    page.wait_for_function(changed, arg=I_STUCK, timeout=3_000)
+    cell.screenshot(path=artifacts.path("dashboard-where.png"))
+    assert _running(page, I_STUCK), "the cell ended before the panel updated"
+    _wait_done(page, I_STUCK)
+    # every rank finished: the static snapshot leaves the where panel out
+    assert page.evaluate("(i) => !!window.jupyterapp.shell.currentWidget.content.widgets[i].node"
+                         ".querySelector('.distnb-snapshot')", I_STUCK)
+    assert not page.evaluate("(i) => !!window.jupyterapp.shell.currentWidget.content.widgets[i].node"
+                             ".querySelector('.distnb-where-snapshot')", I_STUCK)
+    print(f"where button: click to both ranks' stacks visible in {latency * 1000:.0f} ms "
+          f"(the kernel busy in the cell; rank 1 then said {before!r})")
+    return latency
+
+
 def test_dashboard_in_jupyterlab(lab, artifacts):
     from playwright.sync_api import sync_playwright
 
@@ -290,6 +365,11 @@ def test_dashboard_in_jupyterlab(lab, artifacts):
                 _run(page, I_WAIT)
                 assert "waited [" in page.evaluate(CELL_TEXT, I_WAIT)
                 _assert_finished(page, I_BACKGROUND)
+
+                # the where button during a foreground cell (the kernel is busy in it)
+                t_where = time.monotonic()
+                _check_where_button(page, artifacts)
+                print(f"where part of the test: {time.monotonic() - t_where:.1f} s")
 
                 # a failing rank: its row turns red and shows the exception
                 _run(page, I_FAIL)

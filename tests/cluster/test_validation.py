@@ -78,12 +78,15 @@ def test_restore_best_loads_the_best_validation_weights_back(dist_session, shell
     setup(shell, "val_best")
     # a learning rate that overshoots after a few epochs: the last weights are not the best ones
     result = dist_session.train(BODY, model="val_best", data="val_train", val_data="val_set", epochs=8,
-                                restore_best=True, batch_size=16, optimizer="sgd", lr=3.0, progress="none",
+                                restore_best=True, batch_size=16, optimizer="sgd", lr=6.0, progress="none",
                                 quiet=True)
     best = min(result.val_history, key=lambda e: e["loss"])
     assert result.restored_best and result.best_epoch == best["epoch"]
     loss, _ = notebook_figures(shell.user_ns["val_best"], shell.user_ns["val_set"])
     assert loss == pytest.approx(best["loss"], rel=1e-5)
+    assert best is not result.val_history[-1]  # it did overshoot: the result's figures are the best one's
+    assert (result.val_loss, result.val_metric) == (best["loss"], best["metric"])
+
 
 
 def test_a_metric_that_raises_names_the_rank_and_the_cluster_stays_usable(dist_session, shell):

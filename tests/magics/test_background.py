@@ -139,8 +139,8 @@ def test_the_dashboard_shows_each_ranks_pipeline_stage(shell, monkeypatch):
     html = []
     snapshot_init = render.Snapshot.__init__
 
-    def keep(self, state, title=""):
-        snapshot_init(self, state, title)
+    def keep(self, state, *args, **kwargs):
+        snapshot_init(self, state, *args, **kwargs)
         html.append(self.html)
 
     monkeypatch.setattr(render.Snapshot, "__init__", keep)

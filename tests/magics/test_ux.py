@@ -88,3 +88,34 @@ def test_a_model_changed_in_the_notebook_or_a_strategy_switch_says_what_happens(
            "distributed anew; its optimizer state is rebuilt" in out
     assert run(shell, cell.format(" --strategy fsdp")).error_in_exec is None
     assert "sent again" not in capsys.readouterr().out  # nothing changed: the ranks keep model and optimizer
+
+
+def test_state_carries_over_between_cells_and_settings_do_not(shell, capsys):
+    run(shell, "import torch, torch.nn as nn, torch.nn.functional as F\ntorch.manual_seed(0)\n"
+               "carry_net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))\n"
+               "carry_data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))")
+    cell = "%%distrain --model carry_net --data carry_data --progress none{} -o carry_res\nx, y = batch\n" \
+           "loss = F.cross_entropy(model(x), y)"
+    assert run(shell, cell.format(" --strategy fsdp --fsdp-units 0,2 --optimizer adam --batch-size 8")
+               ).error_in_exec is None
+    capsys.readouterr()
+    assert run(shell, cell.format("")).error_in_exec is None  # the state is kept; --batch-size is back to 32
+    out = capsys.readouterr().out
+    plan = shell.user_ns["carry_res"].plan
+    assert (plan.strategy, plan.fsdp_units, plan.optimizer, plan.batch_size) == ("fsdp", ("0", "2"), "adam", 32)
+    assert "distnb: --strategy fsdp, --fsdp-units 0,2, as in carry_net's last cell" in out
+    assert "sent again" not in out  # the ranks keep the sharded model and its optimizer state
+    err = run(shell, cell.format(" --split 1")).error_in_exec  # a pipeline option, the strategy carried: fsdp
+    assert isinstance(err, UsageError) and "--split is a --strategy pipeline option (this cell uses --strategy " \
+        "fsdp); --optimizer adam, --strategy fsdp, --fsdp-units 0,2 carried over from carry_net's last cell" in str(err)
+    assert run(shell, cell.format(" --strategy ddp --find-unused-parameters")).error_in_exec is None
+    out = capsys.readouterr().out
+    assert "--strategy ddp (the last cell used fsdp)" in out and "optimizer state is rebuilt" in out
+    plan = shell.user_ns["carry_res"].plan
+    assert (plan.fsdp_units, plan.optimizer, plan.find_unused_parameters) == (None, "adam", True)
+    assert run(shell, cell.format("")).error_in_exec is None
+    assert shell.user_ns["carry_res"].plan.find_unused_parameters is True
+    assert run(shell, cell.format(" --no-find-unused-parameters")).error_in_exec is None
+    assert shell.user_ns["carry_res"].plan.find_unused_parameters is False
+    assert run(shell, cell.format("")).error_in_exec is None
+    assert shell.user_ns["carry_res"].plan.find_unused_parameters is False

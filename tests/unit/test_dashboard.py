@@ -187,3 +187,141 @@ def test_busy_while_running_then_collected_with_a_note(capsys):
     check_idle(session)  # finished: collected by the next command, with a note
     assert "the background run finished: ddp · 2 ranks" in capsys.readouterr().out
     assert session._background is None and len(results) == 1 and collect(session) is None
+
+
+# --- the where panel -----------------------------------------------------------------------------
+def where_report(state="running", since=10.0, sent=10.5, op=None, shape=None, stack=None, cell_line=None,
+                 cell_code=None):
+    return dict(state=state, op=op, shape=shape, cell_line=cell_line, cell_code=cell_code, since=since, sent=sent,
+                stack=stack if stack is not None else [("/venv/lib/python3.11/site-packages/distnb/engine/loop.py",
+                                                        12, "train", "run()")])
+
+
+def test_where_panel_shows_each_ranks_state_op_cell_line_and_innermost_frames_escaped():
+    from distnb.display import stacks
+
+    st = ProgressState(3, total_steps=10)
+    for r in range(3):
+        running(st, r, 2, 1.0)
+    library = [(f"/venv/lib/python3.11/site-packages/torch/f{i}.py", i, f"f{i}", f"g{i}()") for i in range(9)]
+    st.set_where(0, where_report("collective", sent=14.2, op="all_reduce", shape=[4, 2], stack=library + [
+        ("<distrain-cell-7>", 2, "<module>", "dist.all_reduce(t)")], cell_line=2, cell_code="dist.all_reduce(t)"))
+    st.set_where(1, where_report("running", sent=13.1, cell_line=3, cell_code="time.sleep(7)  # <b>&", stack=[
+        ("/venv/lib/python3.11/site-packages/distnb/engine/loop.py", 40, "step", "body()"),
+        ("<distrain-cell-7>", 3, "<module>", "time.sleep(7)  # <b>&")]))
+    st.set_where(2, where_report("running", sent=10.5))
+    html = stacks.where_html(st)
+    blocks = re.findall(r"<div class='distnb-where-rank' data-rank='(\d)' data-state='(\w+)'", html)
+    assert blocks == [("0", "collective"), ("1", "stalled"), ("2", "running")]
+    rank0, rank1, rank2 = html.split("class='distnb-where-rank'")[1:]
+    assert "in a collective for 4 s" in rank0 and "all_reduce of shape (4, 2)" in rank0
+    assert "cell line 2: <code>dist.all_reduce(t)</code>" in rank0
+    frames = re.findall(r"<li class='distnb-where-frame[^']*'", rank0)
+    assert len(frames) == 6 == 1 + len([f for f in frames if "user" not in f])  # the innermost 6, one the cell's
+    assert "torch/f8.py:8 in f8" in rank0 and "f3.py" not in rank0  # the outer frames are left out
+    assert "stalled for 3 s" in rank1 and "time.sleep(7)  # &lt;b&gt;&amp;" in rank1 and "<b>&" not in rank1
+    user = re.search(r"<li class='distnb-where-frame distnb-where-user'[^>]*>(.*?)</li>", rank1).group(1)
+    assert "your cell, line 3 in &lt;module&gt;" in user and "time.sleep(7)" in user
+    assert "distnb/engine/loop.py:40 in step" in rank1  # installed code: from the package on
+    assert "/venv" not in html  # no local folder (a stored notebook would keep it)
+    assert stacks.short_path("/home/me/src/distnb/distnb/engine/where.py") == "distnb/engine/where.py"
+    assert stacks.short_path("/home/me/train/helpers.py") == "train/helpers.py"
+    assert ">running<" in rank2 and "stalled" not in rank2  # half a second at one spot: just running
+
+
+def test_where_panel_says_which_ranks_ended_or_have_not_reported():
+    from distnb.display import stacks
+
+    st = ProgressState(3, total_steps=4)
+    running(st, 0, 4, 0.5)
+    st.set_where(0, where_report(sent=30.0))
+    st.update(0, dict(status="done"))
+    running(st, 1, 2, 0.5)
+    html = stacks.where_html(st)
+    assert re.findall(r"data-state='(\w+)'", html) == ["done", "unknown", "waiting"]
+    assert "done: its cell ended" in html and "loop.py" not in html  # a finished rank's old stack is not shown
+    assert html.count("no report yet") == 2
+    st.set_where(2, where_report("idle", stack=[]))
+    assert "data-state='idle'" in stacks.where_html(st)
+
+
+def test_where_version_changes_only_when_the_panel_would_draw_differently():
+    st = ProgressState(1)
+    st.set_where(0, where_report(sent=10.2))
+    v = st.where_version
+    st.set_where(0, where_report(sent=10.2))  # the kernel polls the same report again
+    st.set_where(0, where_report(sent=10.9))  # the same spot, the same whole second
+    assert st.where_version == v
+    st.set_where(0, where_report(sent=11.0))  # a new second at that spot
+    assert st.where_version == v + 1
+    st.set_where(0, where_report(sent=11.1, stack=[("<dist-cell-1>", 1, "<module>", "x = 1")]))  # another spot
+    assert st.where_version == v + 2
+
+
+def test_dashboard_where_panel_is_an_accordion_redrawn_at_most_where_fps():
+    from distnb.display.widgets import WHERE_TITLE, Dashboard
+
+    st = ProgressState(2, total_steps=10)
+    dash = Dashboard(st, where_fps=10)
+    assert dash.where_box.selected_index is None and dash.where_box.titles == (WHERE_TITLE,)  # closed
+    assert dash.where_box in dash.widget.children and dash.where_box.children == (dash.where_panel,)
+    dash.refresh()
+    assert dash.where_redraws == 1 and "no report yet" in dash.where_panel.value
+    st.set_where(1, where_report(sent=10.1, cell_line=3, cell_code="time.sleep(7)"))
+    dash.refresh()  # within 0.1 s of the last where redraw: waits
+    assert dash.where_redraws == 1 and "time.sleep" not in dash.where_panel.value
+    time.sleep(0.11)
+    table_redraws = dash.redraws
+    dash.refresh()
+    assert dash.where_redraws == 2 and "time.sleep(7)" in dash.where_panel.value
+    assert dash.redraws == table_redraws  # nothing the table shows changed: only the where panel is redrawn
+    time.sleep(0.11)
+    dash.refresh()  # nothing new: no redraw
+    assert dash.where_redraws == 2
+    dash.close()
+    assert dash.where_box.comm is None and dash.where_panel.comm is None
+
+
+def test_snapshot_keeps_where_the_ranks_were_only_when_not_every_rank_finished():
+    from distnb.display import stacks
+
+    st = ProgressState(2, total_steps=4)
+    for r in range(2):
+        running(st, r, 4, 0.5)
+        st.set_where(r, where_report(sent=10.1))
+        st.update(r, dict(status="done"))
+    assert stacks.snapshot_html(st) == ""  # every rank done: their stacks only show code they left
+    st.set_where(1, where_report("collective", op="all_reduce", sent=14.0))
+    st.set_status("interrupted", ranks=[1], error="KeyboardInterrupt")
+    html = render.Snapshot(st, extra=stacks.snapshot_html(st)).html
+    assert "<details class='distnb-where-snapshot'" in html and "<summary>where the ranks were last seen" in html
+    assert "interrupted; last seen in a collective for 4 s" in html and "all_reduce" in html
+
+
+def test_where_panel_from_a_real_watchdog_on_a_thread_in_a_cell():
+    """engine/where.py's Watchdog reads a real thread sleeping in cell code; the panel names the line."""
+    from distnb.display import stacks
+    from distnb.engine import runtime, where
+
+    reports = []
+    code = runtime.compile_cell("import time\ntime.sleep(0.8)\n", "distrain")
+
+    def cell():
+        dog = where.Watchdog(lambda data: reports.append(data["distnb_where"]))
+        dog.start()
+        try:
+            exec(code, {})
+        finally:
+            dog.stop()
+            dog.join(2)
+
+    thread = threading.Thread(target=cell)
+    thread.start()
+    thread.join(5)
+    assert reports, "the watchdog sent nothing"
+    st = ProgressState(1, total_steps=1)
+    running(st, 0, 0, 1.0)
+    st.set_where(0, reports[-1])
+    html = stacks.where_html(st)
+    assert "cell line 2: <code>time.sleep(0.8)</code>" in html and "distnb-where-user" in html
+    assert "data-state='running'" in html or "data-state='stalled'" in html

@@ -48,3 +48,18 @@ def test_restart_takes_the_start_options_and_only_those_given():
     assert vars(_restart.parser.parse_args([])) == {}
     assert vars(_restart.parser.parse_args(["-n", "3", "--timeout", "20"])) == {"n": 3, "timeout": 20.0}
     assert vars(_start.parser.parse_args(["--no-auto-restart"])) == {"auto_restart": False}
+
+
+def test_an_abbreviated_option_is_an_error_not_a_guess():
+    import pytest
+    from IPython.core.error import UsageError
+    from IPython.core.magic_arguments import parse_argstring
+
+    from distnb import magics
+
+    args = parse_argstring(magics._distrain, "--model net --data train --epochs 3")
+    assert args.epochs == 3
+    for verb, line in ((magics._distrain, "--model net --data train --epoch 3"),
+                       (magics.VERBS["start"], "--hang 3"), (magics._cell, "--all")):
+        with pytest.raises(UsageError, match="unrecognized arguments"):
+            parse_argstring(verb, line)

@@ -44,6 +44,7 @@ class StandInCluster:
         self.master_port = 29_500
         self.pids = {"controller": 9_999, "engines": [10_000, 10_001]}
         self.world_size = 2
+        self.num_nodes = 1
 
     def host_of(self, rank):
         return "host"
@@ -79,6 +80,32 @@ def stand_in_session():
         yield magics, fake
     finally:
         session_mod._CURRENT = saved
+
+
+@contextlib.contextmanager
+def exporting_from(fake):
+    """For ``%dist export``: a training cell of the stand-in session as the last one, a scratch folder as the cwd.
+
+    So that every line is checked against a cell to export (not only "no training cell yet"), and the
+    folders the valid ones write land in the scratch folder. The kernel's own last cell is put back.
+    """
+    import os
+    import tempfile
+
+    from distnb import export
+
+    saved, cwd = export._LAST[0], os.getcwd()
+    cell = export.capture(fake, TrainPlan(model="net", data="train_ds"), BODIES[0], fake.ns["net"],
+                          fake.ns["train_ds"])
+    cell.start = dict(epoch=0, epoch_samples=0, steps=0, epoch_step=0, exact=True, why="")
+    export._LAST[0] = cell
+    with tempfile.TemporaryDirectory() as scratch:
+        os.chdir(scratch)
+        try:
+            yield
+        finally:
+            os.chdir(cwd)
+            export._LAST[0] = saved
 
 
 def _options(parser):
@@ -164,8 +191,9 @@ def test_every_dist_verb_gives_a_clear_error_or_reaches_the_ranks(verb):
     def check(tokens):
         if verb in ("stop", "restart", "status") and not tokens:
             tokens = ["--bogus"]
-        with stand_in_session() as (magics, _):
-            _call(magics.dist, f"{verb} {shlex.join(tokens)}")
+        with stand_in_session() as (magics, fake):
+            with exporting_from(fake) if verb == "export" else contextlib.nullcontext():
+                _call(magics.dist, f"{verb} {shlex.join(tokens)}")
 
     check()
 

@@ -67,3 +67,56 @@ def test_cluster_spec_validation():
         ClusterSpec(num_engines=2, backend="mpi")
     with pytest.raises(PlanError, match="--timeout"):
         ClusterSpec(num_engines=2, timeout=0)
+
+
+# the carry-over rule (plan.carry_over) ---------------------------------------------------
+from distnb import options  # noqa: E402
+from distnb.plan import CARRIED, DISTRIBUTION, carry_over  # noqa: E402
+
+
+def _last(**values):
+    plan = TrainPlan(model="m", data="d", **values)
+    return {name: getattr(plan, name) for name in CARRIED}
+
+
+def test_the_carried_options_are_the_distribution_ones_and_the_optimizer():
+    assert set(CARRIED) == set(DISTRIBUTION) | {"optimizer"}
+    assert {"strategy", "find_unused_parameters", "fsdp_units", "split", "microbatches", "tp_plan",
+            "servers", "staleness"} <= set(CARRIED)
+    assert {"precision", "compile", "sync_bn"} <= set(CARRIED)  # how the model is wrapped on the ranks
+    for name in ("epochs", "batch_size", "lr", "lr_schedule", "workers", "checkpoint_dir", "clip_grad_norm", "reset"):
+        assert name not in CARRIED  # settings of one cell (lr and the schedule live on in the ranks' objects)
+
+
+def test_a_cell_that_leaves_out_state_keeps_the_last_cells_values():
+    last = _last(strategy="fsdp", fsdp_units=("0", "2"), optimizer="adam")
+    assert carry_over(last, {}) == {"strategy": "fsdp", "fsdp_units": ("0", "2"), "optimizer": "adam"}
+    assert carry_over(last, {"fsdp_units": "1"}) == {"strategy": "fsdp", "optimizer": "adam"}
+    assert carry_over(last, {"strategy": "fsdp"}) == {"fsdp_units": ("0", "2"), "optimizer": "adam"}
+    assert carry_over(None, {}) == {} and carry_over({}, {}) == {}
+
+
+def test_naming_another_strategy_starts_its_options_afresh_but_keeps_the_optimizer():
+    last = _last(strategy="pipeline", split=("1",), microbatches=4, optimizer="sgd", precision="bf16")
+    assert carry_over(last, {"strategy": "ddp"}) == {"optimizer": "sgd", "precision": "bf16"}
+    assert carry_over(last, {"strategy": "pipeline"}) == {"split": ("1",), "microbatches": 4, "optimizer": "sgd",
+                                                          "precision": "bf16"}
+    flagged = _last(find_unused_parameters=True, compile=True)
+    assert carry_over(flagged, {}) == {"find_unused_parameters": True, "compile": True}
+    assert carry_over(flagged, {"find_unused_parameters": False, "compile": False}) == {}  # --no-...
+    assert carry_over(flagged, {"strategy": "fsdp"}) == {"find_unused_parameters": True, "compile": True}
+
+
+def test_defaults_are_not_carried_and_a_none_counts_as_left_out():
+    assert carry_over(_last(), {}) == {}  # nothing but defaults: nothing to say or apply
+    assert carry_over(_last(optimizer="adamw"), {"optimizer": None}) == {"optimizer": "adamw"}
+
+
+def test_the_readme_states_the_rule_for_every_carried_option():
+    import pathlib
+
+    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    section = readme.split("## What carries over between cells", 1)[1].split("\n## ", 1)[0]
+    flags = {f.name: options.flags_of(f, opt)[0] for f, opt in options.declared(TrainPlan)}
+    missing = [flags[name] for name in CARRIED if f"`{flags[name]}`" not in section]
+    assert not missing, f"README's carry-over section does not name {missing}"

@@ -1,0 +1,544 @@
+"""``%dist export DIR``: the last training cell as a job that runs without a notebook.
+
+Each training cell that returns a result leaves a :class:`Cell` here (:func:`capture` at its
+start, :func:`remember` at its end): the plan as the ranks got it, the body, the model *as the
+ranks received it at the cell's start* (packed by value with a copy of its weights, since the
+cell's end writes the trained weights into the notebook's model in place), the data and the
+notebook names the body and the options read (by reference, with the data's fingerprint),
+and the cluster's shape. :func:`write` turns it into a folder:
+
+- ``train.py``: the torchrun script (the body as text; it calls :func:`distnb.engine.job.main`);
+- ``options.json``: the cell's options (TrainPlan), where it starts, the cluster it ran on;
+- ``model.pkl`` (the class and starting weights by value) and ``model.py`` (the class source, to read);
+- ``data.pt`` (tensors: the columns, cut into the same shards by the job) or ``data.pkl``
+  (a Dataset or ``make`` by value), ``val.pt``; ``names.pkl`` (the names the body reads);
+- ``job.sbatch``: the same job under Slurm, ``srun torchrun`` with the rendezvous on the first node.
+
+Nothing here touches the ranks or the notebook's objects.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import sys
+import time
+from dataclasses import dataclass, field
+
+from .errors import PlanError
+
+#: The last training cell of this kernel that returned a result (None before the first).
+_LAST = [None]
+#: Files :func:`write` may put into the folder (``--force`` overwrites only these).
+FILES = ("train.py", "options.json", "model.pkl", "model.py", "data.pt", "data.pkl", "val.pt", "names.pkl",
+         "job.sbatch")
+
+
+@dataclass
+class Cell:
+    """What :func:`write` needs of one training cell (see the module docstring)."""
+
+    plan: object
+    code: str
+    model_class: type
+    model_packed: tuple | None  # (payload, descs, buffers) as sent, with copied weights; None: not sent this cell
+    model_repr: str
+    classes: list
+    data_obj: object
+    data_path: str
+    data_fp: object
+    val_obj: object
+    val_fp: object
+    names: dict
+    ns: dict
+    cluster: dict
+    when: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
+    start: dict = field(default_factory=dict)
+    problem: str = ""  # why it cannot be exported, if it cannot
+    model_obj: object = None  # the notebook's model (a cell that went on with the ranks' live one exports it as is)
+    model_fp: object = None  # its fingerprint when that cell ended
+    epoch_losses: list = field(default_factory=list)
+    not_kept: str = ""  # why a model sent fresh had its starting weights left uncopied (too large)
+
+
+def _names_read(session, plan, code, exclude, reserved) -> dict:
+    """The notebook names a cell's body and options read (what the kernel pushes), by reference."""
+    from .plan import LR_SCHEDULES
+    from .transfer import free_names
+
+    wanted = set(free_names(code)) - set(reserved)
+    schedule = None if plan.lr_schedule in LR_SCHEDULES else plan.lr_schedule
+    optimizer = None if plan.builtin_optimizer else plan.optimizer
+    wanted |= {n for n in (optimizer, plan.loss, plan.tp_plan, plan.metric, schedule, plan.collate) if n}
+    ns = session.ns
+    return {n: ns[n] for n in sorted(wanted) if n in ns and not any(ns[n] is e for e in exclude)}
+
+
+#: Bytes of a model's starting weights the kernel copies for the export of a cell that sent it fresh
+#: (a larger model is exported from its weights after the cell, and export says so): a full copy of
+#: a large model in the kernel would double its memory for a by-product.
+KEEP_START_BYTES = 256 * 2**20
+
+
+def capture(session, plan, code, model_obj, data_obj, reserved=(), fresh=True) -> Cell:
+    """A training cell at its start, once the ranks hold what it needs (called by ``train_cell``).
+
+    ``reserved``: the names a body gets from distnb (``model``, ``batch``, ...), never the notebook's.
+    ``fresh``: the model was sent to the ranks for this cell; then its weights are copied here
+    (the cell's end overwrites the notebook's), since the job starts from them. A cell that goes on
+    with the ranks' live model copies nothing: its job goes on from the notebook's weights after it.
+    Never raises: a cell that cannot be captured trains as usual, and exporting it says why not.
+    """
+    try:
+        return _capture(session, plan, code, model_obj, data_obj, reserved, fresh)
+    except Exception as exc:  # noqa: BLE001 - export is a by-product of the cell: it must not stop it
+        return Cell(plan=plan, code=code, model_class=type(model_obj), model_packed=None, model_repr="",
+                    classes=[], data_obj=None, data_path="", data_fp=None, val_obj=None, val_fp=None, names={},
+                    ns={}, cluster={}, problem=f"it could not be recorded ({type(exc).__name__}: {exc})")
+
+
+def _capture(session, plan, code, model_obj, data_obj, reserved, fresh) -> Cell:
+    from .data import path_of
+    from .engine import wire
+
+    packed, problem, not_kept = None, "", ""
+    if fresh:
+        try:
+            payload, descs, buffers = wire.pack(model_obj)  # as the ranks received it; the weights copied
+            size = sum(b.nbytes for b in buffers)
+            if size <= KEEP_START_BYTES:
+                packed = (payload, descs, [b.copy() for b in buffers])
+            else:
+                not_kept = (f"--model {plan.model} ({size / 2**20:.0f} MiB) is larger than the "
+                            f"{KEEP_START_BYTES / 2**20:.0f} MiB of starting weights the kernel keeps a copy of")
+        except Exception as exc:  # noqa: BLE001 - the ranks got it (it was packed to be sent): only a by-product
+            problem = f"--model {plan.model} could not be packed ({type(exc).__name__}: {exc})"
+    held = session.holdings.data
+    val_obj = session.ns.get(plan.val_data) if plan.val_data else None
+    path = "ranks" if plan.data_on_ranks else path_of(plan, data_obj)[0]
+    cluster = session.cluster
+    threads = sorted({r.get("num_threads", cluster.spec.num_threads) for r in cluster.ranks})
+    return Cell(plan=plan, code=code, model_class=type(model_obj), model_repr=repr(model_obj),
+                classes=notebook_classes(model_obj), model_packed=packed, model_obj=model_obj, data_obj=data_obj,
+                data_path=path, data_fp=held.get(plan.data, {}).get("fingerprint"), val_obj=val_obj,
+                val_fp=held.get(plan.val_data, {}).get("fingerprint") if plan.val_data else None,
+                names=_names_read(session, plan, code, (model_obj, data_obj, val_obj), reserved), ns=session.ns,
+                cluster=dict(world_size=session.world_size, num_nodes=cluster.num_nodes,
+                             device=cluster.spec.device_type, backend=cluster.spec.backend, threads=threads[-1],
+                             timeout=cluster.spec.timeout), problem=problem, not_kept=not_kept)
+
+
+def remember(cell: Cell, result, model_obj) -> None:
+    """``cell`` ended with ``result`` (a TrainResult; ``model_obj`` holds its weights): the one ``%dist export`` writes."""
+    import math
+
+    from .transfer import fingerprint
+
+    first = result.rows[0]
+    start_steps = first["global_steps"] - first["steps"]
+    continued = first.get("continued") or {}
+    skip = continued.get("samples", 0)
+    cell.start = dict(epoch=first["first_epoch"], epoch_samples=skip, steps=start_steps,
+                      epoch_step=math.ceil(skip / cell.plan.batch_size), exact=True, why="")
+    if cell.model_packed is None and not cell.problem:  # it went on with the ranks' live model and optimizer
+        epoch = (first.get("where") or {}).get("epoch", first["next_epoch"])
+        cell.model_fp = fingerprint(model_obj)
+        cell.start = dict(epoch=epoch, epoch_samples=0, steps=first["global_steps"], epoch_step=0, exact=False,
+                          why=(f"{cell.not_kept}: " if cell.not_kept else
+                               f"the cell went on with the ranks' live model and its optimizer ({start_steps} steps "
+                               "in), whose state (and lr schedule) the kernel does not hold: ") +
+                          f"the job goes on from the notebook's weights after the cell, from epoch {epoch}, with a "
+                          "fresh optimizer, and does not repeat the cell's losses" +
+                          ("" if cell.not_kept else ". For a job that repeats a cell, run the cell with --reset "
+                           "(its model sent fresh), then export"))
+    elif first.get("resumed"):
+        cell.start.update(exact=False, why=f"the cell resumed from the checkpoint {first['resumed']}, which the job "
+                          "does not read: it starts from the notebook's weights at the cell's start, with a fresh "
+                          "optimizer, so its losses can differ from the cell's")
+    cell.epoch_losses = list(result.epoch_losses)
+    _LAST[0] = cell
+
+
+def last() -> Cell:
+    """The cell :func:`write` exports; PlanError naming the fix when no training cell has ended yet."""
+    if _LAST[0] is None:
+        raise PlanError("no training cell has run in this kernel yet: run a %%distrain cell (it must end with a "
+                        "result), then %dist export DIR")
+    if _LAST[0].problem:
+        raise PlanError(f"the last training cell cannot be exported: {_LAST[0].problem}; make it picklable (delete "
+                        "or move what is not), run the cell again, then %dist export")
+    return _LAST[0]
+
+
+def class_source(cls) -> str | None:
+    """The source of a class defined in the notebook, from the cells IPython keeps in linecache (None if not found).
+
+    ``inspect.getsource`` cannot find classes of ``__main__``; their methods' code objects name the
+    cell they were defined in.
+    """
+    import ast
+    import linecache
+    import textwrap
+
+    for value in vars(cls).values():
+        code = getattr(getattr(value, "__func__", value), "__code__", None)
+        lines = linecache.getlines(code.co_filename) if code is not None else []
+        try:
+            tree = ast.parse("".join(lines)) if lines else None
+        except SyntaxError:
+            tree = None
+        for node in ast.walk(tree) if tree is not None else ():
+            if isinstance(node, ast.ClassDef) and node.name == cls.__name__ and \
+                    node.lineno <= code.co_firstlineno <= node.end_lineno:
+                first = min([d.lineno for d in node.decorator_list] + [node.lineno])
+                return textwrap.dedent("".join(lines[first - 1:node.end_lineno]))
+    return None
+
+
+def notebook_classes(model) -> list:
+    """Classes defined in the notebook that ``model`` is made of: bases and submodules before their users."""
+    found = []
+    for m in reversed(list(model.modules())):  # innermost submodules first
+        for cls in reversed(type(m).__mro__):  # bases before the class
+            if cls.__module__ == "__main__" and cls not in found:
+                found.append(cls)
+    return found
+
+
+def model_source(cell: Cell) -> str:
+    """``model.py``: the notebook's classes the model is made of, with the imports of the modules they use."""
+    import types
+
+    from .transfer import free_names
+
+    sources = []
+    for cls in cell.classes:
+        src = class_source(cls)
+        sources.append(src.rstrip() + "\n" if src else f"# class {cls.__name__}: its source was not found in the "
+                       "notebook's cells (it is in model.pkl by value)\n")
+    used = set().union(set(), *(free_names(s) for s in sources if not s.startswith("#")))
+    modules = {n: v for n, v in cell.ns.items() if n in used and isinstance(v, types.ModuleType)}
+    lines = [f"import {v.__name__}" if n == v.__name__ else f"import {v.__name__} as {n}"
+             for n, v in sorted(modules.items())]
+    written = {c.__name__ for c in cell.classes}
+    other = sorted(n for n in used if n in cell.ns and n not in modules and n not in written)
+    shown = cell.model_repr.replace('"""', "'''").splitlines()
+    shown = shown[:40] + (["..."] if len(shown) > 40 else [])
+    head = (f'"""--model {cell.plan.model}: the classes the notebook defined it with, for reading.\n\n'
+            "The job does not import this file: it loads model.pkl, which holds these classes by value\n"
+            "and the weights the job starts from (options.json, \"start\"). The model:\n\n"
+            + "\n".join("    " + line for line in shown) + '\n"""\n')
+    note = f"# the classes also read these notebook names (in model.pkl by value): {', '.join(other)}\n" if other \
+        else ""
+    if not cell.classes:
+        note += (f"# {cell.model_class.__module__}.{cell.model_class.__qualname__} is not a notebook class: "
+                 "nothing to show but the model above\n")
+    return head + "\n".join(lines) + ("\n" if lines else "") + note + "\n\n" + "\n\n".join(sources)
+
+
+def cli_line(plan_dict: dict) -> str:
+    """The ``%%distrain`` options of ``plan_dict`` that differ from their defaults, as flags."""
+    import dataclasses
+
+    from . import options
+    from .plan import TrainPlan
+
+    parts = []
+    for f, opt in options.declared(TrainPlan):
+        value = plan_dict.get(f.name)
+        if not opt.cli or (f.default is not dataclasses.MISSING and value == f.default):
+            continue
+        flag = options.flags_of(f, opt)[0]
+        if opt.kind == "flag":
+            parts.append(flag if value else f"--no-{flag[2:]}")
+        elif value is not None:
+            parts.append(f"{flag} {','.join(map(str, value)) if isinstance(value, (list, tuple)) else value}")
+    return " ".join(parts)
+
+
+def _body_literal(code: str) -> str:
+    """``code`` as a readable Python literal: a triple-quoted block when it can be one, else its repr."""
+    text = code.strip("\n") + "\n"
+    if '"""' in text or "\\" in text or text.endswith('"'):
+        return repr(text)
+    return '"""\\\n' + text + '"""'  # the backslash: the body starts on the next line, as typed
+
+
+def train_script(cell: Cell, options_line: str, launch: str) -> str:
+    """``train.py``: a torchrun script that runs the cell's body with distnb's own rank-side loop."""
+    from importlib import metadata
+
+    from .display.tables import count
+
+    try:
+        version = metadata.version("distnb")
+    except metadata.PackageNotFoundError:  # a source tree on PYTHONPATH
+        version = "(not installed)"
+
+    c = cell.cluster
+    start = ("the weights the cell started from, a fresh optimizer, epoch 0: it gives the cell's per-epoch "
+             "losses" if cell.start["exact"] else cell.start["why"])
+    return f'''"""The %%distrain cell of {cell.when} as a job that runs without a notebook (distnb {version} export).
+
+Run (this folder; distnb and torch must be installed where it runs, the versions the notebook had
+are safest):
+
+    {launch}
+    sbatch job.sbatch                      # Slurm: srun starts torchrun on every node
+
+The cell ran on {count(c["world_size"], "rank")} ({c["backend"]}, {c["device"]}, {count(c["threads"], "thread")} each). Each
+process torchrun starts becomes a rank as a notebook engine does (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+MASTER_PORT from torchrun), gets the model, the data and the names below as the kernel sends them, and
+runs distnb's training loop (distnb.engine.loop.train) on the same plan, seed and shards. The job starts
+from {start}.
+
+Rank 0 prints each epoch's loss (the mean over all ranks) and writes them to losses.json; the model,
+optimizer and position are saved as distnb checkpoints in checkpoints/ (at each epoch's end unless
+--checkpoint-every), which `%dist load DIR/checkpoints --model {cell.plan.model}` loads into a notebook. Run
+again with checkpoints/ there and the job resumes from the newest one (delete it to start over).
+
+Options: python train.py --help (--epochs, --checkpoint-dir, --checkpoint-every, --losses, --backend).
+Files: options.json (the cell's options: edit them there), model.pkl (the model by value, as the ranks
+received it) and model.py (its classes, to read), {_data_files(cell)}{", names.pkl (" + ", ".join(cell.names) + ")" if cell.names else ""}.
+"""
+
+import os
+
+from distnb.engine import job
+
+# %%distrain {options_line}
+STEP = {_body_literal(cell.code)}
+
+if __name__ == "__main__":
+    job.run(os.path.dirname(os.path.abspath(__file__)), STEP)  # distnb.engine.job: the ranks, the loop
+'''
+
+
+def _data_files(cell) -> str:
+    data = {"tensors": "data.pt (the tensors of --data; the job deals each rank its shard as the kernel did)",
+            "factory": f"data.pkl ({cell.plan.data}, the function make(rank, world_size) by value)"}.get(
+        cell.data_path, f"data.pkl (the {type(cell.data_obj).__name__} {cell.plan.data} by value)")
+    return data + (", val.pt (--val-data)" if cell.plan.val_data else "")
+
+
+def sbatch_script(cell: Cell, directory: str, nodes: int, per_node: int) -> str:
+    """``job.sbatch``: the same job under Slurm (one torchrun per node, rendezvous on the first node)."""
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    gpus = f"#SBATCH --gpus-per-node={per_node}\n" if cell.cluster["device"] == "cuda" else ""
+    threads = cell.cluster["threads"]
+    return f'''#!/bin/bash
+# The %%distrain cell of {cell.when} as a Slurm job (distnb export): srun starts one torchrun on
+# each of {nodes} node(s), each torchrun {per_node} rank(s): {nodes * per_node} in all (the cell ran on {cell.cluster["world_size"]}).
+# Submit from anywhere: sbatch {os.path.join(directory, "job.sbatch")} [train.py options, e.g. --epochs 20]
+#SBATCH --job-name=distnb-{cell.plan.model}
+#SBATCH --nodes={nodes}
+#SBATCH --ntasks-per-node=1
+#SBATCH --cpus-per-task={max(1, per_node * threads)}
+{gpus}#SBATCH --output={os.path.join(directory, "slurm-%j.out")}
+set -euo pipefail
+cd {_quote(directory)}
+TORCHRUN=${{TORCHRUN:-{_quote(torchrun) if os.path.exists(torchrun) else "torchrun"}}}
+export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-{threads}}}
+HEAD=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+PORT=${{DISTNB_RDZV_PORT:-29500}}
+srun --nodes="$SLURM_NNODES" --ntasks-per-node=1 "$TORCHRUN" \\
+    --nnodes "$SLURM_NNODES" --nproc-per-node {per_node} \\
+    --rdzv-id "$SLURM_JOB_ID" --rdzv-backend c10d --rdzv-endpoint "$HEAD:$PORT" \\
+    train.py "$@"
+'''
+
+
+def _quote(path: str) -> str:
+    import shlex
+
+    return shlex.quote(path)
+
+
+def _changed(name, what) -> PlanError:
+    return PlanError(f"{what} {name} changed in the notebook since the training cell ran, so the job would not train "
+                     "on what the cell trained on: run the cell again (or export right after it), then %dist export")
+
+
+def _tensor_file(name, obj, fp, what) -> bytes:
+    """``data.pt``/``val.pt``: a tensor data set as its columns (the job cuts the shards as the kernel did)."""
+    import torch
+
+    from .transfer import columns_of, fingerprint
+
+    if fp is not None and fingerprint(obj) != fp:
+        raise _changed(name, what)
+    structure, columns, _ = columns_of(obj, name)
+    buf = io.BytesIO()
+    torch.save({"structure": list(structure), "columns": [c.contiguous() for c in columns]}, buf)
+    return buf.getvalue()
+
+
+def _data_file(cell) -> tuple:
+    """(file name, bytes) of ``--data``; PlanError when the kernel never held it or it changed."""
+    from .data import _fingerprint
+    from .transfer import pack_named
+
+    name, path = cell.plan.data, cell.data_path
+    if path == "ranks":
+        raise PlanError(f"--data {name} was made on the ranks by a %%dist cell (--data-on-ranks): the kernel never "
+                        "held it, so it cannot be written to the job's folder. Define it in the notebook (a Dataset, "
+                        "or a function make(rank, world_size) -> Dataset that builds it on each rank), train the cell "
+                        f"with --data {name} without --data-on-ranks, then %dist export")
+    if path == "tensors":
+        return "data.pt", _tensor_file(name, cell.data_obj, cell.data_fp, "--data")
+    packed = pack_named(name, cell.data_obj, " (the exported job loads it from data.pkl)")
+    if cell.data_fp is not None and (path, _fingerprint(*packed), id(cell.data_obj)) != cell.data_fp:
+        raise _changed(name, "--data")
+    return "data.pkl", pickle.dumps(packed, protocol=5)
+
+
+def _model_packed(cell) -> tuple:
+    """The model the job starts from: as sent at the cell's start, or the notebook's after a cell that went on."""
+    from .transfer import fingerprint, pack_named
+
+    if cell.model_packed is not None:
+        return cell.model_packed
+    if fingerprint(cell.model_obj) != cell.model_fp:
+        raise _changed(cell.plan.model, "--model")
+    return pack_named(cell.plan.model, cell.model_obj, " (the exported job loads it from model.pkl)")
+
+
+def _placement(cell, nodes, per_node) -> tuple:
+    world = cell.cluster["world_size"]
+    for flag, value in (("--nodes", nodes), ("--nproc-per-node", per_node)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise PlanError(f"{flag} must be a whole number of at least 1, got {value!r}")
+    nodes = nodes or (cell.cluster["num_nodes"] if per_node is None else max(1, world // per_node))
+    return nodes, per_node or max(1, -(-world // nodes))
+
+
+def contents(cell: Cell, directory: str, nodes=None, per_node=None) -> dict:
+    """Every file of the export, name -> bytes, built before anything is written (PlanError if one cannot be)."""
+    from .transfer import pack_named
+
+    nodes, per_node = _placement(cell, nodes, per_node)
+    plan = cell.plan.to_dict()
+    if nodes == 1:
+        launch = f"torchrun --standalone --nproc-per-node {per_node} train.py"
+    else:
+        launch = (f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d --rdzv-endpoint "
+                  "FIRST_NODE:29500 train.py   # on every node")
+    files = {}
+    data_name, files_data = _data_file(cell)
+    files[data_name] = files_data
+    data = dict(name=cell.plan.data, path=cell.data_path, file=data_name)
+    val = None
+    if cell.plan.val_data:
+        files["val.pt"] = _tensor_file(cell.plan.val_data, cell.val_obj, cell.val_fp, "--val-data")
+        val = dict(name=cell.plan.val_data, path="tensors", file="val.pt")
+    if cell.names:
+        files["names.pkl"] = pickle.dumps(pack_named("the names the training body reads", cell.names), protocol=5)
+    files["model.pkl"] = pickle.dumps(_model_packed(cell), protocol=5)
+    files["model.py"] = model_source(cell).encode()
+    options = dict(exported=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), cell_ran=cell.when,
+                   plan=dict(plan, checkpoint_dir=None, report_interval=1.0), data=data, val_data=val,
+                   names=sorted(cell.names), start=cell.start, cell=dict(cell.cluster, epoch_losses=cell.epoch_losses),
+                   launch=dict(nodes=nodes, nproc_per_node=per_node, command=launch))
+    files["options.json"] = (json.dumps(options, indent=1) + "\n").encode()
+    files["train.py"] = train_script(cell, cli_line(plan), launch).encode()
+    files["job.sbatch"] = sbatch_script(cell, directory, nodes, per_node).encode()
+    return files
+
+
+def _ready(directory: str, force: bool) -> list:
+    """Make ``directory`` ready to write (PlanError naming the fix); returns what was in it."""
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise PlanError(f"{directory} is a file, not a folder: give %dist export a folder (new, or empty)")
+    present = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    if present and not force:
+        shown = ", ".join(present[:6]) + (", ..." if len(present) > 6 else "")
+        raise PlanError(f"{directory} is not empty ({shown}): give %dist export a new folder, or pass --force to "
+                        "overwrite the files an export writes there")
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise PlanError(f"cannot create {directory}: {exc.strerror or exc}; give %dist export a folder you can "
+                        "write") from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise PlanError(f"{directory} is not writable: give %dist export a folder you can write")
+    return present
+
+
+def write(directory: str, force: bool = False, nodes=None, nproc_per_node=None, quiet: bool = False) -> dict:
+    """Write the last training cell into ``directory`` as a torchrun job (see :meth:`distnb.session.Session.export`)."""
+    from .display.tables import count
+
+    cell = last()
+    directory = os.path.abspath(os.path.expanduser(str(directory)))
+    files = contents(cell, directory, nodes, nproc_per_node)
+    present = _ready(directory, force)
+    for stale in set(present) & set(FILES) - set(files):  # an earlier export's data.pkl, say
+        os.remove(os.path.join(directory, stale))
+    for name, data in files.items():
+        tmp = os.path.join(directory, f".{name}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, os.path.join(directory, name))
+    os.chmod(os.path.join(directory, "job.sbatch"), 0o755)
+    launch = json.loads(files["options.json"])["launch"]["command"]
+    if not quiet:
+        plan = cell.plan
+        print(f"distnb: exported the %%distrain cell of {cell.when} (--model {plan.model} --data {plan.data}, "
+              f"{plan.strategy} on {count(cell.cluster['world_size'], 'rank')}, {count(plan.epochs, 'epoch')}) to "
+              f"{directory}: {', '.join(sorted(files))}. Run it there: {launch}, or sbatch job.sbatch")
+        print("distnb: " + ("it starts from the weights the cell started from with a fresh optimizer, as the cell "
+                            "did, so it gives the cell's per-epoch losses" if cell.start["exact"] else
+                            cell.start["why"]))
+        from .engine import checkpoint
+
+        if checkpoint.latest(os.path.join(directory, "checkpoints")):
+            print(f"distnb: {directory}/checkpoints holds checkpoints of an earlier run: the job resumes from the "
+                  "newest one (delete the folder to start from the cell's start)")
+    return dict(directory=directory, files=sorted(files), command=launch, exact=cell.start["exact"],
+                why=cell.start["why"])
+
+
+def session_export(session, directory: str, force: bool = False, nodes=None, nproc_per_node=None,
+                   quiet: bool = False) -> dict:
+    """Write the last training cell into ``directory`` as a job that runs without a notebook (``%dist export``).
+
+    ``Session.export``. The folder gets ``train.py`` (run it with ``torchrun --nproc-per-node N
+    train.py``), ``options.json``, ``model.pkl`` and ``model.py``, the data (``data.pt`` or
+    ``data.pkl``, ``val.pt``), ``names.pkl`` and ``job.sbatch`` (Slurm: ``srun torchrun``). The
+    job runs distnb's own training loop. A cell whose model was sent fresh to the ranks (its first
+    cell, ``--reset``, a changed model, after ``%dist restart``) is exported from the weights it
+    started from, and the job gives the cell's per-epoch losses; a cell that went on with the
+    ranks' live model and optimizer is exported from the notebook's weights after it, with a fresh
+    optimizer (the kernel never holds the ranks' optimizer state). The job saves distnb checkpoints
+    that ``%dist load`` reads. Works with the cluster stopped too: nothing is sent to the ranks and
+    the notebook's objects are not touched.
+
+    Parameters
+    ----------
+    session : Session
+        The session (unused: the kernel's last training cell is exported, whichever session ran it).
+    directory : str
+        A new or empty folder (created).
+    force : bool
+        Write into a folder that is not empty, replacing the files an export writes.
+    nodes, nproc_per_node : int, optional
+        The job's shape in ``job.sbatch`` and the printed command (default: the cell's hosts and
+        ranks per host).
+    quiet : bool
+        Print nothing.
+
+    Returns
+    -------
+    dict
+        directory, files, command (how to run it), exact (whether it gives the cell's losses), why (if not).
+
+    Raises
+    ------
+    PlanError
+        No training cell has ended yet; the folder is a file, not empty (without ``force``) or not
+        writable; ``--data`` was made on the ranks (``--data-on-ranks``) or changed since the cell;
+        something the cell read cannot be pickled; a bad ``nodes``/``nproc_per_node``.
+    """
+    return write(directory, force=force, nodes=nodes, nproc_per_node=nproc_per_node, quiet=quiet)

@@ -1,0 +1,84 @@
+"""What ``%dist export`` writes that needs no cluster: a notebook class's source, the cell's flags, the body."""
+
+import linecache
+
+import pytest
+
+from distnb import export
+from distnb.plan import TrainPlan
+
+SOURCE = '''import math
+
+def helper(x):
+    return x
+
+
+@staticmethod
+def unrelated():
+    pass
+
+
+class Scaled:
+    """Defined in a notebook cell."""
+
+    factor = 2
+
+    def __init__(self, k):
+        self.k = k
+
+    @property
+    def doubled(self):
+        return self.k * self.factor
+
+
+class Other:
+    def __init__(self):
+        pass
+'''
+
+
+def _cell(source, filename):
+    """Run ``source`` as IPython runs a cell: registered in linecache under its cell name."""
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    ns = {"__name__": "__main__"}
+    exec(compile(source, filename, "exec"), ns)
+    return ns
+
+
+def test_the_source_of_a_notebook_class_is_found_in_its_cell():
+    ns = _cell(SOURCE, "<ipython-input-7-export-test>")
+    src = export.class_source(ns["Scaled"])
+    assert src.startswith("class Scaled:\n") and "return self.k * self.factor" in src
+    assert "class Other" not in src and "def helper" not in src
+    assert export.class_source(ns["Other"]).startswith("class Other:")
+
+
+def test_a_class_without_functions_of_its_own_has_no_source_to_show():
+    ns = _cell("class Empty:\n    x = 1\n", "<ipython-input-8-export-test>")
+    assert export.class_source(ns["Empty"]) is None
+
+
+def test_the_cells_options_are_written_as_its_flags():
+    plan = TrainPlan(model="net", data="train", epochs=3, optimizer="adam", lr=0.01, fsdp_units=None,
+                     drop_last=True, seed=4)
+    assert export.cli_line(plan.to_dict()) == ("--model net --data train --epochs 3 --optimizer adam --lr 0.01 "
+                                               "--seed 4 --drop-last")
+    fsdp = TrainPlan(model="m", data="d", strategy="fsdp", fsdp_units=("a", "b"))
+    assert export.cli_line(fsdp.to_dict()) == "--model m --data d --strategy fsdp --fsdp-units a,b"
+
+
+@pytest.mark.parametrize("code", ["x, y = batch\nloss = F.cross_entropy(model(x), y)\n",
+                                  'loss = model(batch).sum()  # a "comment"\n',
+                                  "s = '\\\\n'\nloss = model(batch).mean()\n", 'a = """x"""\nloss = a\n'])
+def test_the_body_is_written_as_a_literal_that_reads_back_the_same(code):
+    literal = export._body_literal(code)
+    assert eval(literal) == code
+    if "\\" not in code and '"""' not in code:
+        assert literal.startswith('"""\\\n')  # readable: the body as it was typed, from the next line on
+
+
+def test_dist_export_help_has_an_example():
+    from distnb.magics import _export
+
+    text = _export.parser.format_help()
+    assert "%dist export" in text and "Example: %dist export" in text and "--force" in text
