@@ -84,6 +84,7 @@ def _wrap(dist, torch, op, original):
                 f"{', '.join(str(r) for r in members if r not in only)} of its group never call it, so it would hang. "
                 "Run the cell on every rank (leave out --targets)")
         CURRENT["call"] = (op, list(tensor.shape))  # what a rank waiting here waits in (distnb.engine.where)
+        PROGRESS[0] += 1
         try:
             return _checked_call(dist, torch, op, original, args, kwargs, tensor, group, world)
         finally:
@@ -115,6 +116,10 @@ def _checked_call(dist, torch, op, original, args, kwargs, tensor, group, world)
 _ORIGINALS: dict = {}
 #: ``{"call": (op, shape)}`` while a collective called from cell code runs on this rank.
 CURRENT: dict = {}
+#: Bumped by every checked collective call and every training micro-step (:mod:`distnb.engine.stepping`):
+#: a rank whose count moved has moved on, even when each look finds it at the same line
+#: (:class:`distnb.engine.where.Watchdog` restarts its "since" then).
+PROGRESS = [0]
 #: ``{"ranks": [...]}`` while a cell runs on some ranks only (``%%dist --targets``).
 SUBSET: dict = {}
 

@@ -34,6 +34,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from . import collectives
+
 #: Points a history keeps at most before halving (pairs averaged): long runs cost the same.
 HISTORY_POINTS = 1000
 
@@ -300,6 +302,7 @@ class Stepper:
 
     def micro_step(self, ns, code, ctx, index: int, batches: int):
         """One forward and backward (the strategy's step) of micro-step ``index`` of ``batches``; (loss, value)."""
+        collectives.PROGRESS[0] += 1  # the rank moves on: a watchdog look at the same line is a new visit
         first, last, size = self.position(index, batches)
         if first:
             self.optimizer.zero_grad(set_to_none=True)

@@ -93,7 +93,11 @@ class Watchdog(threading.Thread):
                 continue
             finally:
                 del frame
-            spot = (where["state"], where["op"], where["stack"][-1][:3] if where["stack"] else None)
+            from . import collectives
+
+            # the same line at the next look is the same visit only if the rank made no progress in between
+            spot = (where["state"], where["op"], where["stack"][-1][:3] if where["stack"] else None,
+                    collectives.PROGRESS[0])
             if spot != self._spot:
                 self._spot, self._since = spot, time.time()
             where["since"], where["sent"] = self._since, time.time()

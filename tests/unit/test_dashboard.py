@@ -325,3 +325,32 @@ def test_where_panel_from_a_real_watchdog_on_a_thread_in_a_cell():
     html = stacks.where_html(st)
     assert "cell line 2: <code>time.sleep(0.8)</code>" in html and "distnb-where-user" in html
     assert "data-state='running'" in html or "data-state='stalled'" in html
+
+
+def test_a_rank_that_passes_the_same_line_step_after_step_is_not_at_one_spot():
+    import threading
+    import time
+
+    from distnb.engine import collectives, where
+
+    def watch(moving: bool) -> list:
+        seen = []
+
+        def body():
+            dog = where.Watchdog(seen.append)
+            dog.start()
+            t0 = time.time()
+            while time.time() - t0 < 1.3:
+                if moving:
+                    collectives.PROGRESS[0] += 1  # what each training micro-step and checked collective does
+                time.sleep(0.002)
+            dog.stop()
+
+        thread = threading.Thread(target=body)
+        thread.start()
+        thread.join()
+        return [w["distnb_where"]["sent"] - w["distnb_where"]["since"] for w in seen]
+
+    assert max(watch(moving=False)) > 0.6  # the same line and no progress: the time there adds up
+    waited = watch(moving=True)
+    assert len(waited) >= 3 and max(waited) < 0.2  # a new visit at every look
