@@ -264,8 +264,9 @@ step, epochs and progress. The kernel's model is sent before training (class and
 state, so every rank starts identical) and receives the trained weights afterwards;
 the ranks keep model and optimizer, so the next cell continues unless ``--reset``.
 State carries, settings do not: a cell that leaves out ``--strategy``, that strategy's options,
-``--find-unused-parameters`` or ``--optimizer`` keeps the model's last values (and says so for
-the strategy); every other option applies to its own cell (README "What carries over").
+``--precision``, ``--compile``, ``--sync-bn``, ``--find-unused-parameters`` or ``--optimizer``
+keeps the model's last values (and says so for the distribution); every other option applies
+to its own cell (README "What carries over").
 
 Example::
 

@@ -125,9 +125,11 @@ def make_plan(session, model_name, model_obj, data_name, given: dict, quiet=Fals
     try:
         plan = TrainPlan(model=model_name, data=data_name, **dict(given, **kept))
     except PlanError as exc:
-        if not kept:
+        involved = {k: v for k, v in kept.items() if _carried_flags({k: v}).split(" ")[0] in str(exc)
+                    or (k == "strategy" and f"--strategy {v}" in str(exc))}
+        if not involved:
             raise
-        raise PlanError(f"{exc}; {_carried_flags(kept)} carried over from {model_name}'s last cell: "
+        raise PlanError(f"{exc}; {_carried_flags(involved)} carried over from {model_name}'s last cell: "
                         "give the options this cell needs") from None
     if not quiet:
         _say_carried(model_name, kept)

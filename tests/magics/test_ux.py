@@ -107,7 +107,9 @@ def test_state_carries_over_between_cells_and_settings_do_not(shell, capsys):
     assert "sent again" not in out  # the ranks keep the sharded model and its optimizer state
     err = run(shell, cell.format(" --split 1")).error_in_exec  # a pipeline option, the strategy carried: fsdp
     assert isinstance(err, UsageError) and "--split is a --strategy pipeline option (this cell uses --strategy " \
-        "fsdp); --optimizer adam, --strategy fsdp, --fsdp-units 0,2 carried over from carry_net's last cell" in str(err)
+        "fsdp); --strategy fsdp carried over from carry_net's last cell" in str(err)
+    err = run(shell, cell.format(" --epochs 0")).error_in_exec  # nothing carried is involved: not named
+    assert isinstance(err, UsageError) and "carried" not in str(err) and "--epochs" in str(err)
     assert run(shell, cell.format(" --strategy ddp --find-unused-parameters")).error_in_exec is None
     out = capsys.readouterr().out
     assert "--strategy ddp (the last cell used fsdp)" in out and "optimizer state is rebuilt" in out
