@@ -41,7 +41,9 @@ def _arguments(argv, spec) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="train.py", description=f"distnb export of a %%distrain cell (--model "
                                 f"{plan['model']} --data {plan['data']}); run it with torchrun --nproc-per-node "
                                 f"{spec['cell']['world_size']} train.py")
-    p.add_argument("--epochs", type=int, default=plan["epochs"], help=f"epochs to run (the cell's: {plan['epochs']})")
+    p.add_argument("--epochs", type=int, default=plan["epochs"],
+                   help=f"epochs the job trains in all, from where the cell started (the cell's: {plan['epochs']}); "
+                   "a run again (a requeued job) resumes from the newest checkpoint and trains only what is left")
     p.add_argument("--checkpoint-dir", default=None, help=f"where to save (and resume from) distnb checkpoints "
                    f"(default: {CHECKPOINTS}/ beside train.py); %%dist load DIR reads them in a notebook")
     p.add_argument("--checkpoint-every", type=int, default=plan["checkpoint_every"],
@@ -195,12 +197,27 @@ def _install(ns, directory, spec, plan) -> None:
         run.epoch_step = start["epoch_step"]
 
 
+def epochs_left(spec, epochs: int, checkpoint_dir: str) -> int:
+    """Epochs still to train for a job of ``epochs`` in all from the cell's start (0: it is complete).
+
+    With a checkpoint in ``checkpoint_dir`` (an earlier run of the job, say one a batch system
+    requeued), the epoch it holds counts as reached: an epoch it stopped in is trained to its end.
+    """
+    from . import checkpoint
+
+    end = spec["start"]["epoch"] + epochs
+    if not checkpoint.latest(checkpoint_dir):
+        return epochs
+    return max(0, end - checkpoint.read_meta(checkpoint_dir)["epoch"])
+
+
 def _plan(spec, args, directory):
     from ..plan import TrainPlan
 
-    given = dict(spec["plan"], epochs=args.epochs, checkpoint_every=args.checkpoint_every, reset=False,
-                 resume=True, report_interval=1.0,
-                 checkpoint_dir=os.path.abspath(args.checkpoint_dir or os.path.join(directory, CHECKPOINTS)))
+    folder = os.path.abspath(args.checkpoint_dir or os.path.join(directory, CHECKPOINTS))
+    given = dict(spec["plan"], epochs=max(1, epochs_left(spec, args.epochs, folder)),
+                 checkpoint_every=args.checkpoint_every, reset=False, resume=True, report_interval=1.0,
+                 checkpoint_dir=folder)
     for key in ("fsdp_units", "split"):
         if given.get(key) is not None:
             given[key] = tuple(given[key])
@@ -260,6 +277,11 @@ def main(directory: str, step: str, argv=None) -> int:
     report.SINK = _epoch_printer(env["rank"])
     try:
         plan = _plan(spec, args, directory)
+        if not epochs_left(spec, args.epochs, plan.checkpoint_dir):
+            if env["rank"] == 0:
+                print(f"distnb job: already trained: {checkpoint.latest(plan.checkpoint_dir)} is at the end of its "
+                      f"{_count(args.epochs, 'epoch')} (give a larger --epochs to train on)", flush=True)
+            return 0
         if env["rank"] == 0:
             _say_start(spec, plan, env["world_size"])
         _install(ns, directory, spec, plan)

@@ -136,7 +136,10 @@ def test_the_jobs_checkpoint_loads_back_with_dist_load(exported, shell):
     newest = sorted((exported["directory"] / "checkpoints").glob("step_*"))[-1]
     meta = json.loads((newest / "distnb.json").read_text())
     assert meta["epoch"] == 3 and meta["optimizer"] == "adam" and meta["world_size"] == 2
-    code, out = run_job(exported["directory"], "--epochs", "1")  # run again (a requeued job): it resumes
+    code, out = run_job(exported["directory"])  # run again as it was (a requeued job): nothing is left to train
+    assert code == 0 and "already trained" in out, out[-4000:]
+    assert sorted((exported["directory"] / "checkpoints").glob("step_*"))[-1] == newest
+    code, out = run_job(exported["directory"], "--epochs", "4")  # 4 in all: it resumes and trains the 4th
     assert code == 0, out[-4000:]
     again = json.loads((exported["directory"] / "losses.json").read_text())
     assert again["epochs"] == [3] and again["resumed"] == str(newest) and "resuming from" in out
