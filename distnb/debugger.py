@@ -120,6 +120,8 @@ def _pick(session, rank) -> int:
     last = getattr(session, "last_error", None)
     if rank is None:
         rank = last.rank if last is not None and last.rank is not None else (keeping or [None])[0]
+        if rank is not None and not kept[rank] and keeping:  # a hang's root cause may have raised nothing
+            rank = keeping[0]
         if rank is None:
             raise PlanError("no rank has failed in this session: %dist debug opens pdb on the rank whose cell raised "
                             "the last RankError; run the failing cell first")
@@ -130,6 +132,8 @@ def _pick(session, rank) -> int:
     if last is not None and rank in last.ranks:
         failure = last.failures[last.ranks.index(rank)]
         why = ("its engine died" if failure.get("ename") == "EngineDied" else
+               "it raised nothing: it never arrived at the collective the others waited in"
+               if failure.get("ename") == "NeverArrived" else
                "its frames were released: a debugging session on it ended, or a cell ran since")
     else:
         why = "it did not fail in the last cell"

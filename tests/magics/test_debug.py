@@ -142,3 +142,23 @@ def test_help_explains_the_verb_with_an_example(shell, capsys):
         run(shell, f"%dist {line}")
         out = capsys.readouterr().out
         assert "%dist debug [--rank RANK] [-c CMD]" in out and "Example" in out and "(Pdb) p x.shape" in out
+
+
+def test_after_a_hang_debug_opens_the_rank_that_raised_not_the_one_that_never_arrived(shell):
+    import contextlib
+    import dataclasses
+
+    from distnb.errors import HangError
+
+    cluster = session_mod.current().cluster
+    spec = cluster.spec
+    cluster.spec = dataclasses.replace(spec, hang_after=2.0)
+    with contextlib.ExitStack() as undo:
+        undo.callback(setattr, cluster, "spec", spec)
+        err = run(shell, "%%dist\nimport torch, torch.distributed as dist\nhung = torch.ones(3)\n"
+                         "if rank == 1:\n    dist.all_reduce(hung)\n").error_in_exec
+    assert isinstance(err, HangError) and err.rank == 0  # rank 0 never arrived: the root cause, but it raised nothing
+    out = session_mod.current().debug(commands=["p rank", "p hung.shape"])
+    assert "1" in out and "torch.Size([3])" in out  # rank 1's frames: it waited, and its collective failed
+    with pytest.raises(PlanError, match="rank 0 keeps no traceback to debug \\(it raised nothing"):
+        session_mod.current().debug(rank=0, commands=["p rank"])
