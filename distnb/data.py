@@ -166,6 +166,7 @@ def path_of(plan, obj) -> tuple:
         path, why = "factory", f"{name}(rank, world_size) runs on each rank and returns that rank's part"
     else:
         path, why = "tensors", "a tensor container, materialised once and shipped as shards"
+        _check_container(name, obj)
     if path == "tensors":
         given = [flag for field, flag in _LOADER_OPTIONS if getattr(plan, field)] + \
             (["--steps-per-epoch"] if plan.steps_per_epoch else [])
@@ -174,6 +175,16 @@ def path_of(plan, obj) -> tuple:
                             "container, whose batches are sliced from memory (nothing to load). Wrap the loading "
                             "in a torch.utils.data.Dataset to use DataLoader workers")
     return path, why
+
+
+def _check_container(name, obj) -> None:
+    """PlanError unless ``obj`` can be a tensor container (its columns are checked when it is cut)."""
+    import numpy as np
+    import torch
+
+    if not isinstance(obj, (torch.Tensor, np.ndarray, tuple, list, dict, torch.utils.data.TensorDataset)):
+        raise PlanError(f"--data {name} is a {type(obj).__name__}; --data takes a torch Dataset, a TensorDataset, "
+                        "a tensor/array, a tuple of tensors/arrays, or a function make(rank, world_size)")
 
 
 def _fingerprint(payload: bytes, descs, buffers) -> tuple:

@@ -291,6 +291,8 @@ def prepare(session, plan, code, model_obj, data_obj, quiet) -> tuple:
             session._lookup(option, flag)
             session.push(option)
     val_obj = session.ns[plan.val_data] if plan.val_data is not None else None
+    if not plan.data_on_ranks:
+        data.path_of(plan, data_obj)  # a --data that cannot be sent fails here, before the model is sent
     autopush(session, code, exclude=(model_obj, data_obj, val_obj))
     sent = ensure_model(session, plan, model_obj, quiet)
     ensure_data(session, plan, data_obj, quiet or not sent, num_shards, silent=quiet)

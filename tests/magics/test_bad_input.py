@@ -150,6 +150,17 @@ def test_bad_training_input_is_a_usage_error(shell, trained, line, body, needle)
     assert time.monotonic() - t0 < 5
 
 
+def test_a_data_set_that_cannot_be_sent_fails_before_the_model_is_sent(shell, trained, capsys):
+    run(shell, "never_sent = nn.Linear(8, 2)")
+    capsys.readouterr()
+    res = run(shell, f"%%distrain --model never_sent --data keep_net --progress none\n{BODY}")  # a Module as data
+    assert isinstance(res.error_in_exec, UsageError) and "--data keep_net is a Sequential; --data takes" in str(
+        res.error_in_exec), res.error_in_exec
+    assert "sent never_sent" not in capsys.readouterr().out
+    run(shell, "%%dist\nfrom distnb.engine import loop\n_held = 'never_sent' in loop.RUNS")
+    assert run(shell, "%dist pull _held").result == [False, False]
+
+
 def test_nothing_was_lost_and_the_cluster_works(shell, trained):
     # runs after the bad input above: the model on the ranks and in the kernel is untouched
     ranks = _ranks_weights("keep_net")
