@@ -525,7 +525,8 @@ def session_export(session, directory: str, force: bool = False, nodes=None, npr
         Write into a folder that is not empty, replacing the files an export writes.
     nodes, nproc_per_node : int, optional
         The job's shape in ``job.sbatch`` and the printed command (default: the cell's hosts and
-        ranks per host).
+        ranks per host). Given one, the other defaults to what keeps the cell's world size (so the
+        job's shards, and its losses, are the cell's): ``nproc_per_node=1`` for a 2-rank cell is 2 nodes.
     quiet : bool
         Print nothing.
 

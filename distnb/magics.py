@@ -147,7 +147,8 @@ def _load(line):
 @magic_arguments(name="dist export")
 @argument("directory", help="a new or empty folder for the job (created)")
 @argument("--force", action="store_true", help="write into a folder that is not empty (replacing an export's files)")
-@argument("--nodes", type=int, default=None, help="nodes in job.sbatch (default: the cell's hosts)")
+@argument("--nodes", type=int, default=None, help="nodes in job.sbatch (default: the cell's hosts; with only "
+          "--nproc-per-node given, as many as keep the cell's world size)")
 @argument("--nproc-per-node", type=int, default=None, dest="nproc_per_node",
           help="ranks per node in job.sbatch and the torchrun command (default: the cell's)")
 def _export(line):
