@@ -217,6 +217,31 @@ def user_frame(stack) -> int:
     return len(stack) - 1
 
 
+def _has_user_frame(tb) -> bool:
+    library = _library_dirs()
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if (not name.startswith(GENERATED)) if name.startswith("<") else not os.path.abspath(name).startswith(library):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _cause_in_user_code(exc):
+    """The exception ``exc`` was raised from (its cause or context, even one ``from None`` hides), when
+    ``exc``'s own traceback has no frame of the user's code and that one has (a Dataset's
+    ``__getitem__`` that raised, wrapped in distnb's SampleError); else None."""
+    if _has_user_frame(exc.__traceback__):
+        return None
+    seen, inner = {id(exc)}, exc.__cause__ or exc.__context__
+    while inner is not None and id(inner) not in seen:
+        if _has_user_frame(inner.__traceback__):
+            return inner
+        seen.add(id(inner))
+        inner = inner.__cause__ or inner.__context__
+    return None
+
+
 def debug_begin(ns: dict) -> dict:
     """Start the debugging session on the kept traceback; ``{"text", "done", "prompt"}``.
 
@@ -237,11 +262,14 @@ def debug_begin(ns: dict) -> dict:
     restored = {k: v for k, v in KEPT["names"].items() if k not in ns}
     ns.update(restored)  # the training body's frame reads them from the namespace
     _SESSION.update(pdb=debugger, restored=restored)
-    debugger.setup(None, KEPT["tb"])
+    exc = KEPT["exc"]
+    cause = _cause_in_user_code(exc)
+    debugger.setup(None, cause.__traceback__ if cause is not None else KEPT["tb"])
     innermost = len(debugger.stack) - 1
     chosen = user_frame(debugger.stack)
-    exc = KEPT["exc"]
     out.write(f"post-mortem pdb on rank {rank} (pid {os.getpid()}): {type(exc).__name__}: {exc}\n")
+    if cause is not None:
+        out.write(f"(at its cause in your code: {type(cause).__name__}: {cause})\n")
     if chosen != innermost:
         debugger.curindex, debugger.curframe = chosen, debugger.stack[chosen][0]
         debugger.curframe_locals = debugger.curframe.f_locals

@@ -162,3 +162,15 @@ def test_after_a_hang_debug_opens_the_rank_that_raised_not_the_one_that_never_ar
     assert "1" in out and "torch.Size([3])" in out  # rank 1's frames: it waited, and its collective failed
     with pytest.raises(PlanError, match="rank 0 keeps no traceback to debug \\(it raised nothing"):
         session_mod.current().debug(rank=0, commands=["p rank"])
+
+
+def test_a_dataset_that_raises_is_debugged_in_its_own_getitem(shell):
+    run(shell, "import torch\nclass DbgSet(torch.utils.data.Dataset):\n    def __len__(self):\n        return 64\n"
+               "    def __getitem__(self, i):\n        scale = i * 2\n        if i == 37:\n"
+               "            raise KeyError(f'sample {i} is missing')\n        return torch.ones(8) * scale, i % 2\n"
+               "dbg_set = DbgSet()\ndbg_set_net = torch.nn.Linear(8, 2)")
+    err = run(shell, "%%distrain --model dbg_set_net --data dbg_set --batch-size 8 --progress none\nx, y = batch\n"
+                     "loss = torch.nn.functional.cross_entropy(model(x), y)").error_in_exec
+    assert isinstance(err, RankError), err
+    out = session_mod.current().debug(commands=["p i, scale", "q"])
+    assert "at its cause in your code: KeyError" in out and "(37, 74)" in out, out
