@@ -112,6 +112,13 @@ def _next_line(session, rank, feed, prompt) -> str:
                         f"session.debug(rank={rank}, commands=[...])). Rank {rank} still keeps its frames") from None
 
 
+def _never_arrived(error, rank) -> bool:
+    """Whether ``rank`` is in ``error`` (a RankError) as a hang's rank that never reached the collective."""
+    if error is None or rank not in error.ranks:
+        return False
+    return error.failures[error.ranks.index(rank)].get("ename") == "NeverArrived"
+
+
 def _pick(session, rank) -> int:
     """The rank to debug: ``rank``, else the root cause of the last RankError; PlanError if it keeps nothing."""
     kept = session.cluster.wait_all(session.cluster.apply_all(calls.debug_kept), timeout=session.cluster.spec.timeout,
@@ -120,8 +127,8 @@ def _pick(session, rank) -> int:
     last = getattr(session, "last_error", None)
     if rank is None:
         rank = last.rank if last is not None and last.rank is not None else (keeping or [None])[0]
-        if rank is not None and not kept[rank] and keeping:  # a hang's root cause may have raised nothing
-            rank = keeping[0]
+        if rank is not None and not kept[rank] and keeping and _never_arrived(last, rank):
+            rank = keeping[0]  # a hang's root cause raised nothing: open a rank that raised
         if rank is None:
             raise PlanError("no rank has failed in this session: %dist debug opens pdb on the rank whose cell raised "
                             "the last RankError; run the failing cell first")
@@ -133,7 +140,7 @@ def _pick(session, rank) -> int:
         failure = last.failures[last.ranks.index(rank)]
         why = ("its engine died" if failure.get("ename") == "EngineDied" else
                "it raised nothing: it never arrived at the collective the others waited in"
-               if failure.get("ename") == "NeverArrived" else
+               if _never_arrived(last, rank) else
                "its frames were released: a debugging session on it ended, or a cell ran since")
     else:
         why = "it did not fail in the last cell"
