@@ -16,20 +16,12 @@ import time
 
 import psutil
 import pytest
+from support.cells import failing_cell
 from jupyter_client import KernelManager
 
 pytestmark = pytest.mark.timeout(240)
 
-FAILING = """%%dist
-import torch, torch.distributed as dist
-def step(scale):
-    x = torch.arange(6.).reshape(2, 3) * scale
-    if rank == 1:
-        raise ValueError(f"bad batch on rank {rank}")
-    return x
-y = step(2.0)
-dist.all_reduce(torch.ones(1))
-"""
+FAILING = failing_cell("y")
 
 
 def _execute(kc, code, answers=(), on_prompt=None, timeout=120):

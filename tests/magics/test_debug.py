@@ -8,6 +8,7 @@ A failing rank keeps its frames, and its peers blocked in a collective still fai
 import time
 
 import pytest
+from support.cells import failing_cell
 from IPython.core.error import UsageError
 
 from distnb import session as session_mod
@@ -15,16 +16,7 @@ from distnb.errors import BusyError, PlanError, RankError
 
 pytestmark = pytest.mark.timeout(240)
 
-FAILING = """%%dist
-import torch, torch.distributed as dist
-def step(scale):
-    x = torch.arange(6.).reshape(2, 3) * scale
-    if rank == 1:
-        raise ValueError(f"bad batch on rank {rank}")
-    return x
-dbg_y = step(2.0)
-dist.all_reduce(torch.ones(1))
-"""
+FAILING = failing_cell("dbg_y")
 
 SETUP = """
 import time
