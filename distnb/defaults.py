@@ -18,8 +18,8 @@ from .options import check_int, split_hosts
 from .plan import ClusterSpec
 
 #: Most CPU engines ``-n`` may ask for: this many per core, and at least MIN_ENGINE_CAP.
-ENGINES_PER_CORE = 8
-MIN_ENGINE_CAP = 16
+ENGINES_PER_CORE = 16
+MIN_ENGINE_CAP = 32
 
 
 def cpu_cores() -> int:

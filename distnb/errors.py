@@ -38,6 +38,10 @@ class CollectiveMismatchError(DistnbError, ValueError):
     """
 
 
+class PeerFailed(DistnbError, RuntimeError):
+    """Raised on a rank whose collective distnb ended because another rank failed (:mod:`distnb.engine.abort`)."""
+
+
 class BusyError(DistnbError, RuntimeError):
     """A background training run is going on; only ``%dist wait`` / ``%dist stop-training`` may run."""
 

@@ -16,7 +16,7 @@ _OWN_FRAMES = (os.sep + "ipyparallel" + os.sep, os.path.dirname(os.path.abspath(
 #: Messages of a rank whose peer failed first (rank 0's store gave up on ranks that could not reach it:
 #: "waiting for clients").
 _COLLATERAL_MARKERS = ("Connection closed by peer", "Connection reset", "process group is broken", "Broken pipe",
-                       "waiting for clients")
+                       "waiting for clients", "stopped because rank")
 
 
 def clean_traceback(tb: str) -> str:

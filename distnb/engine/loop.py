@@ -18,7 +18,7 @@ import torch
 
 from ..plan import DEFAULT_LR, STRATEGIES, TrainPlan, redistribution
 from . import batchnorm, checkpoint, collectives, datasets, postmortem, runtime, shard as sharding, stepping, wire
-from . import where
+from . import abort, where
 from .report import Reporter, publish_raw
 from . import strategies
 from .context import Context, StopRequest, _Stopped  # noqa: F401 - the cell's ctx and its stop
@@ -275,7 +275,10 @@ def train(ns, plan_dict, code_text):
         reporter.set_status(status, error=f"{type(exc).__name__}: {exc}"[:300], failed_at=time.time())
         postmortem.keep(exc, ns, "training")  # for %dist debug; mark_broken frees the group the frames hold
         ctx = None
+        stopped = abort.consequence(exc, st.rank)  # another rank failed first: say so, briefly
         runtime.mark_broken(ns)
+        if stopped is not None:
+            raise stopped from None
         raise
     finally:
         stop.__exit__()

@@ -83,7 +83,10 @@ class Watchdog(threading.Thread):
         self._spot, self._since = None, time.time()
 
     def run(self) -> None:
+        from . import abort
+
         while not self._stop_event.wait(INTERVAL):
+            abort.poll()  # another rank failed: end this rank's collective now (engine/abort.py)
             frame = sys._current_frames().get(self.target_id)
             if frame is None:
                 return

@@ -66,6 +66,27 @@ def freeze_imports() -> None:
     gc.freeze()
 
 
+def warm_tracebacks() -> None:
+    """Format one traceback as an engine's shell formats a failed cell's (IPython's ``AutoFormattedTB``).
+
+    The first traceback an engine formats imports ``stack_data``/``executing`` and compiles
+    pygments' Python lexer: 1.1-1.6 s of a failing rank's time to its result with 8-32 engines on
+    2 cores, paid by every forked engine on its first failure. Done once here, it is shared.
+    """
+    try:
+        from ipykernel.zmqshell import ZMQInteractiveShell
+        from IPython.core import ultratb
+
+        formatter = ultratb.AutoFormattedTB(mode=ZMQInteractiveShell.xmode.default_value,
+                                            theme_name=ZMQInteractiveShell.colors.default_value, tb_offset=0)
+        try:
+            raise ValueError("the engine template warms IPython's traceback formatting")
+        except ValueError:
+            formatter.structured_traceback(*sys.exc_info())
+    except Exception:  # an engine then pays for it on its first failure, as before
+        pass
+
+
 def _preload(engine_modules) -> None:
     import importlib
 
@@ -169,6 +190,7 @@ def serve(engine_main, engine_modules=()) -> None:
     reply = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything printed by imports goes to stderr, never into the protocol
     _preload(engine_modules)
+    warm_tracebacks()
     freeze_imports()
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
