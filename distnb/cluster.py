@@ -323,7 +323,7 @@ class Cluster:
         if self.spec.master_port is not None:
             # the same port again: every rank must have left the old group (rank 0 closing the old
             # store) before any rank joins the new one, or a rank could reach the old store
-            self.wait_all(self.apply_all(calls.release), timeout=self.spec.timeout,
+            self.wait_all(self.apply_all(calls.release, True), timeout=self.spec.timeout,
                           what="leaving the old process group")
             if self.placement[0]["local"]:
                 check_port_free(self.spec.master_port, self.master_addr, wait=5.0)
@@ -517,7 +517,7 @@ class Cluster:
             ar.wait(max(0.0, deadline - time.monotonic()))
         if not all(ar.ready() for ar in ars):
             late = [r for r, ar in enumerate(ars) if not ar.ready()]
-            raise ClusterError(f"ranks {late} did not finish {what} within {timeout:.0f} s")
+            raise ClusterError(f"ranks {tracebacks.rank_list(late)} did not finish {what} within {timeout:.0f} s")
         failures = self.failures(ars)
         if failures:
             raise RankError(failures, context=what)

@@ -46,6 +46,19 @@ class BusyError(DistnbError, RuntimeError):
     """A background training run is going on; only ``%dist wait`` / ``%dist stop-training`` may run."""
 
 
+def rank_list(ranks) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2,5"``: how messages and output tags name several ranks."""
+    ranks = sorted(set(ranks))
+    runs, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            runs.append(f"{start}" if start == r else f"{start}-{r}")
+            start = None
+    return ",".join(runs)
+
+
 def _key(failure):
     """A failure's identity across ranks: its exception with rank numbers taken out."""
     text = re.sub(r"\brank \d+", "rank ?", str(failure.get("evalue")))
@@ -85,8 +98,8 @@ class RankError(DistnbError, RuntimeError):
         self.ranks = [f.get("rank") for f in self.failures]
         super().__init__(self._summary())
 
-    def _where(self, f):
-        parts = [f"rank {f.get('rank')}"]
+    def _where(self, f, who=None):
+        parts = [who or f"rank {f.get('rank')}"]
         if f.get("host"):
             parts.append(f"on {f['host']}")
         if f.get("epoch") is not None and f.get("step") is not None:
@@ -97,18 +110,23 @@ class RankError(DistnbError, RuntimeError):
         if not self.failures:
             return f"{self.context} failed"
         f = self.failures[0]
-        msg = f"{self.context} failed on {self._where(f)}: {f.get('ename')}: {f.get('evalue')}"
         others = self.failures[1:]
-        if others:
-            same = [o["rank"] for o in others if _key(o) == _key(f)]
-            own = [o for o in others if o["rank"] not in same and not o.get("collateral")]
-            stopped = [o["rank"] for o in others if o["rank"] not in same and o.get("collateral")]
-            if same:
-                msg += f" (ranks {same} raised the same error)"
-            for o in own:  # a rank that failed for a reason of its own is named with it
-                msg += f"; rank {o.get('rank')} raised {o.get('ename')}: {o.get('evalue')}"
-            if stopped:
-                msg += f"; ranks {stopped} were stopped as a consequence"
+        same = [o for o in others if _key(o) == _key(f)]
+        if same:  # one error, said once, with the ranks that raised it ("ranks 0-31")
+            one_host = len({x.get("host") for x in [f, *same]}) == 1
+            where = self._where(dict(f, host=f.get("host") if one_host else None),
+                                who=f"ranks {rank_list(x['rank'] for x in [f, *same])}")
+            msg = f"{self.context} failed on {where}: {f.get('ename')}: {f.get('evalue')} (the same error on each)"
+        else:
+            msg = f"{self.context} failed on {self._where(f)}: {f.get('ename')}: {f.get('evalue')}"
+        seen = {o["rank"] for o in same}
+        own = [o for o in others if o["rank"] not in seen and not o.get("collateral")]
+        stopped = [o["rank"] for o in others if o["rank"] not in seen and o.get("collateral")]
+        for o in own:  # a rank that failed for a reason of its own is named with it
+            msg += f"; rank {o.get('rank')} raised {o.get('ename')}: {o.get('evalue')}"
+        if stopped:
+            msg += (f"; rank {stopped[0]} was" if len(stopped) == 1 else
+                    f"; ranks {rank_list(stopped)} were") + " stopped as a consequence"
         return msg
 
     def _render_traceback_(self):

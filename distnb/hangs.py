@@ -20,7 +20,7 @@ import sys
 import time
 
 from . import calls
-from .errors import ClusterError, HangError
+from .errors import ClusterError, HangError, rank_list
 from .plan import hang_seconds
 
 #: Seconds after the first interrupt of a missing rank before a second (hard) one: a training cell takes
@@ -111,7 +111,7 @@ def error(watch, failures) -> HangError:
     for r, w in sorted(waiting.items()):
         calls_made.setdefault(_call(w, steps[r]), []).append(r)
     waited = max(_waited(w) for w in waiting.values())
-    parts = [f"ranks {ranks} waited {waited:.0f} s in {what}" if len(ranks) > 1 else
+    parts = [f"ranks {rank_list(ranks)} waited {waited:.0f} s in {what}" if len(ranks) > 1 else
              f"rank {ranks[0]} waited {waited:.0f} s in {what}" for what, ranks in calls_made.items()]
     parts += [f"rank {r} never arrived: {_spot(w)}" for r, w in sorted(missing.items())]
     ended = (f"Ended by gloo's --timeout ({watch.cluster.spec.timeout:g} s): every rank waited, in different "

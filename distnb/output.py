@@ -16,21 +16,10 @@ from __future__ import annotations
 
 import time
 
+from .errors import rank_list  # noqa: F401  (named here too: the tags use it)
+
 #: Seconds lines are held so the same line from several ranks can be shown once.
 WINDOW = 0.3
-
-
-def rank_list(ranks) -> str:
-    """``[0, 1, 2, 5]`` as ``"0-2,5"``."""
-    ranks = sorted(set(ranks))
-    runs, start = [], None
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            runs.append(f"{start}" if start == r else f"{start}-{r}")
-            start = None
-    return ",".join(runs)
 
 
 def tag(ranks, world_size: int) -> str:

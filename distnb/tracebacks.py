@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import re
 
+from .errors import rank_list  # noqa: F401  (cluster.py names late ranks with it)
+
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _OWN_FRAMES = (os.sep + "ipyparallel" + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep, "File <string>")
 #: Messages of a rank whose peer failed first (rank 0's store gave up on ranks that could not reach it:
@@ -41,7 +43,7 @@ def clean_traceback(tb: str) -> str:
 def is_collateral(failure: dict) -> bool:
     """Whether a failure looks like a consequence of another rank's (a closed gloo connection)."""
     text = f"{failure.get('evalue')}"
-    return any(m in text for m in _COLLATERAL_MARKERS)
+    return failure.get("ename") == "PeerFailed" or any(m in text for m in _COLLATERAL_MARKERS)
 
 
 def order_failures(failures: list, collateral=()) -> list:

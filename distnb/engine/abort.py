@@ -28,6 +28,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import threading
 
 #: The key a failing rank sets in its process group's store.
 KEY = "distnb/failed"
@@ -45,6 +46,8 @@ class _Armed:
 
 
 ARMED = _Armed()
+#: Held while gloo's sockets are shut down or forgotten: never while the group is being destroyed.
+_LOCK = threading.Lock()
 
 
 def socket_fds() -> dict:
@@ -89,8 +92,12 @@ def arm(store, before: dict, backend: str) -> None:
 
 
 def disarm() -> None:
-    """Forget the sockets (the group is gone: their numbers may be reused) and the store connection."""
-    ARMED.sockets, ARMED.store, ARMED.by = {}, None, None
+    """Forget the sockets (call it before the group is destroyed: their numbers may be reused) and the store.
+
+    A shutdown going on in the watchdog thread finishes first.
+    """
+    with _LOCK:
+        ARMED.sockets, ARMED.store, ARMED.by = {}, None, None
 
 
 def forget_store() -> None:
@@ -120,8 +127,11 @@ def poll() -> bool:
     by = _failed_rank()
     if by is None:
         return False
-    ARMED.by = by
-    shut_sockets()
+    with _LOCK:
+        if not ARMED.sockets:  # disarmed meanwhile: this rank's own failure path destroys the group
+            return False
+        ARMED.by = by
+        shut_sockets()
     return True
 
 
@@ -136,7 +146,10 @@ def _failed_rank():
 
 
 def shut_sockets() -> None:
-    """``shutdown(SHUT_RDWR)`` each of gloo's connections still open (listening sockets left alone)."""
+    """``shutdown(SHUT_RDWR)`` each of gloo's connections still open (listening sockets left alone).
+
+    Call it holding ``_LOCK``.
+    """
     sockets, ARMED.sockets = ARMED.sockets, {}
     for fd, link in sockets.items():
         try:

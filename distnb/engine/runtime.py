@@ -44,6 +44,7 @@ RELEASE_HOOKS = []
 def _init_group(master_addr: str, master_port: int) -> None:
     import torch.distributed as dist
 
+    abort.disarm()
     if dist.is_initialized():
         drop_captured_group(dist.group.WORLD)
         try:
@@ -301,6 +302,7 @@ def mark_broken(ns: dict | None = None, announce: bool = True) -> None:
     sys.last_type = sys.last_value = sys.last_traceback = None
     if hasattr(sys, "last_exc"):
         sys.last_exc = None
+    abort.disarm()  # before the destroy: the watchdog thread must not shut sockets that are being closed
     if dist.is_initialized():
         groups = postmortem.live_groups()  # frames kept for %dist debug: their objects must let go of the group
         drop_captured_group(dist.group.WORLD)
@@ -309,14 +311,19 @@ def mark_broken(ns: dict | None = None, announce: bool = True) -> None:
         except Exception:
             pass
         postmortem.free_groups(groups)
-    abort.disarm()
     gc.collect()
 
 
-def release(ns: dict) -> None:
-    """Called by the kernel on a failed rank: drop what still holds the broken group (and its store)."""
+def release(ns: dict, drop_store: bool = False) -> None:
+    """Called by the kernel on a failed rank: drop what still holds the broken group.
+
+    ``drop_store``: rank 0 stops serving the old group's store too (its port is free again, for a
+    re-form on the same ``--master-port``); otherwise it serves it until the next group forms, so that
+    ranks still running read which rank failed (:mod:`distnb.engine.abort`).
+    """
     mark_broken(ns)
-    abort.forget_store()
+    if drop_store:
+        abort.forget_store()
 
 
 _CELLS = [0]

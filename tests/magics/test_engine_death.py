@@ -97,7 +97,7 @@ def test_exit_in_a_collective_names_the_status_and_auto_restart_brings_back_a_fu
         err = res.error_in_exec
         assert isinstance(err, RankError) and err.rank == 1, err
         assert f"pid {pid}) died: exited with status 3" in str(err)
-        assert err.ranks == [1, 0] and "were stopped as a consequence" in str(err)  # rank 0: not a second cause
+        assert err.ranks == [1, 0] and "rank 0 was stopped as a consequence" in str(err)  # rank 0: not a second cause
         assert "fresh world of 2 ranks (auto restart)" in str(err)
         assert time.monotonic() - t0 < 10 + 15  # the death within 10 s, then a cluster start
         assert session_mod.current() is session  # the same session object, a new world
