@@ -73,12 +73,14 @@ def warm_tracebacks() -> None:
     pygments' Python lexer: 1.1-1.6 s of a failing rank's time to its result with 8-32 engines on
     2 cores, paid by every forked engine on its first failure. Done once here, it is shared.
     """
+    # the modules ipyparallel's engine (preloaded) loaded: engine/ never imports the kernel's libraries itself
+    ultratb, zmqshell = sys.modules.get("IPython.core.ultratb"), sys.modules.get("ipykernel.zmqshell")
+    if ultratb is None or zmqshell is None:
+        return
     try:
-        from ipykernel.zmqshell import ZMQInteractiveShell
-        from IPython.core import ultratb
-
-        formatter = ultratb.AutoFormattedTB(mode=ZMQInteractiveShell.xmode.default_value,
-                                            theme_name=ZMQInteractiveShell.colors.default_value, tb_offset=0)
+        shell = zmqshell.ZMQInteractiveShell
+        formatter = ultratb.AutoFormattedTB(mode=shell.xmode.default_value, theme_name=shell.colors.default_value,
+                                            tb_offset=0)
         try:
             raise ValueError("the engine template warms IPython's traceback formatting")
         except ValueError:
