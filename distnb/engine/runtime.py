@@ -61,7 +61,7 @@ def _init_group(master_addr: str, master_port: int) -> None:
     _pin_interface(master_addr)
     timeout = datetime.timedelta(seconds=STATE.timeout)
     store = _store(master_addr, master_port, timeout)
-    before = abort.socket_fds()
+    before, modules = abort.socket_fds(), frozenset(sys.modules)  # modules loaded before the group cannot hold it
     dist.init_process_group(
         STATE.backend,
         store=store,
@@ -71,7 +71,7 @@ def _init_group(master_addr: str, master_port: int) -> None:
         **kwargs,
     )
     abort.arm(store, before, STATE.backend)  # one rank's failure ends every rank's collective (engine/abort.py)
-    STATE.modules_at_init = frozenset(sys.modules)  # none of these can hold the new group (drop_captured_group)
+    STATE.modules_at_init = modules  # skipped by drop_captured_group (a preload thread may import meanwhile)
     STATE.generation += 1
     STATE.broken = False
 
