@@ -86,7 +86,10 @@ class Watchdog(threading.Thread):
         from . import abort
 
         while not self._stop_event.wait(INTERVAL):
-            abort.poll()  # another rank failed: end this rank's collective now (engine/abort.py)
+            try:
+                abort.poll()  # another rank failed: end this rank's collective now (engine/abort.py)
+            except Exception:  # never end the watchdog (it also publishes where the rank is)
+                pass
             frame = sys._current_frames().get(self.target_id)
             if frame is None:
                 return
