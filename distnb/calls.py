@@ -22,6 +22,7 @@ from dataclasses import dataclass
 RUNTIME = "distnb.engine.runtime"
 IPENGINE = "distnb.engine.ipengine"
 WIRE = "distnb.engine.wire"
+SEGMENTS = "distnb.engine.segments"
 LOOP = "distnb.engine.loop"
 WHERE = "distnb.engine.where"
 DATASETS = "distnb.engine.datasets"
@@ -138,6 +139,10 @@ def free_port(host="127.0.0.1"): ...
 # engine/wire.py: objects by value ----------------------------------------------------
 @_on_rank(WIRE)
 def probe_shm(path, token, owner_pid): ...
+
+
+@_on_rank(SEGMENTS)
+def held_segments(owner_pid): ...
 
 
 @_on_rank(WIRE, with_ns=True)
