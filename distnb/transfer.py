@@ -240,8 +240,10 @@ def _acquire(cluster, nbytes: int):
     the ranks are asked which they still map (:func:`distnb.engine.segments.held_segments`): the rest
     are reused, their pages already touched.
     """
+    from .engine import segments
+
     pool = _pool()
-    if pool.lent and not any(s.size >= nbytes for s in pool.free):
+    if pool.lent and not any(nbytes <= s.size <= 2 * nbytes + segments.GRAIN for s in pool.free):
         try:
             ars = cluster.apply_all(calls.held_segments, os.getpid())
             answers = cluster.wait_all(ars, timeout=cluster.spec.timeout, what="asking which data the ranks map")

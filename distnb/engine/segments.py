@@ -42,7 +42,7 @@ IDLE_BYTES = int(os.environ.get("DISTNB_SHM_IDLE_BYTES", 2 << 30))
 #: page fault per 4 KiB page on first use, which costs several times the copy on a busy machine.
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 #: Segment sizes are rounded up to this (so a data set or model that grows a little still fits).
-_GRAIN = 1 << 20
+GRAIN = 1 << 20
 
 
 def shm_path(owner_pid: int, tag: str) -> str:
@@ -69,7 +69,7 @@ def sweep_shm(owner_pid: int) -> int:
 
 
 def _round(nbytes: int) -> int:
-    return max(_GRAIN, -(-int(nbytes) // _GRAIN) * _GRAIN)
+    return max(GRAIN, -(-int(nbytes) // GRAIN) * GRAIN)
 
 
 def _uint8(mm) -> torch.Tensor:
@@ -143,10 +143,13 @@ class Pool:
     def acquire(self, nbytes: int, avoid: str | None = None) -> Segment:
         """A free segment of at least ``nbytes`` (the smallest that fits), else a new one.
 
+        A segment more than twice the size asked for is not taken (a shard would otherwise keep
+        a model's segment lent, and the next model send would make a new one).
+
         ``avoid``: a path not to hand out now (a rank's last weights, which the kernel may
         still be reading). Raises OSError when ``/dev/shm`` has no room.
         """
-        fits = [s for s in self.free if s.size >= nbytes and s.path != avoid]
+        fits = [s for s in self.free if nbytes <= s.size <= 2 * nbytes + GRAIN and s.path != avoid]
         if fits:
             seg = min(fits, key=lambda s: s.size)
             self.free.remove(seg)
@@ -275,7 +278,7 @@ class Arenas:
         self.idle: list[torch.Tensor] = []
 
     def take(self, nbytes: int) -> torch.Tensor:
-        fits = [a for a in self.idle if a.numel() >= nbytes]
+        fits = [a for a in self.idle if nbytes <= a.numel() <= 2 * nbytes + GRAIN]
         if fits:
             arena = min(fits, key=lambda a: a.numel())
             self.idle.remove(arena)

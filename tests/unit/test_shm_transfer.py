@@ -96,16 +96,24 @@ def test_pool_reuses_segments_and_gives_back_beyond_the_idle_budget(shm_dir, mon
     assert a.size == 3 << 20 and pool.acquire(1).path != a.path  # busy: not handed out twice
     pool.release(a)
     assert pool.acquire(2 << 20).path == a.path  # the smallest free one that fits: its pages touched
+    pool.release(a)
+    small = pool.acquire(1 << 10)
+    assert small.path != a.path and small.size == 1 << 20  # not one of more than twice the size
+    pool.release(small)
+    assert pool.acquire(3 << 20).path == a.path
     monkeypatch.setattr(segments, "IDLE_BYTES", 1 << 20)
     pool.release(a)  # beyond the budget: unlinked
-    assert not os.path.exists(a.path) and pool.free == []
+    assert not os.path.exists(a.path) and pool.free == [small]
     b = pool.acquire(10)
+    assert b is small
     pool.release(b, lent=True)  # a reader maps it copy-on-write
-    assert pool.acquire(10).path != b.path
+    other = pool.acquire(10)
+    assert other.path != b.path
+    pool.release(other)
     pool.returned({b.path})  # still held
     assert b.path in pool.lent
-    pool.returned(set())  # dropped: free again
-    assert pool.free == [b]
+    pool.returned(set())  # dropped: free again (and the budget keeps one of the two)
+    assert len(pool.free) == 1 and not pool.lent
     pool.close()
     assert os.listdir(shm_dir) == []
 
