@@ -20,8 +20,9 @@ kept and written again by the next one:
   the file only once no rank maps it any more (:func:`held_segments`, asked over ipyparallel).
 
 The cost is memory that stays allocated: the pools keep up to :data:`IDLE_BYTES` of unused
-files, and a rank up to :data:`IDLE_BYTES` of unused arena; both are freed when the cluster
-stops (:meth:`Pool.close`, :func:`sweep_shm`).
+files, and a rank up to :data:`IDLE_BYTES` of unused arena, and none of it while the machine has
+less than a quarter of its memory available (many ranks on one host); all of it is freed when
+the cluster stops (:meth:`Pool.close`, :func:`sweep_shm`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,17 @@ def sweep_shm(owner_pid: int) -> int:
             except OSError:
                 pass
     return removed
+
+
+def _plenty() -> bool:
+    """May memory stay allocated unused? Only while the machine has over a quarter of its memory
+    available (``/proc/meminfo``), so that many ranks on one host never crowd it."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.startswith("Mem")}
+        return info["MemAvailable"] > info["MemTotal"] // 4
+    except (OSError, KeyError, ValueError, IndexError):
+        return True
 
 
 def _round(nbytes: int) -> int:
@@ -175,11 +187,13 @@ class Pool:
         self.trim()
 
     def trim(self) -> None:
-        """Give back free segments beyond :data:`IDLE_BYTES` (the largest kept first)."""
+        """Give back free segments beyond :data:`IDLE_BYTES` (the largest kept first), or all when
+        the machine is short of memory."""
         self.free.sort(key=lambda s: s.size, reverse=True)
         kept, total = [], 0
+        plenty = _plenty() if self.free else True
         for seg in self.free:
-            if total + seg.size <= IDLE_BYTES:
+            if plenty and total + seg.size <= IDLE_BYTES:
                 kept.append(seg)
                 total += seg.size
             else:
@@ -292,8 +306,9 @@ class Arenas:
         self.idle.append(arena)
         self.idle.sort(key=lambda a: a.numel(), reverse=True)
         kept, total = [], 0
+        plenty = _plenty()
         for a in self.idle:
-            if total + a.numel() <= IDLE_BYTES:
+            if plenty and total + a.numel() <= IDLE_BYTES:
                 kept.append(a)
                 total += a.numel()
         self.idle = kept
