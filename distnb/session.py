@@ -29,7 +29,7 @@ import contextlib
 import inspect
 import sys
 
-from . import background, calls, checkpoints, debugger, options, training
+from . import background, calls, checkpoints, debugger, options, scaling, training
 from .background import BackgroundRun, check_idle
 from .cluster import Cluster
 from .data import reassemble, scatter as scatter_shards
@@ -39,6 +39,7 @@ from .errors import ClusterError, PlanError
 from .execute import run_on_ranks
 from .export import session_export
 from .plan import ClusterSpec, RunOptions, TrainPlan
+from .startup import differences as _differences, say_ready as _say_ready
 from .results import StatusTable, TrainResult, WhereTable, status_table, where_table
 from .transfer import sweep_shm
 
@@ -121,33 +122,6 @@ start.__signature__ = _START_SIGNATURE.replace(parameters=[
     *_START_SIGNATURE.parameters.values(),
     *(inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=d) for k, d in
       (("ns", None), ("spec", None), ("quiet", False)))])
-
-
-def _differences(explicit: dict, asked: ClusterSpec, running: ClusterSpec) -> str:
-    """What a ``%dist start`` that keeps the running cluster says about the options it was given."""
-    changed = []
-    for keyword, value in explicit.items():
-        name = START_OPTIONS[keyword]
-        if getattr(asked, name) != getattr(running, name):
-            f, opt = next((f, o) for f, o in options.declared(ClusterSpec) if f.name == name)
-            show = ",".join(value) if isinstance(value, (tuple, list)) else value
-            changed.append((options.flags_of(f, opt)[0], show, getattr(running, name)))
-    if not changed:
-        return "(%dist restart starts a fresh one)"
-    said = ", ".join(f"{flag} {value} (running: {now})" for flag, value, now in changed)
-    return (f"and not these options, which differ from it: {said}; apply them with %dist restart "
-            + " ".join(f"{flag} {value}" for flag, value, _ in changed))
-
-
-def _say_ready(cluster) -> None:
-    spec = cluster.spec
-    hosts = f" on {count(cluster.num_nodes, 'host')}" if cluster.num_nodes > 1 else ""
-    threads = sorted({r.get("num_threads", spec.num_threads) for r in cluster.ranks})
-    print(f"distnb: {count(spec.num_engines, 'rank')}{hosts} ready ({spec.backend}, {spec.device_type}, "
-          f"{'-'.join(map(str, threads[::max(1, len(threads) - 1)]))} threads/rank) in "
-          f"{cluster.start_seconds:.1f} s")
-    if cluster.note:
-        print(f"distnb: {cluster.note}")
 
 
 def _stop_at_exit():
@@ -293,6 +267,9 @@ class Session:
         held.keep_across_restart(new.holdings)  # carried options, and how far the weights are: no resume goes back
         return new
 
+    def scale(self, n, keep_global_batch=False, quiet=False) -> dict:
+        return scaling.scale(self, n, keep_global_batch, quiet)
+
     def _restart_in_place(self) -> str:
         """After an engine death (``auto_restart``): a fresh world of the same spec in this session.
 
@@ -407,6 +384,7 @@ class Session:
         if not items:
             raise PlanError("push needs at least one name, e.g. %dist push MLP")
         ars = []
+        self.holdings.names.update(items)  # %dist scale hands them to added ranks
         with contextlib.ExitStack() as files:  # tensors: shared memory on one host, else zero-copy frames
             for name, value in items.items():
                 payload, descs, buffers = pack_named(name, value, " (the training cell reads it)" if auto else "")
@@ -596,3 +574,4 @@ Session.train.__signature__ = options.signature(TrainPlan, RunOptions, first=[
 Session.train.__doc__ = Session.train.__doc__.replace("        {options}", "\n".join(
     "        " + line for line in options.doc(TrainPlan, RunOptions, skip=("model", "data")).splitlines()))
 Session.debug.__doc__ = debugger.debug.__doc__.replace("    session : distnb.session.Session\n", "")
+Session.scale.__doc__ = scaling.scale.__doc__

@@ -15,7 +15,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from . import calls, data, export
+from . import calls, data, export, scaling
 from .display import ProgressState, make_view, view_kind
 from .display.tables import count
 from .errors import PlanError, RankError
@@ -52,6 +52,12 @@ class Holdings:
     trained_steps : dict
         Model name -> the ranks' global optimizer step count the notebook's weights come from (the
         last cell that ended well); survives restarts, so a resume never goes backwards.
+    names : set
+        Notebook names pushed to the ranks (``%dist push``, a training body's names): ``%dist scale``
+        hands them to added ranks.
+    batch_world : int or None
+        After ``%dist scale --keep-global-batch``: the world size the cells' ``--batch-size`` and
+        ``--accumulate`` are written for (:func:`distnb.scaling.batch_for_world`).
     generation : int
         Bumps whenever the process group is re-formed.
     """
@@ -63,12 +69,14 @@ class Holdings:
     carried: dict = field(default_factory=dict)
     lr_of: dict = field(default_factory=dict)
     trained_steps: dict = field(default_factory=dict)
+    names: set = field(default_factory=set)
+    batch_world: int | None = None
     resume_steps: tuple = (None, None)  # (the notebook's, the newest checkpoint's) steps, for the cell's message
     generation: int = 0
 
     def forget(self) -> None:
         """Drop what the ranks held (they are gone); the user's optimizer choices stay."""
-        for held in (self.models, self.distributed, self.data, self.pushed):
+        for held in (self.models, self.distributed, self.data, self.pushed, self.names):
             held.clear()
 
     def remember(self, plan) -> None:
@@ -460,6 +468,7 @@ def train_cell(session, code, model, data, run, given):
                         "`x, y = batch; loss = F.cross_entropy(model(x), y)`")
     if given.get("report_interval") is None:
         given["report_interval"] = REPORT_INTERVAL[view_kind(run.progress)]
+    given = scaling.batch_for_world(session, given)  # after %dist scale --keep-global-batch
     plan = make_plan(session, model_name, model_obj, data_name, given, quiet=run.quiet)
     for sentence in body_warnings(code, plan):
         warnings.warn(f"distnb: {sentence}", UserWarning, stacklevel=4)

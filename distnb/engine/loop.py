@@ -95,6 +95,7 @@ class Run:
         self.schedule_total = 0
         self.scaler = None  # fp16's GradScaler (its scale carries on between cells)
         self.eager_step_time = None  # seconds per step of the last cell without --compile
+        self.inherited = None  # a rank added by %dist scale: rank 0's optimizer state, until its next cell
 
     def count_forward(self, module, args):
         self.forwards += 1
@@ -355,6 +356,8 @@ def _prepare(ns, plan, run):
             run.optimizer = None  # its parameters belong to the old distribution
             run.scheduler = run.schedule_name = None
         run.generation, run.strategy_key = st.generation, key
+    if run.inherited is not None:  # a rank added by %dist scale: the optimizer and schedule rank 0 had
+        stepping.adopt_optimizer(ns, run, plan, _optimizer)
     meta = None
     if fresh and plan.checkpoint_dir and not plan.reset and plan.resume and checkpoint.latest(plan.checkpoint_dir):
         meta = checkpoint.read_meta(plan.checkpoint_dir)

@@ -1,0 +1,38 @@
+"""What ``%dist start`` says: that a running cluster is kept (and which options it did not apply), and that one is ready."""
+
+from __future__ import annotations
+
+from . import options
+from .display.tables import count
+from .plan import ClusterSpec
+
+#: start()'s keyword options (Python keyword -> ClusterSpec field), from ClusterSpec's declarations.
+START_OPTIONS = options.keywords(ClusterSpec)
+
+
+def differences(explicit: dict, asked: ClusterSpec, running: ClusterSpec) -> str:
+    """What a ``%dist start`` that keeps the running cluster says about the options it was given."""
+    changed = []
+    for keyword, value in explicit.items():
+        name = START_OPTIONS[keyword]
+        if getattr(asked, name) != getattr(running, name):
+            f, opt = next((f, o) for f, o in options.declared(ClusterSpec) if f.name == name)
+            show = ",".join(value) if isinstance(value, (tuple, list)) else value
+            changed.append((options.flags_of(f, opt)[0], show, getattr(running, name)))
+    if not changed:
+        return "(%dist restart starts a fresh one)"
+    said = ", ".join(f"{flag} {value} (running: {now})" for flag, value, now in changed)
+    return (f"and not these options, which differ from it: {said}; apply them with %dist restart "
+            + " ".join(f"{flag} {value}" for flag, value, _ in changed))
+
+
+def say_ready(cluster) -> None:
+    """``distnb: 2 ranks ready (gloo, cpu, 1 threads/rank) in 0.9 s`` (and the start's note, if any)."""
+    spec = cluster.spec
+    hosts = f" on {count(cluster.num_nodes, 'host')}" if cluster.num_nodes > 1 else ""
+    threads = sorted({r.get("num_threads", spec.num_threads) for r in cluster.ranks})
+    print(f"distnb: {count(spec.num_engines, 'rank')}{hosts} ready ({spec.backend}, {spec.device_type}, "
+          f"{'-'.join(map(str, threads[::max(1, len(threads) - 1)]))} threads/rank) in "
+          f"{cluster.start_seconds:.1f} s")
+    if cluster.note:
+        print(f"distnb: {cluster.note}")
