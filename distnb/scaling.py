@@ -399,7 +399,8 @@ def _reassign_data(session, old: int, n: int) -> list:
 def _say(session, out: dict, dealt: list, batches, keep: bool) -> None:
     old, n = out["world_size"]
     grew = n > old
-    how = f"{count(n - old, 'engine')} started" if grew else (f"rank {n} stopped" if n == old - 1 else f"ranks {n}-{old - 1} stopped")
+    gone = f"rank {n}" if n == old - 1 else f"ranks {n}-{old - 1}"
+    how = f"{count(n - old, 'engine')} started" if grew else f"{gone} stopped"
     print(f"distnb: scaled the world from {count(old, 'rank')} to {n} in {out['seconds']:.1f} s ({how}; the "
           "process group re-formed)")
     if grew and (out["models"] or out["names"]):

@@ -1,4 +1,4 @@
-"""What ``%dist start`` says: that a running cluster is kept (and which options it did not apply), and that one is ready."""
+"""What ``%dist start`` says: a running cluster kept (and the options it did not apply), or one ready."""
 
 from __future__ import annotations
 
