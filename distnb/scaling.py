@@ -29,6 +29,7 @@ their Python state.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 from . import calls, data, launchers, placement
@@ -59,6 +60,7 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
     dict
         ``world_size`` (before, after), ``seconds`` (float, s), ``added``/``removed`` (ranks),
         ``models``/``names`` (carried to the added ranks), ``bytes`` (tensor bytes broadcast),
+        ``resharded`` (fsdp and tensor models resharded through a DCP checkpoint),
         ``global_batch`` (before, after) or None when no model has been trained.
 
     Raises
@@ -81,15 +83,19 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
         if not quiet:
             print(f"distnb: the world already has {count(n, 'rank')}; nothing changed")
         return dict(world_size=(old, n), seconds=0.0, added=[], removed=[], models=[], names=[], bytes=0,
-                    global_batch=None)
+                    resharded=[], global_batch=None)
     batches = _global_batches(session, old, n, keep_global_batch)
     t0 = time.perf_counter()
     held = session.holdings
-    if n > old:
-        shared = _grow(session, n)
-    else:
-        shared = _shrink(session, n)
-    held.generation += 1  # sharded models are sent again; ddp wrappers are rebuilt on the new group
+    saved = _save_sharded(session, n)  # fsdp and tensor models: a DCP checkpoint of the old world, resharded below
+    try:
+        if n > old:
+            shared = _grow(session, n)
+        else:
+            shared = _shrink(session, n)
+    finally:  # the group was re-formed (at n, or at old after a failed grow): ddp wrappers are rebuilt
+        held.generation += 1
+        resharded = _load_sharded(session, saved, old)
     if keep_global_batch:
         held.batch_world = held.batch_world or old
     else:
@@ -97,7 +103,7 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
     dealt = _reassign_data(session, old, n)
     out = dict(world_size=(old, n), seconds=time.perf_counter() - t0, added=list(range(old, n)),
                removed=list(range(n, old)), models=shared.get("models", []), names=shared.get("names", []),
-               bytes=shared.get("bytes", 0), global_batch=batches and batches[:2])
+               bytes=shared.get("bytes", 0), resharded=resharded, global_batch=batches and batches[:2])
     if not quiet:
         _say(session, out, dealt, batches, keep_global_batch)
     return out
@@ -369,6 +375,92 @@ def _rewatch(cluster) -> None:
     cluster._start_reaper()
 
 
+# sharded models: a DCP reshard -------------------------------------------------------------
+#: Strategies whose live state reaches the new world through a DCP checkpoint (DTensor layouts DCP reshards).
+RESHARDED = ("fsdp", "tensor")
+
+
+def _save_sharded(session, n: int) -> dict:
+    """Checkpoint every live fsdp/tensor model on the old world (DCP, a temporary folder): {name: (model, meta)}.
+
+    Raises PlanError (nothing changed) for a model that its strategy cannot lay out on ``n`` ranks.
+    """
+    import shutil
+    import tempfile
+
+    from . import checkpoints
+    from .engine import strategies
+    from .plan import TrainPlan
+    from .transfer import fingerprint
+
+    held = session.holdings
+    todo = {}
+    for name, (key, generation) in held.distributed.items():
+        obj = session.ns.get(name)
+        if key[0] in RESHARDED and generation == held.generation and obj is not None and \
+                held.models.get(name) == fingerprint(obj):
+            todo[name] = obj
+    if not todo:
+        return {}
+    folder = tempfile.mkdtemp(prefix="distnb-scale-")
+    saved = {}
+    try:
+        for name, obj in todo.items():
+            meta = checkpoints.save(session, name, obj, os.path.join(folder, name), quiet=True)
+            plan = TrainPlan.from_dict(dict(meta["plan"], model=name))
+            try:
+                strategies.check(plan, obj, n, ns=session.ns)
+            except strategies.StrategyError as exc:
+                raise PlanError(f"%dist scale {n}: {name} (--strategy {plan.strategy}) cannot be laid out on "
+                                f"{count(n, 'rank')}: {exc}; nothing changed") from None
+            saved[name] = (obj, meta)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    saved["_folder"] = folder
+    return saved
+
+
+def _load_sharded(session, saved: dict, old: int) -> list:
+    """Load each checkpoint of :func:`_save_sharded` on the world there is now (resharded by DCP); the names loaded.
+
+    The notebook's model gives the structure (its weights are the same, the last trained ones); the
+    checkpoint gives the sharded weights, the optimizer, the schedule and the position (converted
+    to the new world's shards). A model that cannot be loaded is sent again by its next cell.
+    """
+    import json
+    import shutil
+
+    from . import checkpoints
+
+    folder = saved.pop("_folder", None)
+    loaded = []
+    try:
+        if folder is None or not session.running:
+            return loaded
+        n = session.world_size
+        for name, (obj, meta) in saved.items():
+            path = os.path.join(meta["path"], "distnb.json")
+            with open(path) as f:
+                stored = json.load(f)
+            batch = stored["plan"].get("batch_size") or 1
+            stored["epoch_samples"] = stored["epoch_samples"] * old // n  # as elastic.convert_position
+            stored["epoch_step"] = -(-stored["epoch_samples"] // batch)
+            with open(path, "w") as f:
+                json.dump(stored, f)
+            try:
+                checkpoints.load(session, name, obj, meta["path"], quiet=True)
+            except Exception as exc:
+                print(f"distnb: {name} could not be resharded onto {count(n, 'rank')} ({str(exc).splitlines()[0]}); "
+                      "its next cell sends it again from the notebook's weights (a fresh optimizer)")
+                continue
+            loaded.append(name)
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+    return loaded
+
+
 # data and what the cell says --------------------------------------------------------------
 def _reassign_data(session, old: int, n: int) -> list:
     """Deal the kernel's scattered tensor sets again into the new world's shards; the others are dropped.
@@ -413,7 +505,12 @@ def _say(session, out: dict, dealt: list, batches, keep: bool) -> None:
         print(f"distnb: {', '.join(dealt)} dealt again into the new world's shards")
     from .plan import STRATEGIES
 
-    sharded = [f"{m} ({key[0]})" for m, (key, _) in session.holdings.distributed.items() if STRATEGIES[key[0]][1]]
+    if out["resharded"]:
+        print(f"distnb: {', '.join(out['resharded'])} resharded onto {count(n, 'rank')} through a "
+              "torch.distributed.checkpoint (DCP) written by the old world (model, optimizer, lr schedule, epoch "
+              "and sampler position)")
+    sharded = [f"{m} ({key[0]})" for m, (key, _) in session.holdings.distributed.items()
+               if STRATEGIES[key[0]][1] and m not in out["resharded"]]
     if sharded:
         print(f"distnb: {', '.join(sharded)}: sharded in place, so its next cell sends it again from the notebook's "
               "weights (its optimizer state restarts)")

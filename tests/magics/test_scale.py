@@ -223,3 +223,30 @@ def test_a_rank_killed_during_the_re_form_is_reported_and_restart_works(shell, d
     scaling.ON_ENGINES_STARTED.clear()
     new = dist_session.restart(n=2, quiet=True)
     assert new.world_size == 2 and new.run("world_size", all_output=True) == ["2", "2"]
+
+
+@pytest.mark.parametrize("strategy,worlds,num_shards", [("fsdp", (2, 3), (2, 3)), ("tensor", (2, 4), (1, 1))])
+def test_sharded_models_are_resharded_through_dcp(shell, dist_session, capsys, strategy, worlds, num_shards):
+    """fsdp 2 -> 3 and tensor 2 -> 4: DCP written by the old world, loaded resharded; parity with one process."""
+    ns = shell.user_ns
+    name = f"rs_{strategy}"
+    ns.update({name: parity_model(), "rs_data": parity_data(), "F": F})
+    ref = parity_model()
+    r1 = dist_session.train(BODY, model=name, data="rs_data", strategy=strategy, epochs=1, batch_size=16,
+                            optimizer="adam", lr=0.01, seed=5, progress="none", quiet=True)
+    base = reference(ref, ns["rs_data"], num_shards=num_shards[0], batch_size=16, epochs=1, seed=5,
+                     optimizer=torch.optim.Adam, lr=0.01)
+    capsys.readouterr()
+    out = dist_session.scale(worlds[1])
+    said = capsys.readouterr().out
+    assert name in out["resharded"] and "resharded onto" in said and "sends it again" not in said
+    capsys.readouterr()
+    r2 = dist_session.train(BODY, model=name, data="rs_data", epochs=1, batch_size=16, seed=5, progress="none")
+    said = capsys.readouterr().out
+    assert "sent" not in said and "fresh" not in said, said  # the ranks' resharded copy goes on
+    assert r2.epochs == [1] and r2.rows[0]["global_steps"] > r1.rows[0]["global_steps"]
+    reference(ref, ns["rs_data"], num_shards=num_shards[1], batch_size=16, epochs=1, seed=5,
+              optimizer=base.optimizer, first_epoch=1)
+    for p_dist, p_ref in zip(ns[name].parameters(), ref.parameters()):
+        torch.testing.assert_close(p_dist, p_ref, atol=1e-5, rtol=1e-5)
+    assert name in dist_session.scale(2)["resharded"]  # and back, shrinking
