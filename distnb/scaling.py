@@ -274,7 +274,7 @@ def _threads(cluster, old: int, n: int) -> int:
 
 def _form(cluster, n: int, old: int) -> None:
     """The group of ``n`` ranks: ranks below ``min(old, n)`` resize, those above it set up; ``cluster`` updated."""
-    from .net import check_port_free
+    from .net import check_port_free, visible_gpus
 
     spec = cluster.spec
     keep = min(old, n)
@@ -286,11 +286,13 @@ def _form(cluster, n: int, old: int) -> None:
         check_port_free(spec.master_port, cluster.master_addr, wait=5.0)
     cluster.master_port = spec.master_port or cluster._free_port()
     ars = [cluster.apply(r, calls.resize, n, threads, cluster.master_addr, cluster.master_port) for r in range(keep)]
+    gpus = placement.rank_gpus(cluster.placement, cluster.where, spec.device_type,
+                               visible_gpus() if spec.device_type == "cuda" else None)
     for rank in range(keep, n):
         p = cluster.placement[rank]
-        ars.append(cluster.apply(rank, calls.setup, rank, n, p["local_rank"], spec.backend, spec.device_type, None,
-                                 threads, cluster.master_addr, cluster.master_port, spec.timeout, p["node_rank"],
-                                 p["node"], spec.interface))
+        ars.append(cluster.apply(rank, calls.setup, rank, n, p["local_rank"], spec.backend, spec.device_type,
+                                 gpus[rank], threads, cluster.master_addr, cluster.master_port, spec.timeout,
+                                 p["node_rank"], p["node"], spec.interface))
     infos = cluster.wait_all(ars, timeout=spec.timeout + 60, what=f"forming the process group of {n} ranks")
     cluster.ranks = [dict(info, engine_id=p["engine_id"], local=p["local"],
                           address=cluster.where[p["engine_id"]]["address"])

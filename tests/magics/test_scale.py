@@ -250,3 +250,10 @@ def test_sharded_models_are_resharded_through_dcp(shell, dist_session, capsys, s
     for p_dist, p_ref in zip(ns[name].parameters(), ref.parameters()):
         torch.testing.assert_close(p_dist, p_ref, atol=1e-5, rtol=1e-5)
     assert name in dist_session.scale(2)["resharded"]  # and back, shrinking
+    r3 = dist_session.train(BODY, model=name, data="rs_data", epochs=1, batch_size=16, seed=5, progress="none",
+                            quiet=True)
+    assert r3.epochs == [2]
+    reference(ref, ns["rs_data"], num_shards=num_shards[0], batch_size=16, epochs=1, seed=5,
+              optimizer=base.optimizer, first_epoch=2)
+    for p_dist, p_ref in zip(ns[name].parameters(), ref.parameters()):
+        torch.testing.assert_close(p_dist, p_ref, atol=1e-5, rtol=1e-5)
