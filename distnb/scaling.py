@@ -95,7 +95,7 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
             shared = _shrink(session, n)
     finally:  # the group was re-formed (at n, or at old after a failed grow): ddp wrappers are rebuilt
         held.generation += 1
-        resharded = _load_sharded(session, saved, old)
+        resharded = _load_sharded(session, saved)
     if keep_global_batch:
         held.batch_world = held.batch_world or old
     else:
@@ -173,7 +173,7 @@ def _product(dp: int, plan, batch=None, accumulate=None) -> str:
 
 
 def batch_for_world(session, given: dict) -> dict:
-    """A training cell's options with ``--batch-size``/``--accumulate`` scaled after ``%dist scale --keep-global-batch``.
+    """A cell's options with ``--batch-size``/``--accumulate`` scaled after ``%dist scale --keep-global-batch``.
 
     The cell's values are read as written for ``session.holdings.batch_world`` ranks; the
     returned ones give the same global batch on the running world (and the cell says so).
@@ -221,6 +221,7 @@ def _grow(session, n: int) -> dict:
         new_ids = _wait_registered(cluster, known, n - old, new_pids)
         for hook in ON_ENGINES_STARTED:
             hook(new_pids)
+        cluster.where = {e: w for e, w in cluster.where.items() if e in old_ids}  # not engines gone before
         cluster.where.update(cluster._whereami(new_ids))
         cluster.placement = placement.assign_ranks(cluster.where, cluster.spec.hosts)
         if [p["engine_id"] for p in cluster.placement[:old]] != old_ids:  # one host: engine ids only grow
@@ -285,7 +286,8 @@ def _form(cluster, n: int, old: int) -> None:
     if spec.master_port is not None:
         check_port_free(spec.master_port, cluster.master_addr, wait=5.0)
     cluster.master_port = spec.master_port or cluster._free_port()
-    ars = [cluster.apply(r, calls.resize, n, threads, cluster.master_addr, cluster.master_port) for r in range(keep)]
+    ars = [cluster.apply(r, calls.resize, r, n, threads, cluster.master_addr, cluster.master_port)
+           for r in range(keep)]
     gpus = placement.rank_gpus(cluster.placement, cluster.where, spec.device_type,
                                visible_gpus() if spec.device_type == "cuda" else None)
     for rank in range(keep, n):
@@ -414,7 +416,8 @@ def _save_sharded(session, n: int) -> dict:
                 strategies.check(plan, obj, n, ns=session.ns)
             except strategies.StrategyError as exc:
                 raise PlanError(f"%dist scale {n}: {name} (--strategy {plan.strategy}) cannot be laid out on "
-                                f"{count(n, 'rank')}: {exc}; nothing changed") from None
+                                f"{count(n, 'rank')}: {exc}; nothing changed (to scale anyway, delete {name} from "
+                                "the notebook or train it with another --strategy first)") from None
             saved[name] = (obj, meta)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
@@ -423,14 +426,13 @@ def _save_sharded(session, n: int) -> dict:
     return saved
 
 
-def _load_sharded(session, saved: dict, old: int) -> list:
+def _load_sharded(session, saved: dict) -> list:
     """Load each checkpoint of :func:`_save_sharded` on the world there is now (resharded by DCP); the names loaded.
 
     The notebook's model gives the structure (its weights are the same, the last trained ones); the
     checkpoint gives the sharded weights, the optimizer, the schedule and the position (converted
     to the new world's shards). A model that cannot be loaded is sent again by its next cell.
     """
-    import json
     import shutil
 
     from . import checkpoints
@@ -442,15 +444,7 @@ def _load_sharded(session, saved: dict, old: int) -> list:
             return loaded
         n = session.world_size
         for name, (obj, meta) in saved.items():
-            path = os.path.join(meta["path"], "distnb.json")
-            with open(path) as f:
-                stored = json.load(f)
-            batch = stored["plan"].get("batch_size") or 1
-            stored["epoch_samples"] = stored["epoch_samples"] * old // n  # as elastic.convert_position
-            stored["epoch_step"] = -(-stored["epoch_samples"] // batch)
-            with open(path, "w") as f:
-                json.dump(stored, f)
-            try:
+            try:  # the sampler position is converted to this world by the load (engine/checkpoint.py)
                 checkpoints.load(session, name, obj, meta["path"], quiet=True)
             except Exception as exc:
                 print(f"distnb: {name} could not be resharded onto {count(n, 'rank')} ({str(exc).splitlines()[0]}); "

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from . import options
 from .display.tables import count
-from .plan import ClusterSpec
+from .errors import PlanError
+from .plan import FAILURE_POLICIES, ClusterSpec
 
 #: start()'s keyword options (Python keyword -> ClusterSpec field), from ClusterSpec's declarations.
 START_OPTIONS = options.keywords(ClusterSpec)
@@ -36,3 +37,27 @@ def say_ready(cluster) -> None:
           f"{cluster.start_seconds:.1f} s")
     if cluster.note:
         print(f"distnb: {cluster.note}")
+
+
+def failure_policy(auto_restart, on_failure):
+    """The ``--on-failure`` policy that ``%dist start`` was given (``--auto-restart`` is ``restart``), or None.
+
+    Raises PlanError for a value that is not one, or for both options disagreeing.
+    """
+    if auto_restart is not None and not isinstance(auto_restart, bool):
+        raise PlanError(f"auto_restart must be True or False, got {auto_restart!r}")
+    if on_failure is not None and on_failure not in FAILURE_POLICIES:
+        raise PlanError(f"--on-failure must be one of {', '.join(FAILURE_POLICIES)}, got {on_failure!r}")
+    if auto_restart and on_failure not in (None, "restart"):
+        raise PlanError(f"--auto-restart is --on-failure restart; it cannot go with --on-failure {on_failure}")
+    if on_failure is None and auto_restart is not None:
+        return "restart" if auto_restart else "stop"
+    return on_failure
+
+
+def say_policy(policy: str) -> None:
+    """What a running cluster does from now on when an engine dies during a cell."""
+    what = {"stop": "the cell fails (%dist restart for a fresh world)",
+            "restart": "a fresh world starts at once (automatic restart)",
+            "shrink": "the cell goes on on the surviving ranks at the smaller world"}[policy]
+    print(f"distnb: when an engine dies during a cell, {what}")

@@ -15,7 +15,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from . import calls, data, export, scaling
+from . import calls, data, export
 from .display import ProgressState, make_view, view_kind
 from .display.tables import count
 from .errors import PlanError, RankError
@@ -468,7 +468,6 @@ def train_cell(session, code, model, data, run, given):
                         "`x, y = batch; loss = F.cross_entropy(model(x), y)`")
     if given.get("report_interval") is None:
         given["report_interval"] = REPORT_INTERVAL[view_kind(run.progress)]
-    given = scaling.batch_for_world(session, given)  # after %dist scale --keep-global-batch
     plan = make_plan(session, model_name, model_obj, data_name, given, quiet=run.quiet)
     for sentence in body_warnings(code, plan):
         warnings.warn(f"distnb: {sentence}", UserWarning, stacklevel=4)
@@ -489,10 +488,11 @@ def train_cell(session, code, model, data, run, given):
             weights_back(session, plan.model, model_obj, best_effort=True)
             raise
         rows, stopped = exc.results, exc
-    except (RankError, KeyboardInterrupt):
+    except (RankError, KeyboardInterrupt) as exc:
         weights_back(session, plan.model, model_obj, best_effort=True)
         if plan.builtin_optimizer:  # a built-in optimizer was not what failed (a dead engine, the body, ...)
             session.holdings.remember(plan)
+        exc.plan = plan  # what --on-failure shrink goes on with (distnb.shrinking)
         raise
     result = finish(session, plan, model_obj, rows, time.perf_counter() - t0, num_shards, run.quiet, stopped)
     session.last_result = result

@@ -33,13 +33,15 @@ from ..plan import STRATEGIES
 from . import loop, runtime, wire
 
 
-def resize(ns: dict, world_size: int, num_threads: int, master_addr: str, master_port: int) -> dict:
-    """This (surviving) rank joins the world of ``world_size`` ranks formed on ``master_port``.
+def resize(ns: dict, rank: int, world_size: int, num_threads: int, master_addr: str, master_port: int) -> dict:
+    """This (surviving) rank joins the world of ``world_size`` ranks formed on ``master_port`` as ``rank``.
 
     What holds the old group (strategy wrappers) is dropped first, the sampler positions are
-    converted (see the module's docstring), ``WORLD_SIZE`` and ``world_size`` in the namespace
-    updated and ``num_threads`` torch threads set. Every rank of the new world calls this (or
-    ``setup``, for the added ones) at once: the rendezvous waits for all of them.
+    converted (see the module's docstring), ``RANK``/``WORLD_SIZE`` (and ``LOCAL_RANK``: one
+    host) and ``rank``/``world_size``/``local_rank`` in the namespace updated and ``num_threads``
+    torch threads set. ``rank`` differs from this rank's old one only when a lower rank is gone
+    (``--on-failure shrink``). Every rank of the new world calls this (or ``setup``, for the added
+    ones) at once: the rendezvous waits for all of them.
 
     Returns
     -------
@@ -51,11 +53,12 @@ def resize(ns: dict, world_size: int, num_threads: int, master_addr: str, master
     old = st.world_size
     for run in loop.RUNS.values():
         convert_position(run, old, world_size)
-    st.world_size = world_size
-    os.environ.update(WORLD_SIZE=str(world_size), OMP_NUM_THREADS=str(num_threads))
+    st.rank, st.world_size, st.local_rank = rank, world_size, rank
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      OMP_NUM_THREADS=str(num_threads))
     torch.set_num_threads(num_threads)
     runtime._init_group(master_addr, master_port)
-    ns["world_size"] = world_size
+    ns.update(rank=rank, world_size=world_size, local_rank=rank)
     return runtime.info()
 
 
@@ -87,7 +90,8 @@ def _run_state(run) -> dict:
         scheduler = dict(name=run.schedule_name, total=run.schedule_total, state=run.scheduler.state_dict())
     return dict(module=run.module, epoch=run.epoch, epoch_step=run.epoch_step, epoch_samples=run.epoch_samples,
                 steps=run.steps, optimizer_steps=run.optimizer_steps, plan_dict=run.plan_dict,
-                eager_step_time=run.eager_step_time, optimizer_key=run.optimizer_key,
+                eager_step_time=run.eager_step_time, cell_first_epoch=run.cell_first_epoch,
+                optimizer_key=run.optimizer_key,
                 optimizer=None if run.optimizer is None else run.optimizer.state_dict(), scheduler=scheduler,
                 scaler=None if run.scaler is None else run.scaler.state_dict())
 
@@ -109,7 +113,8 @@ def share(ns: dict, names: list, old_world: int) -> dict:
     -------
     dict
         ``models`` (names carried), ``names`` (names carried), ``bytes`` (tensor bytes
-        broadcast), ``positions`` (model -> (epoch, epoch_samples, steps) this rank now has).
+        broadcast), ``positions`` (model -> (epoch, epoch_samples, steps, the epoch its last
+        cell started at) on this rank now, every model).
     """
     st = runtime.STATE
     head = [None]
@@ -131,7 +136,7 @@ def share(ns: dict, names: list, old_world: int) -> dict:
             offsets.append(offsets[-1] + n)
         raw = flat.numpy()
         _adopt(ns, wire.loads(payload, descs, [raw[a:b] for a, b in zip(offsets, offsets[1:])]))
-    positions = {k: (r.epoch, r.epoch_samples, r.steps) for k, r in loop.RUNS.items() if k in models}
+    positions = {k: (r.epoch, r.epoch_samples, r.steps, r.cell_first_epoch) for k, r in loop.RUNS.items()}
     return dict(models=models, names=carried_names, bytes=int(sum(sizes)), positions=positions)
 
 
@@ -153,7 +158,7 @@ def _adopt(ns: dict, state: dict) -> None:
             old.strategy.close()
         run = loop.Run(module)
         for key in ("epoch", "epoch_step", "epoch_samples", "steps", "optimizer_steps", "plan_dict",
-                    "eager_step_time"):
+                    "eager_step_time", "cell_first_epoch"):
             setattr(run, key, held[key])
         if held["scaler"] is not None:
             run.scaler = torch.amp.GradScaler(device.type)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from IPython.core.error import UsageError
 
 from distnb import scaling, session as session_mod
-from distnb.errors import BusyError, ClusterError
+from distnb.errors import BusyError, ClusterError, PlanError
 from support.data import parity_data, parity_model
 from support.reference import reference
 
@@ -45,6 +45,7 @@ def two_ranks(shell):
         session_mod.start(n=2, timeout=30, quiet=True)
     elif current.world_size != 2:
         current.scale(2, quiet=True)
+    session_mod.current().on_failure = "stop"
 
 
 def _step_lr(optimizer, total_steps):
@@ -257,3 +258,68 @@ def test_sharded_models_are_resharded_through_dcp(shell, dist_session, capsys, s
               optimizer=base.optimizer, first_epoch=2)
     for p_dist, p_ref in zip(ns[name].parameters(), ref.parameters()):
         torch.testing.assert_close(p_dist, p_ref, atol=1e-5, rtol=1e-5)
+    if strategy == "tensor":  # its 16 columns cannot be split over 3 ranks: a scale to 3 is refused while it lives
+        with pytest.raises(PlanError, match="cannot be laid out on 3 ranks.*nothing changed"):
+            dist_session.scale(3)
+        assert dist_session.world_size == 2
+        del ns[name]  # as the error says: then the scale goes ahead
+
+
+KILL_RANK_1 = """import os, signal
+x, y = batch
+if rank == 1 and world_size == 3 and ctx.step == 7:  # once: the cell goes on on 2 ranks
+    os.kill(os.getpid(), signal.SIGKILL)
+loss = F.cross_entropy(model(x), y)"""
+
+
+def test_on_failure_shrink_goes_on_on_the_survivors_from_the_last_completed_step(shell, dist_session, capsys):
+    """3 ranks, rank 1 killed at epoch 1 step 2: the cell finishes on 2 ranks; parity with one process."""
+    ns = shell.user_ns
+    ns.update(of_net=parity_model(), of_data=parity_data(), F=F)
+    assert run(shell, "%dist start --on-failure shrink").error_in_exec is None
+    assert "the cell goes on on the surviving ranks" in capsys.readouterr().out
+    assert dist_session.on_failure == "shrink" and not dist_session.auto_restart
+    dist_session.scale(3, quiet=True)
+    victim = dist_session.cluster.ranks[1]["pid"]
+    res = run(shell, "%%distrain --model of_net --data of_data --epochs 3 --batch-size 16 --optimizer sgd --lr 0.1 "
+                     "--seed 6 --progress none\n" + KILL_RANK_1)
+    said = capsys.readouterr().out
+    assert res.error_in_exec is None, res.error_in_exec
+    assert "--on-failure shrink: rank 1 (engine" in said and "killed by SIGKILL" in said
+    assert "the cell finished on 2 ranks (was 3)" in said and "no completed step lost" in said
+    result = res.result
+    assert result.epochs == [1, 2] and len(result.rows) == 2 and dist_session.world_size == 2
+    assert result.lost["samples_reassigned"] == 68 and result.lost["world_size"] == (3, 2)  # ceil((203 - 1) / 3)
+    assert not psutil.pid_exists(victim) or psutil.Process(victim).status() == psutil.STATUS_ZOMBIE
+
+    from distnb.engine import shard
+
+    ref = parity_model()
+    base = reference(ref, ns["of_data"], num_shards=3, batch_size=16, epochs=1, seed=6, optimizer=torch.optim.SGD,
+                     lr=0.1)
+    x, y = ns["of_data"].tensors
+    # epoch 1: 7 - 5 = 2 steps on 3 ranks (32 samples each: 96), then from sample 96 (48 each) on 2 ranks
+    steps = list(shard.global_batches(len(x), 3, 6, 1, 16, False))[:2] + \
+        list(shard.global_batches(len(x), 2, 6, 1, 16, False))[3:]
+    for idx in steps:
+        base.optimizer.zero_grad()
+        F.cross_entropy(ref(x[idx]), y[idx]).backward()
+        base.optimizer.step()
+    reference(ref, ns["of_data"], num_shards=2, batch_size=16, epochs=1, seed=6, optimizer=base.optimizer,
+              first_epoch=2)
+    for p_dist, p_ref in zip(ns["of_net"].parameters(), ref.parameters()):
+        torch.testing.assert_close(p_dist, p_ref, atol=1e-5, rtol=1e-5)
+    flats = _replicas(dist_session, "of_net")
+    assert torch.equal(flats[0], flats[1])
+
+
+def test_on_failure_shrink_without_a_checkpoint_fails_a_sharded_cell_but_leaves_a_usable_world(shell, dist_session):
+    ns = shell.user_ns
+    ns.update(ofs_net=parity_model(), ofs_data=parity_data(), F=F)
+    dist_session.on_failure = "shrink"
+    dist_session.scale(3, quiet=True)
+    res = run(shell, "%%distrain --model ofs_net --data ofs_data --strategy fsdp --epochs 2 --batch-size 16 "
+                     "--progress none\n" + KILL_RANK_1)
+    err = res.error_in_exec
+    assert err is not None and "give --checkpoint-dir" in str(err) and "world is now 2 ranks" in str(err)
+    assert dist_session.world_size == 2 and dist_session.run("world_size", all_output=True) == ["2", "2"]
