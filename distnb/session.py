@@ -94,9 +94,9 @@ def start(*args, ns=None, spec=None, quiet=False, **given) -> "Session":
         spec = default_spec(**given)
     if _CURRENT is not None and _CURRENT.running:
         if policy is not None and policy != _CURRENT.on_failure:
-            _CURRENT.on_failure = policy
             if not quiet:
-                say_policy(policy)
+                say_policy(policy, _CURRENT.on_failure)
+            _CURRENT.on_failure = policy
         if not quiet:
             print(f"distnb: a cluster of {_CURRENT.world_size} ranks is already running; keeping it "
                   f"{_differences(explicit, spec, _CURRENT.cluster.spec)}")

@@ -55,9 +55,12 @@ def failure_policy(auto_restart, on_failure):
     return on_failure
 
 
-def say_policy(policy: str) -> None:
-    """What a running cluster does from now on when an engine dies during a cell."""
+def say_policy(policy: str, before: str) -> None:
+    """What a running cluster does from now on (``policy``, was ``before``) when an engine dies during a cell."""
+    if "restart" in (policy, before) and "shrink" not in (policy, before):
+        print(f"distnb: automatic restart after an engine death is now {'on' if policy == 'restart' else 'off'}")
+        return
     what = {"stop": "the cell fails (%dist restart for a fresh world)",
             "restart": "a fresh world starts at once (automatic restart)",
             "shrink": "the cell goes on on the surviving ranks at the smaller world"}[policy]
-    print(f"distnb: when an engine dies during a cell, {what}")
+    print(f"distnb: when an engine dies during a cell, {what} (--on-failure {policy})")
