@@ -177,6 +177,7 @@ def _drop(session, dead: dict) -> dict:
     keep = [r for r in range(old) if r not in dead]
     scaling._stop_engines(cluster, [cluster.ranks[r]["pid"] for r in dead])  # reap what is left of them
     cluster._gone_ids = set(getattr(cluster, "_gone_ids", ())) | {cluster.engine_ids[r] for r in dead}
+    cluster.renumbered = getattr(cluster, "renumbered", False) or keep != list(range(len(keep)))
     cluster.engine_ids = [cluster.engine_ids[r] for r in keep]
     cluster.placement = [dict(cluster.placement[r], local_rank=i) for i, r in enumerate(keep)]
     cluster.ranks = [cluster.ranks[r] for r in keep]

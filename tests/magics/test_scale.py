@@ -43,6 +43,10 @@ def two_ranks(shell):
     current = session_mod._CURRENT
     if current is None or not current.running:
         session_mod.start(n=2, timeout=30, quiet=True)
+    elif getattr(current.cluster, "renumbered", False):
+        # a fresh world after --on-failure shrink renumbered the survivors: in one full-file run an fsdp
+        # checkpoint on the re-grown world then failed DCP's plan check (not reproduced alone; see README)
+        current.restart(n=2, quiet=True)
     elif current.world_size != 2:
         current.scale(2, quiet=True)
     session_mod.current().on_failure = "stop"
@@ -323,3 +327,23 @@ def test_on_failure_shrink_without_a_checkpoint_fails_a_sharded_cell_but_leaves_
     err = res.error_in_exec
     assert err is not None and "give --checkpoint-dir" in str(err) and "world is now 2 ranks" in str(err)
     assert dist_session.world_size == 2 and dist_session.run("world_size", all_output=True) == ["2", "2"]
+
+
+def test_on_failure_shrink_resumes_a_sharded_model_from_its_newest_checkpoint(shell, dist_session, tmp_path, capsys):
+    ns = shell.user_ns
+    ns.update(ofc_net=parity_model(), ofc_data=parity_data(), F=F, ofc_dir=str(tmp_path / "ck"))
+    dist_session.on_failure = "shrink"
+    dist_session.scale(3, quiet=True)
+    capsys.readouterr()
+    res = run(shell, "%%distrain --model ofc_net --data ofc_data --strategy fsdp --epochs 3 --batch-size 16 "
+                     "--optimizer adam --checkpoint-dir {ofc_dir} --checkpoint-every 3 --progress none\n"
+              + KILL_RANK_1)
+    said = capsys.readouterr().out
+    assert res.error_in_exec is None, res.error_in_exec
+    result = res.result
+    lost = result.lost
+    assert lost["world_size"] == (3, 2) and lost["resumed_from"].endswith("step_00000006")
+    assert lost["steps_lost"] == 1  # steps 1-7 trained, the checkpoint holds 6: step 7 is trained again
+    assert "1 step after the checkpoint" in said and "resumes from the newest checkpoint" in said
+    assert result.epochs == [1, 2] and len(result.rows) == 2 and dist_session.world_size == 2
+
