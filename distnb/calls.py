@@ -28,6 +28,7 @@ WHERE = "distnb.engine.where"
 DATASETS = "distnb.engine.datasets"
 NET = "distnb.net"
 POSTMORTEM = "distnb.engine.postmortem"
+ELASTIC = "distnb.engine.elastic"
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,15 @@ def shutdown(): ...
 
 @_on_rank(RUNTIME, with_ns=True)
 def run_cell(code, targets=None): ...
+
+
+# engine/elastic.py: %dist scale, the world re-formed at a new size --------------------------
+@_on_rank(ELASTIC, with_ns=True)
+def resize(rank, world_size, num_threads, master_addr, master_port): ...
+
+
+@_on_rank(ELASTIC, with_ns=True)
+def share(names, old_world): ...
 
 
 # engine/postmortem.py: %dist debug, pdb on a failed rank's kept traceback --------------------

@@ -38,6 +38,8 @@ BACKENDS = ("gloo", "nccl")
 BATCH_LAUNCHERS = ("slurm", "pbs", "sge", "lsf", "htcondor")
 #: ipyparallel engine launchers ``%dist start --launcher`` takes (ipyparallel's entry-point names).
 LAUNCHERS = ("local", "mpi", "ssh") + BATCH_LAUNCHERS
+#: What a cell does when an engine dies during it (``%dist start --on-failure``).
+FAILURE_POLICIES = ("stop", "restart", "shrink")
 #: Longest collective/rendezvous timeout ``%dist start --timeout`` takes, seconds.
 MAX_TIMEOUT = 7 * 24 * 3600
 #: Progress views of a training cell (auto: widgets in Jupyter, text elsewhere).
@@ -400,6 +402,11 @@ class ClusterSpec:
     auto_restart: bool = option(False, "flag", "when an engine dies during a cell, start a fresh world of the same "
                                 "size at once (default off; on a running cluster this only switches the setting)",
                                 given=None)
+    on_failure: str = option("stop", "choice", "when an engine dies during a cell: stop (default; the cell fails, "
+                             "%%dist restart), restart (a fresh world at once, like --auto-restart) or shrink (the "
+                             "cell goes on on the survivors at the smaller world: ddp from the last completed step, "
+                             "fsdp/tensor from the newest --checkpoint-dir checkpoint), e.g. --on-failure shrink",
+                             choices=FAILURE_POLICIES, given=None)
     launcher: str | None = _where("local", "choice", "ipyparallel engine launcher: local (default; with --profile, "
                                   "the profile's), mpi (mpiexec), ssh, or a batch system "
                                   f"({', '.join(BATCH_LAUNCHERS)})", choices=LAUNCHERS, given=None,

@@ -95,6 +95,8 @@ class Run:
         self.schedule_total = 0
         self.scaler = None  # fp16's GradScaler (its scale carries on between cells)
         self.eager_step_time = None  # seconds per step of the last cell without --compile
+        self.inherited = None  # a rank added by %dist scale: rank 0's optimizer state, until its next cell
+        self.cell_first_epoch = 0  # the epoch the last cell started at (--on-failure shrink counts from it)
 
     def count_forward(self, module, args):
         self.forwards += 1
@@ -242,6 +244,7 @@ def train(ns, plan_dict, code_text):
             left = (data.epoch_length(plan) or 0) - run.epoch_samples
             if left <= 0 or (plan.drop_last and left < plan.batch_size):
                 run.epoch, run.epoch_step, run.epoch_samples = run.epoch + 1, 0, 0
+        run.cell_first_epoch = run.epoch
         run.plan_dict = plan.to_dict()
         reporter.extra.update(run.strategy.holdings())
         ctx = Context(plan, run, data, reporter, stop=stop)
@@ -355,6 +358,8 @@ def _prepare(ns, plan, run):
             run.optimizer = None  # its parameters belong to the old distribution
             run.scheduler = run.schedule_name = None
         run.generation, run.strategy_key = st.generation, key
+    if run.inherited is not None:  # a rank added by %dist scale: the optimizer and schedule rank 0 had
+        stepping.adopt_optimizer(ns, run, plan, _optimizer)
     meta = None
     if fresh and plan.checkpoint_dir and not plan.reset and plan.resume and checkpoint.latest(plan.checkpoint_dir):
         meta = checkpoint.read_meta(plan.checkpoint_dir)

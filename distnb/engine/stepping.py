@@ -160,6 +160,23 @@ def load_scheduler(run, saved, ns) -> None:
     run.schedule_name, run.schedule_total = saved["name"], saved["total"]
 
 
+def adopt_optimizer(ns: dict, run, plan, make_optimizer) -> None:
+    """On a rank added by ``%dist scale``, at the model's first cell: rank 0's optimizer and schedule, with their state.
+
+    ``make_optimizer(ns, run, plan)`` builds an optimizer for ``run`` (:func:`distnb.engine.loop._optimizer`).
+    A cell that names another optimizer gets a new one, as the surviving ranks do.
+    """
+    import dataclasses
+
+    held, run.inherited = run.inherited, None
+    key = held["optimizer_key"]
+    if key is None or plan.optimizer not in (None, key):
+        return
+    make_optimizer(ns, run, dataclasses.replace(plan, optimizer=key, lr=None))
+    load_scheduler(run, held["scheduler"], ns)  # before the optimizer's state: it sets initial_lr
+    run.optimizer.load_state_dict(held["optimizer"])
+
+
 def prepare_schedule(plan, run, total_steps: int, ns: dict, lr_given: bool) -> str:
     """A new schedule when the cell names one, else the live one (kept); returns a note ("" if none)."""
     if plan.lr_schedule is not None:
