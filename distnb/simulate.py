@@ -206,7 +206,7 @@ def _watch(ars, state, shown, t0) -> tuple:
                 ar.wait_for_output(max(0.0, deadline - time.monotonic()))
         elif time.monotonic() < next_intake:  # as Watch: at large worlds the looks are spaced
             shown.refresh()
-            next(ar for ar in ars if not ar.ready()).wait(POLL_SECONDS)
+            _wait_any(ars)
             continue
         next_intake = time.monotonic() + intake_interval(state.world_size)
         now = time.time()
@@ -217,4 +217,11 @@ def _watch(ars, state, shown, t0) -> tuple:
         shown.refresh()
         if done:
             return taken, lags
-        next(ar for ar in ars if not ar.ready()).wait(POLL_SECONDS)
+        _wait_any(ars)
+
+
+def _wait_any(ars) -> None:
+    """Up to POLL_SECONDS for the first engine still running (none left: return at once)."""
+    pending = [ar for ar in ars if not ar.ready()]
+    if pending:
+        pending[0].wait(POLL_SECONDS)
