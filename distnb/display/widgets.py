@@ -45,6 +45,12 @@ from . import aggregate, render, scale, stacks
 WHERE_TITLE = "where: every rank's state and stack"
 
 
+def _page_html(state, title, ranks) -> str:
+    """One page of the per-rank table at scale: its ranks and hosts in a line, then their rows."""
+    return (f"<div class='distnb-page-caption' style='font-size:12px;color:#555;margin:2px 0'>"
+            f"{render.esc(title)}</div>{render.table_html(state, ranks)}")
+
+
 class Dashboard:
     """ipywidgets view of a :class:`~distnb.display.progress.ProgressState`.
 
@@ -96,9 +102,10 @@ class Dashboard:
     def _make_pages(self):
         """The per-rank table on demand: an Accordion holding a Tab of pages of whole hosts."""
         pages = aggregate.pages(self.state)
-        self.pages = [(W.HTML(render.table_html(self.state, ranks)), ranks) for _, ranks in pages]
+        self.pages = [(W.HTML(_page_html(self.state, title, ranks)), title, ranks) for title, ranks in pages]
         self._page_versions, self._next_page = [-1] * len(pages), 0
-        tab = W.Tab(children=[w for w, _ in self.pages], titles=tuple(t for t, _ in pages))
+        # a tab's title is its ranks (a tab is about 20 characters wide); the page says its hosts
+        tab = W.Tab(children=[w for w, _, _ in self.pages], titles=tuple(t.split(" · ")[0] for t, _ in pages))
         tab.add_class("distnb-pages")
         title = f"per-rank table: {self.state.world_size} ranks in {len(pages)} pages by host"
         self.pages_box = W.Accordion(children=[tab], titles=(title,), selected_index=None)
@@ -170,11 +177,11 @@ class Dashboard:
             self._next_page = (self._next_page + 1) % len(self.pages)
         out = []
         for i in due:
-            widget, ranks = self.pages[i]
+            widget, title, ranks = self.pages[i]
             if final or self._page_versions[i] != self.state.version:
                 self._page_versions[i] = self.state.version
                 self.page_redraws += 1
-                out.append((widget, lambda st, ranks=ranks: render.table_html(st, ranks)))
+                out.append((widget, lambda st, title=title, ranks=ranks: _page_html(st, title, ranks)))
         return out
 
     def close(self):
@@ -189,6 +196,6 @@ class Dashboard:
             display(snapshot)
         tab = self.pages_box.children[0] if self.pages_box is not None else None
         for w in (self.header, self.table, self.charts, self.where_panel, self.where_box, self.stop_button,
-                  *(w for w, _ in self.pages), tab, self.pages_box, self.widget):
+                  *(w for w, _, _ in self.pages), tab, self.pages_box, self.widget):
             if w is not None:
                 w.close()
