@@ -132,7 +132,7 @@ def test_small_worlds_keep_one_row_per_rank():
     assert big.scaled and "distnb-aggregate" in big.table.value and len(big.pages) == 2
     big.refresh(final=True)
     assert all(w.value.count("tr class='distnb-rank") == 32 for w, _, _ in big.pages)
-    assert [t for t, _, _ in big.pages] == ["ranks 0-31 · sim-node000-sim-node003", "ranks 32-63 · sim-node004-sim-node007"]
+    assert [t for _, t, _ in big.pages] == ["ranks 0-31 · sim-node000-sim-node003", "ranks 32-63 · sim-node004-sim-node007"]
     assert big.pages_box.children[0].titles == ("ranks 0-31", "ranks 32-63")
 
 
