@@ -13,6 +13,8 @@ built and updated as in a kernel, only no front end draws them). Per case, in al
 - ``redraws/s``: dashboard redraws (header and aggregate; charts and table pages separately);
 - ``lag``: how late messages were taken in (the kernel's clock minus the rank's send time), the
   median of the first and the last quarter of the run: a growing queue shows as a growing lag;
+- ``backlog left``: seconds after the run until the kernel had received every message the engines
+  sent (0 when it kept up; the next case starts only then, so cases do not disturb each other);
 - ``generator late``: seconds the simulated run ended after its planned length (the engines could
   not keep up with their ranks when that is more than a second or so: then the rates are lower
   than asked, and ``CPU per 1k rank msgs`` is the figure to scale by).
@@ -69,6 +71,9 @@ def one(session, num_ranks, group, seconds):
     finally:
         sim.make_view = original
     view = captured["view"]
+    t_drain = time.monotonic()  # a kernel that fell behind still reads the run's messages: wait, and say how long
+    drained = all(ar.wait_for_output(300) for ar in r.ars)
+    drain = time.monotonic() - t_drain
     q = max(1, len(r.lag) // 4)
     med = lambda xs: sorted(xs)[len(xs) // 2] if xs else float("nan")  # noqa: E731
     return dict(ranks=num_ranks, group=group, seconds=r.seconds, cpu=r.kernel_cpu, cpu_frac=r.kernel_cpu_fraction,
@@ -79,7 +84,8 @@ def one(session, num_ranks, group, seconds):
                 lag_first=med([m for _, m, _ in r.lag[:q]]), lag_last=med([m for _, m, _ in r.lag[-q:]]),
                 lag_max=max((x for _, _, x in r.lag), default=float("nan")),
                 late=max(e["late"] for e in r.engine), engine_cpu=sum(e["cpu"] for e in r.engine) / r.seconds,
-                dropped=sum(e["dropped"] for e in r.engine), done=sum(row["status"] == "done" for row in r.state.rows))
+                dropped=sum(e["dropped"] for e in r.engine), done=sum(row["status"] == "done" for row in r.state.rows),
+                drain=drain if drained else float("inf"))
 
 
 def main() -> int:
@@ -102,20 +108,28 @@ def main() -> int:
                 groups = args.groups if rnd % 2 == 0 else list(reversed(args.groups))  # alternate the order
                 for group in groups:
                     t = time.monotonic()
-                    row = one(session, num_ranks, group, args.seconds)
+                    try:
+                        row = one(session, num_ranks, group, args.seconds)
+                    except Exception as exc:  # noqa: BLE001 - reported in the table, the next case runs
+                        print(f"  round {rnd} {num_ranks} ranks group {group}: FAILED {type(exc).__name__}: "
+                              f"{str(exc)[:300]}", flush=True)
+                        session.restart() if hasattr(session, "restart") else None
+                        continue
                     row["load"] = os.getloadavg()[0]
                     rows.append(row)
-                    print(f"  round {rnd} {num_ranks} ranks group {group}: {time.monotonic() - t:.0f} s", flush=True)
+                    print(f"  round {rnd} {num_ranks} ranks group {group}: {time.monotonic() - t:.0f} s {row}",
+                          flush=True)
     finally:
         session.stop(quiet=True)
     print("\n| ranks | relay | kernel CPU (share of a core) | CPU per 1k rank msgs | rank msgs/s | zmq msgs/s "
-          "| redraws/s (charts, pages) | lag first -> last quarter (max) | generator late (engine CPU) | done | load |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| redraws/s (charts, pages) | lag first -> last quarter (max) | backlog left (s) | generator late (engine CPU) "
+          "| done | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         relay = "direct" if r["group"] == 1 else f"per host of {r['group']}"
         print(f"| {r['ranks']} | {relay} | {100 * r['cpu_frac']:.1f} % | {r['cpu_per_k']:.3f} s | {r['rank_msgs']:.0f} "
               f"| {r['zmq_msgs']:.0f} | {r['redraws']:.1f} ({r['charts']:.1f}, {r['pages']:.1f}) "
-              f"| {r['lag_first'] * 1e3:.0f} -> {r['lag_last'] * 1e3:.0f} ms ({r['lag_max']:.2f} s) "
+              f"| {r['lag_first'] * 1e3:.0f} -> {r['lag_last'] * 1e3:.0f} ms ({r['lag_max']:.2f} s) | {r['drain']:.1f} "
               f"| {r['late']:.1f} s ({100 * r['engine_cpu']:.0f} %) | {r['done']}/{r['ranks']} | {r['load']:.1f} |")
     return 0
 

@@ -77,6 +77,9 @@ class SimulationResult:
         Per second of the run: ``(second, median, max)`` of how late messages were taken in (s).
     state : ProgressState
         The final state (for tests).
+    ars : list of ipyparallel.AsyncResult
+        The engines' calls (``ar.wait_for_output()`` waits until the kernel has received every
+        message they sent: a kernel that fell behind is still reading them after ``run`` returns).
     """
 
     num_ranks: int
@@ -90,6 +93,7 @@ class SimulationResult:
     page_redraws: int = 0
     lag: list = field(default_factory=list)
     state: object = None
+    ars: list = field(default_factory=list, repr=False)
 
     @property
     def kernel_cpu_fraction(self) -> float:
@@ -186,7 +190,7 @@ def run(num_ranks: int = 256, seconds: float = 20.0, group: int = 8, ranks_per_h
     engine = [ar.get(0) for ar in ars]
     lag = [(s, sorted(v)[len(v) // 2], max(v)) for s, v in sorted(lags.items())]
     return SimulationResult(num_ranks, group, elapsed, cpu, taken, engine, getattr(shown, "redraws", 0),
-                            getattr(shown, "chart_redraws", 0), getattr(shown, "page_redraws", 0), lag, state)
+                            getattr(shown, "chart_redraws", 0), getattr(shown, "page_redraws", 0), lag, state, ars)
 
 
 def _watch(ars, state, shown, t0) -> tuple:
