@@ -29,7 +29,7 @@ POLL_SECONDS = 0.1
 #: Seconds to wait for the other ranks once one rank has failed, before interrupting them.
 FAILURE_GRACE = 5.0
 #: Rank messages a second the kernel takes in at most, by spacing its looks at large worlds (see intake_interval).
-INTAKE_RATE = 2500
+INTAKE_RATE = 1000
 #: Seconds to wait for a finished rank's remaining output messages.
 OUTPUT_WAIT = 2.0
 #: Seconds to wait for ranks to stop together at a step boundary after the first SIGINT.
@@ -232,13 +232,14 @@ class Watch:
 
 
 def intake_interval(world_size: int) -> float:
-    """Seconds between two looks at the ranks' progress: ``POLL_SECONDS``, longer above 250 ranks.
+    """Seconds between two looks at the ranks' progress: ``POLL_SECONDS``, longer above 100 ranks.
 
     The kernel reads each rank's newest message at each look, so it takes in at most
-    ``world_size / interval`` rank messages a second; above ``INTAKE_RATE * POLL_SECONDS`` ranks the
-    looks are spaced to keep that at :data:`INTAKE_RATE` (0.41 s at 1,024 ranks). Nothing is lost:
-    each message repeats its rank's newest 16 loss points (:data:`distnb.engine.report.TAIL`), 1.6 s
-    of them at 10 messages a second. Measured in benchmarks/scale_progress.py (issue 20).
+    ``world_size / interval`` rank messages a second; above ``INTAKE_RATE * POLL_SECONDS`` (100) ranks
+    the looks are spaced to keep that at :data:`INTAKE_RATE` (0.26 s at 256 ranks, 1.02 s at 1,024),
+    since each costs the kernel about 30-40 us. Nothing is lost: each message repeats its rank's newest
+    16 loss points (:data:`distnb.engine.report.TAIL`), 1.6 s of them at 10 messages a second.
+    Measured in benchmarks/scale_progress.py (issue 20).
     """
     return max(POLL_SECONDS, world_size / INTAKE_RATE)
 
@@ -258,7 +259,7 @@ def take_progress(state, rank: int, data: dict, progress: dict) -> list:
         ``(rank, message)`` for every message not taken before.
     """
     new = []
-    for key, msg in data.items():
+    for key, msg in tuple(data.items()):  # ipyparallel's client thread adds to ``data`` meanwhile
         if key == "distnb":
             r = rank
         elif key.startswith("distnb@"):

@@ -201,15 +201,15 @@ DRAIN_SECONDS = 0.02
 
 
 #: Bundles a second the kernel receives at most from all hosts' relays together (see relay_interval).
-RELAY_RATE = 320
+RELAY_RATE = 100
 
 
 def relay_interval(num_hosts: int, interval: float = 0.1) -> float:
     """Seconds between a host leader's bundles: ``interval``, longer above ``RELAY_RATE * interval`` hosts.
 
     The kernel then receives at most :data:`RELAY_RATE` bundles a second however many hosts
-    there are (0.4 s between bundles with 128 hosts); each bundle carries every rank's newest
-    message, whose :data:`TAIL` loss points cover the gap. Measured in benchmarks/scale_progress.py.
+    there are (0.32 s between bundles with 32 hosts, 1.28 s with 128); each bundle carries every
+    rank's newest message, whose :data:`TAIL` loss points (1.6 s at 10 messages a second) cover the gap. Measured in benchmarks/scale_progress.py.
     """
     return max(interval, num_hosts / RELAY_RATE)
 

@@ -144,8 +144,8 @@ def test_take_progress_reads_own_and_relayed_keys_once():
     assert take_progress(st, 0, data, seen) == [(0, own), (3, relayed)]
     assert st.rows[3]["step"] == 2 and st.rows[0]["step"] == 1
     assert take_progress(st, 0, data, seen) == []  # the same objects: already taken
-    assert intake_interval(200) == 0.1 and intake_interval(1024) == pytest.approx(0.4096)
-    assert relay_interval(32) == 0.1 and relay_interval(128) == 0.4
+    assert intake_interval(100) == 0.1 and intake_interval(1024) == pytest.approx(1.024)
+    assert relay_interval(8) == 0.1 and relay_interval(32) == 0.32 and relay_interval(128) == 1.28
 
 
 def test_host_relay_coalesces_a_hosts_messages_into_one_bundle():
