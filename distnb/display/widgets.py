@@ -23,7 +23,7 @@ p90 / max of step time, busy time, samples/s and memory, the slowest ranks by na
 chart to the mean over ranks with a p10-p90 band. The per-rank table is still there on demand: an
 Accordion ("per-rank table") holding a Tab with one page of whole hosts (at most 32 rows) each.
 Opening it and turning pages is the front end's own state, so both work while a foreground cell
-keeps the kernel busy; the kernel redraws the selected page (as far as it knows) ``page_fps`` (4)
+keeps the kernel busy; the kernel redraws the selected page (as far as it knows) ``page_fps`` (2)
 times a second and the others in turn, one per tick, so the cost does not grow with the pages.
 
 When the run ends the widget's output is replaced by a static snapshot of the final state
@@ -70,7 +70,7 @@ class Dashboard:
     """
 
     def __init__(self, state, max_fps: float = 10.0, chart_fps: float = 3.0, where_fps: float = 2.0,
-                 page_fps: float = 4.0):
+                 page_fps: float = 2.0):
         self.state = state
         self.scaled = state.world_size > aggregate.SCALE_THRESHOLD
         self.min_interval = 1.0 / max_fps
