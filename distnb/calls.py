@@ -200,3 +200,9 @@ def restore(name, directory): ...
 # engine/where.py: where a rank is ---------------------------------------------------
 @_on_rank(WHERE)
 def where_now(): ...
+
+
+# engine/simulate.py: simulated ranks' progress (a testing and benchmark tool) -------------
+@_on_rank("distnb.engine.simulate")
+def simulate(ranks, seconds=20.0, step_time=0.05, epochs=4, batch_size=32, group=1, slow=None, fail=None,
+             stop=None, seed=0, relay_interval=0.1): ...
