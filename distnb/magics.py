@@ -269,7 +269,8 @@ def _dist_doc():
 @declared_arguments(RunOptions)
 @argument("-o", "--output", default=None, help="also store the TrainResult under this notebook name")
 def _distrain(line):
-    """Train a notebook model on every rank with --strategy (ddp, fsdp, pipeline, tensor, ps); the body is one step."""
+    """Train a notebook model on every rank with --strategy (ddp, fsdp, pipeline, tensor, ps, fsdp+tensor); the body
+    is one step."""
 
 
 DISTRAIN_DOC = """Train a notebook model on every rank; the cell body is one training step.
@@ -294,6 +295,12 @@ Example::
 Model parallelism, the same body::
 
     %%distrain --model net --data train --epochs 3 --strategy pipeline --microbatches 4 --schedule 1f1b
+    x, y = batch
+    loss = F.cross_entropy(model(x), y)
+
+2-D parallelism on 4 ranks: tensor parallel within ranks 0-1 and 2-3, FSDP2 across the two pairs::
+
+    %%distrain --model net --data train --epochs 3 --strategy fsdp+tensor --mesh 2x2
     x, y = batch
     loss = F.cross_entropy(model(x), y)
 

@@ -117,6 +117,24 @@ def _drop_wrappers(ns):
 runtime.RELEASE_HOOKS.append(_drop_wrappers)
 
 
+def _mesh_info() -> dict:
+    """``%dist status``: this rank's coordinates in the mesh of each live model on a named mesh.
+
+    ``{"mesh": "dp=0 tp=1 of 2x2 (net)"}``; models on the same mesh share one entry (names
+    comma-separated), entries for different meshes are joined by ``; ``; ``{}`` when none is.
+    """
+    places = {}
+    for name, run in sorted(RUNS.items()):
+        where = run.strategy.mesh_coordinates() if run.strategy is not None else None
+        if where:
+            coords = " ".join(f"{k}={v}" for k, v in where.items() if k != "shape")
+            places.setdefault(f"{coords} of {where['shape']}" if "shape" in where else coords, []).append(name)
+    return {"mesh": "; ".join(f"{place} ({', '.join(names)})" for place, names in places.items())} if places else {}
+
+
+runtime.INFO_HOOKS.append(_mesh_info)
+
+
 def install_model(ns, name, payload, descs, *buffers):
     """Receive a model from the kernel; start a new Run (fresh optimizer, epoch 0)."""
     module = wire.loads(payload, descs, buffers)

@@ -58,7 +58,8 @@ def test_an_option_declared_with_a_strategy_is_checked_and_part_of_the_distribut
     fields = options.distribution_fields(TrainPlan)
     assert fields[0] == "strategy" and "find_unused_parameters" in fields and "microbatches" in fields
     assert "epochs" not in fields and "lr" not in fields
-    with pytest.raises(PlanError, match=r"--tp-plan is a --strategy tensor option \(this cell uses --strategy ddp\)"):
+    with pytest.raises(PlanError, match=r"--tp-plan is a --strategy tensor or fsdp\+tensor option \(this cell uses "
+                                        r"--strategy ddp\)"):
         TrainPlan(model="m", data="d", tp_plan="plan")
 
 
