@@ -232,6 +232,9 @@ class TrainPlan:
                       "drop that step on every rank", choices=("stop", "skip"))
     report_interval: float = option(0.1, "float", "seconds between progress messages per rank (default: from "
                                     "progress, 0.1 for the dashboard, at most 10 a second)", cli=False, given=None)
+    relay_above: int = option(16, "int", "above this world size each host's local rank 0 relays its host's "
+                              "progress messages, so the kernel receives one message per host, not per rank "
+                              "(distnb.engine.report.HostRelay)", cli=False, minimum=1)
     lr_if_new: float | None = option(None, "float", "learning rate for an optimizer made new while lr is None (the "
                                      "kernel passes the last one the user gave)", cli=False, api=False)
     resume: bool = option(True, "flag", "a model the ranks receive fresh resumes from --checkpoint-dir's newest "

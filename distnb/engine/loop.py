@@ -19,7 +19,7 @@ import torch
 from ..plan import DEFAULT_LR, STRATEGIES, TrainPlan, redistribution
 from . import batchnorm, checkpoint, collectives, datasets, postmortem, runtime, shard as sharding, stepping, wire
 from . import where
-from .report import Reporter, publish_raw
+from .report import LINGER as RELAY_LINGER, Reporter, host_relay, publish_raw
 from . import strategies
 from .context import Context, StopRequest, _Stopped  # noqa: F401 - the cell's ctx and its stop
 from .validation import Validator
@@ -241,9 +241,23 @@ def _run_body(ns, code, ctx, plan):
 
 
 def train(ns, plan_dict, code_text):
-    """Run one ``%%distrain`` cell on this rank; returns this rank's figures (dict)."""
-    postmortem.drop(ns)  # the next cell releases the frames the last failure kept
+    """Run one ``%%distrain`` cell on this rank; returns this rank's figures (dict).
+
+    Above ``plan.relay_above`` ranks, progress goes through the host's relay
+    (:func:`distnb.engine.report.host_relay`), closed when the cell ends, however it ends.
+    """
     plan = TrainPlan.from_dict(plan_dict)
+    st = runtime.STATE
+    relay = host_relay(st.world_size, st.local_rank or 0, st.node_rank, plan.relay_above)
+    try:
+        return _train(ns, plan, code_text, relay)
+    finally:
+        if relay is not None:
+            relay.close(linger=RELAY_LINGER if relay.leader else 0.0)
+
+
+def _train(ns, plan, code_text, relay):
+    postmortem.drop(ns)  # the next cell releases the frames the last failure kept
     st = runtime.STATE
     if st.broken:
         raise RuntimeError(f"rank {st.rank}: the process group is broken; the kernel must re-form it")
@@ -253,7 +267,8 @@ def train(ns, plan_dict, code_text):
         raise RuntimeError(f"rank {st.rank}: model {plan.model!r} or data {plan.data!r} "
                            f"{'' if plan.val_data is None else f'or {plan.val_data!r} '}was not sent")
     steps = data.steps_per_epoch(plan)
-    reporter = Reporter(st.rank, steps * plan.epochs, plan.epochs, interval=plan.report_interval)
+    reporter = Reporter(st.rank, steps * plan.epochs, plan.epochs, interval=plan.report_interval,
+                        publish=None if relay is None else relay.send)
     code = runtime.compile_cell(code_text, "distrain")
     stop = StopRequest().__enter__()
     try:

@@ -214,6 +214,32 @@ def relay_interval(num_hosts: int, interval: float = 0.1) -> float:
     return max(interval, num_hosts / RELAY_RATE)
 
 
+#: Statuses after which a rank sends nothing more in a cell.
+FINAL = frozenset({"done", "failed", "interrupted", "stopped"})
+#: Seconds a host's leader waits at the end of a cell for the final message of each rank it heard from.
+LINGER = 0.5
+
+
+def host_relay(world_size: int, local_rank: int, node_rank: int, relay_above: int):
+    """This rank's :class:`HostRelay` for a training cell, started; None at ``world_size <= relay_above``.
+
+    One relay per host and process group: the socket is named by the group's rendezvous
+    (``MASTER_ADDR``/``MASTER_PORT``, a fresh port per group) and the host's ``node_rank``, in
+    the temporary folder; the host's local rank 0 is its leader. The leader spaces its bundles
+    by :func:`relay_interval` of the number of hosts, estimated as ``world_size`` over the ranks
+    it hears from.
+    """
+    if world_size <= relay_above or SINK is not None:
+        return None
+    import tempfile
+
+    group = f"{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', '0')}-n{node_rank}"
+    path = os.path.join(tempfile.gettempdir(), f"distnb-relay-{os.getuid()}-{group}.sock")
+    relay = HostRelay(path, leader=local_rank == 0)
+    relay.world_size = world_size
+    return relay.start()
+
+
 class HostRelay:
     """Per-host aggregation of progress: the kernel receives one message per host, not one per rank.
 
@@ -260,6 +286,8 @@ class HostRelay:
         self._published = 0.0  # time.monotonic() of the last bundle
         self._statuses = {}  # rank -> the status of its last message that reached the leader (a member's)
         self._thread = self._stop = None
+        self.world_size = None  # set: the leader spaces its bundles for world_size / (ranks heard) hosts
+        self._final = {}  # rank -> whether its newest message to the leader had a final status
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.setblocking(False)
         if self.leader:
@@ -274,6 +302,7 @@ class HostRelay:
         if self.leader:
             with self._lock:
                 self.pending[msg["rank"]] = msg
+                self._final[msg["rank"]] = msg.get("status") in FINAL
             return
         status_change = self._statuses.get(msg["rank"]) != msg["status"]
         try:
@@ -299,6 +328,7 @@ class HostRelay:
             msg = pickle.loads(data)
             with self._lock:
                 self.pending[msg["rank"]] = msg
+                self._final[msg["rank"]] = msg.get("status") in FINAL
             n += 1
 
     def flush(self) -> int:
@@ -310,6 +340,8 @@ class HostRelay:
             pending, self.pending = self.pending, {}
         if not pending:
             return 0
+        if self.world_size:
+            self.interval = relay_interval(-(-self.world_size // max(1, len(self._final))))
         bundle = {rank_key(r): m for r, m in pending.items()}
         try:
             self.publish(bundle)
@@ -346,7 +378,8 @@ class HostRelay:
         return self
 
     def close(self, linger: float = 0.0) -> None:
-        """Stop; the leader waits up to ``linger`` seconds for late messages, flushes, and removes ``path``."""
+        """Stop; the leader waits up to ``linger`` seconds for late messages (less once every rank it
+        heard from sent its final status), flushes, and removes ``path``."""
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
@@ -355,6 +388,9 @@ class HostRelay:
             deadline = time.monotonic() + linger
             while time.monotonic() < deadline:
                 if not self.drain():
+                    with self._lock:
+                        if self._final and all(self._final.values()):
+                            break
                     time.sleep(0.01)
             self.flush()
             try:

@@ -28,7 +28,8 @@ def test_distrain_magic_train_keywords_and_plan_fields_are_one_set():
     assert params == _fields(TrainPlan, RunOptions, where="api")
     internal = declared - params
     assert internal == {"lr_if_new", "resume"}, "only the kernel's own bookkeeping is not a keyword"
-    assert params - magic == {"report_interval", "quiet"}, "Python-only options (set by --progress / no printing)"
+    assert params - magic == {"report_interval", "quiet", "relay_above"}, \
+        "Python-only options (set by --progress / no printing / the relay threshold, a tuning knob)"
 
 
 def test_dist_start_magic_start_keywords_and_spec_fields_are_one_set():
