@@ -202,18 +202,21 @@ def main(argv=None) -> int:
             with table.section("transfer"):
                 log("transfer: 403 MB model to 2 ranks and back, 200 MB data scattered; shared memory vs ipyparallel")
                 t = results["transfer"] = loaded("transfer", lambda: transfer.measure(nb, args.rounds, log=log))
-                a, b = t["shm"], t["ipyparallel"]
+                a, b, first = t["shm"], t["ipyparallel"], t["shm_first"]
+                copies = f"memory copy {a['copy_warm_gbs']:.1f} GB/s warm, {a['copy_fresh_gbs']:.1f} first touch"
+                table.add("  the machine now: " + copies, "", "", "", "", None)
                 for key, what in (("send_gbs", "model 403 MB fp32 (100.7M params) to 2 ranks"),
-                                  ("back_gbs", "weights back 403 MB, rank 0 to the kernel's model")):
-                    table.add(f"{what}, GB/s (ref: ipyparallel buffers)", a[key], b[key], a[key] / b[key],
-                              ">= 1 GB/s", a[key] >= 1.0)
+                                  ("back_gbs", "weights back 403 MB, rank 0 to the kernel's model"),
+                                  ("scatter_gbs", "scatter 200 MB float32 data set to 2 ranks")):
+                    table.add(f"{what}, again (rounds 2+), GB/s (ref: ipyparallel buffers)", a[key], b[key],
+                              a[key] / b[key], ">= 4 GB/s", a[key] >= 4.0)
+                    table.add("  as a fraction of the copy rates: warm / first touch",
+                              f"{a[key] / a['copy_warm_gbs']:.2f} / {a[key] / a['copy_fresh_gbs']:.2f}", "", "", "", None)
+                    table.add("  the first one after start, GB/s", first[key], "", "", "reported", None)
                 table.add("kernel memory added while sending / pulling back the model, MB (peak RSS)",
                           f"{a['send_mem_mb']:.0f} / {a['back_mem_mb']:.0f}",
                           f"{b['send_mem_mb']:.0f} / {b['back_mem_mb']:.0f}", "",
                           "no full copy (< 403)", max(a["send_mem_mb"], a["back_mem_mb"]) < 403 * 0.5)
-                table.add("scatter 200 MB float32 data set to 2 ranks, GB/s (ref: ipyparallel buffers)",
-                          a["scatter_gbs"], b["scatter_gbs"], a["scatter_gbs"] / b["scatter_gbs"], ">= 1 GB/s",
-                          a["scatter_gbs"] >= 1.0)
                 table.add("  bytes each rank holds of the 200 MB set, MB", " / ".join(f"{x:.0f}" for x in a["shard_mb"]),
                           " / ".join(f"{x:.0f}" for x in b["shard_mb"]), "", "its shard only (100)",
                           all(x < 110 for x in a["shard_mb"]))

@@ -22,11 +22,13 @@ from dataclasses import dataclass
 RUNTIME = "distnb.engine.runtime"
 IPENGINE = "distnb.engine.ipengine"
 WIRE = "distnb.engine.wire"
+SEGMENTS = "distnb.engine.segments"
 LOOP = "distnb.engine.loop"
 WHERE = "distnb.engine.where"
 DATASETS = "distnb.engine.datasets"
 NET = "distnb.net"
 POSTMORTEM = "distnb.engine.postmortem"
+ELASTIC = "distnb.engine.elastic"
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,15 @@ def shutdown(): ...
 def run_cell(code, targets=None): ...
 
 
+# engine/elastic.py: %dist scale, the world re-formed at a new size --------------------------
+@_on_rank(ELASTIC, with_ns=True)
+def resize(rank, world_size, num_threads, master_addr, master_port): ...
+
+
+@_on_rank(ELASTIC, with_ns=True)
+def share(names, old_world): ...
+
+
 # engine/postmortem.py: %dist debug, pdb on a failed rank's kept traceback --------------------
 @_on_rank(POSTMORTEM)
 def debug_kept(): ...
@@ -138,6 +149,10 @@ def free_port(host="127.0.0.1"): ...
 # engine/wire.py: objects by value ----------------------------------------------------
 @_on_rank(WIRE)
 def probe_shm(path, token, owner_pid): ...
+
+
+@_on_rank(SEGMENTS)
+def held_segments(owner_pid): ...
 
 
 @_on_rank(WIRE, with_ns=True)
@@ -185,3 +200,9 @@ def restore(name, directory): ...
 # engine/where.py: where a rank is ---------------------------------------------------
 @_on_rank(WHERE)
 def where_now(): ...
+
+
+# engine/simulate.py: simulated ranks' progress (a testing and benchmark tool) -------------
+@_on_rank("distnb.engine.simulate")
+def simulate(ranks, seconds=20.0, step_time=0.05, epochs=4, batch_size=32, group=1, slow=None, fail=None,
+             stop=None, seed=0, relay_interval=0.1): ...

@@ -31,7 +31,10 @@ from .errors import PlanError
 
 
 def scatter(session, name: str, obj, seed: int, num_shards: int) -> list:
-    """Send each rank its shard of ``obj`` under ``name`` (rank ``r`` gets shard ``r % num_shards``).
+    """Send each rank its shard of ``obj`` under ``name`` (rank ``r`` gets shard ``shard_index(r, ...)``).
+
+    With fewer shards than ranks, the ranks of one shard are consecutive
+    (:func:`distnb.engine.shard.shard_index`).
 
     Returns
     -------
@@ -54,7 +57,7 @@ def scatter(session, name: str, obj, seed: int, num_shards: int) -> list:
     ars = []
     with contextlib.ExitStack() as files:  # each shard written once (shared memory on one host)
         for index, idx in enumerate(shards):
-            ranks = range(index, cluster.world_size, num_shards)
+            ranks = sharding.shard_ranks(index, cluster.world_size, num_shards)
             descs, sent = files.enter_context(outgoing_rows(cluster, columns, idx, ranks))
             for rank in ranks:
                 ars.append(cluster.apply(rank, calls.install_shard, name, n, num_shards, seed, index, structure,
@@ -73,7 +76,7 @@ def reassemble(values: list, info: dict):
     """
     import torch
 
-    values = values[:info["num_shards"]]  # ranks beyond hold copies of the same shards
+    values = values[::len(values) // info["num_shards"]]  # the first rank of each shard (the others hold copies)
     kind = info["structure"][0]
     cols_by_rank = [[v] if kind == "tensor" else list(v.values()) if kind == "dict" else list(v) for v in values]
     columns = []
@@ -110,8 +113,10 @@ def describe_cut(plan, info: dict, num_shards: int, world_size: int) -> str:
         how = f"pad: ranks with {min(lens)} samples repeat {per - min(lens)} so all visit {per}"
     else:
         how = f"every rank visits {per} samples"
-    return (f"{plan.data}: {count(n, 'sample')} in {count(w, 'shard')}; {how}; {count(steps, 'step')}/epoch of "
-            f"{plan.batch_size} per rank")
+    shared = (f" (each shared by the {world_size // w} ranks of a tensor-parallel group)" if 1 < w < world_size
+              else "")
+    return (f"{plan.data}: {count(n, 'sample')} in {count(w, 'shard')}{shared}; {how}; {count(steps, 'step')}/epoch "
+            f"of {plan.batch_size} per rank")
 
 
 def describe_validation(name: str, info: dict, num_shards: int, batch_size: int) -> str:

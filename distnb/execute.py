@@ -28,6 +28,8 @@ LIVENESS_SECONDS = 0.5
 POLL_SECONDS = 0.1
 #: Seconds to wait for the other ranks once one rank has failed, before interrupting them.
 FAILURE_GRACE = 5.0
+#: Rank messages a second the kernel takes in at most, by spacing its looks at large worlds (see intake_interval).
+INTAKE_RATE = 1000
 #: Seconds to wait for a finished rank's remaining output messages.
 OUTPUT_WAIT = 2.0
 #: Seconds to wait for ranks to stop together at a step boundary after the first SIGINT.
@@ -69,6 +71,7 @@ class Watch:
         self.next_liveness = time.monotonic() + LIVENESS_SECONDS
         self.hang = None  # set when ranks wait in a collective others never reached (see hangs.py)
         self.folder = LineFolder({"stdout": sys.stdout, "stderr": sys.stderr}, len(self.cluster.engine_ids))
+        self.next_intake = 0.0  # time.monotonic() of the next look at progress (intake_interval)
 
     def wait(self) -> list:
         """The per-rank results; RankError (after re-forming the group) or Interrupted otherwise."""
@@ -86,7 +89,7 @@ class Watch:
         except KeyboardInterrupt:
             user_interrupt = True
             self.interrupted |= self._interrupt_ranks()
-            self._poll()
+            self._poll(force=True)
         return self._conclude(user_interrupt)
 
     def _tick(self, bg) -> bool:
@@ -104,7 +107,7 @@ class Watch:
             deadline = time.monotonic() + OUTPUT_WAIT
             for ar in ars:
                 ar.wait_for_output(max(0.0, deadline - time.monotonic()))
-        self._poll()
+        self._poll(force=done)
         if done:
             return True
         failed = {r for r, ar in enumerate(ars) if ar.ready() and not ar.successful() and r not in self.dead}
@@ -185,7 +188,10 @@ class Watch:
                                            f"fresh world of {cluster.world_size} ranks"))
         return failures
 
-    def _poll(self) -> None:
+    def _poll(self, force: bool = False) -> None:
+        intake = self.state is not None and (force or time.monotonic() >= self.next_intake)
+        if intake:
+            self.next_intake = time.monotonic() + intake_interval(self.state.world_size)
         for rank, ar in enumerate(self.ars):
             if rank in self.show_ranks or (ar.ready() and not ar.successful()):  # a failed rank's output too
                 for stream_name in ("stdout", "stderr"):
@@ -199,11 +205,8 @@ class Watch:
                 self.wheres[rank] = data["distnb_where"]
                 if self.state is not None:
                     self.state.set_where(rank, data["distnb_where"])
-            if self.state is not None:
-                msg = data.get("distnb")
-                if msg:
-                    self.progress[rank] = msg
-                    self.state.update(rank, msg)
+            if intake:
+                take_progress(self.state, rank, data, self.progress)
         self.folder.flush()
         if self.view is not None:
             self.view.refresh()
@@ -226,6 +229,48 @@ class Watch:
             for r in stuck:
                 ars[r].wait(max(0.0, deadline - time.monotonic()))
         return {r for r in running if not (ars[r].ready() and ars[r].successful())}
+
+
+def intake_interval(world_size: int) -> float:
+    """Seconds between two looks at the ranks' progress: ``POLL_SECONDS``, longer above 100 ranks.
+
+    The kernel reads each rank's newest message at each look, so it takes in at most
+    ``world_size / interval`` rank messages a second; above ``INTAKE_RATE * POLL_SECONDS`` (100) ranks
+    the looks are spaced to keep that at :data:`INTAKE_RATE` (0.26 s at 256 ranks, 1.02 s at 1,024),
+    since each costs the kernel about 30-40 us. Nothing is lost: each message repeats its rank's newest
+    16 loss points (:data:`distnb.engine.report.TAIL`), 1.6 s of them at 10 messages a second.
+    Measured in benchmarks/scale_progress.py (issue 20).
+    """
+    return max(POLL_SECONDS, world_size / INTAKE_RATE)
+
+
+def take_progress(state, rank: int, data: dict, progress: dict) -> list:
+    """Feed the progress messages in one rank's ``AsyncResult.data`` to ``state``; the new ones.
+
+    ``data["distnb"]`` is the message of ``rank`` itself; ``data["distnb@R"]`` is rank R's, sent
+    on its behalf (a host's relay, :class:`distnb.engine.report.HostRelay`, or simulated ranks,
+    :mod:`distnb.engine.simulate`). ``progress`` maps each rank to the last message taken from
+    it; ipyparallel makes a new object for every message it receives, so one seen before
+    (the same object) is skipped without being read again.
+
+    Returns
+    -------
+    list of (int, dict)
+        ``(rank, message)`` for every message not taken before.
+    """
+    new = []
+    for key, msg in tuple(data.items()):  # ipyparallel's client thread adds to ``data`` meanwhile
+        if key == "distnb":
+            r = rank
+        elif key.startswith("distnb@"):
+            r = int(key[7:])
+        else:
+            continue
+        if msg and progress.get(r) is not msg:
+            progress[r] = msg
+            state.update(r, msg)
+            new.append((r, msg))
+    return new
 
 
 def recover(session) -> None:

@@ -91,6 +91,22 @@ def _restart(line):
     """
 
 
+@magic_arguments(name="dist scale")
+@argument("n", type=int, help="the new world size (ranks), at least 1, e.g. %%dist scale 3")
+@argument("--keep-global-batch", action="store_true", dest="keep_global_batch",
+          help="keep the global batch: the next cells' --batch-size (or --accumulate) is scaled for the new world, "
+               "e.g. %%dist scale 4 --keep-global-batch after 2 ranks x 64 trains 4 x 32")
+def _scale(line):
+    """Grow or shrink the running world to N ranks, keeping what the ranks hold: added engines start
+    (forked from the engine template), the highest ranks stop when shrinking, the process group is
+    formed again, and rank 0 broadcasts each ddp model with its optimizer, lr schedule, epoch and
+    sampler position, and the pushed names, to the added ranks. Scattered data is dealt again into
+    N shards. The next %%distrain continues training. The cell says how the global batch changed.
+
+    Example: %dist scale 3      then      %dist scale 2 --keep-global-batch
+    """
+
+
 @magic_arguments(name="dist status")
 def _status(line):
     """Table of rank, engine id, host, node_rank, local_rank, pid, device, backend, threads and liveness."""
@@ -221,7 +237,7 @@ def _cell(line):
     """
 
 
-VERBS = {"start": _start, "stop": _stop, "restart": _restart, "status": _status, "push": _push,
+VERBS = {"start": _start, "stop": _stop, "restart": _restart, "scale": _scale, "status": _status, "push": _push,
          "pull": _pull, "scatter": _scatter, "gather": _gather, "wait": _wait, "stop-training": _stop_training,
          "where": _where, "save": _save, "load": _load, "export": _export, "debug": _debug}
 
@@ -253,7 +269,8 @@ def _dist_doc():
 @declared_arguments(RunOptions)
 @argument("-o", "--output", default=None, help="also store the TrainResult under this notebook name")
 def _distrain(line):
-    """Train a notebook model on every rank with --strategy (ddp, fsdp, pipeline, tensor, ps); the body is one step."""
+    """Train a notebook model on every rank with --strategy (ddp, fsdp, pipeline, tensor, ps, fsdp+tensor); the body
+    is one step."""
 
 
 DISTRAIN_DOC = """Train a notebook model on every rank; the cell body is one training step.
@@ -278,6 +295,12 @@ Example::
 Model parallelism, the same body::
 
     %%distrain --model net --data train --epochs 3 --strategy pipeline --microbatches 4 --schedule 1f1b
+    x, y = batch
+    loss = F.cross_entropy(model(x), y)
+
+2-D parallelism on 4 ranks: tensor parallel within ranks 0-1 and 2-3, FSDP2 across the two pairs::
+
+    %%distrain --model net --data train --epochs 3 --strategy fsdp+tensor --mesh 2x2
     x, y = batch
     loss = F.cross_entropy(model(x), y)
 
@@ -363,6 +386,7 @@ _VERB_CALLS = {
     "start": lambda args, ns: _start_session(ns, _start_options(args)),
     "stop": lambda args, ns: _quiet(_current().stop()),
     "restart": lambda args, ns: _quiet(_session().restart(**_start_options(args))),
+    "scale": lambda args, ns: _quiet(_session().scale(args.n, keep_global_batch=args.keep_global_batch)),
     "status": lambda args, ns: _session().status(),
     "push": lambda args, ns: _quiet(_session().push(*args.names)),
     "pull": lambda args, ns: _bind(ns, args.output, _session().pull(args.name, rank=args.rank)),

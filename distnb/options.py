@@ -61,9 +61,10 @@ class Option:
         ``float``: any finite value (``--target-loss``).
     choices : tuple
         ``choice``: the allowed values.
-    strategy : str or None
-        The ``--strategy`` this option belongs to: a value other than the default with
-        another strategy is an error, and the option is part of how a model is distributed.
+    strategy : str, tuple of str, or None
+        The ``--strategy`` (or strategies) this option belongs to: a value other than the
+        default with another strategy is an error, and the option is part of how a model is
+        distributed (see :func:`strategies_of`).
     distribution : bool
         Part of how a model is distributed even without ``strategy`` (``--strategy`` itself,
         ``--find-unused-parameters``): see :func:`distribution_fields`.
@@ -93,7 +94,7 @@ class Option:
     maximum: float | None = None
     signed: bool = False
     choices: tuple = ()
-    strategy: str | None = None
+    strategy: str | tuple | None = None
     distribution: bool = False
     given: object = FIELD_DEFAULT
     label: str | None = None
@@ -175,6 +176,13 @@ def doc(*classes, internal=False, skip=()) -> str:
             lines += [f"{name} : {kind}"] + textwrap.wrap(opt.doc or opt.help, 92, initial_indent="    ",
                                                            subsequent_indent="    ")
     return "\n".join(lines)
+
+
+def strategies_of(opt: Option) -> tuple:
+    """The strategies an option belongs to (empty: every strategy)."""
+    if not opt.strategy:
+        return ()
+    return (opt.strategy,) if isinstance(opt.strategy, str) else tuple(opt.strategy)
 
 
 def distribution_fields(cls) -> tuple:
@@ -287,9 +295,11 @@ def check_fields(obj) -> None:
     strategy = getattr(obj, "strategy", None)
     foreign = {}
     for f, opt in declared(type(obj)):
-        if opt.strategy and opt.strategy != strategy and getattr(obj, f.name) != f.default:
-            foreign.setdefault(opt.strategy, []).append(label_of(f, opt))
-    for owner, labels in foreign.items():
+        owners = strategies_of(opt)
+        if owners and strategy not in owners and getattr(obj, f.name) != f.default:
+            foreign.setdefault(owners, []).append(label_of(f, opt))
+    for owners, labels in foreign.items():
+        owner = " or ".join(owners)
         what = f"{labels[0]} is a --strategy {owner} option" if len(labels) == 1 else \
             f"{', '.join(labels[:-1])} and {labels[-1]} are --strategy {owner} options"
         raise PlanError(f"{what} (this cell uses --strategy {strategy})")

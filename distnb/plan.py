@@ -26,6 +26,7 @@ STRATEGIES = {
     "fsdp": ("FSDP2 fully_shard", True),
     "pipeline": ("torch.distributed.pipelining", True),
     "tensor": ("DTensor tensor parallel", True),
+    "fsdp+tensor": ("FSDP2 across, tensor parallel within the --mesh", True),
     "ps": ("parameter server", True),
 }
 #: Pipeline schedules (torch.distributed.pipelining): GPipe (Huang et al. 2019) and 1F1B
@@ -38,6 +39,8 @@ BACKENDS = ("gloo", "nccl")
 BATCH_LAUNCHERS = ("slurm", "pbs", "sge", "lsf", "htcondor")
 #: ipyparallel engine launchers ``%dist start --launcher`` takes (ipyparallel's entry-point names).
 LAUNCHERS = ("local", "mpi", "ssh") + BATCH_LAUNCHERS
+#: What a cell does when an engine dies during it (``%dist start --on-failure``).
+FAILURE_POLICIES = ("stop", "restart", "shrink")
 #: Longest collective/rendezvous timeout ``%dist start --timeout`` takes, seconds.
 MAX_TIMEOUT = 7 * 24 * 3600
 #: Progress views of a training cell (auto: widgets in Jupyter, text elsewhere).
@@ -46,6 +49,32 @@ PROGRESS_MODES = ("auto", "widgets", "text", "none")
 PRECISIONS = ("fp32", "bf16", "fp16")
 #: Built-in learning-rate schedules of ``--lr-schedule`` (after ``--warmup-steps`` of linear warm-up).
 LR_SCHEDULES = ("cosine", "linear", "constant")
+
+
+def mesh_shape(mesh: str | None, world_size: int) -> tuple[int, int]:
+    """``--mesh DPxTP`` as ``(dp, tp)`` for ``world_size`` ranks (None: the default shape).
+
+    The default makes TP the largest divisor of ``world_size`` not above its square root
+    (4 ranks: 2x2, 8: 4x2, 2: 2x1), so both dimensions are used where the world allows.
+
+    Raises
+    ------
+    PlanError
+        If ``mesh`` is not two positive integers ``DPxTP`` whose product is ``world_size``;
+        the message names the world size and the shapes that fit it.
+    """
+    fits = [f"{world_size // t}x{t}" for t in range(1, world_size + 1) if world_size % t == 0]
+    fix = f"world_size is {world_size}: give DPxTP with DP * TP = {world_size}, e.g. --mesh {' or '.join(fits)}"
+    if mesh is None:
+        tp = max(t for t in range(1, world_size + 1) if world_size % t == 0 and t * t <= world_size)
+        return world_size // tp, tp
+    parts = mesh.lower().split("x") if isinstance(mesh, str) else []
+    if len(parts) != 2 or not all(p.isdigit() for p in parts) or 0 in (int(parts[0]), int(parts[1])):
+        raise PlanError(f"--mesh {mesh} is not DPxTP (two positive integers: FSDP size x tensor-parallel size); {fix}")
+    dp, tp = int(parts[0]), int(parts[1])
+    if dp * tp != world_size:
+        raise PlanError(f"--mesh {mesh} has {dp * tp} ranks ({dp} x {tp}) but {fix}")
+    return dp, tp
 
 
 def redistribution(last, key: tuple, generation: int) -> str:
@@ -109,7 +138,7 @@ class TrainPlan:
                            + "; default: the model's last one, ddp at first", choices=tuple(STRATEGIES),
                            distribution=True)
     fsdp_units: tuple | None = option(None, "names", "fsdp: comma-separated submodules that become FSDP units "
-                                      "(default: each child with parameters)", strategy="fsdp",
+                                      "(default: each child with parameters)", strategy=("fsdp", "fsdp+tensor"),
                                       doc="Names of the submodules that become FSDP units (each gets its own "
                                           "all-gather); None: every direct child that holds parameters. The root "
                                           "always is one.")
@@ -122,7 +151,16 @@ class TrainPlan:
     loss: str | None = option(None, "name", "pipeline: notebook function loss(output, target); default: the body's "
                               "`loss`", strategy="pipeline")
     tp_plan: str | None = option(None, "name", "tensor: notebook dict {submodule: ParallelStyle}; default: Linear "
-                                 "pairs column- then row-wise", strategy="tensor")
+                                 "pairs column- then row-wise", strategy=("tensor", "fsdp+tensor"))
+    mesh: str | None = option(None, "word", "fsdp+tensor: DPxTP, the 2-D device mesh, e.g. --mesh 2x2 on 4 ranks: "
+                              "tensor parallel within groups of TP consecutive ranks, FSDP across the DP groups "
+                              "(default: TP the largest divisor of world_size not above its square root)",
+                              strategy="fsdp+tensor",
+                              doc="``\"DPxTP\"`` with DP * TP = world_size, e.g. ``\"2x2\"``: ranks "
+                                  "``d*TP .. d*TP+TP-1`` split each layer (tensor parallel, ``--tp-plan``) and "
+                                  "train on data shard ``d``; the DP groups shard every parameter over each other "
+                                  "(FSDP2, ``--fsdp-units``). ``1xN`` is pure tensor parallel, ``Nx1`` pure FSDP. "
+                                  "None: TP is the largest divisor of world_size not above its square root.")
     checkpoint_dir: str | None = option(None, "path", "save model, optimizer and position there "
                                         "(torch.distributed.checkpoint); a model sent fresh to the ranks (e.g. after "
                                         "%%dist restart) resumes from the newest checkpoint there")
@@ -194,6 +232,9 @@ class TrainPlan:
                       "drop that step on every rank", choices=("stop", "skip"))
     report_interval: float = option(0.1, "float", "seconds between progress messages per rank (default: from "
                                     "progress, 0.1 for the dashboard, at most 10 a second)", cli=False, given=None)
+    relay_above: int = option(16, "int", "above this world size each host's local rank 0 relays its host's "
+                              "progress messages, so the kernel receives one message per host, not per rank "
+                              "(distnb.engine.report.HostRelay)", cli=False, minimum=1)
     lr_if_new: float | None = option(None, "float", "learning rate for an optimizer made new while lr is None (the "
                                      "kernel passes the last one the user gave)", cli=False, api=False)
     resume: bool = option(True, "flag", "a model the ranks receive fresh resumes from --checkpoint-dir's newest "
@@ -332,7 +373,7 @@ def carry_over(last: dict | None, given: dict) -> dict:
         name = f.name
         if name not in CARRIED or given.get(name) is not None or last.get(name, f.default) == f.default:
             continue
-        if opt.strategy is None or opt.strategy == strategy:
+        if not options.strategies_of(opt) or strategy in options.strategies_of(opt):
             kept[name] = last[name]
     return kept
 
@@ -400,6 +441,11 @@ class ClusterSpec:
     auto_restart: bool = option(False, "flag", "when an engine dies during a cell, start a fresh world of the same "
                                 "size at once (default off; on a running cluster this only switches the setting)",
                                 given=None)
+    on_failure: str = option("stop", "choice", "when an engine dies during a cell: stop (default; the cell fails, "
+                             "%%dist restart), restart (a fresh world at once, like --auto-restart) or shrink (the "
+                             "cell goes on on the survivors at the smaller world: ddp from the last completed step, "
+                             "fsdp/tensor from the newest --checkpoint-dir checkpoint), e.g. --on-failure shrink",
+                             choices=FAILURE_POLICIES, given=None)
     launcher: str | None = _where("local", "choice", "ipyparallel engine launcher: local (default; with --profile, "
                                   "the profile's), mpi (mpiexec), ssh, or a batch system "
                                   f"({', '.join(BATCH_LAUNCHERS)})", choices=LAUNCHERS, given=None,
@@ -447,4 +493,5 @@ for _cls in (TrainPlan, RunOptions, ClusterSpec):
     _cls.__doc__ += "\n    Parameters\n    ----------\n" + "\n".join(
         "    " + line for line in options.doc(_cls, internal=True).splitlines()) + "\n"
 __all__ = ["TrainPlan", "RunOptions", "ClusterSpec", "STRATEGIES", "SCHEDULES", "DEFAULT_LR", "BACKENDS", "LAUNCHERS",
-           "BATCH_LAUNCHERS", "MAX_TIMEOUT", "PRECISIONS", "LR_SCHEDULES", "PROGRESS_MODES", "PLACEMENT_OPTIONS", "redistribution", "check_int"]
+           "BATCH_LAUNCHERS", "MAX_TIMEOUT", "PRECISIONS", "LR_SCHEDULES", "PROGRESS_MODES", "PLACEMENT_OPTIONS", "redistribution", "check_int",
+           "mesh_shape"]

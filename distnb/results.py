@@ -195,7 +195,9 @@ def status_table(session, timeout: float) -> StatusTable:
                 pass
         base["threads"] = base.get("num_threads")
         rows.append(base)
-    table = StatusTable(rows)
+    # ranks whose model is on a named device mesh (--strategy fsdp+tensor) say where they sit in it
+    columns = StatusTable.columns + (("mesh",) if any(row.get("mesh") for row in rows) else ())
+    table = StatusTable(rows, columns)
     table.controller_pid = cluster.pids["controller"]
     table.store = f"{cluster.master_addr}:{cluster.master_port}"
     table.job_id = getattr(cluster, "job_id", None)

@@ -29,7 +29,7 @@ import contextlib
 import inspect
 import sys
 
-from . import background, calls, checkpoints, debugger, options, training
+from . import background, calls, checkpoints, debugger, options, scaling, shrinking, training
 from .background import BackgroundRun, check_idle
 from .cluster import Cluster
 from .data import reassemble, scatter as scatter_shards
@@ -39,6 +39,7 @@ from .errors import ClusterError, PlanError
 from .execute import run_on_ranks
 from .export import session_export
 from .plan import ClusterSpec, RunOptions, TrainPlan
+from .startup import differences as _differences, failure_policy, say_policy, say_ready as _say_ready
 from .results import StatusTable, TrainResult, WhereTable, status_table, where_table
 from .transfer import sweep_shm
 
@@ -63,7 +64,7 @@ def start(*args, ns=None, spec=None, quiet=False, **given) -> "Session":
         ``__main__``).
     spec : ClusterSpec, optional
         Start exactly this (what ``restart`` does); the options are then ignored, except
-        ``auto_restart``.
+        ``auto_restart`` and ``on_failure``.
     quiet : bool
         Print nothing.
     {options}
@@ -84,27 +85,25 @@ def start(*args, ns=None, spec=None, quiet=False, **given) -> "Session":
     """
     global _CURRENT
     bound = _START_SIGNATURE.bind(*args, **given)
-    explicit = {k: v for k, v in bound.arguments.items() if k != "auto_restart"}
+    explicit = {k: v for k, v in bound.arguments.items() if k not in ("auto_restart", "on_failure")}
     bound.apply_defaults()
     given = dict(bound.arguments)
-    auto_restart = given.pop("auto_restart")
-    if auto_restart is not None and not isinstance(auto_restart, bool):
-        raise PlanError(f"auto_restart must be True or False, got {auto_restart!r}")
+    policy = failure_policy(given.pop("auto_restart"), given.pop("on_failure"))
     auto_device = spec is None and given["backend"] is None
     if spec is None:  # bad options are errors, running cluster or not
         spec = default_spec(**given)
     if _CURRENT is not None and _CURRENT.running:
-        if auto_restart is not None and auto_restart != _CURRENT.auto_restart:
-            _CURRENT.auto_restart = auto_restart
+        if policy is not None and policy != _CURRENT.on_failure:
             if not quiet:
-                print(f"distnb: automatic restart after an engine death is now {'on' if auto_restart else 'off'}")
+                say_policy(policy, _CURRENT.on_failure)
+            _CURRENT.on_failure = policy
         if not quiet:
             print(f"distnb: a cluster of {_CURRENT.world_size} ranks is already running; keeping it "
                   f"{_differences(explicit, spec, _CURRENT.cluster.spec)}")
         return _CURRENT
     cluster = Cluster(spec, auto_device=auto_device, say=None if quiet else print).start()
     _CURRENT = Session(cluster, ns=ns)
-    _CURRENT.auto_restart = bool(auto_restart)
+    _CURRENT.on_failure = policy or "stop"
     atexit.register(_stop_at_exit)
     if not quiet:
         _say_ready(cluster)
@@ -121,33 +120,6 @@ start.__signature__ = _START_SIGNATURE.replace(parameters=[
     *_START_SIGNATURE.parameters.values(),
     *(inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=d) for k, d in
       (("ns", None), ("spec", None), ("quiet", False)))])
-
-
-def _differences(explicit: dict, asked: ClusterSpec, running: ClusterSpec) -> str:
-    """What a ``%dist start`` that keeps the running cluster says about the options it was given."""
-    changed = []
-    for keyword, value in explicit.items():
-        name = START_OPTIONS[keyword]
-        if getattr(asked, name) != getattr(running, name):
-            f, opt = next((f, o) for f, o in options.declared(ClusterSpec) if f.name == name)
-            show = ",".join(value) if isinstance(value, (tuple, list)) else value
-            changed.append((options.flags_of(f, opt)[0], show, getattr(running, name)))
-    if not changed:
-        return "(%dist restart starts a fresh one)"
-    said = ", ".join(f"{flag} {value} (running: {now})" for flag, value, now in changed)
-    return (f"and not these options, which differ from it: {said}; apply them with %dist restart "
-            + " ".join(f"{flag} {value}" for flag, value, _ in changed))
-
-
-def _say_ready(cluster) -> None:
-    spec = cluster.spec
-    hosts = f" on {count(cluster.num_nodes, 'host')}" if cluster.num_nodes > 1 else ""
-    threads = sorted({r.get("num_threads", spec.num_threads) for r in cluster.ranks})
-    print(f"distnb: {count(spec.num_engines, 'rank')}{hosts} ready ({spec.backend}, {spec.device_type}, "
-          f"{'-'.join(map(str, threads[::max(1, len(threads) - 1)]))} threads/rank) in "
-          f"{cluster.start_seconds:.1f} s")
-    if cluster.note:
-        print(f"distnb: {cluster.note}")
 
 
 def _stop_at_exit():
@@ -194,7 +166,7 @@ class Session:
         self.holdings = training.Holdings()  # what the ranks hold (models, data, pushed names, ...)
         self.last_result = None
         self._background = None  # a BackgroundRun while a %%distrain --background run is going on
-        self.auto_restart = False  # start a fresh world when an engine dies during a cell
+        self.on_failure = "stop"  # when an engine dies during a cell: stop, restart or shrink (--on-failure)
         self.last_where = {}  # rank -> where the running (or last) cell is on it (distnb.engine.where)
         self.last_error = None  # the last RankError of a cell: %dist debug's rank by default
 
@@ -202,6 +174,15 @@ class Session:
     @property
     def ns(self) -> dict:
         return self._ns if self._ns is not None else _user_ns()
+
+    @property
+    def auto_restart(self) -> bool:
+        """Whether a fresh world starts when an engine dies during a cell (``on_failure == "restart"``)."""
+        return self.on_failure == "restart"
+
+    @auto_restart.setter
+    def auto_restart(self, on: bool) -> None:
+        self.on_failure = "restart" if on else "stop"
 
     @property
     def running(self) -> bool:
@@ -279,19 +260,21 @@ class Session:
         ``given``: :func:`start`'s options (``restart(n=4)`` is ``%dist restart -n 4``).
         """
         spec = self.cluster.spec
-        auto = given.pop("auto_restart", None)
-        auto = self.auto_restart if auto is None else auto
+        policy = failure_policy(given.pop("auto_restart", None), given.pop("on_failure", None)) or self.on_failure
         if given:
             unknown = set(given) - set(START_OPTIONS)
             if unknown:
                 raise TypeError(f"restart() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
-            kept = {k: getattr(spec, f) for k, f in START_OPTIONS.items() if k != "auto_restart"}
+            kept = {k: getattr(spec, f) for k, f in START_OPTIONS.items() if k not in ("auto_restart", "on_failure")}
             spec = default_spec(**dict(kept, **given))
         held = self.holdings
         self.stop(quiet=True)
-        new = start(spec=spec, ns=self._ns, quiet=quiet, auto_restart=auto)
+        new = start(spec=spec, ns=self._ns, quiet=quiet, on_failure=policy)
         held.keep_across_restart(new.holdings)  # carried options, and how far the weights are: no resume goes back
         return new
+
+    def scale(self, n, keep_global_batch=False, quiet=False) -> dict:
+        return scaling.scale(self, n, keep_global_batch, quiet)
 
     def _restart_in_place(self) -> str:
         """After an engine death (``auto_restart``): a fresh world of the same spec in this session.
@@ -407,6 +390,7 @@ class Session:
         if not items:
             raise PlanError("push needs at least one name, e.g. %dist push MLP")
         ars = []
+        self.holdings.names.update(items)  # %dist scale hands them to added ranks
         with contextlib.ExitStack() as files:  # tensors: shared memory on one host, else zero-copy frames
             for name, value in items.items():
                 payload, descs, buffers = pack_named(name, value, " (the training cell reads it)" if auto else "")
@@ -438,8 +422,10 @@ class Session:
         Shards are dealt from a seeded permutation (see :mod:`distnb.engine.shard`);
         together they cover the data. On the ranks ``name`` is bound to the shard, with
         the same structure (tensor, tuple or dict of tensors). With ``num_shards`` smaller
-        than world_size, rank ``r`` gets shard ``r % num_shards`` (``num_shards=1``: every
-        rank holds the whole set, as model parallelism needs).
+        than world_size, the ranks go in blocks: rank ``r`` gets shard
+        ``r // (world_size // num_shards)`` (:func:`distnb.engine.shard.shard_index`; a tensor-parallel
+        group of a mesh reads one shard; ``num_shards=1``: every rank holds the whole set, as model
+        parallelism needs).
 
         Returns
         -------
@@ -515,7 +501,7 @@ class Session:
             except BaseException:
                 self._background = None
                 raise
-        return training.train_cell(self, code, model, data, run, given)
+        return shrinking.train_cell(self, code, model, data, run, given)  # training.train_cell; --on-failure
 
     # checkpoints -----------------------------------------------------------
     def _trained_model(self, model):
@@ -596,3 +582,4 @@ Session.train.__signature__ = options.signature(TrainPlan, RunOptions, first=[
 Session.train.__doc__ = Session.train.__doc__.replace("        {options}", "\n".join(
     "        " + line for line in options.doc(TrainPlan, RunOptions, skip=("model", "data")).splitlines()))
 Session.debug.__doc__ = debugger.debug.__doc__.replace("    session : distnb.session.Session\n", "")
+Session.scale.__doc__ = scaling.scale.__doc__

@@ -52,6 +52,12 @@ class Holdings:
     trained_steps : dict
         Model name -> the ranks' global optimizer step count the notebook's weights come from (the
         last cell that ended well); survives restarts, so a resume never goes backwards.
+    names : set
+        Notebook names pushed to the ranks (``%dist push``, a training body's names): ``%dist scale``
+        hands them to added ranks.
+    batch_world : int or None
+        After ``%dist scale --keep-global-batch``: the world size the cells' ``--batch-size`` and
+        ``--accumulate`` are written for (:func:`distnb.scaling.batch_for_world`).
     generation : int
         Bumps whenever the process group is re-formed.
     """
@@ -63,12 +69,14 @@ class Holdings:
     carried: dict = field(default_factory=dict)
     lr_of: dict = field(default_factory=dict)
     trained_steps: dict = field(default_factory=dict)
+    names: set = field(default_factory=set)
+    batch_world: int | None = None
     resume_steps: tuple = (None, None)  # (the notebook's, the newest checkpoint's) steps, for the cell's message
     generation: int = 0
 
     def forget(self) -> None:
         """Drop what the ranks held (they are gone); the user's optimizer choices stay."""
-        for held in (self.models, self.distributed, self.data, self.pushed):
+        for held in (self.models, self.distributed, self.data, self.pushed, self.names):
             held.clear()
 
     def remember(self, plan) -> None:
@@ -480,10 +488,11 @@ def train_cell(session, code, model, data, run, given):
             weights_back(session, plan.model, model_obj, best_effort=True)
             raise
         rows, stopped = exc.results, exc
-    except (RankError, KeyboardInterrupt):
+    except (RankError, KeyboardInterrupt) as exc:
         weights_back(session, plan.model, model_obj, best_effort=True)
         if plan.builtin_optimizer:  # a built-in optimizer was not what failed (a dead engine, the body, ...)
             session.holdings.remember(plan)
+        exc.plan = plan  # what --on-failure shrink goes on with (distnb.shrinking)
         raise
     result = finish(session, plan, model_obj, rows, time.perf_counter() - t0, num_shards, run.quiet, stopped)
     session.last_result = result

@@ -150,8 +150,10 @@ def load_state_into(model, keys, descs, sizes, flat) -> None:
     """Copy weights received from a rank into the kernel's ``model`` in place.
 
     ``flat`` is the flat array of :func:`distnb.engine.wire.flatten_state` or a
-    :class:`~distnb.engine.wire.ShmRef`; a shared-memory file is read straight into the
-    model's tensors (no copy of the state in the kernel's memory) and always unlinked.
+    :class:`~distnb.engine.wire.ShmRef` into the rank's outbox: then each tensor is copied
+    from the kernel's mapping of that segment straight into the model's own tensor (one
+    copy, into pages the model has touched; no copy of the state in the kernel's memory).
+    The rank keeps the segment for a later state.
     """
     import torch
 
@@ -162,36 +164,26 @@ def load_state_into(model, keys, descs, sizes, flat) -> None:
         with torch.no_grad():
             model.load_state_dict(state)
         return
-    try:
-        targets = model.state_dict(keep_vars=True)
-        if set(targets) != set(keys):  # let load_state_dict name the missing/unexpected keys
-            with torch.no_grad():
-                model.load_state_dict(wire.unflatten_state(keys, descs, sizes, flat))
-            return
-        rest, jobs, seen = {}, [], set()
+    targets = model.state_dict(keep_vars=True)
+    if set(targets) != set(keys):  # let load_state_dict name the missing/unexpected keys
+        with torch.no_grad():
+            model.load_state_dict(wire.unflatten_state(keys, descs, sizes, flat))
+        return
+    src = wire.segments_view(flat)
+    rest, seen = {}, set()
+    with torch.no_grad():
         for key, desc, offset, size in zip(keys, descs, flat.offsets, flat.sizes):
             t = targets[key].detach()
-            if (t.device.type == "cpu" and t.is_contiguous() and str(t.dtype).removeprefix("torch.") == desc[0]
-                    and tuple(t.shape) == tuple(desc[1]) and not t.is_conj() and not t.is_neg()
-                    and t.data_ptr() not in seen):  # tied weights: read once
-                seen.add(t.data_ptr())
-                jobs.append((t, offset, size))
-            elif t.data_ptr() not in seen or t.numel() == 0:  # other dtype, device or layout: load_state_dict converts
-                rest[key] = torch.empty(tuple(desc[1]), dtype=getattr(torch, desc[0]))
-                jobs.append((rest[key], offset, size))
-        fd = os.open(flat.path, os.O_RDONLY)
-        try:
-            wire.read_into(fd, jobs)  # straight into the model's own tensors
-        finally:
-            os.close(fd)
-        for key in targets:
-            if key not in rest:
-                torch.autograd.graph.increment_version(targets[key])  # as load_state_dict's copy_ would
+            got = src[offset:offset + size].view(getattr(torch, desc[0])).view(tuple(desc[1]))
+            if (t.device.type == "cpu" and t.dtype == got.dtype and t.shape == got.shape
+                    and not t.is_conj() and not t.is_neg()):
+                if t.data_ptr() not in seen or t.numel() == 0:  # tied weights: copied once
+                    seen.add(t.data_ptr())
+                    targets[key].copy_(got)  # bumps the version counter, as load_state_dict would
+            else:  # other dtype, device or layout: load_state_dict converts
+                rest[key] = got.clone()
         if rest:
-            with torch.no_grad():
-                model.load_state_dict(rest, strict=False)
-    finally:
-        flat.unlink()
+            model.load_state_dict(rest, strict=False)
 
 
 def shm_ranks(cluster) -> frozenset:
@@ -203,13 +195,13 @@ def shm_ranks(cluster) -> frozenset:
     """
     import uuid
 
-    from .engine import wire
+    from .engine import segments, wire
 
     known = getattr(cluster, "_distnb_shm_ranks", None)
     if known is not None:
         return known
     ok = frozenset()
-    if os.environ.get("DISTNB_SHM", "1") != "0" and os.path.isdir(wire.SHM_DIR):
+    if os.environ.get("DISTNB_SHM", "1") != "0" and os.path.isdir(segments.SHM_DIR):
         token = uuid.uuid4().hex
         path = wire.shm_path(os.getpid(), "probe")
         try:
@@ -228,14 +220,51 @@ def shm_ranks(cluster) -> frozenset:
     return ok
 
 
+#: The kernel's pool of shared-memory segments (models, objects and shards sent to the ranks).
+_POOL = None
+
+
+def _pool():
+    global _POOL
+    from .engine import segments
+
+    if _POOL is None or _POOL.owner_pid != os.getpid():
+        _POOL = segments.Pool(os.getpid(), "k")
+    return _POOL
+
+
+def _acquire(cluster, nbytes: int):
+    """A segment of ``nbytes`` from the kernel's pool, or None (no room in ``/dev/shm``).
+
+    When no free segment fits but some are lent out (data shards the ranks map copy-on-write),
+    the ranks are asked which they still map (:func:`distnb.engine.segments.held_segments`): the rest
+    are reused, their pages already touched.
+    """
+    from .engine import segments
+
+    pool = _pool()
+    if pool.lent and not any(nbytes <= s.size <= 2 * nbytes + segments.GRAIN for s in pool.free):
+        try:
+            ars = cluster.apply_all(calls.held_segments, os.getpid())
+            answers = cluster.wait_all(ars, timeout=cluster.spec.timeout, what="asking which data the ranks map")
+            pool.returned(set().union(*map(set, answers)))
+        except Exception:  # a rank that cannot answer may still map them: make a new segment
+            pass
+    try:
+        return pool.acquire(nbytes)
+    except OSError:  # no room in /dev/shm: send the bytes in the messages
+        return None
+
+
 @contextlib.contextmanager
 def outgoing(cluster, buffers, ranks=None):
     """The arguments that carry ``buffers`` to ``ranks`` (default all) in one transfer.
 
-    One shared-memory file, written once, when every receiving rank shares ``/dev/shm``
-    with the kernel (:func:`shm_ranks`) and it has room; else the buffers themselves
-    (ipyparallel zero-copy frames). The file is unlinked when the block ends, whether
-    the ranks succeeded or not.
+    One segment of the kernel's shared-memory pool, written once, when every receiving
+    rank shares ``/dev/shm`` with the kernel (:func:`shm_ranks`) and it has room (the ranks
+    copy out of it during the call); else the buffers themselves (ipyparallel zero-copy
+    frames). The segment goes back to the pool when the block ends, whether the ranks
+    succeeded or not.
 
     Yields
     ------
@@ -245,48 +274,50 @@ def outgoing(cluster, buffers, ranks=None):
     from .engine import wire
 
     ranks = range(cluster.world_size) if ranks is None else ranks
-    ref = None
+    seg = None
     if buffers and set(ranks) <= shm_ranks(cluster):
-        try:
-            ref = wire.write_shm(buffers, os.getpid(), "k")
-        except OSError:  # no room in /dev/shm: send the bytes in the messages
-            ref = None
+        seg = _acquire(cluster, wire.layout([len(b) for b in buffers])[1])
     try:
-        yield [ref] if ref is not None else list(buffers)
+        yield [wire.write_into(seg, buffers)] if seg is not None else list(buffers)
     finally:
-        if ref is not None:
-            ref.unlink()
+        if seg is not None:
+            _pool().release(seg)
 
 
 @contextlib.contextmanager
 def outgoing_rows(cluster, columns, index, ranks):
     """Like :func:`outgoing` for rows ``index`` of ``columns`` (a data shard): yields (descs, args).
 
-    In shared memory the rows are gathered straight into the file (no copy of the shard
-    in the kernel); otherwise they are gathered into new tensors sent as buffers.
+    In shared memory the rows are gathered straight into a pooled segment (no copy of the
+    shard in the kernel), which the ranks map copy-on-write: the segment stays lent until
+    they drop the shard. Otherwise the rows are gathered into new tensors sent as buffers.
     """
     from .engine import wire
 
-    ref = None
+    seg = None
     if set(ranks) <= shm_ranks(cluster):
-        try:
-            ref, descs = wire.write_shm_rows(columns, index, os.getpid(), "k")
-        except OSError:
-            ref = None
+        seg = _acquire(cluster, wire.rows_layout(columns, index)[2])
     try:
-        if ref is not None:
+        if seg is not None:
+            ref, descs = wire.write_rows_into(seg, columns, index)
             yield descs, [ref]
         else:
             cols = [c[index] for c in columns]
             yield [wire.describe(c) for c in cols], [wire.to_buffer(c) for c in cols]
     finally:
-        if ref is not None:
-            ref.unlink()
+        if seg is not None:
+            _pool().release(seg, lent=True)
 
 
 def sweep_shm() -> int:
-    """Remove shared-memory files this kernel's transfers left (after a crash); returns how many."""
+    """Remove this kernel's shared-memory files (its pool, the ranks' outboxes); returns how many."""
     from .engine import wire
+
+    global _POOL
+    if _POOL is not None:
+        _POOL.close()
+        _POOL = None
+    wire._MAPS.prune()
 
     return wire.sweep_shm(os.getpid())
 

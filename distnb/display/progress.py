@@ -85,6 +85,7 @@ class ProgressState:
         self.curves = [Series() for _ in range(world_size)]  # per rank: (step, loss)
         self.epoch_means = {}  # epoch -> mean loss over all ranks
         self.throughput = Series()  # (seconds since the first message, samples/s summed over ranks)
+        self.band = Series()  # (step, (mean, p10, p90) of the ranks' newest losses): display/aggregate.py
         self.validation = {}  # cell step -> (validation loss, metric or None), from rank 0's messages
         self.metric_name = None
         self.version = 0
@@ -94,30 +95,35 @@ class ProgressState:
         self._clock = clock
         self._t0 = None
         self._counts = [collections.deque() for _ in range(world_size)]  # per rank: (time, cumulative samples)
+        self._rate_parts = [0.0] * world_size  # per rank: its part of the throughput line's total
+        self._rate_total = 0.0
 
     def update(self, rank: int, msg: dict) -> bool:
         """Merge one rank message; returns True if anything changed."""
         if not msg or not 0 <= rank < self.world_size:
             return False
         row = self.rows[rank]
-        before = {k: row[k] for k in ROW_FIELDS}
+        row_changed = False
         for key in ROW_FIELDS:
-            if key in msg and msg[key] is not None:
-                row[key] = msg[key]
+            value = msg.get(key)
+            if value is not None and row[key] != value:
+                row[key] = value
+                row_changed = True
         curve = self.curves[rank]
-        new_points = [(step, value) for step, value in sorted((int(s), float(v)) for s, v in msg.get("points", ()))
-                      if curve.add(step, value)]
+        last = curve.last_x  # a message repeats its rank's newest points: convert only those not seen yet
+        fresh = [(int(s), float(v)) for s, v in msg.get("points", ()) if last is None or s > last]
+        new_points = [(step, value) for step, value in sorted(fresh) if curve.add(step, value)]
         for step, value in new_points:
             ema = row["smooth_loss"]
             row["smooth_loss"] = value if ema is None else ema + SMOOTHING * (value - ema)
         n_means, n_val = len(self.epoch_means), len(self.validation)
         for epoch, mean in msg.get("epoch_losses", ()):
-            self.epoch_means[int(epoch)] = float(mean)
+            if self.epoch_means.get(epoch) != mean:
+                self.epoch_means[int(epoch)] = float(mean)
         for step, loss, metric in msg.get("val_points", ()):  # the same figures on every rank
             self.validation[int(step)] = (float(loss), None if metric is None else float(metric))
         self.metric_name = msg.get("metric_name") or self.metric_name
-        changed = bool(new_points) or n_means != len(self.epoch_means) or n_val != len(self.validation) or \
-            before != {k: row[k] for k in ROW_FIELDS}
+        changed = bool(new_points) or n_means != len(self.epoch_means) or n_val != len(self.validation) or row_changed
         if changed:
             self.version += 1
             if "samples" in msg or "samples_per_s" in msg:
@@ -142,7 +148,10 @@ class ProgressState:
                 row["rate"] = (msg["samples"] - n_then) / (now - t_then)
         if self._t0 is None:
             self._t0 = now
-        total = sum(r["rate"] if r["rate"] is not None else (r["samples_per_s"] or 0.0) for r in self.rows)
+        part = row["rate"] if row["rate"] is not None else (row["samples_per_s"] or 0.0)
+        self._rate_total += part - self._rate_parts[rank]  # the sum over ranks, kept as ranks change: O(1)
+        self._rate_parts[rank] = part
+        total = self._rate_total
         t = now - self._t0
         points = self.throughput.points
         if points and t - points[-1][0] < 0.05:  # coalesce ranks reporting together

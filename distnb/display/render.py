@@ -90,12 +90,15 @@ def _bar(row, fraction) -> str:
             f"<div class='distnb-bar-fill' style='width:{pct:.1f}%;height:100%;background:{color}'></div></div>")
 
 
-def table_html(state) -> str:
+def table_html(state, ranks=None) -> str:
     """The per-rank table: rank, host, device, [stage], progress, loss, samples/s, times, memory, status.
 
     Parameters
     ----------
     state : ProgressState
+    ranks : iterable of int, optional
+        The rows to draw (a page of the table at scale); default every rank. Skews are
+        relative to the median over all ranks either way.
 
     Returns
     -------
@@ -112,7 +115,8 @@ def table_html(state) -> str:
     ths = "".join(f"<th style='{_CELL};text-align:{'left' if h in ('host', 'device', 'status') else 'right'};"
                   f"border-bottom:1px solid #ccc'>{esc(h)}</th>" for h in head)
     body = []
-    for r, row in enumerate(state.rows):
+    for r in range(state.world_size) if ranks is None else ranks:
+        row = state.rows[r]
         status = row["status"]
         bg = ROW_BG.get(status, "")
         frac = state.fraction(r)
@@ -185,6 +189,11 @@ def _plot(series, cls, title, width=300, height=130, ylabel_fmt="{:.3g}", xlabel
     legend_x = left + 4
     for points, color, stroke, pcls, label in series:
         if not points:
+            continue
+        if pcls.endswith("-band"):  # a closed area (its upper edge, then its lower edge back), already thinned
+            coords = " ".join([f"{left + sx * (x - x0):.1f},{top + h - sy * (y - lo):.1f}" for x, y in points])
+            out.append(f"<polygon class='{pcls}' points='{coords}' fill='{color}' fill-opacity='0.25' "
+                       f"stroke='none'><title>{esc(label)}</title></polygon>")
             continue
         coords = " ".join([f"{left + sx * (x - x0):.1f},{top + h - sy * (y - lo):.1f}" for x, y in thin(points)])
         out.append(f"<polyline class='{pcls}' points='{coords}' fill='none' stroke='{color}' "

@@ -4,9 +4,26 @@ from __future__ import annotations
 
 import sys
 
+from . import aggregate, scale
+
 
 def _fmt(x, spec):
     return "-" if x is None else format(x, spec)
+
+
+def _ranks_text(st) -> str:
+    """Each rank's samples/s, or above the scale threshold their spread and the slowest rank (one line)."""
+    if st.world_size <= aggregate.SCALE_THRESHOLD:
+        return "  ".join(f"rank {r['rank']} {_fmt(r['samples_per_s'], '.0f')} samples/s" for r in st.rows)
+    rates = aggregate.summary(aggregate.rank_values(st, "rate"))
+    slow = aggregate.slowest(st, 1)
+    text = f"{st.world_size} ranks"
+    if rates:
+        text += f" samples/s min {rates['min']:.0f} median {rates['median']:.0f} max {rates['max']:.0f}"
+    if slow:
+        s = slow[0]
+        text += f"  slowest rank {s['rank']} ({s['host']})" + ("" if s["skew"] is None else f" {100 * s['skew']:+.0f}%")
+    return text
 
 
 class TextProgress:
@@ -31,7 +48,7 @@ class TextProgress:
             self._epochs_shown.add(epoch)
             if i % every and i != st.epochs - 1:
                 continue
-            ranks = "  ".join(f"rank {r['rank']} {_fmt(r['samples_per_s'], '.0f')} samples/s" for r in st.rows)
+            ranks = _ranks_text(st)
             extra = ""
             if st.validation:
                 loss, metric = st.validation[max(st.validation)]
@@ -41,8 +58,14 @@ class TextProgress:
             if r.get("where") and r["status"] == "running" and self._where_shown.get(r["rank"]) != r["where"].rsplit(" for ", 1)[0]:
                 self._where_shown[r["rank"]] = r["where"].rsplit(" for ", 1)[0]
                 print(f"rank {r['rank']} is {r['where']}", file=self.stream)
-        for r in st.rows if final else ():
-            if r["status"] in ("failed", "interrupted") and self._status_shown.get(r["rank"]) != r["status"]:
+        shown = 0
+        for r in aggregate.attention(st) if final else ():
+            if self._status_shown.get(r["rank"]) != r["status"] and shown == scale.ATTENTION_ROWS:
+                left = sum(self._status_shown.get(x["rank"]) != x["status"] for x in aggregate.attention(st))
+                print(f"... and {left} more ranks failed or stopped", file=self.stream)
+                break
+            if self._status_shown.get(r["rank"]) != r["status"]:
+                shown += 1
                 self._status_shown[r["rank"]] = r["status"]
                 detail = f": {r['error']}" if r.get("error") else ""
                 # the cell's step count (the progress bar's), not the step within the epoch that the
@@ -54,10 +77,16 @@ class TextProgress:
 
     def close(self):
         self.refresh(final=True)
+        if self.state.world_size > aggregate.SCALE_THRESHOLD:  # at scale: the spread, not one line per rank
+            print("\n".join(scale.summary_text(self.state)), file=self.stream)
+            self.stream.flush()
 
 
 class NullView(TextProgress):
     """Shows nothing."""
 
     def refresh(self, final=False):
+        pass
+
+    def close(self):
         pass

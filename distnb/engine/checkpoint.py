@@ -145,7 +145,36 @@ def load(run, meta: dict, ns=None) -> None:
     run.strategy.load_checkpoint_state(run.optimizer, state["model"], state["optimizer"])
     run.epoch, run.epoch_step, run.steps = meta["epoch"], meta["epoch_step"], meta["steps"]
     run.epoch_samples = meta["epoch_samples"]
+    moved = _position(meta)
+    if moved is not None:  # saved by a world of another size (%dist scale, --on-failure shrink, restart -n)
+        run.epoch_samples, run.epoch_step = moved
     run.optimizer_steps = meta.get("optimizer_steps", run.steps)
     from .stepping import load_scheduler
 
     load_scheduler(run, meta.get("scheduler"), ns or {})  # the lr schedule, where it was
+
+
+def _position(meta: dict):
+    """(epoch_samples, epoch_step) of checkpoint ``meta`` on this world, when its data-parallel size differs; else None.
+
+    ``s`` positions on each of ``D`` data-parallel ranks are ``s * D`` samples of the epoch,
+    ``floor(s * D / D')`` positions on each of ``D'`` (as :func:`distnb.engine.elastic.convert_position`).
+    """
+    import math
+
+    from ..plan import TrainPlan
+    from . import strategies
+
+    world = runtime.STATE.world_size
+    saved = meta.get("world_size") or world
+    if saved == world or not meta.get("epoch_samples"):
+        return None
+    try:
+        plan = TrainPlan.from_dict(meta["plan"])
+    except Exception:  # a plan this version cannot read: the position as saved
+        return None
+    before, now = strategies.data_parallel_size(plan, saved), strategies.data_parallel_size(plan, world)
+    if before == now:
+        return None
+    samples = meta["epoch_samples"] * before // now
+    return samples, math.ceil(samples / max(1, plan.batch_size))

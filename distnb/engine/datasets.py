@@ -24,7 +24,9 @@ augmentation differs per epoch and per rank.
 
 Randomness is reproducible: before the first sample of an epoch, the process that loads it
 (the rank itself, or each DataLoader worker) seeds ``torch``, ``random`` and ``numpy`` from
-``(--seed, epoch, rank, worker id)``. ``--workers N`` loads in N DataLoader worker
+``(--seed, epoch, data shard, worker id)``; the data shard is the rank under data parallelism,
+and the ranks that share one (a tensor-parallel group, every rank of ``tensor`` or
+``pipeline``) draw the same random augmentations, as they must train on the same batches. ``--workers N`` loads in N DataLoader worker
 processes (forked, ``pin_memory`` on GPU ranks, ``persistent_workers`` between the epochs
 of one cell, ``--prefetch-factor``); they are ended when the cell ends, however it ends
 (:meth:`Source.close`). A sample that raises, samples that cannot be batched, a worker
@@ -140,8 +142,9 @@ class _Indexed(Dataset):
     known, so a failing sample is named by its index; the loader's own collate is the identity.
     """
 
-    def __init__(self, dataset, name, rank, seed, batcher):
+    def __init__(self, dataset, name, rank, seed, batcher, stream=None):
         self.dataset, self.name, self.rank, self.seed, self.batcher = dataset, name, rank, seed, batcher
+        self.stream = rank if stream is None else stream  # seeds the random streams (see Source.stream)
         self.epoch = None
 
     def __len__(self):
@@ -151,7 +154,7 @@ class _Indexed(Dataset):
         epoch, indices = key
         if epoch != self.epoch:  # the epoch's first batch in this process: its random streams start here
             self.epoch = epoch
-            seed_all(self.seed, epoch, self.rank, _worker_id() + 1)
+            seed_all(self.seed, epoch, self.stream, _worker_id() + 1)
             if callable(getattr(self.dataset, "set_epoch", None)):
                 self.dataset.set_epoch(epoch)
         samples = []
@@ -177,16 +180,18 @@ def _few(indices) -> str:
 class _Split(IterableDataset):
     """A stream cut into ``num_shards * workers`` disjoint parts; this process reads its part."""
 
-    def __init__(self, dataset, name, index, num_shards, rank, seed, first_epoch, batcher, batch_size, drop_last):
+    def __init__(self, dataset, name, index, num_shards, rank, seed, first_epoch, batcher, batch_size, drop_last,
+                 stream=None):
         self.dataset, self.name, self.index, self.num_shards = dataset, name, index, num_shards
         self.rank, self.seed, self.epoch, self.batcher = rank, seed, first_epoch - 1, batcher
+        self.stream = rank if stream is None else stream  # seeds the random streams (see Source.stream)
         self.batch_size, self.drop_last = batch_size, drop_last
 
     def __iter__(self):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         self.epoch += 1  # each iteration of this copy (one per epoch, in this process) is the next epoch
-        seed_all(self.seed, self.epoch, self.rank, _worker_id() + 1)
+        seed_all(self.seed, self.epoch, self.stream, _worker_id() + 1)
         if callable(getattr(self.dataset, "set_epoch", None)):
             self.dataset.set_epoch(self.epoch)
         part, parts = self.index * workers + worker, self.num_shards * workers
@@ -234,6 +239,9 @@ class Source:
         self.num_samples = None if kind == "stream" else self.length * (num_shards if kind == "part" else 1)
         self._loader = None
         self._assigned = None  # (seed, this rank's data-set indices) for kind "dataset"
+        #: What seeds the random streams with the epoch and worker: this rank's data shard, so
+        #: ranks that train on the same batches (a tensor-parallel group) draw the same samples.
+        self.stream = index
 
     def steps_per_epoch(self, plan) -> int:
         """Steps every rank runs per epoch (for a stream: ``--steps-per-epoch``, 0 when unknown)."""
@@ -317,10 +325,10 @@ class Source:
                            multiprocessing_context="fork")
         if self.kind == "stream":
             split = _Split(self.dataset, self.name, self.index, self.num_shards, rank, plan.seed, epoch, batcher,
-                           plan.batch_size, plan.drop_last)
+                           plan.batch_size, plan.drop_last, stream=self.stream)
             self._loader = DataLoader(split, batch_size=None, **workers)
         else:
-            self._loader = DataLoader(_Indexed(self.dataset, self.name, rank, plan.seed, batcher),
+            self._loader = DataLoader(_Indexed(self.dataset, self.name, rank, plan.seed, batcher, stream=self.stream),
                                       batch_sampler=_Keys(), collate_fn=_identity, **workers)
         return self._loader
 
@@ -409,10 +417,11 @@ def _install(ns, name, dataset, kind, num_shards):
     old = SOURCES.pop(name, None)
     if old is not None:
         old.close()
-    index = runtime.STATE.rank % num_shards
+    index = stream = sharding.shard_index(runtime.STATE.rank, runtime.STATE.world_size, num_shards)
     if kind == "stream" and per_rank:  # make() gave this rank its own stream: split it across workers only
         num_shards, index = 1, 0
     source = Source(name, dataset, kind, num_shards, index, ns)
+    source.stream = stream
     SOURCES[name] = source
     return dict(kind=kind, length=source.length)
 
@@ -427,7 +436,7 @@ def install_dataset(ns, name, kind, num_shards, payload, descs, *buffers):
     """
     obj = wire.loads(payload, descs, buffers)
     if kind == "part":
-        index = runtime.STATE.rank % num_shards
+        index = sharding.shard_index(runtime.STATE.rank, runtime.STATE.world_size, num_shards)
         obj = obj(index, num_shards)
     ns[name] = obj  # as a shard is bound to its name: on the ranks, NAME is this rank's data set
     return _install(ns, name, obj, kind, num_shards)

@@ -152,7 +152,7 @@ def _install_data(ns, directory, entry, plan, num_shards) -> None:
         saved = torch.load(os.path.join(directory, entry["file"]), weights_only=True)
         columns = saved["columns"]
         n = len(columns[0])
-        index = rank % num_shards
+        index = sharding.shard_index(rank, runtime.STATE.world_size, num_shards)
         idx = sharding.assign(n, num_shards, plan.seed)[index]  # the shard the kernel's scatter deals this rank
         cols = [c[idx] for c in columns]
         loop.install_shard(ns, name, n, num_shards, plan.seed, index, tuple(saved["structure"]),

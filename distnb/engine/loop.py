@@ -19,7 +19,7 @@ import torch
 from ..plan import DEFAULT_LR, STRATEGIES, TrainPlan, redistribution
 from . import batchnorm, checkpoint, collectives, datasets, postmortem, runtime, shard as sharding, stepping, wire
 from . import abort, where
-from .report import Reporter, publish_raw
+from .report import LINGER as RELAY_LINGER, Reporter, host_relay, publish_raw
 from . import strategies
 from .context import Context, StopRequest, _Stopped  # noqa: F401 - the cell's ctx and its stop
 from .validation import Validator
@@ -95,6 +95,8 @@ class Run:
         self.schedule_total = 0
         self.scaler = None  # fp16's GradScaler (its scale carries on between cells)
         self.eager_step_time = None  # seconds per step of the last cell without --compile
+        self.inherited = None  # a rank added by %dist scale: rank 0's optimizer state, until its next cell
+        self.cell_first_epoch = 0  # the epoch the last cell started at (--on-failure shrink counts from it)
 
     def count_forward(self, module, args):
         self.forwards += 1
@@ -113,6 +115,24 @@ def _drop_wrappers(ns):
 
 
 runtime.RELEASE_HOOKS.append(_drop_wrappers)
+
+
+def _mesh_info() -> dict:
+    """``%dist status``: this rank's coordinates in the mesh of each live model on a named mesh.
+
+    ``{"mesh": "dp=0 tp=1 of 2x2 (net)"}``; models on the same mesh share one entry (names
+    comma-separated), entries for different meshes are joined by ``; ``; ``{}`` when none is.
+    """
+    places = {}
+    for name, run in sorted(RUNS.items()):
+        where = run.strategy.mesh_coordinates() if run.strategy is not None else None
+        if where:
+            coords = " ".join(f"{k}={v}" for k, v in where.items() if k != "shape")
+            places.setdefault(f"{coords} of {where['shape']}" if "shape" in where else coords, []).append(name)
+    return {"mesh": "; ".join(f"{place} ({', '.join(names)})" for place, names in places.items())} if places else {}
+
+
+runtime.INFO_HOOKS.append(_mesh_info)
 
 
 def install_model(ns, name, payload, descs, *buffers):
@@ -221,9 +241,23 @@ def _run_body(ns, code, ctx, plan):
 
 
 def train(ns, plan_dict, code_text):
-    """Run one ``%%distrain`` cell on this rank; returns this rank's figures (dict)."""
-    postmortem.drop(ns)  # the next cell releases the frames the last failure kept
+    """Run one ``%%distrain`` cell on this rank; returns this rank's figures (dict).
+
+    Above ``plan.relay_above`` ranks, progress goes through the host's relay
+    (:func:`distnb.engine.report.host_relay`), closed when the cell ends, however it ends.
+    """
     plan = TrainPlan.from_dict(plan_dict)
+    st = runtime.STATE
+    relay = host_relay(st.world_size, st.local_rank or 0, st.node_rank, plan.relay_above)
+    try:
+        return _train(ns, plan, code_text, relay)
+    finally:
+        if relay is not None:
+            relay.close(linger=RELAY_LINGER if relay.leader else 0.0)
+
+
+def _train(ns, plan, code_text, relay):
+    postmortem.drop(ns)  # the next cell releases the frames the last failure kept
     st = runtime.STATE
     if st.broken:
         raise RuntimeError(f"rank {st.rank}: the process group is broken; the kernel must re-form it")
@@ -233,7 +267,8 @@ def train(ns, plan_dict, code_text):
         raise RuntimeError(f"rank {st.rank}: model {plan.model!r} or data {plan.data!r} "
                            f"{'' if plan.val_data is None else f'or {plan.val_data!r} '}was not sent")
     steps = data.steps_per_epoch(plan)
-    reporter = Reporter(st.rank, steps * plan.epochs, plan.epochs, interval=plan.report_interval)
+    reporter = Reporter(st.rank, steps * plan.epochs, plan.epochs, interval=plan.report_interval,
+                        publish=None if relay is None else relay.send)
     code = runtime.compile_cell(code_text, "distrain")
     stop = StopRequest().__enter__()
     try:
@@ -242,6 +277,7 @@ def train(ns, plan_dict, code_text):
             left = (data.epoch_length(plan) or 0) - run.epoch_samples
             if left <= 0 or (plan.drop_last and left < plan.batch_size):
                 run.epoch, run.epoch_step, run.epoch_samples = run.epoch + 1, 0, 0
+        run.cell_first_epoch = run.epoch
         run.plan_dict = plan.to_dict()
         reporter.extra.update(run.strategy.holdings())
         ctx = Context(plan, run, data, reporter, stop=stop)
@@ -358,6 +394,8 @@ def _prepare(ns, plan, run):
             run.optimizer = None  # its parameters belong to the old distribution
             run.scheduler = run.schedule_name = None
         run.generation, run.strategy_key = st.generation, key
+    if run.inherited is not None:  # a rank added by %dist scale: the optimizer and schedule rank 0 had
+        stepping.adopt_optimizer(ns, run, plan, _optimizer)
     meta = None
     if fresh and plan.checkpoint_dir and not plan.reset and plan.resume and checkpoint.latest(plan.checkpoint_dir):
         meta = checkpoint.read_meta(plan.checkpoint_dir)

@@ -13,12 +13,21 @@ waiting for peers, so a straggler stands out even when collectives equalise the 
 ``step_time``), ``peak_memory`` (bytes: the process's peak resident set on CPU, or
 ``torch.cuda.max_memory_allocated`` on a GPU; ``memory_kind`` says which) and, when a
 strategy sets it, ``stage`` (the pipeline stage this rank runs).
+
+A message goes to the kernel under the key ``"distnb"`` (the rank of the engine that sends it) or
+``"distnb@R"`` (:func:`rank_key`: rank R's message sent by another process, a host's relay
+(:class:`HostRelay`) or the simulated ranks of :mod:`distnb.engine.simulate`). ipyparallel merges
+each published dict into the cell's ``AsyncResult.data``, so per key the kernel reads the newest.
 """
 
 from __future__ import annotations
 
+import os
+import pickle
 import resource
+import socket
 import sys
+import threading
 import time
 
 
@@ -44,6 +53,11 @@ def publish_raw(payload: dict) -> None:
 
 def _default_publish(data: dict) -> None:
     publish_raw({"distnb": data})
+
+
+def rank_key(rank: int) -> str:
+    """The ``publish_data`` key of rank ``rank``'s progress sent on its behalf: ``"distnb@R"``."""
+    return f"distnb@{rank}"
 
 
 def peak_memory(device=None) -> tuple:
@@ -116,7 +130,15 @@ class Reporter:
         self.messages = 0
         self.device = device if device is not None else _engine_device()
         self.busy_time = None  # CPU seconds of the training thread per step (CPU devices only)
-        self._win_cpu0 = time.thread_time()
+        self._win_cpu0 = self._cpu_time()
+
+    def _cpu_time(self) -> float:
+        """CPU seconds of the training thread so far (``busy_time`` is its growth per step)."""
+        return time.thread_time()
+
+    def _memory(self) -> tuple:
+        """``(bytes, kind)`` of this rank's peak memory (:func:`peak_memory`)."""
+        return peak_memory(self.device)
 
     def record(self, loss, num_samples: int) -> None:
         """Count one finished step of ``num_samples`` samples whose loss tensor is ``loss``."""
@@ -141,7 +163,7 @@ class Reporter:
 
     def _flush(self, now: float) -> None:
         window = now - self._win_t0
-        cpu = time.thread_time()
+        cpu = self._cpu_time()
         if self._win_steps and window > 0:
             self.samples_per_s = self._win_samples / window
             self.step_time = window / self._win_steps
@@ -149,7 +171,7 @@ class Reporter:
             self.busy_time = None if on_gpu else (cpu - self._win_cpu0) / self._win_steps
         self._win_t0, self._win_samples, self._win_steps, self._win_cpu0 = now, 0, 0, cpu
         try:
-            memory, memory_kind = peak_memory(self.device)
+            memory, memory_kind = self._memory()
         except Exception:  # progress must never break training
             memory, memory_kind = None, None
         loss = None
@@ -170,3 +192,209 @@ class Reporter:
             self.publish(msg)
         except Exception:  # progress must never break training
             pass
+
+
+#: Seconds a host's rank may wait for its leader's socket to take a message that changes its status.
+STATUS_SEND_TIMEOUT = 0.5
+#: Seconds between two reads of the leader's socket (each rank sends at most 10 messages a second into it).
+DRAIN_SECONDS = 0.02
+
+
+#: Bundles a second the kernel receives at most from all hosts' relays together (see relay_interval).
+RELAY_RATE = 100
+
+
+def relay_interval(num_hosts: int, interval: float = 0.1) -> float:
+    """Seconds between a host leader's bundles: ``interval``, longer above ``RELAY_RATE * interval`` hosts.
+
+    The kernel then receives at most :data:`RELAY_RATE` bundles a second however many hosts
+    there are (0.32 s between bundles with 32 hosts, 1.28 s with 128); each bundle carries every
+    rank's newest message, whose :data:`TAIL` loss points (1.6 s at 10 messages a second) cover the gap. Measured in benchmarks/scale_progress.py.
+    """
+    return max(interval, num_hosts / RELAY_RATE)
+
+
+#: Statuses after which a rank sends nothing more in a cell.
+FINAL = frozenset({"done", "failed", "interrupted", "stopped"})
+#: Seconds a host's leader waits at the end of a cell for the final message of each rank it heard from.
+LINGER = 0.5
+
+
+def host_relay(world_size: int, local_rank: int, node_rank: int, relay_above: int):
+    """This rank's :class:`HostRelay` for a training cell, started; None at ``world_size <= relay_above``.
+
+    One relay per host and process group: the socket is named by the group's rendezvous
+    (``MASTER_ADDR``/``MASTER_PORT``, a fresh port per group) and the host's ``node_rank``, in
+    the temporary folder; the host's local rank 0 is its leader. The leader spaces its bundles
+    by :func:`relay_interval` of the number of hosts, estimated as ``world_size`` over the ranks
+    it hears from.
+    """
+    if world_size <= relay_above or SINK is not None:
+        return None
+    import tempfile
+
+    group = f"{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', '0')}-n{node_rank}"
+    path = os.path.join(tempfile.gettempdir(), f"distnb-relay-{os.getuid()}-{group}.sock")
+    relay = HostRelay(path, leader=local_rank == 0)
+    relay.world_size = world_size
+    return relay.start()
+
+
+class HostRelay:
+    """Per-host aggregation of progress: the kernel receives one message per host, not one per rank.
+
+    The host's leader (its local rank 0) binds a Unix datagram socket at ``path``; the host's other
+    ranks send their messages there instead of to the kernel (:meth:`send`, non-blocking: when the
+    socket is full a message is dropped, and the rank's next one, at most ``interval`` later,
+    supersedes it, since every message carries the rank's whole state and its newest
+    :data:`TAIL` loss points; a message that changes the rank's status, such as ``done``, waits
+    up to :data:`STATUS_SEND_TIMEOUT` for room instead). The leader reads the socket every
+    :data:`DRAIN_SECONDS` and every ``interval`` seconds (:meth:`tick`, from
+    :meth:`start`'s thread or called by its owner) publishes the newest
+    message of each rank heard from since the last flush, all in one ``publish_data`` call under
+    :func:`rank_key` keys, so a host of ``L`` ranks sends ``<= 1 / interval`` messages a second
+    to the kernel instead of ``L / interval``. Measured in ``benchmarks/scale_progress.py``
+    (benchmarks/README.md, issue 20). No torch collective is involved: the training path is not
+    touched. The two-level (tree-based) aggregation of monitoring data is MRNet's idea (Roth,
+    Arnold and Miller, "MRNet: A Software-Based Multicast/Reduction Network for Scalable Tools",
+    SC 2003).
+
+    Parameters
+    ----------
+    path : str
+        The socket's path (at most about 100 bytes, a Unix socket limit), shared by one host's ranks.
+    leader : bool
+        True on the host's local rank 0: bind ``path`` and publish; False: send to it.
+    interval : float
+        Seconds between the leader's messages to the kernel (default 0.1 s, 10 a second).
+    publish : callable, optional
+        ``publish(dict)``; default :func:`publish_raw`.
+
+    Attributes
+    ----------
+    sent, dropped, bundles : int
+        Messages sent to the leader, dropped because its socket was full (or not bound yet),
+        and bundles the leader published.
+    """
+
+    def __init__(self, path: str, leader: bool, interval: float = 0.1, publish=None):
+        self.path, self.leader, self.interval = path, bool(leader), float(interval)
+        self.publish = publish or publish_raw
+        self.pending = {}  # rank -> its newest message not yet published (the leader's)
+        self._lock = threading.Lock()  # the training thread's send and the relay thread's flush
+        self.sent = self.dropped = self.bundles = 0
+        self._published = 0.0  # time.monotonic() of the last bundle
+        self._statuses = {}  # rank -> the status of its last message that reached the leader (a member's)
+        self._thread = self._stop = None
+        self.world_size = None  # set: the leader spaces its bundles for world_size / (ranks heard) hosts
+        self._final = {}  # rank -> whether its newest message to the leader had a final status
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.setblocking(False)
+        if self.leader:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            self.sock.bind(path)
+
+    def send(self, msg: dict) -> None:
+        """One rank's message: to the leader's socket (a member), or into the next bundle (the leader)."""
+        if self.leader:
+            with self._lock:
+                self.pending[msg["rank"]] = msg
+                self._final[msg["rank"]] = msg.get("status") in FINAL
+            return
+        status_change = self._statuses.get(msg["rank"]) != msg["status"]
+        try:
+            if status_change:  # "done", "failed": the last word of a rank, never dropped while the leader reads
+                self.sock.settimeout(STATUS_SEND_TIMEOUT)
+            self.sock.sendto(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), self.path)
+            self.sent += 1
+            self._statuses[msg["rank"]] = msg["status"]
+        except OSError:  # full (BlockingIOError, a timeout), or the leader is not there (yet, or any more)
+            self.dropped += 1
+        finally:
+            if status_change:
+                self.sock.setblocking(False)
+
+    def drain(self) -> int:
+        """The leader: read every message waiting in the socket into :attr:`pending`; how many."""
+        n = 0
+        while True:
+            try:
+                data = self.sock.recv(1 << 20)
+            except (BlockingIOError, InterruptedError):
+                return n
+            msg = pickle.loads(data)
+            with self._lock:
+                self.pending[msg["rank"]] = msg
+                self._final[msg["rank"]] = msg.get("status") in FINAL
+            n += 1
+
+    def flush(self) -> int:
+        """The leader: drain, then publish what is pending as one bundle; the ranks it carried."""
+        if not self.leader:
+            return 0
+        self.drain()
+        with self._lock:
+            pending, self.pending = self.pending, {}
+        if not pending:
+            return 0
+        if self.world_size:
+            self.interval = relay_interval(-(-self.world_size // max(1, len(self._final))))
+        bundle = {rank_key(r): m for r, m in pending.items()}
+        try:
+            self.publish(bundle)
+            self.bundles += 1
+        except Exception:  # progress must never break training
+            pass
+        return len(bundle)
+
+    def tick(self, now: float | None = None) -> None:
+        """The leader: drain the socket, and publish once ``interval`` has passed since the last bundle.
+
+        Called every :data:`DRAIN_SECONDS`: a Unix datagram socket holds only a few
+        messages (``net.unix.max_dgram_qlen``, 10 by default on Linux), so it is read more often
+        than it is published.
+        """
+        now = time.monotonic() if now is None else now
+        if now - self._published >= self.interval:
+            self._published = now
+            self.flush()
+        else:
+            self.drain()
+
+    def start(self) -> "HostRelay":
+        """The leader: :meth:`tick` from a daemon thread until :meth:`close`."""
+        if self.leader and self._thread is None:
+            self._stop = threading.Event()
+
+            def loop():
+                while not self._stop.wait(DRAIN_SECONDS):
+                    self.tick()
+
+            self._thread = threading.Thread(target=loop, name="distnb-host-relay", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self, linger: float = 0.0) -> None:
+        """Stop; the leader waits up to ``linger`` seconds for late messages (less once every rank it
+        heard from sent its final status), flushes, and removes ``path``."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+        if self.leader:
+            deadline = time.monotonic() + linger
+            while time.monotonic() < deadline:
+                if not self.drain():
+                    with self._lock:
+                        if self._final and all(self._final.values()):
+                            break
+                    time.sleep(0.01)
+            self.flush()
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        self.sock.close()

@@ -39,6 +39,9 @@ class _State:
 STATE = _State()
 #: Callables that drop references to the process group (e.g. DDP wrappers), see release().
 RELEASE_HOOKS = []
+#: Callables returning a dict of more facts about this rank for :func:`info` (``%dist status``),
+#: e.g. its device-mesh coordinates; one that raises adds nothing.
+INFO_HOOKS = []
 
 
 def _init_group(master_addr: str, master_port: int) -> None:
@@ -235,13 +238,18 @@ def drop_captured_group(pg) -> int:
 
 
 def info(**extra) -> dict:
-    """This rank's identity: rank, pid, host, device, backend, group generation."""
+    """This rank's identity: rank, pid, host, device, backend, group generation (and :data:`INFO_HOOKS`' facts)."""
     import torch
 
     out = dict(rank=STATE.rank, pid=os.getpid(), host=STATE.host or socket.gethostname(), device=str(STATE.device),
                local_rank=STATE.local_rank, node_rank=STATE.node_rank,
                backend=STATE.backend, generation=STATE.generation, broken=STATE.broken,
                num_threads=torch.get_num_threads())
+    for hook in INFO_HOOKS:
+        try:
+            out.update(hook())
+        except Exception:  # a fact we cannot tell never hides the rank's identity
+            pass
     out.update(extra)
     return out
 

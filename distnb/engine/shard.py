@@ -57,6 +57,31 @@ def assign(num_samples: int, world_size: int, seed: int) -> list[torch.Tensor]:
     return [perm[r::world_size] for r in range(world_size)]
 
 
+def shard_index(rank: int, world_size: int, num_shards: int) -> int:
+    """The data shard that rank ``rank`` trains on, when ``num_shards`` shards serve ``world_size`` ranks.
+
+    The ranks of one shard are consecutive: ``world_size // num_shards`` of them per shard, as
+    a device mesh lays out its data-parallel dimension outermost (``--mesh DPxTP``: ranks
+    ``d * TP .. d * TP + TP - 1`` form tensor-parallel group ``d`` and read shard ``d``, the
+    layout of torchtitan's world mesh). With one shard per rank it is the rank; with one shard
+    (model parallelism: every rank the same batches) it is 0.
+
+    Raises
+    ------
+    ValueError
+        If ``num_shards`` does not divide ``world_size``.
+    """
+    if num_shards < 1 or world_size % num_shards:
+        raise ValueError(f"{num_shards} data shards do not divide world_size {world_size}")
+    return rank // (world_size // num_shards)
+
+
+def shard_ranks(index: int, world_size: int, num_shards: int) -> range:
+    """The ranks that train on shard ``index`` (the inverse of :func:`shard_index`)."""
+    per = world_size // num_shards
+    return range(index * per, (index + 1) * per)
+
+
 def shard_length(num_samples: int, world_size: int, rank: int) -> int:
     """Number of samples rank ``rank`` holds (as dealt by :func:`assign`)."""
     return max(0, math.ceil((num_samples - rank) / world_size))

@@ -160,6 +160,23 @@ def load_scheduler(run, saved, ns) -> None:
     run.schedule_name, run.schedule_total = saved["name"], saved["total"]
 
 
+def adopt_optimizer(ns: dict, run, plan, make_optimizer) -> None:
+    """On a rank added by ``%dist scale``, at the model's first cell: rank 0's optimizer and schedule, with their state.
+
+    ``make_optimizer(ns, run, plan)`` builds an optimizer for ``run`` (:func:`distnb.engine.loop._optimizer`).
+    A cell that names another optimizer gets a new one, as the surviving ranks do.
+    """
+    import dataclasses
+
+    held, run.inherited = run.inherited, None
+    key = held["optimizer_key"]
+    if key is None or plan.optimizer not in (None, key):
+        return
+    make_optimizer(ns, run, dataclasses.replace(plan, optimizer=key, lr=None))
+    load_scheduler(run, held["scheduler"], ns)  # before the optimizer's state: it sets initial_lr
+    run.optimizer.load_state_dict(held["optimizer"])
+
+
 def prepare_schedule(plan, run, total_steps: int, ns: dict, lr_given: bool) -> str:
     """A new schedule when the cell names one, else the live one (kept); returns a note ("" if none)."""
     if plan.lr_schedule is not None:
@@ -187,29 +204,54 @@ def prepare_schedule(plan, run, total_steps: int, ns: dict, lr_given: bool) -> s
 
 
 # -- gradient norm --------------------------------------------------------------------------
+def _share(t, world_size: int):
+    """How much of a DTensor's squared local norm this rank adds to the all-ranks sum, or None: count it once.
+
+    A DTensor on mesh ``M`` is held ``world_size / M.size()`` times over the world (a 2-D
+    strategy's whole layers live on its ``dp`` sub-mesh, repeated in every tensor-parallel
+    column), and within ``M`` each local piece ``R`` times (``R``: the product of the sizes of
+    the dimensions it is ``Replicate`` on). So every rank adds ``M.size() / (world_size * R)``
+    of its local square; 1 for a tensor sharded over all ranks (fsdp). None when the tensor
+    is whole on every rank (replicated over a mesh of all ranks): it counts once, locally.
+    """
+    mesh = t.device_mesh
+    size, copies = mesh.size(), 1
+    for dim, pl in enumerate(t.placements):
+        if pl.is_replicate():
+            copies *= mesh.size(dim)
+    if copies == size == world_size:
+        return None
+    return size / (world_size * copies)
+
+
 def total_norm(params, partitioned: bool, device) -> float:
     """The 2-norm of the gradients of the whole model, of which this rank holds ``params``' part.
 
-    DTensor gradients sharded over a mesh (fsdp, tensor) add their local squares over the
-    ranks; replicated ones (DTensor ``Replicate`` or plain tensors of ddp and tensor) count
-    once. With ``partitioned`` (pipeline: every rank holds other parameters), plain tensors
-    add over the ranks too. A collective whenever anything is summed: every rank calls it.
+    DTensor gradients sharded over a mesh (fsdp, tensor, fsdp+tensor) add their local squares
+    over the ranks, each weighted by :func:`_share` so that a piece held by several ranks
+    counts once; whole ones (DTensor ``Replicate`` on every rank, or plain tensors of ddp and
+    tensor) count once. With ``partitioned`` (pipeline: every rank holds other parameters),
+    plain tensors add over the ranks too. A collective whenever anything is summed: every
+    rank calls it.
     """
     summed = torch.zeros((), dtype=torch.float64, device=device)
     once = torch.zeros((), dtype=torch.float64, device=device)
     any_sharded = partitioned
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
     for p in params:
-        sharded = any(pl.is_shard() or pl.is_partial() for pl in getattr(p, "placements", ()))
-        any_sharded |= sharded  # decided by the parameters, the same on every rank, never by which have grads
+        share = _share(p, world_size) if hasattr(p, "placements") else None
+        any_sharded |= share is not None  # decided by the parameters, the same on every rank, never by grads
         g = p.grad
         if g is None:
             continue
         if hasattr(g, "to_local"):
-            local = g.to_local().detach().double().pow(2).sum()
-            if sharded or any(pl.is_shard() or pl.is_partial() for pl in g.placements):
-                summed += local.to(device)
+            local = g.to_local().detach().double().pow(2).sum().to(device)
+            if share is None and any(pl.is_shard() or pl.is_partial() for pl in g.placements):
+                share = 1.0
+            if share is None:
+                once += local
             else:
-                once += local.to(device)
+                summed += local if share == 1 else local * share
         elif partitioned:
             summed += g.detach().double().pow(2).sum().to(device)
         else:

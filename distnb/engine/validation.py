@@ -137,6 +137,9 @@ class Validator:
             sums = sums.to(self.device)
             dist.all_reduce(sums)
             sums = sums.cpu()
+            copies = dist.get_world_size() // self.data.num_shards
+            if copies > 1:  # the ranks of one shard (a tensor-parallel group) evaluated the same samples
+                sums /= copies
         loss_sum, count, metric_sum, metric_count, has_metric = sums.tolist()
         if has_metric:  # known on every rank (a pipeline's metric runs on its last stage only)
             self.metric_name = self.plan.metric or "accuracy"

@@ -5,15 +5,16 @@ plus its bytes. Objects that *contain* tensors (a model, a data set) travel as a
 whose tensors are replaced by persistent ids, with the tensor bytes alongside (see
 :mod:`distnb.transfer` for the kernel side). The bytes go one of two ways:
 
-- **Shared memory** (kernel and rank on one host): the sender writes every tensor's bytes
-  once into one file under ``/dev/shm`` (a tmpfs: the pages are RAM, never a disk) and
-  sends a small :class:`ShmRef` instead; receivers copy the bytes straight into their
-  tensors with ``preadv`` (models), or map the file copy-on-write (data shards, which are
-  read, not written: no copy at all). The file is unlinked as soon as every receiver has
-  its copy or mapping, and on any failure; a mapping keeps its pages alive after the
-  unlink. Whether a rank shares ``/dev/shm`` with the kernel is probed once per cluster
-  (:func:`probe_shm`); ``DISTNB_SHM=0`` turns the path off. On one host this moves a
-  400 MB model at several GB/s, against about 250 MiB/s per engine through ipyparallel.
+- **Shared memory** (kernel and rank on one host): the sender copies every tensor's bytes
+  once into a segment of its pool under ``/dev/shm`` (a tmpfs: the pages are RAM, never a
+  disk) and sends a small :class:`ShmRef` instead. Receivers copy the bytes into their tensors
+  (models: into memory a dropped model used), or map the segment copy-on-write (data shards,
+  which are read, not written: no copy at all). Segments, mappings and that memory are kept
+  and written again by the next transfer, so their pages are touched already
+  (:mod:`~distnb.engine.segments` says why and what it costs). Whether a rank shares
+  ``/dev/shm`` with the kernel is probed once per cluster (:func:`probe_shm`);
+  ``DISTNB_SHM=0`` turns the path off. On one host this moves a 400 MB model at several GB/s,
+  against about 250 MiB/s per engine through ipyparallel.
 - **ipyparallel buffers** (a rank on another host, or no usable ``/dev/shm``): one flat
   ``uint8`` numpy array per tensor, which ipyparallel sends as a zero-copy message
   frame (no pickling of tensor data).
@@ -28,20 +29,23 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import uuid
 import warnings
 
 import torch
 
-#: Where same-host transfers put their files: a tmpfs (``DISTNB_SHM_DIR`` overrides).
-SHM_DIR = os.environ.get("DISTNB_SHM_DIR", "/dev/shm")
+from . import segments
+from .segments import shm_path, sweep_shm  # noqa: F401  (the file names; used by the kernel too)
+
 #: Byte alignment of each tensor in a shared-memory file (any dtype can be viewed there).
 _ALIGN = 64
 #: Bytes per read/write call in a shared-memory transfer, and the threads that share big ones.
 _CHUNK = 8 << 20
 _IO_THREADS = max(1, min(4, os.cpu_count() or 1))
 #: Rank side: set by :func:`probe_shm` when the kernel's ``/dev/shm`` is visible here.
-_SHM = {"ok": False, "owner": None, "outstanding": []}
+_SHM = {"ok": False, "owner": None}
+#: This process's mappings of other processes' segments, and its memory for received models.
+_MAPS = segments.Maps()
+_ARENAS = segments.Arenas()
 
 
 def describe(t: torch.Tensor) -> tuple:
@@ -149,9 +153,10 @@ def loads(payload: bytes, descs, buffers):
 def flatten_state(state: dict):
     """Pack a state_dict for one message: (keys, descriptions, byte sizes, bytes).
 
-    ``bytes`` is a :class:`ShmRef` to a shared-memory file when this rank shares
-    ``/dev/shm`` with the kernel (:func:`probe_shm`; the kernel reads it into its model and
-    unlinks it), else one flat uint8 array.
+    ``bytes`` is a :class:`ShmRef` into this rank's outbox when it shares ``/dev/shm`` with
+    the kernel (:func:`probe_shm`): a segment of this rank's :class:`~.segments.Pool`, written
+    again by the next state but one (the kernel reads it into its model in between), else one
+    flat uint8 array.
     """
     import numpy as np
 
@@ -159,13 +164,11 @@ def flatten_state(state: dict):
     descs = [describe(state[k]) for k in keys]
     parts = [to_buffer(state[k]) for k in keys]
     if _SHM["ok"]:
-        drop_outstanding()  # a previous state the kernel never read (its cell failed)
         try:
-            ref = write_shm(parts, _SHM["owner"], f"r{os.environ.get('RANK', 'x')}")
+            ref = _send_state(parts)
         except OSError:  # /dev/shm full or gone: the message carries the bytes
             pass
         else:
-            _SHM["outstanding"].append(ref.path)
             return keys, descs, [len(p) for p in parts], ref
     flat = np.concatenate(parts) if parts else np.empty(0, dtype=np.uint8)
     return keys, descs, [len(p) for p in parts], flat
@@ -174,10 +177,11 @@ def flatten_state(state: dict):
 def unflatten_state(keys, descs, sizes, flat) -> dict:
     """Inverse of :func:`flatten_state`; the tensors are read-only views of ``flat``.
 
-    For a :class:`ShmRef` the tensors are read from the file (the caller unlinks it).
+    For a :class:`ShmRef` the tensors are copies read from the rank's outbox.
     """
     if isinstance(flat, ShmRef):
-        return dict(zip(keys, read_shm(flat, [d[:2] + (False, False) for d in descs])))
+        src = segments_view(flat)
+        return {k: _view(src, off, n, d).clone() for k, d, off, n in zip(keys, descs, flat.offsets, flat.sizes)}
     out, offset = {}, 0
     for k, d, n in zip(keys, descs, sizes):
         out[k] = from_buffer(d[:2] + (False, False), flat[offset:offset + n], copy=False)
@@ -193,7 +197,7 @@ class ShmRef:
     Attributes
     ----------
     path : str
-        The file (under :data:`SHM_DIR`).
+        The file (under :data:`~.segments.SHM_DIR`).
     offsets, sizes : list of int
         Byte offset and byte length of each tensor (offsets aligned to 64 bytes).
     """
@@ -225,12 +229,8 @@ class ShmRef:
         return f"ShmRef({self.path!r}, {len(self.sizes)} tensors, {self.nbytes} bytes)"
 
 
-def shm_path(owner_pid: int, tag: str) -> str:
-    """A fresh file name ``SHM_DIR/distnb-<owner_pid>-<tag>-<random>``."""
-    return os.path.join(SHM_DIR, f"distnb-{int(owner_pid)}-{tag}-{uuid.uuid4().hex}")
-
-
-def _layout(sizes) -> tuple:
+def layout(sizes) -> tuple:
+    """Byte offsets (64-byte aligned) of tensors of ``sizes`` bytes in one segment, and its length."""
     offsets, end = [], 0
     for n in sizes:
         offsets.append(end)
@@ -238,82 +238,35 @@ def _layout(sizes) -> tuple:
     return offsets, max(end, 1)
 
 
-def _create(path: str, total: int) -> int:
-    """Create ``path`` (owner-only) with ``total`` bytes of tmpfs pages reserved; returns the fd.
-
-    The pages are allocated up front (``posix_fallocate``): a full ``/dev/shm`` is an OSError
-    here, never a SIGBUS later when a mapping touches a page that cannot be backed.
-    """
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
-    try:
-        if hasattr(os, "posix_fallocate"):
-            os.posix_fallocate(fd, 0, total)
-        else:  # pragma: no cover - not Linux
-            os.ftruncate(fd, total)
-    except BaseException:
-        os.close(fd)
-        os.unlink(path)
-        raise
-    return fd
+def _view(base: torch.Tensor, offset: int, nbytes: int, desc: tuple) -> torch.Tensor:
+    """The tensor ``desc`` (dtype, shape, ...) at ``offset`` of a uint8 ``base``."""
+    return base[offset:offset + nbytes].view(getattr(torch, desc[0])).view(tuple(desc[1]))
 
 
-def _as_bytes(t: torch.Tensor):
-    """A writable memoryview of a contiguous CPU tensor's bytes (any dtype)."""
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()).cast("B")
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a flat uint8 tensor (``t`` contiguous; no copy)."""
+    return t.detach().reshape(-1).view(torch.uint8)
 
 
-def _io(fd: int, jobs, write: bool) -> None:
-    """``pwrite`` (``write``) or ``preadv`` each ``(writable memoryview, file offset)`` of ``jobs`` in full.
-
-    The bytes go in pieces of :data:`_CHUNK`, spread over up to :data:`_IO_THREADS` threads
-    for big transfers (the calls release the GIL; on a tmpfs they are memory copies).
-    """
-    pieces = [(view[a:a + _CHUNK], off + a) for view, off in jobs for a in range(0, len(view), _CHUNK)]
-
-    def one(piece):
-        view, off = piece
-        while len(view):
-            done = os.pwrite(fd, view, off) if write else os.preadv(fd, [view], off)
-            if done <= 0:
-                raise OSError(f"short {'write to' if write else 'read from'} shared memory at byte {off}")
-            view, off = view[done:], off + done
-
-    if _IO_THREADS < 2 or len(pieces) < 4:
-        for piece in pieces:
-            one(piece)
-        return
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(min(_IO_THREADS, len(pieces)), thread_name_prefix="distnb-io") as pool:
-        for _ in pool.map(one, pieces):
-            pass
+def write_into(seg, buffers) -> ShmRef:
+    """Copy ``buffers`` (flat uint8 arrays, see :func:`to_buffer`) into segment ``seg``; where they lie."""
+    views = [torch.from_numpy(b) if len(b) else torch.empty(0, dtype=torch.uint8) for b in buffers]
+    offsets, _ = layout([v.numel() for v in views])
+    for v, off in zip(views, offsets):
+        seg.base[off:off + v.numel()].copy_(v)
+    return ShmRef(seg.path, offsets, [v.numel() for v in views])
 
 
-def write_shm(buffers, owner_pid: int, tag: str) -> ShmRef:
-    """Write ``buffers`` (flat uint8 arrays, see :func:`to_buffer`) into one new shared-memory file.
-
-    Raises OSError (nothing left behind) if the file cannot be created or filled.
-    """
-    views = [memoryview(b).cast("B") for b in buffers]
-    sizes = [len(v) for v in views]
-    offsets, total = _layout(sizes)
-    path = shm_path(owner_pid, tag)
-    fd = _create(path, total)
-    try:
-        _io(fd, list(zip(views, offsets)), write=True)
-    except BaseException:
-        os.unlink(path)
-        raise
-    finally:
-        os.close(fd)
-    return ShmRef(path, offsets, sizes)
+def rows_layout(columns, index) -> tuple:
+    """``(descs, sizes, total bytes)`` of rows ``index`` of ``columns`` laid out in one segment."""
+    shapes = [(len(index),) + tuple(c.shape[1:]) for c in columns]
+    sizes = [int(torch.Size(s).numel()) * c.element_size() for s, c in zip(shapes, columns)]
+    descs = [(str(c.dtype).removeprefix("torch."), s, False, False) for c, s in zip(columns, shapes)]
+    return descs, sizes, layout(sizes)[1]
 
 
-def write_shm_rows(columns, index, owner_pid: int, tag: str) -> tuple:
-    """Write rows ``index`` of each column into one new shared-memory file.
-
-    Rows are gathered a few MB at a time into one reused buffer and written from there:
-    the kernel never holds a copy of the whole shard.
+def write_rows_into(seg, columns, index) -> tuple:
+    """Gather rows ``index`` of each column straight into segment ``seg`` (no copy in between).
 
     Returns
     -------
@@ -322,60 +275,48 @@ def write_shm_rows(columns, index, owner_pid: int, tag: str) -> tuple:
         :func:`describe` of each gathered column (shape ``(len(index), ...)``).
     """
     index = torch.as_tensor(index, dtype=torch.long)
-    shapes = [(len(index),) + tuple(c.shape[1:]) for c in columns]
-    sizes = [int(torch.Size(s).numel()) * c.element_size() for s, c in zip(shapes, columns)]
-    offsets, total = _layout(sizes)
-    path = shm_path(owner_pid, tag)
-    fd = _create(path, total)
-    try:
-        for c, shape, off, n in zip(columns, shapes, offsets, sizes):
-            if n == 0:
-                continue
-            src = c.detach()
-            if src.device.type != "cpu":
-                src = src.cpu()
-            row = n // len(index)
-            rows = max(1, _CHUNK // max(1, row))
-            tmp = torch.empty((min(rows, len(index)),) + tuple(shape[1:]), dtype=c.dtype)
-            for a in range(0, len(index), rows):
-                part = index[a:a + rows]
-                dest = tmp[:len(part)]
-                torch.index_select(src, 0, part, out=dest)
-                _io(fd, [(_as_bytes(dest), off + a * row)], write=True)
-    except BaseException:
-        os.unlink(path)
-        raise
-    finally:
-        os.close(fd)
-    descs = [(str(c.dtype).removeprefix("torch."), s, False, False) for c, s in zip(columns, shapes)]
-    return ShmRef(path, offsets, sizes), descs
+    descs, sizes, _ = rows_layout(columns, index)
+    offsets, _ = layout(sizes)
+    for c, d, off, n in zip(columns, descs, offsets, sizes):
+        if n:
+            src = c.detach() if c.device.type == "cpu" else c.detach().cpu()
+            torch.index_select(src, 0, index, out=_view(seg.base, off, n, d))
+    return ShmRef(seg.path, offsets, sizes), descs
+
+
+def segments_view(ref: ShmRef) -> torch.Tensor:
+    """uint8 view of what ``ref`` points at, through this process's kept mapping of the file."""
+    return _MAPS.view(ref.path, layout(ref.sizes)[1])
 
 
 def read_shm(ref: ShmRef, descs, mapped: bool = False) -> list:
-    """The tensors in ``ref``'s file: fresh tensors read with ``preadv``, or ``mapped`` copy-on-write."""
+    """The tensors in ``ref``'s segment: copied into an arena, or ``mapped`` copy-on-write (no copy)."""
+    total = layout(ref.sizes)[1]
     if mapped:
-        total = _layout(ref.sizes)[1]
-        base = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage.from_file(ref.path, False, total))
-        return [_finish(base[off:off + n].view(getattr(torch, d[0])).view(tuple(d[1])), d)
-                for d, off, n in zip(descs, ref.offsets, ref.sizes)]
-    out = [torch.empty(tuple(d[1]), dtype=getattr(torch, d[0])) for d in descs]
-    fd = os.open(ref.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        base = segments.borrow(ref.path, total)
+        return [_finish(_view(base, off, n, d), d) for d, off, n in zip(descs, ref.offsets, ref.sizes)]
+    src, dst = segments_view(ref), _ARENAS.take(total)
+    out = []
+    for d, off, n in zip(descs, ref.offsets, ref.sizes):
+        t = _view(dst, off, n, d)
+        if n:
+            _flat(t).copy_(src[off:off + n])
+        out.append(_finish(t, d))
+    return out
+
+
+def _send_state(parts) -> ShmRef:
+    """Rank side: ``parts`` into this rank's outbox; never the segment of the previous state."""
+    pool = _SHM.get("outbox")
+    if pool is None:
+        pool = _SHM["outbox"] = segments.Pool(_SHM["owner"], f"r{os.environ.get('RANK', 'x')}")
+    seg = pool.acquire(layout([len(p) for p in parts])[1], avoid=_SHM.get("last"))
     try:
-        read_into(fd, [(t, off, n) for t, off, n in zip(out, ref.offsets, ref.sizes)])
+        ref = write_into(seg, parts)
     finally:
-        os.close(fd)
-    return [_finish(t, d) for t, d in zip(out, descs)]
-
-
-def read_into(fd: int, targets) -> None:
-    """Fill contiguous CPU tensors from ``fd``: ``targets`` is a list of (tensor, file offset, bytes)."""
-    jobs = []
-    for t, offset, nbytes in targets:
-        view = _as_bytes(t) if nbytes else memoryview(b"")
-        if len(view) != nbytes:
-            raise ValueError(f"a tensor of {len(view)} bytes cannot take the {nbytes} bytes sent")
-        jobs.append((view, offset))
-    _io(fd, jobs, write=False)
+        pool.release(seg)
+    _SHM["last"] = seg.path
+    return ref
 
 
 def probe_shm(path: str, token: str, owner_pid: int) -> bool:
@@ -393,30 +334,13 @@ def probe_shm(path: str, token: str, owner_pid: int) -> bool:
 
 
 def drop_outstanding() -> None:
-    """Rank side: unlink the state files this rank wrote that the kernel never collected."""
-    while _SHM["outstanding"]:
-        try:
-            os.unlink(_SHM["outstanding"].pop())
-        except OSError:
-            pass
-
-
-def sweep_shm(owner_pid: int) -> int:
-    """Remove every ``distnb-<owner_pid>-*`` file in :data:`SHM_DIR`; returns how many."""
-    prefix = f"distnb-{int(owner_pid)}-"
-    removed = 0
-    try:
-        names = os.listdir(SHM_DIR)
-    except OSError:
-        return 0
-    for name in names:
-        if name.startswith(prefix):
-            try:
-                os.unlink(os.path.join(SHM_DIR, name))
-                removed += 1
-            except OSError:
-                pass
-    return removed
+    """Rank side: give back this rank's outbox, mappings and idle arenas (the group is being left)."""
+    pool = _SHM.pop("outbox", None)
+    if pool is not None:
+        pool.close()
+    _SHM.pop("last", None)
+    _ARENAS.clear()
+    _MAPS.prune()
 
 
 def bind(ns: dict, name: str, payload: bytes, descs, *buffers) -> None:

@@ -1,11 +1,10 @@
 """Same-host transfers through /dev/shm on the real 2-rank cluster, and the ipyparallel fallback.
 
 Models, pushed values and data shards arrive bit-exactly either way, the weights come back
-into the kernel's own tensors, each rank holds only its shard, and no transfer file is
-left behind (after success or failure).
+into the kernel's own tensors, each rank holds only its shard, segments are reused from one
+transfer to the next, and no file is left that a pool does not keep (after success or failure).
 """
 
-import glob
 import os
 
 import pytest
@@ -13,15 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from distnb import calls, transfer
-from distnb.engine import shard, wire
+from distnb.engine import shard
 from distnb.errors import RankError
+from support import shm
 from support.data import blobs, mlp
 
 BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
-
-
-def leftovers():
-    return glob.glob(os.path.join(wire.SHM_DIR, f"distnb-{os.getpid()}-*"))
 
 
 @pytest.fixture
@@ -73,7 +69,7 @@ def test_model_push_and_training_round_trip(dist_session, shell, request, path):
     # and a second cell continues from them
     r = dist_session.train(BODY, model=name, data="shm_data", epochs=1, batch_size=8, progress="none", quiet=True)
     assert r.epochs == [2]
-    assert leftovers() == []
+    assert shm.strays() == []
 
 
 def test_scatter_maps_only_its_shard(dist_session, shell):
@@ -92,7 +88,7 @@ def test_scatter_maps_only_its_shard(dist_session, shell):
         assert sizes[r] * 6 * 4 <= nbytes < 1001 * 6 * 4
     back = dist_session.gather("shm_xy")
     assert torch.equal(back[0], x) and torch.equal(back[1], y)
-    assert leftovers() == []
+    assert shm.strays() == []
 
 
 def test_scatter_fallback_gives_the_same_shards(dist_session, no_shm):
@@ -108,5 +104,38 @@ def test_failed_transfer_leaves_no_file_and_the_cluster_works(dist_session, shel
                    "shm_bad = {'big': torch.ones(1 << 16), 'bad': ShmUnpicklable()}")
     with pytest.raises(RankError, match="cannot be rebuilt here"):
         dist_session.push("shm_bad")
-    assert leftovers() == []
+    assert shm.strays() == []  # its segment went back to the pool
     assert dist_session.run("1 + 1") == ["2", "2"]
+
+
+def test_a_model_sent_again_reuses_the_kernels_segment_and_the_ranks_memory(dist_session, shell):
+    ns = shell.user_ns
+    torch.manual_seed(0)
+    ns["shm_again"] = torch.nn.Sequential(torch.nn.Linear(1000, 1500))  # 6 MB: an arena of a size of its own
+    dist_session.push("shm_again")
+    first = {s.path for s in transfer._pool().free}
+    dist_session.run("_ptr = shm_again.state_dict()['0.weight'].data_ptr()")
+    ptrs = dist_session.pull("_ptr")
+    dist_session.run("del shm_again")  # the ranks drop it: its memory is theirs to reuse
+    with torch.no_grad():
+        ns["shm_again"][0].weight.add_(1)
+    dist_session.push("shm_again")
+    assert {s.path for s in transfer._pool().free} == first  # written again, not made anew
+    dist_session.run("_ptr = shm_again.state_dict()['0.weight'].data_ptr()")
+    assert dist_session.pull("_ptr") == ptrs  # landed where the dropped copy was
+    for m in dist_session.pull("shm_again"):  # and holds the new weights
+        assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), ns["shm_again"].state_dict().values()))
+
+
+def test_scatter_again_reuses_the_segments_the_ranks_let_go(dist_session):
+    x = torch.randn(40_000, 160)  # shards of 12.8 MB: bigger than any other segment of this session
+    pool = transfer._pool()
+
+    def big():
+        return {s.path for s in [*pool.free, *pool.lent.values()] if s.size >= 12 << 20}
+
+    for i in range(4):  # each new shard arrives while the old one is still bound, then replaces it
+        dist_session.scatter("shm_sc", x + i)
+        assert torch.equal(dist_session.gather("shm_sc"), x + i)  # a reused segment never shows another's data
+    assert len(big()) <= 4  # made anew each time, it would be 8
+    assert shm.strays() == []

@@ -10,6 +10,7 @@ import torch
 
 from distnb import session as session_mod
 from distnb.errors import BusyError, RankError
+from support import shm
 
 SETUP = """import time
 import torch, torch.nn as nn, torch.nn.functional as F
@@ -101,7 +102,7 @@ def test_interrupting_wait_stops_the_run_like_stop_training(shell, capsys):
     res = run(shell, "%%distrain --model bg_net --data bg_train --epochs 1 --batch-size 16\n"
                      "x, y = batch\nloss = F.cross_entropy(model(x), y)")
     assert res.error_in_exec is None  # the next cell works
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"distnb-{os.getpid()}-")]
+    assert shm.strays() == []  # only the segments the transfers reuse
 
 
 def test_a_failed_background_run_raises_at_wait(shell, capsys):

@@ -28,7 +28,8 @@ def test_distrain_magic_train_keywords_and_plan_fields_are_one_set():
     assert params == _fields(TrainPlan, RunOptions, where="api")
     internal = declared - params
     assert internal == {"lr_if_new", "resume"}, "only the kernel's own bookkeeping is not a keyword"
-    assert params - magic == {"report_interval", "quiet"}, "Python-only options (set by --progress / no printing)"
+    assert params - magic == {"report_interval", "quiet", "relay_above"}, \
+        "Python-only options (set by --progress / no printing / the relay threshold, a tuning knob)"
 
 
 def test_dist_start_magic_start_keywords_and_spec_fields_are_one_set():
@@ -58,7 +59,8 @@ def test_an_option_declared_with_a_strategy_is_checked_and_part_of_the_distribut
     fields = options.distribution_fields(TrainPlan)
     assert fields[0] == "strategy" and "find_unused_parameters" in fields and "microbatches" in fields
     assert "epochs" not in fields and "lr" not in fields
-    with pytest.raises(PlanError, match=r"--tp-plan is a --strategy tensor option \(this cell uses --strategy ddp\)"):
+    with pytest.raises(PlanError, match=r"--tp-plan is a --strategy tensor or fsdp\+tensor option \(this cell uses "
+                                        r"--strategy ddp\)"):
         TrainPlan(model="m", data="d", tp_plan="plan")
 
 

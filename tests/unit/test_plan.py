@@ -27,7 +27,9 @@ def test_bad_values_name_the_option(field, value, needle):
 
 @pytest.mark.parametrize("options,needle", [
     (dict(strategy="ddp", split="a"), "--split is a --strategy pipeline option"),
-    (dict(strategy="fsdp", tp_plan="plan"), "--tp-plan is a --strategy tensor option"),
+    (dict(strategy="fsdp", tp_plan="plan"), r"--tp-plan is a --strategy tensor or fsdp\+tensor option"),
+    (dict(strategy="tensor", mesh="2x2"), r"--mesh is a --strategy fsdp\+tensor option \(this cell uses --strategy tensor\)"),
+    (dict(strategy="tensor", fsdp_units="a"), r"--fsdp-units is a --strategy fsdp or fsdp\+tensor option"),
     (dict(strategy="pipeline", servers=2), r"--servers is a --strategy ps option \(this cell uses --strategy pipeline\)"),
     (dict(strategy="ddp", servers=2, staleness=1), "--servers and --staleness are --strategy ps options"),
     (dict(strategy="tensor", schedule="1f1b"), "--schedule is a --strategy pipeline option"),

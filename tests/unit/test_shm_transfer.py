@@ -1,6 +1,8 @@
-"""The shared-memory path of the wire format (engine/wire.py, transfer.py), in one process.
+"""The shared-memory path of the wire format (engine/wire.py, engine/segments.py, transfer.py), in one process.
 
-Every file a transfer creates is gone afterwards, whether it succeeded or failed.
+Segments are kept and reused between transfers (their pages stay touched); a model received
+lands in memory a dropped model used; none of it aliases what is still alive. Every file is
+gone once the pools are closed (as when the cluster stops), whether transfers succeeded or not.
 """
 
 import contextlib
@@ -13,14 +15,16 @@ import torch
 import torch.nn as nn
 
 from distnb import transfer
-from distnb.engine import wire
+from distnb.engine import segments, wire
 
 
 @pytest.fixture
 def shm_dir(tmp_path, monkeypatch):
     """A private folder standing in for /dev/shm (same code path; files checked afterwards)."""
-    monkeypatch.setattr(wire, "SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(segments, "SHM_DIR", str(tmp_path))
     yield tmp_path
+    wire.drop_outstanding()  # a rank leaving its group: its outbox goes
+    transfer.sweep_shm()  # the cluster stopping: the kernel's pool goes
     assert os.listdir(tmp_path) == [], "a transfer left files behind"
 
 
@@ -29,7 +33,13 @@ def rank_shm(monkeypatch):
     """This process plays a rank whose probe succeeded (flatten_state writes shared memory)."""
     monkeypatch.setitem(wire._SHM, "ok", True)
     monkeypatch.setitem(wire._SHM, "owner", os.getpid())
-    monkeypatch.setitem(wire._SHM, "outstanding", [])
+
+
+def _sent(buffers):
+    """``buffers`` written into a segment of a pool of this test's own: (pool, ShmRef)."""
+    pool = segments.Pool(os.getpid(), "t")
+    seg = pool.acquire(wire.layout([len(b) for b in buffers])[1])
+    return pool, wire.write_into(seg, buffers)
 
 
 class FakeCluster:
@@ -54,34 +64,73 @@ class Tied(nn.Module):
 def test_write_read_round_trip(shm_dir, dtype):
     tensors = [(torch.arange(12) % 3).to(dtype).reshape(3, 4), torch.zeros(0, dtype=dtype),
                torch.arange(7).to(dtype)]
-    ref = wire.write_shm([wire.to_buffer(t) for t in tensors], os.getpid(), "t")
+    pool, ref = _sent([wire.to_buffer(t) for t in tensors])
     assert all(off % 64 == 0 for off in ref.offsets)
     descs = [wire.describe(t) for t in tensors]
     for mapped in (False, True):
         back = wire.read_shm(ref, descs, mapped=mapped)
         for a, b in zip(back, tensors):
             assert a.dtype == dtype and torch.equal(a, b)
-    ref.unlink()
+    pool.close()
 
 
-def test_big_transfer_uses_chunks_and_threads(shm_dir, monkeypatch):
-    monkeypatch.setattr(wire, "_CHUNK", 4096)  # many pieces, spread over threads
-    t = torch.randn(100_003)  # not a multiple of the chunk
-    ref = wire.write_shm([wire.to_buffer(t), wire.to_buffer(t[:5].clone())], os.getpid(), "t")
-    (a, b) = wire.read_shm(ref, [wire.describe(t), wire.describe(t[:5])])
-    assert torch.equal(a, t) and torch.equal(b, t[:5])
-    ref.unlink()
-
-
-def test_mapped_read_is_copy_on_write(shm_dir):
+def test_mapped_read_is_copy_on_write_and_held_until_dropped(shm_dir):
     t = torch.arange(1000, dtype=torch.float32)
-    ref = wire.write_shm([wire.to_buffer(t)], os.getpid(), "t")
+    pool, ref = _sent([wire.to_buffer(t)])
     (m,) = wire.read_shm(ref, [wire.describe(t)], mapped=True)
+    assert segments.held_segments(os.getpid()) == [ref.path]
     m.mul_(2)  # a rank writing to its shard changes only its own copy
     (again,) = wire.read_shm(ref, [wire.describe(t)])
     assert torch.equal(again, t) and torch.equal(m, t * 2)
-    ref.unlink()  # the mapping outlives the name
-    assert torch.equal(m, t * 2)
+    view = m[10:20]
+    del m
+    assert segments.held_segments(os.getpid()) == [ref.path]  # a view still maps it
+    del view
+    assert segments.held_segments(os.getpid()) == []
+    pool.close()
+
+
+def test_pool_reuses_segments_and_gives_back_beyond_the_idle_budget(shm_dir, monkeypatch):
+    pool = segments.Pool(os.getpid(), "t")
+    a = pool.acquire(3 << 20)
+    assert a.size == 3 << 20 and pool.acquire(1).path != a.path  # busy: not handed out twice
+    pool.release(a)
+    assert pool.acquire(2 << 20).path == a.path  # the smallest free one that fits: its pages touched
+    pool.release(a)
+    small = pool.acquire(1 << 10)
+    assert small.path != a.path and small.size == 1 << 20  # not one of more than twice the size
+    pool.release(small)
+    assert pool.acquire(3 << 20).path == a.path
+    monkeypatch.setattr(segments, "IDLE_BYTES", 1 << 20)
+    pool.release(a)  # beyond the budget: unlinked
+    assert not os.path.exists(a.path) and pool.free == [small]
+    b = pool.acquire(10)
+    assert b is small
+    pool.release(b, lent=True)  # a reader maps it copy-on-write
+    other = pool.acquire(10)
+    assert other.path != b.path
+    pool.release(other)
+    pool.returned({b.path})  # still held
+    assert b.path in pool.lent
+    pool.returned(set())  # dropped: free again (and the budget keeps one of the two)
+    assert len(pool.free) == 1 and not pool.lent
+    pool.close()
+    assert os.listdir(shm_dir) == []
+
+
+def test_models_received_again_land_in_the_memory_of_a_dropped_one(shm_dir):
+    t = torch.randn(300_000)
+    pool, ref = _sent([wire.to_buffer(t)])
+    (first,) = wire.read_shm(ref, [wire.describe(t)])
+    (second,) = wire.read_shm(ref, [wire.describe(t)])
+    assert first.data_ptr() != second.data_ptr()  # the first is alive: its memory is not reused
+    second.add_(1)
+    assert torch.equal(first, t) and torch.equal(second, t + 1)
+    ptr = first.data_ptr()
+    del first
+    (third,) = wire.read_shm(ref, [wire.describe(t)])
+    assert third.data_ptr() == ptr and torch.equal(third, t)  # touched pages, the right bytes
+    pool.close()
 
 
 def test_loads_from_shared_memory_keeps_params_ties_and_buffers(shm_dir):
@@ -97,23 +146,26 @@ def test_loads_from_shared_memory_keeps_params_ties_and_buffers(shm_dir):
     assert not torch.equal(m2.emb.weight, m.emb.weight)
 
 
-def test_outgoing_unlinks_on_failure_and_falls_back(shm_dir, monkeypatch):
+def test_outgoing_gives_its_segment_back_on_failure_and_falls_back(shm_dir, monkeypatch):
     buffers = [wire.to_buffer(torch.ones(10))]
     with pytest.raises(RuntimeError):
         with transfer.outgoing(FakeCluster(), buffers) as sent:
             assert isinstance(sent[0], wire.ShmRef) and os.path.exists(sent[0].path)
             raise RuntimeError("a rank failed")
+    assert [s.path for s in transfer._pool().free] == [sent[0].path] and not transfer._pool().busy
+    with transfer.outgoing(FakeCluster(), buffers) as again:  # the next transfer reuses it
+        assert again[0].path == sent[0].path
     # a rank that cannot see the kernel's /dev/shm: the bytes go in the messages
     with transfer.outgoing(FakeCluster(shm=(0,)), buffers) as sent:
         assert sent == buffers
     # /dev/shm full: the same
-    monkeypatch.setattr(wire, "_create", lambda path, total: (_ for _ in ()).throw(OSError(28, "No space left")))
+    transfer.sweep_shm()
+    monkeypatch.setattr(segments, "Segment", lambda path, size: (_ for _ in ()).throw(OSError(28, "No space left")))
     with transfer.outgoing(FakeCluster(), buffers) as sent:
         assert sent == buffers
 
 
-def test_rows_written_in_place_equal_fancy_indexing(shm_dir, monkeypatch):
-    monkeypatch.setattr(wire, "_CHUNK", 256)  # several gather chunks per column
+def test_rows_written_in_place_equal_fancy_indexing(shm_dir):
     x = torch.randn(101, 3, 4)
     y = torch.arange(101)
     flags = torch.arange(101) % 2 == 0
@@ -121,6 +173,7 @@ def test_rows_written_in_place_equal_fancy_indexing(shm_dir, monkeypatch):
     with transfer.outgoing_rows(FakeCluster(), [x, y, flags], idx, ranks=[0]) as (descs, sent):
         assert isinstance(sent[0], wire.ShmRef)
         cols = wire.receive(descs, sent, mapped=True)
+    assert list(transfer._pool().lent) == [sent[0].path]  # the rank maps it: not reused yet
     for got, full in zip(cols, (x, y, flags)):
         assert torch.equal(got, full[idx]) and got.dtype == full.dtype
     # ipyparallel fallback gives the same
@@ -137,14 +190,12 @@ def test_state_back_is_read_into_the_models_own_tensors(shm_dir, rank_shm):
     ptrs = {k: v.data_ptr() for k, v in dst.state_dict().items()}
     versions = {k: v._version for k, v in dst.state_dict(keep_vars=True).items()}
     keys, descs, sizes, ref = wire.flatten_state(src.state_dict())
-    assert isinstance(ref, wire.ShmRef) and wire._SHM["outstanding"] == [ref.path]
+    assert isinstance(ref, wire.ShmRef)
     transfer.load_state_into(dst, keys, descs, sizes, ref)
-    assert not os.path.exists(ref.path)
     for k, v in dst.state_dict().items():
         assert torch.equal(v, src.state_dict()[k]) and v.data_ptr() == ptrs[k]  # in place, no new tensors
     # the version counters moved, so the kernel notices the model changed (fingerprint)
     assert all(v._version > versions[k] for k, v in dst.state_dict(keep_vars=True).items() if v.numel())
-    wire.drop_outstanding()  # already collected: nothing to do, no error
 
 
 def test_state_back_converts_other_dtypes_and_reports_wrong_keys(shm_dir, rank_shm):
@@ -155,23 +206,23 @@ def test_state_back_converts_other_dtypes_and_reports_wrong_keys(shm_dir, rank_s
     packed = wire.flatten_state({"other": torch.ones(2)})
     with pytest.raises(RuntimeError, match="Missing key"):
         transfer.load_state_into(dst, *packed)
-    assert not os.path.exists(packed[3].path)  # unlinked even though loading failed
 
 
-def test_uncollected_state_is_dropped_by_the_next_one(shm_dir, rank_shm):
-    first = wire.flatten_state({"a": torch.ones(3)})[3]
-    second = wire.flatten_state({"a": torch.zeros(3)})[3]  # the kernel never read `first`
-    assert not os.path.exists(first.path) and os.path.exists(second.path)
-    wire.drop_outstanding()
-    assert not os.path.exists(second.path)
+def test_a_rank_never_overwrites_the_state_the_kernel_may_still_read(shm_dir, rank_shm):
+    refs = [wire.flatten_state({"a": torch.full((3,), float(i))})[3] for i in range(4)]
+    assert refs[0].path != refs[1].path and refs[2].path == refs[0].path and refs[3].path == refs[1].path
+    got = wire.unflatten_state(["a"], [wire.describe(torch.ones(3))], [12], refs[3])
+    assert torch.equal(got["a"], torch.full((3,), 3.0))
+    wire.drop_outstanding()  # leaving the group: the outbox is unlinked
+    assert os.listdir(shm_dir) == []
 
 
 def test_sweep_removes_only_the_owners_files(shm_dir):
-    mine = wire.write_shm([np.zeros(8, np.uint8)], 4242, "k")
-    other = wire.write_shm([np.zeros(8, np.uint8)], 4243, "k")
+    mine, other = segments.Pool(4242, "k"), segments.Pool(4243, "k")
+    a, b = mine.acquire(8), other.acquire(8)
     assert wire.sweep_shm(4242) == 1
-    assert not os.path.exists(mine.path) and os.path.exists(other.path)
-    other.unlink()
+    assert not os.path.exists(a.path) and os.path.exists(b.path)
+    other.close()
 
 
 def test_probe(shm_dir):
@@ -189,7 +240,8 @@ def test_probe(shm_dir):
 
 
 def test_real_dev_shm_left_clean():
-    """Against the real /dev/shm (when there is one): a full round trip leaves nothing."""
+    """Against the real /dev/shm (when there is one): the pool's segment stays for the next transfer
+    and is gone when the cluster stops (``sweep_shm``)."""
     if not os.path.isdir("/dev/shm"):
         pytest.skip("no /dev/shm")
     before = set(glob.glob(f"/dev/shm/distnb-{os.getpid()}-*"))
@@ -198,4 +250,6 @@ def test_real_dev_shm_left_clean():
         sent = stack.enter_context(transfer.outgoing(FakeCluster(), [wire.to_buffer(t)]))
         (back,) = wire.receive([wire.describe(t)], sent)
     assert torch.equal(back, t)
+    assert set(glob.glob(f"/dev/shm/distnb-{os.getpid()}-*")) == before | {sent[0].path}
+    transfer.sweep_shm()
     assert set(glob.glob(f"/dev/shm/distnb-{os.getpid()}-*")) == before

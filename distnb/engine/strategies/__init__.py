@@ -15,7 +15,8 @@ Each module defines a :class:`Strategy` subclass; :func:`build` picks it by
   on every rank);
 - ``checkpoint_state(opt)`` / ``load_checkpoint_state(...)``: what torch.distributed.checkpoint
   saves and restores for this rank;
-- ``holdings()``: what this rank holds (parameter bytes, stage, ...).
+- ``holdings()``: what this rank holds (parameter bytes, stage, ...);
+- ``mesh_coordinates()``: where this rank sits in a named device mesh (``%dist status``).
 
 Every ``step`` validates the body's ``loss`` with :func:`check_loss`.
 
@@ -95,7 +96,12 @@ class Strategy:
 
     @classmethod
     def data_parallel_size(cls, plan, world_size: int) -> int:
-        """Number of data shards (ranks that see different samples)."""
+        """Number of data shards (ranks that see different samples); it divides ``world_size``.
+
+        With fewer shards than ranks, the ranks of one shard are consecutive
+        (:func:`distnb.engine.shard.shard_index`): a strategy on a mesh puts its
+        data-parallel dimension outermost.
+        """
         return world_size if cls.data_parallel else 1
 
     # rank side -------------------------------------------------------------------
@@ -171,6 +177,14 @@ class Strategy:
 
         set_state_dict(self.module, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
 
+    def mesh_coordinates(self) -> dict | None:
+        """This rank's coordinates in a named device mesh (``{"dp": 0, "tp": 1, "shape": "2x2"}``), or None.
+
+        Shown by ``%dist status``; strategies on a 1-D mesh over all ranks (where the coordinate
+        is the rank) and without one return None.
+        """
+        return None
+
     def holdings(self) -> dict:
         """What this rank holds: ``param_bytes`` (bytes of parameters stored here) and more."""
         return dict(param_bytes=sum(tensor_bytes(p) for p in self.module.parameters()))
@@ -220,11 +234,12 @@ def strategy_class(name: str) -> type:
     """The :class:`Strategy` subclass for ``name`` (imports its module, named as the strategy).
 
     Which strategies exist, and whether distributing one changes the module in place, is
-    declared once in :data:`distnb.plan.STRATEGIES`.
+    declared once in :data:`distnb.plan.STRATEGIES`; a composed strategy's module replaces ``+``
+    by ``_`` (``fsdp+tensor``: ``fsdp_tensor.py``).
     """
     if name not in STRATEGIES:
         raise StrategyError(f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}")
-    module = importlib.import_module(f"{__name__}.{name}")
+    module = importlib.import_module(f"{__name__}.{name.replace('+', '_')}")  # fsdp+tensor: fsdp_tensor.py
     return module.STRATEGY
 
 

@@ -37,6 +37,9 @@ from . import Strategy, StrategyError, gathered_state, tensor_bytes
 #: shape compare equal, so no set). DTensor's caches keep them (and so the process group)
 #: alive after their model is gone: released at teardown.
 _MESHES: dict[int, weakref.ref] = {}
+#: Meshes of two or more dimensions by (device type, shape, names, group generation): made
+#: once per process group and reused (see :func:`make_mesh`); dropped at teardown.
+_GRIDS: dict[tuple, object] = {}
 
 
 def _has_params(module) -> bool:
@@ -72,23 +75,10 @@ class FSDP(Strategy):
 
     def __init__(self, module, plan, device, ns):
         import torch.distributed as dist
-        from torch.distributed.fsdp import fully_shard
 
         super().__init__(module, plan, device, ns)
-        self.units = list(dict.fromkeys(plan.fsdp_units)) if plan.fsdp_units else default_units(module)
-        # innermost first: a unit inside another must be sharded before its parent
-        self.units.sort(key=lambda n: -n.count("."))
-        self.mesh = make_mesh(device.type, dist.get_world_size())
-        kwargs = {}
-        if plan.precision in ("bf16", "fp16"):  # compute in low precision, reduce gradients in fp32
-            import torch
-            from torch.distributed.fsdp import MixedPrecisionPolicy
-
-            dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float16
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        for unit in self.units:
-            fully_shard(module.get_submodule(unit), mesh=self.mesh, **kwargs)
-        fully_shard(module, mesh=self.mesh, **kwargs)
+        self.mesh = make_mesh(device.type, (dist.get_world_size(),))
+        self.units = shard(module, plan, self.mesh)
         self.model = module
         self._optimizer = None
 
@@ -138,14 +128,62 @@ class FSDP(Strategy):
         self._optimizer = None
 
 
-def make_mesh(device_type: str, world_size: int):
-    """A 1-D device mesh over all ranks of the default process group (remembered for teardown)."""
+def shard(module, plan, mesh) -> list[str]:
+    """``fully_shard`` the ``plan``'s units of ``module`` over ``mesh``, innermost first, then the root.
+
+    Units are ``plan.fsdp_units`` or :func:`default_units`; with ``--precision bf16/fp16`` the
+    forward computes in that dtype and gradients are reduced in fp32 (``MixedPrecisionPolicy``).
+    ``mesh``: the 1-D mesh FSDP shards over (all ranks for fsdp, the ``dp`` dimension of a
+    2-D mesh for fsdp+tensor). A collective: every rank of the group calls it.
+
+    Returns
+    -------
+    list of str
+        The units sharded, innermost first (the root, ``""``, not listed).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    units = list(dict.fromkeys(plan.fsdp_units)) if plan.fsdp_units else default_units(module)
+    units.sort(key=lambda n: -n.count("."))  # a unit inside another must be sharded before its parent
+    kwargs = {}
+    if plan.precision in ("bf16", "fp16"):  # compute in low precision, reduce gradients in fp32
+        import torch
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float16
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for unit in units:
+        fully_shard(module.get_submodule(unit), mesh=mesh, **kwargs)
+    fully_shard(module, mesh=mesh, **kwargs)
+    return units
+
+
+def make_mesh(device_type: str, shape: tuple, names: tuple | None = None):
+    """A device mesh of ``shape`` over all ranks of the default process group (remembered for teardown).
+
+    ``shape``: ``(world_size,)`` for a 1-D mesh, ``(dp, tp)`` with ``names`` ``("dp", "tp")``
+    for a 2-D one (``init_device_mesh``: the last dimension varies fastest, so ranks
+    ``d * tp .. d * tp + tp - 1`` share ``dp`` coordinate ``d``).
+
+    A mesh of two or more dimensions makes a new process group per dimension on every rank
+    (a collective), so it is made once per process group and shape and then reused: a model
+    sent again gets the same mesh, and no groups pile up. Reusing it is also what keeps it
+    working: DTensor caches sharding decisions by mesh *equality*, so a new but equal mesh
+    can meet the groups of the old one, which must therefore stay alive until the whole
+    group is torn down (:func:`_release_meshes`).
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device_type, (world_size,))
-    for key in [k for k, ref in _MESHES.items() if ref() is None]:
-        del _MESHES[key]
+    shape = tuple(shape)
+    key = (device_type, shape, names, runtime.STATE.generation)
+    if len(shape) > 1 and key in _GRIDS:
+        return _GRIDS[key]
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    for old in [k for k, ref in _MESHES.items() if ref() is None]:
+        del _MESHES[old]
     _MESHES[id(mesh)] = weakref.ref(mesh)
+    if len(shape) > 1:
+        _GRIDS[key] = mesh
     return mesh
 
 
@@ -154,12 +192,13 @@ def _release_meshes(ns) -> None:
     for ref in list(_MESHES.values()):
         release_group(ref(), None)
     _MESHES.clear()
+    _GRIDS.clear()
 
 
 runtime.RELEASE_HOOKS.append(_release_meshes)
 
 
-def release_group(mesh, module) -> None:
+def release_group(mesh, module, meshes: bool = True) -> None:
     """Drop what a device mesh and FSDP2 state keep of the process group (best effort).
 
     Called by ``close()`` just before the group is destroyed (a failed rank, a re-formed
@@ -169,9 +208,12 @@ def release_group(mesh, module) -> None:
     gloo's connections, and a peer blocked in a collective waits for the whole timeout
     instead of failing at once. These are private attributes of torch 2.13 (hence best
     effort): after this, ``module`` can run no collective; the kernel sends the model again.
+
+    ``meshes=False``: drop only ``module``'s own references, not those of the meshes its FSDP
+    state names (a reused mesh, see :func:`make_mesh`, keeps them until teardown).
     """
     try:
-        meshes = [mesh] if mesh is not None else []
+        found = [mesh] if mesh is not None else []
         if module is not None:
             from torch.distributed.fsdp import FSDPModule
 
@@ -182,11 +224,12 @@ def release_group(mesh, module) -> None:
                 for info in (getattr(group, "mesh_info", None), getattr(group, "post_forward_mesh_info", None)):
                     if info is None:
                         continue
-                    meshes.append(getattr(info, "mesh", None))
+                    if meshes:
+                        found.append(getattr(info, "mesh", None))
                     for attr in ("shard_process_group", "reduce_scatter_process_group", "replicate_process_group"):
                         if getattr(info, attr, None) is not None:
                             setattr(info, attr, None)
-        for m in meshes:
+        for m in found:
             registry = getattr(m, "_pg_registry", None)
             if isinstance(registry, dict):
                 registry.clear()

@@ -130,8 +130,12 @@ def _split_dims(style, layer):
                         "nn.Linear and nn.Embedding")
 
 
-def check_plan(tp_plan, module, world_size: int, where: str) -> None:
-    """Raise :class:`StrategyError` unless ``tp_plan`` fits ``module`` on ``world_size`` ranks."""
+def check_plan(tp_plan, module, world_size: int, where: str, degree: str = "") -> None:
+    """Raise :class:`StrategyError` unless ``tp_plan`` fits ``module`` split over ``world_size`` ranks.
+
+    ``degree``: how the message names that number and its fix (default: the world size, fixed
+    with ``-n``); fsdp+tensor passes its mesh's tensor-parallel size.
+    """
     from torch.distributed.tensor.parallel import ParallelStyle
 
     if not isinstance(tp_plan, dict) or not tp_plan:
@@ -155,9 +159,34 @@ def check_plan(tp_plan, module, world_size: int, where: str) -> None:
                 raise StrategyError(f"{where}[{key!r}]: {name or 'the model'} {exc}") from None
             if split is not None and split[2] % world_size:
                 how, dim, size = split
+                what = degree or f"world_size {world_size}; resize the layer, use -n dividing {size}"
                 raise StrategyError(f"{where}: {name} is split {how} but its {dim} ({size}) is not divisible by "
-                                    f"world_size {world_size}; resize the layer, use -n dividing {size}, or leave "
-                                    f"it out of the plan (--tp-plan)")
+                                    f"{what}, or leave it out of the plan (--tp-plan)")
+
+
+def resolve_plan(module, plan, ns) -> tuple[dict, list[str]]:
+    """Rank side: (``{submodule name: ParallelStyle}``, names left replicated) for ``plan``.
+
+    ``--tp-plan NAME``: the dict ``NAME`` in the engine namespace ``ns``; else
+    :func:`default_plan` and the ``nn.Linear`` layers it leaves whole.
+
+    Raises
+    ------
+    NameError
+        If ``--tp-plan`` names nothing on this rank.
+    """
+    import torch.distributed as dist
+
+    if plan.tp_plan is not None:
+        if plan.tp_plan not in ns:
+            raise NameError(f"--tp-plan {plan.tp_plan!r} is not defined on rank {dist.get_rank()}")
+        return ns[plan.tp_plan], []
+    return default_plan(module), default_pairs(module)[1]
+
+
+def plan_label(plan) -> str:
+    """How errors name the plan: ``--tp-plan NAME``, or ``tensor plan`` for the default one."""
+    return f"--tp-plan {plan.tp_plan}" if plan.tp_plan else "tensor plan"
 
 
 class Tensor(Strategy):
@@ -182,15 +211,10 @@ class Tensor(Strategy):
         from torch.distributed.tensor.parallel import parallelize_module
 
         super().__init__(module, plan, device, ns)
-        if plan.tp_plan is not None:
-            if plan.tp_plan not in ns:
-                raise NameError(f"--tp-plan {plan.tp_plan!r} is not defined on rank {dist.get_rank()}")
-            self.tp_plan, self.replicated = ns[plan.tp_plan], []
-        else:
-            self.tp_plan, self.replicated = default_plan(module), default_pairs(module)[1]
         world_size = dist.get_world_size()
-        check_plan(self.tp_plan, module, world_size, f"--tp-plan {plan.tp_plan}" if plan.tp_plan else "tensor plan")
-        self.mesh = make_mesh(device.type, world_size)
+        self.tp_plan, self.replicated = resolve_plan(module, plan, ns)
+        check_plan(self.tp_plan, module, world_size, plan_label(plan))
+        self.mesh = make_mesh(device.type, (world_size,))
         parallelize_module(module, self.mesh, self.tp_plan)
         self.model = module
         self._optimizer = None
@@ -200,15 +224,7 @@ class Tensor(Strategy):
     @classmethod
     def check(cls, plan, module, world_size: int) -> None:
         super().check(plan, module, world_size)
-        if plan.tp_plan is not None:
-            return  # the dict lives in the kernel namespace: see check_names
-        pairs, _ = default_pairs(module)
-        if not pairs:
-            raise StrategyError(f"{type(module).__name__} has no two consecutive nn.Linear layers (out_features "
-                                "of the first = in_features of the second, only activations between) to split; "
-                                "pass --tp-plan NAME, a dict {submodule name: ColwiseParallel() / "
-                                "RowwiseParallel()}")
-        check_plan(default_plan(module), module, world_size, "tensor plan")
+        check_default(plan, module, world_size)
 
     @classmethod
     def check_names(cls, plan, module, world_size: int, ns) -> None:
@@ -224,11 +240,7 @@ class Tensor(Strategy):
         try:
             return super().step(ns, code, ctx)
         except (RuntimeError, IndexError, ValueError) as exc:
-            if self.plan.tp_plan is None and exc.args and isinstance(exc.args[0], str):
-                exc.args = (f"{exc.args[0]}\n[distnb] the default tensor plan splits consecutive nn.Linear layers "
-                            f"in the order they are defined ({describe(self.tp_plan, self.replicated)}); if the "
-                            "forward pass uses them differently (residual blocks, unused layers), give your own "
-                            "plan with --tp-plan NAME",) + exc.args[1:]
+            explain_default_plan(exc, self.plan, self.tp_plan, self.replicated)
             raise
 
     def holdings(self) -> dict:
@@ -250,13 +262,38 @@ class Tensor(Strategy):
         self._optimizer = None
 
 
-def describe(tp_plan: dict, replicated=()) -> str:
-    """One line: which layer is split how, and which linear layers stay whole."""
+def check_default(plan, module, size: int, degree: str = "") -> None:
+    """Kernel side: without ``--tp-plan``, the default plan must exist and split evenly over ``size`` ranks.
+
+    A ``--tp-plan`` dict lives in the kernel namespace and is checked by ``check_names``.
+    """
+    if plan.tp_plan is not None:
+        return
+    pairs, _ = default_pairs(module)
+    if not pairs:
+        raise StrategyError(f"{type(module).__name__} has no two consecutive nn.Linear layers (out_features "
+                            "of the first = in_features of the second, only activations between) to split; "
+                            "pass --tp-plan NAME, a dict {submodule name: ColwiseParallel() / "
+                            "RowwiseParallel()}")
+    check_plan(default_plan(module), module, size, "tensor plan", degree)
+
+
+def explain_default_plan(exc: BaseException, plan, tp_plan: dict, replicated) -> None:
+    """Add to ``exc`` (an error of the step) what the default plan split, when it was the default."""
+    if plan.tp_plan is None and exc.args and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0]}\n[distnb] the default tensor plan splits consecutive nn.Linear layers "
+                    f"in the order they are defined ({describe(tp_plan, replicated)}); if the "
+                    "forward pass uses them differently (residual blocks, unused layers), give your own "
+                    "plan with --tp-plan NAME",) + exc.args[1:]
+
+
+def describe(tp_plan: dict, replicated=(), whole: str = "replicated on every rank") -> str:
+    """One line: which layer is split how, and which linear layers stay ``whole`` (how they are kept)."""
     how = {"ColwiseParallel": "column-wise", "RowwiseParallel": "row-wise"}
     parts = [f"{name!r} {how.get(type(style).__name__, type(style).__name__)}" for name, style in tp_plan.items()]
     text = "tensor plan: " + ", ".join(parts)
     if replicated:
-        text += f"; {', '.join(map(repr, replicated))} replicated on every rank (no nn.Linear partner to split with)"
+        text += f"; {', '.join(map(repr, replicated))} {whole} (no nn.Linear partner to split with)"
     return text
 
 

@@ -1,0 +1,170 @@
+"""Rank side of ``%dist scale``: the world re-formed at a new size, and what the added ranks inherit.
+
+The kernel (:mod:`distnb.scaling`) starts the added engines, then calls :func:`resize` on every
+rank that stays (the new ones get :func:`distnb.engine.runtime.setup`): the process group is
+formed again at the new ``world_size`` on a fresh port. :func:`share` then hands the added
+ranks what the surviving ranks hold, from rank 0 over ``torch.distributed`` (one
+``broadcast_object_list`` for the objects, one ``broadcast`` of every tensor's bytes), never
+through the kernel: each replicated (ddp) model with its optimizer state, lr schedule,
+fp16 loss scale, epoch, global step and sampler position, and the notebook names pushed to
+the ranks earlier. Models sharded in place (fsdp, tensor, pipeline, ps) are not carried
+here: the kernel sends them again from the notebook's weights.
+
+The sampler position (``Run.epoch_samples``, positions of this rank's epoch order consumed)
+is converted to the new world by samples trained: ``s`` positions on each of ``W`` ranks are
+``s * W`` samples of the epoch, which on ``N`` ranks is ``floor(s * W / N)`` positions each.
+An epoch left in the middle thus goes on with the part of it the new shards have not been
+dealt yet counted by size, not by sample (the new world's shards are other samples).
+
+Idea: elastic data parallelism (torchelastic, Horovod Elastic) re-forms the group and
+broadcasts rank 0's state to joining workers; those restart the worker processes, here the
+surviving engines and their Python state stay.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+from ..plan import STRATEGIES
+from . import loop, runtime, wire
+
+
+def resize(ns: dict, rank: int, world_size: int, num_threads: int, master_addr: str, master_port: int) -> dict:
+    """This (surviving) rank joins the world of ``world_size`` ranks formed on ``master_port`` as ``rank``.
+
+    What holds the old group (strategy wrappers) is dropped first, the sampler positions are
+    converted (see the module's docstring), ``RANK``/``WORLD_SIZE`` (and ``LOCAL_RANK``: one
+    host) and ``rank``/``world_size``/``local_rank`` in the namespace updated and ``num_threads``
+    torch threads set. ``rank`` differs from this rank's old one only when a lower rank is gone
+    (``--on-failure shrink``). Every rank of the new world calls this (or ``setup``, for the added
+    ones) at once: the rendezvous waits for all of them.
+
+    Returns
+    -------
+    dict
+        :func:`distnb.engine.runtime.info` of this rank.
+    """
+    runtime.mark_broken(ns)
+    st = runtime.STATE
+    old = st.world_size
+    for run in loop.RUNS.values():
+        convert_position(run, old, world_size)
+    st.rank, st.world_size, st.local_rank = rank, world_size, rank
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      OMP_NUM_THREADS=str(num_threads))
+    torch.set_num_threads(num_threads)
+    runtime._init_group(master_addr, master_port)
+    ns.update(rank=rank, world_size=world_size, local_rank=rank)
+    return runtime.info()
+
+
+def convert_position(run, old_world: int, new_world: int) -> None:
+    """``run``'s sampler position (samples of the unfinished epoch) from ``old_world`` ranks to ``new_world``."""
+    if not run.epoch_samples or old_world == new_world:
+        return
+    back = getattr(run, "scaled_from", None)  # a scale undone at once (a failed grow): the exact position again
+    if back is not None and back[:2] == (new_world, old_world) and back[4:] == (run.epoch_samples, run.steps):
+        run.epoch_samples, run.epoch_step = back[2], back[3]
+        return
+    before = (old_world, new_world, run.epoch_samples, run.epoch_step)
+    run.epoch_samples = run.epoch_samples * old_world // new_world
+    batch = (run.plan_dict or {}).get("batch_size") or 1
+    run.epoch_step = math.ceil(run.epoch_samples / batch)
+    run.scaled_from = before + (run.epoch_samples, run.steps)
+
+
+def _carried(run) -> bool:
+    """Whether ``run`` reaches added ranks by broadcast (its module is whole on every rank: ddp)."""
+    key = run.strategy_key or ((run.plan_dict or {}).get("strategy", "ddp"),)
+    return not STRATEGIES[key[0]][1]
+
+
+def _run_state(run) -> dict:
+    """What rank 0 sends of a model: the module, counters, optimizer, schedule and loss scale."""
+    scheduler = None
+    if run.scheduler is not None:
+        scheduler = dict(name=run.schedule_name, total=run.schedule_total, state=run.scheduler.state_dict())
+    return dict(module=run.module, epoch=run.epoch, epoch_step=run.epoch_step, epoch_samples=run.epoch_samples,
+                steps=run.steps, optimizer_steps=run.optimizer_steps, plan_dict=run.plan_dict,
+                eager_step_time=run.eager_step_time, cell_first_epoch=run.cell_first_epoch,
+                optimizer_key=run.optimizer_key,
+                optimizer=None if run.optimizer is None else run.optimizer.state_dict(), scheduler=scheduler,
+                scaler=None if run.scaler is None else run.scaler.state_dict())
+
+
+def share(ns: dict, names: list, old_world: int) -> dict:
+    """Rank 0 gives ranks ``old_world`` and above its models' state and the pushed ``names``.
+
+    A collective: every rank of the new world calls it right after the group is formed.
+
+    Parameters
+    ----------
+    names : list of str
+        Notebook names pushed to the ranks earlier (``%dist push``, the names a training body
+        read); those rank 0 holds are sent.
+    old_world : int
+        The world size before the scale: ranks below it keep what they hold.
+
+    Returns
+    -------
+    dict
+        ``models`` (names carried), ``names`` (names carried), ``bytes`` (tensor bytes
+        broadcast), ``positions`` (model -> (epoch, epoch_samples, steps, the epoch its last
+        cell started at) on this rank now, every model).
+    """
+    st = runtime.STATE
+    head = [None]
+    if st.rank == 0:
+        state = dict(runs={k: _run_state(r) for k, r in loop.RUNS.items() if _carried(r)},
+                     names={k: ns[k] for k in names if k in ns})
+        payload, descs, buffers = wire.pack(state)
+        head = [(payload, descs, [len(b) for b in buffers], sorted(state["runs"]), sorted(state["names"]))]
+        flat = torch.from_numpy(_concat(buffers))
+    dist.broadcast_object_list(head, src=0)
+    payload, descs, sizes, models, carried_names = head[0]
+    if st.rank != 0:
+        flat = torch.empty(sum(sizes), dtype=torch.uint8)
+    if sizes:
+        dist.broadcast(flat, src=0)
+    if st.rank >= old_world:
+        offsets = [0]
+        for n in sizes:
+            offsets.append(offsets[-1] + n)
+        raw = flat.numpy()
+        _adopt(ns, wire.loads(payload, descs, [raw[a:b] for a, b in zip(offsets, offsets[1:])]))
+    positions = {k: (r.epoch, r.epoch_samples, r.steps, r.cell_first_epoch) for k, r in loop.RUNS.items()}
+    return dict(models=models, names=carried_names, bytes=int(sum(sizes)), positions=positions)
+
+
+def _concat(buffers):
+    import numpy as np
+
+    return np.concatenate(buffers) if buffers else np.empty(0, dtype=np.uint8)
+
+
+def _adopt(ns: dict, state: dict) -> None:
+    """An added rank takes rank 0's names and models; each optimizer is rebuilt at the model's next cell
+    (:func:`distnb.engine.stepping.adopt_optimizer`)."""
+    ns.update(state["names"])
+    device = runtime.STATE.device
+    for name, held in state["runs"].items():
+        module = held.pop("module").to(device)
+        old = loop.RUNS.get(name)
+        if old is not None and old.strategy is not None:
+            old.strategy.close()
+        run = loop.Run(module)
+        for key in ("epoch", "epoch_step", "epoch_samples", "steps", "optimizer_steps", "plan_dict",
+                    "eager_step_time", "cell_first_epoch"):
+            setattr(run, key, held[key])
+        if held["scaler"] is not None:
+            run.scaler = torch.amp.GradScaler(device.type)
+            run.scaler.load_state_dict(held["scaler"])
+        run.inherited = dict(optimizer_key=held["optimizer_key"], optimizer=held["optimizer"],
+                             scheduler=held["scheduler"])
+        loop.RUNS[name] = run
+        ns[name] = module
+

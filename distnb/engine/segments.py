@@ -1,0 +1,317 @@
+"""Shared-memory segments reused between transfers, and the memory a rank receives models into.
+
+On one host a transfer is memory copies, and what decides their speed is whether the
+destination pages were touched before: on a 2-core machine of this kind a copy into touched
+memory runs at about 10 GB/s, into fresh memory at about 1.9 GB/s (page faults; see
+``shared/FIELD-NOTES.md``). A transfer that made a new ``/dev/shm`` file and new tensors each
+time paid the first touch on both sides. Here every piece of memory a transfer writes is
+kept and written again by the next one:
+
+- **Writer pools** (:class:`Pool`): the kernel (models, objects, data shards) and each rank
+  (weights back) keep their files under :data:`SHM_DIR`, each mapped
+  once (``MAP_SHARED``), and reuse them; the tmpfs pages stay allocated between transfers.
+- **Reader mappings** (:class:`Maps`): a reader keeps its mapping of each writer file, so a
+  file written again is read through pages already mapped.
+- **Receive arenas** (:class:`Arenas`): a rank copies a model into memory a previous model
+  used and no longer does (known from a ``weakref.finalize`` on the object every tensor of one
+  transfer keeps alive), so a model sent again lands in touched pages: one copy, at the warm rate.
+- **Lent segments**: a data shard is a copy-on-write view (``MAP_PRIVATE``) of the kernel's
+  file, no copy at all. Unwritten pages of such a view follow the file, so the kernel reuses
+  the file only once no rank maps it any more (:func:`held_segments`, asked over ipyparallel).
+
+The cost is memory that stays allocated: the pools keep up to :data:`IDLE_BYTES` of unused
+files, and a rank up to :data:`IDLE_BYTES` of unused arena, and none of it while the machine has
+less than a quarter of its memory available (many ranks on one host); all of it is freed when
+the cluster stops (:meth:`Pool.close`, :func:`sweep_shm`).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import uuid
+import warnings
+import weakref
+
+import torch
+
+#: Where same-host transfers put their files: a tmpfs (``DISTNB_SHM_DIR`` overrides).
+SHM_DIR = os.environ.get("DISTNB_SHM_DIR", "/dev/shm")
+#: Unused bytes a pool (or a rank's arenas) keeps for the next transfer; more is given back.
+IDLE_BYTES = int(os.environ.get("DISTNB_SHM_IDLE_BYTES", 2 << 30))
+#: Mappings are made with their page tables filled at once (``MAP_POPULATE``): one call instead of a
+#: page fault per 4 KiB page on first use, which costs several times the copy on a busy machine.
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+#: Segment sizes are rounded up to this (so a data set or model that grows a little still fits).
+GRAIN = 1 << 20
+
+
+def shm_path(owner_pid: int, tag: str) -> str:
+    """A fresh file name ``SHM_DIR/distnb-<owner_pid>-<tag>-<random>``."""
+    return os.path.join(SHM_DIR, f"distnb-{int(owner_pid)}-{tag}-{uuid.uuid4().hex}")
+
+
+def sweep_shm(owner_pid: int) -> int:
+    """Remove every ``distnb-<owner_pid>-*`` file in :data:`SHM_DIR`; returns how many."""
+    prefix = f"distnb-{int(owner_pid)}-"
+    removed = 0
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return 0
+    for name in names:
+        if name.startswith(prefix):
+            try:
+                os.unlink(os.path.join(SHM_DIR, name))
+                removed += 1
+            except OSError:
+                pass
+    return removed
+
+
+def _plenty() -> bool:
+    """May memory stay allocated unused? Only while the machine has over a quarter of its memory
+    available (``/proc/meminfo``), so that many ranks on one host never crowd it."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.startswith("Mem")}
+        return info["MemAvailable"] > info["MemTotal"] // 4
+    except (OSError, KeyError, ValueError, IndexError):
+        return True
+
+
+def _round(nbytes: int) -> int:
+    return max(GRAIN, -(-int(nbytes) // GRAIN) * GRAIN)
+
+
+def _uint8(mm) -> torch.Tensor:
+    return torch.frombuffer(mm, dtype=torch.uint8) if len(mm) else torch.empty(0, dtype=torch.uint8)
+
+
+class Segment:
+    """One file in shared memory, mapped ``MAP_SHARED`` by the process that writes it.
+
+    Attributes
+    ----------
+    path : str
+    size : int
+        Bytes (a multiple of 1 MiB), all allocated when the segment is made.
+    base : torch.Tensor
+        uint8, shape ``(size,)``: the mapping, to copy into.
+    """
+
+    __slots__ = ("path", "size", "_mm", "base")
+
+    def __init__(self, path: str, size: int):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            if hasattr(os, "posix_fallocate"):  # a full /dev/shm is an OSError here, never a SIGBUS later
+                os.posix_fallocate(fd, 0, size)
+            else:  # pragma: no cover - not Linux
+                os.ftruncate(fd, size)
+            self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
+        self.path, self.size = path, size
+        self.base = _uint8(self._mm)
+
+    def close(self) -> None:
+        """Unmap and unlink (views still alive keep their pages until they go)."""
+        self.base = None
+        try:
+            self._mm.close()
+        except BufferError:  # a view is alive: the mapping goes with it
+            pass
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class Pool:
+    """Segments one process writes into, reused from transfer to transfer.
+
+    A segment is *busy* while a transfer writes or readers copy from it, *lent* while readers
+    may still map it copy-on-write (data shards), and free otherwise.
+
+    Parameters
+    ----------
+    owner_pid : int
+        The kernel's pid: every file is ``distnb-<owner_pid>-<tag>-...`` so that a crash's
+        leftovers are swept with the kernel's (:func:`sweep_shm`).
+    tag : str
+        ``"k"`` for the kernel, ``"r<rank>"`` for a rank.
+    """
+
+    def __init__(self, owner_pid: int, tag: str):
+        self.owner_pid, self.tag = int(owner_pid), tag
+        self.free: list[Segment] = []
+        self.lent: dict[str, Segment] = {}
+        self.busy: dict[str, Segment] = {}
+
+    def acquire(self, nbytes: int, avoid: str | None = None) -> Segment:
+        """A free segment of at least ``nbytes`` (the smallest that fits), else a new one.
+
+        A segment more than twice the size asked for is not taken (a shard would otherwise keep
+        a model's segment lent, and the next model send would make a new one).
+
+        ``avoid``: a path not to hand out now (a rank's last weights, which the kernel may
+        still be reading). Raises OSError when ``/dev/shm`` has no room.
+        """
+        fits = [s for s in self.free if nbytes <= s.size <= 2 * nbytes + GRAIN and s.path != avoid]
+        if fits:
+            seg = min(fits, key=lambda s: s.size)
+            self.free.remove(seg)
+        else:
+            seg = Segment(shm_path(self.owner_pid, self.tag), _round(nbytes))
+        self.busy[seg.path] = seg
+        return seg
+
+    def release(self, seg: Segment, lent: bool = False) -> None:
+        """The transfer over ``seg`` ended: free it, or ``lent`` until readers drop their views."""
+        self.busy.pop(seg.path, None)
+        if lent:
+            self.lent[seg.path] = seg
+        else:
+            self.free.append(seg)
+            self.trim()
+
+    def returned(self, still_held) -> None:
+        """Lent segments whose paths are not in ``still_held`` (a set of paths) are free again."""
+        for path in list(self.lent):
+            if path not in still_held:
+                self.free.append(self.lent.pop(path))
+        self.trim()
+
+    def trim(self) -> None:
+        """Give back free segments beyond :data:`IDLE_BYTES` (the largest kept first), or all when
+        the machine is short of memory."""
+        self.free.sort(key=lambda s: s.size, reverse=True)
+        kept, total = [], 0
+        plenty = _plenty() if self.free else True
+        for seg in self.free:
+            if plenty and total + seg.size <= IDLE_BYTES:
+                kept.append(seg)
+                total += seg.size
+            else:
+                seg.close()
+        self.free = kept
+
+    def close(self) -> None:
+        """Unlink every segment of the pool (busy and lent ones too: mappings keep their pages)."""
+        for seg in [*self.free, *self.lent.values(), *self.busy.values()]:
+            seg.close()
+        self.free, self.lent, self.busy = [], {}, {}
+
+
+class Maps:
+    """A reader's ``MAP_SHARED`` mappings of other processes' segments, kept while the files exist."""
+
+    def __init__(self):
+        self._maps: dict[str, tuple] = {}
+
+    def view(self, path: str, nbytes: int) -> torch.Tensor:
+        """uint8 tensor over the first ``nbytes`` of ``path`` (read it; do not keep it)."""
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            st = os.fstat(fd)
+            known = self._maps.get(path)
+            if known is None or known[0] != st.st_ino or len(known[1]) < nbytes:
+                self.drop(path)
+                mm = (mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
+                      if st.st_size else b"")
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)  # torch.frombuffer of a read-only mapping
+                    known = (st.st_ino, mm, _uint8(mm))
+                self._maps[path] = known
+        finally:
+            os.close(fd)
+        self.prune()
+        return known[2][:nbytes]
+
+    def drop(self, path: str) -> None:
+        known = self._maps.pop(path, None)
+        if known is not None and isinstance(known[1], mmap.mmap):
+            try:
+                known[1].close()
+            except BufferError:
+                pass
+
+    def prune(self) -> None:
+        """Forget mappings of files that are gone (their writer trimmed or stopped)."""
+        for path in [p for p in self._maps if not os.path.exists(p)]:
+            self.drop(path)
+
+
+#: Rank side: paths mapped copy-on-write (data shards) -> live views' count.
+_HELD: dict[str, int] = {}
+
+
+def _unhold(path: str) -> None:
+    _HELD[path] = _HELD.get(path, 1) - 1
+    if _HELD[path] <= 0:
+        _HELD.pop(path, None)
+
+
+def borrow(path: str, nbytes: int) -> torch.Tensor:
+    """uint8 copy-on-write view (``MAP_PRIVATE``) of ``path``'s first ``nbytes``: no copy.
+
+    Writes go to this process's own pages. The path counts as held (:func:`held_segments`) until
+    every tensor viewing the mapping is gone.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    _HELD[path] = _HELD.get(path, 0) + 1
+    weakref.finalize(mm, _unhold, path)
+    return _uint8(mm)
+
+
+def held_segments(owner_pid: int) -> list:
+    """Rank side: the paths of ``owner_pid``'s segments this rank still maps copy-on-write."""
+    prefix = f"distnb-{int(owner_pid)}-"
+    return sorted(p for p in _HELD if os.path.basename(p).startswith(prefix))
+
+
+class Arenas:
+    """A rank's memory for received models: given back when a model is gone, reused by the next.
+
+    :meth:`take` returns a writable uint8 tensor; when every tensor viewing it is gone the
+    memory returns to the idle list (up to :data:`IDLE_BYTES`), and a later :meth:`take` that
+    fits reuses it: its pages were touched by the model before.
+    """
+
+    def __init__(self):
+        self.idle: list[torch.Tensor] = []
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        fits = [a for a in self.idle if nbytes <= a.numel() <= 2 * nbytes + GRAIN]
+        if fits:
+            arena = min(fits, key=lambda a: a.numel())
+            self.idle.remove(arena)
+        else:
+            arena = torch.empty(_round(nbytes), dtype=torch.uint8)
+        owner = arena.numpy()[:nbytes]  # a new ndarray per transfer: it lives as long as its tensors
+        weakref.finalize(owner, self._give_back, arena)
+        return torch.from_numpy(owner) if nbytes else torch.empty(0, dtype=torch.uint8)
+
+    def _give_back(self, arena: torch.Tensor) -> None:
+        self.idle.append(arena)
+        self.idle.sort(key=lambda a: a.numel(), reverse=True)
+        kept, total = [], 0
+        plenty = _plenty()
+        for a in self.idle:
+            if plenty and total + a.numel() <= IDLE_BYTES:
+                kept.append(a)
+                total += a.numel()
+        self.idle = kept
+
+    def clear(self) -> None:
+        self.idle = []

@@ -1,0 +1,522 @@
+"""``%dist scale N``: grow or shrink the running world, keeping what the ranks hold.
+
+Growing starts ``N - W`` engines beside the running ones (forked from the engine template,
+like ``%dist start``'s), ranked after them; shrinking stops the highest ranks (each leaves
+the process group and exits). Then the process group is formed again at ``N`` ranks on a
+fresh port (:func:`distnb.engine.elastic.resize` on the ranks that stay, ``setup`` on the
+added ones) and rank 0 broadcasts to the added ranks what the others hold: each ddp model
+with its optimizer state, lr schedule, loss scale, epoch, global step and sampler position,
+and the names pushed earlier (:func:`distnb.engine.elastic.share`, over torch.distributed,
+not through the kernel). Tensor data sets the kernel scattered are dealt again into ``N``
+shards (the same seeded assignment, :mod:`distnb.engine.shard`); data sets loaded on the
+ranks, and models sharded in place (fsdp, tensor, pipeline, ps), are sent again by the next
+training cell, which says so.
+
+The global batch (``data-parallel ranks x --batch-size x --accumulate``) changes with the
+world unless ``keep_global_batch``: then the batch options of the following cells are read
+as written for the world before the scale, and each cell trains the per-rank batch (or
+accumulation) that keeps that global batch, and says so (:func:`batch_for_world`).
+
+Faults: an engine that does not start (or dies before the new group forms) is stopped and the
+old world is formed again, its state intact; a rank lost while the group re-forms is reported
+with how it died and ``%dist restart`` starts a fresh world.
+
+Idea: torchelastic and Horovod Elastic re-form the group and broadcast rank 0's state to the
+workers that join, but restart every worker process to do it; here the engines that stay keep
+their Python state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+from . import calls, data, launchers, placement
+from .display.tables import count
+from .errors import ClusterError, PlanError, RankError
+
+#: Called with the pids of the engines a grow started, once they registered (tests kill one here).
+ON_ENGINES_STARTED: list = []
+
+
+def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> dict:
+    """Grow or shrink the running world to ``n`` ranks, keeping the ranks' state (``%dist scale N``).
+
+    Parameters
+    ----------
+    n : int
+        The new world size (ranks), at least 1 and at most what the launcher can place (local
+        CPU engines: 8 per core, or 16; GPU engines: one per visible GPU).
+    keep_global_batch : bool
+        Keep the global batch (samples per optimizer step over all ranks): the following cells'
+        ``--batch-size`` (or ``--accumulate``) is scaled for the new world, and the cell says so.
+        Without it the per-rank batch stays and the global batch changes (the cell says so too).
+    quiet : bool
+        Print nothing.
+
+    Returns
+    -------
+    dict
+        ``world_size`` (before, after), ``seconds`` (float, s), ``added``/``removed`` (ranks),
+        ``models``/``names`` (carried to the added ranks), ``bytes`` (tensor bytes broadcast),
+        ``resharded`` (fsdp and tensor models resharded through a DCP checkpoint),
+        ``global_batch`` (before, after) or None when no model has been trained.
+
+    Raises
+    ------
+    PlanError
+        ``n`` below 1 or beyond what the launcher can place, a launcher other than ``local``,
+        or a global batch ``keep_global_batch`` cannot split evenly over ``n`` ranks. Nothing
+        changed.
+    BusyError
+        A background training run is going on.
+    ClusterError
+        The added engines did not start or form the group (the old world is formed again and
+        usable), or a rank died while the group re-formed (then run ``%dist restart``).
+    """
+    session._check_running()
+    cluster = session.cluster
+    old = cluster.world_size
+    _check(cluster, n)
+    if n == old:
+        if not quiet:
+            print(f"distnb: the world already has {count(n, 'rank')}; nothing changed")
+        return dict(world_size=(old, n), seconds=0.0, added=[], removed=[], models=[], names=[], bytes=0,
+                    resharded=[], global_batch=None)
+    batches = _global_batches(session, old, n, keep_global_batch)
+    t0 = time.perf_counter()
+    held = session.holdings
+    saved = _save_sharded(session, n)  # fsdp and tensor models: a DCP checkpoint of the old world, resharded below
+    try:
+        if n > old:
+            shared = _grow(session, n)
+        else:
+            shared = _shrink(session, n)
+    finally:  # the group was re-formed (at n, or at old after a failed grow): ddp wrappers are rebuilt
+        held.generation += 1
+        resharded = _load_sharded(session, saved)
+    if keep_global_batch:
+        held.batch_world = held.batch_world or old
+    else:
+        held.batch_world = None
+    dealt = _reassign_data(session, old, n)
+    out = dict(world_size=(old, n), seconds=time.perf_counter() - t0, added=list(range(old, n)),
+               removed=list(range(n, old)), models=shared.get("models", []), names=shared.get("names", []),
+               bytes=shared.get("bytes", 0), resharded=resharded, global_batch=batches and batches[:2])
+    if not quiet:
+        _say(session, out, dealt, batches, keep_global_batch)
+    return out
+
+
+def _check(cluster, n) -> None:
+    """A PlanError unless ``n`` ranks can be placed by this cluster's launcher (nothing changes)."""
+    from .defaults import default_spec
+
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise PlanError(f"%dist scale N: N is the new number of ranks, a whole number of at least 1; got {n!r}")
+    launcher = getattr(cluster, "launcher", "local")
+    if launcher != "local":
+        raise PlanError(f"%dist scale adds and removes engines of the local launcher; this cluster's engines were "
+                        f"started by the {launcher} launcher: use %dist restart -n {n} (the notebook's model is "
+                        "then sent again, with a fresh optimizer)")
+    try:
+        default_spec(n=n, backend=cluster.spec.backend, timeout=cluster.spec.timeout)
+    except ClusterError as exc:
+        raise PlanError(f"%dist scale {n}: {exc}") from None
+    except PlanError as exc:
+        raise PlanError(f"%dist scale {n}: {str(exc).replace('-n ', 'N = ')}") from None
+
+
+# the global batch ---------------------------------------------------------------------------
+def _fit(total: int, dp: int, batch: int, accumulate: int):
+    """(batch, accumulate) with ``dp * batch * accumulate == total``: the batch scaled first, else the accumulation."""
+    if total % (dp * accumulate) == 0:
+        return total // (dp * accumulate), accumulate
+    if total % (dp * batch) == 0:
+        return batch, total // (dp * batch)
+    return None
+
+
+def _dp(plan, world: int) -> int:
+    from .engine import strategies
+
+    return strategies.data_parallel_size(plan, world)
+
+
+def _global_batches(session, old: int, n: int, keep: bool):
+    """(global batch before, after, per-rank batch after, accumulate after) of the last cell's model, or None.
+
+    Raises PlanError when ``keep`` cannot split the global batch evenly over the new world.
+    """
+    result = session.last_result
+    if result is None:
+        return None
+    plan = result.plan
+    total = _dp(plan, old) * plan.batch_size * plan.accumulate
+    dp = _dp(plan, n)
+    if not keep:
+        return total, dp * plan.batch_size * plan.accumulate, plan.batch_size, plan.accumulate
+    fitted = _fit(total, dp, plan.batch_size, plan.accumulate)
+    if fitted is None:
+        raise PlanError(f"--keep-global-batch: the global batch {total} ({_product(_dp(plan, old), plan)}) cannot "
+                        f"be split evenly over {count(dp, 'data-parallel rank')} (as --batch-size or --accumulate); "
+                        f"scale to a world size that divides {total}, or leave --keep-global-batch out (the global "
+                        f"batch becomes {dp * plan.batch_size * plan.accumulate}); nothing changed")
+    return (total, total) + fitted
+
+
+def _product(dp: int, plan, batch=None, accumulate=None) -> str:
+    batch = plan.batch_size if batch is None else batch
+    accumulate = plan.accumulate if accumulate is None else accumulate
+    return f"{dp} x {batch} per rank" + (f" x {accumulate} micro-steps" if accumulate > 1 else "")
+
+
+def batch_for_world(session, given: dict) -> dict:
+    """A cell's options with ``--batch-size``/``--accumulate`` scaled after ``%dist scale --keep-global-batch``.
+
+    The cell's values are read as written for ``session.holdings.batch_world`` ranks; the
+    returned ones give the same global batch on the running world (and the cell says so).
+
+    Raises PlanError when that global batch cannot be split evenly over this world.
+    """
+    ref = session.holdings.batch_world
+    world = session.world_size
+    if ref is None or ref == world:
+        return given
+    from .plan import TrainPlan
+
+    fields = {f.name: f.default for f in dataclasses.fields(TrainPlan)}
+    batch = given.get("batch_size") or fields["batch_size"]
+    accumulate = given.get("accumulate") or fields["accumulate"]
+    probe = dataclasses.replace(TrainPlan(model="_", data="_"), strategy=given.get("strategy") or "ddp")
+    total, dp = _dp(probe, ref) * batch * accumulate, _dp(probe, world)
+    fitted = _fit(total, dp, batch, accumulate)
+    if fitted is None:
+        raise PlanError(f"--keep-global-batch (from %dist scale): the global batch {total} (--batch-size {batch} "
+                        f"x --accumulate {accumulate} on {count(ref, 'rank')}) cannot be split evenly over "
+                        f"{count(world, 'rank')}; pick a --batch-size that can, or %dist scale {world} again "
+                        "without --keep-global-batch")
+    if fitted != (batch, accumulate):
+        print(f"distnb: --keep-global-batch (from %dist scale): global batch {total} kept on {count(world, 'rank')} "
+              f"as --batch-size {fitted[0]}" + (f" --accumulate {fitted[1]}" if fitted[1] > 1 else "")
+              + f" (this cell's --batch-size {batch}" + (f" --accumulate {accumulate}" if accumulate > 1 else "")
+              + f" is for {count(ref, 'rank')})")
+    return dict(given, batch_size=fitted[0], accumulate=fitted[1])
+
+
+# growing and shrinking ----------------------------------------------------------------------
+def _grow(session, n: int) -> dict:
+    """Start ``n - W`` engines, form the group of ``n`` and share the state; on failure the old world is back."""
+    cluster = session.cluster
+    old, old_ids, old_placement = cluster.world_size, list(cluster.engine_ids), list(cluster.placement)
+    before = (cluster.spec, list(cluster.ranks))
+    known = set(cluster.client.ids) | set(cluster.engine_ids) | set(getattr(cluster, "_gone_ids", ()))
+    pids_before = set(cluster._procs)
+    set_id, new_pids = None, []
+    try:
+        set_id = cluster._ipp.start_engines_sync(n - old)
+        cluster._procs.update(launchers.engine_processes(cluster._ipp))
+        new_pids[:] = [p for p in cluster._procs if p not in pids_before]
+        new_ids = _wait_registered(cluster, known, n - old, new_pids)
+        for hook in ON_ENGINES_STARTED:
+            hook(new_pids)
+        cluster.where = {e: w for e, w in cluster.where.items() if e in old_ids}  # not engines gone before
+        cluster.where.update(cluster._whereami(new_ids))
+        cluster.placement = placement.assign_ranks(cluster.where, cluster.spec.hosts)
+        if [p["engine_id"] for p in cluster.placement[:old]] != old_ids:  # one host: engine ids only grow
+            raise ClusterError("the added engines would change the order of the running ranks")
+        cluster.engine_ids = old_ids + new_ids
+        _form(cluster, n, old)
+        infos = cluster.wait_all(cluster.apply_all(calls.share, sorted(session.holdings.names), old),
+                                 timeout=cluster.spec.timeout + 60, what="sharing the state with the added ranks")
+    except BaseException as exc:
+        why = _rollback(cluster, (old_ids, old_placement) + before, new_pids, set_id, known)
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        cause = str(exc).split("\n")[0] if not isinstance(exc, RankError) else _rank_cause(exc)
+        raise ClusterError(f"%dist scale {n}: the added engines did not join ({cause}); {why}") from None
+    _rewatch(cluster)
+    return infos[0]
+
+
+def _rank_cause(exc: RankError) -> str:
+    first = exc.failures[0]
+    return f"rank {first['rank']}: {first['ename']}: {str(first['evalue']).splitlines()[0] if first['evalue'] else ''}"
+
+
+def _wait_registered(cluster, known: set, k: int, pids: list) -> list:
+    """The engine ids of ``k`` engines not in ``known``, once registered; ClusterError if one dies or time runs out."""
+    deadline = time.monotonic() + max(60.0, cluster.spec.timeout)
+    while True:
+        new = sorted(set(cluster.client.ids) - known)
+        if len(new) >= k:
+            return new[:k]
+        for pid in pids:
+            proc = cluster._procs.get(pid)
+            if proc is not None and proc.exit_status is not None:
+                raise ClusterError(f"a new engine (pid {pid}) {launchers.exit_description(proc.exit_status)} "
+                                   "before it registered with the controller")
+        if time.monotonic() >= deadline:
+            raise ClusterError(f"only {len(new)} of {k} new engines registered within "
+                               f"{max(60.0, cluster.spec.timeout):.0f} s")
+        time.sleep(0.05)
+
+
+def _threads(cluster, old: int, n: int) -> int:
+    """Threads per rank in a world of ``n``: the cores shared out again, unless ``%dist start`` was told a number."""
+    from .defaults import cpu_cores
+
+    spec = cluster.spec
+    if spec.device_type != "cpu" or spec.num_threads != max(1, cpu_cores() // old):
+        return spec.num_threads
+    return max(1, cpu_cores() // n)
+
+
+def _form(cluster, n: int, old: int) -> None:
+    """The group of ``n`` ranks: ranks below ``min(old, n)`` resize, those above it set up; ``cluster`` updated."""
+    from .net import check_port_free, visible_gpus
+
+    spec = cluster.spec
+    keep = min(old, n)
+    threads = _threads(cluster, old, n)
+    # every rank leaves the old group first: a pinned --master-port is then free again
+    cluster.wait_all([cluster.apply(r, calls.release) for r in range(keep)], timeout=spec.timeout,
+                     what="leaving the old process group")
+    if spec.master_port is not None:
+        check_port_free(spec.master_port, cluster.master_addr, wait=5.0)
+    cluster.master_port = spec.master_port or cluster._free_port()
+    ars = [cluster.apply(r, calls.resize, r, n, threads, cluster.master_addr, cluster.master_port)
+           for r in range(keep)]
+    gpus = placement.rank_gpus(cluster.placement, cluster.where, spec.device_type,
+                               visible_gpus() if spec.device_type == "cuda" else None)
+    for rank in range(keep, n):
+        p = cluster.placement[rank]
+        ars.append(cluster.apply(rank, calls.setup, rank, n, p["local_rank"], spec.backend, spec.device_type,
+                                 gpus[rank], threads, cluster.master_addr, cluster.master_port, spec.timeout,
+                                 p["node_rank"], p["node"], spec.interface))
+    infos = cluster.wait_all(ars, timeout=spec.timeout + 60, what=f"forming the process group of {n} ranks")
+    cluster.ranks = [dict(info, engine_id=p["engine_id"], local=p["local"],
+                          address=cluster.where[p["engine_id"]]["address"])
+                     for info, p in zip(infos, cluster.placement)]
+    cluster.spec = dataclasses.replace(spec, num_engines=n, num_threads=threads)
+    if n > old:
+        cluster.apply_all(calls.warm_up)  # queued, not awaited (the added engines' imports)
+
+
+def _rollback(cluster, before: tuple, new_pids: list, set_id, known: set) -> str:
+    """After a failed grow: the added engines stopped, the old world formed again. Returns what happened.
+
+    ``before``: the cluster's engine ids, placement, spec and ranks before the grow.
+    """
+    _stop_engines(cluster, new_pids, set_id)
+    cluster.engine_ids, cluster.placement, cluster.spec, cluster.ranks = before
+    old = len(cluster.engine_ids)
+    cluster._gone_ids = set(getattr(cluster, "_gone_ids", ())) | (set(cluster.client.ids) - set(cluster.engine_ids))
+    try:
+        cluster.check_alive()
+        _form(cluster, old, old)
+    except Exception as exc:
+        return (f"the old world of {count(old, 'rank')} could not be formed again ({str(exc).splitlines()[0]}): "
+                "run %dist restart")
+    return f"they were stopped and the world of {count(old, 'rank')} is as it was (its state intact)"
+
+
+def _stop_engines(cluster, pids: list, set_id=None) -> None:
+    """Stop the engine processes ``pids`` (and the engine set ``set_id``): terminate, then kill after 5 s."""
+    import psutil
+
+    if set_id is not None:
+        try:
+            cluster._ipp.stop_engines_sync(set_id)
+        except Exception:
+            pass
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=5.0)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=5.0)
+
+
+def _shrink(session, n: int) -> dict:
+    """Stop ranks ``n`` and above (each leaves the group and exits), then form the group of the first ``n``."""
+    cluster = session.cluster
+    old = cluster.world_size
+    leaving = list(range(n, old))
+    pids = [cluster.ranks[r]["pid"] for r in leaving]
+    for rank in leaving:
+        try:
+            cluster.apply(rank, calls.shutdown)  # destroy_process_group, then os._exit(0)
+        except ClusterError:
+            pass  # already dead: nothing to stop
+    _stop_engines(cluster, pids)
+    cluster._gone_ids = set(getattr(cluster, "_gone_ids", ())) | set(cluster.engine_ids[n:])
+    cluster.engine_ids, cluster.placement = cluster.engine_ids[:n], cluster.placement[:n]
+    cluster.ranks = cluster.ranks[:n]
+    try:
+        _form(cluster, n, old)
+    except Exception as exc:
+        raise ClusterError(f"%dist scale {n}: ranks {n}-{old - 1} stopped, but the group of {count(n, 'rank')} did "
+                           f"not form ({str(exc).splitlines()[0]}); run %dist restart -n {n}") from None
+    _rewatch(cluster)
+    return {}
+
+
+def _rewatch(cluster) -> None:
+    """A new reaper watching every process the cluster runs now (the added engines too)."""
+    reaper = getattr(cluster, "reaper", None)
+    if reaper is not None:
+        reaper.kill()
+        reaper.wait()
+    cluster._start_reaper()
+
+
+# sharded models: a DCP reshard -------------------------------------------------------------
+#: Strategies whose live state reaches the new world through a DCP checkpoint (DTensor layouts DCP reshards).
+RESHARDED = ("fsdp", "tensor")
+
+
+def _save_sharded(session, n: int) -> dict:
+    """Checkpoint every live fsdp/tensor model on the old world (DCP, a temporary folder): {name: (model, meta)}.
+
+    Raises PlanError (nothing changed) for a model that its strategy cannot lay out on ``n`` ranks.
+    """
+    import shutil
+    import tempfile
+
+    from . import checkpoints
+    from .engine import strategies
+    from .plan import TrainPlan
+    from .transfer import fingerprint
+
+    held = session.holdings
+    todo = {}
+    for name, (key, generation) in held.distributed.items():
+        obj = session.ns.get(name)
+        if key[0] in RESHARDED and generation == held.generation and obj is not None and \
+                held.models.get(name) == fingerprint(obj):
+            todo[name] = obj
+    if not todo:
+        return {}
+    folder = tempfile.mkdtemp(prefix="distnb-scale-")
+    saved = {}
+    try:
+        for name, obj in todo.items():
+            meta = checkpoints.save(session, name, obj, os.path.join(folder, name), quiet=True)
+            plan = TrainPlan.from_dict(dict(meta["plan"], model=name))
+            try:
+                strategies.check(plan, obj, n, ns=session.ns)
+            except strategies.StrategyError as exc:
+                raise PlanError(f"%dist scale {n}: {name} (--strategy {plan.strategy}) cannot be laid out on "
+                                f"{count(n, 'rank')}: {exc}; nothing changed (to scale anyway, delete {name} from "
+                                "the notebook or train it with another --strategy first)") from None
+            saved[name] = (obj, meta)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    saved["_folder"] = folder
+    return saved
+
+
+def _load_sharded(session, saved: dict) -> list:
+    """Load each checkpoint of :func:`_save_sharded` on the world there is now (resharded by DCP); the names loaded.
+
+    The notebook's model gives the structure (its weights are the same, the last trained ones); the
+    checkpoint gives the sharded weights, the optimizer, the schedule and the position (converted
+    to the new world's shards). A model that cannot be loaded is sent again by its next cell.
+    """
+    import shutil
+
+    from . import checkpoints
+
+    folder = saved.pop("_folder", None)
+    loaded = []
+    try:
+        if folder is None or not session.running:
+            return loaded
+        n = session.world_size
+        for name, (obj, meta) in saved.items():
+            try:  # the sampler position is converted to this world by the load (engine/checkpoint.py)
+                checkpoints.load(session, name, obj, meta["path"], quiet=True)
+            except Exception as exc:
+                print(f"distnb: {name} could not be resharded onto {count(n, 'rank')} ({str(exc).splitlines()[0]}); "
+                      "its next cell sends it again from the notebook's weights (a fresh optimizer)")
+                continue
+            loaded.append(name)
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+    return loaded
+
+
+# data and what the cell says --------------------------------------------------------------
+def _reassign_data(session, old: int, n: int) -> list:
+    """Deal the kernel's scattered tensor sets again into the new world's shards; the others are dropped.
+
+    A set cut into ``old`` shards (one per data-parallel rank) is cut into ``n``; one every rank
+    holds whole stays whole. Data sets loaded on the ranks (or changed in the notebook) are
+    forgotten, so the next training cell sends or loads them on every rank. Returns the names
+    dealt again.
+    """
+    from .transfer import fingerprint
+
+    held = session.holdings
+    dealt = []
+    for name, info in list(held.data.items()):
+        obj = session.ns.get(name)
+        if "structure" not in info or obj is None or fingerprint(obj) != info["fingerprint"]:
+            held.data.pop(name)
+            continue
+        num_shards = n if info["num_shards"] == old else info["num_shards"]
+        layout = info.get("layout")
+        data.scatter(session, name, obj, info["seed"], num_shards)
+        if layout is not None:
+            held.data[name]["layout"] = layout
+        dealt.append(name)
+    return dealt
+
+
+def _say(session, out: dict, dealt: list, batches, keep: bool) -> None:
+    old, n = out["world_size"]
+    grew = n > old
+    gone = f"rank {n}" if n == old - 1 else f"ranks {n}-{old - 1}"
+    how = f"{count(n - old, 'engine')} started" if grew else f"{gone} stopped"
+    print(f"distnb: scaled the world from {count(old, 'rank')} to {n} in {out['seconds']:.1f} s ({how}; the "
+          "process group re-formed)")
+    if grew and (out["models"] or out["names"]):
+        what = [f"{m} (model, optimizer, lr schedule, epoch and sampler position)" for m in out["models"]]
+        if out["names"]:
+            what.append(f"{count(len(out['names']), 'pushed name')}")
+        print(f"distnb: rank 0 broadcast {', '.join(what)} to the added ranks over torch.distributed "
+              f"({out['bytes'] / 2**20:.1f} MiB of tensors)")
+    if dealt:
+        print(f"distnb: {', '.join(dealt)} dealt again into the new world's shards")
+    from .plan import STRATEGIES
+
+    if out["resharded"]:
+        print(f"distnb: {', '.join(out['resharded'])} resharded onto {count(n, 'rank')} through a "
+              "torch.distributed.checkpoint (DCP) written by the old world (model, optimizer, lr schedule, epoch "
+              "and sampler position)")
+    sharded = [f"{m} ({key[0]})" for m, (key, _) in session.holdings.distributed.items()
+               if STRATEGIES[key[0]][1] and m not in out["resharded"]]
+    if sharded:
+        print(f"distnb: {', '.join(sharded)}: sharded in place, so its next cell sends it again from the notebook's "
+              "weights (its optimizer state restarts)")
+    if batches is not None:
+        total, after, batch, accumulate = batches
+        plan = session.last_result.plan
+        if keep:
+            kept = _product(_dp(plan, n), plan, batch, accumulate)
+            print(f"distnb: --keep-global-batch: the global batch stays {total} ({kept}): the next cells' "
+                  "--batch-size and --accumulate are scaled to keep it")
+        else:
+            print(f"distnb: the global batch changes from {total} to {after} ({_product(_dp(plan, n), plan)}); "
+                  f"%dist scale {n} --keep-global-batch would have kept {total}")

@@ -1,0 +1,191 @@
+"""``%dist start --on-failure shrink``: a training cell whose engine died goes on on the survivors.
+
+When an engine dies during a ``%%distrain`` cell (killed, crashed, out of memory), the other
+ranks' collectives fail and the cell's failure path reports it (:mod:`distnb.execute`). With
+``--on-failure shrink`` the training cell (:func:`distnb.training.train_cell`) then hands the
+failure here instead of raising it: the dead ranks are dropped, the survivors keep their order
+and are numbered again from 0, the process group is formed again at the smaller world
+(:func:`distnb.engine.elastic.resize`), and the cell trains what was left of its epochs there.
+
+- ddp: every replica holds the last completed optimizer step (a step whose gradient
+  all-reduce failed was applied on no rank), so training goes on from it; to be sure they are
+  identical, rank 0 broadcasts its state to the others (:func:`distnb.engine.elastic.share`).
+- fsdp, tensor, pipeline, ps: the dead rank's shards are gone; the kernel sends the model again
+  and it resumes from the newest checkpoint in ``--checkpoint-dir`` (resharded by DCP, its
+  sampler position converted); without ``--checkpoint-dir`` the cell fails as with ``stop``.
+
+Tensor data sets are dealt again into the new world's shards, so the dead rank's samples are
+trained by the survivors. The cell ends by saying what was lost: the rank, where it was (epoch,
+step) and how it died, the steps that were not kept (ddp: none that completed; a resume: those
+after the checkpoint), and the samples re-assigned. The TrainResult is the part trained after
+the shrink; ``result.lost`` holds the report as a dict.
+"""
+
+from __future__ import annotations
+
+from . import calls, scaling
+from .display.tables import count
+from .errors import ClusterError, RankError
+from .plan import STRATEGIES
+
+
+def train_cell(session, code, model, data, run, given):
+    """:func:`distnb.training.train_cell` after ``%dist scale --keep-global-batch``'s batch rule; with
+    ``--on-failure shrink``, an engine death during it makes the cell go on on the survivors (:func:`go_on`)."""
+    from . import training
+
+    try:
+        return training.train_cell(session, code, model, data, run, scaling.batch_for_world(session, dict(given)))
+    except RankError as exc:
+        dead = dead_to_drop(session, exc)
+        if not dead or getattr(exc, "plan", None) is None:
+            raise
+        return go_on(session, exc.plan, dead, exc, lambda epochs: train_cell(
+            session, code, model, data, run, rest_of(given, epochs)))
+
+
+def dead_to_drop(session, exc) -> dict:
+    """{rank: how it died} when ``exc`` is an engine death ``--on-failure shrink`` goes on after; else {}."""
+    if getattr(session, "on_failure", "stop") != "shrink" or not isinstance(exc, RankError) or not session.running:
+        return {}
+    dead = session.cluster.dead_ranks()
+    if not dead or len(dead) >= session.world_size or session.cluster.launcher != "local":
+        return {}
+    return dead
+
+
+def go_on(session, plan, dead: dict, failure: RankError, retry):
+    """Drop the ``dead`` ranks, form the smaller world, and train the rest of the cell with ``retry(epochs)``.
+
+    Parameters
+    ----------
+    plan : TrainPlan
+        The cell's plan (its ``epochs``, ``strategy``, ``checkpoint_dir``).
+    dead : dict
+        Rank -> how its engine died (:meth:`distnb.cluster.Cluster.dead_ranks`).
+    failure : RankError
+        The cell's error, raised (with what happened added) when the cell cannot go on.
+    retry : callable
+        ``retry(epochs)`` runs the cell again with ``epochs`` epochs and returns its TrainResult.
+
+    Returns
+    -------
+    TrainResult
+        Of the part trained after the shrink, with ``lost`` (dict: ranks, world_size, steps_lost,
+        samples_reassigned, resumed_from).
+
+    Raises
+    ------
+    RankError
+        ``failure``, when a sharded model has no checkpoint to go on from (the world is smaller
+        by then and usable).
+    ClusterError
+        The smaller world could not be formed: run ``%dist restart``.
+    """
+    cluster = session.cluster
+    old = cluster.world_size
+    where = {f["rank"]: (f.get("epoch"), f.get("step")) for f in failure.failures}
+    said = {r: f"{cluster.describe(r)}: {how}" for r, how in dead.items()}
+    reassigned = _samples_of(session, sorted(dead), old)
+    try:
+        positions = _drop(session, dead)
+    except Exception as exc:
+        raise ClusterError(f"{failure}\n--on-failure shrink: the world without ranks {sorted(dead)} could not be "
+                           f"formed ({str(exc).splitlines()[0]}); run %dist restart") from None
+    n = session.world_size
+    epoch, _, steps, first = positions.get(plan.model, (None, 0, 0, 0))
+    resumed = None
+    if STRATEGIES[plan.strategy][1]:  # sharded in place: the newest checkpoint, if any
+        if not (plan.checkpoint_dir and _has_checkpoint(plan.checkpoint_dir)):
+            note = (f"--on-failure shrink: the world is now {count(n, 'rank')} and usable, but --strategy "
+                    f"{plan.strategy} keeps no copy of the lost shards: give --checkpoint-dir to go on from the "
+                    "newest checkpoint")
+            for f in failure.failures:
+                if f["rank"] in dead:
+                    f["evalue"] = f"{str(f['evalue']).split('; run %dist restart')[0]}; {note}"
+            raise RankError(failure.failures, context=failure.context) from None
+        from .engine import checkpoint
+
+        meta = checkpoint.read_meta(plan.checkpoint_dir)
+        resumed, epoch = meta, meta["epoch"]
+    left = plan.epochs - ((epoch if epoch is not None else first) - first)
+    lost = dict(ranks=said, where=where, world_size=(old, n), samples_reassigned=reassigned,
+                steps_lost=(steps - resumed["steps"]) if resumed else 0,
+                resumed_from=resumed["path"] if resumed else None)
+    _say(lost, n, left)
+    result = retry(max(1, left))
+    result.lost = lost
+    print(f"distnb: --on-failure shrink: lost {', '.join(said.values())}; the cell finished on {count(n, 'rank')} "
+          f"(was {old}); {_lost_steps(lost)}; {reassigned} samples re-assigned to the survivors")
+    return result
+
+
+def rest_of(given: dict, epochs: int) -> dict:
+    """The options that train the rest of a cell: its own, with ``epochs`` left and what would start afresh dropped.
+
+    ``--reset``, ``--lr`` and ``--lr-schedule`` (with ``--warmup-steps``) took effect when the cell
+    began; given again they would reset the model, the learning rate or the schedule mid-cell.
+    """
+    rest = {k: v for k, v in given.items() if k not in ("reset", "lr", "lr_schedule", "warmup_steps")}
+    rest["epochs"] = epochs
+    return rest
+
+
+def _has_checkpoint(directory: str) -> bool:
+    import os
+
+    if not os.path.isdir(directory):
+        return False
+    from .engine import checkpoint
+
+    return checkpoint.latest(directory) is not None
+
+
+def _lost_steps(lost: dict) -> str:
+    if lost["resumed_from"]:
+        return f"{count(lost['steps_lost'], 'step')} after the checkpoint {lost['resumed_from']} trained again"
+    return "no completed step lost (every ddp replica held the last one)"
+
+
+def _say(lost: dict, n: int, left: int) -> None:
+    for rank, text in sorted(lost["ranks"].items()):
+        epoch, step = lost["where"].get(rank, (None, None))
+        at = f" at epoch {epoch}, step {step}" if epoch is not None else ""
+        print(f"distnb: --on-failure shrink: {text}{at}; going on on {count(n, 'surviving rank')} "
+              f"({count(left, 'epoch')} left)")
+
+
+def _samples_of(session, dead: list, old: int) -> int:
+    """Samples of the tensor data sets the ``dead`` ranks held (dealt to the survivors)."""
+    from .engine import shard
+
+    total = 0
+    for info in session.holdings.data.values():
+        if "structure" in info and info["num_shards"] == old:
+            total += sum(shard.shard_length(info["num_samples"], old, r) for r in dead)
+    return total
+
+
+def _drop(session, dead: dict) -> dict:
+    """The world without ``dead``: survivors numbered again in order, the group re-formed, rank 0's state shared.
+
+    Returns the positions :func:`distnb.engine.elastic.share` reports (model -> (epoch, epoch_samples,
+    steps, the epoch the cell started at)).
+    """
+    cluster = session.cluster
+    old = cluster.world_size
+    keep = [r for r in range(old) if r not in dead]
+    scaling._stop_engines(cluster, [cluster.ranks[r]["pid"] for r in dead])  # reap what is left of them
+    cluster._gone_ids = set(getattr(cluster, "_gone_ids", ())) | {cluster.engine_ids[r] for r in dead}
+    cluster.renumbered = getattr(cluster, "renumbered", False) or keep != list(range(len(keep)))
+    cluster.engine_ids = [cluster.engine_ids[r] for r in keep]
+    cluster.placement = [dict(cluster.placement[r], local_rank=i) for i, r in enumerate(keep)]
+    cluster.ranks = [cluster.ranks[r] for r in keep]
+    scaling._form(cluster, len(keep), old)
+    held = session.holdings
+    held.generation += 1  # sharded models are sent again (and resume from their checkpoint)
+    infos = cluster.wait_all(cluster.apply_all(calls.share, sorted(held.names), 1), timeout=cluster.spec.timeout + 60,
+                             what="sharing rank 0's state with the survivors")
+    scaling._reassign_data(session, old, len(keep))
+    scaling._rewatch(cluster)
+    return infos[0]["positions"]

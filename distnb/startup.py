@@ -1,0 +1,66 @@
+"""What ``%dist start`` says: a running cluster kept (and the options it did not apply), or one ready."""
+
+from __future__ import annotations
+
+from . import options
+from .display.tables import count
+from .errors import PlanError
+from .plan import FAILURE_POLICIES, ClusterSpec
+
+#: start()'s keyword options (Python keyword -> ClusterSpec field), from ClusterSpec's declarations.
+START_OPTIONS = options.keywords(ClusterSpec)
+
+
+def differences(explicit: dict, asked: ClusterSpec, running: ClusterSpec) -> str:
+    """What a ``%dist start`` that keeps the running cluster says about the options it was given."""
+    changed = []
+    for keyword, value in explicit.items():
+        name = START_OPTIONS[keyword]
+        if getattr(asked, name) != getattr(running, name):
+            f, opt = next((f, o) for f, o in options.declared(ClusterSpec) if f.name == name)
+            show = ",".join(value) if isinstance(value, (tuple, list)) else value
+            changed.append((options.flags_of(f, opt)[0], show, getattr(running, name)))
+    if not changed:
+        return "(%dist restart starts a fresh one)"
+    said = ", ".join(f"{flag} {value} (running: {now})" for flag, value, now in changed)
+    return (f"and not these options, which differ from it: {said}; apply them with %dist restart "
+            + " ".join(f"{flag} {value}" for flag, value, _ in changed))
+
+
+def say_ready(cluster) -> None:
+    """``distnb: 2 ranks ready (gloo, cpu, 1 threads/rank) in 0.9 s`` (and the start's note, if any)."""
+    spec = cluster.spec
+    hosts = f" on {count(cluster.num_nodes, 'host')}" if cluster.num_nodes > 1 else ""
+    threads = sorted({r.get("num_threads", spec.num_threads) for r in cluster.ranks})
+    print(f"distnb: {count(spec.num_engines, 'rank')}{hosts} ready ({spec.backend}, {spec.device_type}, "
+          f"{'-'.join(map(str, threads[::max(1, len(threads) - 1)]))} threads/rank) in "
+          f"{cluster.start_seconds:.1f} s")
+    if cluster.note:
+        print(f"distnb: {cluster.note}")
+
+
+def failure_policy(auto_restart, on_failure):
+    """The ``--on-failure`` policy that ``%dist start`` was given (``--auto-restart`` is ``restart``), or None.
+
+    Raises PlanError for a value that is not one, or for both options disagreeing.
+    """
+    if auto_restart is not None and not isinstance(auto_restart, bool):
+        raise PlanError(f"auto_restart must be True or False, got {auto_restart!r}")
+    if on_failure is not None and on_failure not in FAILURE_POLICIES:
+        raise PlanError(f"--on-failure must be one of {', '.join(FAILURE_POLICIES)}, got {on_failure!r}")
+    if auto_restart and on_failure not in (None, "restart"):
+        raise PlanError(f"--auto-restart is --on-failure restart; it cannot go with --on-failure {on_failure}")
+    if on_failure is None and auto_restart is not None:
+        return "restart" if auto_restart else "stop"
+    return on_failure
+
+
+def say_policy(policy: str, before: str) -> None:
+    """What a running cluster does from now on (``policy``, was ``before``) when an engine dies during a cell."""
+    if "restart" in (policy, before) and "shrink" not in (policy, before):
+        print(f"distnb: automatic restart after an engine death is now {'on' if policy == 'restart' else 'off'}")
+        return
+    what = {"stop": "the cell fails (%dist restart for a fresh world)",
+            "restart": "a fresh world starts at once (automatic restart)",
+            "shrink": "the cell goes on on the surviving ranks at the smaller world"}[policy]
+    print(f"distnb: when an engine dies during a cell, {what} (--on-failure {policy})")
