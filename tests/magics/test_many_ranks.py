@@ -107,14 +107,26 @@ def test_one_failing_rank_of_16_is_named_within_seconds(many):
     assert float(many.pull("t", rank=0)) == N
 
 
-def test_an_interrupt_stops_all_16_ranks_after_the_same_step(many):
-    timer = threading.Timer(6.0, lambda: os.kill(os.getpid(), signal.SIGINT))
-    timer.start()
+def test_an_interrupt_stops_all_16_ranks_after_the_same_step(many, tmp_path):
+    mark, done = tmp_path / "training", threading.Event()
+
+    def interrupt_once_training():  # a fixed delay could land before the first step on a loaded machine
+        deadline = time.monotonic() + 120
+        while not mark.exists() and not done.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if mark.exists() and not done.is_set():
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGINT)
+
+    watcher = threading.Thread(target=interrupt_once_training, daemon=True)
+    watcher.start()
+    body = f"if rank == 0 and ctx.step == 5:\n    open({str(mark)!r}, 'w').close()\n" + BODY
     try:
-        result = many.train(BODY, model="net16", data="data16", epochs=10_000, batch_size=4, progress="none",
+        result = many.train(body, model="net16", data="data16", epochs=10_000, batch_size=4, progress="none",
                             quiet=True)
     finally:
-        timer.cancel()
+        done.set()
+        watcher.join(5)
     assert result.interrupted and result.stop_reason == "interrupted"
     steps = {row["steps"] for row in result.rows}
     assert len(steps) == 1 and steps.pop() > 0, [row["steps"] for row in result.rows]
