@@ -17,6 +17,9 @@ Sections (in this order, so that clusters are started as few times as possible):
   rank on a compute-bound CNN (7).  [throughput.py]
 - ``dashboard``: ``--progress widgets`` vs ``none`` (8).  [run.py --dashboard]
 
+Not in this run (it takes long on 2 cores): every strategy, bf16 and --compile on char-level
+transformers against hand-written torchrun scripts (issue 17).  [run.py --transformers, transformers.py]
+
 Usage::
 
     .venv/bin/python benchmarks/run.py [--rounds 5] [--only cold,transfer,...] [--json results.json]

@@ -1,0 +1,283 @@
+"""distnb against torchrun on character-level transformers: every strategy, compile and bf16 (issue 17, 1 and 6).
+
+For each case (model size, strategy, precision, compile) it alternates, round by round:
+
+(a) distnb on 2 warm CPU engines in a real IPython ``InteractiveShell`` (``%load_ext distnb``,
+    ``%dist start -n 2``): ``%%distrain --strategy S`` cells, or for ``dist-ddp`` a hand-written
+    DDP loop in a ``%%dist`` cell (``torchrun_transformer.Trainer`` built once on the engines);
+    a first, untimed cell sends the model and data and builds the strategy and optimizer;
+(b) ``benchmarks/torchrun_transformer.py`` under ``torchrun --standalone --nproc-per-node 2``:
+    the same model, seeds, shards, batch order, AdamW, one thread per rank and the same torch
+    APIs, written by hand; one command per round (its start-up and warm-up epoch untimed).
+
+Figure per case: training time, the slowest rank's first step to the end of its last epoch
+(seconds), median over all runs; ratio = torchrun time / distnb time (> 1: distnb faster).
+Targets (issue 17): ddp >= 1.00, fsdp >= 0.95, tensor and pipeline >= 0.90, the ``%%dist``
+loop >= 0.95. A figure is *decided* when every round's ratio lies on the same side of its
+target (at least 3 rounds), else *within noise*. Losses: the warm-up cell's per-epoch mean
+losses against the reference's warm-up epochs (both from the same seed-0 model and epoch 0).
+
+Every run also records the CPU other processes used meanwhile (cores); on a shared machine
+a round where that exceeds ``--max-foreign`` is re-run, at most ``--retries`` times.
+
+Usage::
+
+    .venv/bin/python benchmarks/transformers.py [--sizes small,large] [--cases ddp,fsdp,tensor,pipeline,
+        dist-ddp,ddp-bf16,ddp-compile] [--rounds 3] [--epochs 1] [--json PATH]
+    .venv/bin/python benchmarks/run.py --transformers ...   # the same
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+TARGETS = {"ddp": 1.00, "fsdp": 0.95, "tensor": 0.90, "pipeline": 0.90, "dist-ddp": 0.95}
+CASES = ("ddp", "fsdp", "tensor", "pipeline", "dist-ddp", "ddp-bf16", "ddp-compile")
+BODY = "x, y = batch\nloss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())"
+
+
+def parse_case(case: str) -> dict:
+    """``"ddp-bf16"`` -> strategy ddp, precision bf16, compile False (``dist-ddp`` is a strategy)."""
+    strategy, _, flag = case.partition("-") if case != "dist-ddp" else (case, "", "")
+    return dict(strategy=strategy, precision="bf16" if flag == "bf16" else "fp32", compile=flag == "compile")
+
+
+def prepare(nb, ref) -> None:
+    """Cells run once: load distnb, 2 ranks, the model classes (the reference's source), the text windows."""
+    nb.cell("%load_ext distnb")
+    nb.cell("%dist start -n 2")
+    nb.cell("import torch, torch.nn as nn, torch.nn.functional as F")
+    nb.cell(inspect.getsource(ref.Block))
+    nb.cell(inspect.getsource(ref.CharGPT))
+    nb.cell(f"import sys\nsys.path.insert(0, {HERE!r})\nimport torchrun_transformer as ref\n"
+            "data = {}\nfor size, cfg in ref.SIZES.items():\n"
+            "    X, Y, vocab = ref.load_text(cfg['block'])\n"
+            "    data[size] = torch.utils.data.TensorDataset(X, Y)\n")
+
+
+def distrain_line(name, size, epochs, case, ref) -> str:
+    c = parse_case(case)
+    extra = ""
+    if c["strategy"] == "pipeline":
+        extra = f" --split blocks.{ref.SIZES[size]['layers'] // 2} --microbatches 2"
+    if c["precision"] != "fp32":
+        extra += f" --precision {c['precision']}"
+    if c["compile"]:
+        extra += " --compile"
+    return (f"%%distrain --model {name} --data train_{size} --epochs {epochs} --batch-size {ref.BATCH_SIZE} "
+            f"--optimizer adamw --lr {ref.LR} --drop-last --strategy {c['strategy']}{extra} --progress none -o r")
+
+
+class DistnbSide:
+    """One case on the warm engines: :meth:`warm` (untimed, returns its epoch losses), :meth:`run` (timed)."""
+
+    def __init__(self, nb, harness, ref, size, case):
+        self.nb, self.harness, self.ref, self.size, self.case = nb, harness, ref, size, case
+        self.name = f"net_{size}_{case.replace('-', '_')}"
+        self.epoch = 0
+
+    def warm(self, epochs: int) -> list:
+        nb, size = self.nb, self.size
+        nb.cell(f"train_{size} = data[{size!r}]", quiet=True)
+        if self.case == "dist-ddp":
+            nb.cell(f"%%dist\nimport sys\nsys.path.insert(0, {HERE!r})\nimport torchrun_transformer as ref\n"
+                    f"trainer = ref.Trainer('dist-ddp', {size!r})\n"
+                    f"warm_losses = [trainer.epoch(e)[2] for e in range({epochs})]", quiet=True)
+            self.epoch = epochs
+            return self.nb_pull("warm_losses")[0]
+        nb.cell(f"torch.manual_seed(0)\n{self.name} = CharGPT(vocab, **ref.SIZES[{size!r}])", quiet=True)
+        nb.cell(distrain_line(self.name, size, epochs, self.case, self.ref) + "\n" + BODY, quiet=True)
+        self.epoch = epochs
+        return list(nb.ns["r"].epoch_losses)
+
+    def nb_pull(self, name):
+        from distnb import session
+
+        return session.current().pull(name)
+
+    def run(self, epochs: int) -> dict:
+        harness = self.harness
+        with harness.ForeignCpu() as foreign:
+            if self.case == "dist-ddp":
+                self.nb.cell(f"%%dist\nimport torch\nbench_out = ref.timed_run(trainer, {self.epoch}, {epochs})\n"
+                             "bench_out['threads'] = torch.get_num_threads()", quiet=True)
+                out = self.nb_pull("bench_out")[0]
+                fig = dict(train_seconds=out["train_seconds"], epoch_losses=out["epoch_losses"],
+                           threads=out["threads"], cpu_utilisation=out["cpu_utilisation"])
+            else:
+                self.nb.cell(distrain_line(self.name, self.size, epochs, self.case, self.ref) + "\n" + BODY,
+                             quiet=True)
+                r = self.nb.ns["r"]
+                fig = dict(train_seconds=r.train_seconds, epoch_losses=list(r.epoch_losses),
+                           overhead_seconds=r.overhead_seconds)
+        self.epoch += epochs
+        fig["foreign_cores"] = foreign.cores
+        return fig
+
+
+def run_torchrun(size, case, epochs, first_epoch, warmup_epochs, timeout=900.0) -> dict:
+    """One torchrun command of the reference; its JSON (rank 0) plus the command's wall time."""
+    c = parse_case(case)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(HERE, "torchrun_transformer.py"), "--size", size, "--strategy", c["strategy"],
+           "--epochs", str(epochs), "--first-epoch", str(first_epoch), "--warmup-epochs", str(warmup_epochs),
+           "--precision", c["precision"]] + (["--compile"] if c["compile"] else [])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers: our own session
+        proc.communicate()
+        raise RuntimeError(f"torchrun reference timed out after {timeout:.0f} s") from None
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"torchrun reference failed (exit {proc.returncode}):\n{out[-2000:]}\n{err[-3000:]}")
+    res = json.loads(lines[-1])
+    res["command_seconds"] = time.perf_counter() - t0
+    return res
+
+
+def verdict(ratios, target) -> str:
+    """"decided" when >= 3 rounds all lie on one side of ``target``; else "within noise"."""
+    if target is None:
+        return "reported"
+    if len(ratios) < 3:
+        return f"undecided ({len(ratios)} round{'s' if len(ratios) != 1 else ''})"
+    if min(ratios) >= target or max(ratios) < target:
+        return "decided"
+    return "within noise"
+
+
+def measure_case(nb, harness, ref, size, case, args, log=print) -> dict:
+    """Warm-up, the loss check, then ``args.rounds`` alternated rounds (re-runs for others' load)."""
+    side = DistnbSide(nb, harness, ref, size, case)
+    warm = side.warm(args.warmup_epochs)
+    rounds, retries, k = [], args.retries, 0
+    ref_warm = None
+    while sum(r["kept"] for r in rounds) < args.rounds:
+        order = ("a", "b") if k % 2 == 0 else ("b", "a")
+        e0 = side.epoch  # both sides time epoch e0 on (same shuffles); the reference warms up to it
+        for which in order:
+            if which == "a":
+                a = side.run(args.epochs)
+            else:
+                b_cmd = run_torchrun(size, case, args.epochs, e0, args.warmup_epochs)
+        b = b_cmd["runs"][0]
+        if ref_warm is None and e0 == args.warmup_epochs:  # its warm-up = distnb's warm-up cell, from epoch 0
+            ref_warm = b_cmd["warmup_losses"]
+        foreign = max(a["foreign_cores"], b["foreign_cores"])
+        rerun = foreign > args.max_foreign and retries > 0
+        retries -= rerun
+        rnd = dict(a=a, b=b, first="distnb" if order[0] == "a" else "torchrun", foreign_cores=foreign,
+                   ratio=b["train_seconds"] / a["train_seconds"], kept=not rerun,
+                   command_seconds=b_cmd["command_seconds"])
+        rounds.append(rnd)
+        log(f"  {size} {case} round {k + 1} ({rnd['first']} first): distnb {a['train_seconds']:.2f} s, torchrun "
+            f"{b['train_seconds']:.2f} s, ratio {rnd['ratio']:.3f}; others' load up to {foreign:.2f} cores"
+            + ("; re-run" if rerun else ""))
+        k += 1
+    kept = [r for r in rounds if r["kept"]]
+    med = statistics.median
+    ta, tb = med(r["a"]["train_seconds"] for r in kept), med(r["b"]["train_seconds"] for r in kept)
+    ratios = [r["ratio"] for r in kept]
+    target = TARGETS.get(case)
+    loss_diff = (max(abs(x - y) for x, y in zip(warm, ref_warm)) if ref_warm else None)
+    return dict(size=size, case=case, distnb_s=ta, torchrun_s=tb, ratio=tb / ta, round_ratios=ratios,
+                target=target, verdict=verdict(ratios, target), warm_losses=warm, ref_warm_losses=ref_warm,
+                loss_diff=loss_diff, foreign_cores=max(r["foreign_cores"] for r in kept),
+                rerun=len(rounds) - len(kept), rounds=rounds)
+
+
+def speedups(results) -> list:
+    """Rows of --compile / --precision bf16 speed-up vs eager fp32 ddp, distnb and torchrun side by side."""
+    by = {(r["size"], r["case"]): r for r in results}
+    rows = []
+    for (size, case), r in by.items():
+        base = by.get((size, "ddp"))
+        if case in ("ddp-bf16", "ddp-compile") and base:
+            rows.append((size, case.split("-")[1], f"{base['distnb_s'] / r['distnb_s']:.2f}x",
+                         f"{base['torchrun_s'] / r['torchrun_s']:.2f}x"))
+    return rows
+
+
+def report(results, harness, load0, load1) -> None:
+    rows = []
+    for r in results:
+        target = r["target"]
+        ok = "" if target is None else ("PASS" if r["ratio"] >= target else "FAIL")
+        spread = f"{min(r['round_ratios']):.3f}-{max(r['round_ratios']):.3f}"
+        rows.append((r["size"], r["case"], f"{r['distnb_s']:.3f}", f"{r['torchrun_s']:.3f}", f"{r['ratio']:.3f}",
+                     spread, "-" if target is None else f">= {target:.2f}", ok, r["verdict"],
+                     "n/a" if r["loss_diff"] is None else f"{r['loss_diff']:.1e}", f"{r['foreign_cores']:.2f}"))
+    print()
+    print(harness.fmt_table(("model", "case", "distnb train s", "torchrun train s", "ratio (torchrun/distnb)",
+                             "round ratios", "target", "pass/fail", "noise", "max |loss diff|",
+                             "others' load, cores"), rows))
+    sp = speedups(results)
+    if sp:
+        print()
+        print(harness.fmt_table(("model", "flag", "distnb speed-up vs eager fp32", "torchrun speed-up"), sp))
+    print(f"\nload average before {load0}, after {load1}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="small,large", help="comma-separated: small, large (default both)")
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated of {', '.join(CASES)} (default all; "
+                   "bf16/compile rows only for the small model unless --sizes says otherwise)")
+    p.add_argument("--rounds", type=int, default=3, help="alternated rounds per case (default 3)")
+    p.add_argument("--epochs", type=int, default=1, help="epochs per timed run (default 1)")
+    p.add_argument("--warmup-epochs", type=int, default=1, help="untimed epochs first, both sides (default 1)")
+    p.add_argument("--max-foreign", type=float, default=0.1, help="re-run a round in which other processes used "
+                   "more than this many cores on average (default 0.1)")
+    p.add_argument("--retries", type=int, default=0, help="at most this many re-run rounds per case (default 0)")
+    p.add_argument("--json", default=None, help="also write every measurement to this file")
+    args = p.parse_args(argv)
+    sizes = [s for s in args.sizes.split(",") if s]
+    cases = [c for c in args.cases.split(",") if c]
+    bad = [c for c in cases if c not in CASES] + [s for s in sizes if s not in ("small", "large")]
+    if bad or args.rounds < 1 or args.epochs < 1 or args.warmup_epochs < 1:
+        p.error(f"unknown {bad}" if bad else "--rounds, --epochs and --warmup-epochs must be at least 1")
+    sys.path.insert(0, HERE)
+    import run as harness  # the notebook shell, foreign-CPU meter, tables, clean-up
+    import torchrun_transformer as ref
+
+    tmp = harness.isolate_dirs()
+    load0 = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"distnb vs torchrun, char-level transformers {sizes}, cases {cases}; {args.rounds} rounds x "
+          f"{args.epochs} epochs, batch {ref.BATCH_SIZE}/rank, AdamW, 2 ranks gloo; load average {load0}", flush=True)
+    nb = harness.Notebook()
+    results = []
+    try:
+        prepare(nb, ref)
+        nb.cell("vocab = ref.load_text(32)[2]", quiet=True)
+        for size in sizes:
+            for case in cases:
+                if case in ("ddp-bf16", "ddp-compile") and size != "small" and "small" in sizes:
+                    continue
+                results.append(measure_case(nb, harness, ref, size, case, args,
+                                            log=lambda m: print(m, flush=True)))
+    finally:
+        harness.stop_and_sweep(nb, tmp)
+    report(results, harness, load0, " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(args=vars(args), results=results), f, indent=1)
+    return 0 if all(r["target"] is None or r["ratio"] >= r["target"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
