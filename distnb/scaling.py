@@ -492,7 +492,9 @@ def _say(session, out: dict, dealt: list, batches, keep: bool) -> None:
     print(f"distnb: scaled the world from {count(old, 'rank')} to {n} in {out['seconds']:.1f} s ({how}; the "
           "process group re-formed)")
     if grew and (out["models"] or out["names"]):
-        what = [f"{m} (model, optimizer, lr schedule, epoch and sampler position)" for m in out["models"]]
+        models = out["models"]
+        what = [f"{', '.join(models)} ({'each its ' if len(models) > 1 else ''}model, optimizer, lr schedule, epoch "
+                "and sampler position)"] if models else []
         if out["names"]:
             what.append(f"{count(len(out['names']), 'pushed name')}")
         print(f"distnb: rank 0 broadcast {', '.join(what)} to the added ranks over torch.distributed "

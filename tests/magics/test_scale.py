@@ -4,10 +4,12 @@ Every test leaves the shared cluster at 2 ranks (the ``two_ranks`` fixture resta
 """
 
 import os
+import re
 import signal
 import time
 
 import psutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -75,9 +77,11 @@ def test_ddp_2_ranks_then_3_matches_one_process_with_each_worlds_global_batches(
     capsys.readouterr()
     out = dist_session.scale(3)
     said = capsys.readouterr().out
-    assert out["world_size"] == (2, 3) and out["added"] == [2] and out["models"] == ["sc_net"]
+    # the shared cluster may hold other tests' models too: each is carried
+    assert out["world_size"] == (2, 3) and out["added"] == [2] and "sc_net" in out["models"]
     assert "sc_sched" in out["names"] and "F" in out["names"]
-    assert "rank 0 broadcast sc_net (model, optimizer, lr schedule, epoch and sampler position)" in said
+    assert re.search(r"rank 0 broadcast [^(]*\bsc_net\b[^(]* \((each its )?model, optimizer, lr schedule, epoch "
+                     r"and sampler position\)", said), said
     assert "sc_data dealt again" in said and "global batch changes from 32 to 48" in said
     assert dist_session.world_size == 3 and len(dist_session.status().rows) == 3
     assert dist_session.run("world_size", all_output=True) == ["3", "3", "3"]
