@@ -65,3 +65,15 @@ def test_every_function_is_at_most_80_lines():
     over.sort(reverse=True)
     assert over == [], f"functions over {MAX_FUNCTION_LINES} lines:\n  " + "\n  ".join(
         f"{where}: {n} lines" for n, where in over)
+
+
+def test_test_modules_outside_packages_have_unique_names():
+    """pytest imports test modules by file name (``prepend`` mode): two ``test_x.py`` in folders that are
+    not packages clash at collection, and the whole run stops."""
+    import collections
+    import pathlib
+
+    tests = pathlib.Path(__file__).resolve().parents[1]
+    loose = [p for p in tests.rglob("test_*.py") if not (p.parent / "__init__.py").exists()]
+    clashes = {name: paths for name, paths in collections.Counter(p.name for p in loose).items() if paths > 1}
+    assert clashes == {}, sorted(str(p.relative_to(tests)) for p in loose if p.name in clashes)

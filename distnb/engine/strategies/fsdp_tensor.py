@@ -45,7 +45,7 @@ from __future__ import annotations
 from ...plan import mesh_shape
 from . import Strategy, gathered_state, tensor_bytes
 from .fsdp import FSDP, make_mesh, optimizer_state_bytes, release_group, shard
-from .tensor import check_default, check_plan, describe, explain_default_plan, plan_label, resolve_plan
+from .tensor import DefaultPlanHint, check_default, check_plan, describe, plan_label, resolve_plan
 
 #: The mesh's dimension names, outer (FSDP, data parallel) first, as torchtitan names them.
 DIMS = ("dp", "tp")
@@ -59,7 +59,7 @@ def _degree(plan, tp: int) -> str:
             "whose TP divides it")
 
 
-class FsdpTensor(FSDP):
+class FsdpTensor(DefaultPlanHint, FSDP):
     """FSDP2 over the mesh's ``dp`` dimension, tensor parallel over its ``tp`` dimension.
 
     Attributes
@@ -119,13 +119,6 @@ class FsdpTensor(FSDP):
         return mesh_shape(plan.mesh, world_size)[0]
 
     # rank side -----------------------------------------------------------------------
-    def step(self, ns, code, ctx):
-        try:
-            return super().step(ns, code, ctx)
-        except (RuntimeError, IndexError, ValueError) as exc:
-            explain_default_plan(exc, self.plan, self.tp_plan, self.replicated)
-            raise
-
     def full_state(self):
         """The whole state on rank 0 (CPU), every shard all-gathered over both dimensions; a collective.
 

@@ -189,7 +189,19 @@ def plan_label(plan) -> str:
     return f"--tp-plan {plan.tp_plan}" if plan.tp_plan else "tensor plan"
 
 
-class Tensor(Strategy):
+class DefaultPlanHint:
+    """Mixin for strategies that split layers with a tensor plan (``plan``, ``tp_plan``, ``replicated``):
+    an error of the step under the default plan says what that plan split (:func:`explain_default_plan`)."""
+
+    def step(self, ns, code, ctx):
+        try:
+            return super().step(ns, code, ctx)
+        except (RuntimeError, IndexError, ValueError) as exc:
+            explain_default_plan(exc, self.plan, self.tp_plan, self.replicated)
+            raise
+
+
+class Tensor(DefaultPlanHint, Strategy):
     """Linear layers split across ranks (column- then row-wise); every rank sees the same batches.
 
     Attributes
@@ -235,13 +247,6 @@ class Tensor(Strategy):
     def full_state(self):
         """Full tensors on rank 0 (CPU), assembled with ``DTensor.full_tensor``; a collective."""
         return gathered_state(self.module)
-
-    def step(self, ns, code, ctx):
-        try:
-            return super().step(ns, code, ctx)
-        except (RuntimeError, IndexError, ValueError) as exc:
-            explain_default_plan(exc, self.plan, self.tp_plan, self.replicated)
-            raise
 
     def holdings(self) -> dict:
         """Bytes of parameters stored here (local shards, whole replicated ones) and of optimizer state."""
