@@ -27,6 +27,7 @@ browser download is never used. Without /usr/bin/chromium the test is skipped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -167,17 +168,38 @@ class Lab:
         self._log.close()
 
 
-@pytest.fixture
-def lab(tmp_path):
+def serve_notebook(tmp_path, name, cells):
+    """A JupyterLab server on a folder holding one notebook ``name`` of ``cells``: yields it, then stops it."""
     root = tmp_path / "root"
     root.mkdir()
-    with open(root / "dashboard.ipynb", "w") as f:
-        json.dump(_notebook(CELLS), f)
+    with open(root / name, "w") as f:
+        json.dump(_notebook(cells), f)
     server = Lab(str(root), secrets.token_hex(16), _free_port())
     try:
         yield server.start()
     finally:
         server.stop()
+
+
+@contextlib.contextmanager
+def lab_page(lab, name, height=1000):
+    """Headless Chromium on notebook ``name`` of ``lab``, its kernel started and idle: the page."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": height})
+            page.goto(f"{lab.url}/lab/tree/{name}?reset&token={lab.token}")
+            page.wait_for_function(KERNEL_IDLE, timeout=60_000)
+            yield page
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def lab(tmp_path):
+    yield from serve_notebook(tmp_path, "dashboard.ipynb", CELLS)
 
 
 RUN_CELL = """(i) => {
@@ -329,61 +351,52 @@ def _check_where_button(page, artifacts):
 
 
 def test_dashboard_in_jupyterlab(lab, artifacts):
-    from playwright.sync_api import sync_playwright
-
     t0 = time.monotonic()
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    with lab_page(lab, "dashboard.ipynb", height=1000) as page:
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.goto(f"{lab.url}/lab/tree/dashboard.ipynb?reset&token={lab.token}")
-            page.wait_for_function(KERNEL_IDLE, timeout=60_000)
-            try:
-                _run(page, I_SETUP, timeout=60)
-                assert "2 ranks ready" in page.evaluate(CELL_TEXT, I_SETUP)
-                _run(page, I_DATA)
+            _run(page, I_SETUP, timeout=60)
+            assert "2 ranks ready" in page.evaluate(CELL_TEXT, I_SETUP)
+            _run(page, I_DATA)
 
-                # a foreground run: rows, live progress, 100%, loss curve
-                _start(page, I_TRAIN)
-                seen = _watch_progress(page, I_TRAIN, lambda: page.evaluate(f"() => window.__distnbRuns[{I_TRAIN}]")
-                                       != "running")
-                _wait_done(page, I_TRAIN)
-                assert _advancing(seen), seen
-                _assert_finished(page, I_TRAIN)
-                page.locator(".jp-Notebook .jp-Cell").nth(I_TRAIN).screenshot(
-                    path=artifacts.path("dashboard-finished.png"))
+            # a foreground run: rows, live progress, 100%, loss curve
+            _start(page, I_TRAIN)
+            seen = _watch_progress(page, I_TRAIN, lambda: page.evaluate(f"() => window.__distnbRuns[{I_TRAIN}]")
+                                   != "running")
+            _wait_done(page, I_TRAIN)
+            assert _advancing(seen), seen
+            _assert_finished(page, I_TRAIN)
+            page.locator(".jp-Notebook .jp-Cell").nth(I_TRAIN).screenshot(
+                path=artifacts.path("dashboard-finished.png"))
 
-                # a background run: the kernel is free (the next cell finishes) while the dashboard moves on
-                _run(page, I_BACKGROUND)
-                _run(page, I_FREE)
-                assert "kernel is free" in page.evaluate(CELL_TEXT, I_FREE)
-                seen = _watch_progress(page, I_BACKGROUND, lambda: all(
-                    r["status"] == "done" for r in page.evaluate(ROWS, I_BACKGROUND) or [{"status": ""}]))
-                # updates from the watcher thread while the kernel is idle (a front-end request may make it
-                # busy for a moment, so not every sample needs to be idle)
-                assert _advancing(seen) and sum(idle for _, idle in seen) >= 2, seen
-                _run(page, I_WAIT)
-                assert "waited [" in page.evaluate(CELL_TEXT, I_WAIT)
-                _assert_finished(page, I_BACKGROUND)
+            # a background run: the kernel is free (the next cell finishes) while the dashboard moves on
+            _run(page, I_BACKGROUND)
+            _run(page, I_FREE)
+            assert "kernel is free" in page.evaluate(CELL_TEXT, I_FREE)
+            seen = _watch_progress(page, I_BACKGROUND, lambda: all(
+                r["status"] == "done" for r in page.evaluate(ROWS, I_BACKGROUND) or [{"status": ""}]))
+            # updates from the watcher thread while the kernel is idle (a front-end request may make it
+            # busy for a moment, so not every sample needs to be idle)
+            assert _advancing(seen) and sum(idle for _, idle in seen) >= 2, seen
+            _run(page, I_WAIT)
+            assert "waited [" in page.evaluate(CELL_TEXT, I_WAIT)
+            _assert_finished(page, I_BACKGROUND)
 
-                # the where button during a foreground cell (the kernel is busy in it)
-                t_where = time.monotonic()
-                _check_where_button(page, artifacts)
-                print(f"where part of the test: {time.monotonic() - t_where:.1f} s")
+            # the where button during a foreground cell (the kernel is busy in it)
+            t_where = time.monotonic()
+            _check_where_button(page, artifacts)
+            print(f"where part of the test: {time.monotonic() - t_where:.1f} s")
 
-                # a failing rank: its row turns red and shows the exception
-                _run(page, I_FAIL)
-                rows = {r["rank"]: r for r in page.evaluate(ROWS, I_FAIL)}
-                assert rows[1]["status"] == "failed", rows
-                assert rows[1]["background"] == "rgb(253, 224, 220)", rows  # red
-                assert "ValueError: deliberate failure on rank 1" in rows[1]["error"], rows
-                assert rows[0]["status"] in ("interrupted", "failed"), rows
-                assert "RankError" in page.evaluate(CELL_TEXT, I_FAIL)
-                page.locator(".jp-Notebook .jp-Cell").nth(I_FAIL).screenshot(
-                    path=artifacts.path("dashboard-failed-rank.png"))
-            finally:
-                if page.evaluate(KERNEL_IDLE):
-                    _run(page, I_STOP, timeout=30)
+            # a failing rank: its row turns red and shows the exception
+            _run(page, I_FAIL)
+            rows = {r["rank"]: r for r in page.evaluate(ROWS, I_FAIL)}
+            assert rows[1]["status"] == "failed", rows
+            assert rows[1]["background"] == "rgb(253, 224, 220)", rows  # red
+            assert "ValueError: deliberate failure on rank 1" in rows[1]["error"], rows
+            assert rows[0]["status"] in ("interrupted", "failed"), rows
+            assert "RankError" in page.evaluate(CELL_TEXT, I_FAIL)
+            page.locator(".jp-Notebook .jp-Cell").nth(I_FAIL).screenshot(
+                path=artifacts.path("dashboard-failed-rank.png"))
         finally:
-            browser.close()
+            if page.evaluate(KERNEL_IDLE):
+                _run(page, I_STOP, timeout=30)
     print(f"browser test: {time.monotonic() - t0:.1f} s in the browser; screenshots in {artifacts.dir}")

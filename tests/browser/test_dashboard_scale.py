@@ -20,13 +20,11 @@ the test output). Fixtures and page helpers are test_dashboard_lab.py's.
 
 from __future__ import annotations
 
-import json
 import os
-import secrets
 import time
 
 import pytest
-from test_dashboard_lab import (CHROMIUM, CHROMIUM_ARGS, KERNEL_IDLE, Lab, _free_port, _notebook, _run, _start,
+from test_dashboard_lab import (CHROMIUM, KERNEL_IDLE, _run, _start, lab_page, serve_notebook,
                                 _wait_done)
 
 pytestmark = [
@@ -83,15 +81,7 @@ def _running(page, i):
 
 @pytest.fixture
 def lab(tmp_path):
-    root = tmp_path / "root"
-    root.mkdir()
-    with open(root / "scale.ipynb", "w") as f:
-        json.dump(_notebook(CELLS), f)
-    server = Lab(str(root), secrets.token_hex(16), _free_port())
-    try:
-        yield server.start()
-    finally:
-        server.stop()
+    yield from serve_notebook(tmp_path, "scale.ipynb", CELLS)
 
 
 def _check_live(page, artifacts):
@@ -126,34 +116,25 @@ def _check_live(page, artifacts):
 
 
 def test_aggregated_dashboard_at_256_simulated_ranks(lab, artifacts):
-    from playwright.sync_api import sync_playwright
-
     t0 = time.monotonic()
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    with lab_page(lab, "scale.ipynb", height=1100) as page:
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1100})
-            page.goto(f"{lab.url}/lab/tree/scale.ipynb?reset&token={lab.token}")
-            page.wait_for_function(KERNEL_IDLE, timeout=60_000)
-            try:
-                _run(page, I_SETUP, timeout=60)
-                _start(page, I_SIM)
-                _check_live(page, artifacts)
-                _wait_done(page, I_SIM, timeout=90)
-                final = _aggregate(page, I_SIM)
-                assert final["snapshot"], "no static snapshot after the run"
-                assert final["attention"] == [[200, "failed"], [201, "interrupted"], [202, "interrupted"]], final
-                assert final["counts"] == {"done": 253, "failed": 1, "interrupted": 2}, final["counts"]
-                assert final["all_rows"] == 256 and final["visible_rows"] == [], final["all_rows"]
-                assert final["slowest"][0] == 17, final["slowest"]
-                page.locator(".jp-Notebook .jp-Cell").nth(I_SIM).screenshot(
-                    path=artifacts.path("dashboard-256-ranks-final.png"))
-                _run(page, I_FIGURES)
-                print(page.evaluate("(i) => window.jupyterapp.shell.currentWidget.content.widgets[i].node"
-                                    ".querySelector('.jp-OutputArea').innerText", I_FIGURES))
-            finally:
-                if page.evaluate(KERNEL_IDLE):
-                    _run(page, I_STOP, timeout=30)
+            _run(page, I_SETUP, timeout=60)
+            _start(page, I_SIM)
+            _check_live(page, artifacts)
+            _wait_done(page, I_SIM, timeout=90)
+            final = _aggregate(page, I_SIM)
+            assert final["snapshot"], "no static snapshot after the run"
+            assert final["attention"] == [[200, "failed"], [201, "interrupted"], [202, "interrupted"]], final
+            assert final["counts"] == {"done": 253, "failed": 1, "interrupted": 2}, final["counts"]
+            assert final["all_rows"] == 256 and final["visible_rows"] == [], final["all_rows"]
+            assert final["slowest"][0] == 17, final["slowest"]
+            page.locator(".jp-Notebook .jp-Cell").nth(I_SIM).screenshot(
+                path=artifacts.path("dashboard-256-ranks-final.png"))
+            _run(page, I_FIGURES)
+            print(page.evaluate("(i) => window.jupyterapp.shell.currentWidget.content.widgets[i].node"
+                                ".querySelector('.jp-OutputArea').innerText", I_FIGURES))
         finally:
-            browser.close()
+            if page.evaluate(KERNEL_IDLE):
+                _run(page, I_STOP, timeout=30)
     print(f"browser test at 256 ranks: {time.monotonic() - t0:.1f} s in the browser; screenshots in {artifacts.dir}")
