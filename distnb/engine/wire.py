@@ -243,11 +243,6 @@ def _view(base: torch.Tensor, offset: int, nbytes: int, desc: tuple) -> torch.Te
     return base[offset:offset + nbytes].view(getattr(torch, desc[0])).view(tuple(desc[1]))
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s bytes as a flat uint8 tensor (``t`` contiguous; no copy)."""
-    return t.detach().reshape(-1).view(torch.uint8)
-
-
 def write_into(seg, buffers) -> ShmRef:
     """Copy ``buffers`` (flat uint8 arrays, see :func:`to_buffer`) into segment ``seg``; where they lie."""
     views = [torch.from_numpy(b) if len(b) else torch.empty(0, dtype=torch.uint8) for b in buffers]
@@ -289,20 +284,32 @@ def segments_view(ref: ShmRef) -> torch.Tensor:
     return _MAPS.view(ref.path, layout(ref.sizes)[1])
 
 
+def _own(storage, offset: int, desc: tuple) -> torch.Tensor:
+    """The tensor ``desc`` at byte ``offset`` of ``storage``: sharing its memory, but not a view.
+
+    Views of one tensor share autograd's version counter, so an in-place update of one buffer
+    (BatchNorm's running statistics in the forward) would look like a change of every weight
+    saved for backward; a tensor ``set_`` on the storage keeps a counter of its own.
+    """
+    dtype = getattr(torch, desc[0])
+    return torch.empty(0, dtype=dtype).set_(storage, offset // dtype.itemsize, tuple(desc[1]))
+
+
 def read_shm(ref: ShmRef, descs, mapped: bool = False) -> list:
-    """The tensors in ``ref``'s segment: copied into an arena, or ``mapped`` copy-on-write (no copy)."""
+    """The tensors in ``ref``'s segment: copied into an arena, or ``mapped`` copy-on-write (no copy).
+
+    Each tensor lies in the arena (or mapping) but is a tensor of its own (:func:`_own`).
+    """
     total = layout(ref.sizes)[1]
     if mapped:
-        base = segments.borrow(ref.path, total)
-        return [_finish(_view(base, off, n, d), d) for d, off, n in zip(descs, ref.offsets, ref.sizes)]
+        storage = segments.borrow(ref.path, total).untyped_storage()
+        return [_finish(_own(storage, off, d), d) for d, off in zip(descs, ref.offsets)]
     src, dst = segments_view(ref), _ARENAS.take(total)
-    out = []
-    for d, off, n in zip(descs, ref.offsets, ref.sizes):
-        t = _view(dst, off, n, d)
+    for off, n in zip(ref.offsets, ref.sizes):
         if n:
-            _flat(t).copy_(src[off:off + n])
-        out.append(_finish(t, d))
-    return out
+            dst[off:off + n].copy_(src[off:off + n])
+    storage = dst.untyped_storage()
+    return [_finish(_own(storage, off, d), d) for d, off in zip(descs, ref.offsets)]
 
 
 def _send_state(parts) -> ShmRef:

@@ -118,6 +118,25 @@ def test_pool_reuses_segments_and_gives_back_beyond_the_idle_budget(shm_dir, mon
     assert os.listdir(shm_dir) == []
 
 
+@pytest.mark.parametrize("mapped", [False, True])
+def test_received_tensors_are_not_views_of_each_other(shm_dir, mapped):
+    # views share autograd's version counter: BatchNorm's in-place running-stats update in the forward
+    # would then fail the backward of a conv weight received beside it ("modified by an inplace operation")
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+    payload, descs, buffers = wire.pack(model)
+    pool, ref = _sent(buffers)
+    tensors = wire.read_shm(ref, descs, mapped=mapped)
+    versions = [t._version for t in tensors]
+    with torch.no_grad():
+        tensors[0].add_(1)
+    assert [t._version for t in tensors][1:] == versions[1:]
+    if not mapped:
+        got = wire.loads(payload, descs, [ref])
+        got(torch.randn(5, 1, 8, 8)).sum().backward()  # the forward updates BatchNorm's buffers in place
+        assert got[0].weight.grad is not None
+    pool.close()
+
+
 def test_models_received_again_land_in_the_memory_of_a_dropped_one(shm_dir):
     t = torch.randn(300_000)
     pool, ref = _sent([wire.to_buffer(t)])
