@@ -278,8 +278,8 @@ def train_script(cell: Cell, options_line: str, launch: str) -> str:
         version = "(not installed)"
 
     c = cell.cluster
-    start = ("the weights the cell started from, a fresh optimizer, epoch 0: it gives the cell's per-epoch "
-             "losses" if cell.start["exact"] else cell.start["why"])
+    start = ("from the weights the cell started from, a fresh optimizer, epoch 0: it gives the cell's per-epoch "
+             "losses" if cell.start["exact"] else "otherwise than the cell did: " + cell.start["why"])
     return f'''"""The %%distrain cell of {cell.when} as a job that runs without a notebook (distnb {version} export).
 
 Run (this folder; distnb and torch must be installed where it runs, the versions the notebook had
@@ -292,7 +292,7 @@ The cell ran on {count(c["world_size"], "rank")} ({c["backend"]}, {c["device"]},
 process torchrun starts becomes a rank as a notebook engine does (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
 MASTER_PORT from torchrun), gets the model, the data and the names below as the kernel sends them, and
 runs distnb's training loop (distnb.engine.loop.train) on the same plan, seed and shards. The job starts
-from {start}.
+{start}.
 
 Rank 0 prints each epoch's loss (the mean over all ranks) and writes them to losses.json; the model,
 optimizer and position are saved as distnb checkpoints in checkpoints/ (at each epoch's end unless

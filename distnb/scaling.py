@@ -47,7 +47,7 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
     ----------
     n : int
         The new world size (ranks), at least 1 and at most what the launcher can place (local
-        CPU engines: 8 per core, or 16; GPU engines: one per visible GPU).
+        CPU engines: 16 per core; GPU engines: one per visible GPU).
     keep_global_batch : bool
         Keep the global batch (samples per optimizer step over all ranks): the following cells'
         ``--batch-size`` (or ``--accumulate``) is scaled for the new world, and the cell says so.
