@@ -114,7 +114,7 @@ TRAIN_LINES = [
     ("--model keep_net --data bad_ds --strategy pipeline --microbatches 0", BODY, "--microbatches must be at least 1"),
     ("--model keep_net --data bad_ds --strategy ps --servers 0", BODY, "--servers must be at least 1"),
     ("--model keep_net --data bad_ds --strategy ps --staleness -1", BODY, "--staleness must be at least 0"),
-    ("--model keep_net --data bad_ds --fsdp-units fc", BODY, "--fsdp-units is a --strategy fsdp option"),
+    ("--model keep_net --data bad_ds --fsdp-units fc", BODY, "--fsdp-units is a --strategy fsdp or fsdp+tensor option"),
     ("--model keep_net --data bad_ds --schedule 1f1b", BODY, "--schedule is a --strategy pipeline option"),
     ("--model keep_net --data bad_ds --nan maybe", BODY, "--nan must be one of stop, skip"),
     ("--model keep_net --data bad_ds --progress fancy", BODY, "--progress must be one of auto, widgets"),
