@@ -159,8 +159,13 @@ class Pool:
         a model's segment lent, and the next model send would make a new one).
 
         ``avoid``: a path not to hand out now (a rank's last weights, which the kernel may
-        still be reading). Raises OSError when ``/dev/shm`` has no room.
+        still be reading). A free segment whose file is gone is dropped (the kernel sweeps every
+        file of its pid when it stops a cluster, which can be another one than the ranks' own).
+        Raises OSError when ``/dev/shm`` has no room.
         """
+        for gone in [s for s in self.free if not os.path.exists(s.path)]:  # swept: another session stopped
+            self.free.remove(gone)
+            gone.close()
         fits = [s for s in self.free if nbytes <= s.size <= 2 * nbytes + GRAIN and s.path != avoid]
         if fits:
             seg = min(fits, key=lambda s: s.size)

@@ -236,6 +236,18 @@ def test_a_rank_never_overwrites_the_state_the_kernel_may_still_read(shm_dir, ra
     assert os.listdir(shm_dir) == []
 
 
+def test_a_swept_segment_is_not_handed_out_again(shm_dir, rank_shm):
+    # stopping another cluster of this kernel sweeps every distnb-<pid>-* file, a live rank's outbox too
+    first = wire.flatten_state({"a": torch.ones(3)})[3]
+    second = wire.flatten_state({"a": torch.ones(3)})[3]
+    assert wire.sweep_shm(os.getpid()) == 2
+    for _ in range(2):  # the outbox makes new files, which the kernel can read
+        ref = wire.flatten_state({"a": torch.full((3,), 5.0)})[3]
+        assert ref.path not in (first.path, second.path) and os.path.exists(ref.path)
+        got = wire.unflatten_state(["a"], [wire.describe(torch.ones(3))], [12], ref)
+        assert torch.equal(got["a"], torch.full((3,), 5.0))
+
+
 def test_sweep_removes_only_the_owners_files(shm_dir):
     mine, other = segments.Pool(4242, "k"), segments.Pool(4243, "k")
     a, b = mine.acquire(8), other.acquire(8)
