@@ -173,7 +173,11 @@ def install_shard(name, num_samples, num_shards, seed, index, structure, descs, 
 
 
 @_on_rank(LOOP, with_ns=True)
-def train(plan_dict, code_text): ...
+def install_shard_rows(name, num_samples, num_shards, seed, index, structure, descs, ref): ...
+
+
+@_on_rank(LOOP, with_ns=True)
+def train(plan_dict, code_text, outbox=None): ...
 
 
 # engine/datasets.py: data sets loaded on the ranks ---------------------------------------
@@ -186,7 +190,7 @@ def adopt_dataset(name, num_shards): ...
 
 
 @_on_rank(LOOP)
-def pull_state(name): ...
+def pull_state(name, outbox=None): ...
 
 
 @_on_rank(LOOP, with_ns=True)

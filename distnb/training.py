@@ -11,6 +11,7 @@ weights into the kernel's model when it ends.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -344,7 +345,7 @@ def ensure_model(session, plan, model_obj, quiet) -> bool:
     re-formed process group, so the model is then sent again from the kernel's weights
     (which are the last trained ones). Returns whether it was sent.
     """
-    from .transfer import fingerprint, outgoing, pack_named
+    from .transfer import _pool as transfer_pool, fingerprint, outgoing, pack_named
 
     held = session.holdings
     fp = fingerprint(model_obj)
@@ -359,11 +360,15 @@ def ensure_model(session, plan, model_obj, quiet) -> bool:
         if why:
             print(f"distnb: {why}")
     cluster = session.cluster
+    from . import resident
+
+    keep = resident.movable(model_obj.state_dict(keep_vars=True).values(), transfer_pool())  # before packing
     payload, descs, buffers = pack_named(plan.model, model_obj, " as --model")
-    with outgoing(cluster, buffers) as sent:  # shared memory on one host, else zero-copy frames
+    with outgoing(cluster, buffers, keep=keep) as sent:  # shared memory on one host, else zero-copy frames
         ars = cluster.apply_all(calls.install_model, plan.model, payload, descs, *sent)
         counts = cluster.wait_all(ars, timeout=cluster.spec.timeout + 60, what=f"sending {plan.model}")
-    held.models[plan.model] = fp
+    del buffers, keep
+    held.models[plan.model] = fingerprint(model_obj)  # the same state (a move keeps version counters)
     if not quiet:
         mine, saved = held.resume_steps
         if plan.checkpoint_dir and not plan.reset and plan.resume and has_checkpoint(plan.checkpoint_dir):
@@ -437,13 +442,16 @@ def weights_back(session, name, model_obj, best_effort=False, packed=None) -> No
     """Load rank 0's weights (``packed`` from its training result, else fetched) into ``model_obj``."""
     from .transfer import fingerprint, load_state_into
 
+    from .transfer import Offer
+
     cluster = session.cluster
     try:
-        if packed is None:  # every rank: sharded strategies assemble the state with collectives
-            ars = cluster.apply_all(calls.pull_state, name)
-            packed = cluster.wait_all(ars, timeout=cluster.spec.timeout, what="weights back")[0]
-        keys, descs, sizes, flat = packed
-        load_state_into(model_obj, keys, descs, sizes, flat)
+        with Offer(cluster, model_obj) if packed is None else contextlib.nullcontext() as outbox:
+            if packed is None:  # every rank: sharded strategies assemble the state with collectives
+                ars = cluster.apply_all(calls.pull_state, name, outbox)
+                packed = cluster.wait_all(ars, timeout=cluster.spec.timeout, what="weights back")[0]
+            keys, descs, sizes, flat = packed
+            load_state_into(model_obj, keys, descs, sizes, flat)
         session.holdings.models[name] = fingerprint(model_obj)
     except Exception:
         if not best_effort:
@@ -480,21 +488,24 @@ def train_cell(session, code, model, data, run, given):
     view.show()
     show = tuple(range(session.world_size)) if run.all_output else (0,)
     stopped = None
-    try:
-        rows = run_on_ranks(session, calls.train, plan.to_dict(), code, what="training", state=state, view=view,
-                            show_ranks=show)
-    except Interrupted as exc:  # every rank stopped after the same step: the result of what was trained
-        if getattr(exc, "results", None) is None:
+    from .transfer import Offer
+
+    with Offer(session.cluster, model_obj) as outbox:  # a kernel segment for rank 0's trained state (resident)
+        try:
+            rows = run_on_ranks(session, calls.train, plan.to_dict(), code, outbox, what="training", state=state,
+                                view=view, show_ranks=show)
+        except Interrupted as exc:  # every rank stopped after the same step: the result of what was trained
+            if getattr(exc, "results", None) is None:
+                weights_back(session, plan.model, model_obj, best_effort=True)
+                raise
+            rows, stopped = exc.results, exc
+        except (RankError, KeyboardInterrupt) as exc:
             weights_back(session, plan.model, model_obj, best_effort=True)
+            if plan.builtin_optimizer:  # a built-in optimizer was not what failed (a dead engine, the body, ...)
+                session.holdings.remember(plan)
+            exc.plan = plan  # what --on-failure shrink goes on with (distnb.shrinking)
             raise
-        rows, stopped = exc.results, exc
-    except (RankError, KeyboardInterrupt) as exc:
-        weights_back(session, plan.model, model_obj, best_effort=True)
-        if plan.builtin_optimizer:  # a built-in optimizer was not what failed (a dead engine, the body, ...)
-            session.holdings.remember(plan)
-        exc.plan = plan  # what --on-failure shrink goes on with (distnb.shrinking)
-        raise
-    result = finish(session, plan, model_obj, rows, time.perf_counter() - t0, num_shards, run.quiet, stopped)
+        result = finish(session, plan, model_obj, rows, time.perf_counter() - t0, num_shards, run.quiet, stopped)
     session.last_result = result
     export.remember(cell, result, model_obj)
     return result

@@ -150,10 +150,11 @@ def load_state_into(model, keys, descs, sizes, flat) -> None:
     """Copy weights received from a rank into the kernel's ``model`` in place.
 
     ``flat`` is the flat array of :func:`distnb.engine.wire.flatten_state` or a
-    :class:`~distnb.engine.wire.ShmRef` into the rank's outbox: then each tensor is copied
-    from the kernel's mapping of that segment straight into the model's own tensor (one
-    copy, into pages the model has touched; no copy of the state in the kernel's memory).
-    The rank keeps the segment for a later state.
+    :class:`~distnb.engine.wire.ShmRef`. When it points at a segment the kernel offered
+    (:class:`Offer`) the model's tensors that can move are re-pointed into it: no
+    copy here at all. Any other tensor is copied from the kernel's mapping of the segment straight
+    into the model's own tensor (one copy, into pages the model has touched). A rank's own
+    outbox segment stays the rank's, for a later state.
     """
     import torch
 
@@ -169,10 +170,15 @@ def load_state_into(model, keys, descs, sizes, flat) -> None:
         with torch.no_grad():
             model.load_state_dict(wire.unflatten_state(keys, descs, sizes, flat))
         return
+    from . import resident
+
+    moved = resident.adopt_state(_pool(), targets, keys, descs, flat)  # into the kernel's offered segment
     src = wire.segments_view(flat)
     rest, seen = {}, set()
     with torch.no_grad():
         for key, desc, offset, size in zip(keys, descs, flat.offsets, flat.sizes):
+            if key in moved:
+                continue
             t = targets[key].detach()
             got = src[offset:offset + size].view(getattr(torch, desc[0])).view(tuple(desc[1]))
             if (t.device.type == "cpu" and t.dtype == got.dtype and t.shape == got.shape
@@ -257,31 +263,71 @@ def _acquire(cluster, nbytes: int):
 
 
 @contextlib.contextmanager
-def outgoing(cluster, buffers, ranks=None):
+def outgoing(cluster, buffers, ranks=None, keep=None):
     """The arguments that carry ``buffers`` to ``ranks`` (default all) in one transfer.
 
     One segment of the kernel's shared-memory pool, written once, when every receiving
     rank shares ``/dev/shm`` with the kernel (:func:`shm_ranks`) and it has room (the ranks
     copy out of it during the call); else the buffers themselves (ipyparallel zero-copy
-    frames). The segment goes back to the pool when the block ends, whether the ranks
-    succeeded or not.
+    frames). Buffers that already lie in a resident segment (:mod:`distnb.resident`) are sent
+    where they are, with no copy here. Otherwise the segment goes back to the pool when the block
+    ends, whether the ranks succeeded or not, unless ``keep`` (the tensors the buffers were
+    made of: a model's state) moved into it once the block succeeded (:func:`distnb.resident.adopt`).
 
     Yields
     ------
     list
         ``[ShmRef]`` or ``buffers``: pass as ``*args`` after the tensor descriptions.
     """
+    from . import resident
     from .engine import wire
 
     ranks = range(cluster.world_size) if ranks is None else ranks
-    seg = None
+    seg = ref = None
     if buffers and set(ranks) <= shm_ranks(cluster):
-        seg = _acquire(cluster, wire.layout([len(b) for b in buffers])[1])
+        ref = resident.in_place(_pool(), buffers)
+        if ref is None:
+            seg = _acquire(cluster, wire.layout([len(b) for b in buffers])[1])
+    kept = False
     try:
-        yield [wire.write_into(seg, buffers)] if seg is not None else list(buffers)
+        if ref is not None:
+            yield [ref]
+            return
+        ref = wire.write_into(seg, buffers) if seg is not None else None
+        yield [ref] if seg is not None else list(buffers)
+        if seg is not None and keep is not None:
+            kept = resident.adopt(_pool(), seg, buffers, ref, keep)
     finally:
-        if seg is not None:
+        if seg is not None and not kept:
             _pool().release(seg)
+
+
+class Offer:
+    """A free segment of the kernel's pool offered to rank 0 for the state it sends back (a context).
+
+    ``with Offer(cluster, model) as outbox:`` gives ``(path, size)`` to pass to the ranks
+    (:func:`distnb.engine.wire.offer`), or None when rank 0 does not share this kernel's
+    ``/dev/shm`` or it has no room. On exit the segment goes back to the pool unless the model's
+    tensors moved into it (:func:`distnb.resident.adopt_state`, called by :func:`load_state_into`).
+    """
+
+    def __init__(self, cluster, model):
+        self.cluster, self.model, self.seg = cluster, model, None
+
+    def __enter__(self):
+        from .engine import wire
+
+        if 0 not in shm_ranks(self.cluster):
+            return None
+        sizes = [t.numel() * t.element_size() for t in self.model.state_dict().values()]
+        self.seg = _acquire(self.cluster, wire.layout(sizes)[1]) if sizes else None
+        return None if self.seg is None else (self.seg.path, self.seg.size)
+
+    def __exit__(self, *exc):
+        pool = _pool()
+        if self.seg is not None and self.seg.path in pool.busy:
+            pool.release(self.seg)
+        return False
 
 
 @contextlib.contextmanager

@@ -163,12 +163,31 @@ def install_shard(ns, name, num_samples, num_shards, seed, index, structure, des
     return len(SHARDS[name])
 
 
-def pull_state(name):
+def install_shard_rows(ns, name, num_samples, num_shards, seed, index, structure, descs, ref):
+    """Gather shard ``index`` of a data set out of the kernel's segment ``ref`` (the whole columns).
+
+    The rows are the seeded assignment's (:func:`distnb.engine.shard.assign`, the kernel's too),
+    copied into memory an earlier shard of ``name`` used (the old shard goes first): one copy.
+    """
+    rows = sharding.assign(num_samples, num_shards, seed)[index]
+    old = datasets.SOURCES.pop(name, None)
+    if old is not None:
+        old.close()
+    SHARDS.pop(name, None)
+    ns.pop(name, None)  # its memory is the arena the new shard lands in
+    columns = wire.gather_rows(ref, descs, rows)
+    SHARDS[name] = Shard(num_samples, num_shards, seed, index, structure, columns)
+    ns[name] = SHARDS[name].as_value()
+    return len(SHARDS[name])
+
+
+def pull_state(name, outbox=None):
     """The model's full state as (keys, descriptions, sizes, flat uint8 array) on rank 0.
 
     Call on every rank: strategies that shard the model assemble it with collectives.
-    Other ranks return None.
+    Other ranks return None. ``outbox``: as for :func:`train`.
     """
+    wire.offer(outbox)
     run = RUNS[name]
     if run.strategy is not None:
         return run.strategy.full_state()
@@ -240,12 +259,14 @@ def _run_body(ns, code, ctx, plan):
         _steps(ns, code, ctx)
 
 
-def train(ns, plan_dict, code_text):
+def train(ns, plan_dict, code_text, outbox=None):
     """Run one ``%%distrain`` cell on this rank; returns this rank's figures (dict).
 
     Above ``plan.relay_above`` ranks, progress goes through the host's relay
     (:func:`distnb.engine.report.host_relay`), closed when the cell ends, however it ends.
+    ``outbox``: a kernel segment to write the trained state into (:func:`distnb.engine.wire.offer`).
     """
+    wire.offer(outbox)
     plan = TrainPlan.from_dict(plan_dict)
     st = runtime.STATE
     relay = host_relay(st.world_size, st.local_rank or 0, st.node_rank, plan.relay_above)

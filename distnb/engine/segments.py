@@ -118,17 +118,25 @@ class Segment:
         self.path, self.size = path, size
         self.base = _uint8(self._mm)
 
-    def close(self) -> None:
-        """Unmap and unlink (views still alive keep their pages until they go)."""
+    def close(self, unmap: bool = True) -> None:
+        """Unlink, and unmap unless ``unmap`` is False: tensors live on the mapping (``torch.frombuffer``
+        holds a reference to it but no buffer export, so unmapping would pull the memory from under
+        them); it then goes when the last of them does."""
         self.base = None
-        try:
-            self._mm.close()
-        except BufferError:  # a view is alive: the mapping goes with it
-            pass
+        if unmap:
+            try:
+                self._mm.close()
+            except BufferError:  # a memoryview is alive: the mapping goes with it
+                pass
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+
+
+#: Memory a pool kept for tensors (:meth:`Pool.keep`), path -> (address, bytes), until those tensors are
+#: gone: also after the pool closed (the cluster stopped) and another one took its place.
+_KEPT: dict[str, tuple] = {}
 
 
 class Pool:
@@ -151,6 +159,7 @@ class Pool:
         self.free: list[Segment] = []
         self.lent: dict[str, Segment] = {}
         self.busy: dict[str, Segment] = {}
+        self.resident: dict[str, Segment] = {}
 
     def acquire(self, nbytes: int, avoid: str | None = None) -> Segment:
         """A free segment of at least ``nbytes`` (the smallest that fits), else a new one.
@@ -184,6 +193,40 @@ class Pool:
             self.free.append(seg)
             self.trim()
 
+    def keep(self, seg: Segment) -> torch.Tensor:
+        """``seg`` becomes the memory of tensors that the caller re-points into it (it is *resident*).
+
+        Returns a uint8 tensor over the whole segment: tensors made on its storage keep the segment
+        resident, never handed out again, until every one of them is gone; then it is free again.
+        """
+        self.busy.pop(seg.path, None)
+        self.resident[seg.path] = seg
+        owner = seg.base.numpy()  # a new ndarray per keep: it lives as long as the tensors on its storage
+        _KEPT[seg.path] = (seg.base.data_ptr(), seg.size)
+        weakref.finalize(owner, self._unkeep, seg.path)
+        return torch.from_numpy(owner)
+
+    def _unkeep(self, path: str) -> None:
+        _KEPT.pop(path, None)
+        seg = self.resident.pop(path, None)
+        if seg is not None and seg.base is not None and os.path.exists(seg.path):
+            self.free.append(seg)
+            self.trim()
+
+    def holding(self, address: int, nbytes: int):
+        """``(segment, offset)`` of the resident segment whose mapping holds bytes ``[address, address +
+        nbytes)``, or None (also when its file was swept: readers could not open it)."""
+        for seg in self.resident.values():
+            start = seg.base.data_ptr()
+            if start <= address and address + nbytes <= start + seg.size:
+                return (seg, address - start) if os.path.exists(seg.path) else None
+        return None
+
+    def ours(self, address: int, nbytes: int) -> bool:
+        """Do bytes ``[address, address + nbytes)`` lie in memory a pool of this process kept (:meth:`keep`), resident
+        now or closed since (its mapping lives on while tensors use it)?"""
+        return any(start <= address and address + nbytes <= start + size for start, size in _KEPT.values())
+
     def returned(self, still_held) -> None:
         """Lent segments whose paths are not in ``still_held`` (a set of paths) are free again."""
         for path in list(self.lent):
@@ -209,7 +252,9 @@ class Pool:
         """Unlink every segment of the pool (busy and lent ones too: mappings keep their pages)."""
         for seg in [*self.free, *self.lent.values(), *self.busy.values()]:
             seg.close()
-        self.free, self.lent, self.busy = [], {}, {}
+        for seg in self.resident.values():
+            seg.close(unmap=False)  # its mapping stays while the tensors on it do
+        self.free, self.lent, self.busy, self.resident = [], {}, {}, {}
 
 
 class Maps:
@@ -218,16 +263,17 @@ class Maps:
     def __init__(self):
         self._maps: dict[str, tuple] = {}
 
-    def view(self, path: str, nbytes: int) -> torch.Tensor:
-        """uint8 tensor over the first ``nbytes`` of ``path`` (read it; do not keep it)."""
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    def view(self, path: str, nbytes: int, writable: bool = False) -> torch.Tensor:
+        """uint8 tensor over the first ``nbytes`` of ``path`` (read it, or write it if ``writable``;
+        do not keep it). One :class:`Maps` maps every file one way: keep writers apart."""
+        fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | getattr(os, "O_CLOEXEC", 0))
         try:
             st = os.fstat(fd)
             known = self._maps.get(path)
             if known is None or known[0] != st.st_ino or len(known[1]) < nbytes:
                 self.drop(path)
-                mm = (mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
-                      if st.st_size else b"")
+                prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+                mm = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | _POPULATE, prot=prot) if st.st_size else b""
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", UserWarning)  # torch.frombuffer of a read-only mapping
                     known = (st.st_ino, mm, _uint8(mm))

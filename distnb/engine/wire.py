@@ -45,6 +45,7 @@ _IO_THREADS = max(1, min(4, os.cpu_count() or 1))
 _SHM = {"ok": False, "owner": None}
 #: This process's mappings of other processes' segments, and its memory for received models.
 _MAPS = segments.Maps()
+_WMAPS = segments.Maps()  # the kernel's segments this rank writes states into (:func:`offer`)
 _ARENAS = segments.Arenas()
 
 
@@ -218,6 +219,11 @@ class ShmRef:
         """Bytes of tensor data (without alignment padding)."""
         return sum(self.sizes)
 
+    @property
+    def extent(self) -> int:
+        """Bytes from the start of the file to the end of the last tensor (at least 1)."""
+        return max([off + n for off, n in zip(self.offsets, self.sizes)] + [1])
+
     def unlink(self) -> None:
         """Remove the file (mappings of it stay valid); no error if it is gone already."""
         try:
@@ -245,11 +251,15 @@ def _view(base: torch.Tensor, offset: int, nbytes: int, desc: tuple) -> torch.Te
 
 def write_into(seg, buffers) -> ShmRef:
     """Copy ``buffers`` (flat uint8 arrays, see :func:`to_buffer`) into segment ``seg``; where they lie."""
+    return _write(seg.base, seg.path, buffers)
+
+
+def _write(base: torch.Tensor, path: str, buffers) -> ShmRef:
     views = [torch.from_numpy(b) if len(b) else torch.empty(0, dtype=torch.uint8) for b in buffers]
     offsets, _ = layout([v.numel() for v in views])
     for v, off in zip(views, offsets):
-        seg.base[off:off + v.numel()].copy_(v)
-    return ShmRef(seg.path, offsets, [v.numel() for v in views])
+        base[off:off + v.numel()].copy_(v)
+    return ShmRef(path, offsets, [v.numel() for v in views])
 
 
 def rows_layout(columns, index) -> tuple:
@@ -281,7 +291,7 @@ def write_rows_into(seg, columns, index) -> tuple:
 
 def segments_view(ref: ShmRef) -> torch.Tensor:
     """uint8 view of what ``ref`` points at, through this process's kept mapping of the file."""
-    return _MAPS.view(ref.path, layout(ref.sizes)[1])
+    return _MAPS.view(ref.path, ref.extent)
 
 
 def _own(storage, offset: int, desc: tuple) -> torch.Tensor:
@@ -300,7 +310,7 @@ def read_shm(ref: ShmRef, descs, mapped: bool = False) -> list:
 
     Each tensor lies in the arena (or mapping) but is a tensor of its own (:func:`_own`).
     """
-    total = layout(ref.sizes)[1]
+    total = ref.extent
     if mapped:
         storage = segments.borrow(ref.path, total).untyped_storage()
         return [_finish(_own(storage, off, d), d) for d, off in zip(descs, ref.offsets)]
@@ -312,12 +322,52 @@ def read_shm(ref: ShmRef, descs, mapped: bool = False) -> list:
     return [_finish(_own(storage, off, d), d) for d, off in zip(descs, ref.offsets)]
 
 
+def offer(outbox) -> None:
+    """Rank side: the next state this rank sends back goes into the kernel's segment ``outbox``.
+
+    ``outbox`` is ``(path, size in bytes)`` of a segment of the kernel's pool that the kernel will
+    not read or hand out until this call returns (:class:`distnb.resident.Offer`), or None. A state
+    that does not fit goes into this rank's own outbox instead.
+    """
+    _SHM["offer"] = tuple(outbox) if outbox else None
+
+
+def gather_rows(ref: ShmRef, descs, rows: torch.Tensor) -> list:
+    """Rows ``rows`` (int64, shape ``(k,)``) of the columns ``descs`` at ``ref``, gathered into one arena.
+
+    Each column is a tensor of its own (:func:`_own`), shape ``(k, ...)``, on memory an earlier
+    transfer of this rank used when one is free (:class:`~.segments.Arenas`).
+    """
+    src = segments_view(ref)
+    shapes = [(len(rows),) + tuple(d[1][1:]) for d in descs]
+    sizes = [int(torch.Size(s).numel()) * getattr(torch, d[0]).itemsize for s, d in zip(shapes, descs)]
+    offsets, total = layout(sizes)
+    dst = _ARENAS.take(total)
+    out = []
+    for d, shape, off, n, src_off, src_n in zip(descs, shapes, offsets, sizes, ref.offsets, ref.sizes):
+        part = (d[0], shape) + tuple(d[2:])
+        if n:
+            torch.index_select(_view(src, src_off, src_n, d), 0, rows, out=_view(dst, off, n, part))
+        out.append(_finish(_own(dst.untyped_storage(), off, part), part))
+    return out
+
+
 def _send_state(parts) -> ShmRef:
-    """Rank side: ``parts`` into this rank's outbox; never the segment of the previous state."""
+    """Rank side: ``parts`` into the segment the kernel offered (:func:`offer`), else into this rank's
+    outbox, never the segment of the previous state there."""
+    offered, _SHM["offer"] = _SHM.get("offer"), None
+    offsets, total = layout([len(p) for p in parts])
+    if offered is not None and total <= offered[1]:
+        try:
+            base = _WMAPS.view(offered[0], offered[1], writable=True)
+        except OSError:  # swept, or not ours to write: the rank's own outbox
+            pass
+        else:
+            return _write(base, offered[0], parts)
     pool = _SHM.get("outbox")
     if pool is None:
         pool = _SHM["outbox"] = segments.Pool(_SHM["owner"], f"r{os.environ.get('RANK', 'x')}")
-    seg = pool.acquire(layout([len(p) for p in parts])[1], avoid=_SHM.get("last"))
+    seg = pool.acquire(total, avoid=_SHM.get("last"))
     try:
         ref = write_into(seg, parts)
     finally:
@@ -346,8 +396,10 @@ def drop_outstanding() -> None:
     if pool is not None:
         pool.close()
     _SHM.pop("last", None)
+    _SHM.pop("offer", None)
     _ARENAS.clear()
     _MAPS.prune()
+    _WMAPS.prune()
 
 
 def bind(ns: dict, name: str, payload: bytes, descs, *buffers) -> None:

@@ -61,8 +61,13 @@ def test_model_push_and_training_round_trip(dist_session, shell, request, path):
     ptrs = [p.data_ptr() for p in kernel_params]
     dist_session.train(BODY, model=name, data="shm_data", epochs=2, batch_size=8, optimizer="adam", lr=0.01,
                        progress="none", quiet=True)
-    # the weights came back into the kernel's own tensors, equal to every rank's
-    assert [p.data_ptr() for p in ns[name].parameters()] == ptrs
+    # the weights came back into the kernel's own parameters (the same objects), equal to every rank's:
+    # in the shared-memory path they now lie in memory of the kernel's pool (distnb.resident), else in place
+    assert [p for p in ns[name].parameters()] == kernel_params
+    if path == "shm":
+        assert all(transfer._pool().ours(p.data_ptr(), p.numel() * 4) for p in kernel_params)
+    else:
+        assert [p.data_ptr() for p in ns[name].parameters()] == ptrs
     flats = ranks_flat(dist_session, name)
     kernel_flat = torch.cat([p.detach().flatten() for p in ns[name].parameters()])
     assert torch.equal(flats[0], kernel_flat) and torch.equal(flats[1], kernel_flat)
@@ -88,6 +93,18 @@ def test_scatter_maps_only_its_shard(dist_session, shell):
         assert sizes[r] * 6 * 4 <= nbytes < 1001 * 6 * 4
     back = dist_session.gather("shm_xy")
     assert torch.equal(back[0], x) and torch.equal(back[1], y)
+    # the kernel's columns moved into its pool (scattered again, they are sent where they lie) ...
+    pool = transfer._pool()
+    assert pool.ours(x.data_ptr(), x.nbytes) and pool.ours(y.data_ptr(), y.nbytes)
+    assert dist_session.scatter("shm_xy", (x, y)) == sizes
+    values = dist_session.pull("shm_xy")
+    assert all(torch.equal(values[r][0], x[mine[r]]) for r in (0, 1))
+    # ... and a tensor that shares its memory with numpy stays where it is
+    arr = x.numpy().copy()
+    from_numpy = torch.from_numpy(arr)
+    dist_session.scatter("shm_np", from_numpy)
+    assert from_numpy.data_ptr() == arr.ctypes.data
+    assert torch.equal(dist_session.gather("shm_np"), x)
     assert shm.strays() == []
 
 
@@ -139,3 +156,45 @@ def test_scatter_again_reuses_the_segments_the_ranks_let_go(dist_session):
         assert torch.equal(dist_session.gather("shm_sc"), x + i)  # a reused segment never shows another's data
     assert len(big()) <= 4  # made anew each time, it would be 8
     assert shm.strays() == []
+
+
+def _resident(net) -> bool:
+    return all(transfer._pool().ours(t.data_ptr(), t.numel() * t.element_size())
+               for t in net.state_dict().values() if t.numel())
+
+
+def test_a_trained_model_is_sent_again_with_no_copy_in_the_kernel(dist_session, shell):
+    from distnb import resident
+    from distnb.engine import wire
+
+    ns = shell.user_ns
+    ns["res_net"], ns["res_data"], ns["F"] = model(), data(), F
+    net, pool = ns["res_net"], transfer._pool()
+    dist_session.train(BODY, model="res_net", data="res_data", epochs=1, batch_size=8, progress="none", quiet=True)
+    assert _resident(net)
+    ref = resident.in_place(pool, wire.pack(net)[2])  # what the next send sends: where the bytes lie
+    assert ref is not None and ref.path in pool.resident
+    before = (len(pool.free), set(pool.resident))
+    dist_session.train(BODY, model="res_net", data="res_data", epochs=1, batch_size=8, progress="none",
+                       quiet=True, reset=True)  # sent again (reset) and trained: weights back into the offered segment
+    assert _resident(net) and set(pool.resident) != before[1]  # the model moved into the other segment
+    flats = ranks_flat(dist_session, "res_net")
+    kernel_flat = torch.cat([p.detach().flatten() for p in net.parameters()])
+    assert torch.equal(flats[0], kernel_flat) and torch.equal(flats[1], kernel_flat)
+    dist_session.train(BODY, model="res_net", data="res_data", epochs=1, batch_size=8, progress="none", quiet=True)
+    assert len(pool.resident) + len(pool.free) <= before[0] + len(before[1])  # two segments take turns: none new
+    assert shm.strays() == []
+
+
+def test_a_tensor_something_else_shares_stays_where_it_is(dist_session, shell):
+    ns = shell.user_ns
+    ns["alias_net"], ns["alias_data"], ns["F"] = model(), data(), F
+    net = ns["alias_net"]
+    alias = net[0].weight.detach()  # shares net[0].weight's memory, as in plain PyTorch
+    shown = net[2].weight.detach().numpy()  # handed to numpy: it may still be read or written there
+    dist_session.train(BODY, model="alias_net", data="alias_data", epochs=1, batch_size=8, optimizer="adam",
+                       lr=0.05, progress="none", quiet=True)
+    assert alias.data_ptr() == net[0].weight.data_ptr() and torch.equal(alias, net[0].weight)  # trained, still shared
+    assert torch.equal(torch.from_numpy(shown), net[2].weight.detach())
+    assert transfer._pool().ours(net[0].bias.data_ptr(), 4)  # what nothing else shares moved
+    assert not transfer._pool().ours(net[0].weight.data_ptr(), 4)

@@ -16,23 +16,7 @@ import torch.nn as nn
 
 from distnb import transfer
 from distnb.engine import segments, wire
-
-
-@pytest.fixture
-def shm_dir(tmp_path, monkeypatch):
-    """A private folder standing in for /dev/shm (same code path; files checked afterwards)."""
-    monkeypatch.setattr(segments, "SHM_DIR", str(tmp_path))
-    yield tmp_path
-    wire.drop_outstanding()  # a rank leaving its group: its outbox goes
-    transfer.sweep_shm()  # the cluster stopping: the kernel's pool goes
-    assert os.listdir(tmp_path) == [], "a transfer left files behind"
-
-
-@pytest.fixture
-def rank_shm(monkeypatch):
-    """This process plays a rank whose probe succeeded (flatten_state writes shared memory)."""
-    monkeypatch.setitem(wire._SHM, "ok", True)
-    monkeypatch.setitem(wire._SHM, "owner", os.getpid())
+from support.shm import rank_shm, shm_dir  # noqa: F401  (fixtures)
 
 
 def _sent(buffers):
