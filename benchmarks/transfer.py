@@ -13,8 +13,10 @@ frames; what distnb used for every transfer before), alternated round by round.
 - kernel memory: the largest rise of the kernel's resident set during the call (sampled
   every millisecond), i.e. the extra copy a path makes in the kernel.
 - the first shared-memory round after start is reported on its own (nothing is pooled yet: every
-  page is touched for the first time); the target is for the rounds after it, a model and a data
-  set sent again and again as a notebook does between cells.
+  page is touched for the first time, and the model and data move into the kernel's segments,
+  :mod:`distnb.resident`); the target is for the rounds after it, a model and a data set sent
+  again and again as a notebook does between cells: then the kernel copies nothing (the rounds
+  check that the model and the data lie in its segments), each rank copies once.
 - the machine's two memory-copy rates, measured in every round beside the transfers
   (:func:`copy_rates`): 400 MB ``numpy.copyto`` into pages already touched (*warm*) and into freshly
   allocated ones (*first touch*); every shared-memory rate is also given as a fraction of both.
@@ -98,7 +100,7 @@ def measure(nb, rounds: int, log=print) -> dict:
     import torch
     import torch.nn as nn
 
-    from distnb import session as sessions, training
+    from distnb import session as sessions, training, transfer
     from distnb.plan import TrainPlan
 
     s = sessions.current()
@@ -133,12 +135,16 @@ def measure(nb, rounds: int, log=print) -> dict:
                     assert torch.equal(back_data[0], X) and torch.equal(back_data[1], Y)
                     held_by_path[path] = held
                 warm, fresh = copy_rates()
+                pool = transfer._pool()
+                resident = all(pool.ours(t.data_ptr(), t.nbytes) for t in (model[0].weight, model[-1].bias, X, Y))
                 runs[path].append(dict(send_s=send, back_s=back, scatter_s=scatter, send_mem=send_mem,
-                                       back_mem=back_mem, scatter_mem=scatter_mem, copy_warm=warm, copy_fresh=fresh))
+                                       back_mem=back_mem, scatter_mem=scatter_mem, copy_warm=warm, copy_fresh=fresh,
+                                       resident=resident))
                 log(f"  transfer round {k + 1} {path}: send {model_bytes / send / 1e9:.2f} GB/s, back "
                     f"{model_bytes / back / 1e9:.2f} GB/s, scatter {data_bytes / scatter / 1e9:.2f} GB/s; kernel +"
                     f"{send_mem / 1e6:.0f}/{back_mem / 1e6:.0f}/{scatter_mem / 1e6:.0f} MB; memory copy "
-                    f"{warm / 1e9:.1f} GB/s warm, {fresh / 1e9:.1f} GB/s first touch")
+                    f"{warm / 1e9:.1f} GB/s warm, {fresh / 1e9:.1f} GB/s first touch; model and data in the "
+                    f"kernel's segments: {resident}")
     finally:
         for name in ("bench_big", "bench_data"):
             nb.ns.pop(name, None)

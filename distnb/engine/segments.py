@@ -15,9 +15,14 @@ kept and written again by the next one:
 - **Receive arenas** (:class:`Arenas`): a rank copies a model into memory a previous model
   used and no longer does (known from a ``weakref.finalize`` on the object every tensor of one
   transfer keeps alive), so a model sent again lands in touched pages: one copy, at the warm rate.
-- **Lent segments**: a data shard is a copy-on-write view (``MAP_PRIVATE``) of the kernel's
-  file, no copy at all. Unwritten pages of such a view follow the file, so the kernel reuses
-  the file only once no rank maps it any more (:func:`held_segments`, asked over ipyparallel).
+- **Resident segments** (:meth:`Pool.keep`): a kernel segment that notebook tensors now live in
+  (:mod:`distnb.resident`), so that sending them again copies nothing in the kernel; a rank
+  gathers its data shard's rows out of such a segment into an arena, and writes the state it
+  sends back into one the kernel offered. Never handed out while a tensor lives on it.
+- **Lent segments**: where the kernel writes a shard's rows itself (a column on a GPU), the shard
+  is a copy-on-write view (``MAP_PRIVATE``) of the kernel's file, no copy on the rank. Unwritten
+  pages of such a view follow the file, so the kernel reuses the file only once no rank maps it
+  any more (:func:`held_segments`, asked over ipyparallel).
 
 The cost is memory that stays allocated: the pools keep up to :data:`IDLE_BYTES` of unused
 files, and a rank up to :data:`IDLE_BYTES` of unused arena, and none of it while the machine has
