@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from .display.aggregate import SCALE_THRESHOLD
 from .display.tables import Table, count
 
 
@@ -217,6 +218,7 @@ class WhereTable(Table):
     """
 
     columns = ("rank", "state", "seconds", "op", "shape", "cell_line", "code", "at")
+    # above SCALE_THRESHOLD ranks, ranks at the same spot share a row: rank "0-14,16-31", seconds "3-5"
 
 
 def where_table(wheres: dict, world_size: int, title: str) -> WhereTable:
@@ -233,6 +235,27 @@ def where_table(wheres: dict, world_size: int, title: str) -> WhereTable:
                          if w.get("state") != "idle" else None, op=w.get("op"), shape=w.get("shape"),
                          cell_line=w.get("cell_line"), code=w.get("cell_code"),
                          at=f"{top[0].rsplit('/', 1)[-1]}:{top[1]} {top[2]}" if top else None))
+    if world_size > SCALE_THRESHOLD:
+        rows = _fold_where_rows(rows)
     table = WhereTable(rows, title=title)
     table.stacks = stacks
     return table
+
+
+def _fold_where_rows(rows: list) -> list:
+    """Rows of ranks at the same spot (state, op, shape, cell line, code, frame) as one row whose rank is
+    their list (``0-14,16-31``) and whose seconds are their range: the odd ranks out of 256 stand out."""
+    from .errors import rank_list
+
+    groups = {}
+    for row in rows:
+        spot = tuple(repr(row.get(k)) for k in WhereTable.columns if k not in ("rank", "seconds"))
+        groups.setdefault(spot, []).append(row)
+    out = []
+    for group in sorted(groups.values(), key=lambda g: (-len(g), g[0]["rank"])):
+        row = dict(group[0], rank=rank_list(r["rank"] for r in group) if len(group) > 1 else group[0]["rank"])
+        seconds = [r["seconds"] for r in group if r.get("seconds") is not None]
+        if len(set(seconds)) > 1:
+            row["seconds"] = f"{min(seconds)}-{max(seconds)}"
+        out.append(row)
+    return out

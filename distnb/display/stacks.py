@@ -11,7 +11,8 @@ DOM hooks (used by the browser test, stable): the live dashboard's Accordion car
 the static snapshot's ``details.distnb-where-snapshot``; ``div.distnb-where-panel``; one
 ``div.distnb-where-rank`` per rank with ``data-rank`` and ``data-state`` (``running``,
 ``stalled``, ``collective``, ``idle``, ``done``, ``failed``, ``interrupted``, ``waiting`` or
-``unknown``); in it ``.distnb-where-state`` (the state in words), ``.distnb-where-op`` (the
+``unknown``; above 16 ranks one block per spot, with ``data-ranks`` listing its ranks, e.g.
+``0-14,16-31``); in it ``.distnb-where-state`` (the state in words), ``.distnb-where-op`` (the
 collective and shape), ``.distnb-where-cell`` (the cell line) and ``ol.distnb-where-stack`` with
 one ``li.distnb-where-frame`` per frame, innermost last; frames of the user's cell also carry
 ``distnb-where-user``.
@@ -19,6 +20,8 @@ one ``li.distnb-where-frame`` per frame, innermost last; frames of the user's ce
 
 from __future__ import annotations
 
+from ..errors import rank_list
+from .aggregate import SCALE_THRESHOLD
 from .progress import STALL_SECONDS, WHERE_FRAMES
 from .render import _FONT, esc
 
@@ -88,12 +91,18 @@ def _frame_html(frame) -> str:
             f"{esc(where)} in {esc(function)}:{code_html}</li>")
 
 
-def rank_html(rank: int, row: dict, where) -> str:
-    """One rank's block: state, collective and shape, the cell line, the innermost frames."""
-    state, words = rank_state(row, where)
+def rank_html(rank: int, row: dict, where, ranks=None, words=None) -> str:
+    """One rank's block: state, collective and shape, the cell line, the innermost frames.
+
+    ``ranks`` (several ranks in the same spot, :func:`where_html`) names them all in one block
+    (``ranks 0-14,16-31``, and a ``data-ranks`` attribute); ``words`` then replaces the state in
+    words (their time there as a range).
+    """
+    state, said = rank_state(row, where)
     color = _STATE_COLOR.get(state, "#333")
-    parts = [f"<b>rank {rank}</b>",
-             f"<span class='distnb-where-state' style='color:{color};font-weight:bold'>{esc(words)}</span>"]
+    who = f"rank {rank}" if not ranks or len(ranks) == 1 else f"ranks {rank_list(ranks)}"
+    parts = [f"<b>{who}</b>",
+             f"<span class='distnb-where-state' style='color:{color};font-weight:bold'>{esc(words or said)}</span>"]
     frames = ""
     if where is not None and state not in ENDED:
         if where.get("op"):
@@ -106,12 +115,55 @@ def rank_html(rank: int, row: dict, where) -> str:
         if stack:
             frames = (f"<ol class='distnb-where-stack' style='margin:2px 0 0 0;padding-left:26px;{_STACK}'>"
                       + "".join(_frame_html(f) for f in stack) + "</ol>")
-    return (f"<div class='distnb-where-rank' data-rank='{rank}' data-state='{esc(state)}' "
+    many = f" data-ranks='{rank_list(ranks)}'" if ranks and len(ranks) > 1 else ""
+    return (f"<div class='distnb-where-rank' data-rank='{rank}'{many} data-state='{esc(state)}' "
             f"style='padding:3px 0;border-top:1px solid #eee'>{' · '.join(parts)}{frames}</div>")
 
 
+def _spot(row: dict, where) -> tuple:
+    """What a rank's block shows, but for its seconds there: ranks with equal spots share one block."""
+    state = rank_state(row, where)[0]
+    if where is None or state in ENDED:
+        return (state,)
+    stack = tuple(tuple(f)[:3] for f in (where.get("stack") or [])[-WHERE_FRAMES:])
+    shape = tuple(where["shape"]) if where.get("shape") is not None else None
+    return (state, row.get("status") == "interrupted", where.get("op"), shape, where.get("cell_line"),
+            where.get("cell_code"), stack)
+
+
+def _folded(state) -> str:
+    """One block per spot (:func:`_spot`), the ranks in it named as a list; the most ranks first."""
+    groups = {}
+    for r, row in enumerate(state.rows):
+        groups.setdefault(_spot(row, state.wheres.get(r)), []).append(r)
+    blocks = []
+    for ranks in sorted(groups.values(), key=lambda g: (-len(g), g[0])):
+        first = ranks[0]
+        row, where = state.rows[first], state.wheres.get(first)
+        words = None
+        if len(ranks) > 1 and where is not None:
+            said = [rank_state(state.rows[r], state.wheres.get(r))[1] for r in ranks]
+            words = said[0] if len(set(said)) == 1 else _span_of(said)
+        blocks.append(rank_html(first, row, where, ranks=ranks, words=words))
+    return "".join(blocks)
+
+
+def _span_of(said: list) -> str:
+    """``["in a collective for 3 s", "in a collective for 5 s"]`` as ``"in a collective for 3-5 s"``."""
+    import re
+
+    seconds = [int(m.group(1)) for m in (re.search(r"for (\d+) s", w) for w in said) if m]
+    if len(seconds) != len(said):
+        return said[0]
+    return re.sub(r"for \d+ s", f"for {min(seconds)}-{max(seconds)} s", said[0])
+
+
 def where_html(state) -> str:
-    """The where panel: one block per rank (see the module's DOM hooks).
+    """The where panel: one block per rank (see the module's DOM hooks), or above
+    :data:`~distnb.display.aggregate.SCALE_THRESHOLD` ranks one block per spot: the ranks at the
+    same state, collective, cell line and innermost frames share a block that names them
+    (``ranks 0-14,16-31``; ``data-rank`` is the first of them, ``data-ranks`` all), the most
+    ranks first, so that the odd one out of 256 stands out.
 
     Parameters
     ----------
@@ -123,7 +175,10 @@ def where_html(state) -> str:
     str
         A ``<div class='distnb-where-panel'>``.
     """
-    blocks = "".join(rank_html(r, row, state.wheres.get(r)) for r, row in enumerate(state.rows))
+    if len(state.rows) > SCALE_THRESHOLD:
+        blocks = _folded(state)
+    else:
+        blocks = "".join(rank_html(r, row, state.wheres.get(r)) for r, row in enumerate(state.rows))
     note = (f"each rank reports where its cell is about 4 times a second; the innermost {WHERE_FRAMES} frames, "
             "innermost last; your cell's lines are marked")
     return (f"<div class='distnb-where-panel' style='{_FONT}'><div style='color:#666;font-size:11px'>{esc(note)}"

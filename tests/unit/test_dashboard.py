@@ -245,6 +245,48 @@ def test_where_panel_says_which_ranks_ended_or_have_not_reported():
     assert "data-state='idle'" in stacks.where_html(st)
 
 
+def test_where_panel_above_16_ranks_shows_one_block_per_spot_naming_its_ranks():
+    from distnb.display import stacks
+
+    st = ProgressState(40, total_steps=10)
+    cell = [("<distrain-cell-3>", 2, "<module>", "loss = model(x).sum()")]
+    for r in range(40):
+        running(st, r, 2, 1.0)
+        if r == 17:  # the odd one out: stuck in its cell's line 5
+            st.set_where(r, where_report("running", sent=19.0, cell_line=5, cell_code="time.sleep(60)",
+                                         stack=[("<distrain-cell-3>", 5, "<module>", "time.sleep(60)")]))
+        elif r < 38:  # everyone else waits in the same all-reduce, a few seconds each
+            st.set_where(r, where_report("collective", sent=13.0 + r % 3, op="all_reduce", shape=[10],
+                                         cell_line=2, cell_code="loss = model(x).sum()", stack=cell))
+    st.update(39, dict(status="done"))
+    html = stacks.where_html(st)
+    blocks = re.findall(r"<div class='distnb-where-rank' data-rank='(\d+)'(?: data-ranks='([^']*)')? "
+                        r"data-state='(\w+)'", html)
+    assert blocks == [("0", "0-16,18-37", "collective"), ("17", "", "stalled"), ("38", "", "unknown"),
+                      ("39", "", "done")]
+    big = html.split("class='distnb-where-rank'")[1]
+    assert "<b>ranks 0-16,18-37</b>" in big and "in a collective for 3-5 s" in big and "all_reduce of shape (10,)" in big
+    assert "stalled for 9 s" in html and "<b>rank 17</b>" in html
+    small = ProgressState(3, total_steps=10)  # up to 16 ranks: one block per rank, as before
+    for r in range(3):
+        running(small, r, 2, 1.0)
+        small.set_where(r, where_report("collective", op="all_reduce", shape=[10]))
+    assert len(re.findall("class='distnb-where-rank'", stacks.where_html(small))) == 3
+
+
+def test_where_table_above_16_ranks_folds_the_ranks_at_one_spot():
+    from distnb.results import where_table
+
+    wheres = {r: where_report("collective", sent=12.0 + r % 2, op="all_reduce", shape=[10], cell_line=2,
+                              cell_code="loss = f(x)") for r in range(20) if r != 7}
+    wheres[7] = where_report("running", sent=30.0, cell_line=4, cell_code="time.sleep(60)")
+    table = where_table(wheres, 21, "where")
+    assert [(r["rank"], r["state"], r.get("seconds")) for r in table.rows] == [
+        ("0-6,8-19", "collective", "2.0-3.0"), (7, "running", 20.0), (20, "unknown", None)]
+    assert sorted(table.stacks) == list(range(20))  # every rank's frames are still there
+    assert [r["rank"] for r in where_table(wheres, 16, "where").rows] == list(range(16))
+
+
 def test_where_version_changes_only_when_the_panel_would_draw_differently():
     st = ProgressState(1)
     st.set_where(0, where_report(sent=10.2))
