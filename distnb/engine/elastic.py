@@ -157,15 +157,16 @@ def share(ns: dict, names: list, old_world: int, defined: bool = True) -> dict:
 
 
 def defined_names(ns: dict) -> list:
-    """The user's names in this rank's namespace: what ``%%dist`` cells (and pushes) bound there.
+    """The names ``%%dist`` cells bound in this rank's namespace that are there now (:data:`runtime.CELL_NAMES`).
 
     Not: names starting with ``_`` (IPython's and distnb's), :data:`BOUND`, the models and data
     sets distnb installed (:data:`distnb.engine.loop.RUNS`, ``SHARDS``, data sets loaded on the
-    ranks): those reach the added ranks by their own ways.
+    ranks): those reach the added ranks by their own ways. Nor what training bodies leave in the
+    namespace (``x, y = batch``): a ``%%distrain`` cell is not a ``%%dist`` cell.
     """
     skip = BOUND | set(loop.RUNS) | set(loop.SHARDS) | set(datasets.SOURCES)
-    return sorted(k for k in ns if isinstance(k, str) and k.isidentifier() and not k.startswith("_")
-                  and k not in skip)
+    return sorted(k for k in runtime.CELL_NAMES if k in ns and isinstance(k, str) and k.isidentifier()
+                  and not k.startswith("_") and k not in skip)
 
 
 def _lacking(ns: dict, names: list, old_world: int) -> list:
@@ -203,6 +204,7 @@ def _adopt(ns: dict, state: dict) -> None:
     """An added rank takes rank 0's names and models; each optimizer is rebuilt at the model's next cell
     (:func:`distnb.engine.stepping.adopt_optimizer`)."""
     ns.update(state["defined"])
+    runtime.CELL_NAMES.update(state["defined"])  # as if its cells had run here (it may be rank 0 one day)
     ns.update(state["names"])
     device = runtime.STATE.device
     for name, held in state["runs"].items():

@@ -194,8 +194,12 @@ dn_lock = threading.Lock()
 
 
 def test_names_defined_on_the_ranks_reach_the_added_rank(shell, dist_session, capsys):
-    s = dist_session
+    """What %%dist cells bound, not what a %%distrain body left (``x, y = batch``), nor distnb's names."""
+    s, ns = dist_session, shell.user_ns
+    ns.update(dn_net=make_model(), dn_data=parity_data(n=64), F=F)
+    train(s, "dn_net", "dn_data", optimizer="sgd")
     assert shell.run_cell("%%dist\n" + DEFINE).error_in_exec is None
+    assert s.run("'x' in globals() and 'y' in globals()", all_output=True) == ["True", "True"]
     capsys.readouterr()
     out = s.scale(3)
     said = capsys.readouterr().out
@@ -206,4 +210,5 @@ def test_names_defined_on_the_ranks_reach_the_added_rank(shell, dist_session, ca
     assert "not on the added ranks, as they cannot be pickled: dn_lock (TypeError: cannot pickle" in said, said
     assert s.run("dn_helper(2), dn_table['a'].sum().item(), 'dn_lock' in globals()", all_output=True) == \
         ["(6, 6.0, True)", "(6, 6.0, True)", "(6, 6.0, False)"]
-    assert not set(out["defined"]) & {"rank", "world_size", "model", "optimizer", "F"}  # distnb's, or pushed
+    assert not set(out["defined"]) & {"rank", "world_size", "model", "optimizer", "F", "x", "y", "dn_net"}
+    assert s.run("'x' in globals()", all_output=True) == ["True", "True", "False"]
