@@ -30,8 +30,12 @@ def save(session, name: str, model_obj, directory: str, quiet: bool = False) -> 
     return meta
 
 
-def load(session, name: str, model_obj, directory: str, quiet: bool = False) -> dict:
-    """Restore the checkpoint in ``directory`` into the ranks and ``model_obj``; its metadata (see Session.load)."""
+def load(session, name: str, model_obj, directory: str, quiet: bool = False, changes=None) -> dict:
+    """Restore the checkpoint in ``directory`` into the ranks and ``model_obj``; its metadata (see Session.load).
+
+    ``changes`` (TrainPlan fields) alter the saved plan for this world, e.g. ``{"mesh": "2x2"}``
+    (:func:`distnb.meshes.plan_changes`): DCP reshards the saved DTensors onto that layout.
+    """
     from .engine import checkpoint
 
     directory = os.path.abspath(os.path.expanduser(directory))
@@ -39,9 +43,10 @@ def load(session, name: str, model_obj, directory: str, quiet: bool = False) -> 
         meta = checkpoint.read_meta(directory)
     except FileNotFoundError as exc:
         raise PlanError(str(exc)) from None
-    plan = TrainPlan.from_dict(dict(meta["plan"], model=name, reset=True, checkpoint_dir=None, checkpoint_every=None))
+    plan = TrainPlan.from_dict(dict(meta["plan"], model=name, reset=True, checkpoint_dir=None, checkpoint_every=None,
+                                    **(changes or {})))
     training.ensure_model(session, plan, model_obj, quiet=True)
-    run_on_ranks(session, calls.restore, name, meta["path"], what=f"loading {name}")
+    run_on_ranks(session, calls.restore, name, meta["path"], changes or None, what=f"loading {name}")
     session.holdings.remember(dataclasses.replace(plan, optimizer=meta["optimizer"], lr=None))  # live now
     session.holdings.lr_of[name] = None
     session.holdings.trained_steps[name] = meta["steps"]

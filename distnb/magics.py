@@ -100,8 +100,9 @@ def _scale(line):
     """Grow or shrink the running world to N ranks, keeping what the ranks hold: added engines start
     (forked from the engine template), the highest ranks stop when shrinking, the process group is
     formed again, and rank 0 broadcasts each ddp model with its optimizer, lr schedule, epoch and
-    sampler position, and the pushed names, to the added ranks (fsdp and tensor models go through a
-    DCP checkpoint resharded for the new world). Scattered data is dealt again into N shards. The next %%distrain continues training. The cell says how the global batch changed.
+    sampler position, the pushed names and the names %%dist cells defined there, to the added ranks
+    (fsdp, tensor and fsdp+tensor models go through a DCP checkpoint resharded for the new world;
+    fsdp+tensor keeps the tensor-parallel size of its --mesh DPxTP, so N must be a multiple of TP). Scattered data is dealt again into N shards. The next %%distrain continues training. The cell says how the global batch changed.
 
     Example: %dist scale 3      then      %dist scale 2 --keep-global-batch
     """

@@ -6,11 +6,13 @@ the process group and exits). Then the process group is formed again at ``N`` ra
 fresh port (:func:`distnb.engine.elastic.resize` on the ranks that stay, ``setup`` on the
 added ones) and rank 0 broadcasts to the added ranks what the others hold: each ddp model
 with its optimizer state, lr schedule, loss scale, epoch, global step and sampler position,
-and the names pushed earlier (:func:`distnb.engine.elastic.share`, over torch.distributed,
-not through the kernel). Tensor data sets the kernel scattered are dealt again into ``N``
+the names pushed earlier and the names ``%%dist`` cells defined on the ranks that the added
+ranks lack (:func:`distnb.engine.elastic.share`, over torch.distributed, not through the
+kernel). fsdp, tensor and fsdp+tensor models are saved with DCP by the old world and loaded
+resharded by the new one (fsdp+tensor on the mesh of the same tensor-parallel size,
+:mod:`distnb.meshes`). Tensor data sets the kernel scattered are dealt again into ``N``
 shards (the same seeded assignment, :mod:`distnb.engine.shard`); data sets loaded on the
-ranks, and models sharded in place (fsdp, tensor, pipeline, ps), are sent again by the next
-training cell, which says so.
+ranks, and pipeline and ps models, are sent again by the next training cell, which says so.
 
 The global batch (``data-parallel ranks x --batch-size x --accumulate``) changes with the
 world unless ``keep_global_batch``: then the batch options of the following cells are read
@@ -32,7 +34,7 @@ import dataclasses
 import os
 import time
 
-from . import calls, data, launchers, placement
+from . import calls, data, launchers, meshes, placement
 from .display.tables import count
 from .errors import ClusterError, PlanError, RankError
 
@@ -59,16 +61,20 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
     -------
     dict
         ``world_size`` (before, after), ``seconds`` (float, s), ``added``/``removed`` (ranks),
-        ``models``/``names`` (carried to the added ranks), ``bytes`` (tensor bytes broadcast),
-        ``resharded`` (fsdp and tensor models resharded through a DCP checkpoint),
-        ``global_batch`` (before, after) or None when no model has been trained.
+        ``models``/``names`` (carried to the added ranks), ``defined`` (names ``%%dist`` cells
+        defined on the ranks, carried), ``unpicklable`` ({name: why} of those that could not
+        be sent), ``bytes`` (tensor bytes broadcast),
+        ``resharded`` (fsdp, tensor and fsdp+tensor models resharded through a DCP checkpoint),
+        ``meshes`` (fsdp+tensor model -> its ``--mesh`` on the new world: the tensor-parallel size
+        kept, ``DP = N / TP``, :mod:`distnb.meshes`), ``global_batch`` (before, after) or None when
+        no model has been trained.
 
     Raises
     ------
     PlanError
         ``n`` below 1 or beyond what the launcher can place, a launcher other than ``local``,
-        or a global batch ``keep_global_batch`` cannot split evenly over ``n`` ranks. Nothing
-        changed.
+        a global batch ``keep_global_batch`` cannot split evenly over ``n`` ranks, or a live
+        fsdp+tensor model whose tensor-parallel size does not divide ``n``. Nothing changed.
     BusyError
         A background training run is going on.
     ClusterError
@@ -82,12 +88,13 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
     if n == old:
         if not quiet:
             print(f"distnb: the world already has {count(n, 'rank')}; nothing changed")
-        return dict(world_size=(old, n), seconds=0.0, added=[], removed=[], models=[], names=[], bytes=0,
-                    resharded=[], global_batch=None)
+        return dict(world_size=(old, n), seconds=0.0, added=[], removed=[], models=[], names=[], defined=[],
+                    unpicklable={}, bytes=0, resharded=[], global_batch=None, meshes={})
     batches = _global_batches(session, old, n, keep_global_batch)
     t0 = time.perf_counter()
     held = session.holdings
-    saved = _save_sharded(session, n)  # fsdp and tensor models: a DCP checkpoint of the old world, resharded below
+    mesh_before = _meshes(held)
+    saved = _save_sharded(session, n)  # sharded models: a DCP checkpoint of the old world, resharded below
     try:
         if n > old:
             shared = _grow(session, n)
@@ -96,6 +103,7 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
     finally:  # the group was re-formed (at n, or at old after a failed grow): ddp wrappers are rebuilt
         held.generation += 1
         resharded = _load_sharded(session, saved)
+        meshes.carry(held, old, session.world_size)  # fsdp+tensor: the tensor-parallel size kept, DP = N / TP
     if keep_global_batch:
         held.batch_world = held.batch_world or old
     else:
@@ -103,7 +111,9 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
     dealt = _reassign_data(session, old, n)
     out = dict(world_size=(old, n), seconds=time.perf_counter() - t0, added=list(range(old, n)),
                removed=list(range(n, old)), models=shared.get("models", []), names=shared.get("names", []),
-               bytes=shared.get("bytes", 0), resharded=resharded, global_batch=batches and batches[:2])
+               defined=shared.get("defined", []), unpicklable=shared.get("unpicklable", {}),
+               bytes=shared.get("bytes", 0), resharded=resharded, global_batch=batches and batches[:2],
+               meshes={m: v for m, v in _meshes(held).items() if v != mesh_before.get(m)})
     if not quiet:
         _say(session, out, dealt, batches, keep_global_batch)
     return out
@@ -153,8 +163,11 @@ def _global_batches(session, old: int, n: int, keep: bool):
     if result is None:
         return None
     plan = result.plan
-    total = _dp(plan, old) * plan.batch_size * plan.accumulate
-    dp = _dp(plan, n)
+    try:  # fsdp+tensor: the --mesh refitted to each world (it may be of a world before an earlier scale)
+        total = _dp(meshes.plan_at(plan, old, old), old) * plan.batch_size * plan.accumulate
+        dp = _dp(meshes.plan_at(plan, old, n), n)
+    except PlanError:  # a mesh that cannot follow: refused below if its model is live, else no global batch to say
+        return None
     if not keep:
         return total, dp * plan.batch_size * plan.accumulate, plan.batch_size, plan.accumulate
     fitted = _fit(total, dp, plan.batch_size, plan.accumulate)
@@ -381,13 +394,26 @@ def _rewatch(cluster) -> None:
 
 # sharded models: a DCP reshard -------------------------------------------------------------
 #: Strategies whose live state reaches the new world through a DCP checkpoint (DTensor layouts DCP reshards).
-RESHARDED = ("fsdp", "tensor")
+RESHARDED = ("fsdp", "tensor", "fsdp+tensor")
+
+
+def _meshes(held) -> dict:
+    """fsdp+tensor model -> the ``--mesh`` its next cell carries."""
+    return {m: v.get("mesh") for m, v in held.carried.items() if v.get("strategy") == meshes.STRATEGY}
+
+
+def _refused(exc: PlanError, name: str) -> str:
+    return (f"{exc}; nothing changed (to scale anyway, delete {name} from the notebook or train it with another "
+            "--strategy first)")
 
 
 def _save_sharded(session, n: int) -> dict:
-    """Checkpoint every live fsdp/tensor model on the old world (DCP, a temporary folder): {name: (model, meta)}.
+    """Checkpoint each live sharded model (:data:`RESHARDED`) on the old world (DCP, a temporary folder).
 
-    Raises PlanError (nothing changed) for a model that its strategy cannot lay out on ``n`` ranks.
+    Returns {name: (model, meta)} and ``"_folder"``.
+
+    Raises PlanError (nothing changed) for a model that its strategy cannot lay out on ``n`` ranks
+    (fsdp+tensor: on the mesh of the same tensor-parallel size, :func:`distnb.meshes.refit`).
     """
     import shutil
     import tempfile
@@ -412,6 +438,10 @@ def _save_sharded(session, n: int) -> dict:
         for name, obj in todo.items():
             meta = checkpoints.save(session, name, obj, os.path.join(folder, name), quiet=True)
             plan = TrainPlan.from_dict(dict(meta["plan"], model=name))
+            try:
+                plan = meshes.plan_at(plan, session.world_size, n)
+            except PlanError as exc:
+                raise PlanError(_refused(exc, name)) from None
             try:
                 strategies.check(plan, obj, n, ns=session.ns)
             except strategies.StrategyError as exc:
@@ -445,7 +475,8 @@ def _load_sharded(session, saved: dict) -> list:
         n = session.world_size
         for name, (obj, meta) in saved.items():
             try:  # the sampler position is converted to this world by the load (engine/checkpoint.py)
-                checkpoints.load(session, name, obj, meta["path"], quiet=True)
+                changes = meshes.plan_changes(meta["plan"], meta["world_size"], n, name)  # fsdp+tensor: --mesh
+                checkpoints.load(session, name, obj, meta["path"], quiet=True, changes=changes)
             except Exception as exc:
                 print(f"distnb: {name} could not be resharded onto {count(n, 'rank')} ({str(exc).splitlines()[0]}); "
                       "its next cell sends it again from the notebook's weights (a fresh optimizer)")
@@ -484,6 +515,10 @@ def _reassign_data(session, old: int, n: int) -> list:
     return dealt
 
 
+def _listed(names: list, most: int = 8) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
 def _say(session, out: dict, dealt: list, batches, keep: bool) -> None:
     old, n = out["world_size"]
     grew = n > old
@@ -491,14 +526,20 @@ def _say(session, out: dict, dealt: list, batches, keep: bool) -> None:
     how = f"{count(n - old, 'engine')} started" if grew else f"{gone} stopped"
     print(f"distnb: scaled the world from {count(old, 'rank')} to {n} in {out['seconds']:.1f} s ({how}; the "
           "process group re-formed)")
-    if grew and (out["models"] or out["names"]):
+    if grew and (out["models"] or out["names"] or out["defined"]):
         models = out["models"]
         what = [f"{', '.join(models)} ({'each its ' if len(models) > 1 else ''}model, optimizer, lr schedule, epoch "
                 "and sampler position)"] if models else []
         if out["names"]:
             what.append(f"{count(len(out['names']), 'pushed name')}")
+        if out["defined"]:
+            what.append(f"{count(len(out['defined']), 'name')} defined on the ranks ({_listed(out['defined'])})")
         print(f"distnb: rank 0 broadcast {', '.join(what)} to the added ranks over torch.distributed "
               f"({out['bytes'] / 2**20:.1f} MiB of tensors)")
+    if out["unpicklable"]:
+        why = "; ".join(f"{k} ({v})" for k, v in sorted(out["unpicklable"].items()))
+        print(f"distnb: not on the added ranks, as they cannot be pickled: {why}; define them there with a %%dist "
+              "cell")
     if dealt:
         print(f"distnb: {', '.join(dealt)} dealt again into the new world's shards")
     from .plan import STRATEGIES
@@ -507,6 +548,9 @@ def _say(session, out: dict, dealt: list, batches, keep: bool) -> None:
         print(f"distnb: {', '.join(out['resharded'])} resharded onto {count(n, 'rank')} through a "
               "torch.distributed.checkpoint (DCP) written by the old world (model, optimizer, lr schedule, epoch "
               "and sampler position)")
+    for model, mesh in out["meshes"].items():
+        print(f"distnb: {model}: --mesh {mesh} from its next cell on (the tensor-parallel size kept, the "
+              "data-parallel size set to N / TP)")
     sharded = [f"{m} ({key[0]})" for m, (key, _) in session.holdings.distributed.items()
                if STRATEGIES[key[0]][1] and m not in out["resharded"]]
     if sharded:
@@ -514,7 +558,7 @@ def _say(session, out: dict, dealt: list, batches, keep: bool) -> None:
               "weights (its optimizer state restarts)")
     if batches is not None:
         total, after, batch, accumulate = batches
-        plan = session.last_result.plan
+        plan = meshes.plan_at(session.last_result.plan, old, n)
         if keep:
             kept = _product(_dp(plan, n), plan, batch, accumulate)
             print(f"distnb: --keep-global-batch: the global batch stays {total} ({kept}): the next cells' "

@@ -13,6 +13,9 @@ and are numbered again from 0, the process group is formed again at the smaller 
 - fsdp, tensor, pipeline, ps: the dead rank's shards are gone; the kernel sends the model again
   and it resumes from the newest checkpoint in ``--checkpoint-dir`` (resharded by DCP, its
   sampler position converted); without ``--checkpoint-dir`` the cell fails as with ``stop``.
+  fsdp+tensor goes on on the mesh of the same tensor-parallel size (:func:`distnb.meshes.refit`:
+  ``--mesh 3x1`` on 2 survivors is ``2x1``); when that size does not divide the survivors the
+  cell fails saying so (``%dist scale`` to a size that works, then run it again).
 
 Tensor data sets are dealt again into the new world's shards, so the dead rank's samples are
 trained by the survivors. The cell ends by saying what was lost: the rank, where it was (epoch,
@@ -40,8 +43,8 @@ def train_cell(session, code, model, data, run, given):
         dead = dead_to_drop(session, exc)
         if not dead or getattr(exc, "plan", None) is None:
             raise
-        return go_on(session, exc.plan, dead, exc, lambda epochs: train_cell(
-            session, code, model, data, run, rest_of(given, epochs)))
+        return go_on(session, exc.plan, dead, exc, lambda epochs, changes=None: train_cell(
+            session, code, model, data, run, dict(rest_of(given, epochs), **(changes or {}))))
 
 
 def dead_to_drop(session, exc) -> dict:
@@ -66,7 +69,8 @@ def go_on(session, plan, dead: dict, failure: RankError, retry):
     failure : RankError
         The cell's error, raised (with what happened added) when the cell cannot go on.
     retry : callable
-        ``retry(epochs)`` runs the cell again with ``epochs`` epochs and returns its TrainResult.
+        ``retry(epochs, changes)`` runs the cell again with ``epochs`` epochs (and the options
+        ``changes``: an fsdp+tensor ``--mesh`` for the smaller world) and returns its TrainResult.
 
     Returns
     -------
@@ -77,8 +81,9 @@ def go_on(session, plan, dead: dict, failure: RankError, retry):
     Raises
     ------
     RankError
-        ``failure``, when a sharded model has no checkpoint to go on from (the world is smaller
-        by then and usable).
+        ``failure``, when a sharded model has no checkpoint to go on from, or an fsdp+tensor
+        model's tensor-parallel size does not divide the survivors (the world is smaller by
+        then and usable).
     ClusterError
         The smaller world could not be formed: run ``%dist restart``.
     """
@@ -94,30 +99,80 @@ def go_on(session, plan, dead: dict, failure: RankError, retry):
                            f"formed ({str(exc).splitlines()[0]}); run %dist restart") from None
     n = session.world_size
     epoch, _, steps, first = positions.get(plan.model, (None, 0, 0, 0))
-    resumed = None
+    resumed, changes = None, {}
     if STRATEGIES[plan.strategy][1]:  # sharded in place: the newest checkpoint, if any
         if not (plan.checkpoint_dir and _has_checkpoint(plan.checkpoint_dir)):
-            note = (f"--on-failure shrink: the world is now {count(n, 'rank')} and usable, but --strategy "
-                    f"{plan.strategy} keeps no copy of the lost shards: give --checkpoint-dir to go on from the "
-                    "newest checkpoint")
-            for f in failure.failures:
-                if f["rank"] in dead:
-                    f["evalue"] = f"{str(f['evalue']).split('; run %dist restart')[0]}; {note}"
-            raise RankError(failure.failures, context=failure.context) from None
+            _cannot_go_on(failure, dead, f"--on-failure shrink: the world is now {count(n, 'rank')} and usable, but "
+                          f"--strategy {plan.strategy} keeps no copy of the lost shards: give --checkpoint-dir to go "
+                          "on from the newest checkpoint")
+        changes = _mesh_for(session, plan, old, n, failure, dead)
         from .engine import checkpoint
 
         meta = checkpoint.read_meta(plan.checkpoint_dir)
-        resumed, epoch = meta, meta["epoch"]
+        resumed, epoch = meta, meta["epoch"] + _finished(session, plan, meta)
     left = plan.epochs - ((epoch if epoch is not None else first) - first)
     lost = dict(ranks=said, where=where, world_size=(old, n), samples_reassigned=reassigned,
                 steps_lost=(steps - resumed["steps"]) if resumed else 0,
                 resumed_from=resumed["path"] if resumed else None)
     _say(lost, n, left)
-    result = retry(max(1, left))
+    result = retry(max(1, left), changes)
     result.lost = lost
     print(f"distnb: --on-failure shrink: lost {', '.join(said.values())}; the cell finished on {count(n, 'rank')} "
           f"(was {old}); {_lost_steps(lost)}; {reassigned} samples re-assigned to the survivors")
     return result
+
+
+def _finished(session, plan, meta: dict) -> int:
+    """1 when checkpoint ``meta`` was saved at its epoch's last step (the resume starts the next epoch), else 0.
+
+    As the ranks decide it (:func:`distnb.engine.loop._train`): an epoch whose samples per
+    rank are all trained (or, with ``--drop-last``, all but less than a batch) is done. Known
+    for tensor data sets the kernel scattered; 0 for others.
+    """
+    from .engine import shard, strategies
+    from .plan import TrainPlan
+
+    info = session.holdings.data.get(plan.data) or {}
+    if "num_samples" not in info or not meta.get("epoch_samples"):
+        return 0
+    try:
+        saved = TrainPlan.from_dict(dict(meta["plan"], model=plan.model))
+        dp = strategies.data_parallel_size(saved, meta.get("world_size") or session.world_size)
+    except Exception:  # a plan this version cannot read: as saved
+        return 0
+    left = shard.samples_per_epoch(info["num_samples"], dp, plan.drop_last) - meta["epoch_samples"]
+    return int(left <= 0 or (plan.drop_last and left < plan.batch_size))
+
+
+def _cannot_go_on(failure: RankError, dead: dict, note: str):
+    """Raise ``failure`` with ``note`` (why the cell cannot go on on the survivors) added to the dead ranks' errors."""
+    for f in failure.failures:
+        if f["rank"] in dead:
+            f["evalue"] = f"{str(f['evalue']).split('; run %dist restart')[0]}; {note}"
+    raise RankError(failure.failures, context=failure.context) from None
+
+
+def _mesh_for(session, plan, old: int, n: int, failure: RankError, dead: dict) -> dict:
+    """fsdp+tensor: ``{"mesh": DPxTP}`` for the ``n`` survivors, the tensor-parallel size kept (else {}).
+
+    The model's carried ``--mesh`` is rewritten too. When ``TP`` does not divide ``n`` the cell
+    cannot go on: ``failure`` is raised, saying why and what to do.
+    """
+    from . import meshes
+
+    if plan.strategy != meshes.STRATEGY:
+        return {}
+    try:
+        mesh = meshes.refit(plan.mesh, old, n, f"--on-failure shrink: {plan.model}")
+    except Exception as exc:
+        _cannot_go_on(failure, dead, f"the world is now {count(n, 'rank')} and usable, but {exc}; %dist scale to "
+                      f"one of them, then run the cell again (it resumes from the newest checkpoint in "
+                      f"{plan.checkpoint_dir})")
+    carried = session.holdings.carried.get(plan.model)
+    if carried is not None:
+        carried["mesh"] = mesh
+    print(f"distnb: --on-failure shrink: {plan.model} goes on on --mesh {mesh} (the tensor-parallel size kept)")
+    return {"mesh": mesh}
 
 
 def rest_of(given: dict, epochs: int) -> dict:
@@ -177,14 +232,13 @@ def _drop(session, dead: dict) -> dict:
     keep = [r for r in range(old) if r not in dead]
     scaling._stop_engines(cluster, [cluster.ranks[r]["pid"] for r in dead])  # reap what is left of them
     cluster._gone_ids = set(getattr(cluster, "_gone_ids", ())) | {cluster.engine_ids[r] for r in dead}
-    cluster.renumbered = getattr(cluster, "renumbered", False) or keep != list(range(len(keep)))
     cluster.engine_ids = [cluster.engine_ids[r] for r in keep]
     cluster.placement = [dict(cluster.placement[r], local_rank=i) for i, r in enumerate(keep)]
     cluster.ranks = [cluster.ranks[r] for r in keep]
     scaling._form(cluster, len(keep), old)
     held = session.holdings
     held.generation += 1  # sharded models are sent again (and resume from their checkpoint)
-    infos = cluster.wait_all(cluster.apply_all(calls.share, sorted(held.names), 1), timeout=cluster.spec.timeout + 60,
+    infos = cluster.wait_all(cluster.apply_all(calls.share, sorted(held.names), 1, False), timeout=cluster.spec.timeout + 60,
                              what="sharing rank 0's state with the survivors")
     scaling._reassign_data(session, old, len(keep))
     scaling._rewatch(cluster)

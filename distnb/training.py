@@ -154,6 +154,12 @@ def make_plan(session, model_name, model_obj, data_name, given: dict, quiet=Fals
         strategies.check(plan, model_obj, session.world_size, ns=session.ns)
     except strategies.StrategyError as exc:
         raise PlanError(f"--strategy {plan.strategy}: {exc}") from None
+    except PlanError as exc:
+        if "mesh" not in kept or not str(exc).startswith(f"--mesh {plan.mesh} "):
+            raise
+        from .meshes import carried_message
+
+        raise PlanError(carried_message(model_name, plan.mesh, session.world_size)) from None
     check_step_options(session, plan, model_obj)
     return _newest_start(session, plan)
 

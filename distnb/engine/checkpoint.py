@@ -122,11 +122,13 @@ def _prune(directory: str) -> None:
         shutil.rmtree(os.path.join(directory, d), ignore_errors=True)
 
 
-def load(run, meta: dict, ns=None) -> None:
+def load(run, meta: dict, ns=None, plan=None) -> None:
     """Restore ``run``'s model, optimizer and position from checkpoint ``meta`` (every rank).
 
     The strategy and optimizer must already be built as ``meta["plan"]`` describes
-    (:func:`distnb.engine.loop.restore` does that).
+    (:func:`distnb.engine.loop.restore` does that), or as ``plan`` (a TrainPlan) does: the
+    same strategy on this world, e.g. ``--mesh`` with the saved tensor-parallel size and
+    another data-parallel size (DCP reshards the saved DTensors onto it).
     """
     model_sd, optim_sd = run.strategy.checkpoint_state(run.optimizer)
     state = {"model": model_sd, "optimizer": optim_sd}
@@ -145,7 +147,7 @@ def load(run, meta: dict, ns=None) -> None:
     run.strategy.load_checkpoint_state(run.optimizer, state["model"], state["optimizer"])
     run.epoch, run.epoch_step, run.steps = meta["epoch"], meta["epoch_step"], meta["steps"]
     run.epoch_samples = meta["epoch_samples"]
-    moved = _position(meta)
+    moved = _position(meta, plan)
     if moved is not None:  # saved by a world of another size (%dist scale, --on-failure shrink, restart -n)
         run.epoch_samples, run.epoch_step = moved
     run.optimizer_steps = meta.get("optimizer_steps", run.steps)
@@ -154,11 +156,13 @@ def load(run, meta: dict, ns=None) -> None:
     load_scheduler(run, meta.get("scheduler"), ns or {})  # the lr schedule, where it was
 
 
-def _position(meta: dict):
+def _position(meta: dict, now_plan=None):
     """(epoch_samples, epoch_step) of checkpoint ``meta`` on this world, when its data-parallel size differs; else None.
 
     ``s`` positions on each of ``D`` data-parallel ranks are ``s * D`` samples of the epoch,
     ``floor(s * D / D')`` positions on each of ``D'`` (as :func:`distnb.engine.elastic.convert_position`).
+    ``D`` is the saved plan's on the saved world; ``D'`` is ``now_plan``'s (default: the saved
+    plan) on this world (they differ in ``--mesh`` after ``%dist scale`` of an fsdp+tensor model).
     """
     import math
 
@@ -173,7 +177,8 @@ def _position(meta: dict):
         plan = TrainPlan.from_dict(meta["plan"])
     except Exception:  # a plan this version cannot read: the position as saved
         return None
-    before, now = strategies.data_parallel_size(plan, saved), strategies.data_parallel_size(plan, world)
+    before = strategies.data_parallel_size(plan, saved)
+    now = strategies.data_parallel_size(now_plan or plan, world)
     if before == now:
         return None
     samples = meta["epoch_samples"] * before // now

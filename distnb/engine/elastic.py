@@ -6,9 +6,12 @@ formed again at the new ``world_size`` on a fresh port. :func:`share` then hands
 ranks what the surviving ranks hold, from rank 0 over ``torch.distributed`` (one
 ``broadcast_object_list`` for the objects, one ``broadcast`` of every tensor's bytes), never
 through the kernel: each replicated (ddp) model with its optimizer state, lr schedule,
-fp16 loss scale, epoch, global step and sampler position, and the notebook names pushed to
-the ranks earlier. Models sharded in place (fsdp, tensor, pipeline, ps) are not carried
-here: the kernel sends them again from the notebook's weights.
+fp16 loss scale, epoch, global step and sampler position, the notebook names pushed to
+the ranks earlier, and the names ``%%dist`` cells defined on the ranks that the added ranks
+lack (rank 0's values; :func:`defined_names`). A name that cannot be pickled (a lock, a
+process group, a sharded DTensor) is not carried, and the scale names it. Models sharded in
+place (fsdp, tensor, pipeline, ps) are not carried here: the kernel reshards them through a
+DCP checkpoint or sends them again from the notebook's weights.
 
 The sampler position (``Run.epoch_samples``, positions of this rank's epoch order consumed)
 is converted to the new world by samples trained: ``s`` positions on each of ``W`` ranks are
@@ -30,7 +33,11 @@ import torch
 import torch.distributed as dist
 
 from ..plan import STRATEGIES
-from . import loop, runtime, wire
+from . import datasets, loop, runtime, wire
+
+#: Names distnb binds in every rank's namespace (the rank's identity, a training cell's objects): never the user's.
+BOUND = frozenset({"rank", "world_size", "local_rank", "node_rank", "device", "model", "optimizer", "ctx", "loss",
+                   "batch"})
 
 
 def resize(ns: dict, rank: int, world_size: int, num_threads: int, master_addr: str, master_port: int) -> dict:
@@ -96,8 +103,8 @@ def _run_state(run) -> dict:
                 scaler=None if run.scaler is None else run.scaler.state_dict())
 
 
-def share(ns: dict, names: list, old_world: int) -> dict:
-    """Rank 0 gives ranks ``old_world`` and above its models' state and the pushed ``names``.
+def share(ns: dict, names: list, old_world: int, defined: bool = True) -> dict:
+    """Rank 0 gives ranks ``old_world`` and above its models' state, the pushed ``names`` and the names they lack.
 
     A collective: every rank of the new world calls it right after the group is formed.
 
@@ -108,24 +115,32 @@ def share(ns: dict, names: list, old_world: int) -> dict:
         read); those rank 0 holds are sent.
     old_world : int
         The world size before the scale: ranks below it keep what they hold.
+    defined : bool
+        Also send the names ``%%dist`` cells defined on rank 0 that a receiving rank lacks
+        (:func:`defined_names`; ``%dist scale``). ``--on-failure shrink``'s survivors hold
+        their own (False).
 
     Returns
     -------
     dict
-        ``models`` (names carried), ``names`` (names carried), ``bytes`` (tensor bytes
-        broadcast), ``positions`` (model -> (epoch, epoch_samples, steps, the epoch its last
-        cell started at) on this rank now, every model).
+        ``models`` (names carried), ``names`` (pushed names carried), ``defined`` (names
+        defined on the ranks carried), ``unpicklable`` ({name: why} of those that could not
+        be sent), ``bytes`` (tensor bytes broadcast), ``positions`` (model -> (epoch,
+        epoch_samples, steps, the epoch its last cell started at) on this rank now, every model).
     """
     st = runtime.STATE
+    wanted = _lacking(ns, names, old_world) if defined else []
     head = [None]
     if st.rank == 0:
+        own, unpicklable = _picklable(ns, wanted)
         state = dict(runs={k: _run_state(r) for k, r in loop.RUNS.items() if _carried(r)},
-                     names={k: ns[k] for k in names if k in ns})
+                     names={k: ns[k] for k in names if k in ns}, defined=own)
         payload, descs, buffers = wire.pack(state)
-        head = [(payload, descs, [len(b) for b in buffers], sorted(state["runs"]), sorted(state["names"]))]
+        head = [(payload, descs, [len(b) for b in buffers], sorted(state["runs"]), sorted(state["names"]),
+                 sorted(own), unpicklable)]
         flat = torch.from_numpy(_concat(buffers))
     dist.broadcast_object_list(head, src=0)
-    payload, descs, sizes, models, carried_names = head[0]
+    payload, descs, sizes, models, carried_names, carried_defined, unpicklable = head[0]
     if st.rank != 0:
         flat = torch.empty(sum(sizes), dtype=torch.uint8)
     if sizes:
@@ -137,7 +152,46 @@ def share(ns: dict, names: list, old_world: int) -> dict:
         raw = flat.numpy()
         _adopt(ns, wire.loads(payload, descs, [raw[a:b] for a, b in zip(offsets, offsets[1:])]))
     positions = {k: (r.epoch, r.epoch_samples, r.steps, r.cell_first_epoch) for k, r in loop.RUNS.items()}
-    return dict(models=models, names=carried_names, bytes=int(sum(sizes)), positions=positions)
+    return dict(models=models, names=carried_names, defined=carried_defined, unpicklable=unpicklable,
+                bytes=int(sum(sizes)), positions=positions)
+
+
+def defined_names(ns: dict) -> list:
+    """The names ``%%dist`` cells bound in this rank's namespace that are there now (:data:`runtime.CELL_NAMES`).
+
+    Not: names starting with ``_`` (IPython's and distnb's), :data:`BOUND`, the models and data
+    sets distnb installed (:data:`distnb.engine.loop.RUNS`, ``SHARDS``, data sets loaded on the
+    ranks): those reach the added ranks by their own ways. Nor what training bodies leave in the
+    namespace (``x, y = batch``): a ``%%distrain`` cell is not a ``%%dist`` cell.
+    """
+    skip = BOUND | set(loop.RUNS) | set(loop.SHARDS) | set(datasets.SOURCES)
+    return sorted(k for k in runtime.CELL_NAMES if k in ns and isinstance(k, str) and k.isidentifier()
+                  and not k.startswith("_") and k not in skip)
+
+
+def _lacking(ns: dict, names: list, old_world: int) -> list:
+    """Rank 0's :func:`defined_names` (not pushed) that some rank ``old_world`` or above lacks; a collective."""
+    st = runtime.STATE
+    offer = [defined_names(ns) if st.rank == 0 else None]
+    dist.broadcast_object_list(offer, src=0)
+    pushed = set(names)
+    mine = [k for k in offer[0] if k not in ns and k not in pushed] if st.rank >= old_world else []
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return sorted(set().union(*every))
+
+
+def _picklable(ns: dict, wanted: list) -> tuple[dict, dict]:
+    """({name: value} of ``wanted`` that :func:`distnb.engine.wire.pack` can send, {name: why not} of the others)."""
+    own, unpicklable = {}, {}
+    for k in wanted:
+        try:
+            wire.pack(ns[k])  # tensors are cut out, not copied: this costs the pickle of the rest
+        except Exception as exc:
+            unpicklable[k] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
+            continue
+        own[k] = ns[k]
+    return own, unpicklable
 
 
 def _concat(buffers):
@@ -149,6 +203,8 @@ def _concat(buffers):
 def _adopt(ns: dict, state: dict) -> None:
     """An added rank takes rank 0's names and models; each optimizer is rebuilt at the model's next cell
     (:func:`distnb.engine.stepping.adopt_optimizer`)."""
+    ns.update(state["defined"])
+    runtime.CELL_NAMES.update(state["defined"])  # as if its cells had run here (it may be rank 0 one day)
     ns.update(state["names"])
     device = runtime.STATE.device
     for name, held in state["runs"].items():

@@ -425,7 +425,7 @@ def _prepare(ns, plan, run):
     _, note = _optimizer(ns, run, plan)
     if meta is None:
         return note, None
-    checkpoint.load(run, meta, ns)
+    checkpoint.load(run, meta, ns, plan)
     return note, meta["path"]
 
 
@@ -450,17 +450,19 @@ def save_checkpoint(ns, name, directory):
     return checkpoint.save(run, directory, plan, plan["seed"])
 
 
-def restore(ns, name, directory):
+def restore(ns, name, directory, changes=None):
     """``%dist load``: rebuild the strategy and optimizer the checkpoint was saved with and load it.
 
-    The model must have been sent (install_model) just before. Returns the checkpoint metadata.
+    The model must have been sent (install_model) just before. ``changes`` (dict of TrainPlan
+    fields) alters the saved plan for this world: ``{"mesh": "2x2"}`` for an fsdp+tensor model
+    saved on ``1x2`` (:func:`distnb.meshes.refit`). Returns the checkpoint metadata.
     """
     meta = checkpoint.read_meta(directory)
     plan_dict = dict(meta["plan"], model=name, checkpoint_dir=None, checkpoint_every=None, reset=False,
-                     optimizer=meta["optimizer"])
+                     optimizer=meta["optimizer"], **(changes or {}))
     plan = TrainPlan.from_dict(plan_dict)
     run = RUNS[name]
     _prepare(ns, plan, run)
     run.plan_dict = plan.to_dict()
-    checkpoint.load(run, meta, ns)
+    checkpoint.load(run, meta, ns, plan)
     return meta

@@ -42,6 +42,8 @@ RELEASE_HOOKS = []
 #: Callables returning a dict of more facts about this rank for :func:`info` (``%dist status``),
 #: e.g. its device-mesh coordinates; one that raises adds nothing.
 INFO_HOOKS = []
+#: Names ``%%dist`` cells bound (or rebound) in the namespace: what ``%dist scale`` hands added ranks.
+CELL_NAMES: set = set()
 
 
 def _init_group(master_addr: str, master_port: int) -> None:
@@ -377,6 +379,7 @@ def run_cell(ns: dict, code: str, targets=None):
 
     watchdog = Watchdog(publish_raw)
     watchdog.start()
+    before = {k: id(v) for k, v in ns.items()}
     try:
         with checked(only=targets):  # mismatched tensors in a user collective: an error on every rank, not an abort
             exec(compile(tree, filename, "exec"), ns)
@@ -393,6 +396,7 @@ def run_cell(ns: dict, code: str, targets=None):
         raise
     finally:
         watchdog.stop()
+        CELL_NAMES.update(k for k, v in ns.items() if before.get(k) != id(v))
         sys.stdout.flush()
         sys.stderr.flush()
 

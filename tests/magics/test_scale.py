@@ -45,10 +45,6 @@ def two_ranks(shell):
     current = session_mod._CURRENT
     if current is None or not current.running:
         session_mod.start(n=2, timeout=30, quiet=True)
-    elif getattr(current.cluster, "renumbered", False):
-        # a fresh world after --on-failure shrink renumbered the survivors: in one full-file run an fsdp
-        # checkpoint on the re-grown world then failed DCP's plan check (not reproduced alone; see README)
-        current.restart(n=2, quiet=True)
     elif current.world_size != 2:
         current.scale(2, quiet=True)
     session_mod.current().on_failure = "stop"

@@ -188,11 +188,49 @@ def make_mesh(device_type: str, shape: tuple, names: tuple | None = None):
 
 
 def _release_meshes(ns) -> None:
-    """Release hook (the group is about to be destroyed): every mesh made here drops its group."""
+    """Release hook (the group is about to be destroyed): every mesh made here drops its group.
+
+    DTensor's sharding decisions are forgotten too (:func:`forget_sharding_decisions`).
+    """
     for ref in list(_MESHES.values()):
         release_group(ref(), None)
     _MESHES.clear()
     _GRIDS.clear()
+    forget_sharding_decisions()
+
+
+def forget_sharding_decisions() -> None:
+    """Empty DTensor's sharding-propagation caches (C++ and Python), so no decision outlives its process group.
+
+    DTensor caches each op's output layout keyed by the input layouts, and a layout's device
+    mesh compares by its ranks and shape, not by this process's rank in it; the cached output
+    layout holds the mesh object of the op's first call. After the group is formed again with
+    this process at another rank (``--on-failure shrink`` renumbers the survivors), a new mesh
+    over the same ranks equals the old one, so an op such as Adam's ``zeros_like`` of a
+    sharded parameter returned a DTensor on the *old* mesh, whose coordinate is this process's
+    old rank: its local chunk claimed another rank's offset, DCP's save de-duplicated the two
+    and failed its plan check (``invalid fill``: chunks volume 120 of 192). Found by
+    ``tests/magics/test_scale.py`` (shrink renumbering 3 ranks to 2, then 3 again, then a
+    checkpointing fsdp cell). Private torch 2.13 entry points, hence best effort.
+    """
+    import sys
+
+    if "torch.distributed.tensor" not in sys.modules:  # no DTensor op ran here: nothing cached
+        return
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    clear = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    try:
+        if clear is not None:
+            clear()
+        propagator = DTensor._op_dispatcher.sharding_propagator
+        propagator.propagate_op_sharding.cache_clear()
+        cached = getattr(type(propagator), "_propagate_tensor_meta_cached", None)
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+    except Exception:  # a torch without these caches: nothing to forget
+        pass
 
 
 runtime.RELEASE_HOOKS.append(_release_meshes)
