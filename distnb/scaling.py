@@ -154,6 +154,18 @@ def _dp(plan, world: int) -> int:
     return strategies.data_parallel_size(plan, world)
 
 
+def _dp_at(layout: dict, world: int, at: int) -> int:
+    """Data-parallel ranks of ``layout`` (``strategy``, ``mesh`` as given for ``world`` ranks) on ``at`` ranks."""
+    from . import meshes
+    from .plan import TrainPlan
+
+    strategy = layout.get("strategy") or "ddp"
+    probe = dataclasses.replace(TrainPlan(model="_", data="_"), strategy=strategy)
+    if strategy == meshes.STRATEGY:
+        probe = dataclasses.replace(probe, mesh=meshes.refit(layout.get("mesh"), world, at, "--keep-global-batch"))
+    return _dp(probe, at)
+
+
 def _global_batches(session, old: int, n: int, keep: bool):
     """(global batch before, after, per-rank batch after, accumulate after) of the last cell's model, or None.
 
@@ -185,11 +197,13 @@ def _product(dp: int, plan, batch=None, accumulate=None) -> str:
     return f"{dp} x {batch} per rank" + (f" x {accumulate} micro-steps" if accumulate > 1 else "")
 
 
-def batch_for_world(session, given: dict) -> dict:
+def batch_for_world(session, given: dict, model: str | None = None) -> dict:
     """A cell's options with ``--batch-size``/``--accumulate`` scaled after ``%dist scale --keep-global-batch``.
 
     The cell's values are read as written for ``session.holdings.batch_world`` ranks; the
     returned ones give the same global batch on the running world (and the cell says so).
+    ``model``: the cell's ``--model`` name, whose carried ``--strategy``/``--mesh`` count when the
+    cell does not give them (an fsdp+tensor mesh keeps its tensor-parallel size: DP = ranks / TP).
 
     Raises PlanError when that global batch cannot be split evenly over this world.
     """
@@ -202,8 +216,9 @@ def batch_for_world(session, given: dict) -> dict:
     fields = {f.name: f.default for f in dataclasses.fields(TrainPlan)}
     batch = given.get("batch_size") or fields["batch_size"]
     accumulate = given.get("accumulate") or fields["accumulate"]
-    probe = dataclasses.replace(TrainPlan(model="_", data="_"), strategy=given.get("strategy") or "ddp")
-    total, dp = _dp(probe, ref) * batch * accumulate, _dp(probe, world)
+    layout = dict(session.holdings.carried.get(model) or {}) if isinstance(model, str) else {}
+    layout.update({k: given[k] for k in ("strategy", "mesh") if given.get(k) is not None})
+    total, dp = _dp_at(layout, world, ref) * batch * accumulate, _dp_at(layout, world, world)
     fitted = _fit(total, dp, batch, accumulate)
     if fitted is None:
         raise PlanError(f"--keep-global-batch (from %dist scale): the global batch {total} (--batch-size {batch} "

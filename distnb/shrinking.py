@@ -38,7 +38,8 @@ def train_cell(session, code, model, data, run, given):
     from . import training
 
     try:
-        return training.train_cell(session, code, model, data, run, scaling.batch_for_world(session, dict(given)))
+        given = scaling.batch_for_world(session, dict(given), model if isinstance(model, str) else None)
+        return training.train_cell(session, code, model, data, run, given)
     except RankError as exc:
         dead = dead_to_drop(session, exc)
         if not dead or getattr(exc, "plan", None) is None:

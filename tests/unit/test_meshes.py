@@ -46,3 +46,12 @@ def test_a_carried_mesh_message_names_the_cell_it_came_from_and_the_fix():
         "--mesh 1x2 came from net's last cell, on a world of 2 ranks, not from this one, and does not fit this "
         "world of 4 ranks: give this cell --mesh DPxTP with DP * TP = 4 (--mesh 4x1 or 2x2 or 1x4), or %dist scale "
         "2 to go back to it")
+
+
+def test_keep_global_batch_counts_data_parallel_ranks_of_the_mesh():
+    from distnb import scaling
+
+    mesh = {"strategy": "fsdp+tensor", "mesh": "2x2"}  # the carried mesh, laid out for 4 ranks
+    assert [scaling._dp_at(mesh, 4, at) for at in (2, 4, 6)] == [1, 2, 3]  # TP 2 stays: DP = ranks / 2
+    assert scaling._dp_at({"strategy": "ddp"}, 4, 3) == 3 and scaling._dp_at({}, 2, 5) == 5
+    assert scaling._dp_at({"strategy": "tensor"}, 2, 4) == 1
