@@ -45,6 +45,11 @@ from .plan import BATCH_LAUNCHERS, ClusterSpec
 
 HEARTBEAT_MS = 100
 HEARTBEAT_MISSES = 25  # an engine is dropped after 2.5 s without a heartbeat
+#: The controller keeps no record of each call and result (its in-memory DictDB: distnb never asks the hub
+#: for a past result) and logs no INFO line for each request and reply: two log lines and a database record per
+#: engine and call, which cost the controller's one Python thread about a third of its time for a cell on
+#: every rank (issue 20; benchmarks/README.md).
+CONTROLLER_QUIET = ("--IPController.db_class=NoDB", "--log-level=WARN")
 #: Seconds engines started by a batch system (slurm, ...) may take to register: the job may queue.
 BATCH_QUEUE_WAIT = 600.0
 # ipyparallel logs each dead engine's whole output; distnb reports deaths itself (naming the rank).
@@ -188,7 +193,7 @@ class Cluster:
             n=spec.num_engines,
             controller_ip=self.controller_ip,
             controller_args=[f"--HeartMonitor.period={HEARTBEAT_MS}",
-                             f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}"],
+                             f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}", *CONTROLLER_QUIET],
             log=_log,
             engine_timeout=int(engine_timeout),
             shutdown_atexit=False,  # distnb stops it (session atexit, the reaper); ipyparallel's retries hang

@@ -125,7 +125,7 @@ class Watch:
         self.hang = hangs.check(self) if self.hang is None else hangs.follow_up(self, self.hang)
         pending = [ar for r, ar in enumerate(ars) if not ar.ready() and r not in self.dead]
         if pending:
-            pending[0].wait(POLL_SECONDS)
+            pending[-1].wait(POLL_SECONDS)  # the last sent is about the last to finish: one wake-up, not one per rank
         return False
 
     def _conclude(self, user_interrupt: bool) -> list:
