@@ -35,6 +35,7 @@ import time
 
 import ipyparallel as ipp
 import psutil
+from ipyparallel.serialize import PrePickled
 
 from . import calls, launchers, placement, slurm, tracebacks, zygote
 from .calls import RankFunction
@@ -44,6 +45,11 @@ from .plan import BATCH_LAUNCHERS, ClusterSpec
 
 HEARTBEAT_MS = 100
 HEARTBEAT_MISSES = 25  # an engine is dropped after 2.5 s without a heartbeat
+#: The controller keeps no record of each call and result (its in-memory DictDB: distnb never asks the hub
+#: for a past result) and logs no INFO line for each request and reply: two log lines and a database record per
+#: engine and call, which cost the controller's one Python thread about a third of its time for a cell on
+#: every rank (issue 20; benchmarks/README.md).
+CONTROLLER_QUIET = ("--IPController.db_class=NoDB", "--log-level=WARN")
 #: Seconds engines started by a batch system (slurm, ...) may take to register: the job may queue.
 BATCH_QUEUE_WAIT = 600.0
 # ipyparallel logs each dead engine's whole output; distnb reports deaths itself (naming the rank).
@@ -65,7 +71,26 @@ def _shim(module, fn, with_ns, *args):
 def _send(view, fn: RankFunction, *args):
     """``fn(*args)`` on the engine(s) of ``view``, the arguments checked against its signature first."""
     fn.check(args)
-    return view.apply_async(_shim, fn.module, fn.name, fn.with_ns, *args)
+    return view.apply_async(*_packed(fn, args))
+
+
+_SHIM = []  # [_shim pickled once] (ipyparallel's PrePickled), made on first use
+
+
+def _packed(fn: RankFunction, args: tuple) -> tuple:
+    """``(shim, *arguments)`` for ``apply_async``, each serialized once (ipyparallel's ``PrePickled``).
+
+    A call sent to every rank is then pickled once, not once per engine: ipyparallel serializes
+    a function and its arguments in every ``apply_async`` (the shim's code object alone is
+    about 0.1 ms), and a ``%%dist`` cell is one ``apply_async`` per engine (issue 20).
+    Zero-copy buffers stay zero-copy: ``PrePickled`` keeps the extracted buffers, which each
+    send references.
+    """
+    if not _SHIM:
+        shim = PrePickled(_shim)
+        shim.__name__ = _shim.__name__  # how ipyparallel names the call (AsyncResult's repr)
+        _SHIM.append(shim)
+    return (_SHIM[0], *(PrePickled(a) for a in (fn.module, fn.name, fn.with_ns, *args)))
 
 
 class Cluster:
@@ -96,6 +121,7 @@ class Cluster:
         self.num_nodes = 1
         self.remote = False
         self._procs: dict = {}  # engine pid -> _Process (its exit status once it died)
+        self._views: dict = {}  # engine_id -> its DirectView of self.client, made once (see _view)
         self.note = ""  # what the start wants the user to know (e.g. why engines were not forked)
 
     # lifecycle -----------------------------------------------------------
@@ -167,7 +193,7 @@ class Cluster:
             n=spec.num_engines,
             controller_ip=self.controller_ip,
             controller_args=[f"--HeartMonitor.period={HEARTBEAT_MS}",
-                             f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}"],
+                             f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}", *CONTROLLER_QUIET],
             log=_log,
             engine_timeout=int(engine_timeout),
             shutdown_atexit=False,  # distnb stops it (session atexit, the reaper); ipyparallel's retries hang
@@ -364,7 +390,7 @@ class Cluster:
                 except Exception:
                     pass
         finally:  # even when interrupted: this machine's processes are ended, the cluster is forgotten
-            self.client, self._ipp = None, None
+            self.client, self._ipp, self._views = None, None, {}
             self._kill_family()
         self._stop_reaper()
 
@@ -490,8 +516,10 @@ class Cluster:
             raise ClusterError(f"{what}. Run %dist restart (or session.restart()) for a fresh world of "
                                f"{self.world_size} ranks")
 
-    def apply(self, rank: int, fn: RankFunction, *args):
+    def apply(self, rank: int, fn: RankFunction, *args, packed=None):
         """Call the rank function ``fn(*args)`` (a :mod:`distnb.calls` entry) on ``rank``; an AsyncResult.
+
+        ``packed``: the same call already checked and serialized by :func:`_packed` (``apply_all``).
 
         Raises ClusterError if the cluster is stopped or that rank's engine has died, TypeError
         if ``args`` do not fit ``fn``'s signature.
@@ -504,11 +532,26 @@ class Cluster:
             self.check_alive([rank])
             raise ClusterError(f"{self.describe(rank)} is no longer registered with the controller; "
                                "run %dist restart")
-        return _send(self.client[engine_id], fn, *args)
+        return self._view(engine_id).apply_async(*packed) if packed else _send(self._view(engine_id), fn, *args)
+
+    def _view(self, engine_id: int):
+        """The DirectView of one engine, made once per client (``client[i]`` builds a new view at each call)."""
+        view = self._views.get(engine_id)
+        if view is None or view.client is not self.client:
+            view = self._views[engine_id] = self.client[engine_id]
+        return view
 
     def apply_all(self, fn: RankFunction, *args):
-        """``fn(*args)`` on every rank: one AsyncResult per rank, in rank order."""
-        return [self.apply(r, fn, *args) for r in range(self.world_size)]
+        """``fn(*args)`` on every rank: one AsyncResult per rank, in rank order.
+
+        The call is checked and serialized once (:func:`_packed`) and sent as one message per
+        engine, through each engine's own view: one ``apply_async`` on a view of all engines
+        sends the same messages but gives one AsyncResult for all of them, and ipyparallel's
+        broadcast view was slower at 32 ranks (benchmarks/README.md, issue 20).
+        """
+        fn.check(args)
+        packed = _packed(fn, args)
+        return [self.apply(r, fn, *args, packed=packed) for r in range(self.world_size)]
 
     def wait_all(self, ars, timeout: float, what: str):
         """Results of ``ars`` (one per rank, in rank order); a RankError names failing ranks."""

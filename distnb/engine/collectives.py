@@ -59,6 +59,16 @@ def _describe(torch, row) -> str:
     return f"{_OPS[op]} of {name} {list(shape)}"
 
 
+def _wrapped(dist, torch, op, original):
+    """The checked version of ``original`` (``dist.<op>``), made once: ``inspect.signature`` of torch's
+    decorated collectives costs about 20 us each, six of them for every cell on every rank."""
+    key = (op, id(original))
+    made = _WRAPPED.get(key)
+    if made is None or made[0] is not original:
+        made = _WRAPPED[key] = (original, _wrap(dist, torch, op, original))
+    return made[1]
+
+
 def _wrap(dist, torch, op, original):
     signature = inspect.signature(original)
     arg = CHECKED[op]
@@ -114,6 +124,7 @@ def _checked_call(dist, torch, op, original, args, kwargs, tensor, group, world)
 
 
 _ORIGINALS: dict = {}
+_WRAPPED: dict = {}  # (op, id(original)) -> (original, its checked wrapper), see _wrapped
 #: ``{"call": (op, shape)}`` while a collective called from cell code runs on this rank.
 CURRENT: dict = {}
 #: Bumped by every checked collective call and every training micro-step (:mod:`distnb.engine.stepping`):
@@ -141,7 +152,7 @@ def checked(only=None):
     SUBSET["ranks"] = only
     try:
         for op in _OPS:
-            setattr(dist, op, _wrap(dist, torch, op, _ORIGINALS[op]))
+            setattr(dist, op, _wrapped(dist, torch, op, _ORIGINALS[op]))
         yield
     finally:
         for op, fn in _ORIGINALS.items():

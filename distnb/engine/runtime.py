@@ -167,6 +167,9 @@ def setup(ns: dict, rank: int, world_size: int, local_rank: int, backend: str, d
         rank, pid, host, device, backend, num_threads, seconds (float, set-up time).
     """
     t0 = time.perf_counter()
+    from . import lean
+
+    lean.apply()  # each later call on this engine costs less (no empty flush round trips, no busy status)
     if STATE.rank is None:  # first set-up: what the user set stays theirs
         STATE.user_env = frozenset(v for v in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if v in os.environ)
     STATE.node_rank, STATE.interface = node_rank, interface
@@ -394,11 +397,9 @@ def run_cell(ns: dict, code: str, targets=None):
         if stopped is not None:
             raise stopped from None
         raise
-    finally:
-        watchdog.stop()
+    finally:  # no flush here: ipyparallel's apply_request flushes stdout and stderr before it replies
+        watchdog.stop()  # (each flush is a round trip to ipykernel's IOPub thread)
         CELL_NAMES.update(k for k, v in ns.items() if before.get(k) != id(v))
-        sys.stdout.flush()
-        sys.stderr.flush()
 
 
 def shutdown() -> None:

@@ -64,8 +64,14 @@ def _summary(frame, ddp_backward: bool) -> dict:
                 stack=[(f.filename, f.lineno, f.name, (f.line or "").strip()) for f in stack[-STACK_FRAMES:]])
 
 
-class Watchdog(threading.Thread):
+class Watchdog:
     """Publishes where the calling thread is every :data:`INTERVAL` seconds until :meth:`stop`.
+
+    The looks are made by one long-lived thread per process (:class:`_Looker`), not a thread
+    per cell: starting a thread makes the cell's thread wait until the new one runs, which on a
+    loaded machine with many engines on a few cores costs a scheduler round trip per engine
+    and cell (measured in benchmarks/README.md, issue 20). :meth:`start` and :meth:`stop`
+    only take a lock; a burst of short cells wakes the looker about once per :data:`INTERVAL`.
 
     Parameters
     ----------
@@ -76,44 +82,118 @@ class Watchdog(threading.Thread):
     """
 
     def __init__(self, publish, ddp_backward: bool = False):
-        super().__init__(name="distnb-where", daemon=True)
         self.target_id = threading.get_ident()
         self.publish, self.ddp_backward = publish, ddp_backward
-        self._stop_event = threading.Event()
         self._spot, self._since = None, time.time()
 
-    def run(self) -> None:
-        from . import abort
-
-        while not self._stop_event.wait(INTERVAL):
-            try:
-                abort.poll()  # another rank failed: end this rank's collective now (engine/abort.py)
-            except Exception:  # never end the watchdog (it also publishes where the rank is)
-                pass
-            frame = sys._current_frames().get(self.target_id)
-            if frame is None:
-                return
-            try:
-                where = _summary(frame, self.ddp_backward)
-            except Exception:  # a look at the stack must never break the cell
-                continue
-            finally:
-                del frame
-            from . import collectives
-
-            # the same line at the next look is the same visit only if the rank made no progress in between
-            spot = (where["state"], where["op"], where["stack"][-1][:3] if where["stack"] else None,
-                    collectives.PROGRESS[0])
-            if spot != self._spot:
-                self._spot, self._since = spot, time.time()
-            where["since"], where["sent"] = self._since, time.time()
-            try:
-                self.publish({"distnb_where": where})
-            except Exception:
-                pass
+    def start(self) -> None:
+        """Look at the calling thread (the one that made this watchdog) from :data:`INTERVAL` s on."""
+        _looker().arm(self)
 
     def stop(self) -> None:
-        self._stop_event.set()
+        """No look starts after this (one under way may still publish: :meth:`join` waits for it)."""
+        _looker().disarm(self)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait until no look at this watchdog is under way (after :meth:`stop`: nothing more is published)."""
+        _looker().wait_idle(self, timeout)
+
+    def _look(self) -> bool:
+        """One look: poll for another rank's failure, publish where the thread is; False once it has ended."""
+        from . import abort, collectives
+
+        try:
+            abort.poll()  # another rank failed: end this rank's collective now (engine/abort.py)
+        except Exception:  # never end the watchdog (it also publishes where the rank is)
+            pass
+        frame = sys._current_frames().get(self.target_id)
+        if frame is None:
+            return False
+        try:
+            where = _summary(frame, self.ddp_backward)
+        except Exception:  # a look at the stack must never break the cell
+            return True
+        finally:
+            del frame
+        # the same line at the next look is the same visit only if the rank made no progress in between
+        spot = (where["state"], where["op"], where["stack"][-1][:3] if where["stack"] else None,
+                collectives.PROGRESS[0])
+        if spot != self._spot:
+            self._spot, self._since = spot, time.time()
+        where["since"], where["sent"] = self._since, time.time()
+        try:
+            self.publish({"distnb_where": where})
+        except Exception:
+            pass
+        return True
+
+
+class _Looker(threading.Thread):
+    """The thread that makes every armed :class:`Watchdog`'s looks, each :data:`INTERVAL` s after the last.
+
+    It sleeps until the earliest armed watchdog is due (indefinitely while none is), so an
+    engine between cells costs nothing. Arming wakes it only when it would otherwise wake later
+    than the new watchdog is due; disarming never wakes it.
+    """
+
+    def __init__(self):
+        super().__init__(name="distnb-where", daemon=True)
+        self.cond = threading.Condition()
+        self.armed: dict = {}  # Watchdog -> time.monotonic() of its next look
+        self.looking: tuple = ()  # the watchdogs being looked at now (outside the lock)
+        self.wake_at = None  # when the thread wakes next (time.monotonic()), None: only when notified
+
+    def arm(self, dog: Watchdog) -> None:
+        with self.cond:
+            due = self.armed[dog] = time.monotonic() + INTERVAL
+            if self.wake_at is None or self.wake_at > due:
+                self.cond.notify_all()  # join() callers may wait on it too
+
+    def disarm(self, dog: Watchdog) -> None:
+        with self.cond:
+            self.armed.pop(dog, None)
+
+    def wait_idle(self, dog: Watchdog, timeout) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: dog not in self.looking, timeout)
+
+    def run(self) -> None:
+        while True:
+            with self.cond:
+                while True:
+                    now = time.monotonic()
+                    due = tuple(d for d, t in self.armed.items() if t <= now)
+                    if due:
+                        break
+                    self.wake_at = min(self.armed.values()) if self.armed else None
+                    self.cond.wait(None if self.wake_at is None else self.wake_at - now)
+                for dog in due:
+                    self.armed[dog] = now + INTERVAL
+                self.looking, self.wake_at = due, None
+            ended = [dog for dog in due if not dog._look()]
+            with self.cond:
+                for dog in ended:  # its thread is gone
+                    self.armed.pop(dog, None)
+                self.looking = ()
+                self.cond.notify_all()
+
+
+_LOOKER: list = [None, None]  # [the looker thread, the pid it runs in] (a forked engine starts its own)
+
+
+def _looker() -> _Looker:
+    looker, pid = _LOOKER
+    if looker is None or pid != os.getpid() or not looker.is_alive():
+        with _LOOKER_LOCK:
+            looker, pid = _LOOKER
+            if looker is None or pid != os.getpid() or not looker.is_alive():
+                looker = _Looker()
+                looker.start()
+                _LOOKER[:] = [looker, os.getpid()]
+    return looker
+
+
+_LOOKER_LOCK = threading.Lock()
 
 
 def where_now() -> dict:
