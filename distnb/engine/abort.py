@@ -20,14 +20,24 @@ So, the way the failure already travels, made one step for every rank:
   as if its peer had closed it ("Connection closed by peer"), as do its peers', and each rank
   goes through the usual failure path; the kernel re-forms the group.
 
+gloo does not end every operation so: one whose data was already on its way when the connection
+broke waits out ``--timeout`` (measured: 32 ranks, rank 16 raising at step 3, the cell took 60-66 s
+in about half the runs, one rank held in DDP's backward or in ``~ProcessGroupGloo``). Hence two more
+steps: DDP's backward waits on a future of distnb's (:func:`ddp_allreduce_hook`), which the
+watchdog fails at once (:func:`end_pending`), and a failed rank lets its old group's backends go in
+a thread of their own (:func:`bury`), not in the cell. A group a strategy forms itself (the ps
+group) is armed with the world's (:func:`tracking`).
+
 Stdlib and torch only; gloo only (nccl has ``abort`` of its own, not done here).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
+import sys
 import threading
 
 #: The key a failing rank sets in its process group's store.
@@ -46,8 +56,11 @@ class _Armed:
 
 
 ARMED = _Armed()
-#: Held while gloo's sockets are shut down or forgotten: never while the group is being destroyed.
+#: Held while gloo's sockets are shut down or forgotten (never while the group is being destroyed), and
+#: while :data:`_PENDING` changes.
 _LOCK = threading.Lock()
+#: Futures :func:`ddp_allreduce_hook` handed to DDP that no collective has settled yet.
+_PENDING: set = set()
 
 
 def socket_fds() -> dict:
@@ -83,12 +96,63 @@ def arm(store, before: dict, backend: str) -> None:
     ARMED.server = store  # rank 0's serves the key: it must outlive this rank's destroy_process_group
     if backend != "gloo":
         return
-    ARMED.sockets = {fd: link for fd, link in socket_fds().items() if before.get(fd) != link}
+    port = getattr(store, "port", None)
+    ARMED.sockets = {fd: link for fd, link in socket_fds().items()
+                     if before.get(fd) != link and _gloo_socket(fd, port)}
     try:
         ARMED.store = store.clone()
         ARMED.store.set_timeout(datetime.timedelta(seconds=STORE_SECONDS))
     except Exception:  # a store that cannot be cloned: failures travel as before
         ARMED.store = None
+
+
+@contextlib.contextmanager
+def tracking():
+    """Around a group a strategy forms itself (``new_group``, a device mesh): arm its gloo connections too.
+
+    Its sockets then end with the world's when a failure is announced (:func:`poll`); without it, a
+    rank waiting in that group's collective waited until a peer's failure path closed its end, one
+    hop at a time, or for ``--timeout``. Nothing is added while this rank is not armed.
+    """
+    before = socket_fds()
+    try:
+        yield
+    finally:
+        if ARMED.store is not None:
+            port = getattr(ARMED.server, "port", None)
+            new = {fd: link for fd, link in socket_fds().items()
+                   if before.get(fd) != link and _gloo_socket(fd, port)}
+            with _LOCK:
+                if ARMED.store is not None and ARMED.by is None:
+                    ARMED.sockets.update(new)
+
+
+def _gloo_socket(fd: int, store_port) -> bool:
+    """Whether socket ``fd`` may be one of gloo's: TCP, and not a connection of the group's store.
+
+    The store's connections have its port at one end. On rank 0, the store's server accepts the
+    other ranks' second connections (:func:`arm`'s ``clone``) while rank 0 may still be forming the
+    group: shutting those down too broke each such rank's store, which then read as "rank 0's store
+    is gone" (seen at 32 ranks: 3 to 11 of them on rank 0).
+    """
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    try:
+        if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+            return False
+        if store_port is None:
+            return True
+        if sock.getsockname()[1] == store_port:  # the store's server side (rank 0)
+            return False
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            return True  # gloo's listener (shut_sockets leaves it alone)
+        return sock.getpeername()[1] != store_port
+    except OSError:
+        return False
+    finally:
+        sock.close()
 
 
 def disarm() -> None:
@@ -116,6 +180,66 @@ def announce(rank: int) -> None:
         pass
 
 
+def ddp_allreduce_hook(group, bucket):
+    """DDP's gradient averaging (as its default), through a future that :func:`poll` can end.
+
+    Registered on gloo DDP wrappers (``register_comm_hook``; ``group`` is the hook's state, None:
+    the default group). DDP's backward waits for this future, not for gloo's: when a rank's
+    failure is announced, :func:`end_pending` fails it at once, so the backward raises even if
+    gloo's own operation waits on (see :func:`bury`: one whose data was on its way when the
+    connections were shut ends only at ``--timeout``; seen at 32 ranks in one run of two, a rank held
+    in ``Reducer::finalize_backward`` for the whole 60 s). Cost: one Python call per bucket and step.
+    The division before the sum is what DDP does without a hook (and torch's ``allreduce_hook``).
+    """
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.futures.Future()
+    if ARMED.by is not None:  # a failure seen before this bucket was ready: no new collective
+        mine.set_exception(RuntimeError(_ended_message()))
+        return mine
+    tensor = bucket.buffer()
+    group = group if group is not None else dist.group.WORLD
+    tensor.div_(group.size())
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    with _LOCK:
+        _PENDING.add(mine)
+
+    def settle(fut):
+        with _LOCK:
+            if mine not in _PENDING:  # already ended by end_pending
+                return
+            _PENDING.discard(mine)
+        try:
+            fut.value()
+        except Exception as exc:
+            mine.set_exception(exc)
+        else:
+            mine.set_result(tensor)
+
+    work.get_future().add_done_callback(settle)
+    return mine
+
+
+def _ended_message() -> str:
+    # "Connection closed by peer" (one of SYMPTOMS): consequence() names the rank that failed
+    who = "rank 0's store is gone" if ARMED.by == -1 else f"rank {ARMED.by} failed"
+    return f"Connection closed by peer: distnb ended this rank's pending all-reduce ({who})"
+
+
+def end_pending() -> int:
+    """Fail every future :func:`ddp_allreduce_hook` handed out and not yet settled; how many."""
+    with _LOCK:
+        pending = list(_PENDING)
+        _PENDING.clear()
+    for fut in pending:
+        try:
+            fut.set_exception(RuntimeError(_ended_message()))
+        except RuntimeError:  # settled meanwhile
+            pass
+    return len(pending)
+
+
 def poll() -> bool:
     """Whether a rank announced a failure (or the store is gone); if so, end this rank's collectives.
 
@@ -132,6 +256,7 @@ def poll() -> bool:
             return False
         ARMED.by = by
         shut_sockets()
+    end_pending()
     return True
 
 
@@ -165,6 +290,39 @@ def shut_sockets() -> None:
             pass
         finally:
             sock.close()  # our duplicate only
+
+
+def hold_backends() -> list:
+    """Strong references to the gloo backends of every process group torch knows now (for :func:`bury`)."""
+    if "torch.distributed" not in sys.modules:
+        return []
+    import torch
+    from torch.distributed import distributed_c10d as c10d
+
+    if not c10d.is_initialized():
+        return []
+    out = []
+    for pg in list(c10d._world.pg_map):
+        try:
+            out.append(pg._get_backend(torch.device("cpu")))
+        except Exception:  # no CPU backend (nccl only): nothing of gloo's to wait for
+            pass
+    return out
+
+
+def bury(backends: list) -> None:
+    """Let the last references to ``backends`` go in a thread of their own, not in the failing cell.
+
+    ``~ProcessGroupGloo`` joins its worker threads, and a worker can still be in an operation that
+    the shut connections did not end: gloo signals an error to the buffers of the operations
+    pending on a pair (:func:`shut_sockets`), but not to one whose data was already on its way,
+    which then waits out the group's ``--timeout`` (seen at 32 ranks: one rank in two runs held in
+    ``free_groups`` for the whole 60 s, the kernel waiting for it). The destructor releases the GIL
+    (tried: Python ran on while a buried backend waited), so the rank answers at once and the old
+    group's threads end at their timeout, after the group was re-formed.
+    """
+    if backends:
+        threading.Thread(target=backends.clear, name="distnb-bury-group", daemon=True).start()
 
 
 def consequence(exc: BaseException, rank: int):

@@ -316,6 +316,7 @@ def mark_broken(ns: dict | None = None, announce: bool = True) -> None:
     if hasattr(sys, "last_exc"):
         sys.last_exc = None
     abort.disarm()  # before the destroy: the watchdog thread must not shut sockets that are being closed
+    backends = abort.hold_backends()  # the last references, let go in a thread: a gloo worker may still wait
     if dist.is_initialized():
         groups = postmortem.live_groups()  # frames kept for %dist debug: their objects must let go of the group
         drop_captured_group(dist.group.WORLD)
@@ -325,6 +326,7 @@ def mark_broken(ns: dict | None = None, announce: bool = True) -> None:
             pass
         postmortem.free_groups(groups)
     gc.collect()
+    abort.bury(backends)
 
 
 def release(ns: dict, drop_store: bool = False) -> None:

@@ -268,3 +268,20 @@ def test_checkpoint_of_an_async_run_restores_every_server(dist_session, shell, t
     assert [os.path.basename(p) for p in result.rows[0]["checkpoints"]] == ["step_00000009", "step_00000012",
                                                                           "step_00000014"]
     assert_weights_back(dist_session, ns["ps_ckpt_net"], "ps_ckpt_net")
+
+
+def test_the_ps_group_ends_with_the_world_when_a_rank_fails(dist_session, shell):
+    """The ps group's gloo connections are armed with the world's (engine/abort.py ``tracking``): an
+    announced failure shuts them too, so a rank waiting in a ps collective stops at once."""
+    ns = shell.user_ns
+    ns["ps_armed_net"], ns["ps_data"], ns["F"] = make_model(), make_data(), F
+    options = dict(model="ps_armed_net", data="ps_data", batch_size=16, strategy="ps", progress="none", quiet=True)
+    dist_session.train(BODY, epochs=1, **options)
+    dist_session.run("from distnb.engine import abort\n_armed = len(abort.ARMED.sockets)")
+    # one listener and world_size - 1 peer connections for each of the two groups (world and ps)
+    assert dist_session.pull("_armed") == [2 * dist_session.world_size] * dist_session.world_size
+    body = "x, y = batch\nif rank == 1 and ctx.step == 2:\n    raise KeyError('broken batch')\n" + BODY
+    with pytest.raises(RankError, match="broken batch") as info:
+        dist_session.train(body, **options)
+    assert info.value.rank == 1
+    assert {f["rank"]: f["ename"] for f in info.value.failures}[0] == "PeerFailed"

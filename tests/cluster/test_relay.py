@@ -13,6 +13,7 @@ import pytest
 import torch.nn.functional as F
 
 from distnb import execute
+from distnb.errors import RankError
 from support.data import blobs, mlp
 
 BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
@@ -24,8 +25,8 @@ def seen(monkeypatch):
     out = []
     take = execute.take_progress
 
-    def recording(state, rank, data, progress):
-        new = take(state, rank, data, progress)
+    def recording(state, rank, data, progress, *raw):
+        new = take(state, rank, data, progress, *raw)
         out.extend((rank, r, msg["status"]) for r, msg in new)
         return new
 
@@ -48,3 +49,28 @@ def test_progress_through_the_hosts_relay(dist_session, shell, seen, relay_above
     assert last == {0: "done", 1: "done"}  # every rank's last word reached the kernel
     leftovers = glob.glob(os.path.join(tempfile.gettempdir(), f"distnb-relay-{os.getuid()}-*"))
     assert leftovers == []
+
+
+FAIL_BODY = ("x, y = batch\nif rank == 1 and ctx.step == 3:\n    raise ValueError('a bad batch on rank 1')\n"
+             "loss = F.cross_entropy(model(x), y)")
+
+
+def test_a_failing_rank_is_named_through_the_relay(dist_session, shell, seen):
+    """Rank 1 (a member of the host's relay) raises: the cell ends naming it, rank 0 (the leader, in
+    the step's all-reduce) stopped as a consequence, not by the group's --timeout (30 s here), and
+    the next cell works."""
+    ns = shell.user_ns
+    ns["relay_net"], ns["relay_data"], ns["F"] = mlp(12, 16, 3, seed=1), blobs(200, seed=2, num_summed=1), F
+    with pytest.raises(RankError) as err:
+        dist_session.train(FAIL_BODY, model="relay_net", data="relay_data", epochs=2, batch_size=8,
+                           progress="text", quiet=True, relay_above=1, reset=True)
+    assert err.value.rank == 1 and "a bad batch on rank 1" in str(err.value)
+    by_rank = {f["rank"]: f for f in err.value.failures}
+    assert by_rank[0]["ename"] == "PeerFailed", by_rank[0]  # ended at once, not a gloo timeout
+    assert "rank 1 failed" in by_rank[0]["evalue"]
+    assert {(about, status) for carrier, about, status in seen if carrier == 0} >= {(1, "failed")}
+    assert glob.glob(os.path.join(tempfile.gettempdir(), f"distnb-relay-{os.getuid()}-*")) == []
+    seen.clear()
+    dist_session.train(BODY, model="relay_net", data="relay_data", epochs=1, batch_size=8, progress="text",
+                       quiet=True, relay_above=1)
+    assert {about: status for _, about, status in seen} == {0: "done", 1: "done"}

@@ -25,6 +25,12 @@ class DDP(Strategy):
         device_ids = [device.index if device.index is not None else 0] if device.type == "cuda" else None
         self.model = self.ddp = DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True,
                                                         find_unused_parameters=plan.find_unused_parameters)
+        import torch.distributed as dist
+
+        from .. import abort
+
+        if dist.get_backend() == "gloo":  # a peer's failure ends this rank's backward at once (engine/abort.py)
+            self.ddp.register_comm_hook(None, abort.ddp_allreduce_hook)
 
     def no_sync(self):
         """DDP's own ``no_sync()``: gradients accumulate locally, the next synced backward all-reduces the sum."""

@@ -93,13 +93,14 @@ def ps_group():
     """The gloo group all parameter-server traffic uses (formed on first use; a collective)."""
     import torch.distributed as dist
 
-    from .. import runtime
+    from .. import abort, runtime
 
     group = _GROUP.get(runtime.STATE.generation)
     if group is None:
         _GROUP.clear()
-        group = _GROUP[runtime.STATE.generation] = dist.new_group(
-            backend="gloo", timeout=datetime.timedelta(seconds=runtime.STATE.timeout))
+        with abort.tracking():  # a peer's failure ends this group's collectives too
+            group = _GROUP[runtime.STATE.generation] = dist.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=runtime.STATE.timeout))
     return group
 
 
