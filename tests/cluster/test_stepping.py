@@ -176,3 +176,13 @@ def test_a_loop_body_gets_its_schedule_stepped_at_each_report(dist_session, shel
     result = dist_session.train(LOOP, model="loop_sched", data="step_data", epochs=1, batch_size=16, loop=True,
                                 optimizer="sgd", lr=0.3, lr_schedule="linear", progress="none", quiet=True)
     assert [v for _, v in result.lr_history] == pytest.approx(stepping.lr_sequence("linear", 0.3, 0, 6))
+
+
+def test_rows_carry_the_ranks_cpu_seconds_not_their_wall_time(dist_session, shell):
+    """``cpu_seconds`` (benchmarks/transformers.py's load-proof figure) is CPU time: a step that sleeps adds none."""
+    fresh(shell, "cpu_time")  # 192 samples: 12 steps of 8 per rank, each sleeping 50 ms (0.6 s per rank)
+    result = dist_session.train("import time\ntime.sleep(0.05)\n" + BODY, model="cpu_time", data="step_data",
+                                epochs=1, batch_size=8, progress="none", quiet=True)
+    for row in result.rows:
+        assert row["steps"] == 12
+        assert 0.0 < row["cpu_seconds"] < row["seconds"] - 0.3, row  # the 0.6 s asleep is wall time only
