@@ -60,7 +60,8 @@ def parse_case(case: str) -> dict:
 def prepare(nb, ref) -> None:
     """Cells run once: load distnb, 2 ranks, the model classes (the reference's source), the text windows."""
     nb.cell("%load_ext distnb")
-    nb.cell("%dist start -n 2")
+    # a shared machine can hold a rank back for many seconds: no hang verdict or gloo timeout may end a round
+    nb.cell("%dist start -n 2 --timeout 600 --hang-after 300")
     nb.cell("import torch, torch.nn as nn, torch.nn.functional as F")
     nb.cell(inspect.getsource(ref.Block))
     nb.cell(inspect.getsource(ref.CharGPT))
