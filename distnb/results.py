@@ -32,6 +32,8 @@ class TrainResult(Table):
     ----------
     rows : list of dict
         Per rank: rank, steps (micro-steps: batches), samples, seconds (training time on the rank),
+        cpu_seconds (CPU seconds the rank's engine process, all its threads, used in that time:
+        ``time.process_time``; a figure a busy machine disturbs far less than wall time),
         samples_per_s, final_loss (the rank's mean loss over its last epoch), param_bytes
         (bytes of parameters the rank holds: all of them for ddp, a shard for fsdp and
         tensor, its stage for pipeline) and, for pipeline, stage.

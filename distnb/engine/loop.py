@@ -308,7 +308,7 @@ def _train(ns, plan, code_text, relay):
         ns.update(model=run.strategy.model, optimizer=run.optimizer, ctx=ctx)
         run.module.train()
         reporter.set_status("running")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         watchdog = where.Watchdog(publish_raw, ddp_backward=plan.strategy == "ddp")
         watchdog.start()
         try:
@@ -320,7 +320,7 @@ def _train(ns, plan, code_text, relay):
             watchdog.stop()
             if ctx.logger is not None:
                 ctx.logger.close()
-        seconds = time.perf_counter() - t0
+        seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
         restored = ctx.validator.restore_best() if plan.restore_best and not ctx.interrupted else False
         ctx.final_checkpoint()  # a resume never goes back behind this cell's last step (the restored best, if any)
     except BaseException as exc:
@@ -344,7 +344,7 @@ def _train(ns, plan, code_text, relay):
     reporter.set_status("interrupted" if ctx.interrupted else "done")
     state = run.strategy.full_state()  # a collective for sharded strategies: every rank calls it
     last = ctx.local_losses[-1] if ctx.local_losses else math.nan
-    return dict(rank=st.rank, steps=ctx.step, samples=reporter.samples, seconds=seconds,
+    return dict(rank=st.rank, steps=ctx.step, samples=reporter.samples, seconds=seconds, cpu_seconds=cpu_seconds,
                 samples_per_s=reporter.samples / seconds if seconds > 0 else 0.0,
                 final_loss=last, epoch_losses=list(ctx.epoch_losses),
                 first_epoch=run.epoch - len(ctx.epoch_losses), next_epoch=run.epoch,

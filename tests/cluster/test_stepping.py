@@ -176,3 +176,49 @@ def test_a_loop_body_gets_its_schedule_stepped_at_each_report(dist_session, shel
     result = dist_session.train(LOOP, model="loop_sched", data="step_data", epochs=1, batch_size=16, loop=True,
                                 optimizer="sgd", lr=0.3, lr_schedule="linear", progress="none", quiet=True)
     assert [v for _, v in result.lr_history] == pytest.approx(stepping.lr_sequence("linear", 0.3, 0, 6))
+
+
+def test_rows_carry_the_ranks_cpu_seconds_not_their_wall_time(dist_session, shell):
+    """``cpu_seconds`` (benchmarks/transformers.py's load-proof figure) is CPU time: a step that sleeps adds none."""
+    fresh(shell, "cpu_time")  # 192 samples: 12 steps of 8 per rank, each sleeping 50 ms (0.6 s per rank)
+    result = dist_session.train("import time\ntime.sleep(0.05)\n" + BODY, model="cpu_time", data="step_data",
+                                epochs=1, batch_size=8, progress="none", quiet=True)
+    for row in result.rows:
+        assert row["steps"] == 12
+        assert 0.0 < row["cpu_seconds"] < row["seconds"] - 0.3, row  # the 0.6 s asleep is wall time only
+
+
+COUNT_COLLECTIVES = """
+import sys
+import torch.distributed.distributed_c10d as _c10d
+_counts = {"sync": 0, "async": 0}
+_names = {"all_reduce", "broadcast", "barrier", "all_gather", "reduce", "all_gather_into_tensor"}
+def _count(frame, event, arg):  # sees every call of c10d's Python functions, however dist.* is wrapped
+    code = frame.f_code
+    if event == "call" and code.co_name in _names and code.co_filename == _c10d.__file__:
+        _counts["async" if frame.f_locals.get("async_op") else "sync"] += 1
+sys.setprofile(_count)
+"""
+
+
+def test_a_ddp_step_adds_no_synchronous_collective_of_the_loop(dist_session, shell):
+    """The loop's own blocking collectives are per cell and epoch, never per step (issue 17: a per-step sync
+    costs every step a wait for the slowest rank). DDP's gradient all-reduce is C++ (not counted here); the
+    stop check is asynchronous. Twice the steps per epoch must give the same number of blocking calls."""
+    fresh(shell, "sync_count")  # 192 samples: 96 per rank
+    train = dict(model="sync_count", data="step_data", epochs=1, optimizer="adam", lr=0.01, progress="none",
+                 quiet=True)
+    dist_session.train(BODY, batch_size=8, **train)  # builds DDP and the optimizer (their set-up syncs)
+    dist_session.run(COUNT_COLLECTIVES)
+    try:
+        counts = []
+        for batch_size in (8, 4):  # 12, then 24 steps per rank
+            dist_session.run("_counts.update({\"sync\": 0, \"async\": 0})")
+            result = dist_session.train(BODY, batch_size=batch_size, **train)
+            assert [r["steps"] for r in result.rows] == [96 // batch_size] * 2
+            counts.append(dist_session.pull("_counts"))
+    finally:
+        dist_session.run("sys.setprofile(None)")
+    assert all(c[0]["async"] >= 1 for c in counts), counts  # the counter sees the loop's (async) stop checks
+    assert counts[0][0]["sync"] == counts[1][0]["sync"], counts
+    assert counts[0][0]["sync"] <= 4, counts  # the epoch's mean loss, not one per step
