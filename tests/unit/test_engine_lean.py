@@ -119,3 +119,19 @@ def test_a_watchdog_whose_thread_ended_is_dropped():
     with looker.cond:
         assert not any(d.target_id == t.ident for d in looker.armed), looker.armed
     assert published == []  # the thread was gone at the first look
+
+
+def test_a_look_that_hangs_does_not_starve_the_next_cells_watchdog(monkeypatch):
+    monkeypatch.setattr(where, "STUCK_SECONDS", 0.3)
+    release = threading.Event()
+    first = where.Watchdog(lambda data: release.wait(10))  # its first look blocks (a store that never answers)
+    first.start()
+    time.sleep(where.INTERVAL + 0.3 + 0.2)
+    first.stop()  # the looker is stuck: a new one takes over
+    seen = []
+    second = where.Watchdog(seen.append)
+    second.start()
+    time.sleep(3 * where.INTERVAL)
+    second.stop()
+    release.set()
+    assert len(seen) >= 2, seen
