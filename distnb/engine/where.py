@@ -31,6 +31,8 @@ import traceback
 
 #: Seconds between two looks at the cell's thread.
 INTERVAL = 0.25
+#: Seconds one look may take before the next watchdog gets a new looker thread (see _Looker).
+STUCK_SECONDS = 2.0
 #: Frames of the stack that are sent (innermost first is the end of the list).
 STACK_FRAMES = 10
 _TORCH_DIST = os.sep + os.path.join("torch", "distributed") + os.sep
@@ -133,7 +135,9 @@ class _Looker(threading.Thread):
 
     It sleeps until the earliest armed watchdog is due (indefinitely while none is), so an
     engine between cells costs nothing. Arming wakes it only when it would otherwise wake later
-    than the new watchdog is due; disarming never wakes it.
+    than the new watchdog is due; disarming never wakes it. A looker stuck in one look for
+    :data:`STUCK_SECONDS` (a store that does not answer) is retired and a new one takes over its
+    watchdogs, as a thread per cell would have left the next cell's watchdog unaffected.
     """
 
     def __init__(self):
@@ -142,6 +146,8 @@ class _Looker(threading.Thread):
         self.armed: dict = {}  # Watchdog -> time.monotonic() of its next look
         self.looking: tuple = ()  # the watchdogs being looked at now (outside the lock)
         self.wake_at = None  # when the thread wakes next (time.monotonic()), None: only when notified
+        self.look_started = None  # time.monotonic() when the looks under way began, None between looks
+        self.retired = False  # replaced by another looker: end after the look under way
 
     def arm(self, dog: Watchdog) -> None:
         with self.cond:
@@ -157,24 +163,38 @@ class _Looker(threading.Thread):
         with self.cond:
             self.cond.wait_for(lambda: dog not in self.looking, timeout)
 
+    def stuck(self) -> bool:
+        started = self.look_started
+        return started is not None and time.monotonic() - started > STUCK_SECONDS
+
+    def retire(self) -> dict:
+        """Stop this looker (after the look under way); the watchdogs it had armed, but the ones it is stuck on."""
+        with self.cond:
+            self.retired, armed = True, {d: t for d, t in self.armed.items() if d not in self.looking}
+            self.armed.clear()
+            self.cond.notify_all()
+            return armed
+
     def run(self) -> None:
-        while True:
+        while not self.retired:
             with self.cond:
-                while True:
+                while not self.retired:
                     now = time.monotonic()
                     due = tuple(d for d, t in self.armed.items() if t <= now)
                     if due:
                         break
                     self.wake_at = min(self.armed.values()) if self.armed else None
                     self.cond.wait(None if self.wake_at is None else self.wake_at - now)
+                else:
+                    return
                 for dog in due:
                     self.armed[dog] = now + INTERVAL
-                self.looking, self.wake_at = due, None
+                self.looking, self.wake_at, self.look_started = due, None, time.monotonic()
             ended = [dog for dog in due if not dog._look()]
             with self.cond:
                 for dog in ended:  # its thread is gone
                     self.armed.pop(dog, None)
-                self.looking = ()
+                self.looking, self.look_started = (), None
                 self.cond.notify_all()
 
 
@@ -183,13 +203,16 @@ _LOOKER: list = [None, None]  # [the looker thread, the pid it runs in] (a forke
 
 def _looker() -> _Looker:
     looker, pid = _LOOKER
-    if looker is None or pid != os.getpid() or not looker.is_alive():
+    if looker is None or pid != os.getpid() or not looker.is_alive() or looker.stuck():
         with _LOOKER_LOCK:
             looker, pid = _LOOKER
-            if looker is None or pid != os.getpid() or not looker.is_alive():
-                looker = _Looker()
-                looker.start()
-                _LOOKER[:] = [looker, os.getpid()]
+            if looker is None or pid != os.getpid() or not looker.is_alive() or looker.stuck():
+                fresh = _Looker()
+                if looker is not None and pid == os.getpid():
+                    fresh.armed.update(looker.retire())  # a stuck one hands its watchdogs over
+                fresh.start()
+                _LOOKER[:] = [fresh, os.getpid()]
+                looker = fresh
     return looker
 
 
