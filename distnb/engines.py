@@ -34,6 +34,7 @@ import signal
 import time
 
 from . import calls, launchers, placement
+from .defaults import ENGINES_PER_CORE, default_spec
 from .errors import ClusterError, PlanError
 from .plan import BATCH_LAUNCHERS
 
@@ -73,8 +74,6 @@ class Engines:
         PlanError
             mpi and batch launchers (why, and ``%dist restart -n N``), or no room for ``n`` ranks.
         """
-        from .defaults import default_spec
-
         if self.launcher not in GROWABLE:
             raise PlanError(_not_resizable(self.launcher, n))
         if self.launcher == "ssh":
@@ -108,7 +107,7 @@ class Engines:
         if slots is None and not self.start_hosts:  # the profile's engines = {host: n}
             engine_set = next(iter(getattr(self._ipp, "engines", {}).values()), None)
             slots = None if engine_set is None else dict(getattr(engine_set, "engines", {}))
-        caps = placement.host_caps(hosts, list(self.where.values()), self.spec.device_type, slots)
+        caps = placement.host_caps(hosts, list(self.where.values()), self.spec.device_type, slots, ENGINES_PER_CORE)
         return placement.spread(hosts, counts, caps, k, self.world_size + k)
 
     # adding ----------------------------------------------------------------------------

@@ -387,21 +387,19 @@ def host_counts(hosts: tuple, infos: list) -> list:
     return counts
 
 
-def host_caps(hosts: tuple, infos: list, device_type: str, slots=None) -> list:
+def host_caps(hosts: tuple, infos: list, device_type: str, slots=None, per_core: int = 16) -> list:
     """The most engines each of ``hosts`` may run (None: not known, no engine reported from it yet).
 
-    ``slots``: ``--engines-per-node`` (an int), or a profile's ``{host: n}``; else 16 engines per
-    core on CPU hosts (as ``%dist start -n`` on this machine) and one per GPU on GPU hosts, from
-    what the host's engines reported (``infos``).
+    ``slots``: ``--engines-per-node`` (an int), or a profile's ``{host: n}``; else ``per_core``
+    engines per core on CPU hosts (:data:`distnb.defaults.ENGINES_PER_CORE`, as ``%dist start -n``
+    on this machine) and one per GPU on GPU hosts, from what the host's engines reported (``infos``).
     """
-    from .defaults import ENGINES_PER_CORE
-
     position = _host_position(hosts)
     caps = [None] * len(hosts)
     for info in infos:
         i = position(info["host"], info["address"])
         if i < len(hosts):
-            caps[i] = len(info["gpus"]) if device_type == "cuda" else ENGINES_PER_CORE * info["cores"]
+            caps[i] = len(info["gpus"]) if device_type == "cuda" else per_core * info["cores"]
     if isinstance(slots, int):
         caps = [slots] * len(hosts)
     elif isinstance(slots, dict):
