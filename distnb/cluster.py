@@ -39,6 +39,7 @@ from ipyparallel.serialize import PrePickled
 
 from . import calls, launchers, placement, slurm, tracebacks, zygote
 from .calls import RankFunction
+from .engines import Engines
 from .errors import ClusterError, PlanError, RankError
 from .net import check_port_free, free_port, is_loopback, visible_gpus
 from .plan import BATCH_LAUNCHERS, ClusterSpec
@@ -93,8 +94,11 @@ def _packed(fn: RankFunction, args: tuple) -> tuple:
     return (_SHIM[0], *(PrePickled(a) for a in (fn.module, fn.name, fn.with_ns, *args)))
 
 
-class Cluster:
+class Cluster(Engines):
     """A started ipyparallel cluster whose engines form one torch.distributed process group.
+
+    Engines are added and removed while it runs (``%dist scale``) through the methods of
+    :class:`distnb.engines.Engines`.
 
     Parameters
     ----------
@@ -122,6 +126,10 @@ class Cluster:
         self.remote = False
         self._procs: dict = {}  # engine pid -> _Process (its exit status once it died)
         self._views: dict = {}  # engine_id -> its DirectView of self.client, made once (see _view)
+        self._gone_ids: set = set()  # engines stopped or lost: never ranked again (their ids stay registered a while)
+        # where %dist scale may add engines: the hosts and per-host slots %dist start was given (the spec
+        # follows the live world)
+        self.start_hosts, self.host_slots = tuple(spec.hosts), spec.engines_per_node
         self.note = ""  # what the start wants the user to know (e.g. why engines were not forked)
 
     # lifecycle -----------------------------------------------------------

@@ -184,6 +184,8 @@ class _SSHEngineLauncher(SSHEngineLauncher):
     """
 
     def wait_one(self, timeout):
+        if getattr(self, "_exited", False):
+            return 0
         if getattr(self, "_unreachable", False):
             return -1
         try:
@@ -202,10 +204,16 @@ class _SSHEngineLauncher(SSHEngineLauncher):
             raise TimeoutError(f"host {self.hostname} unreachable") from None
 
     def signal(self, sig):
+        if getattr(self, "_exited", False):  # its pid may be another process's by now
+            return
         try:
             super().signal(sig)
         except subprocess.CalledProcessError:  # nothing can reach it: do not wait for it to exit either
             self._unreachable = True
+
+    def mark_exited(self):
+        """The engine is known to be gone (``%dist scale`` saw it exit): never ask its host or signal it again."""
+        self._exited = True
 
 
 class _SSHEngineSetLauncher(SSHEngineSetLauncher):
@@ -342,10 +350,13 @@ def started_pids(cluster, launcher: str) -> list:
     return pids
 
 
-def failed_ssh_host(cluster, hosts) -> str:
-    """`` on HOST (over ssh)`` for the host whose engine the ssh launcher was starting when it failed."""
+def failed_ssh_host(cluster, hosts, set_id=None) -> str:
+    """`` on HOST (over ssh)`` for the host whose engine the ssh launcher was starting when it failed.
+
+    ``set_id``: the engine set to look at (default: the first).
+    """
     try:
-        engine_set = next(iter(cluster.engines.values()))
+        engine_set = cluster.engines[set_id] if set_id is not None else next(iter(cluster.engines.values()))
         failed = [key for key, l in engine_set.launchers.items() if l.state != "running"]
         started = {key.rsplit("/", 1)[0] for key in engine_set.launchers}
         names = [key.rsplit("/", 1)[0] for key in failed]
@@ -353,6 +364,39 @@ def failed_ssh_host(cluster, hosts) -> str:
         return f" on {names[0]} (over ssh)" if names else ""
     except Exception:
         return ""
+
+
+def ssh_launcher_of(cluster, info: dict):
+    """The ssh launcher of ``cluster`` (an ``ipp.Cluster``) that started the engine ``info`` describes, or None.
+
+    ``info``: the engine's :func:`distnb.net.whereami` dict; matched by its pid on the launcher's host.
+    """
+    from .placement import hostname_of, resolve
+
+    for engine_set in getattr(cluster, "engines", {}).values():
+        for launcher in getattr(engine_set, "launchers", {}).values():
+            host = getattr(launcher, "hostname", None)
+            if host is None or getattr(launcher, "pid", None) != info.get("pid"):
+                continue
+            if hostname_of(host) in (info.get("host"), info.get("address")) or resolve(host) == info.get("address"):
+                return launcher
+    return None
+
+
+def wait_gone_over_ssh(launcher, timeout: float) -> bool:
+    """Whether the ssh engine of ``launcher`` exits within ``timeout`` s: its host asked over ssh until its pid is gone.
+
+    An unreachable host counts as not confirmed (False) once ``timeout`` has passed.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            launcher.wait_one(timeout=max(0.1, min(2.0, left)))
+            return not getattr(launcher, "_unreachable", False)
+        except (TimeoutError, subprocess.CalledProcessError, RuntimeError):
+            if left <= 0:
+                return False
 
 
 def registration_port(cluster):

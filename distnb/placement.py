@@ -315,17 +315,8 @@ def assign_ranks(where: dict, hosts: tuple = ()) -> list[dict]:
             if node_key(where[eid]) not in node_order:
                 node_order.append(node_key(where[eid]))
     else:
-        wanted = [hostname_of(h) for h in hosts]
-        resolved = {resolve(h): h for h in wanted}
-
-        def position(key):
-            host, address = key
-            for i, h in enumerate(wanted):
-                if h in (host, address) or resolved.get(address) == h:
-                    return i
-            return len(wanted)
-
-        node_order = sorted(nodes, key=lambda k: (position(k), k[0], _addr_key(k[1])))
+        position = _host_position(hosts)
+        node_order = sorted(nodes, key=lambda k: (position(*k), k[0], _addr_key(k[1])))
         order = [eid for key in node_order for eid in sorted(nodes[key])]
     hostnames = [k[0] for k in node_order]
     unique = len(set(hostnames)) == len(hostnames)
@@ -344,6 +335,98 @@ def assign_ranks(where: dict, hosts: tuple = ()) -> list[dict]:
                         node=key[0] if unique else (key[1] or key[0]),
                         local=info.get("boot_id") == boot_id and info["address"] in mine))
     return out
+
+
+def _host_position(hosts):
+    """``position(hostname, address)``: the index in ``hosts`` of the entry naming that host, else ``len(hosts)``."""
+    wanted = [hostname_of(h) for h in hosts]
+    resolved = {resolve(h): h for h in wanted}
+
+    def position(host, address):
+        for i, h in enumerate(wanted):
+            if h in (host, address) or resolved.get(address) == h:
+                return i
+        return len(wanted)
+
+    return position
+
+
+def extend_ranks(places: list, where: dict, engine_ids, hosts: tuple = ()) -> list:
+    """``places`` (the running ranks, unchanged) followed by the engines ``engine_ids``, ranked after them.
+
+    Each added engine (in ascending engine id) gets its host's node_rank (a host new to the world:
+    the next one), the next local_rank on its host, and the node label and ``local`` flag
+    :func:`assign_ranks` gives it among all of ``where``'s engines. ``%dist scale`` uses this so
+    that growing never renumbers a running rank (ranks of one host are then not always contiguous).
+    """
+    running = [p["engine_id"] for p in places]
+    full = {p["engine_id"]: p for p in assign_ranks({e: where[e] for e in [*running, *engine_ids]}, hosts)}
+    out = [dict(p) for p in places]
+    node_ranks = {p["node"]: p["node_rank"] for p in out}
+    local = {}
+    for p in out:
+        local[p["node"]] = max(local.get(p["node"], -1), p["local_rank"])
+    for eid in sorted(engine_ids):
+        p = dict(full[eid])
+        node = p["node"]
+        if node not in node_ranks:
+            node_ranks[node] = max(node_ranks.values(), default=-1) + 1
+        local[node] = local.get(node, -1) + 1
+        out.append(dict(p, node_rank=node_ranks[node], local_rank=local[node]))
+    return out
+
+
+def host_counts(hosts: tuple, infos: list) -> list:
+    """How many of the engines described by ``infos`` (:func:`distnb.net.whereami` dicts) run on each of ``hosts``."""
+    position = _host_position(hosts)
+    counts = [0] * len(hosts)
+    for info in infos:
+        i = position(info["host"], info["address"])
+        if i < len(hosts):
+            counts[i] += 1
+    return counts
+
+
+def host_caps(hosts: tuple, infos: list, device_type: str, slots=None, per_core: int = 16) -> list:
+    """The most engines each of ``hosts`` may run (None: not known, no engine reported from it yet).
+
+    ``slots``: ``--engines-per-node`` (an int), or a profile's ``{host: n}``; else ``per_core``
+    engines per core on CPU hosts (:data:`distnb.defaults.ENGINES_PER_CORE`, as ``%dist start -n``
+    on this machine) and one per GPU on GPU hosts, from what the host's engines reported (``infos``).
+    """
+    position = _host_position(hosts)
+    caps = [None] * len(hosts)
+    for info in infos:
+        i = position(info["host"], info["address"])
+        if i < len(hosts):
+            caps[i] = len(info["gpus"]) if device_type == "cuda" else per_core * info["cores"]
+    if isinstance(slots, int):
+        caps = [slots] * len(hosts)
+    elif isinstance(slots, dict):
+        caps = [slots.get(h) if isinstance(slots.get(h), int) else c for h, c in zip(hosts, caps)]
+    return caps
+
+
+def spread(hosts: tuple, counts: list, caps: list, k: int, n: int) -> dict:
+    """``{host: engines to start}`` for ``k`` more engines: each to the host with the fewest (first on a tie).
+
+    ``counts``: engines each host runs now; ``caps``: the most it may run (None: no limit known).
+    Raises PlanError, naming each host's room, when the hosts cannot take ``k`` more (``n`` in all).
+    """
+    if not hosts:
+        raise PlanError(f"%dist scale {n}: the ssh launcher was given no hosts to start engines on (--hosts)")
+    before, counts, add = list(counts), list(counts), {}
+    for _ in range(k):
+        room = [i for i in range(len(hosts)) if caps[i] is None or counts[i] < caps[i]]
+        if not room:
+            have = ", ".join(f"{h}: {c} of {cap}" for h, c, cap in zip(hosts, before, caps))
+            raise PlanError(f"%dist scale {n}: the hosts have room for {sum(caps) - sum(before)} more engines "
+                            f"({have}: --engines-per-node, else 16 per CPU core or one per GPU); scale to at most "
+                            f"{n - k + sum(caps) - sum(before)}, or %dist restart with more --hosts")
+        i = min(room, key=lambda j: (counts[j], j))
+        counts[i] += 1
+        add[hosts[i]] = add.get(hosts[i], 0) + 1
+    return add
 
 
 def _addr_key(address):

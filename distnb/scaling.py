@@ -1,8 +1,11 @@
 """``%dist scale N``: grow or shrink the running world, keeping what the ranks hold.
 
 Growing starts ``N - W`` engines beside the running ones (forked from the engine template,
-like ``%dist start``'s), ranked after them; shrinking stops the highest ranks (each leaves
-the process group and exits). Then the process group is formed again at ``N`` ranks on a
+like ``%dist start``'s; over ssh, on the hosts that run the fewest engines), ranked after them;
+shrinking stops the highest ranks (each leaves the process group and exits, on its host). The
+cluster does the engine work (:class:`distnb.engines.Engines`: ``add_engines``, ``add_ranks``,
+``form_group``, ``remove_ranks``, ``rewatch``); mpiexec and batch-job worlds cannot be resized
+(a PlanError saying why, and ``%dist restart -n N``). Then the process group is formed again at ``N`` ranks on a
 fresh port (:func:`distnb.engine.elastic.resize` on the ranks that stay, ``setup`` on the
 added ones) and rank 0 broadcasts to the added ranks what the others hold: each ddp model
 with its optimizer state, lr schedule, loss scale, epoch, global step and sampler position,
@@ -34,7 +37,7 @@ import dataclasses
 import os
 import time
 
-from . import calls, data, launchers, meshes, placement
+from . import calls, data, meshes
 from .display.tables import count
 from .errors import ClusterError, PlanError, RankError
 
@@ -49,7 +52,8 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
     ----------
     n : int
         The new world size (ranks), at least 1 and at most what the launcher can place (local
-        CPU engines: 16 per core; GPU engines: one per visible GPU).
+        CPU engines: 16 per core; GPU engines: one per visible GPU; ssh: per host
+        ``--engines-per-node``, else 16 per core or one per GPU of that host).
     keep_global_batch : bool
         Keep the global batch (samples per optimizer step over all ranks): the following cells'
         ``--batch-size`` (or ``--accumulate``) is scaled for the new world, and the cell says so.
@@ -67,19 +71,22 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
         ``resharded`` (fsdp, tensor and fsdp+tensor models resharded through a DCP checkpoint),
         ``meshes`` (fsdp+tensor model -> its ``--mesh`` on the new world: the tensor-parallel size
         kept, ``DP = N / TP``, :mod:`distnb.meshes`), ``global_batch`` (before, after) or None when
-        no model has been trained.
+        no model has been trained, ``unconfirmed`` (removed ssh engines whose exit their host did
+        not confirm; normally empty).
 
     Raises
     ------
     PlanError
-        ``n`` below 1 or beyond what the launcher can place, a launcher other than ``local``,
-        a global batch ``keep_global_batch`` cannot split evenly over ``n`` ranks, or a live
-        fsdp+tensor model whose tensor-parallel size does not divide ``n``. Nothing changed.
+        ``n`` below 1 or beyond what the launcher can place, a launcher other than ``local``
+        and ``ssh`` (mpiexec's world and a batch job's allocation are fixed), a global batch
+        ``keep_global_batch`` cannot split evenly over ``n`` ranks, or a live fsdp+tensor model
+        whose tensor-parallel size does not divide ``n``. Nothing changed.
     BusyError
         A background training run is going on.
     ClusterError
-        The added engines did not start or form the group (the old world is formed again and
-        usable), or a rank died while the group re-formed (then run ``%dist restart``).
+        The added engines did not start (over ssh: naming the host) or form the group (the old
+        world is formed again and usable), or a rank died while the group re-formed (then run
+        ``%dist restart``).
     """
     session._check_running()
     cluster = session.cluster
@@ -113,7 +120,8 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
                removed=list(range(n, old)), models=shared.get("models", []), names=shared.get("names", []),
                defined=shared.get("defined", []), unpicklable=shared.get("unpicklable", {}),
                bytes=shared.get("bytes", 0), resharded=resharded, global_batch=batches and batches[:2],
-               meshes={m: v for m, v in _meshes(held).items() if v != mesh_before.get(m)})
+               meshes={m: v for m, v in _meshes(held).items() if v != mesh_before.get(m)},
+               unconfirmed=shared.get("unconfirmed", []))
     if not quiet:
         _say(session, out, dealt, batches, keep_global_batch)
     return out
@@ -121,21 +129,9 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
 
 def _check(cluster, n) -> None:
     """A PlanError unless ``n`` ranks can be placed by this cluster's launcher (nothing changes)."""
-    from .defaults import default_spec
-
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise PlanError(f"%dist scale N: N is the new number of ranks, a whole number of at least 1; got {n!r}")
-    launcher = getattr(cluster, "launcher", "local")
-    if launcher != "local":
-        raise PlanError(f"%dist scale adds and removes engines of the local launcher; this cluster's engines were "
-                        f"started by the {launcher} launcher: use %dist restart -n {n} (the notebook's model is "
-                        "then sent again, with a fresh optimizer)")
-    try:
-        default_spec(n=n, backend=cluster.spec.backend, timeout=cluster.spec.timeout)
-    except ClusterError as exc:
-        raise PlanError(f"%dist scale {n}: {exc}") from None
-    except PlanError as exc:
-        raise PlanError(f"%dist scale {n}: {str(exc).replace('-n ', 'N = ')}") from None
+    cluster.check_resizable(n)
 
 
 # the global batch ---------------------------------------------------------------------------
@@ -237,34 +233,24 @@ def batch_for_world(session, given: dict, model: str | None = None) -> dict:
 def _grow(session, n: int) -> dict:
     """Start ``n - W`` engines, form the group of ``n`` and share the state; on failure the old world is back."""
     cluster = session.cluster
-    old, old_ids, old_placement = cluster.world_size, list(cluster.engine_ids), list(cluster.placement)
-    before = (cluster.spec, list(cluster.ranks))
-    known = set(cluster.client.ids) | set(cluster.engine_ids) | set(getattr(cluster, "_gone_ids", ()))
-    pids_before = set(cluster._procs)
-    set_id, new_pids = None, []
+    old, before = cluster.world_size, cluster.snapshot()
+    new_ids = []
     try:
-        set_id = cluster._ipp.start_engines_sync(n - old)
-        cluster._procs.update(launchers.engine_processes(cluster._ipp))
-        new_pids[:] = [p for p in cluster._procs if p not in pids_before]
-        new_ids = _wait_registered(cluster, known, n - old, new_pids)
+        new_ids = cluster.add_engines(n - old)
         for hook in ON_ENGINES_STARTED:
-            hook(new_pids)
-        cluster.where = {e: w for e, w in cluster.where.items() if e in old_ids}  # not engines gone before
-        cluster.where.update(cluster._whereami(new_ids))
-        cluster.placement = placement.assign_ranks(cluster.where, cluster.spec.hosts)
-        if [p["engine_id"] for p in cluster.placement[:old]] != old_ids:  # one host: engine ids only grow
-            raise ClusterError("the added engines would change the order of the running ranks")
-        cluster.engine_ids = old_ids + new_ids
-        _form(cluster, n, old)
+            hook([cluster.where[e]["pid"] for e in new_ids])
+        cluster.add_ranks(new_ids)
+        cluster.form_group(n, old)
         infos = cluster.wait_all(cluster.apply_all(calls.share, sorted(session.holdings.names), old),
                                  timeout=cluster.spec.timeout + 60, what="sharing the state with the added ranks")
     except BaseException as exc:
-        why = _rollback(cluster, (old_ids, old_placement) + before, new_pids, set_id, known)
+        why = _rollback(cluster, before, new_ids) if new_ids else \
+            f"the world of {count(old, 'rank')} is as it was (its state intact)"
         if isinstance(exc, KeyboardInterrupt):
             raise
         cause = str(exc).split("\n")[0] if not isinstance(exc, RankError) else _rank_cause(exc)
         raise ClusterError(f"%dist scale {n}: the added engines did not join ({cause}); {why}") from None
-    _rewatch(cluster)
+    cluster.rewatch()
     return infos[0]
 
 
@@ -273,138 +259,39 @@ def _rank_cause(exc: RankError) -> str:
     return f"rank {first['rank']}: {first['ename']}: {str(first['evalue']).splitlines()[0] if first['evalue'] else ''}"
 
 
-def _wait_registered(cluster, known: set, k: int, pids: list) -> list:
-    """The engine ids of ``k`` engines not in ``known``, once registered; ClusterError if one dies or time runs out."""
-    deadline = time.monotonic() + max(60.0, cluster.spec.timeout)
-    while True:
-        new = sorted(set(cluster.client.ids) - known)
-        if len(new) >= k:
-            return new[:k]
-        for pid in pids:
-            proc = cluster._procs.get(pid)
-            if proc is not None and proc.exit_status is not None:
-                raise ClusterError(f"a new engine (pid {pid}) {launchers.exit_description(proc.exit_status)} "
-                                   "before it registered with the controller")
-        if time.monotonic() >= deadline:
-            raise ClusterError(f"only {len(new)} of {k} new engines registered within "
-                               f"{max(60.0, cluster.spec.timeout):.0f} s")
-        time.sleep(0.05)
-
-
-def _threads(cluster, old: int, n: int) -> int:
-    """Threads per rank in a world of ``n``: the cores shared out again, unless ``%dist start`` was told a number."""
-    from .defaults import cpu_cores
-
-    spec = cluster.spec
-    if spec.device_type != "cpu" or spec.num_threads != max(1, cpu_cores() // old):
-        return spec.num_threads
-    return max(1, cpu_cores() // n)
-
-
-def _form(cluster, n: int, old: int) -> None:
-    """The group of ``n`` ranks: ranks below ``min(old, n)`` resize, those above it set up; ``cluster`` updated."""
-    from .net import check_port_free, visible_gpus
-
-    spec = cluster.spec
-    keep = min(old, n)
-    threads = _threads(cluster, old, n)
-    # every rank leaves the old group first: a pinned --master-port is then free again
-    cluster.wait_all([cluster.apply(r, calls.release) for r in range(keep)], timeout=spec.timeout,
-                     what="leaving the old process group")
-    if spec.master_port is not None:
-        check_port_free(spec.master_port, cluster.master_addr, wait=5.0)
-    cluster.master_port = spec.master_port or cluster._free_port()
-    ars = [cluster.apply(r, calls.resize, r, n, threads, cluster.master_addr, cluster.master_port)
-           for r in range(keep)]
-    gpus = placement.rank_gpus(cluster.placement, cluster.where, spec.device_type,
-                               visible_gpus() if spec.device_type == "cuda" else None)
-    for rank in range(keep, n):
-        p = cluster.placement[rank]
-        ars.append(cluster.apply(rank, calls.setup, rank, n, p["local_rank"], spec.backend, spec.device_type,
-                                 gpus[rank], threads, cluster.master_addr, cluster.master_port, spec.timeout,
-                                 p["node_rank"], p["node"], spec.interface))
-    infos = cluster.wait_all(ars, timeout=spec.timeout + 60, what=f"forming the process group of {n} ranks")
-    cluster.ranks = [dict(info, engine_id=p["engine_id"], local=p["local"],
-                          address=cluster.where[p["engine_id"]]["address"])
-                     for info, p in zip(infos, cluster.placement)]
-    cluster.spec = dataclasses.replace(spec, num_engines=n, num_threads=threads)
-    if n > old:
-        cluster.apply_all(calls.warm_up)  # queued, not awaited (the added engines' imports)
-
-
-def _rollback(cluster, before: tuple, new_pids: list, set_id, known: set) -> str:
+def _rollback(cluster, before: tuple, new_ids: list) -> str:
     """After a failed grow: the added engines stopped, the old world formed again. Returns what happened.
 
-    ``before``: the cluster's engine ids, placement, spec and ranks before the grow.
+    ``before``: the cluster's :meth:`~distnb.engines.Engines.snapshot` before the grow.
     """
-    _stop_engines(cluster, new_pids, set_id)
-    cluster.engine_ids, cluster.placement, cluster.spec, cluster.ranks = before
-    old = len(cluster.engine_ids)
-    cluster._gone_ids = set(getattr(cluster, "_gone_ids", ())) | (set(cluster.client.ids) - set(cluster.engine_ids))
+    cluster.stop_engines(new_ids)
+    cluster.restore(before)
+    old = cluster.world_size
     try:
         cluster.check_alive()
-        _form(cluster, old, old)
+        cluster.form_group(old, old)
     except Exception as exc:
         return (f"the old world of {count(old, 'rank')} could not be formed again ({str(exc).splitlines()[0]}): "
                 "run %dist restart")
     return f"they were stopped and the world of {count(old, 'rank')} is as it was (its state intact)"
 
 
-def _stop_engines(cluster, pids: list, set_id=None) -> None:
-    """Stop the engine processes ``pids`` (and the engine set ``set_id``): terminate, then kill after 5 s."""
-    import psutil
-
-    if set_id is not None:
-        try:
-            cluster._ipp.stop_engines_sync(set_id)
-        except Exception:
-            pass
-    procs = []
-    for pid in pids:
-        try:
-            procs.append(psutil.Process(pid))
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=5.0)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=5.0)
-
-
 def _shrink(session, n: int) -> dict:
-    """Stop ranks ``n`` and above (each leaves the group and exits), then form the group of the first ``n``."""
+    """Stop ranks ``n`` and above (each leaves the group and exits, on its host), then form the group of the first ``n``."""
     cluster = session.cluster
     old = cluster.world_size
-    leaving = list(range(n, old))
-    pids = [cluster.ranks[r]["pid"] for r in leaving]
-    for rank in leaving:
-        try:
-            cluster.apply(rank, calls.shutdown)  # destroy_process_group, then os._exit(0)
-        except ClusterError:
-            pass  # already dead: nothing to stop
-    _stop_engines(cluster, pids)
-    cluster._gone_ids = set(getattr(cluster, "_gone_ids", ())) | set(cluster.engine_ids[n:])
-    cluster.engine_ids, cluster.placement = cluster.engine_ids[:n], cluster.placement[:n]
-    cluster.ranks = cluster.ranks[:n]
+    left = cluster.remove_ranks(range(n, old))
     try:
-        _form(cluster, n, old)
+        cluster.form_group(n, old)
     except Exception as exc:
-        raise ClusterError(f"%dist scale {n}: ranks {n}-{old - 1} stopped, but the group of {count(n, 'rank')} did "
+        gone = f"rank {n}" if old - n == 1 else f"ranks {n}-{old - 1}"
+        raise ClusterError(f"%dist scale {n}: {gone} stopped, but the group of {count(n, 'rank')} did "
                            f"not form ({str(exc).splitlines()[0]}); run %dist restart -n {n}") from None
-    _rewatch(cluster)
-    return {}
-
-
-def _rewatch(cluster) -> None:
-    """A new reaper watching every process the cluster runs now (the added engines too)."""
-    reaper = getattr(cluster, "reaper", None)
-    if reaper is not None:
-        reaper.kill()
-        reaper.wait()
-    cluster._start_reaper()
+    cluster.rewatch()
+    if left:  # said even when quiet: something may still run there
+        print(f"distnb: warning: could not confirm that {', '.join(left)} exited (its host did not answer over "
+              "ssh); it left the process group, but check that host")
+    return {"unconfirmed": left}
 
 
 # sharded models: a DCP reshard -------------------------------------------------------------

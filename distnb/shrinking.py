@@ -231,16 +231,12 @@ def _drop(session, dead: dict) -> dict:
     cluster = session.cluster
     old = cluster.world_size
     keep = [r for r in range(old) if r not in dead]
-    scaling._stop_engines(cluster, [cluster.ranks[r]["pid"] for r in dead])  # reap what is left of them
-    cluster._gone_ids = set(getattr(cluster, "_gone_ids", ())) | {cluster.engine_ids[r] for r in dead}
-    cluster.engine_ids = [cluster.engine_ids[r] for r in keep]
-    cluster.placement = [dict(cluster.placement[r], local_rank=i) for i, r in enumerate(keep)]
-    cluster.ranks = [cluster.ranks[r] for r in keep]
-    scaling._form(cluster, len(keep), old)
+    cluster.remove_ranks(dead)  # reap what is left of them; the survivors numbered again
+    cluster.form_group(len(keep), old)
     held = session.holdings
     held.generation += 1  # sharded models are sent again (and resume from their checkpoint)
     infos = cluster.wait_all(cluster.apply_all(calls.share, sorted(held.names), 1, False), timeout=cluster.spec.timeout + 60,
                              what="sharing rank 0's state with the survivors")
     scaling._reassign_data(session, old, len(keep))
-    scaling._rewatch(cluster)
+    cluster.rewatch()
     return infos[0]["positions"]

@@ -40,14 +40,16 @@ BOUND = frozenset({"rank", "world_size", "local_rank", "node_rank", "device", "m
                    "batch"})
 
 
-def resize(ns: dict, rank: int, world_size: int, num_threads: int, master_addr: str, master_port: int) -> dict:
+def resize(ns: dict, rank: int, world_size: int, num_threads: int, master_addr: str, master_port: int,
+           local_rank: int | None = None) -> dict:
     """This (surviving) rank joins the world of ``world_size`` ranks formed on ``master_port`` as ``rank``.
 
     What holds the old group (strategy wrappers) is dropped first, the sampler positions are
     converted (see the module's docstring), ``RANK``/``WORLD_SIZE`` (and ``LOCAL_RANK``: one
     host) and ``rank``/``world_size``/``local_rank`` in the namespace updated and ``num_threads``
     torch threads set. ``rank`` differs from this rank's old one only when a lower rank is gone
-    (``--on-failure shrink``). Every rank of the new world calls this (or ``setup``, for the added
+    (``--on-failure shrink``); ``local_rank`` (this rank's index on its host; default ``rank``,
+    right on one host) only then too. Every rank of the new world calls this (or ``setup``, for the added
     ones) at once: the rendezvous waits for all of them.
 
     Returns
@@ -60,12 +62,13 @@ def resize(ns: dict, rank: int, world_size: int, num_threads: int, master_addr: 
     old = st.world_size
     for run in loop.RUNS.values():
         convert_position(run, old, world_size)
-    st.rank, st.world_size, st.local_rank = rank, world_size, rank
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+    local_rank = rank if local_rank is None else local_rank
+    st.rank, st.world_size, st.local_rank = rank, world_size, local_rank
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
                       OMP_NUM_THREADS=str(num_threads))
     torch.set_num_threads(num_threads)
     runtime._init_group(master_addr, master_port)
-    ns.update(rank=rank, world_size=world_size, local_rank=rank)
+    ns.update(rank=rank, world_size=world_size, local_rank=local_rank)
     return runtime.info()
 
 

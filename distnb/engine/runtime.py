@@ -56,6 +56,12 @@ def _init_group(master_addr: str, master_port: int) -> None:
             dist.destroy_process_group()
         except Exception:
             pass
+    else:  # an init that failed (a rendezvous timeout) still counted its group: torch names the next one
+        # after that count (its store keys' prefix), so a rank whose last init failed later than another's
+        # would wait for keys the others never write; destroy_process_group resets the count to 0, as here
+        from torch.distributed import distributed_c10d
+
+        distributed_c10d._world.group_count = 0
     os.environ["MASTER_ADDR"] = master_addr
     os.environ["MASTER_PORT"] = str(master_port)
     kwargs = {}

@@ -28,6 +28,25 @@ def test_hosts(request):
 
 
 @pytest.fixture(scope="module")
+def ssh_profile(test_hosts, tmp_path_factory):
+    """An ipyparallel profile directory whose ipcluster_config.py points ssh at the test hosts' client config.
+
+    The engines import the distnb under test: an ssh login starts with the host's own environment
+    (here the shared venv, whose editable install is another checkout), so PYTHONPATH names this one.
+    """
+    import os
+
+    import distnb
+
+    tree = os.path.dirname(os.path.dirname(os.path.abspath(distnb.__file__)))
+    folder = tmp_path_factory.mktemp("profile_multihost")
+    (folder / "ipcluster_config.py").write_text(
+        f"c.SSHLauncher.ssh_cmd = {test_hosts.ssh_cmd!r}\nc.SSHLauncher.scp_cmd = {test_hosts.scp_cmd!r}\n"
+        f"c.EngineLauncher.environment = {{'PYTHONPATH': {tree!r}}}\n")
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
 def own_shell():
     """A real IPython shell whose %dist is free: the suite's shared cluster (if any) is set aside."""
     from IPython.core.interactiveshell import InteractiveShell

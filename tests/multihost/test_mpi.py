@@ -8,6 +8,7 @@ import shutil
 import signal
 
 import pytest
+from IPython.core.error import UsageError
 
 from distnb import session
 from distnb.errors import RankError
@@ -40,6 +41,17 @@ def test_ranks_are_mpi_ranks(mpi):
 
 def test_training_under_mpi_matches_one_process(own_shell, mpi):
     train_and_check_parity(own_shell.user_ns, mpi, "mpi")
+
+
+def test_scale_says_mpiexec_cannot_resize_and_what_to_do(own_shell, mpi):
+    pids = [r["pid"] for r in mpi.cluster.ranks]
+    for n in (3, 1):
+        err = own_shell.run_cell(f"%dist scale {n}").error_in_exec
+        assert isinstance(err, UsageError), err
+        text = str(err)
+        assert "one mpiexec job (--launcher mpi)" in text and "size is fixed when mpiexec starts it" in text, text
+        assert f"%dist restart -n {n}" in text and "%dist save" in text, text
+    assert [r["pid"] for r in mpi.cluster.ranks] == pids and mpi.run("world_size", all_output=True) == ["2", "2"]
 
 
 def test_killed_mpi_engine_is_reported_and_restart_recovers(mpi):

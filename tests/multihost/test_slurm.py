@@ -78,6 +78,13 @@ def test_training_on_slurm_nodes_matches_one_process(own_shell, two_nodes):
     train_and_check_parity(own_shell.user_ns, two_nodes, "slurm")
 
 
+def test_scale_says_a_jobs_allocation_is_fixed_and_what_to_do(own_shell, two_nodes):
+    err = own_shell.run_cell("%dist scale 3").error_in_exec
+    assert err is not None and "one slurm batch job" in str(err) and "allocation" in str(err), err
+    assert "%dist restart -n 3" in str(err) and "may queue" in str(err), err
+    assert two_nodes.world_size == 2 and two_nodes.run("world_size", all_output=True) == ["2", "2"]
+
+
 def test_stop_cancels_the_job(slurm_cluster, own_shell, two_nodes):
     job = two_nodes.cluster.job_id
     own_shell.run_line_magic("dist", "stop")

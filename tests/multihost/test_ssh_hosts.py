@@ -25,15 +25,6 @@ pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture(scope="module")
-def ssh_profile(test_hosts, tmp_path_factory):
-    """An ipyparallel profile directory whose ipcluster_config.py points ssh at the test hosts' client config."""
-    folder = tmp_path_factory.mktemp("profile_multihost")
-    (folder / "ipcluster_config.py").write_text(
-        f"c.SSHLauncher.ssh_cmd = {test_hosts.ssh_cmd!r}\nc.SSHLauncher.scp_cmd = {test_hosts.scp_cmd!r}\n")
-    return str(folder)
-
-
-@pytest.fixture(scope="module")
 def two_hosts(test_hosts, ssh_profile, own_shell):
     """``%dist start`` over the two test hosts; the running session."""
     hosts = ",".join(test_hosts.addresses)

@@ -38,3 +38,15 @@ def test_exit_descriptions(code, expected):
     from distnb.launchers import exit_description
 
     assert expected in exit_description(code)
+
+
+def test_scale_on_a_launcher_that_cannot_resize_says_why_and_what_to_do():
+    from distnb.engines import _not_resizable
+
+    mpi = _not_resizable("mpi", 3)
+    assert "one mpiexec job" in mpi and "fixed when mpiexec starts it" in mpi and "%dist restart -n 3" in mpi
+    pbs = _not_resizable("pbs", 4)
+    assert "one pbs batch job (--launcher pbs)" in pbs and "allocation (nodes and tasks) was fixed" in pbs
+    assert "%dist restart -n 4" in pbs and "queue" in pbs
+    other = _not_resizable("winhpc", 2)
+    assert "the local and ssh launchers can" in other and "%dist restart -n 2" in other

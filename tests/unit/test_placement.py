@@ -169,3 +169,30 @@ def test_profile_by_name_gives_its_launcher_and_engines(tmp_path, monkeypatch):
 def test_placement_option_errors_name_the_option(kwargs, words):
     with pytest.raises(PlanError, match=words.replace("-", r"\-")):
         default_spec(**kwargs)
+
+
+def test_growth_fills_the_hosts_with_fewest_engines_first():
+    assert placement.spread(("a", "b"), [1, 1], [None, None], 3, 5) == {"a": 2, "b": 1}  # a, b, a
+    assert placement.spread(("a", "b", "c"), [2, 1, 0], [None] * 3, 2, 5) == {"c": 1, "b": 1}
+    assert placement.spread(("a", "b"), [2, 1], [2, 4], 2, 5) == {"b": 2}  # a is full
+    with pytest.raises(PlanError, match=r"room for 1 more engines \(a: 1 of 1, b: 0 of 1.*scale to at most 2"):
+        placement.spread(("a", "b"), [1, 0], [1, 1], 2, 3)
+
+
+def test_host_caps_come_from_slots_else_cores_or_gpus():
+    infos = [_where("a", "10.0.0.1"), _where("b", "10.0.0.2", gpus=("0", "1"))]
+    assert placement.host_caps(("a", "b", "c"), infos, "cpu") == [128, 128, None]  # 16 per core; c: not known
+    assert placement.host_caps(("a", "b"), infos, "cuda") == [0, 2]
+    assert placement.host_caps(("a", "b"), infos, "cpu", 3) == [3, 3]
+    assert placement.host_caps(("a", "b"), infos, "cpu", {"a": 2}) == [2, 128]
+    assert placement.host_counts(("10.0.0.2", "a"), infos + [_where("a", "10.0.0.1")]) == [1, 2]
+
+
+def test_added_engines_are_ranked_after_the_running_ones():
+    where = {0: _where("a", "10.0.0.1"), 1: _where("b", "10.0.0.2"), 2: _where("a", "10.0.0.1"),
+             3: _where("c", "10.0.0.3")}
+    running = placement.assign_ranks({e: where[e] for e in (0, 1)}, hosts=("a", "b", "c"))
+    grown = placement.extend_ranks(running, where, [3, 2], hosts=("a", "b", "c"))
+    assert grown[:2] == running  # the running ranks keep their numbers
+    assert [(p["engine_id"], p["node"], p["node_rank"], p["local_rank"]) for p in grown] == [
+        (0, "a", 0, 0), (1, "b", 1, 0), (2, "a", 0, 1), (3, "c", 2, 0)]
