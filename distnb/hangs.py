@@ -1,7 +1,8 @@
 """A hang named in seconds: ranks waiting in a collective that other ranks never reached.
 
 Every running cell publishes where each rank is (:mod:`distnb.engine.where`). When some ranks
-have waited in a collective for ``--hang-after`` seconds (:func:`distnb.plan.hang_seconds`)
+have waited in a collective for ``--hang-after`` seconds (:func:`distnb.plan.hang_seconds`; in a
+training cell whose steps are slow, :data:`PATIENT_STEPS` of them, :func:`limit_for`)
 while others are not in one (they finished the cell, or are still in their own code), or
 when every rank waits but in different collectives, :func:`check` ends the cell: ranks that
 finished are told to drop the process group (:data:`distnb.calls.release`), which makes
@@ -33,9 +34,23 @@ def _waited(where) -> float:
     return max(0.0, where.get("sent", time.time()) - where.get("since", time.time()))
 
 
+#: A training cell's ranks may wait this many of its slowest recent steps before it is a hang, when that is
+#: longer than ``--hang-after``: on a shared machine a rank that is only descheduled (its step 2 s of compute,
+#: taking 10 s) is slow, not hung.
+PATIENT_STEPS = 5
+
+
+def limit_for(watch) -> float:
+    """Seconds of waiting in a collective that make a hang: ``--hang-after``, or :data:`PATIENT_STEPS` times
+    the slowest step time the ranks last reported (``step_time``, s) when that is longer; at most ``--timeout``."""
+    spec = watch.cluster.spec
+    steps = [float((p or {}).get("step_time") or 0.0) for p in getattr(watch, "progress", {}).values()]
+    return min(max(hang_seconds(spec), PATIENT_STEPS * max(steps, default=0.0)), spec.timeout)
+
+
 def check(watch):
     """The hang ``watch``'s ranks are in, with the missing ranks released or interrupted, or None."""
-    limit = hang_seconds(watch.cluster.spec)
+    limit = limit_for(watch)
     ars, wheres = watch.ars, watch.wheres
     waiting = {r: w for r, w in wheres.items() if not ars[r].ready() and r not in watch.dead
                and w.get("state") == "collective"}
@@ -116,7 +131,8 @@ def error(watch, failures) -> HangError:
     parts += [f"rank {r} never arrived: {_spot(w)}" for r, w in sorted(missing.items())]
     ended = (f"Ended by gloo's --timeout ({watch.cluster.spec.timeout:g} s): every rank waited, in different "
              "collectives, which nothing can interrupt" if hang["stuck"] else
-             f"Ended after --hang-after {hang['limit']:g} s")
+             f"Ended after {hang['limit']:.3g} s (--hang-after {hang_seconds(watch.cluster.spec):g} s, or "
+             f"{PATIENT_STEPS} of the slowest rank's steps when longer)")
     message = (f"{watch.what} hung: " + "; ".join(parts) + f". {ended}, and the process group re-formed: every rank "
                "must call the same collectives in the same order (a rank that is only slow needs a longer "
                "--hang-after)")
