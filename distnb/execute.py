@@ -14,6 +14,7 @@ cause (after re-forming the process group so the next cell works), or an
 from __future__ import annotations
 
 import math
+import pickle
 import signal
 import sys
 import time
@@ -65,6 +66,7 @@ class Watch:
         self.session, self.cluster, self.ars, self.what = session, session.cluster, ars, what
         self.state, self.view, self.show_ranks = state, view, show_ranks
         self.offsets, self.progress, self.dead = {}, {}, {}
+        self.raw = {}  # rank -> the bytes its last message came as (take_progress)
         self.wheres = session.last_where = {}  # rank -> where its cell is (engine/where.py), for %dist where
         self.released, self.interrupted = set(), set()
         self.failed_since = None
@@ -208,7 +210,7 @@ class Watch:
                 if self.state is not None:
                     self.state.set_where(rank, data["distnb_where"])
             if intake:
-                take_progress(self.state, rank, data, self.progress)
+                take_progress(self.state, rank, data, self.progress, self.raw)
         self.folder.flush()
         if self.view is not None:
             self.view.refresh()
@@ -260,14 +262,16 @@ def intake_interval(world_size: int) -> float:
     return max(POLL_SECONDS, world_size / INTAKE_RATE)
 
 
-def take_progress(state, rank: int, data: dict, progress: dict) -> list:
+def take_progress(state, rank: int, data: dict, progress: dict, raw: dict | None = None) -> list:
     """Feed the progress messages in one rank's ``AsyncResult.data`` to ``state``; the new ones.
 
     ``data["distnb"]`` is the message of ``rank`` itself; ``data["distnb@R"]`` is rank R's, sent
     on its behalf (a host's relay, :class:`distnb.engine.report.HostRelay`, or simulated ranks,
-    :mod:`distnb.engine.simulate`). ``progress`` maps each rank to the last message taken from
-    it; ipyparallel makes a new object for every message it receives, so one seen before
-    (the same object) is skipped without being read again.
+    :mod:`distnb.engine.simulate`), as a dict or as the bytes of :func:`distnb.engine.report.encode`,
+    decoded here only when taken. ``progress`` maps each rank to the last message taken from
+    it, ``raw`` (optional) each rank to the bytes that message came as; ipyparallel makes a new
+    object for every message it receives, so one seen before (the same object) is skipped without
+    being read again.
 
     Returns
     -------
@@ -282,10 +286,17 @@ def take_progress(state, rank: int, data: dict, progress: dict) -> list:
             r = int(key[7:])
         else:
             continue
-        if msg and progress.get(r) is not msg:
-            progress[r] = msg
-            state.update(r, msg)
-            new.append((r, msg))
+        if not msg or progress.get(r) is msg:
+            continue
+        if isinstance(msg, bytes):
+            if raw is not None:
+                if raw.get(r) is msg:
+                    continue
+                raw[r] = msg
+            msg = pickle.loads(msg)
+        progress[r] = msg
+        state.update(r, msg)
+        new.append((r, msg))
     return new
 
 

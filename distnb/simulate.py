@@ -201,7 +201,7 @@ def _watch(ars, state, shown, t0) -> tuple:
     tuple of (int, dict)
         The rank messages taken, and per second since ``t0`` the lags (s) of those taken in it.
     """
-    progress, taken, lags, next_intake = {}, 0, {}, 0.0
+    progress, raw, taken, lags, next_intake = {}, {}, 0, {}, 0.0
     while True:
         done = all(ar.ready() for ar in ars)
         if done:  # the last progress messages can arrive after the result: wait for the engines' output
@@ -215,7 +215,7 @@ def _watch(ars, state, shown, t0) -> tuple:
         next_intake = time.monotonic() + intake_interval(state.world_size)
         now = time.time()
         for e, ar in enumerate(ars):
-            for _, msg in take_progress(state, e, ar.data or {}, progress):
+            for _, msg in take_progress(state, e, ar.data or {}, progress, raw):
                 taken += 1
                 lags.setdefault(int(time.monotonic() - t0), []).append(now - msg["time"])
         shown.refresh()

@@ -55,6 +55,18 @@ def _default_publish(data: dict) -> None:
     publish_raw({"distnb": data})
 
 
+def encode(msg: dict) -> bytes:
+    """A rank message as the bytes a relay or a simulated rank publishes under :func:`rank_key` (pickle).
+
+    ipyparallel's client walks every dict it receives, key by key, before distnb sees it (its
+    ``uncan``, in the kernel's receiving thread): a bundle of rank messages as dicts cost it a walk of
+    every message, most of which the next bundle supersedes before the kernel looks. As bytes it
+    passes through whole, and the kernel decodes only what it takes in
+    (:func:`distnb.execute.take_progress`).
+    """
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def rank_key(rank: int) -> str:
     """The ``publish_data`` key of rank ``rank``'s progress sent on its behalf: ``"distnb@R"``."""
     return f"distnb@{rank}"
@@ -201,17 +213,22 @@ DRAIN_SECONDS = 0.02
 
 
 #: Bundles a second the kernel receives at most from all hosts' relays together (see relay_interval).
-RELAY_RATE = 100
+RELAY_RATE = 50
+#: The longest gap between a host's bundles, as a share of what the :data:`TAIL` loss points cover.
+TAIL_COVER = 0.8
 
 
 def relay_interval(num_hosts: int, interval: float = 0.1) -> float:
     """Seconds between a host leader's bundles: ``interval``, longer above ``RELAY_RATE * interval`` hosts.
 
-    The kernel then receives at most :data:`RELAY_RATE` bundles a second however many hosts
-    there are (0.32 s between bundles with 32 hosts, 1.28 s with 128); each bundle carries every
-    rank's newest message, whose :data:`TAIL` loss points (1.6 s at 10 messages a second) cover the gap. Measured in benchmarks/scale_progress.py.
+    The kernel then receives at most :data:`RELAY_RATE` bundles a second (0.64 s between bundles
+    with 32 hosts), up to the gap that each rank's newest :data:`TAIL` loss points still cover
+    (``TAIL_COVER * TAIL * interval``: 1.28 s, reached at 64 hosts; beyond, the rate grows with the
+    hosts: 100 a second at 128). Each bundle carries every rank's newest message. 100 bundles a second
+    cost the kernel 15-17 % of a core at 256 ranks (32 hosts), mostly ipyparallel receiving them;
+    measured in benchmarks/scale_progress.py (benchmarks/README.md, issue 20).
     """
-    return max(interval, num_hosts / RELAY_RATE)
+    return max(interval, min(num_hosts / RELAY_RATE, TAIL_COVER * TAIL * interval))
 
 
 #: Statuses after which a rank sends nothing more in a cell.
@@ -308,7 +325,7 @@ class HostRelay:
         try:
             if status_change:  # "done", "failed": the last word of a rank, never dropped while the leader reads
                 self.sock.settimeout(STATUS_SEND_TIMEOUT)
-            self.sock.sendto(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), self.path)
+            self.sock.sendto(encode(msg), self.path)
             self.sent += 1
             self._statuses[msg["rank"]] = msg["status"]
         except OSError:  # full (BlockingIOError, a timeout), or the leader is not there (yet, or any more)
@@ -327,7 +344,7 @@ class HostRelay:
                 return n
             msg = pickle.loads(data)
             with self._lock:
-                self.pending[msg["rank"]] = msg
+                self.pending[msg["rank"]] = data  # published as it came (encode), not pickled again
                 self._final[msg["rank"]] = msg.get("status") in FINAL
             n += 1
 
@@ -342,7 +359,7 @@ class HostRelay:
             return 0
         if self.world_size:
             self.interval = relay_interval(-(-self.world_size // max(1, len(self._final))))
-        bundle = {rank_key(r): m for r, m in pending.items()}
+        bundle = {rank_key(r): m if isinstance(m, bytes) else encode(m) for r, m in pending.items()}
         try:
             self.publish(bundle)
             self.bundles += 1

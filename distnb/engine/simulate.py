@@ -31,7 +31,7 @@ import random
 import tempfile
 import time
 
-from .report import DRAIN_SECONDS, HostRelay, Reporter, publish_raw, rank_key
+from .report import DRAIN_SECONDS, HostRelay, Reporter, encode, publish_raw, rank_key
 
 GIB = 1 << 30
 
@@ -57,7 +57,7 @@ def _loss(rng, step, total, bias):
 def _publisher(group, relays, rank, first, socket_dir, interval):
     """The ``publish`` of one simulated rank: direct (``distnb@R``) or through its group's relay."""
     if group <= 1:
-        return lambda msg: publish_raw({rank_key(msg["rank"]): msg})
+        return lambda msg: publish_raw({rank_key(msg["rank"]): encode(msg)})
     leader = first + (rank - first) // group * group
     if leader not in relays:
         path = os.path.join(socket_dir, f"h{leader}.sock")

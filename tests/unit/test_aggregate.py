@@ -11,7 +11,7 @@ import pytest
 from distnb.display import aggregate, render, scale
 from distnb.display.progress import ProgressState
 from distnb.display.text import TextProgress
-from distnb.engine.report import HostRelay, Reporter, rank_key, relay_interval
+from distnb.engine.report import HostRelay, Reporter, encode, rank_key, relay_interval
 from distnb.execute import intake_interval, take_progress
 from distnb.simulate import host_names, split
 
@@ -144,8 +144,14 @@ def test_take_progress_reads_own_and_relayed_keys_once():
     assert take_progress(st, 0, data, seen) == [(0, own), (3, relayed)]
     assert st.rows[3]["step"] == 2 and st.rows[0]["step"] == 1
     assert take_progress(st, 0, data, seen) == []  # the same objects: already taken
+    raw = {}
+    encoded = {rank_key(2): encode(dict(rank=2, status="done", step=5))}  # as a relay publishes it
+    assert take_progress(st, 0, encoded, seen, raw) == [(2, dict(rank=2, status="done", step=5))]
+    assert st.rows[2]["step"] == 5 and st.rows[2]["status"] == "done"
+    assert take_progress(st, 0, encoded, seen, raw) == []  # the same bytes: not decoded again
     assert intake_interval(100) == 0.1 and intake_interval(1024) == pytest.approx(1.024)
-    assert relay_interval(8) == 0.1 and relay_interval(32) == 0.32 and relay_interval(128) == 1.28
+    assert relay_interval(4) == 0.1 and relay_interval(32) == 0.64 and relay_interval(128) == pytest.approx(1.28)
+    assert relay_interval(1024) == pytest.approx(1.28)  # the newest 16 loss points still cover the gap
 
 
 def test_host_relay_coalesces_a_hosts_messages_into_one_bundle():
@@ -162,13 +168,14 @@ def test_host_relay_coalesces_a_hosts_messages_into_one_bundle():
         lead.tick(now=1e9)
         assert len(published) == 1
         bundle = published[0]
-        assert sorted(bundle) == [rank_key(r) for r in range(4)] and all(m["step"] == 2 for m in bundle.values())
+        assert sorted(bundle) == [rank_key(r) for r in range(4)]
+        assert all(isinstance(m, bytes) and pickle.loads(m)["step"] == 2 for m in bundle.values())  # report.encode
         reporters[2].set_status("done")
         lead.tick(now=1e9)  # within the interval: read into pending, not published
         assert len(published) == 1
         member.close()
         lead.close()
-        assert len(published) == 2 and published[1][rank_key(2)]["status"] == "done"
+        assert len(published) == 2 and pickle.loads(published[1][rank_key(2)])["status"] == "done"
         assert not os.path.exists(path) and member.sent == 7 and member.dropped == 0
         assert pickle.loads(pickle.dumps(bundle)) == bundle
 
