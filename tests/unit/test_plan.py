@@ -122,3 +122,22 @@ def test_the_readme_states_the_rule_for_every_carried_option():
     flags = {f.name: options.flags_of(f, opt)[0] for f, opt in options.declared(TrainPlan)}
     missing = [flags[name] for name in CARRIED if f"`{flags[name]}`" not in section]
     assert not missing, f"README's carry-over section does not name {missing}"
+
+
+def test_a_hang_waits_longer_when_the_ranks_steps_are_slow():
+    from types import SimpleNamespace
+
+    from distnb import hangs
+    from distnb.plan import ClusterSpec
+
+    def watch(timeout, *step_times, hang_after=None):
+        spec = ClusterSpec(num_engines=2, timeout=timeout, hang_after=hang_after)
+        return SimpleNamespace(cluster=SimpleNamespace(spec=spec),
+                               progress={r: dict(step=3, step_time=t) for r, t in enumerate(step_times)})
+
+    assert hangs.limit_for(watch(60, 0.01, 0.02)) == 10.0  # fast steps: --hang-after's default
+    assert hangs.limit_for(watch(60, 0.5, 4.0)) == 5 * 4.0  # a slow step: five of them
+    assert hangs.limit_for(watch(60, 30.0)) == 60  # never past gloo's --timeout
+    assert hangs.limit_for(watch(60, 0.1, hang_after=3)) == 3
+    empty = SimpleNamespace(cluster=SimpleNamespace(spec=ClusterSpec(num_engines=2, timeout=60)), progress={})
+    assert hangs.limit_for(empty) == 10.0
