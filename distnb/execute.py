@@ -88,7 +88,9 @@ class Watch:
         try:
             while not self._tick(bg):
                 pass
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, RuntimeError) as exc:
+            if not _is_interrupt(exc):
+                raise
             user_interrupt = True
             self.interrupted |= self._interrupt_ranks()
             self._poll(force=True)
@@ -233,6 +235,13 @@ class Watch:
             for r in stuck:
                 ars[r].wait(max(0.0, deadline - time.monotonic()))
         return {r for r in running if not (ars[r].ready() and ars[r].successful())}
+
+
+def _is_interrupt(exc: BaseException) -> bool:
+    """A KeyboardInterrupt, or the RuntimeError ("release unlocked lock") that Python raises instead when
+    the interrupt lands inside a ``threading.Condition``'s ``with`` (an AsyncResult's ``ready()``/``wait``)."""
+    return isinstance(exc, KeyboardInterrupt) or (isinstance(exc, RuntimeError)
+                                                  and isinstance(exc.__context__, KeyboardInterrupt))
 
 
 def metadata(ar) -> dict:

@@ -49,3 +49,16 @@ def test_a_warning_repeated_every_step_is_shown_once_with_a_count_and_distinct_l
     assert err.getvalue().splitlines() == ["[rank 0] Warning: deprecated",
                                            "[rank 0] (the line above, 'Warning: deprecated', came 4 more times)"]
     assert out.getvalue().splitlines() == [f"[rank 0] step {i}" for i in range(5)] + ["[rank 1] partial line"]
+
+
+def test_an_interrupt_that_lands_inside_a_lock_is_still_an_interrupt():
+    from distnb import execute
+
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RuntimeError("release unlocked lock")
+    except RuntimeError as exc:
+        assert execute._is_interrupt(exc)
+    assert execute._is_interrupt(KeyboardInterrupt()) and not execute._is_interrupt(RuntimeError("other"))
