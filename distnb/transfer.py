@@ -111,8 +111,8 @@ def _leaf(x):
     import numpy as np
     import torch
 
-    if isinstance(x, torch.Tensor):
-        return (id(x), x._version)
+    if isinstance(x, torch.Tensor):  # where its bytes lie and their type too: `.data =`, `.double()`, `.to()`
+        return (id(x), x._version, x.data_ptr(), x.dtype, tuple(x.shape), x.device)
     if isinstance(x, np.ndarray):  # no version counter: checksum the bytes (about 1 GB/s)
         import zlib
 
@@ -124,10 +124,13 @@ def fingerprint(obj):
     """A cheap identity of ``obj``'s current state, to decide whether the ranks hold it already.
 
     A model: object id, each submodule's type and plain attributes (``net.scale = 0.5``
-    counts), each tensor's version counter, and which parameters require gradients. Data: object id, length, and per column
-    the tensor's version counter or a numpy array's checksum. In-place changes through
-    autograd-visible ops (``load_state_dict``, ``copy_``, ``*=``) bump ``_version``; writes
-    through ``.data`` do not, so use ``--reset`` after those.
+    counts), each tensor's version counter, memory address, dtype, shape and device, and which
+    parameters require gradients. Data: object id, length, and per column the same of each tensor,
+    or a numpy array's checksum. In-place changes through autograd-visible ops
+    (``load_state_dict``, ``copy_``, ``*=``) bump ``_version``; a tensor given new memory or
+    another dtype (``p.data = ...``, ``net.double()``, ``vector_to_parameters``) moves its
+    address. Writes into a tensor's memory that torch does not see (``p.data.fill_(0)``, or
+    through a numpy view of it) change neither: use ``--reset`` after those.
     """
     import torch
 

@@ -82,6 +82,12 @@ def test_fingerprint_follows_in_place_changes():
         m.weight.add_(1)
     assert fingerprint(m) != fp
     assert fingerprint(nn.Linear(2, 2)) != fingerprint(m)
+    for change in (lambda: setattr(m.weight, "data", torch.zeros(2, 2)),  # new memory, no version bump
+                   lambda: m.double(),  # another dtype, through .data too
+                   lambda: nn.utils.vector_to_parameters(torch.zeros(6, dtype=torch.float64), m.parameters())):
+        fp = fingerprint(m)
+        change()
+        assert fingerprint(m) != fp
 
 
 def test_free_names():
