@@ -87,6 +87,7 @@ class Run:
         self.epoch = 0
         self.epoch_step = 0  # steps done in the current (unfinished) epoch
         self.epoch_samples = 0  # positions of this rank's epoch order consumed: the sampler position
+        self.epoch_data = None  # (data name, samples) that position is in: other data starts its epoch afresh
         self.steps = 0
         self.plan_dict = None  # the plan it was last trained with (recorded in checkpoints)
         self.forwards = 0  # calls of the strategy wrapper, to catch bodies that bypass it
@@ -277,6 +278,26 @@ def train(ns, plan_dict, code_text, outbox=None):
             relay.close(linger=RELAY_LINGER if relay.leader else 0.0)
 
 
+def _settle_position(run, plan, data, note: str) -> str:
+    """Where this cell's first epoch starts: the position the last cell stopped at, in the same data.
+
+    A position in other data (another name or size) starts the epoch at its beginning, and the
+    note says so; a position at (or, with ``--drop-last``, past the last full batch of) the epoch's
+    end counts the epoch as done.
+    """
+    data_key = (plan.data, getattr(data, "num_samples", None))
+    if run.epoch_samples and run.epoch_data not in (None, data_key):
+        run.epoch_step = run.epoch_samples = 0
+        note = " ".join(x for x in (note, f"epoch {run.epoch} had stopped partway through other data "
+                                    f"({run.epoch_data[0]}); it starts again at the beginning of {plan.data}") if x)
+    run.epoch_data = data_key
+    if run.epoch_samples:  # stopped after an epoch's last batch, before its end (or a stream): it is done
+        left = (data.epoch_length(plan) or 0) - run.epoch_samples
+        if left <= 0 or (plan.drop_last and left < plan.batch_size):
+            run.epoch, run.epoch_step, run.epoch_samples = run.epoch + 1, 0, 0
+    return note
+
+
 def _train(ns, plan, code_text, relay):
     postmortem.drop(ns)  # the next cell releases the frames the last failure kept
     st = runtime.STATE
@@ -294,10 +315,7 @@ def _train(ns, plan, code_text, relay):
     stop = StopRequest().__enter__()
     try:
         note, resumed = _prepare(ns, plan, run)
-        if run.epoch_samples:  # stopped after an epoch's last batch, before its end (or a stream): it is done
-            left = (data.epoch_length(plan) or 0) - run.epoch_samples
-            if left <= 0 or (plan.drop_last and left < plan.batch_size):
-                run.epoch, run.epoch_step, run.epoch_samples = run.epoch + 1, 0, 0
+        note = _settle_position(run, plan, data, note)
         run.cell_first_epoch = run.epoch
         run.plan_dict = plan.to_dict()
         reporter.extra.update(run.strategy.holdings())

@@ -347,3 +347,21 @@ def test_a_stop_after_an_epochs_last_step_continues_with_the_next_epoch(shell, d
     nxt = dist_session.train(BODY, model="lnet", data="train_ds", epochs=1, progress="none", quiet=True)
     assert nxt.rows[0]["steps"] == steps  # a whole epoch, not the empty rest of the finished one
     assert not nxt.rows[0].get("continued")
+
+
+def test_a_position_partway_through_one_data_set_does_not_carry_to_another(shell, dist_session):
+    """Stopped partway through an epoch of ``train_ds``, then trained on other data: that epoch starts at its beginning."""
+    import torch as _torch
+
+    run(shell, TRAIN_SETUP.replace("mnet", "pnet"))
+    first = dist_session.train(BODY, model="pnet", data="train_ds", epochs=1, progress="none", quiet=True)
+    steps = first.rows[0]["steps"]
+    # the state an interrupt leaves partway through an epoch: epoch 1 with 2 steps of it trained
+    dist_session.run(f"from distnb.engine.loop import RUNS\n_r = RUNS['pnet']\n_r.epoch_step = 2\n"
+                     f"_r.epoch_samples = 2 * 8")
+    x, y = shell.user_ns["train_ds"].tensors
+    shell.user_ns["other_ds"] = _torch.utils.data.TensorDataset(x[:40].clone(), y[:40].clone())
+    nxt = dist_session.train(BODY, model="pnet", data="other_ds", epochs=1, batch_size=8, progress="none", quiet=True)
+    assert not nxt.rows[0].get("continued") and nxt.rows[0]["steps"] == -(-40 // 2 // 8)  # a whole epoch of other_ds
+    assert "starts again at the beginning of other_ds" in nxt.rows[0]["note"]
+    assert steps > 2
