@@ -61,6 +61,9 @@ _AGREED = {"generation": -1, "seq": 0}  # the step agreements of this process gr
 def agree_on_steps(steps: int, when: str) -> None:
     """Wait until every rank reports its step count ``steps`` through the group's store; raise if they differ.
 
+    The ranks' ``when`` must agree too: the agreements are counted per process group, so a
+    rank that left ``ctx.epochs()`` early meets the others' epoch end with its body end.
+
     Called at each epoch end (and at the end of a ``--loop`` body) before distnb's own
     collectives (the epoch's mean loss, the stop check, the trained state). A ``--loop`` body
     in which some ranks leave ``ctx.loader`` early (``if ctx.rank == 0 and i == 3: break``)
@@ -88,7 +91,7 @@ def agree_on_steps(steps: int, when: str) -> None:
         _AGREED.update(generation=st.generation, seq=0)
     _AGREED["seq"] += 1
     key = f"distnb_steps/{st.generation}/{_AGREED['seq']}/"
-    store.set(key + str(st.rank), str(steps))
+    store.set(key + str(st.rank), f"{steps}\t{when}")  # the spot too: one rank's epoch end may meet another's body end
     keys = [key + str(r) for r in range(st.world_size)]
     where.NOTE["text"] = (f"waiting {when} after {steps} steps of it for the other ranks (a rank that takes "
                           "fewer steps than the others, e.g. a --loop body that breaks out of ctx.loader on "
@@ -98,12 +101,17 @@ def agree_on_steps(steps: int, when: str) -> None:
             time.sleep(STEPS_POLL_SECONDS)
     finally:
         where.NOTE.pop("text", None)
-    counts = [int(store.get(k)) for k in keys]
-    if len(set(counts)) > 1:
-        said = ", ".join(f"rank {r}: {n}" for r, n in enumerate(counts))
-        raise RuntimeError(f"the ranks took different numbers of steps {when} ({said}); every rank must take "
-                           "the same steps (a --loop body that breaks out of ctx.loader, or skips a batch, on "
-                           "some ranks only desynchronises their collectives): break on every rank or none")
+    seen = [store.get(k).decode().split("\t", 1) for k in keys]
+    if len({tuple(v) for v in seen}) > 1:
+        if len({w for _, w in seen}) == 1:
+            what = f"the ranks took different numbers of steps {when} (" + \
+                ", ".join(f"rank {r}: {n}" for r, (n, _) in enumerate(seen)) + ")"
+        else:
+            what = "the ranks left their steps at different points (" + \
+                ", ".join(f"rank {r}: {n} steps, {w}" for r, (n, w) in enumerate(seen)) + ")"
+        raise RuntimeError(f"{what}; every rank must take the same steps (a --loop body that breaks out of "
+                           "ctx.loader or ctx.epochs(), or skips a batch, on some ranks only desynchronises "
+                           "their collectives): break on every rank or none")
 
 
 class Context:

@@ -252,7 +252,7 @@ def _steps(ns, code, ctx):
 def _run_body(ns, code, ctx, plan):
     if plan.loop:
         exec(code, ns)
-        agree_on_steps(ctx.step, "in this cell")  # a body that left ctx.epochs() early on some ranks only
+        agree_on_steps(ctx.step, "at the end of the --loop body")  # a body that left ctx.epochs() early on some ranks only
         if ctx.step == 0:
             raise ValueError("the --loop body ran no step: drive it with `for epoch in ctx.epochs():` / "
                              "`for batch in ctx.loader:` and call `ctx.report(loss)` after each step")

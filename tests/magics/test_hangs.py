@@ -129,6 +129,21 @@ def test_a_loop_body_that_breaks_on_one_rank_is_a_hang_naming_its_steps_not_an_a
     _works(shell)
 
 
+def test_a_loop_body_that_leaves_ctx_epochs_on_one_rank_is_named_at_the_body_end(shell):
+    run(shell, SETUP)
+    body = BREAK_LOOP.replace("if ctx.rank == 0 and i == 3:\n            break", "pass") + \
+        "    if ctx.rank == 0:\n        break\n"  # rank 0 leaves after epoch 0 (4 steps), rank 1 goes on to epoch 1
+    with hang_after(HANG):
+        res = run(shell, "%%distrain --model hang_net --data hang_train --loop --epochs 2 --batch-size 16 "
+                         "--progress none\n" + body)
+    err = res.error_in_exec
+    # rank 0's body end (4 steps) meets rank 1's end of epoch 0 (4 steps): the same count, another spot
+    assert err is not None and not isinstance(err, HangError), err
+    assert ("left their steps at different points (rank 0: 4 steps, at the end of the --loop body, rank 1: 4 "
+            "steps, at the end of epoch 0)") in str(err), str(err)
+    _works(shell)
+
+
 def test_ranks_that_reach_the_epoch_end_with_different_step_counts_fail_together(shell):
     # steps without a collective (no backward, so no DDP all-reduce): both ranks reach the epoch end, after 3
     # and 4 steps; before, the epoch's mean loss was all-reduced as if they agreed. Now one error on every rank
