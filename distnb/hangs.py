@@ -94,12 +94,16 @@ def _call(where, step) -> str:
     shape = f" of {where['shape']}" if where.get("shape") is not None else ""
     at = f"cell line {where['cell_line']}: `{where['cell_code']}`" if where.get("cell_line") else \
         f"step {step}" if step is not None else "distnb's loop"
+    if step is not None and where.get("cell_line"):  # a training cell: how far this rank got, too
+        at = f"after {step} steps, {at}"
     return f"{op}{shape} ({at})"
 
 
 def _spot(where) -> str:
     if where is None:
         return "it finished the cell without calling it"
+    if where.get("note"):
+        return f"it is {where['note']}"
     if where.get("cell_line"):
         return f"it is at cell line {where['cell_line']}: `{where['cell_code']}`"
     top = (where.get("stack") or [("?", 0, "?", "")])[-1]

@@ -53,6 +53,65 @@ class StopRequest:
 
 #: Seconds of training between two checks for a stop request (one tiny all-reduce each).
 STOP_CHECK_SECONDS = 0.1
+#: Seconds between two looks at the store while a rank waits for the others' step counts.
+STEPS_POLL_SECONDS = 0.005
+_AGREED = {"generation": -1, "seq": 0}  # the step agreements of this process group, counted alike on every rank
+
+
+def agree_on_steps(steps: int, when: str) -> None:
+    """Wait until every rank reports its step count ``steps`` through the group's store; raise if they differ.
+
+    The ranks' ``when`` must agree too: the agreements are counted per process group, so a
+    rank that left ``ctx.epochs()`` early meets the others' epoch end with its body end.
+
+    Called at each epoch end (and at the end of a ``--loop`` body) before distnb's own
+    collectives (the epoch's mean loss, the stop check, the trained state). A ``--loop`` body
+    in which some ranks leave ``ctx.loader`` early (``if ctx.rank == 0 and i == 3: break``)
+    would otherwise send the early ranks into those collectives while the others are still
+    in a step's DDP all-reduce: gloo, given buffers of different sizes, aborts the engine
+    (SIGABRT). Here the early ranks wait outside torch.distributed, in their own code: if
+    the others are stuck in a step's collective, the kernel's hang check (:mod:`distnb.hangs`)
+    interrupts the waiting ranks and names each rank's spot (this one's says its step count);
+    if all arrive with different counts, every rank raises the same error.
+
+    ``when``: words for the error (``"at the end of epoch 0"``). The store is the gloo
+    group's (:data:`distnb.engine.abort.ARMED`); without one (nccl) this does nothing.
+
+    Raises
+    ------
+    RuntimeError
+        On every rank, when the ranks took different numbers of steps; it names each rank's count.
+    """
+    from . import abort, where
+
+    store, st = abort.ARMED.store, runtime.STATE
+    if store is None or st.world_size < 2:
+        return
+    if _AGREED["generation"] != st.generation:
+        _AGREED.update(generation=st.generation, seq=0)
+    _AGREED["seq"] += 1
+    key = f"distnb_steps/{st.generation}/{_AGREED['seq']}/"
+    store.set(key + str(st.rank), f"{steps}\t{when}")  # the spot too: one rank's epoch end may meet another's body end
+    keys = [key + str(r) for r in range(st.world_size)]
+    where.NOTE["text"] = (f"waiting {when} after {steps} steps of it for the other ranks (a rank that takes "
+                          "fewer steps than the others, e.g. a --loop body that breaks out of ctx.loader on "
+                          "some ranks only, leaves them waiting in the step's collective)")
+    try:
+        while not store.check(keys):
+            time.sleep(STEPS_POLL_SECONDS)
+    finally:
+        where.NOTE.pop("text", None)
+    seen = [store.get(k).decode().split("\t", 1) for k in keys]
+    if len({tuple(v) for v in seen}) > 1:
+        if len({w for _, w in seen}) == 1:
+            what = f"the ranks took different numbers of steps {when} (" + \
+                ", ".join(f"rank {r}: {n}" for r, (n, _) in enumerate(seen)) + ")"
+        else:
+            what = "the ranks left their steps at different points (" + \
+                ", ".join(f"rank {r}: {n} steps, {w}" for r, (n, w) in enumerate(seen)) + ")"
+        raise RuntimeError(f"{what}; every rank must take the same steps (a --loop body that breaks out of "
+                           "ctx.loader or ctx.epochs(), or skips a batch, on some ranks only desynchronises "
+                           "their collectives): break on every rank or none")
 
 
 class Context:
@@ -155,7 +214,9 @@ class Context:
         for epoch in range(first, first + self.plan.epochs):
             self.epoch = self._reporter.epoch = epoch
             self._losses, self._loss_count = [], 0
+            step0 = self.step
             yield epoch
+            agree_on_steps(self.step - step0, f"at the end of epoch {epoch}")  # before any collective of distnb's
             mean = self._epoch_mean()
             self.epoch_losses.append(mean)
             self._run.epoch, self._run.epoch_step, self._run.epoch_samples = epoch + 1, 0, 0

@@ -21,7 +21,7 @@ from . import batchnorm, checkpoint, collectives, datasets, postmortem, runtime,
 from . import abort, where
 from .report import LINGER as RELAY_LINGER, Reporter, host_relay, publish_raw
 from . import strategies
-from .context import Context, StopRequest, _Stopped  # noqa: F401 - the cell's ctx and its stop
+from .context import Context, StopRequest, _Stopped, agree_on_steps  # noqa: F401 - the cell's ctx and its stop
 from .validation import Validator
 
 
@@ -253,6 +253,7 @@ def _steps(ns, code, ctx):
 def _run_body(ns, code, ctx, plan):
     if plan.loop:
         exec(code, ns)
+        agree_on_steps(ctx.step, "at the end of the --loop body")  # a body that left ctx.epochs() early on some ranks only
         if ctx.step == 0:
             raise ValueError("the --loop body ran no step: drive it with `for epoch in ctx.epochs():` / "
                              "`for batch in ctx.loader:` and call `ctx.report(loss)` after each step")

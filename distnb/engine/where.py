@@ -12,6 +12,7 @@ publishes a summary to the kernel (ipyparallel's ``publish_data``, key ``distnb_
   called, with its tensor's shape: :data:`distnb.engine.collectives.CURRENT`);
 - ``cell_line`` and ``cell_code``: the innermost line of the cell's own code on the stack;
 - ``stack``: the innermost frames, ``(file, line, function, code)``;
+- ``note``: what the rank says it waits for outside torch.distributed (:data:`NOTE`), or None;
 - ``since`` and ``sent``: when the rank got to this spot and when it said so (``time.time()``,
   seconds, the rank's clock: the kernel only uses their difference).
 
@@ -40,6 +41,9 @@ _DDP = os.sep + os.path.join("torch", "nn", "parallel", "distributed.py")  # DDP
 _BACKWARD = (os.sep + os.path.join("torch", "autograd") + os.sep, os.sep + os.path.join("torch", "_tensor.py"))
 _CELLS = ("<dist-cell-", "<distrain-cell-")
 _WRAPPERS = ("wrapper", "inner", "_fn", "decorate_context")
+#: ``{"text": ...}`` while the cell's thread waits in distnb's own code for the other ranks (the step-count
+#: agreement of :func:`distnb.engine.context.agree_on_steps`): published as ``note``, named by a hang's message.
+NOTE: dict = {}
 
 
 def _summary(frame, ddp_backward: bool) -> dict:
@@ -61,7 +65,7 @@ def _summary(frame, ddp_backward: bool) -> dict:
     shape = None
     if op is not None and current is not None:
         op, shape = current
-    return dict(state="collective" if op is not None else "running", op=op, shape=shape,
+    return dict(state="collective" if op is not None else "running", op=op, shape=shape, note=NOTE.get("text"),
                 cell_line=cell.lineno if cell else None, cell_code=(cell.line or "").strip() if cell else None,
                 stack=[(f.filename, f.lineno, f.name, (f.line or "").strip()) for f in stack[-STACK_FRAMES:]])
 

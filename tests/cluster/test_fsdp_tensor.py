@@ -119,6 +119,32 @@ def test_fsdp_units_option_and_loop_body(dist_session, shell):
     assert dist_session.pull("_units", rank=0) == ["", "2"]
 
 
+def tied_model(seed=1):
+    """``Linear(12, 12), Tanh, Linear(12, 12), Tanh, Linear(12, 3)``, the first two sharing one weight."""
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 3))
+    net[2].weight = net[0].weight
+    return net
+
+
+@pytest.mark.parametrize("units,expected", [(None, ["", "0", "2", "4"]), ("2,4", ["", "4"])])
+def test_fsdp_shards_tied_weights_in_one_unit_and_matches_one_process(dist_session, shell, units, expected):
+    # default units 0, 2, 4: 0 and 2 share a weight, so they are one FSDP group (fully_shard([0, 2]));
+    # --fsdp-units 2,4: unit 2 shares it with the root, so the root takes it. torch alone refuses both.
+    ns = shell.user_ns
+    ns["fsdp_tied"], ns["fsdp_data"], ns["F"] = tied_model(), make_data(), F
+    ref = tied_model()
+    dist_session.train(BODY, model="fsdp_tied", data="fsdp_data", epochs=1, batch_size=16, optimizer="adam",
+                       lr=0.01, seed=4, strategy="fsdp", progress="none", quiet=True, **({"fsdp_units": units} if units else {}))
+    reference(ref, ns["fsdp_data"], num_shards=2, batch_size=16, epochs=1, seed=4,
+              optimizer=torch.optim.Adam(ref.parameters(), lr=0.01))
+    assert ns["fsdp_tied"][2].weight is ns["fsdp_tied"][0].weight  # still tied in the kernel
+    assert_params_close(ns["fsdp_tied"], ref)
+    dist_session.run("from torch.distributed.fsdp import FSDPModule\n"
+                     "_units = [n for n, m in fsdp_tied.named_modules() if isinstance(m, FSDPModule)]")
+    assert dist_session.pull("_units", rank=0) == expected
+
+
 def test_fsdp_bad_units_error_before_anything_runs(dist_session, shell):
     ns = shell.user_ns
     ns["fsdp_bad_net"], ns["fsdp_data"] = make_model(), make_data()

@@ -94,6 +94,73 @@ def test_a_rank_sleeping_in_a_step_while_the_other_waits_in_ddp_all_reduce(shell
     assert res.error_in_exec is None
 
 
+BREAK_LOOP = """
+for epoch in ctx.epochs():
+    for i, batch in enumerate(ctx.loader):
+        if ctx.rank == 0 and i == 3:
+            break
+        optimizer.zero_grad()
+        x, y = batch
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        ctx.report(loss)
+"""
+
+
+def test_a_loop_body_that_breaks_on_one_rank_is_a_hang_naming_its_steps_not_an_abort(shell):
+    # before: rank 0 went on to the epoch's mean-loss all-reduce while rank 1 was in DDP's bucket all-reduce;
+    # gloo, given buffers of different sizes, aborted rank 0's engine (SIGABRT) and the cluster needed a restart
+    run(shell, SETUP)
+    with hang_after(HANG):
+        t0 = time.monotonic()
+        res = run(shell, "%%distrain --model hang_net --data hang_train --loop --epochs 1 --batch-size 16 "
+                         "--progress none\n" + BREAK_LOOP)
+        took = time.monotonic() - t0
+    err = res.error_in_exec
+    assert isinstance(err, HangError) and took < HANG + 15, (err, took)
+    text = str(err)
+    assert "rank 1 waited" in text and "DDP gradient all-reduce" in text and "cell line 9: `loss.backward()`" in text
+    assert "rank 0 never arrived: it is waiting at the end of epoch 0 after 3 steps of it" in text
+    assert "EngineDied" not in text and "SIGABRT" not in text
+    res = run(shell, "%%distrain --model hang_net --data hang_train --epochs 1 --batch-size 16 --progress none\n"
+                     "x, y = batch\nloss = F.cross_entropy(model(x), y)")
+    assert res.error_in_exec is None, res.error_in_exec
+    _works(shell)
+
+
+def test_a_loop_body_that_leaves_ctx_epochs_on_one_rank_is_named_at_the_body_end(shell):
+    run(shell, SETUP)
+    body = BREAK_LOOP.replace("if ctx.rank == 0 and i == 3:\n            break", "pass") + \
+        "    if ctx.rank == 0:\n        break\n"  # rank 0 leaves after epoch 0 (4 steps), rank 1 goes on to epoch 1
+    with hang_after(HANG):
+        res = run(shell, "%%distrain --model hang_net --data hang_train --loop --epochs 2 --batch-size 16 "
+                         "--progress none\n" + body)
+    err = res.error_in_exec
+    # rank 0's body end (4 steps) meets rank 1's end of epoch 0 (4 steps): the same count, another spot
+    assert err is not None and not isinstance(err, HangError), err
+    assert ("left their steps at different points (rank 0: 4 steps, at the end of the --loop body, rank 1: 4 "
+            "steps, at the end of epoch 0)") in str(err), str(err)
+    _works(shell)
+
+
+def test_ranks_that_reach_the_epoch_end_with_different_step_counts_fail_together(shell):
+    # steps without a collective (no backward, so no DDP all-reduce): both ranks reach the epoch end, after 3
+    # and 4 steps; before, the epoch's mean loss was all-reduced as if they agreed. Now one error on every rank
+    run(shell, SETUP)
+    body = ("for epoch in ctx.epochs():\n    for i, batch in enumerate(ctx.loader):\n"
+            "        if i == 3 + ctx.rank:\n            break\n"
+            "        loss = F.cross_entropy(model(batch[0]), batch[1]).detach()\n        ctx.report(loss)\n")
+    with hang_after(HANG):
+        res = run(shell, "%%distrain --model hang_net --data hang_train --loop --epochs 1 --batch-size 16 "
+                         "--progress none\n" + body)
+    err = res.error_in_exec
+    assert err is not None and not isinstance(err, HangError), err
+    assert "took different numbers of steps at the end of epoch 0 (rank 0: 3, rank 1: 4)" in str(err), str(err)
+    assert "ranks 0-1" in str(err)
+    _works(shell)
+
+
 def test_where_between_cells_shows_every_rank_idle_at_once(shell):
     t0 = time.monotonic()
     table = run(shell, "%dist where").result

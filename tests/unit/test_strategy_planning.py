@@ -51,3 +51,27 @@ def test_assign_servers_balances_whole_tensors_by_bytes():
     assert assign_servers([400, 100, 300, 200], 2) == [0, 0, 1, 1]  # 400+100 | 300+200
     assert assign_servers([8, 8, 8], 1) == [0, 0, 0]
     assert assign_servers([0, 10], 2) == [1, 0]  # every server gets a tensor
+
+
+def test_fsdp_units_sharing_a_parameter_are_grouped_or_left_to_the_outer_unit():
+    from distnb.engine.strategies import StrategyError
+    from distnb.engine.strategies.fsdp import unit_groups
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 2))
+    assert unit_groups(net, ["0", "2", "3"]) == [["0"], ["2"], ["3"]]  # nothing tied: one unit each
+    net[2].weight = net[0].weight
+    assert unit_groups(net, ["0", "2", "3"]) == [["0", "2"], ["3"]]  # fully_shard([net[0], net[2]])
+    assert unit_groups(net, ["0", "3"]) == [["3"]]  # 2 is in the root: the root takes the tied weight
+    nested = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), nn.Linear(4, 4))
+    nested[1].weight = nested[0][0].weight
+    # 0.0 and 1 are grouped; the group is sharded before 0, which contains 0.0
+    assert unit_groups(nested, ["0", "1", "0.0", "0.1"]) == [["1", "0.0"], ["0.1"], ["0"]]
+    nested[0][1].weight = nested[0][0].weight  # 0.0, 0.1 and 1 share one weight: one group
+    assert unit_groups(nested, ["0", "1", "0.0", "0.1"]) == [["1", "0.0", "0.1"], ["0"]]
+    # 0.1 is not a unit, so unit 0 holds it: 0.0 is left to 0, which is grouped with 1
+    assert unit_groups(nested, ["0", "1", "0.0"]) == [["0", "1"]]
+    # a: [x, m], c: [y, n]; a.x ties to c's own n and c.y to a's own m: each group contains a unit of the other
+    a, c = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    a[0].weight, c[0].weight = c[1].weight, a[1].weight
+    with pytest.raises(StrategyError, match=r"tied .* make 0\+1\.0 and 0\.0\+1 FSDP groups .*choose --fsdp-units"):
+        unit_groups(nn.Sequential(a, c), ["0", "0.0", "1", "1.0"])

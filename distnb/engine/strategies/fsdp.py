@@ -18,12 +18,18 @@ Units: ``--fsdp-units NAME,...`` (submodule names as in ``model.named_modules()`
 default every direct child of the model that holds parameters; the root is always a unit
 (it takes the parameters no other unit holds). Units are sharded innermost first.
 
+Tied weights (one ``Parameter`` used by two modules, ``out.weight = emb.weight``): FSDP2
+refuses a parameter held by two units. The units that share one are sharded together, as
+one group (``fully_shard([emb, out])``, the form torch's own error suggests), and a unit
+that shares a parameter with the root, or with a unit around it, is not a unit of its own:
+its parameters go to that outer unit (:func:`unit_groups`).
+
 Buffers (BatchNorm running statistics) are not sharded: each rank keeps its own, updated
 from its own batches, and rank 0's are loaded back into the kernel.
 
 Errors (kernel side, :class:`~distnb.engine.strategies.StrategyError`): a unit name that is
 not a submodule (the message lists the valid names), a unit without parameters, a model
-without parameters.
+without parameters, units whose tied parameters no order of grouped units can shard.
 """
 
 from __future__ import annotations
@@ -64,7 +70,8 @@ class FSDP(Strategy):
     Attributes
     ----------
     units : list of str
-        Submodules sharded as their own FSDP unit (the root is one too), innermost first.
+        Submodules sharded as their own FSDP unit (the root is one too), innermost first;
+        units sharded together because they share a parameter are joined by ``+``.
     mesh : torch.distributed.device_mesh.DeviceMesh
         1-D mesh over all ranks (the default process group).
     """
@@ -96,6 +103,7 @@ class FSDP(Strategy):
             if not _has_params(sub):
                 raise StrategyError(f"--fsdp-units: {unit} ({type(sub).__name__}) holds no parameters; an FSDP "
                                     f"unit shards parameters, so name a module that has some")
+        unit_groups(module, plan.fsdp_units or default_units(module))
 
     def no_sync(self):
         """FSDP2's equivalent of ``no_sync``: no reduce-scatter; unsharded gradients accumulate until
@@ -139,12 +147,12 @@ def shard(module, plan, mesh) -> list[str]:
     Returns
     -------
     list of str
-        The units sharded, innermost first (the root, ``""``, not listed).
+        The units sharded, innermost first (the root, ``""``, not listed); a group of units
+        sharded together (tied weights, :func:`unit_groups`) as their names joined by ``+``.
     """
     from torch.distributed.fsdp import fully_shard
 
-    units = list(dict.fromkeys(plan.fsdp_units)) if plan.fsdp_units else default_units(module)
-    units.sort(key=lambda n: -n.count("."))  # a unit inside another must be sharded before its parent
+    groups = unit_groups(module, plan.fsdp_units or default_units(module))
     kwargs = {}
     if plan.precision in ("bf16", "fp16"):  # compute in low precision, reduce gradients in fp32
         import torch
@@ -152,10 +160,91 @@ def shard(module, plan, mesh) -> list[str]:
 
         dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float16
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for unit in units:
-        fully_shard(module.get_submodule(unit), mesh=mesh, **kwargs)
+    for group in groups:
+        subs = [module.get_submodule(unit) for unit in group]
+        fully_shard(subs[0] if len(subs) == 1 else subs, mesh=mesh, **kwargs)
     fully_shard(module, mesh=mesh, **kwargs)
-    return units
+    return ["+".join(group) for group in groups]
+
+
+def _inside(inner: str, outer: str) -> bool:
+    """Whether submodule name ``inner`` is strictly inside ``outer`` (``""``: the root holds all)."""
+    return inner != outer and (outer == "" or inner.startswith(outer + "."))
+
+
+def _components(module, units: list[str]) -> list[list[str]]:
+    """``units`` and the root (``""``) partitioned so that units sharing a parameter are in one part.
+
+    A parameter belongs to the innermost unit around the module that uses it (the root if
+    none); every use counts (``named_modules(remove_duplicate=False)``), so a tied weight, or
+    a module reachable under two names, links the units of all its uses (union-find).
+    """
+    parent = {u: u for u in [*units, ""]}
+
+    def find(u):
+        while parent[u] != u:
+            u = parent[u]
+        return u
+
+    first = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        owner = max((u for u in units if mod_name == u or _inside(mod_name, u)), key=len, default="")
+        for p in mod.parameters(recurse=False):
+            parent[find(first.setdefault(id(p), owner))] = find(owner)
+    parts: dict[str, list[str]] = {}
+    for u in [*units, ""]:
+        parts.setdefault(find(u), []).append(u)
+    return list(parts.values())
+
+
+def unit_groups(module, units) -> list[list[str]]:
+    """The FSDP units of ``module`` as groups sharded together, in an order ``fully_shard`` accepts.
+
+    FSDP2 lets one parameter belong to one group only, so units sharing a parameter (tied
+    weights) become one group, ``fully_shard([a, b])``; a unit sharing one with the root, or
+    with a unit around it, is dropped (the outer unit takes its parameters), and grouping is
+    repeated until no part changes. Groups are ordered so that no group comes after one
+    whose modules contain it (innermost first).
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The model (not yet sharded).
+    units : sequence of str
+        Submodule names (``--fsdp-units`` or :func:`default_units`), each holding parameters.
+
+    Returns
+    -------
+    list of list of str
+        Groups of unit names, innermost first; the root is not listed (always sharded last).
+
+    Raises
+    ------
+    StrategyError
+        Tied parameters that make two groups each contain a unit of the other (no order can
+        shard them); the message names the groups and asks for other ``--fsdp-units``.
+    """
+    units = list(dict.fromkeys(units))
+    while True:
+        parts = _components(module, units)
+        drop = {u for part in parts for u in part
+                if u and ("" in part or any(_inside(u, v) for v in part))}
+        if not drop:
+            break
+        units = [u for u in units if u not in drop]
+    groups = [part for part in parts if "" not in part]
+    ordered = []
+    while groups:
+        ready = [g for g in groups if not any(_inside(u, v) for h in groups if h is not g for u in h for v in g)]
+        if not ready:
+            names = " and ".join("+".join(g) for g in groups)
+            raise StrategyError(f"--fsdp-units: tied (shared) parameters make {names} FSDP groups (sharded "
+                                f"together), and each group contains a unit of another, so none can be sharded "
+                                f"first; choose --fsdp-units so that no unit sharing a parameter is nested in a "
+                                f"unit of another group (fewer, outer units always work)")
+        ordered += ready
+        groups = [g for g in groups if all(g is not r for r in ready)]
+    return ordered
 
 
 def make_mesh(device_type: str, shape: tuple, names: tuple | None = None):
