@@ -30,15 +30,11 @@ segments, so that they are reused from transfer to transfer.
 
 from __future__ import annotations
 
-import torch
-
-from .engine import wire
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
 
 def _users(storage) -> int:
     """How many tensors (and storage objects) use ``storage``, this call's own reference not counted."""
+    import torch
+
     try:
         return torch._C._storage_Use_Count(storage._cdata) - 1
     except (AttributeError, RuntimeError):  # not in this torch: nothing moves
@@ -46,8 +42,11 @@ def _users(storage) -> int:
 
 
 def _plain(t) -> bool:
-    return (type(t) in _PLAIN and t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous()
-            and not t.is_conj() and not t.is_neg() and t.numel() > 0)
+    import torch
+
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
+            and t.layout == torch.strided and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+            and t.numel() > 0)
 
 
 def movable(tensors, pool) -> list:
@@ -59,6 +58,8 @@ def movable(tensors, pool) -> list:
     ``pool``'s resident segments on a storage used by ``tensors`` only (their bytes disjoint).
     Decide before sending: packing a tensor exports it to numpy.
     """
+    import torch
+
     seen, groups = set(), {}
     for t in tensors:
         if id(t) in seen or not isinstance(t, torch.Tensor) or not _plain(t):
@@ -89,6 +90,8 @@ def _disjoint(group) -> bool:
 
 def _repoint(t, storage, offset: int) -> None:
     """``t``'s data becomes the bytes at ``offset`` of ``storage`` (same object, dtype and shape)."""
+    import torch
+
     moved = torch.empty(0, dtype=t.dtype).set_(storage, offset // t.element_size(), t.shape)
     with torch.no_grad():
         t.data = moved
@@ -100,6 +103,8 @@ def in_place(pool, buffers):
     ``buffers``: flat uint8 arrays (:func:`distnb.engine.wire.to_buffer`). Only when every non-empty
     one lies in one resident segment of ``pool`` (whose file still exists) at a 64-byte offset.
     """
+    from .engine import wire
+
     where, offsets, sizes = None, [], []
     for b in buffers:
         n = len(b)
