@@ -307,6 +307,17 @@ def engine_processes(cluster) -> dict:
     return out
 
 
+def engines_started(cluster) -> str:
+    """How many engines the engine sets of ``cluster`` (an ``ipp.Cluster``) started so far, as ``"2 engines"``."""
+    n = 0
+    for engine_set in (cluster.engines.values() if cluster is not None else ()):
+        started = len(getattr(engine_set, "launchers", None) or {})  # one launcher per local or ssh engine
+        if not started and getattr(engine_set, "process", None) is not None:  # one mpiexec for the set
+            started = getattr(engine_set, "n", 0) or 0
+        n += started
+    return f"{n} engine{'s' * (n != 1)}"
+
+
 def launcher_processes(cluster, launcher: str) -> list:
     """(engine set, psutil.Process) of the engine sets that are one process (mpiexec)."""
     out = []
