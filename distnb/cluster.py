@@ -350,7 +350,7 @@ class Cluster(Engines):
                 proc = psutil.Process(pid)
                 if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
                     procs.append(proc)
-            except psutil.Error:
+            except (psutil.Error, ValueError):  # gone, or the -1 of a launcher interrupted before it had a pid
                 pass
         if procs:
             reap(procs)

@@ -160,3 +160,39 @@ def test_dist_stop_ends_a_run_whose_ranks_ignore_the_interrupt_with_the_engines(
     finally:
         monkeypatch.undo()
         _start_again(shell)
+
+
+def test_ctrl_c_while_the_template_forks_an_engine_leaves_no_engine_behind(shell, monkeypatch):
+    # the template forks the engine whether or not the kernel waits for its reply: an interrupted wait left
+    # an engine nobody knew the pid of (and the launcher's pid -1 made the stop raise ValueError)
+    from distnb import zygote
+
+    run(shell, "%dist stop")
+    template = zygote.get()
+    assert template is not None and template.ready()
+    real = template.proc.stdin
+
+    class InterruptAfterAnEngineRequest:  # the real pipe; a real SIGINT once an engine's fork request is sent
+        def write(self, data):
+            self.engine = b'"main": "engine"' in data
+            return real.write(data)
+
+        def flush(self):
+            real.flush()
+            if self.engine:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(template.proc, "stdin", InterruptAfterAnEngineRequest())
+    try:
+        err = run(shell, "%dist start -n 2 --timeout 30").error_in_exec
+        assert isinstance(err, Interrupted) and str(err).startswith("%dist start interrupted: stopped the "), err
+        assert session_mod._CURRENT is None
+        deadline = time.monotonic() + 15
+        children = psutil.Process(template.pid).children()
+        while time.monotonic() < deadline and _alive([c.pid for c in children]):
+            time.sleep(0.2)
+            children = psutil.Process(template.pid).children()
+        assert _alive([c.pid for c in children]) == []
+    finally:
+        monkeypatch.undo()
+        _start_again(shell)
