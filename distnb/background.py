@@ -7,7 +7,9 @@ dashboard keeps updating (ipywidgets and printed output from a thread reach the 
 through ipykernel's IOPub thread; the thread runs in a copy of the cell's context, so rank
 output lands in the training cell). ipyparallel's client sends through its own IO loop,
 so calls from this thread are safe while the main thread leaves the cluster alone: every
-other distnb command raises :class:`~distnb.errors.BusyError` until the run is over.
+other distnb command raises :class:`~distnb.errors.BusyError` until the run is over, except
+``%dist where`` and ``%dist status`` (which do not ask the busy ranks) and ``%dist stop``
+(:func:`stop_before_cluster_stop` stops the run first, then the cluster).
 
 ``%dist wait`` (:meth:`Session.wait`) joins the thread and returns the run's TrainResult;
 ``%dist stop-training`` (:meth:`Session.stop_training`) asks the watcher to stop the ranks
@@ -26,7 +28,7 @@ from .errors import BusyError, Interrupted
 #: Message of the error other distnb commands raise while a background run is going on.
 BUSY_MESSAGE = ("a background training run (%%distrain --background) is still going on; run %dist wait to wait "
                 "for its result, or %dist stop-training to stop it (Python: session.wait() / "
-                "session.stop_training())")
+                "session.stop_training()); %dist stop stops it and the cluster")
 
 
 class BackgroundRun:
@@ -210,6 +212,46 @@ def stop(session, quiet=False):
     if result is not None and result.interrupted and not quiet:
         print(f"distnb: {result.interrupted_message}; the result holds what was trained")
     return result
+
+
+def stop_before_cluster_stop(session) -> str:
+    """``%dist stop`` during a background run: stop the run as ``%dist stop-training`` does, then say how.
+
+    Every rank is asked to stop after the same step (the watcher's SIGINT, then a second one
+    for ranks that do not stop within ``STOP_WAIT``); the wait is bounded by the execute path's
+    stop waits plus 5 s, after which the run is left to the cluster's stop (the engines are shut
+    down and killed, the run's thread ends on the closed client). A stopped run's weights are in
+    the kernel's model, and ``-o NAME`` is bound, as after ``%dist stop-training``.
+
+    Returns
+    -------
+    str
+        The clause the stop's one line starts with ("" when there was no run to stop).
+    """
+    from .execute import INTERRUPT_WAIT, STOP_WAIT
+
+    run = session._background
+    if run is None or run.current_thread_is_runner():
+        return ""
+    if not run.done:
+        run.request_stop()
+        waited = STOP_WAIT + INTERRUPT_WAIT + 5
+        if not run.join(waited):
+            session._background = None
+            return f"the background training run did not stop within {waited:g} s, so it ended with the engines; "
+    session._background = None
+    run.collected = True
+    if run.error is not None:
+        if isinstance(run.error, Interrupted):  # stopped before a step ended everywhere: no weights came back
+            return f"stopped the background training run ({run.error}); "
+        first = (str(run.error).strip().splitlines() or [""])[0]
+        return f"the background run had ended ({type(run.error).__name__}: {first}); "
+    for callback in run.on_result:
+        callback(run.result)
+    if run.result.interrupted:
+        return (f"stopped the background training run ({run.result.interrupted_message}; the kernel's model "
+                "holds the weights of the last completed step), then ")
+    return f"the background run had finished ({run.result.title}; its weights are in the kernel's model), then "
 
 
 def end(session) -> None:

@@ -40,7 +40,7 @@ from ipyparallel.serialize import PrePickled
 from . import calls, launchers, placement, slurm, tracebacks, zygote
 from .calls import RankFunction
 from .engines import Engines
-from .errors import ClusterError, PlanError, RankError
+from .errors import ClusterError, Interrupted, PlanError, RankError
 from .net import check_port_free, free_port, is_loopback, visible_gpus
 from .plan import BATCH_LAUNCHERS, ClusterSpec
 
@@ -177,8 +177,11 @@ class Cluster(Engines):
             self._setup_ranks()
         except BaseException as exc:
             where = launchers.failed_ssh_host(self._ipp, self.spec.hosts) if self.launcher == "ssh" else ""
+            started = launchers.engines_started(self._ipp)  # "2 engines", before the stop forgets them
             self.stop()
-            if isinstance(exc, (ClusterError, PlanError, KeyboardInterrupt)):
+            if isinstance(exc, KeyboardInterrupt) or isinstance(exc.__context__, KeyboardInterrupt):  # Ctrl-C
+                raise Interrupted(f"%dist start interrupted: stopped the {started} started so far") from None
+            if isinstance(exc, (ClusterError, PlanError)):
                 raise
             if isinstance(exc, slurm.SubmitError):
                 raise ClusterError(slurm.submit_error(exc, spec)) from None
@@ -347,7 +350,7 @@ class Cluster(Engines):
                 proc = psutil.Process(pid)
                 if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
                     procs.append(proc)
-            except psutil.Error:
+            except (psutil.Error, ValueError):  # gone, or the -1 of a launcher interrupted before it had a pid
                 pass
         if procs:
             reap(procs)

@@ -22,6 +22,7 @@ exited early (mpiexec), the host an ssh launcher failed on, the registration por
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import stat
@@ -307,6 +308,37 @@ def engine_processes(cluster) -> dict:
     return out
 
 
+def engines_started(cluster) -> str:
+    """How many engines the engine sets of ``cluster`` (an ``ipp.Cluster``) started so far, as ``"2 engines"``."""
+    n = 0
+    for engine_set in (cluster.engines.values() if cluster is not None else ()):
+        started = len(getattr(engine_set, "launchers", None) or {})  # one launcher per local or ssh engine
+        if not started and getattr(engine_set, "process", None) is not None:  # one mpiexec for the set
+            started = getattr(engine_set, "n", 0) or 0
+        n += started
+    return f"{n} engine{'s' * (n != 1)}"
+
+
+class _InterruptedTaskFilter(logging.Filter):
+    """Drops what asyncio logs about the tasks an interrupted ipyparallel call leaves.
+
+    An interrupted ``%dist start`` leaves the KeyboardInterrupt in the task of ipyparallel's
+    ``start_cluster``/``connect_client`` (run by ``_async._synchronize``), or that task pending;
+    asyncio logs "Task exception was never retrieved" (with a traceback) or "Task was destroyed but
+    it is pending!" whenever the task is garbage-collected, in some later cell. distnb has already
+    said what the interrupt did (:class:`~distnb.errors.Interrupted`); other task errors are still logged.
+    """
+
+    def filter(self, record) -> bool:
+        exc, text = record.exc_info[1] if record.exc_info else None, str(record.msg)
+        interrupted = isinstance(exc, KeyboardInterrupt) and "never retrieved" in text
+        return not (interrupted or ("destroyed but it is pending" in text and "ipyparallel" in text))
+
+
+if not any(isinstance(f, _InterruptedTaskFilter) for f in logging.getLogger("asyncio").filters):
+    logging.getLogger("asyncio").addFilter(_InterruptedTaskFilter())
+
+
 def launcher_processes(cluster, launcher: str) -> list:
     """(engine set, psutil.Process) of the engine sets that are one process (mpiexec)."""
     out = []
@@ -340,7 +372,7 @@ def started_pids(cluster, launcher: str) -> list:
     pids = []
     if launcher == "local":  # an ssh launcher's pid is the engine's pid on its own host
         for engine_set in cluster.engines.values():
-            pids += [l.pid for l in getattr(engine_set, "launchers", {}).values() if getattr(l, "pid", None)]
+            pids += [l.pid for l in getattr(engine_set, "launchers", {}).values() if (getattr(l, "pid", None) or 0) > 0]
     pids += [proc.pid for _, proc in launcher_processes(cluster, launcher)]
     controller = getattr(getattr(cluster, "controller", None), "pid", None)
     try:

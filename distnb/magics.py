@@ -79,7 +79,8 @@ def _start(line):
 
 @magic_arguments(name="dist stop")
 def _stop(line):
-    """Stop every engine and the controller this kernel started."""
+    """Stop every engine and the controller this kernel started; a background training run is stopped first, as
+    %dist stop-training does (every rank after the same step; the model keeps those weights)."""
 
 
 @magic_arguments(name="dist restart")
@@ -110,7 +111,8 @@ def _scale(line):
 
 @magic_arguments(name="dist status")
 def _status(line):
-    """Table of rank, engine id, host, node_rank, local_rank, pid, device, backend, threads and liveness."""
+    """Table of rank, engine id, host, node_rank, local_rank, pid, device, backend, threads and liveness; during
+    a background training run, what the kernel knows without asking the busy ranks (and which rank died)."""
 
 
 @magic_arguments(name="dist push")
@@ -380,6 +382,9 @@ def _current():
 
 #: Verbs that run while a background training run goes on (the others raise BusyError then).
 ANY_TIME = ("wait", "stop-training", "where")
+#: Verbs that need a cluster and see to a background run themselves (stop stops it first; status does not ask
+#: the busy ranks).
+RUN_AWARE = ("stop", "status")
 #: Verbs that only print "no cluster is running" without one (the others raise it as an error).
 NEED_CLUSTER = ("stop",)
 #: What each ``%dist`` verb calls: ``(parsed args, the notebook namespace) -> value shown``.
@@ -455,7 +460,7 @@ class DistMagics(Magics):
             if verb not in ANY_TIME:
                 if session._CURRENT is None and verb in NEED_CLUSTER:
                     return print("distnb: no cluster is running")
-                if session._CURRENT is not None:  # one run at a time: a background run blocks the other verbs
+                if session._CURRENT is not None and verb not in RUN_AWARE:  # a background run blocks the rest
                     from .background import check_idle
 
                     check_idle(session._CURRENT)

@@ -177,15 +177,20 @@ def training_notes(first: dict) -> list:
     return notes
 
 
-def status_table(session, timeout: float) -> StatusTable:
-    """Ask every live rank who it is (waiting at most ``timeout`` seconds in all); one row per rank."""
+def status_table(session, timeout: float, busy: bool = False) -> StatusTable:
+    """Ask every live rank who it is (waiting at most ``timeout`` seconds in all); one row per rank.
+
+    With ``busy`` (a background training run holds the ranks) no rank is asked: each row is what
+    the kernel recorded at the start (host, pid, local_rank, ...), ``alive`` is whether the engine
+    process still runs as the kernel sees it, ``died`` how a dead one ended, and the title says so.
+    """
     import time
 
     from . import calls
 
     cluster = session.cluster
     dead = cluster.dead_ranks()
-    ars = {r: cluster.apply(r, calls.info) for r in range(cluster.world_size) if r not in dead}
+    ars = {} if busy else {r: cluster.apply(r, calls.info) for r in range(cluster.world_size) if r not in dead}
     deadline = time.monotonic() + timeout
     rows = []
     for rank in range(cluster.world_size):
@@ -196,10 +201,13 @@ def status_table(session, timeout: float) -> StatusTable:
                 base.update(ars[rank].get(0), alive=True)
             except Exception:
                 pass
+        if busy:
+            base.update(alive=rank not in dead, died=dead.get(rank))
         base["threads"] = base.get("num_threads")
         rows.append(base)
     # ranks whose model is on a named device mesh (--strategy fsdp+tensor) say where they sit in it
     columns = StatusTable.columns + (("mesh",) if any(row.get("mesh") for row in rows) else ())
+    columns += ("died",) if busy and dead else ()
     table = StatusTable(rows, columns)
     table.controller_pid = cluster.pids["controller"]
     table.store = f"{cluster.master_addr}:{cluster.master_port}"
@@ -207,6 +215,10 @@ def status_table(session, timeout: float) -> StatusTable:
     job = f"{cluster.launcher} job {table.job_id} · " if table.job_id else ""
     table.title = (f"{job}controller pid {table.controller_pid} · torch.distributed store {table.store} · "
                    f"auto restart {'on' if session.auto_restart else 'off'}")
+    if busy:
+        died = "; ".join(f"rank {r} died: {how}" for r, how in sorted(dead.items()))
+        table.title += (" · the ranks are busy training in the background (%dist wait, %dist stop-training): not "
+                        "asked, alive is whether each engine process runs" + (f" · {died}" if died else ""))
     return table
 
 

@@ -208,9 +208,17 @@ class Session:
         """Rank, engine id, host, node_rank, local_rank, pid, device, backend, threads and liveness of every rank.
 
         A rank is alive when its engine process runs and answers within ``timeout`` seconds
-        (an engine still loading torch right after a start can take a few seconds).
+        (an engine still loading torch right after a start can take a few seconds). During a
+        background training run the ranks are not asked (they are busy training): the table shows
+        what the kernel knows (pids, hosts, whether each engine process is alive, how a dead one
+        died) and its title says the ranks are training.
         """
-        self._check_running()
+        if not self.running:
+            raise ClusterError("the distnb cluster is stopped; run %dist start")
+        run = self._background
+        if run is not None and run.active:  # the ranks are busy training: what the kernel itself knows
+            return status_table(self, timeout, busy=True)
+        check_idle(self)
         return status_table(self, timeout)
 
     def where(self, timeout: float = 2.0) -> WhereTable:
@@ -236,9 +244,13 @@ class Session:
         return where_table(wheres, self.world_size, "between cells: every rank is idle")
 
     def stop(self, quiet=False) -> None:
-        """Stop every process this session started (engines, controller)."""
+        """Stop every process this session started (engines, controller).
+
+        A background training run is stopped first as :meth:`stop_training` does (every rank
+        after the same step, bounded; then with the engines), and the one line says so.
+        """
         global _CURRENT
-        check_idle(self)
+        said = background.stop_before_cluster_stop(self)
         if not self.running:
             if not quiet:
                 print("distnb: the cluster is already stopped")
@@ -252,13 +264,14 @@ class Session:
             if _CURRENT is self:
                 _CURRENT = None
         if not quiet:
-            print(f"distnb: stopped {count(len(pids['engines']), 'engine')} and the controller")
+            print(f"distnb: {said}stopped {count(len(pids['engines']), 'engine')} and the controller")
 
     def restart(self, quiet=False, **given) -> "Session":
         """Stop and start again, with the running cluster's options except those ``given``; the new session.
 
         ``given``: :func:`start`'s options (``restart(n=4)`` is ``%dist restart -n 4``).
         """
+        check_idle(self)  # a background run is stopped by %dist stop or stop-training, not by a restart
         spec = self.cluster.spec
         policy = failure_policy(given.pop("auto_restart", None), given.pop("on_failure", None)) or self.on_failure
         if given:

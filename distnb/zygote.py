@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import signal
 import threading
 import time
 
@@ -102,6 +103,7 @@ class Zygote:
         self.info: dict = {}
         self.exits: dict = {}
         self._replies: dict = {}
+        self._abandoned: set = set()  # ids of fork requests whose caller stopped waiting (see _end_abandoned)
         self._cond = threading.Condition()
         self._next = 0
         self._lock = threading.Lock()
@@ -129,6 +131,8 @@ class Zygote:
                 elif "id" in msg:
                     self._replies[msg["id"]] = msg
                     self.exits.pop(msg.get("pid"), None)  # a reused pid: the old engine's status is not this one's
+                    if msg["id"] in self._abandoned:
+                        self._end_abandoned()
                 self._cond.notify_all()
             if msg.get("ready"):
                 self.ready_event.set()
@@ -180,22 +184,44 @@ class Zygote:
         with self._lock:
             self._next += 1
             rid = self._next
-            line = json.dumps(dict(id=rid, main=main, args=list(args), env=dict(env), cwd=cwd, output=output,
-                                   title=title))
-            try:
-                self.proc.stdin.write(line.encode() + b"\n")
-                self.proc.stdin.flush()
-            except (OSError, ValueError) as exc:
-                raise RuntimeError(f"the engine template (pid {self.pid}) is gone: {exc}") from None
-        with self._cond:
-            if not self._cond.wait_for(lambda: rid in self._replies or not self.alive(), FORK_WAIT):
-                raise RuntimeError(f"the engine template (pid {self.pid}) did not fork within {FORK_WAIT:.0f} s")
-            reply = self._replies.pop(rid, None)
+        line = json.dumps(dict(id=rid, main=main, args=list(args), env=dict(env), cwd=cwd, output=output, title=title))
+        try:
+            with self._lock:
+                try:
+                    self.proc.stdin.write(line.encode() + b"\n")
+                    self.proc.stdin.flush()
+                except (OSError, ValueError) as exc:
+                    raise RuntimeError(f"the engine template (pid {self.pid}) is gone: {exc}") from None
+            with self._cond:
+                if not self._cond.wait_for(lambda: rid in self._replies or not self.alive(), FORK_WAIT):
+                    raise RuntimeError(f"the engine template (pid {self.pid}) did not fork within {FORK_WAIT:.0f} s")
+                reply = self._replies.pop(rid, None)
+        except BaseException:  # Ctrl-C (or a timeout) once the request may be sent: the template forks anyway, and
+            self._abandoned.add(rid)  # nobody would know that child's pid: end it when (or if) its reply comes
+            self._end_abandoned()
+            raise
         if reply is None:
             raise RuntimeError(f"the engine template (pid {self.pid}) exited")
         if "error" in reply:
             raise RuntimeError(f"the engine template (pid {self.pid}): {reply['error']}")
         return reply["pid"]
+
+    def _end_abandoned(self) -> None:
+        """SIGKILL the children of forks whose caller stopped waiting for the reply (an interrupted
+        ``%dist start``): nobody knows their pids, so they would outlive the cluster's stop.
+
+        Called by both the caller and the reader thread, without the lock: whichever sees both the
+        abandoned request and its reply ends the child (``dict.pop`` hands the reply to one of them).
+        """
+        for rid in list(self._abandoned):
+            reply = self._replies.pop(rid, None)
+            if reply is None:
+                continue
+            self._abandoned.discard(rid)
+            try:
+                os.kill(reply["pid"], signal.SIGKILL)
+            except (KeyError, OSError):  # the fork failed, or the child is gone
+                pass
 
     def process(self, pid: int) -> ForkedProcess:
         return ForkedProcess(pid, self)

@@ -41,11 +41,11 @@ def test_background_run_frees_the_kernel_refuses_other_commands_and_wait_returns
     assert "training in the background" in capsys.readouterr().out
     sess = session_mod.current()
     assert sess._background is not None and sess._background.active
-    for cell in ("%dist status", "%%dist\nprint(1)", "%dist stop", "%dist push SETUP",
+    for cell in ("%%dist\nprint(1)", "%dist restart", "%dist push SETUP",
                  "%%distrain --model bg_net --data bg_train\nx, y = batch\nloss = F.cross_entropy(model(x), y)"):
         err = run(shell, cell).error_in_exec
         assert isinstance(err, BusyError), (cell, err)
-        assert "%dist wait" in str(err) and "%dist stop-training" in str(err)
+        assert "%dist wait" in str(err) and "%dist stop-training" in str(err) and "%dist stop " in str(err)
     assert shell.run_cell("1 + 1").result == 2  # ordinary cells run meanwhile
     result = run(shell, "res = %dist wait").result
     result = shell.user_ns["res"]
