@@ -88,11 +88,14 @@ def _disjoint(group) -> bool:
     return all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
 
 
-def _repoint(t, storage, offset: int) -> None:
-    """``t``'s data becomes the bytes at ``offset`` of ``storage`` (same object, dtype and shape)."""
+def _repoint(t, owner, offset: int) -> None:
+    """``t``'s data becomes the bytes at ``offset`` of ``owner`` (same object, dtype and shape), on a storage of
+    its own (:func:`distnb.engine.segments.tensor_at`: ``torch.save`` of it writes just its bytes)."""
     import torch
 
-    moved = torch.empty(0, dtype=t.dtype).set_(storage, offset // t.element_size(), t.shape)
+    from .engine import segments
+
+    moved = segments.tensor_at(owner, offset, t.dtype, t.shape)
     with torch.no_grad():
         t.data = moved
 
@@ -132,9 +135,9 @@ def adopt(pool, seg, buffers, ref, tensors) -> bool:
     todo = [(t, placed[t.data_ptr()][0]) for t in tensors if placed.get(t.data_ptr(), (0, -1))[1] == _nbytes(t)]
     if not todo:
         return False
-    storage = pool.keep(seg).untyped_storage()
+    owner = pool.keep(seg)
     for t, offset in todo:
-        _repoint(t, storage, offset)
+        _repoint(t, owner, offset)
     return True
 
 
@@ -159,8 +162,8 @@ def adopt_state(pool, targets: dict, keys, descs, ref) -> set:
             done.add(id(t))
     if not todo:
         return set()
-    storage = pool.keep(seg).untyped_storage()
+    owner = pool.keep(seg)
     for t, off in todo:
-        _repoint(t, storage, off)
+        _repoint(t, owner, off)
     return {k for k in keys if id(targets.get(k)) in done}
 

@@ -198,18 +198,19 @@ class Pool:
             self.free.append(seg)
             self.trim()
 
-    def keep(self, seg: Segment) -> torch.Tensor:
+    def keep(self, seg: Segment):
         """``seg`` becomes the memory of tensors that the caller re-points into it (it is *resident*).
 
-        Returns a uint8 tensor over the whole segment: tensors made on its storage keep the segment
-        resident, never handed out again, until every one of them is gone; then it is free again.
+        Returns a numpy uint8 array over the whole segment: tensors made on it (:func:`tensor_at`)
+        keep the segment resident, never handed out again, until every one of them is gone; then
+        it is free again.
         """
         self.busy.pop(seg.path, None)
         self.resident[seg.path] = seg
-        owner = seg.base.numpy()  # a new ndarray per keep: it lives as long as the tensors on its storage
+        owner = seg.base.numpy()  # a new ndarray per keep: it lives as long as the tensors made on it
         _KEPT[seg.path] = (seg.base.data_ptr(), seg.size)
         weakref.finalize(owner, self._unkeep, seg.path)
-        return torch.from_numpy(owner)
+        return owner
 
     def _unkeep(self, path: str) -> None:
         _KEPT.pop(path, None)
@@ -260,6 +261,20 @@ class Pool:
         for seg in self.resident.values():
             seg.close(unmap=False)  # its mapping stays while the tensors on it do
         self.free, self.lent, self.busy, self.resident = [], {}, {}, {}
+
+
+def tensor_at(owner, offset: int, dtype: torch.dtype, shape) -> torch.Tensor:
+    """A tensor of ``dtype`` and ``shape`` on the bytes at ``offset`` of ``owner`` (a numpy uint8 array), with a
+    storage of its own: exactly its bytes, so that ``torch.save`` of it writes those (not the whole segment)
+    and tensors of other dtypes beside it save too. The storage keeps ``owner`` alive."""
+    numel = 1
+    for n in shape:
+        numel *= int(n)
+    if numel == 0:
+        return torch.empty(tuple(shape), dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # a read-only owner (a reader's mapping)
+        return torch.frombuffer(owner, dtype=dtype, count=numel, offset=offset).view(tuple(shape))
 
 
 class Maps:

@@ -294,15 +294,17 @@ def segments_view(ref: ShmRef) -> torch.Tensor:
     return _MAPS.view(ref.path, ref.extent)
 
 
-def _own(storage, offset: int, desc: tuple) -> torch.Tensor:
-    """The tensor ``desc`` at byte ``offset`` of ``storage``: sharing its memory, but not a view.
+def _own(owner, offset: int, desc: tuple) -> torch.Tensor:
+    """The tensor ``desc`` at byte ``offset`` of ``owner`` (a numpy uint8 array over an arena or mapping):
+    sharing its memory, but neither a view nor on a shared storage.
 
     Views of one tensor share autograd's version counter, so an in-place update of one buffer
     (BatchNorm's running statistics in the forward) would look like a change of every weight
-    saved for backward; a tensor ``set_`` on the storage keeps a counter of its own.
+    saved for backward; and tensors on one storage save together (``torch.save`` writes the whole
+    storage, and refuses tensors of different dtypes on it). Each gets a storage of its own over
+    exactly its bytes (:func:`~.segments.tensor_at`).
     """
-    dtype = getattr(torch, desc[0])
-    return torch.empty(0, dtype=dtype).set_(storage, offset // dtype.itemsize, tuple(desc[1]))
+    return segments.tensor_at(owner, offset, getattr(torch, desc[0]), desc[1])
 
 
 def read_shm(ref: ShmRef, descs, mapped: bool = False) -> list:
@@ -312,14 +314,14 @@ def read_shm(ref: ShmRef, descs, mapped: bool = False) -> list:
     """
     total = ref.extent
     if mapped:
-        storage = segments.borrow(ref.path, total).untyped_storage()
-        return [_finish(_own(storage, off, d), d) for d, off in zip(descs, ref.offsets)]
+        owner = segments.borrow(ref.path, total).numpy()
+        return [_finish(_own(owner, off, d), d) for d, off in zip(descs, ref.offsets)]
     src, dst = segments_view(ref), _ARENAS.take(total)
     for off, n in zip(ref.offsets, ref.sizes):
         if n:
             dst[off:off + n].copy_(src[off:off + n])
-    storage = dst.untyped_storage()
-    return [_finish(_own(storage, off, d), d) for d, off in zip(descs, ref.offsets)]
+    owner = dst.numpy()
+    return [_finish(_own(owner, off, d), d) for d, off in zip(descs, ref.offsets)]
 
 
 def offer(outbox) -> None:
@@ -343,12 +345,12 @@ def gather_rows(ref: ShmRef, descs, rows: torch.Tensor) -> list:
     sizes = [int(torch.Size(s).numel()) * getattr(torch, d[0]).itemsize for s, d in zip(shapes, descs)]
     offsets, total = layout(sizes)
     dst = _ARENAS.take(total)
-    out = []
+    owner, out = dst.numpy(), []
     for d, shape, off, n, src_off, src_n in zip(descs, shapes, offsets, sizes, ref.offsets, ref.sizes):
         part = (d[0], shape) + tuple(d[2:])
         if n:
             torch.index_select(_view(src, src_off, src_n, d), 0, rows, out=_view(dst, off, n, part))
-        out.append(_finish(_own(dst.untyped_storage(), off, part), part))
+        out.append(_finish(_own(owner, off, part), part))
     return out
 
 

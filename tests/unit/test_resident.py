@@ -7,6 +7,7 @@ it lives, and it is free again once the tensors on it are gone, also after the p
 """
 
 import gc
+import io
 import os
 
 import numpy as np
@@ -58,6 +59,16 @@ def test_a_sent_model_moves_into_its_segment_unchanged_and_is_sent_again_in_plac
     torch.optim.SGD(net.parameters(), lr=0.1).step()
     ref2, got2 = _send(net)
     assert ref2.path == ref.path and torch.equal(got2[0], net[0].weight.detach())
+    # each moved tensor has a storage of exactly its bytes: saving one layer writes that layer, and the float
+    # weights and BatchNorm's int64 counter save together (torch refuses tensors of two dtypes on one storage)
+    assert all(t.untyped_storage().nbytes() == t.nbytes for t in net.state_dict().values())
+    buf = io.BytesIO()
+    torch.save(net.state_dict(), buf)
+    buf.seek(0)
+    assert all(torch.equal(a, b) for a, b in zip(torch.load(buf).values(), net.state_dict().values()))
+    one = io.BytesIO()
+    torch.save(net[0].bias, one)
+    assert len(one.getvalue()) < 4 * net[0].weight.nbytes
 
 
 def test_what_shares_memory_with_something_else_stays_put(shm_dir):
@@ -137,7 +148,7 @@ def test_rows_gathered_on_a_rank_equal_the_kernels_indexing(shm_dir):
     with transfer.outgoing(FakeCluster(), buffers, keep=keep) as sent:
         cols = wire.gather_rows(sent[0], descs, rows)
     assert torch.equal(cols[0], x[rows]) and torch.equal(cols[1], y[rows])
-    assert cols[0].untyped_storage().data_ptr() == cols[1].untyped_storage().data_ptr()  # one arena
+    assert all(c.untyped_storage().nbytes() == c.nbytes for c in cols)  # in one arena, each on a storage of its own
     cols[0].add_(1)  # a shard is the rank's own memory
     assert torch.equal(x[rows] + 1, cols[0])
     assert segments.SHM_DIR == str(shm_dir)
