@@ -93,13 +93,10 @@ def test_scatter_maps_only_its_shard(dist_session, shell):
         assert sizes[r] * 6 * 4 <= nbytes < 1001 * 6 * 4
     back = dist_session.gather("shm_xy")
     assert torch.equal(back[0], x) and torch.equal(back[1], y)
-    # the kernel's columns moved into its pool (scattered again, they are sent where they lie) ...
-    pool = transfer._pool()
-    assert pool.ours(x.data_ptr(), x.nbytes) and pool.ours(y.data_ptr(), y.nbytes)
-    assert dist_session.scatter("shm_xy", (x, y)) == sizes
+    assert dist_session.scatter("shm_xy", (x, y)) == sizes  # scattered again
     values = dist_session.pull("shm_xy")
     assert all(torch.equal(values[r][0], x[mine[r]]) for r in (0, 1))
-    # ... and a tensor that shares its memory with numpy stays where it is
+    # a tensor that shares its memory with numpy stays where it is
     arr = x.numpy().copy()
     from_numpy = torch.from_numpy(arr)
     dist_session.scatter("shm_np", from_numpy)
@@ -178,9 +175,6 @@ def test_a_trained_model_is_sent_again_with_no_copy_in_the_kernel(dist_session, 
     dist_session.train(BODY, model="res_net", data="res_data", epochs=1, batch_size=8, progress="none",
                        quiet=True, reset=True)  # sent again (reset) and trained: weights back into the offered segment
     assert _resident(net) and set(pool.resident) != before[1]  # the model moved into the other segment
-    flats = ranks_flat(dist_session, "res_net")
-    kernel_flat = torch.cat([p.detach().flatten() for p in net.parameters()])
-    assert torch.equal(flats[0], kernel_flat) and torch.equal(flats[1], kernel_flat)
     dist_session.train(BODY, model="res_net", data="res_data", epochs=1, batch_size=8, progress="none", quiet=True)
     assert len(pool.resident) + len(pool.free) <= before[0] + len(before[1])  # two segments take turns: none new
     assert shm.strays() == []
