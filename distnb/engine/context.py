@@ -55,7 +55,7 @@ class StopRequest:
 STOP_CHECK_SECONDS = 0.1
 #: Seconds between two looks at the store while a rank waits for the others' step counts.
 STEPS_POLL_SECONDS = 0.005
-_AGREED = {"generation": -1, "seq": 0}  # the step agreements of this process group, counted alike on every rank
+_AGREED = {"store": None, "seq": 0}  # the step agreements of this process group, counted alike on every rank
 
 
 def agree_on_steps(steps: int, when: str) -> None:
@@ -87,10 +87,10 @@ def agree_on_steps(steps: int, when: str) -> None:
     store, st = abort.ARMED.store, runtime.STATE
     if store is None or st.world_size < 2:
         return
-    if _AGREED["generation"] != st.generation:
-        _AGREED.update(generation=st.generation, seq=0)
+    if _AGREED.get("store") is not store:  # a new group (its own store): counted from 0 on every rank alike; a
+        _AGREED.update(store=store, seq=0)  # rank's group generation differs on ranks %dist scale added
     _AGREED["seq"] += 1
-    key = f"distnb_steps/{st.generation}/{_AGREED['seq']}/"
+    key = f"distnb_steps/{_AGREED['seq']}/"
     store.set(key + str(st.rank), f"{steps}\t{when}")  # the spot too: one rank's epoch end may meet another's body end
     keys = [key + str(r) for r in range(st.world_size)]
     where.NOTE["text"] = (f"waiting {when} after {steps} steps of it for the other ranks (a rank that takes "
