@@ -22,13 +22,6 @@ BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
 TOL = dict(atol=1e-5, rtol=1e-5)
 
 
-#: Known regression, not run: on the merged main of 2026-12-01 21:00 UTC (with the failfast, latency and sshscale
-#: changes) a scale of an fsdp+tensor world hangs while the ranks leave the old process group ("ranks 0-1 did not
-#: finish leaving the old process group within 30 s"); these tests passed on their branch before those merges.
-pytestmark = pytest.mark.xfail(run=False, strict=False, reason="fsdp+tensor scale hangs leaving the old group "
-                               "after the 2026-12-01 merges (see the module comment)")
-
-
 def make_model(seed=1):
     """Linear(12, 16), Tanh, Linear(16, 8), Linear(8, 3): the default plan splits 0/2, leaves 3 whole."""
     torch.manual_seed(seed)
