@@ -258,19 +258,15 @@ class Engines:
         """Wait :data:`EXIT_GRACE` s for the local processes ``pids`` to exit, then kill the rest."""
         import psutil
 
+        from .reaper import kill_after
+
         procs = []
         for pid in pids:
             try:
                 procs.append(psutil.Process(pid))
             except psutil.Error:
                 pass
-        _, alive = psutil.wait_procs(procs, timeout=EXIT_GRACE)
-        for proc in alive:
-            try:
-                proc.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(alive, timeout=5.0)
+        kill_after(procs, EXIT_GRACE)
 
     # the group -------------------------------------------------------------------------
     def snapshot(self) -> tuple:

@@ -55,12 +55,22 @@ def reap(procs) -> None:
             p.terminate()
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(everything, timeout=GRACE_SECONDS)
+    kill_after(everything, GRACE_SECONDS, settle=0.0)
+
+
+def kill_after(procs, grace: float, settle: float = 5.0) -> None:
+    """Wait up to ``grace`` s for ``procs`` (psutil.Process) to exit, SIGKILL the rest, then wait up to ``settle``
+    s for those."""
+    import psutil
+
+    _, alive = psutil.wait_procs(procs, timeout=grace)
     for p in alive:
         try:
             p.kill()
-        except psutil.NoSuchProcess:
+        except psutil.Error:
             pass
+    if settle and alive:
+        psutil.wait_procs(alive, timeout=settle)
 
 
 def sweep_shm(kernel_pid: int) -> None:
