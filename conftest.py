@@ -28,6 +28,25 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+_STARTED: list[tuple[float, str]] = []  # (wall-clock start, nodeid) of every test, to name a leak's test
+
+
+def pytest_runtest_setup(item):
+    _STARTED.append((time.time(), item.nodeid))
+
+
+def _describe(p) -> str:
+    """One leaked process: pid, command line, and the test that was running when it was started."""
+    try:
+        born, cmd = p.create_time(), " ".join(p.cmdline())[:300]
+        parent = p.ppid()
+    except Exception as exc:  # gone or unreadable while we look
+        return f"{p.pid} ({exc.__class__.__name__})"
+    during = [nodeid for t, nodeid in _STARTED if t <= born]
+    test = during[-1] if during else "before the first test"
+    return f"{p.pid} (parent {parent}, started during {test}): {cmd}"
+
+
 CLUSTER_PROCESS_MARKERS = ("ipyparallel.engine", "ipyparallel.controller", "ipengine", "ipcontroller")
 
 
@@ -62,9 +81,10 @@ def pytest_sessionfinish(session, exitstatus):
     while left and time.monotonic() < deadline:
         time.sleep(0.5)
         left = cluster_processes()
+    described = [_describe(p) for p in left]
     for p in left:
         p.kill()
     if left:
-        print(f"\nleaked cluster processes (killed): {[p.pid for p in left]}")
+        print("\nleaked cluster processes (killed):\n  " + "\n  ".join(described))
         session.exitstatus = 1
     shutil.rmtree(_TMP, ignore_errors=True)
