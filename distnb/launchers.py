@@ -37,7 +37,7 @@ from ipyparallel.cluster.launcher import (LocalControllerLauncher, LocalEngineLa
 
 from . import slurm, zygote
 from .errors import ClusterError
-from .placement import engine_command
+from .placement import REGISTRATION_ARG, engine_command
 
 #: Seconds an ssh launcher keeps asking an unreachable host about its engine before giving up.
 UNREACHABLE_GIVE_UP = 20.0
@@ -164,8 +164,9 @@ class _EngineSetLauncher(LocalEngineSetLauncher):
     # no watch on the controller's heartbeat in the engine: it wakes the engine's Python loop at every
     # ping (10 a second, HEARTBEAT_MS), about 6 CPU-ms a second per idle engine here, 0.2 of a core
     # for 32 engines (issue 20); an engine on this machine is ended by distnb instead (its pid, the reaper)
+    # and a registration that waits for a busy controller (placement.REGISTRATION_WAIT)
     engine_args = List(["--IPEngine.enable_nanny=False", "--HistoryManager.enabled=False",
-                        "--IPEngine.max_heartbeat_misses=0"], config=True)
+                        "--IPEngine.max_heartbeat_misses=0", REGISTRATION_ARG], config=True)
     delay = Float(0.0, config=True)  # ipyparallel sleeps 0.1 s between engines by default
 
     def start(self, n):

@@ -153,6 +153,14 @@ def engines_per_host(spec) -> int:
     return spec.engines_per_node or -(-spec.num_engines // hosts)
 
 
+#: Seconds an engine waits for the controller's answer to its registration before it gives up and exits.
+#: ipyparallel's default (``IPEngine.timeout``, 5 s) is too short when many engines register at once on a
+#: busy machine: with 32 forked engines under load, some gave up and ``%dist start -n 32`` found 30 of 32
+#: (issue 20). distnb itself waits at least 60 s for registration and stops the engines when it gives up.
+REGISTRATION_WAIT = 120.0
+REGISTRATION_ARG = f"--IPEngine.timeout={REGISTRATION_WAIT:g}"
+
+
 def launcher_config(spec, launcher: str, profile: Config, env: dict) -> Config:
     """traitlets config for ipyparallel's ``launcher``: distnb's engine command, environment, placement.
 
@@ -175,7 +183,7 @@ def launcher_config(spec, launcher: str, profile: Config, env: dict) -> Config:
     # on other hosts the nanny process forwards signals (the interrupt) to the engine and reports its exit;
     # engines on this host are signalled by pid and need none
     nanny = [] if engines_remote(launcher, spec.hosts) else ["--IPEngine.enable_nanny=False"]
-    default("EngineLauncher", "engine_args", nanny + ["--HistoryManager.enabled=False"])
+    default("EngineLauncher", "engine_args", nanny + ["--HistoryManager.enabled=False", REGISTRATION_ARG])
     per_host = engines_per_host(spec)
     if launcher == "ssh":
         python = _profile_value(profile, "remote_python", "SSHEngineLauncher", "SSHEngineSetLauncher",
