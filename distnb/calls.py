@@ -173,10 +173,6 @@ def install_shard(name, num_samples, num_shards, seed, index, structure, descs, 
 
 
 @_on_rank(LOOP, with_ns=True)
-def install_shard_rows(name, num_samples, num_shards, seed, index, structure, descs, ref): ...
-
-
-@_on_rank(LOOP, with_ns=True)
 def train(plan_dict, code_text, outbox=None): ...
 
 

@@ -55,50 +55,18 @@ def scatter(session, name: str, obj, seed: int, num_shards: int) -> list:
         raise PlanError(f"{name} has {n} samples, fewer than world_size={cluster.world_size}")
     shards = sharding.assign(n, num_shards, seed)
     session.holdings.data.pop(name, None)  # the ranks drop what they held under name first
-    sizes = _scatter_in_place(cluster, name, columns, n, num_shards, seed, structure)
-    if sizes is None:
-        ars = []
-        with contextlib.ExitStack() as files:  # each shard written once (shared memory on one host)
-            for index, idx in enumerate(shards):
-                ranks = sharding.shard_ranks(index, cluster.world_size, num_shards)
-                descs, sent = files.enter_context(outgoing_rows(cluster, columns, idx, ranks))
-                for rank in ranks:
-                    ars.append(cluster.apply(rank, calls.install_shard, name, n, num_shards, seed, index, structure,
-                                             descs, *sent))
-            sizes = cluster.wait_all(ars, timeout=cluster.spec.timeout, what=f"scatter {name}")
+    ars = []
+    with contextlib.ExitStack() as files:  # each shard written once (shared memory on one host)
+        for index, idx in enumerate(shards):
+            ranks = sharding.shard_ranks(index, cluster.world_size, num_shards)
+            descs, sent = files.enter_context(outgoing_rows(cluster, columns, idx, ranks))
+            for rank in ranks:
+                ars.append(cluster.apply(rank, calls.install_shard, name, n, num_shards, seed, index, structure,
+                                         descs, *sent))
+        sizes = cluster.wait_all(ars, timeout=cluster.spec.timeout, what=f"scatter {name}")
     session.holdings.data[name] = dict(fingerprint=fingerprint(obj), seed=seed, num_samples=n, shards=shards,
                                        structure=structure, num_shards=num_shards)
     return sizes
-
-
-#: The scatter with no copy in the kernel (:func:`_scatter_in_place`) is off: in the transfer benchmark's third
-#: shared-memory round (a 200 MB set scattered again after a 403 MB model went out and came back through the
-#: kernel's segments) the ranks' gather failed ("The size of tensor a (403701760) must match ..."), not yet
-#: understood. Off, the kernel gathers each shard's rows into a segment the ranks map (one copy, in the kernel).
-IN_PLACE_SCATTER = False
-
-
-def _scatter_in_place(cluster, name, columns, n, num_shards, seed, structure):
-    """The scatter when every rank shares the kernel's ``/dev/shm``: the whole columns lie in one kernel
-    segment (they move into it the first time, :mod:`distnb.resident`; later scatters copy nothing
-    here) and each rank gathers its own rows out of it (its one copy). Returns the shard sizes, or
-    None (another host, no room, or a column on a GPU): then the kernel writes each shard."""
-    from . import resident
-    from .engine import shard as sharding, wire
-    from .transfer import _pool, outgoing, shm_ranks
-
-    if not IN_PLACE_SCATTER or not set(range(cluster.world_size)) <= shm_ranks(cluster) \
-            or any(c.device.type != "cpu" for c in columns):
-        return None
-    keep = resident.movable(columns, _pool())  # before packing
-    buffers, descs = [wire.to_buffer(c) for c in columns], [wire.describe(c) for c in columns]
-    with outgoing(cluster, buffers, keep=keep) as sent:
-        if not isinstance(sent[0], wire.ShmRef):
-            return None
-        ars = [cluster.apply(rank, calls.install_shard_rows, name, n, num_shards, seed,
-                             sharding.shard_index(rank, cluster.world_size, num_shards), structure, descs, sent[0])
-               for rank in range(cluster.world_size)]
-        return cluster.wait_all(ars, timeout=cluster.spec.timeout, what=f"scatter {name}")
 
 
 def reassemble(values: list, info: dict):

@@ -164,24 +164,6 @@ def install_shard(ns, name, num_samples, num_shards, seed, index, structure, des
     return len(SHARDS[name])
 
 
-def install_shard_rows(ns, name, num_samples, num_shards, seed, index, structure, descs, ref):
-    """Gather shard ``index`` of a data set out of the kernel's segment ``ref`` (the whole columns).
-
-    The rows are the seeded assignment's (:func:`distnb.engine.shard.assign`, the kernel's too),
-    copied into memory an earlier shard of ``name`` used (the old shard goes first): one copy.
-    """
-    rows = sharding.assign(num_samples, num_shards, seed)[index]
-    old = datasets.SOURCES.pop(name, None)
-    if old is not None:
-        old.close()
-    SHARDS.pop(name, None)
-    ns.pop(name, None)  # its memory is the arena the new shard lands in
-    columns = wire.gather_rows(ref, descs, rows)
-    SHARDS[name] = Shard(num_samples, num_shards, seed, index, structure, columns)
-    ns[name] = SHARDS[name].as_value()
-    return len(SHARDS[name])
-
-
 def pull_state(name, outbox=None):
     """The model's full state as (keys, descriptions, sizes, flat uint8 array) on rank 0.
 

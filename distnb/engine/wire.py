@@ -334,26 +334,6 @@ def offer(outbox) -> None:
     _SHM["offer"] = tuple(outbox) if outbox else None
 
 
-def gather_rows(ref: ShmRef, descs, rows: torch.Tensor) -> list:
-    """Rows ``rows`` (int64, shape ``(k,)``) of the columns ``descs`` at ``ref``, gathered into one arena.
-
-    Each column is a tensor of its own (:func:`_own`), shape ``(k, ...)``, on memory an earlier
-    transfer of this rank used when one is free (:class:`~.segments.Arenas`).
-    """
-    src = segments_view(ref)
-    shapes = [(len(rows),) + tuple(d[1][1:]) for d in descs]
-    sizes = [int(torch.Size(s).numel()) * getattr(torch, d[0]).itemsize for s, d in zip(shapes, descs)]
-    offsets, total = layout(sizes)
-    dst = _ARENAS.take(total)
-    owner, out = dst.numpy(), []
-    for d, shape, off, n, src_off, src_n in zip(descs, shapes, offsets, sizes, ref.offsets, ref.sizes):
-        part = (d[0], shape) + tuple(d[2:])
-        if n:
-            torch.index_select(_view(src, src_off, src_n, d), 0, rows, out=_view(dst, off, n, part))
-        out.append(_finish(_own(owner, off, part), part))
-    return out
-
-
 def _send_state(parts) -> ShmRef:
     """Rank side: ``parts`` into the segment the kernel offered (:func:`offer`), else into this rank's
     outbox, never the segment of the previous state there."""

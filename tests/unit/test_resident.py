@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from distnb import resident, transfer
-from distnb.engine import segments, wire
+from distnb.engine import wire
 from support.shm import rank_shm, shm_dir  # noqa: F401  (fixtures)
 
 
@@ -137,18 +137,3 @@ def test_after_the_pool_closes_moved_tensors_stay_valid_and_move_again(shm_dir):
     assert torch.equal(net.weight.detach(), weight) and _ours(net)
     ref, got = _send(net)  # the next cluster: written once more, then in place again
     assert ref.path in transfer._pool().resident and torch.equal(got[0], weight)
-
-
-def test_rows_gathered_on_a_rank_equal_the_kernels_indexing(shm_dir):
-    x, y = torch.randn(101, 3, 2), torch.arange(101)
-    keep = resident.movable([x, y], transfer._pool())
-    buffers = [wire.to_buffer(x), wire.to_buffer(y)]
-    descs = [wire.describe(x), wire.describe(y)]
-    rows = torch.tensor([5, 0, 100, 7])
-    with transfer.outgoing(FakeCluster(), buffers, keep=keep) as sent:
-        cols = wire.gather_rows(sent[0], descs, rows)
-    assert torch.equal(cols[0], x[rows]) and torch.equal(cols[1], y[rows])
-    assert all(c.untyped_storage().nbytes() == c.nbytes for c in cols)  # in one arena, each on a storage of its own
-    cols[0].add_(1)  # a shard is the rank's own memory
-    assert torch.equal(x[rows] + 1, cols[0])
-    assert segments.SHM_DIR == str(shm_dir)
