@@ -434,6 +434,29 @@ def _start_session(ns, given):
     session.start(ns=ns, **given)
 
 
+def _parse(magic, line: str):
+    """``parse_argstring(magic, line)``; an unknown option's UsageError names the options it may have meant."""
+    import difflib
+
+    try:
+        return parse_argstring(magic, line)
+    except UsageError as exc:
+        text = str(exc)
+        if not text.startswith("unrecognized arguments:"):
+            raise
+        known = [o for a in magic.parser._actions for o in a.option_strings]
+        hints = []
+        for word in (w.partition("=")[0] for w in text.partition(":")[2].split() if w.startswith("--")):
+            # the option it begins (--epoch: --epochs), the short option typed long (--n: -n), else a near spelling
+            begun = [o for o in known if len(word) > 4 and o.startswith(word)]
+            close = ([word[1:]] if word[1:] in known else []) + begun
+            close = close[:3] or difflib.get_close_matches(word, known, n=2, cutoff=0.75)
+            hints += [f"{word}: did you mean {' or '.join(close)}?"] if close else []
+        if not hints:
+            raise
+        raise UsageError(f"{text} ({'; '.join(hints)})") from None
+
+
 @magics_class
 class DistMagics(Magics):
     """``%dist``, ``%%dist`` and ``%%distrain``."""
@@ -446,7 +469,7 @@ class DistMagics(Magics):
             if cell is not None:
                 if _asks_help(line):
                     return print(_cell.parser.format_help())
-                args = parse_argstring(_cell, line)
+                args = _parse(_cell, line)
                 _session().run(cell, all_output=args.all_output, targets=_ranks(args.targets))
                 return None
             verb, _, rest = line.strip().partition(" ")
@@ -456,7 +479,7 @@ class DistMagics(Magics):
                 raise UsageError(f"unknown %dist verb {verb!r}; use one of: {', '.join(VERBS)} (see %dist help)")
             if _asks_help(rest):
                 return print(VERBS[verb].parser.format_help())
-            args = parse_argstring(VERBS[verb], rest)
+            args = _parse(VERBS[verb], rest)
             if verb not in ANY_TIME:
                 if session._CURRENT is None and verb in NEED_CLUSTER:
                     return print("distnb: no cluster is running")
@@ -474,7 +497,7 @@ class DistMagics(Magics):
     def distrain(self, line, cell):
         if _asks_help(line):
             return print(DistMagics.distrain.__doc__)
-        args = parse_argstring(_distrain, line)
+        args = _parse(_distrain, line)
         given = {k: getattr(args, k) for k in (*options.keywords(TrainPlan), *options.keywords(RunOptions))
                  if hasattr(args, k)}
         if args.output is not None and not args.output.isidentifier():

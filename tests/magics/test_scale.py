@@ -15,10 +15,11 @@ import torch
 import torch.nn.functional as F
 from IPython.core.error import UsageError
 
-from distnb import scaling, session as session_mod
+from distnb import scaling
 from distnb.errors import BusyError, ClusterError, PlanError
 from support.data import parity_data, parity_model
 from support.reference import reference
+from support.worlds import back_to_two_ranks
 
 BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
 LOOP_THREE_STEPS = """for epoch in ctx.epochs():
@@ -41,13 +42,7 @@ def run(shell, code):
 def two_ranks(shell):
     """The shared cluster at 2 ranks before and after each test."""
     yield
-    scaling.ON_ENGINES_STARTED.clear()
-    current = session_mod._CURRENT
-    if current is None or not current.running:
-        session_mod.start(n=2, timeout=30, quiet=True)
-    elif current.world_size != 2:
-        current.scale(2, quiet=True)
-    session_mod.current().on_failure = "stop"
+    back_to_two_ranks()
 
 
 def _step_lr(optimizer, total_steps):

@@ -13,10 +13,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from IPython.core.error import UsageError
 
-from distnb import scaling, session as session_mod, shrinking
+from distnb import session as session_mod, shrinking
 from distnb.errors import PlanError, RankError
 from support.data import parity_data
 from support.reference import reference
+from support.worlds import back_to_two_ranks
 
 BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -45,13 +46,7 @@ def two_ranks(shell):
     _drop_mesh_models(shell)
     yield
     _drop_mesh_models(shell)
-    scaling.ON_ENGINES_STARTED.clear()
-    current = session_mod._CURRENT
-    if current is None or not current.running:
-        session_mod.start(n=2, timeout=30, quiet=True)
-    elif current.world_size != 2:
-        current.scale(2, quiet=True)
-    session_mod.current().on_failure = "stop"
+    back_to_two_ranks()
 
 
 def train(s, name, data, **kw):

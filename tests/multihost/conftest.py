@@ -66,6 +66,17 @@ def own_shell():
         session._CURRENT = saved
 
 
+@pytest.fixture(scope="module")
+def ssh_world(test_hosts, ssh_profile, own_shell):
+    """``%dist start`` of 2 ranks over the two test hosts (one each); the running session."""
+    hosts = ",".join(test_hosts.addresses)
+    own_shell.run_line_magic("dist", f"start --launcher ssh --hosts {hosts} --profile {ssh_profile} --timeout 20")
+    assert session._CURRENT is not None
+    yield session._CURRENT
+    if session._CURRENT is not None:
+        session._CURRENT.stop(quiet=True)
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster():
     """A started :class:`~tests.multihost.slurm.SlurmCluster` (2 nodes), built once per test run.

@@ -24,20 +24,9 @@ from .parity import train_and_check_parity
 pytestmark = pytest.mark.timeout(240)
 
 
-@pytest.fixture(scope="module")
-def two_hosts(test_hosts, ssh_profile, own_shell):
-    """``%dist start`` over the two test hosts; the running session."""
-    hosts = ",".join(test_hosts.addresses)
-    own_shell.run_line_magic("dist", f"start --launcher ssh --hosts {hosts} --profile {ssh_profile} --timeout 20")
-    assert session._CURRENT is not None
-    yield session._CURRENT
-    if session._CURRENT is not None:
-        session._CURRENT.stop(quiet=True)
-
-
-def test_ranks_are_placed_one_per_host(test_hosts, two_hosts):
-    cluster = two_hosts.cluster
-    table = two_hosts.status()
+def test_ranks_are_placed_one_per_host(test_hosts, ssh_world):
+    cluster = ssh_world.cluster
+    table = ssh_world.status()
     assert [r["alive"] for r in table.rows] == [True, True]
     assert [r["node_rank"] for r in table.rows] == [0, 1]  # --hosts order
     assert [r["local_rank"] for r in table.rows] == [0, 0]
@@ -54,51 +43,51 @@ def test_ranks_are_placed_one_per_host(test_hosts, two_hosts):
     remote_pids = {r["pid"] for r in cluster.ranks}
     assert not remote_pids & set(cluster.family)
     # each rank's gloo traffic goes over its host's bridge link
-    two_hosts.run("import os\n_ifname = os.environ['GLOO_SOCKET_IFNAME']")
-    assert two_hosts.pull("_ifname") == ["eth0", "eth0"]
+    ssh_world.run("import os\n_ifname = os.environ['GLOO_SOCKET_IFNAME']")
+    assert ssh_world.pull("_ifname") == ["eth0", "eth0"]
 
 
-def test_training_across_hosts_matches_one_process(own_shell, two_hosts):
-    train_and_check_parity(own_shell.user_ns, two_hosts, "mh")
+def test_training_across_hosts_matches_one_process(own_shell, ssh_world):
+    train_and_check_parity(own_shell.user_ns, ssh_world, "mh")
 
 
-def test_rank_error_on_one_host_leaves_the_cluster_usable(own_shell, two_hosts):
+def test_rank_error_on_one_host_leaves_the_cluster_usable(own_shell, ssh_world):
     with pytest.raises(RankError) as info:
-        two_hosts.run("if rank == 1:\n    raise ValueError('bad shard')\n")
+        ssh_world.run("if rank == 1:\n    raise ValueError('bad shard')\n")
     assert info.value.rank == 1 and "bad shard" in str(info.value)
-    two_hosts.run("import torch, torch.distributed as dist\n_t = torch.ones(1) * (rank + 1)\ndist.all_reduce(_t)")
-    assert [t.item() for t in two_hosts.pull("_t")] == [3.0, 3.0]
+    ssh_world.run("import torch, torch.distributed as dist\n_t = torch.ones(1) * (rank + 1)\ndist.all_reduce(_t)")
+    assert [t.item() for t in ssh_world.pull("_t")] == [3.0, 3.0]
 
 
-def test_interrupt_reaches_ranks_on_other_hosts(own_shell, two_hosts):
+def test_interrupt_reaches_ranks_on_other_hosts(own_shell, ssh_world):
     """The kernel's interrupt reaches each remote engine through its ipyparallel nanny (no pid to signal here)."""
     timer = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT))
     t0 = time.monotonic()
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            two_hosts.run("import time\nfor _ in range(600):\n    time.sleep(0.1)\n")
+            ssh_world.run("import time\nfor _ in range(600):\n    time.sleep(0.1)\n")
     finally:
         timer.cancel()
     assert time.monotonic() - t0 < 2.0 + 10.0
-    two_hosts.run("import torch, torch.distributed as dist\n_t = torch.ones(1) * (rank + 1)\ndist.all_reduce(_t)")
-    assert [t.item() for t in two_hosts.pull("_t")] == [3.0, 3.0]
+    ssh_world.run("import torch, torch.distributed as dist\n_t = torch.ones(1) * (rank + 1)\ndist.all_reduce(_t)")
+    assert [t.item() for t in ssh_world.pull("_t")] == [3.0, 3.0]
 
 
-def test_lost_host_is_reported_by_name_and_stop_stays_bounded(test_hosts, ssh_profile, own_shell, two_hosts):
+def test_lost_host_is_reported_by_name_and_stop_stays_bounded(test_hosts, ssh_profile, own_shell, ssh_world):
     """h2's link goes down under a live cluster: the cell fails naming rank 1 and its host; stop does not hang."""
     test_hosts.cut(1)
     try:
         t0 = time.monotonic()
         with pytest.raises(RankError) as info:
-            two_hosts.run("import torch, torch.distributed as dist\n_t = torch.ones(1)\ndist.all_reduce(_t)")
+            ssh_world.run("import torch, torch.distributed as dist\n_t = torch.ones(1)\ndist.all_reduce(_t)")
         took = time.monotonic() - t0
         text = str(info.value)
         assert info.value.rank == 1 and test_hosts.namespaces[1] in text and "heartbeat" in text, text
-        assert took < two_hosts.cluster.spec.timeout + 30, took
-        assert [r["alive"] for r in two_hosts.status().rows] == [True, False]
+        assert took < ssh_world.cluster.spec.timeout + 30, took
+        assert [r["alive"] for r in ssh_world.status().rows] == [True, False]
         t0 = time.monotonic()
-        two_hosts.stop(quiet=True)  # h2 cannot be reached to stop its engine: bounded, not minutes
+        ssh_world.stop(quiet=True)  # h2 cannot be reached to stop its engine: bounded, not minutes
         assert time.monotonic() - t0 < 45, time.monotonic() - t0
         assert session._CURRENT is None
     finally:
@@ -118,7 +107,7 @@ def test_host_that_cannot_be_reached_by_ssh_is_named(test_hosts, ssh_profile, ow
     assert session._CURRENT is None
 
 
-def test_host_that_cannot_reach_the_rendezvous_is_named(test_hosts, ssh_profile, own_shell, two_hosts):
+def test_host_that_cannot_reach_the_rendezvous_is_named(test_hosts, ssh_profile, own_shell, ssh_world):
     """h2 loses its route to h1 (rank 0) but still reaches the controller: the error names h2, the address, the port."""
     if session._CURRENT is not None:
         session._CURRENT.stop(quiet=True)

@@ -24,17 +24,6 @@ from .parity import train_and_check_parity
 pytestmark = pytest.mark.timeout(420)
 
 
-@pytest.fixture(scope="module")
-def ssh_world(test_hosts, ssh_profile, own_shell):
-    """``%dist start`` of 2 ranks over the two test hosts (one each); the running session."""
-    hosts = ",".join(test_hosts.addresses)
-    own_shell.run_line_magic("dist", f"start --launcher ssh --hosts {hosts} --profile {ssh_profile} --timeout 20")
-    assert session._CURRENT is not None
-    yield session._CURRENT
-    if session._CURRENT is not None:
-        session._CURRENT.stop(quiet=True)
-
-
 def _engine_processes(test_hosts, i) -> set:
     """Pids of the ipyparallel engine processes (engines and their nannies) in host ``i``'s network namespace."""
     out = set()

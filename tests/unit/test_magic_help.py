@@ -1,5 +1,7 @@
 """The magics' help text (their docstrings), without a shell or a cluster."""
 
+import pytest
+
 from distnb.magics import DistMagics
 
 
@@ -63,3 +65,31 @@ def test_an_abbreviated_option_is_an_error_not_a_guess():
                        (magics.VERBS["start"], "--hang 3"), (magics._cell, "--all")):
         with pytest.raises(UsageError, match="unrecognized arguments"):
             parse_argstring(verb, line)
+
+
+@pytest.mark.parametrize("verb, line, hint", [
+    ("distrain", "--model net --data d --epoch 3", "--epoch: did you mean --epochs?"),
+    ("distrain", "--model net --data d --clip-grad 1", "--clip-grad: did you mean --clip-grad-norm?"),
+    ("distrain", "--model net --data d --lr-sched=cosine", "--lr-sched: did you mean --lr-schedule?"),
+    ("distrain", "--model net --data d --batchsize 8", "--batchsize: did you mean --batch-size?"),
+    ("start", "--n 2", "--n: did you mean -n?"),
+])
+def test_an_unknown_option_names_the_one_meant(verb, line, hint):
+    from IPython.core.error import UsageError
+
+    from distnb import magics
+
+    magic = magics._distrain if verb == "distrain" else magics.VERBS[verb]
+    with pytest.raises(UsageError) as err:
+        magics._parse(magic, line)
+    assert str(err.value).startswith("unrecognized arguments:") and hint in str(err.value)
+
+
+def test_an_unknown_option_like_no_other_gets_no_guess():
+    from IPython.core.error import UsageError
+
+    from distnb import magics
+
+    with pytest.raises(UsageError) as err:
+        magics._parse(magics._cell, "--bogus")
+    assert str(err.value) == "unrecognized arguments: --bogus"
