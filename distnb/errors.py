@@ -96,7 +96,13 @@ class RankError(DistnbError, RuntimeError):
         self.evalue = first.get("evalue")
         self.remote_traceback = first.get("traceback", "")
         self.ranks = [f.get("rank") for f in self.failures]
+        self.hint = ""
         super().__init__(self._summary())
+
+    def add_hint(self, hint: str) -> None:
+        """Append ``hint`` (a sentence: the likely cause and its fix, known in the kernel) to the message."""
+        self.hint = hint
+        self.args = (self._summary(),)
 
     def _where(self, f, who=None):
         parts = [who or f"rank {f.get('rank')}"]
@@ -127,7 +133,7 @@ class RankError(DistnbError, RuntimeError):
         if stopped:
             msg += (f"; rank {stopped[0]} was" if len(stopped) == 1 else
                     f"; ranks {rank_list(stopped)} were") + " stopped as a consequence"
-        return msg
+        return f"{msg}. {self.hint}" if getattr(self, "hint", "") else msg
 
     def _render_traceback_(self):
         # IPython calls this instead of printing the kernel-side traceback.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -507,6 +508,8 @@ def train_cell(session, code, model, data, run, given):
             rows, stopped = exc.results, exc
         except (RankError, KeyboardInterrupt) as exc:
             weights_back(session, plan.model, model_obj, best_effort=True)
+            if isinstance(exc, RankError) and not exc.hint:
+                exc.add_hint(dtype_hint(exc, plan, model_obj, data_obj))
             if plan.builtin_optimizer:  # a built-in optimizer was not what failed (a dead engine, the body, ...)
                 session.holdings.remember(plan)
             exc.plan = plan  # what --on-failure shrink goes on with (distnb.shrinking)
@@ -515,6 +518,29 @@ def train_cell(session, code, model, data, run, given):
     session.last_result = result
     export.remember(cell, result, model_obj)
     return result
+
+
+#: What torch says when a batch's dtype is not the parameters' (F.linear, conv, matmul, the losses)
+_DTYPE_CLASH = re.compile(r"same dtype|expected scalar type|Found dtype|should be the same|Expected .*dtype", re.I)
+
+
+def dtype_hint(exc, plan, model_obj, data_obj) -> str:
+    """The fix when a step failed on a dtype clash between float64 data (numpy's default) and a model of
+    another floating dtype, else ''."""
+    import numpy as np
+
+    if not _DTYPE_CLASH.search(str(exc.evalue)) or data_obj is None or not hasattr(model_obj, "parameters"):
+        return ""
+    parts = data_obj.values() if isinstance(data_obj, dict) else data_obj if isinstance(data_obj, (tuple, list)) \
+        else [data_obj]
+    double = [p for p in parts if str(getattr(p, "dtype", "")) in ("float64", "torch.float64")]
+    params = {str(p.dtype).removeprefix("torch.") for p in model_obj.parameters() if p.is_floating_point()}
+    if not double or not params or params == {"float64"}:
+        return ""
+    held, fix = (("float64 arrays (numpy's default for floats)", "X.astype(np.float32)")
+                 if any(isinstance(p, np.ndarray) for p in double) else ("float64 tensors", "X.float()"))
+    return (f"--data {plan.data} holds {held} and {plan.model}'s parameters are {', '.join(sorted(params))}: "
+            f"convert the data once in the notebook ({fix}), or the batch in the step (x = x.float())")
 
 
 def finish(session, plan, model_obj, rows, wall_seconds, num_shards, quiet, stopped=None):

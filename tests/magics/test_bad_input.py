@@ -161,6 +161,19 @@ def test_a_data_set_that_cannot_be_sent_fails_before_the_model_is_sent(shell, tr
     assert run(shell, "%dist pull _held").result == [False, False]
 
 
+@pytest.mark.parametrize("data, fix", [("(X.double().numpy(), Y.numpy())", "X.astype(np.float32)"),
+                                       ("(X.double(), Y)", "X.float()")])
+def test_float64_data_for_a_float32_model_names_the_fix(shell, trained, data, fix):
+    run(shell, f"torch.manual_seed(0)\ndt_net = nn.Sequential(nn.Linear(8, 2))\ndt_data = {data}")
+    res = run(shell, f"%%distrain --model dt_net --data dt_data --progress none\n{BODY}")
+    err = res.error_in_exec
+    assert isinstance(err, RankError) and "same dtype" in str(err), err  # torch's own words stay
+    assert "--data dt_data holds float64" in str(err) and "dt_net's parameters are float32" in str(err)
+    assert fix in str(err) and "x = x.float()" in str(err)
+    run(shell, "dt_data = (X, Y)")  # the fix works on the same model
+    assert run(shell, f"%%distrain --model dt_net --data dt_data --progress none\n{BODY}").error_in_exec is None
+
+
 def test_nothing_was_lost_and_the_cluster_works(shell, trained):
     # runs after the bad input above: the model on the ranks and in the kernel is untouched
     ranks = _ranks_weights("keep_net")
