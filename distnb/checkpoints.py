@@ -47,7 +47,7 @@ def load(session, name: str, model_obj, directory: str, quiet: bool = False, cha
                                     **(changes or {})))
     training.ensure_model(session, plan, model_obj, quiet=True)
     run_on_ranks(session, calls.restore, name, meta["path"], changes or None, what=f"loading {name}")
-    session.holdings.remember(dataclasses.replace(plan, optimizer=meta["optimizer"], lr=None))  # live now
+    session.holdings.remember(dataclasses.replace(plan, optimizer=meta["optimizer"], lr=None), model_obj)  # live now
     session.holdings.lr_of[name] = None
     session.holdings.trained_steps[name] = meta["steps"]
     training.weights_back(session, name, model_obj)

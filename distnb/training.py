@@ -54,6 +54,9 @@ class Holdings:
     trained_steps : dict
         Model name -> the ranks' global optimizer step count the notebook's weights come from (the
         last cell that ended well); survives restarts, so a resume never goes backwards.
+    objects : dict
+        Model name -> weak reference to the notebook object its carried options belong to: a new
+        object bound to the name (``net = Net()`` run again) starts from the defaults.
     names : set
         Notebook names pushed to the ranks (``%dist push``, a training body's names): ``%dist scale``
         hands them to added ranks.
@@ -71,6 +74,7 @@ class Holdings:
     carried: dict = field(default_factory=dict)
     lr_of: dict = field(default_factory=dict)
     trained_steps: dict = field(default_factory=dict)
+    objects: dict = field(default_factory=dict)
     names: set = field(default_factory=set)
     batch_world: int | None = None
     resume_steps: tuple = (None, None)  # (the notebook's, the newest checkpoint's) steps, for the cell's message
@@ -81,13 +85,19 @@ class Holdings:
         for held in (self.models, self.distributed, self.data, self.pushed, self.names):
             held.clear()
 
-    def remember(self, plan) -> None:
-        """What of ``plan`` carries over to the model's next cell (the ranks accepted it).
+    def remember(self, plan, model_obj=None) -> None:
+        """What of ``plan`` carries over to the model's next cell (the ranks accepted it), for the
+        notebook object ``model_obj``.
 
         ``--optimizer`` left out keeps the one chosen before, and its lr (for an optimizer made
         new later) is the last one given with it.
         """
+        import weakref
+
         from .plan import CARRIED
+
+        if model_obj is not None:
+            self.objects[plan.model] = weakref.ref(model_obj)
 
         last = self.carried.get(plan.model, {})
         values = {name: getattr(plan, name) for name in CARRIED}
@@ -102,6 +112,17 @@ class Holdings:
         new.carried.update(self.carried)
         new.lr_of.update(self.lr_of)
         new.trained_steps.update(self.trained_steps)
+        new.objects.update(self.objects)
+
+    def replaced(self, name: str, model_obj) -> dict:
+        """If ``name`` is bound to another object than the one its options were carried for, forget
+        them (and their lr) and return them; else {}."""
+        ref = self.objects.get(name)
+        if ref is None or ref() is model_obj:
+            return {}
+        del self.objects[name]
+        self.lr_of.pop(name, None)
+        return self.carried.pop(name, None) or {}
 
 
 def has_checkpoint(directory: str) -> bool:
@@ -127,6 +148,10 @@ def make_plan(session, model_name, model_obj, data_name, given: dict, quiet=Fals
     from .engine import strategies
 
     held = session.holdings
+    dropped = carry_over(held.replaced(model_name, model_obj), given)
+    if dropped and not quiet:
+        print(f"distnb: {model_name} is a new object: the options its old object's cells carried "
+              f"({_carried_flags(dropped)}) start from their defaults")
     kept = carry_over(held.carried.get(model_name), given)
     if "optimizer" in kept and given.get("lr") is None:
         # the ranks keep their live optimizer anyway; one made new (the model sent again after a
@@ -511,7 +536,7 @@ def train_cell(session, code, model, data, run, given):
             if isinstance(exc, RankError) and not exc.hint:
                 exc.add_hint(dtype_hint(exc, plan, model_obj, data_obj))
             if plan.builtin_optimizer:  # a built-in optimizer was not what failed (a dead engine, the body, ...)
-                session.holdings.remember(plan)
+                session.holdings.remember(plan, model_obj)
             exc.plan = plan  # what --on-failure shrink goes on with (distnb.shrinking)
             raise
         result = finish(session, plan, model_obj, rows, time.perf_counter() - t0, num_shards, run.quiet, stopped)
@@ -565,5 +590,5 @@ def finish(session, plan, model_obj, rows, wall_seconds, num_shards, quiet, stop
         if stopped is not None and not (background is not None and background.current_thread_is_runner()):
             print(f"distnb: {stopped}; the result holds what was trained")
     session.holdings.trained_steps[plan.model] = rows[0]["global_steps"]
-    session.holdings.remember(plan)  # what the ranks accepted carries over to the model's next cell
+    session.holdings.remember(plan, model_obj)  # what the ranks accepted carries over to the model's next cell
     return result

@@ -90,6 +90,28 @@ def test_a_model_changed_in_the_notebook_or_a_strategy_switch_says_what_happens(
     assert "sent again" not in capsys.readouterr().out  # nothing changed: the ranks keep model and optimizer
 
 
+def test_a_new_object_under_a_trained_name_starts_from_the_defaults(shell, capsys):
+    make = "torch.manual_seed(0)\nnew_net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))"
+    run(shell, "import torch, torch.nn as nn, torch.nn.functional as F\n" + make + "\n"
+               "new_data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))")
+    cell = "%%distrain --model new_net --data new_data --progress none{} -o new_res\nx, y = batch\n" \
+           "loss = F.cross_entropy(model(x), y)"
+    assert run(shell, cell.format(" --strategy fsdp --optimizer adam")).error_in_exec is None
+    run(shell, "new_net.load_state_dict(new_net.state_dict())")  # the same object, new weights: settings carry
+    assert run(shell, cell.format("")).error_in_exec is None
+    assert (shell.user_ns["new_res"].plan.strategy, shell.user_ns["new_res"].plan.optimizer) == ("fsdp", "adam")
+    capsys.readouterr()
+    run(shell, make)  # the model cell run again: another object under the name
+    assert run(shell, cell.format("")).error_in_exec is None
+    out = capsys.readouterr().out
+    assert "new_net is a new object: the options its old object's cells carried (--optimizer adam, --strategy " \
+           "fsdp) start from their defaults" in out
+    plan = shell.user_ns["new_res"].plan
+    assert (plan.strategy, plan.optimizer) == ("ddp", None)  # None: the default optimizer
+    assert run(shell, cell.format("")).error_in_exec is None  # from now on its own cells carry
+    assert "new object" not in capsys.readouterr().out
+
+
 def test_state_carries_over_between_cells_and_settings_do_not(shell, capsys):
     run(shell, "import torch, torch.nn as nn, torch.nn.functional as F\ntorch.manual_seed(0)\n"
                "carry_net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))\n"
