@@ -103,11 +103,18 @@ class _Forkable:
         template = _template_of(self)
         env = os.environ.copy()
         env.update(self.get_env())
+        if template is not None and not template.alive():  # it died since the cluster started (killed, out of
+            template = zygote.get(0)  # memory): the kernel's new one if it is ready, else a fresh process
         if template is None or list(cmd) != default_cmd or not template.matches(env):
             return False
         args = self.args
-        self.pid = template.fork(args[len(default_cmd):], env, os.path.abspath(self.work_dir), self.output_file,
-                                 title=" ".join(args), main=self._template_main)
+        try:
+            self.pid = template.fork(args[len(default_cmd):], env, os.path.abspath(self.work_dir), self.output_file,
+                                     title=" ".join(args), main=self._template_main)
+        except RuntimeError:
+            if template.alive():
+                raise
+            return False  # it died while asked
         self.process = template.process(self.pid)
         self.notify_start(self.pid)
         self._start_waiting()

@@ -141,3 +141,21 @@ def test_engines_outlive_a_dead_template_and_still_stop_promptly():
         t0 = time.monotonic()
         session.stop(quiet=True)
         assert time.monotonic() - t0 < 5.0  # a zombie nobody reaps counts as ended, not waited for
+
+
+def test_a_cluster_whose_template_died_still_grows():
+    """%dist scale after the template died (killed, out of memory): the added engine starts as a fresh process,
+    or from the kernel's new template once it is ready; never from the dead one."""
+    session, probes = _start(2)
+    try:
+        old = zygote.get(0)
+        old.proc.kill()
+        old.proc.wait()
+        session.scale(3, quiet=True)
+        assert session.world_size == 3
+        session.run("import os, torch, torch.distributed as dist\nt = torch.ones(1)\ndist.all_reduce(t)\n"
+                    "ppid = os.getppid()")
+        assert [float(session.pull("t", rank=r)) for r in range(3)] == [3.0] * 3
+        assert session.pull("ppid", rank=2) != old.pid
+    finally:
+        session.stop(quiet=True)
