@@ -38,6 +38,7 @@ import psutil
 from ipyparallel.serialize import PrePickled
 
 from . import calls, launchers, placement, slurm, tracebacks, zygote
+from .reaper import reap, spawn
 from .calls import RankFunction
 from .engines import Engines
 from .errors import ClusterError, Interrupted, PlanError, RankError
@@ -333,18 +334,15 @@ class Cluster(Engines):
 
     def _start_reaper(self):
         """No process outlives the kernel: a watchdog stops ours if the kernel dies."""
-        from .reaper import spawn
-
         pids = [p for p in [self.pids["controller"], *(r["pid"] for r in self.ranks if r.get("local", True))] if p]
         pids += launchers.started_pids(self._ipp, self.launcher)
         self.family = sorted(set(pids))  # everything we started, even what a dead controller leaves behind
         self.reaper = spawn(self.family)
 
-    def _kill_family(self) -> None:
-        """Whatever we started that is still alive after a stop (e.g. a killed controller's schedulers)."""
-        from .reaper import reap
-
-        procs = []
+    def _kill_family(self, controller=None) -> None:
+        """Whatever we started that is still alive after a stop (e.g. a killed controller's schedulers, also
+        those it forked after the stop began: they are in the process group of ``controller``, its pid)."""
+        procs = launchers.controller_group(controller) if controller else []
         for pid in getattr(self, "family", []):
             try:
                 proc = psutil.Process(pid)
@@ -371,6 +369,7 @@ class Cluster(Engines):
 
     def stop(self) -> None:
         """Stop engines (cleanly leaving the process group), the controller and the client."""
+        controller = self.pids["controller"] if self._ipp is not None else None
         if self._ipp is not None and not getattr(self, "family", None):  # a start that failed before the reaper:
             self.family = [p for p in [self.pids["controller"], *launchers.started_pids(self._ipp, self.launcher)]
                            if p]  # the controller's own processes, found while it still runs
@@ -402,7 +401,7 @@ class Cluster(Engines):
                     pass
         finally:  # even when interrupted: this machine's processes are ended, the cluster is forgotten
             self.client, self._ipp, self._views = None, None, {}
-            self._kill_family()
+            self._kill_family(controller)
         self._stop_reaper()
 
     def _stop_reaper(self) -> None:

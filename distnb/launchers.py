@@ -371,6 +371,24 @@ def check_launcher_alive(cluster, launcher: str) -> None:
                            + (":\n" + "\n".join(lines[-12:]) if lines else ""))
 
 
+def controller_group(pid: int) -> list:
+    """The controller processes in the process group ``pid`` (the controller's: it starts in a session of its
+    own), as psutil.Process: the controller and the schedulers it forks, even orphaned ones.
+
+    A stop that begins while the controller is still starting finds no scheduler among its children; the
+    controller forks them, dies of the stop, and they live on as orphans. Matching the command line as well
+    as the group leaves alone any other process that might hold a reused group id.
+    """
+    out = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pid and CONTROLLER_CMD[-1] in " ".join(proc.cmdline()):
+                out.append(proc)
+        except (psutil.Error, OSError):
+            pass
+    return out
+
+
 def started_pids(cluster, launcher: str) -> list:
     """Pids of this machine's processes that ``cluster``'s launchers started, beside the engines and controller.
 

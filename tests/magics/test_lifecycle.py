@@ -47,3 +47,38 @@ def test_a_killed_controller_leaves_no_scheduler_behind():
     assert alive == []
 
 
+
+
+def test_a_start_that_fails_while_the_controller_starts_leaves_none_of_its_processes(monkeypatch):
+    """Engines that fail to start (sbatch refusing the job, say) while the controller is still coming up: the
+    stop began before the controller had forked its schedulers, so they were no child of it then; the
+    controller then died (here: killed), and they lived on as orphans. Its process group still names them."""
+    import os
+    import signal
+
+    from distnb import launchers
+    from distnb.errors import ClusterError
+
+    group = {}
+
+    def engines_fail(self, n):
+        controller = psutil.Process(self.parent.controller.pid)
+        deadline = time.monotonic() + 20
+        while not controller.children() and time.monotonic() < deadline:  # its schedulers are forked
+            time.sleep(0.05)
+        group["pid"], group["children"] = controller.pid, controller.children(recursive=True)
+        assert group["children"], "the controller forked no scheduler within 20 s"
+        os.kill(controller.pid, signal.SIGKILL)  # dies while starting: nobody ends its schedulers
+        while any(c.is_running() and c.ppid() == controller.pid for c in group["children"]):
+            time.sleep(0.02)  # orphaned (reparented) before the stop begins, as when they came after its start
+        raise RuntimeError("the batch system refused the engines' job")
+
+    monkeypatch.setattr(launchers._EngineSetLauncher, "start", engines_fail)
+    with pytest.raises(ClusterError, match="refused the engines' job"):
+        Cluster(default_spec(n=2, timeout=20)).start()
+    deadline = time.monotonic() + 10
+    alive = group["children"]
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.2)
+    assert alive == [] and launchers.controller_group(group["pid"]) == []
