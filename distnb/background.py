@@ -171,6 +171,10 @@ def collect(session, note=False):
             callback(run.result)
         if note:
             print(f"distnb: the background run finished: {run.result.title}")
+        elif getattr(run.result, "lost", None):  # said while it ran, where no one may have looked
+            from .shrinking import summary
+
+            print(f"distnb: during the background run, {summary(run.result.lost)}")
         return run.result
     if note:
         first = (str(run.error).strip().splitlines() or [""])[0]

@@ -118,9 +118,17 @@ def go_on(session, plan, dead: dict, failure: RankError, retry):
     _say(lost, n, left)
     result = retry(max(1, left), changes)
     result.lost = lost
-    print(f"distnb: --on-failure shrink: lost {', '.join(said.values())}; the cell finished on {count(n, 'rank')} "
-          f"(was {old}); {_lost_steps(lost)}; {reassigned} samples re-assigned to the survivors")
+    print(f"distnb: {summary(lost)}")
     return result
+
+
+def summary(lost: dict) -> str:
+    """One sentence on a shrink (``result.lost``): the ranks lost, the world before and after, the steps
+    trained again and the samples re-assigned (also said by ``%dist wait`` after a background run)."""
+    old, n = lost["world_size"]
+    return (f"--on-failure shrink: lost {', '.join(lost['ranks'].values())}; the cell finished on "
+            f"{count(n, 'rank')} (was {old}); {_lost_steps(lost)}; {lost['samples_reassigned']} samples "
+            "re-assigned to the survivors")
 
 
 def _finished(session, plan, meta: dict) -> int:

@@ -271,6 +271,21 @@ if rank == 1 and world_size == 3 and ctx.step == 7:  # once: the cell goes on on
 loss = F.cross_entropy(model(x), y)"""
 
 
+def test_a_shrink_in_a_background_run_is_said_by_dist_wait(shell, dist_session, capsys):
+    shell.user_ns.update(bw_net=parity_model(), bw_data=parity_data(), F=F)
+    dist_session.on_failure = "shrink"
+    dist_session.scale(3, quiet=True)
+    res = run(shell, "%%distrain --model bw_net --data bw_data --epochs 3 --batch-size 16 --seed 6 --progress none "
+                     "--background\n" + KILL_RANK_1)
+    assert res.error_in_exec is None, res.error_in_exec
+    capsys.readouterr()
+    res = run(shell, "%dist wait")
+    said = capsys.readouterr().out
+    assert res.error_in_exec is None, res.error_in_exec
+    assert "during the background run, --on-failure shrink: lost rank 1 (engine" in said
+    assert "the cell finished on 2 ranks (was 3)" in said and res.result.lost["world_size"] == (3, 2)
+
+
 def test_on_failure_shrink_goes_on_on_the_survivors_from_the_last_completed_step(shell, dist_session, capsys):
     """3 ranks, rank 1 killed at epoch 1 step 2: the cell finishes on 2 ranks; parity with one process."""
     ns = shell.user_ns
