@@ -193,17 +193,19 @@ def _check_container(name, obj) -> None:
                         "a tensor/array, a tuple of tensors/arrays, or a function make(rank, world_size)")
 
 
-def _fingerprint(payload: bytes, descs, buffers) -> tuple:
-    """Identity of a packed object: its pickle's hash, its tensors' descriptions and where their bytes are."""
+def _fingerprint(payload: bytes, descs, buffers, tensors) -> tuple:
+    """Identity of a packed object: its pickle's hash (numpy arrays are inside it), its tensors' descriptions,
+    where their bytes are and their version counters (``ds.X[:] = 0`` bumps one, and moves nothing)."""
     where = tuple(b.__array_interface__["data"][0] for b in buffers)
-    return hashlib.blake2b(payload, digest_size=16).hexdigest(), tuple(map(tuple, descs)), where
+    versions = tuple(t._version for t in tensors)
+    return hashlib.blake2b(payload, digest_size=16).hexdigest(), tuple(map(tuple, descs)), where, versions
 
 
-def _pack(name, obj, path):
+def _pack(name, obj, path, tensors=None):
     from .engine.wire import pack
 
     try:
-        return pack(obj)
+        return pack(obj, tensors)
     except Exception as exc:
         raise PlanError(f"cannot send --data {name} ({type(obj).__name__}) to the ranks: {type(exc).__name__}: "
                         f"{exc}. Build it on the ranks instead: --data with a function make(rank, world_size) -> "
@@ -258,8 +260,9 @@ def ensure_dataset(session, plan, obj, path, why, num_shards) -> tuple:
         fp = None
         ars = cluster.apply_all(calls.adopt_dataset, name, num_shards)
     else:
-        payload, descs, buffers = _pack(name, obj, path)
-        fp = (path, _fingerprint(payload, descs, buffers), id(obj))
+        tensors = []
+        payload, descs, buffers = _pack(name, obj, path, tensors)
+        fp = (path, _fingerprint(payload, descs, buffers, tensors), id(obj))
         if held is not None and held.get("fingerprint") == fp and held["num_shards"] == num_shards:
             _check_steps_option(plan, held)
             return held, False

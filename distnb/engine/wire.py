@@ -86,11 +86,13 @@ def from_buffer(desc: tuple, buf, copy: bool = True) -> torch.Tensor:
     return _finish(raw.view(dtype).reshape(shape), desc)
 
 
-def pack(obj):
+def pack(obj, tensors=None):
     """Pickle ``obj`` with cloudpickle, its tensors cut out as zero-copy buffers.
 
     Classes and functions defined in a notebook (``__main__``) travel by value. Used in
-    both directions: kernel to ranks (push, models) and ranks to kernel (pull).
+    both directions: kernel to ranks (push, models) and ranks to kernel (pull). ``tensors``:
+    a list that receives the tensors cut out, in ``descs``' order (their version counters tell
+    an in-place change, which neither the pickle nor the buffers' addresses show).
 
     Returns
     -------
@@ -120,6 +122,8 @@ def pack(obj):
     f = io.BytesIO()
     p = _TensorPickler(f)
     p.dump(obj)
+    if tensors is not None:
+        tensors.extend(p.tensors)
     return f.getvalue(), [describe(t) for t in p.tensors], [to_buffer(t) for t in p.tensors]
 
 

@@ -128,6 +128,28 @@ def test_map_style_dataset_gives_the_weights_of_the_same_data_as_tensors(dist_se
     assert kernel_calls(ns) <= 1  # not sent again: the kernel never looked again
 
 
+def test_a_dataset_changed_in_place_is_sent_again(dist_session, ns):
+    """``ds.x[:] = 0`` moves no tensor and leaves the pickle as it was; the ranks must still get the new data."""
+    x, y = parity_data().tensors
+    ns["inplace_ds"], ns["inplace_net"] = ns["Plain"](x.clone(), y.clone()), parity_model()
+    body = "x, y = batch\n_seen.append((float(x.abs().sum()), x.numel()))\nloss = F.cross_entropy(model(x), y)"
+    kw = dict(model="inplace_net", data="inplace_ds", epochs=1, batch_size=256, **QUIET)
+
+    def seen():  # (sum of |x| over every batch of every rank, elements in them)
+        dist_session.run("_seen = []")
+        dist_session.train(body, **kw)
+        rows = [row for rank in dist_session.pull("_seen") for row in rank]
+        return sum(r[0] for r in rows), sum(r[1] for r in rows)
+
+    total, elements = seen()
+    assert total > elements * 0.1
+    ns["inplace_ds"].x[:] = 0
+    assert seen() == (0.0, elements)
+    ns["inplace_ds"].x += 1
+    assert seen() == (pytest.approx(elements), elements)
+    assert seen() == (pytest.approx(elements), elements)  # unchanged since: the same
+
+
 def kernel_calls(ns):
     path = os.path.join(ns["CALLS"], str(os.getpid()))
     return os.path.getsize(path) if os.path.exists(path) else 0
