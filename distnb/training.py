@@ -557,7 +557,7 @@ def dtype_hint(exc, plan, model_obj, data_obj) -> str:
     if not _DTYPE_CLASH.search(str(exc.evalue)) or data_obj is None or not hasattr(model_obj, "parameters"):
         return ""
     parts = data_obj.values() if isinstance(data_obj, dict) else data_obj if isinstance(data_obj, (tuple, list)) \
-        else [data_obj]
+        else getattr(data_obj, "tensors", None) or [data_obj]  # a TensorDataset's columns
     double = [p for p in parts if str(getattr(p, "dtype", "")) in ("float64", "torch.float64")]
     params = {str(p.dtype).removeprefix("torch.") for p in model_obj.parameters() if p.is_floating_point()}
     if not double or not params or params == {"float64"}:

@@ -162,7 +162,8 @@ def test_a_data_set_that_cannot_be_sent_fails_before_the_model_is_sent(shell, tr
 
 
 @pytest.mark.parametrize("data, fix", [("(X.double().numpy(), Y.numpy())", "X.astype(np.float32)"),
-                                       ("(X.double(), Y)", "X.float()")])
+                                       ("(X.double(), Y)", "X.float()"),
+                                       ("torch.utils.data.TensorDataset(X.double(), Y)", "X.float()")])
 def test_float64_data_for_a_float32_model_names_the_fix(shell, trained, data, fix):
     run(shell, f"torch.manual_seed(0)\ndt_net = nn.Sequential(nn.Linear(8, 2))\ndt_data = {data}")
     res = run(shell, f"%%distrain --model dt_net --data dt_data --progress none\n{BODY}")
