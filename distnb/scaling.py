@@ -465,6 +465,9 @@ def _say(session, out: dict, dealt: list, batches, keep: bool) -> None:
             kept = _product(_dp(plan, n), plan, batch, accumulate)
             print(f"distnb: --keep-global-batch: the global batch stays {total} ({kept}): the next cells' "
                   "--batch-size and --accumulate are scaled to keep it")
+        elif after == total:  # the data-parallel size did not change (pipeline, tensor): nothing to keep
+            print(f"distnb: the global batch stays {total} ({_product(_dp(plan, n), plan)}): under --strategy "
+                  f"{plan.strategy} the data-parallel size does not change with the world")
         else:
             print(f"distnb: the global batch changes from {total} to {after} ({_product(_dp(plan, n), plan)}); "
                   f"%dist scale {n} --keep-global-batch would have kept {total}")

@@ -240,6 +240,8 @@ def test_sharded_models_are_resharded_through_dcp(shell, dist_session, capsys, s
     out = dist_session.scale(worlds[1])
     said = capsys.readouterr().out
     assert name in out["resharded"] and "resharded onto" in said and "sends it again" not in said
+    assert ("global batch stays 16 (1 x 16 per rank): under --strategy tensor the data-parallel size does not "
+            "change" in said) if strategy == "tensor" else "global batch changes from 32 to 48" in said, said
     capsys.readouterr()
     r2 = dist_session.train(BODY, model=name, data="rs_data", epochs=1, batch_size=16, seed=5, progress="none")
     said = capsys.readouterr().out
