@@ -104,7 +104,7 @@ def describe_cut(plan, info: dict, num_shards: int, world_size: int) -> str:
     if num_shards == 1 and world_size > 1:
         steps = sharding.steps_per_epoch(n, 1, plan.batch_size, plan.drop_last)
         return (f"{plan.data}: {count(n, 'sample')}, the whole set on every rank (--strategy {plan.strategy} "
-                f"trains all ranks on the same batches); {count(steps, 'step')}/epoch of {plan.batch_size}")
+                f"trains all ranks on the same batches); {count(steps, 'step')}/epoch of {_batch(plan, n)}")
     per = sharding.samples_per_epoch(n, w, plan.drop_last)
     steps = sharding.steps_per_epoch(n, w, plan.batch_size, plan.drop_last)
     lens = [sharding.shard_length(n, w, r) for r in range(w)]
@@ -117,7 +117,15 @@ def describe_cut(plan, info: dict, num_shards: int, world_size: int) -> str:
     shared = (f" (each shared by the {world_size // w} ranks of a tensor-parallel group)" if 1 < w < world_size
               else "")
     return (f"{plan.data}: {count(n, 'sample')} in {count(w, 'shard')}{shared}; {how}; {count(steps, 'step')}/epoch "
-            f"of {plan.batch_size} per rank")
+            f"of {_batch(plan, per, ' per rank')}")
+
+
+def _batch(plan, visited: int, per_rank: str = "") -> str:
+    """The batch a rank trains on: ``--batch-size``, or all it visits when that is fewer (and the cell says so)."""
+    if plan.batch_size <= visited:
+        return f"{plan.batch_size}{per_rank}"
+    return (f"{visited}{per_rank} (--batch-size {plan.batch_size} is more than the {visited} samples a rank visits "
+            "per epoch)")
 
 
 def describe_validation(name: str, info: dict, num_shards: int, batch_size: int) -> str:

@@ -61,3 +61,16 @@ def test_global_batches_are_the_union_of_the_ranks_batches():
     assert len(steps) == shard.steps_per_epoch(n, w, b, False)
     assert all(len(idx) == 2 * b for idx in steps[:-1])
     assert set(torch.cat(steps).tolist()) == set(range(n))  # padded epoch still covers the data
+
+
+def test_the_cut_names_the_batch_a_rank_really_trains_on():
+    from distnb.data import describe_cut
+    from distnb.plan import TrainPlan
+
+    said = describe_cut(TrainPlan(model="m", data="d", batch_size=1000), {"num_samples": 203}, 2, 2)
+    assert said.endswith("1 step/epoch of 102 per rank (--batch-size 1000 is more than the 102 samples a rank "
+                         "visits per epoch)")
+    said = describe_cut(TrainPlan(model="m", data="d", batch_size=16), {"num_samples": 203}, 2, 2)
+    assert said.endswith("7 steps/epoch of 16 per rank")
+    said = describe_cut(TrainPlan(model="m", data="d", batch_size=300, strategy="pipeline"), {"num_samples": 203}, 1, 2)
+    assert said.endswith("1 step/epoch of 203 (--batch-size 300 is more than the 203 samples a rank visits per epoch)")
