@@ -174,7 +174,8 @@ class TrainPlan:
                                 "have received (bounded asynchrony, Ho et al. 2013, \"Stale Synchronous Parallel\").")
     reset: bool = option(False, "flag", "re-send the kernel's model as it is now (its trained weights; build a new "
                          "model for fresh ones) with a fresh optimizer and epoch count")
-    target_loss: float | None = option(None, "float", "stop after an epoch whose mean loss is <= this", signed=True)
+    target_loss: float | None = option(None, "float", "stop after an epoch whose mean loss (with --val-data: "
+                                                "the validation loss) is <= this", signed=True)
     precision: str = option("fp32", "choice", "fp32 (default), bf16 or fp16 (GPU only: with a GradScaler) autocast in "
                             "the forward and the loss; weights stay fp32", choices=PRECISIONS, distribution=True,
                             doc="Autocast dtype of the forward pass and the loss (``torch.autocast``). ``fp16`` "

@@ -511,6 +511,9 @@ def train_cell(session, code, model, data, run, given):
     plan = make_plan(session, model_name, model_obj, data_name, given, quiet=run.quiet)
     for sentence in body_warnings(code, plan):
         warnings.warn(f"distnb: {sentence}", UserWarning, stacklevel=4)
+    if plan.target_loss is not None and plan.val_data is not None and not run.quiet:
+        print(f"distnb: --target-loss {plan.target_loss:g} watches the validation loss (--val-data "
+              f"{plan.val_data}), not the training loss")
     num_shards, steps, sent = prepare(session, plan, code, model_obj, data_obj, run.quiet)
     cell = export.capture(session, plan, code, model_obj, data_obj, RESERVED_NAMES, sent)  # for %dist export
     state = ProgressState(session.world_size, steps * plan.epochs, plan.epochs,

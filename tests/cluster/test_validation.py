@@ -64,11 +64,12 @@ def test_patience_stops_when_the_validation_loss_stops_improving(dist_session, s
     assert "converged" in result.title
 
 
-def test_target_loss_applies_to_the_validation_loss(dist_session, shell):
+def test_target_loss_applies_to_the_validation_loss(dist_session, shell, capsys):
     setup(shell, "val_target")
     result = dist_session.train(BODY, model="val_target", data="val_train", val_data="val_set", epochs=40,
-                                target_loss=0.6, batch_size=16, optimizer="adam", lr=0.02, progress="none",
-                                quiet=True)
+                                target_loss=0.6, batch_size=16, optimizer="adam", lr=0.02, progress="none")
+    assert "--target-loss 0.6 watches the validation loss (--val-data val_set), not the training loss" in \
+        capsys.readouterr().out
     assert result.converged and result.stop_reason == "target"
     assert result.val_loss <= 0.6 and all(e["loss"] > 0.6 for e in result.val_history[:-1])
     assert len(result.epochs) < 40
