@@ -69,6 +69,7 @@ class Watch:
         self.raw = {}  # rank -> the bytes its last message came as (take_progress)
         self.wheres = session.last_where = {}  # rank -> where its cell is (engine/where.py), for %dist where
         self.released, self.interrupted = set(), set()
+        self.pressed_again = False  # the interrupt pressed while the ranks were being stopped
         self.failed_since = None
         self.next_liveness = time.monotonic() + LIVENESS_SECONDS
         self.hang = None  # set when ranks wait in a collective others never reached (see hangs.py)
@@ -93,7 +94,11 @@ class Watch:
                 raise
             user_interrupt = True
             self.interrupted |= self._interrupt_ranks()
-            self._poll(force=True)
+            try:
+                self._poll(force=True)
+            except (KeyboardInterrupt, RuntimeError) as again:  # pressed once more: what was read is enough
+                if not _is_interrupt(again):
+                    raise
         return self._conclude(user_interrupt)
 
     def _tick(self, bg) -> bool:
@@ -177,7 +182,8 @@ class Watch:
                  or self.progress.get(r) or {} for r, ar in enumerate(self.ars)}
         where = ", ".join(f"rank {r}: epoch {m.get('epoch')}, step {m.get('step')}"
                           for r, m in sorted(spots.items()) if m.get("epoch") is not None)
-        how = "every rank stopped after the same step" if clean else "ranks stopped where they were"
+        how = "every rank stopped after the same step" if clean else "ranks stopped where they were" + (
+            " (the interrupt was pressed again)" if self.pressed_again else "")
         return f"{self.what} interrupted: {how}" + (f" ({where})" if where else "")
 
     def _failures(self) -> list:
@@ -225,16 +231,24 @@ class Watch:
             return set()
         # first SIGINT: a training cell stops every rank after the same step (engine.loop.StopRequest)
         self.cluster.signal(signal.SIGINT, running)
-        deadline = time.monotonic() + STOP_WAIT
-        for r in running:
-            ars[r].wait(max(0.0, deadline - time.monotonic()))
-        stuck = [r for r in running if not ars[r].ready()]
-        if stuck:  # second SIGINT: KeyboardInterrupt wherever they are
+        stuck = self._wait_stopped(running, STOP_WAIT)
+        if stuck:  # second SIGINT (or the button pressed again): KeyboardInterrupt wherever they are
             self.cluster.signal(signal.SIGINT, stuck)
-            deadline = time.monotonic() + INTERRUPT_WAIT
-            for r in stuck:
-                ars[r].wait(max(0.0, deadline - time.monotonic()))
+            self._wait_stopped(stuck, INTERRUPT_WAIT)
         return {r for r in running if not (ars[r].ready() and ars[r].successful())}
+
+    def _wait_stopped(self, ranks, seconds: float) -> list:
+        """Wait up to ``seconds`` for ``ranks`` to finish; those still running. The interrupt pressed
+        meanwhile ends the wait at once (it means: stop them now), it does not escape as a traceback."""
+        deadline = time.monotonic() + seconds
+        try:
+            for r in ranks:
+                self.ars[r].wait(max(0.0, deadline - time.monotonic()))
+        except (KeyboardInterrupt, RuntimeError) as exc:
+            if not _is_interrupt(exc):
+                raise
+            self.pressed_again = True
+        return [r for r in ranks if not self.ars[r].ready()]
 
 
 def _is_interrupt(exc: BaseException) -> bool:

@@ -333,6 +333,34 @@ def test_interrupt_stops_every_rank_after_the_same_step(shell, dist_session):
     assert ok.rows[0]["steps"] > 0
 
 
+def test_the_interrupt_pressed_twice_stops_the_ranks_where_they_are_in_one_message(shell, dist_session):
+    """The second press lands while the ranks are still finishing their step: it stops them at once, and the
+    cell ends with distnb's one line, not the kernel-side KeyboardInterrupt tracebacks of the stop itself."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from distnb.errors import Interrupted
+
+    run(shell, TRAIN_SETUP.replace("mnet", "i2net"))
+    slow = "import time\ntime.sleep(1.5)\n" + BODY  # the first press waits for a step that takes 1.5 s
+    timers = [threading.Timer(t, lambda: os.kill(os.getpid(), signal.SIGINT)) for t in (2.0, 2.3)]
+    for timer in timers:
+        timer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(Interrupted, match=r"ranks stopped where they were \(the interrupt was pressed again\)"):
+            dist_session.train(slow, model="i2net", data="train_ds", epochs=100, batch_size=4, progress="none",
+                               quiet=True)
+    finally:
+        for timer in timers:
+            timer.cancel()
+    assert time.monotonic() - t0 < 2.3 + 5.0
+    ok = dist_session.train(BODY, model="i2net", data="train_ds", epochs=1, progress="none", quiet=True)
+    assert ok.rows[0]["steps"] > 0  # the cluster is usable by the next cell
+
+
 def test_a_stop_after_an_epochs_last_step_continues_with_the_next_epoch(shell, dist_session):
     """Interrupted after the last batch of an epoch but before its end: the next cell trains the next epoch.
 
