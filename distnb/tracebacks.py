@@ -21,6 +21,17 @@ _COLLATERAL_MARKERS = ("Connection closed by peer", "Connection reset", "process
                        "waiting for clients", "stopped because rank")
 
 
+#: The C++ stack torch appends to its errors (c10::Error, DistBackendError): "Exception raised from recvValue at
+#: ...:NN (most recent call first):" and one "frame #N: ..." line per native frame, of no use in a notebook.
+_CPP_STACK = re.compile(r"\n?Exception raised from [^\n]*\(most recent call first\):"
+                        r"(?:\n(?:frame #\d+:|<omitting)[^\n]*)*")
+
+
+def clean_message(text: str) -> str:
+    """An exception's message without the C++ stack torch appends to it (:data:`_CPP_STACK`)."""
+    return _CPP_STACK.sub("", text) if isinstance(text, str) else text
+
+
 def clean_traceback(tb: str) -> str:
     """The remote traceback as plain text, without ipyparallel's and distnb's own frames.
 
@@ -29,7 +40,7 @@ def clean_traceback(tb: str) -> str:
     frames (torch, ...) and the exception itself are kept.
     """
     keep = []
-    for block in _ANSI.sub("", tb or "").split("\n\n"):
+    for block in clean_message(_ANSI.sub("", tb or "")).split("\n\n"):
         lines = block.split("\n")
         for i, line in enumerate(lines):
             if line.startswith("File ") and any(m in line for m in _OWN_FRAMES):
