@@ -44,6 +44,7 @@ from .results import StatusTable, TrainResult, WhereTable, status_table, where_t
 from .transfer import sweep_shm
 
 _CURRENT = None
+_STOPPED = None  # the Holdings of the last session stopped: what carries over to the next %dist start
 #: start()'s keyword options (Python keyword -> ClusterSpec field), from ClusterSpec's declarations.
 START_OPTIONS = options.keywords(ClusterSpec)
 #: Session.train()'s keyword options (TrainPlan and RunOptions fields), from their declarations.
@@ -83,7 +84,7 @@ def start(*args, ns=None, spec=None, quiet=False, **given) -> "Session":
     TypeError
         For a keyword that is not an option.
     """
-    global _CURRENT
+    global _CURRENT, _STOPPED
     bound = _START_SIGNATURE.bind(*args, **given)
     explicit = {k: v for k, v in bound.arguments.items() if k not in ("auto_restart", "on_failure")}
     bound.apply_defaults()
@@ -104,6 +105,9 @@ def start(*args, ns=None, spec=None, quiet=False, **given) -> "Session":
     cluster = Cluster(spec, auto_device=auto_device, say=None if quiet else print).start()
     _CURRENT = Session(cluster, ns=ns)
     _CURRENT.on_failure = policy or "stop"
+    if _STOPPED is not None:  # %dist stop then %dist start: the models' carried options, as across a restart
+        _STOPPED.keep_across_restart(_CURRENT.holdings)
+        _STOPPED = None
     atexit.register(_stop_at_exit)
     if not quiet:
         _say_ready(cluster)
@@ -249,7 +253,7 @@ class Session:
         A background training run is stopped first as :meth:`stop_training` does (every rank
         after the same step, bounded; then with the engines), and the one line says so.
         """
-        global _CURRENT
+        global _CURRENT, _STOPPED
         said = background.stop_before_cluster_stop(self)
         if not self.running:
             if not quiet:
@@ -262,7 +266,7 @@ class Session:
             self.holdings.forget()
             sweep_shm()  # shared-memory transfer files a failure may have left
             if _CURRENT is self:
-                _CURRENT = None
+                _CURRENT, _STOPPED = None, self.holdings
         if not quiet:
             print(f"distnb: {said}stopped {count(len(pids['engines']), 'engine')} and the controller")
 
@@ -280,11 +284,8 @@ class Session:
                 raise TypeError(f"restart() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
             kept = {k: getattr(spec, f) for k, f in START_OPTIONS.items() if k not in ("auto_restart", "on_failure")}
             spec = default_spec(**dict(kept, **given))
-        held = self.holdings
-        self.stop(quiet=True)
-        new = start(spec=spec, ns=self._ns, quiet=quiet, on_failure=policy)
-        held.keep_across_restart(new.holdings)  # carried options, and how far the weights are: no resume goes back
-        return new
+        self.stop(quiet=True)  # the carried options, and how far the weights are, go to the new session (start)
+        return start(spec=spec, ns=self._ns, quiet=quiet, on_failure=policy)
 
     def scale(self, n, keep_global_batch=False, quiet=False) -> dict:
         return scaling.scale(self, n, keep_global_batch, quiet)

@@ -143,3 +143,18 @@ def test_state_carries_over_between_cells_and_settings_do_not(shell, capsys):
     assert shell.user_ns["carry_res"].plan.find_unused_parameters is False
     assert run(shell, cell.format("")).error_in_exec is None
     assert shell.user_ns["carry_res"].plan.find_unused_parameters is False
+
+
+def test_carried_options_survive_a_stop_and_a_start_in_the_same_kernel(shell, capsys):
+    run(shell, "import torch, torch.nn as nn, torch.nn.functional as F\ntorch.manual_seed(0)\n"
+               "ss_net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))\n"
+               "ss_data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))")
+    cell = "%%distrain --model ss_net --data ss_data --progress none{} -o ss_res\nx, y = batch\n" \
+           "loss = F.cross_entropy(model(x), y)"
+    assert run(shell, cell.format(" --optimizer adam --lr 0.01")).error_in_exec is None
+    assert run(shell, "%dist stop").error_in_exec is None
+    assert run(shell, "%dist start -n 2 --timeout 30").error_in_exec is None
+    capsys.readouterr()
+    assert run(shell, cell.format("")).error_in_exec is None
+    assert shell.user_ns["ss_res"].plan.optimizer == "adam"
+    assert "fresh adam optimizer" in capsys.readouterr().out  # the new ranks build the optimizer chosen before
