@@ -42,12 +42,12 @@ class TextProgress:
     def refresh(self, final=False):
         st = self.state
         every = max(1, -(-st.epochs // 10))  # at most ~10 epoch lines per cell
-        for i, epoch in enumerate(sorted(st.epoch_means)):
-            if epoch in self._epochs_shown:
+        epochs = sorted(st.epoch_means)
+        for i, epoch in enumerate(epochs):
+            last = i == st.epochs - 1 or (final and epoch == epochs[-1])  # the cell's last, also when it stopped early
+            if epoch in self._epochs_shown or (i % every and not last):
                 continue
             self._epochs_shown.add(epoch)
-            if i % every and i != st.epochs - 1:
-                continue
             ranks = _ranks_text(st)
             extra = ""
             if st.validation:

@@ -70,3 +70,15 @@ def test_text_progress_names_no_epoch_for_a_rank_that_never_reported():
     assert "None" not in text
     assert "rank 1 failed after 0 of this cell's steps: EngineDied: gone" in text
     assert "rank 0 interrupted after 3 of this cell's steps in epoch 1" in text
+
+
+def test_text_progress_shows_the_last_epoch_of_a_cell_that_stopped_early():
+    st = ProgressState(1, total_steps=300, epochs=30)  # every third epoch is shown while it runs
+    out = io.StringIO()
+    view = TextProgress(st, stream=out)
+    for epoch in range(6):  # --target-loss reached after epoch 5
+        st.update(0, dict(status="running", epoch_losses=[(e, 1.0 / (e + 1)) for e in range(epoch + 1)]))
+        view.refresh()
+    view.close()
+    lines = [line.split("mean")[0].split() for line in out.getvalue().splitlines() if line.startswith("epoch")]
+    assert lines == [["epoch", "0"], ["epoch", "3"], ["epoch", "5"]]
