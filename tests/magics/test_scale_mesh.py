@@ -114,8 +114,7 @@ def test_a_carried_mesh_that_does_not_fit_says_it_came_from_the_earlier_cell(she
     s, ns = dist_session, shell.user_ns
     ns.update(mc_net=make_model(), mc_data=parity_data(), F=F)
     train(s, "mc_net", "mc_data", strategy="fsdp+tensor", mesh="1x2", optimizer="sgd", lr=0.1)
-    ns["mc_net"] = make_model(2)  # a new model object of that name: not live on the ranks, so no refusal
-    s.scale(3, quiet=True)
+    s = s.restart(n=3, quiet=True)  # the ranks hold nothing (no refusal), the same object keeps its options
     err = shell.run_cell(f"%%distrain --model mc_net --data mc_data --progress none\n{BODY}").error_in_exec
     assert isinstance(err, UsageError)
     assert str(err) == ("--mesh 1x2 came from mc_net's last cell, on a world of 2 ranks, not from this one, and does "
