@@ -239,8 +239,8 @@ class Cluster(Engines):
                 self.client.wait_for_engines(n, timeout=min(1.0, max(0.0, deadline - time.monotonic())),
                                              interactive=False)
                 return
-            except TimeoutError:
-                pass
+            except TimeoutError:  # perhaps registered, but never announced to the client
+                launchers.refresh_engines(self.client)
             launchers.check_launcher_alive(self._ipp, self.launcher)
             if queue is not None and len(self.client.ids) < n:
                 queue.check()

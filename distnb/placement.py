@@ -154,9 +154,10 @@ def engines_per_host(spec) -> int:
 
 
 #: Seconds an engine waits for the controller's answer to its registration before it gives up and exits.
-#: ipyparallel's default (``IPEngine.timeout``, 5 s) is too short when many engines register at once on a
-#: busy machine: with 32 forked engines under load, some gave up and ``%dist start -n 32`` found 30 of 32
-#: (issue 20). distnb itself waits at least 60 s for registration and stops the engines when it gives up.
+#: ipyparallel's default (``IPEngine.timeout``, 5 s) can be shorter than a busy controller takes to answer
+#: many engines registering at once; distnb itself waits at least 60 s for registration and stops the
+#: engines when it gives up. (The 31-of-32 starts of issue 20 were another cause: see
+#: :func:`distnb.launchers.refresh_engines`.)
 REGISTRATION_WAIT = 120.0
 REGISTRATION_ARG = f"--IPEngine.timeout={REGISTRATION_WAIT:g}"
 
