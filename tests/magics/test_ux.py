@@ -69,10 +69,17 @@ def test_a_model_that_cannot_be_sent_names_the_attribute_and_the_fix_before_anyt
     assert res.error_in_exec is None
 
 
+def small_net(shell, name: str, middle: str = "nn.ReLU()") -> str:
+    """Define ``{name}_net`` (4 -> 8 -> 2, seeded) and ``{name}_data`` (64 samples) in the notebook; the code
+    that makes the model again (a new object under the name)."""
+    make = f"torch.manual_seed(0)\n{name}_net = nn.Sequential(nn.Linear(4, 8), {middle}, nn.Linear(8, 2))"
+    run(shell, "import torch, torch.nn as nn, torch.nn.functional as F\n" + make + "\n"
+               f"{name}_data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))")
+    return make
+
+
 def test_a_model_changed_in_the_notebook_or_a_strategy_switch_says_what_happens(shell, capsys):
-    run(shell, "import torch, torch.nn as nn, torch.nn.functional as F\ntorch.manual_seed(0)\n"
-               "bn_net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))\n"
-               "bn_data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))")
+    small_net(shell, "bn", "nn.BatchNorm1d(8)")
     cell = "%%distrain --model bn_net --data bn_data --batch-size 16 --optimizer adam{}\nx, y = batch\n" \
            "loss = F.cross_entropy(model(x), y)"
     assert run(shell, cell.format("")).error_in_exec is None
@@ -91,9 +98,7 @@ def test_a_model_changed_in_the_notebook_or_a_strategy_switch_says_what_happens(
 
 
 def test_a_new_object_under_a_trained_name_starts_from_the_defaults(shell, capsys):
-    make = "torch.manual_seed(0)\nnew_net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))"
-    run(shell, "import torch, torch.nn as nn, torch.nn.functional as F\n" + make + "\n"
-               "new_data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))")
+    make = small_net(shell, "new")
     cell = "%%distrain --model new_net --data new_data --progress none{} -o new_res\nx, y = batch\n" \
            "loss = F.cross_entropy(model(x), y)"
     assert run(shell, cell.format(" --strategy fsdp --optimizer adam")).error_in_exec is None
@@ -113,9 +118,7 @@ def test_a_new_object_under_a_trained_name_starts_from_the_defaults(shell, capsy
 
 
 def test_state_carries_over_between_cells_and_settings_do_not(shell, capsys):
-    run(shell, "import torch, torch.nn as nn, torch.nn.functional as F\ntorch.manual_seed(0)\n"
-               "carry_net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))\n"
-               "carry_data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))")
+    small_net(shell, "carry")
     cell = "%%distrain --model carry_net --data carry_data --progress none{} -o carry_res\nx, y = batch\n" \
            "loss = F.cross_entropy(model(x), y)"
     assert run(shell, cell.format(" --strategy fsdp --fsdp-units 0,2 --optimizer adam --batch-size 8")
@@ -146,9 +149,7 @@ def test_state_carries_over_between_cells_and_settings_do_not(shell, capsys):
 
 
 def test_carried_options_survive_a_stop_and_a_start_in_the_same_kernel(shell, capsys):
-    run(shell, "import torch, torch.nn as nn, torch.nn.functional as F\ntorch.manual_seed(0)\n"
-               "ss_net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))\n"
-               "ss_data = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))")
+    small_net(shell, "ss")
     cell = "%%distrain --model ss_net --data ss_data --progress none{} -o ss_res\nx, y = batch\n" \
            "loss = F.cross_entropy(model(x), y)"
     assert run(shell, cell.format(" --optimizer adam --lr 0.01")).error_in_exec is None
