@@ -388,8 +388,9 @@ def _data_file(cell) -> tuple:
                         f"with --data {name} without --data-on-ranks, then %dist export")
     if path == "tensors":
         return "data.pt", _tensor_file(name, cell.data_obj, cell.data_fp, "--data")
-    packed = pack_named(name, cell.data_obj, " (the exported job loads it from data.pkl)")
-    if cell.data_fp is not None and (path, _fingerprint(*packed), id(cell.data_obj)) != cell.data_fp:
+    tensors = []
+    packed = pack_named(name, cell.data_obj, " (the exported job loads it from data.pkl)", tensors)
+    if cell.data_fp is not None and (path, _fingerprint(*packed, tensors), id(cell.data_obj)) != cell.data_fp:
         raise _changed(name, "--data")
     return "data.pkl", pickle.dumps(packed, protocol=5)
 

@@ -393,8 +393,9 @@ def free_names(code: str) -> set:
     return {n for n in loaded - stored if not hasattr(builtins, n)}
 
 
-def pack_named(name: str, value, why: str = ""):
-    """:func:`distnb.engine.wire.pack` of the notebook's ``name``, or a PlanError that names what cannot travel.
+def pack_named(name: str, value, why: str = "", tensors=None):
+    """:func:`distnb.engine.wire.pack` of the notebook's ``name`` (``tensors``: as there), or a PlanError that names
+    what cannot travel.
 
     The error names the notebook variable, the attribute path to the object that cannot be
     pickled (``net.holder.gen: generator``) and the ways out, with no frames of distnb or
@@ -408,7 +409,7 @@ def pack_named(name: str, value, why: str = ""):
     from .engine import wire
 
     try:
-        return wire.pack(value)
+        return wire.pack(value, tensors)
     except Exception as exc:  # cloudpickle raises TypeError, PicklingError, AttributeError, ...
         path, culprit, reason, owner = _walk(value, name) or (name, value, exc, value)
         owner = type(owner)
