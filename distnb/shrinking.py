@@ -92,7 +92,7 @@ def go_on(session, plan, dead: dict, failure: RankError, retry):
     old = cluster.world_size
     where = {f["rank"]: (f.get("epoch"), f.get("step")) for f in failure.failures}
     said = {r: f"{cluster.describe(r)}: {how}" for r, how in dead.items()}
-    reassigned = _samples_of(session, sorted(dead), old)
+    reassigned = _samples_of(session, plan.data, sorted(dead), old)
     try:
         positions = _drop(session, dead)
     except Exception as exc:
@@ -219,15 +219,16 @@ def _say(lost: dict, n: int, left: int) -> None:
               f"({count(left, 'epoch')} left)")
 
 
-def _samples_of(session, dead: list, old: int) -> int:
-    """Samples of the tensor data sets the ``dead`` ranks held (dealt to the survivors)."""
+def _samples_of(session, name: str, dead: list, old: int) -> int:
+    """Samples of the cell's tensor data set ``name`` that the ``dead`` ranks held, now dealt to the survivors
+    (the other sets the ranks held are dealt again too, :func:`distnb.scaling._reassign_data`, but the cell's
+    message is about its own data)."""
     from .engine import shard
 
-    total = 0
-    for info in session.holdings.data.values():
-        if "structure" in info and info["num_shards"] == old:
-            total += sum(shard.shard_length(info["num_samples"], old, r) for r in dead)
-    return total
+    info = session.holdings.data.get(name) or {}
+    if "structure" not in info or info["num_shards"] != old:
+        return 0
+    return sum(shard.shard_length(info["num_samples"], old, r) for r in dead)
 
 
 def _drop(session, dead: dict) -> dict:
