@@ -328,6 +328,10 @@ def _check_where_button(page, artifacts):
     button.click()
     page.wait_for_function(WHERE_SEEN, arg=I_STUCK, timeout=5_000)
     latency = time.monotonic() - t_click
+    # the first stacks may come from a look taken just before rank 1 had been in time.sleep long enough
+    # to count as stalled (seen once, in a fresh clone's first test): the panel's next look says so
+    stalled = f"(i) => {{ const r = ({WHERE_PANEL})(i); return r && r[1].state === 'stalled'; }}"
+    page.wait_for_function(stalled, arg=I_STUCK, timeout=5_000)
     ranks = page.evaluate(WHERE_PANEL, I_STUCK)
     assert _running(page, I_STUCK), "the cell ended before the stacks were seen"
     assert "in a collective for" in ranks[0]["words"] and "all-reduce" in ranks[0]["op"], ranks
