@@ -373,18 +373,18 @@ class Cluster(Engines):
         if self._ipp is not None and not getattr(self, "family", None):  # a start that failed before the reaper:
             self.family = [p for p in [self.pids["controller"], *launchers.started_pids(self._ipp, self.launcher)]
                            if p]  # the controller's own processes, found while it still runs
-        if self.client is not None:
-            try:  # live registered engines leave the group and exit at once; ipyparallel stops the rest
-                ids = [e for e in (self.engine_ids or self.client.ids) if e in self.client.ids]
-                if ids and self.remote:  # leave the group; the launcher stops them (ssh kill, scancel, ...)
-                    ar = _send(self.client[ids], calls.leave)
-                    ar.wait(min(5.0, self.spec.timeout))
-                elif ids:
-                    _send(self.client[ids], calls.shutdown)
-                    time.sleep(0.2)
-            except Exception:
-                pass
-        try:
+        try:  # an interrupt anywhere in here still ends this machine's processes (the finally)
+            if self.client is not None:
+                try:  # live registered engines leave the group and exit at once; ipyparallel stops the rest
+                    ids = [e for e in (self.engine_ids or self.client.ids) if e in self.client.ids]
+                    if ids and self.remote:  # leave the group; the launcher stops them (ssh kill, scancel, ...)
+                        ar = _send(self.client[ids], calls.leave)
+                        ar.wait(min(5.0, self.spec.timeout))
+                    elif ids:
+                        _send(self.client[ids], calls.shutdown)
+                        time.sleep(0.2)
+                except Exception:
+                    pass
             if self._ipp is not None:
                 try:
                     self._ipp.stop_cluster_sync()

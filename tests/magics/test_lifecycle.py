@@ -82,3 +82,26 @@ def test_a_start_that_fails_while_the_controller_starts_leaves_none_of_its_proce
         alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         time.sleep(0.2)
     assert alive == [] and launchers.controller_group(group["pid"]) == []
+
+
+def test_an_interrupt_during_stop_still_leaves_no_process_behind(monkeypatch):
+    """Ctrl-C landing in %dist stop (here: in its wait for the engines to leave) ends the stop early, but the
+    controller and the engines still go (a fresh user's find: the controller lived until the kernel exited)."""
+    from distnb import cluster as cluster_mod
+
+    cluster = Cluster(default_spec(n=2, timeout=20)).start()
+    procs = [psutil.Process(p) for p in cluster.family]
+
+    def interrupted(seconds):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cluster_mod.time, "sleep", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cluster.stop()
+    monkeypatch.undo()
+    deadline = time.monotonic() + 15
+    alive = procs
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.2)
+    assert alive == []
