@@ -13,8 +13,8 @@ the same loop as ``run.py --torchrun`` (``torchrun_digits.py``):
 Each round runs every side (``--repeats`` timed runs each; the order rotates round by round,
 and the cluster is restarted when the engine kind changes, outside the timing). Reported per
 side: the median samples/s, and the ratio to torchrun's median under the same load (target
->= 0.90), the spread of the per-round ratios (so a figure is called decided only when its
-rounds agree within the margin), and the CPU the load used. With ``--load-procs 0`` the same
+>= 0.90), the spread of the per-round ratios (a figure is called decided only when a sign test over
+its rounds puts it on one side of the target, ``benchmarks/verdicts.py``), and the CPU the load used. With ``--load-procs 0`` the same
 rows are the quiet reference, in the same script::
 
     .venv/bin/python benchmarks/shared_load.py --load-procs 2 --duty 0.5 --rounds 5
@@ -34,6 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import run as harness  # noqa: E402  (benchmarks/run.py: the notebook driver and the torchrun side)
+import verdicts  # noqa: E402  (the sign test that says "decided")
 
 TARGET = 0.90
 SIDES = ("template", "fresh", "torchrun")
@@ -135,7 +136,7 @@ def summarise(rounds: list) -> list:
         per = [r[side]["samples_per_s"] / r["torchrun"]["samples_per_s"] for r in rounds]
         ratio = value / ref
         lo, hi = min(per), max(per)
-        decided = side == "torchrun" or (lo >= TARGET or hi < TARGET)
+        decided = side == "torchrun" or verdicts.decided(per, TARGET)
         rows.append(dict(side=side, samples_per_s=value, ratio=ratio, lo=lo, hi=hi, decided=decided,
                          load_cores=med(r[side]["load_cores"] for r in rounds)))
     return rows

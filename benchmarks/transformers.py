@@ -18,9 +18,10 @@ the CPU ratio = torchrun CPU s / distnb CPU s: the work each side did, which oth
 on a shared machine disturb far less than the wall time (a rank descheduled for a second
 adds a second of wall time and no CPU time).
 Targets (issue 17): ddp >= 1.00, fsdp >= 0.95, tensor and pipeline >= 0.90, the ``%%dist``
-loop >= 0.95. A figure is *decided* when every round's ratio lies on the same side of its
-target (at least 3 rounds), else *within noise*. Losses: the warm-up cell's per-epoch mean
-losses against the reference's warm-up epochs (both from the same seed-0 model and epoch 0).
+loop >= 0.95. A figure is *decided* when a sign test over its rounds puts it on one side of its
+target at 5 % (at least 6 rounds; ``benchmarks/verdicts.py``), else *within noise*.
+Losses: the warm-up cell's per-epoch mean losses against the reference's warm-up epochs (both
+from the same seed-0 model and epoch 0).
 
 Every run also records the CPU other processes used meanwhile (cores); on a shared machine
 a round where that exceeds ``--max-foreign`` is re-run, at most ``--retries`` times.
@@ -43,6 +44,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from verdicts import median_interval, verdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -158,17 +161,6 @@ def run_torchrun(size, case, epochs, first_epoch, warmup_epochs, timeout=900.0) 
     return res
 
 
-def verdict(ratios, target) -> str:
-    """"decided" when >= 3 rounds all lie on one side of ``target``; else "within noise"."""
-    if target is None:
-        return "reported"
-    if len(ratios) < 3:
-        return f"undecided ({len(ratios)} round{'s' if len(ratios) != 1 else ''})"
-    if min(ratios) >= target or max(ratios) < target:
-        return "decided"
-    return "within noise"
-
-
 def measure_case(nb, harness, ref, size, case, args, log=print) -> dict:
     """Warm-up, the loss check, then ``args.rounds`` alternated rounds (re-runs for others' load)."""
     side = DistnbSide(nb, harness, ref, size, case)
@@ -232,7 +224,8 @@ def report(results, harness, load0, load1) -> None:
     for r in results:
         target = r["target"]
         ok = "" if target is None else ("PASS" if r["ratio"] >= target else "FAIL")
-        spread = f"{min(r['round_ratios']):.3f}-{max(r['round_ratios']):.3f}"
+        lo, hi, _ = median_interval(r["round_ratios"])
+        spread = f"{min(r['round_ratios']):.3f}-{max(r['round_ratios']):.3f} (median in {lo:.3f}-{hi:.3f})"
         cpu_spread = f"{min(r['cpu_round_ratios']):.3f}-{max(r['cpu_round_ratios']):.3f}"
         rows.append((r["size"], r["case"], f"{r['distnb_s']:.3f}", f"{r['torchrun_s']:.3f}", f"{r['ratio']:.3f}",
                      spread, "-" if target is None else f">= {target:.2f}", ok, r["verdict"],
