@@ -37,7 +37,7 @@ import ipyparallel as ipp
 import psutil
 from ipyparallel.serialize import PrePickled
 
-from . import calls, launchers, placement, slurm, tracebacks, zygote
+from . import calls, fanout, launchers, placement, slurm, tracebacks, zygote
 from .reaper import reap, spawn
 from .calls import RankFunction
 from .engines import Engines
@@ -526,23 +526,24 @@ class Cluster(Engines):
             raise ClusterError(f"{what}. Run %dist restart (or session.restart()) for a fresh world of "
                                f"{self.world_size} ranks")
 
-    def apply(self, rank: int, fn: RankFunction, *args, packed=None):
+    def apply(self, rank: int, fn: RankFunction, *args):
         """Call the rank function ``fn(*args)`` (a :mod:`distnb.calls` entry) on ``rank``; an AsyncResult.
-
-        ``packed``: the same call already checked and serialized by :func:`_packed` (``apply_all``).
 
         Raises ClusterError if the cluster is stopped or that rank's engine has died, TypeError
         if ``args`` do not fit ``fn``'s signature.
         """
+        self._check_sendable(rank)
+        return _send(self._view(self.engine_ids[rank]), fn, *args)
+
+    def _check_sendable(self, rank: int) -> None:
+        """ClusterError unless the cluster runs and ``rank``'s engine is alive and registered."""
         if self.client is None:
             raise ClusterError("the cluster is not running; start it with %dist start")
-        engine_id = self.engine_ids[rank]
         proc = self._procs.get(self.ranks[rank]["pid"]) if rank < len(self.ranks) else None
-        if engine_id not in self.client.ids or (proc is not None and proc.exit_status is not None):
+        if self.engine_ids[rank] not in self.client.ids or (proc is not None and proc.exit_status is not None):
             self.check_alive([rank])
             raise ClusterError(f"{self.describe(rank)} is no longer registered with the controller; "
                                "run %dist restart")
-        return self._view(engine_id).apply_async(*packed) if packed else _send(self._view(engine_id), fn, *args)
 
     def _view(self, engine_id: int):
         """The DirectView of one engine, made once per client (``client[i]`` builds a new view at each call)."""
@@ -552,16 +553,14 @@ class Cluster(Engines):
         return view
 
     def apply_all(self, fn: RankFunction, *args):
-        """``fn(*args)`` on every rank: one AsyncResult per rank, in rank order.
-
-        The call is checked and serialized once (:func:`_packed`) and sent as one message per
-        engine, through each engine's own view: one ``apply_async`` on a view of all engines
-        sends the same messages but gives one AsyncResult for all of them, and ipyparallel's
-        broadcast view was slower at 32 ranks (benchmarks/README.md, issue 20).
-        """
+        """``fn(*args)`` on every rank: one AsyncResult per rank, in rank order. Checked and serialized once
+        (:func:`_packed`), one message per engine, all handed to the client's I/O thread at once
+        (:func:`distnb.fanout.apply_each`); ipyparallel's broadcast view was slower at 32 ranks (issue 20)."""
         fn.check(args)
+        for rank in range(self.world_size):
+            self._check_sendable(rank)
         packed = _packed(fn, args)
-        return [self.apply(r, fn, *args, packed=packed) for r in range(self.world_size)]
+        return fanout.apply_each(self.client, self.engine_ids, packed[0], packed[1:])
 
     def wait_all(self, ars, timeout: float, what: str):
         """Results of ``ars`` (one per rank, in rank order); a RankError names failing ranks."""

@@ -4,6 +4,7 @@ The real-cluster side (output still arrives, folded and complete, with ``busy`` 
 flushes) is what tests/magics/test_magics.py and test_ux.py check on every cell.
 """
 
+import io
 import threading
 import time
 
@@ -135,3 +136,39 @@ def test_a_look_that_hangs_does_not_starve_the_next_cells_watchdog(monkeypatch):
     second.stop()
     release.set()
     assert len(seen) >= 2, seen
+
+
+def test_a_logger_above_debug_builds_no_record_its_handler_would_drop():
+    import logging
+
+    log = logging.getLogger("distnb-test-lean-engine")
+    log.propagate, log.level = False, logging.DEBUG
+    handler = logging.StreamHandler(io.StringIO())
+    handler.setLevel(logging.INFO)
+    log.addHandler(handler)
+    built = []
+    make = log.makeRecord
+    log.makeRecord = lambda *a, **k: built.append(a[1]) or make(*a, **k)
+    try:
+        log.debug("before")
+        assert built == [logging.DEBUG]
+        assert lean.quiet_logger(log) == logging.INFO
+        log.debug("after")
+        log.info("shown")
+        assert built == [logging.DEBUG, logging.INFO]
+        assert handler.stream.getvalue() == "shown\n"
+    finally:
+        log.removeHandler(handler)
+
+
+def test_a_logger_whose_handler_takes_everything_is_left_alone():
+    import logging
+
+    log = logging.getLogger("distnb-test-lean-notset")
+    log.propagate, log.level = False, logging.DEBUG
+    handler = logging.NullHandler()
+    log.addHandler(handler)
+    try:
+        assert lean.quiet_logger(log) == logging.DEBUG
+    finally:
+        log.removeHandler(handler)
