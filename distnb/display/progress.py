@@ -84,6 +84,7 @@ class ProgressState:
                      for r in range(world_size)]
         self.curves = [Series() for _ in range(world_size)]  # per rank: (step, loss)
         self.epoch_means = {}  # epoch -> mean loss over all ranks
+        self.epoch_rates = [{} for _ in range(world_size)]  # per rank: epoch -> its samples/s over that epoch
         self.throughput = Series()  # (seconds since the first message, samples/s summed over ranks)
         self.band = Series()  # (step, (mean, p10, p90) of the ranks' newest losses): display/aggregate.py
         self.validation = {}  # cell step -> (validation loss, metric or None), from rank 0's messages
@@ -116,14 +117,17 @@ class ProgressState:
         for step, value in new_points:
             ema = row["smooth_loss"]
             row["smooth_loss"] = value if ema is None else ema + SMOOTHING * (value - ema)
-        n_means, n_val = len(self.epoch_means), len(self.validation)
+        n_means, n_val, n_rates = len(self.epoch_means), len(self.validation), len(self.epoch_rates[rank])
         for epoch, mean in msg.get("epoch_losses", ()):
             if self.epoch_means.get(epoch) != mean:
                 self.epoch_means[int(epoch)] = float(mean)
+        for epoch, rate in msg.get("epoch_rates", ()):
+            self.epoch_rates[rank][int(epoch)] = float(rate)
         for step, loss, metric in msg.get("val_points", ()):  # the same figures on every rank
             self.validation[int(step)] = (float(loss), None if metric is None else float(metric))
         self.metric_name = msg.get("metric_name") or self.metric_name
-        changed = bool(new_points) or n_means != len(self.epoch_means) or n_val != len(self.validation) or row_changed
+        changed = (bool(new_points) or n_means != len(self.epoch_means) or n_val != len(self.validation) or row_changed
+                   or n_rates != len(self.epoch_rates[rank]))
         if changed:
             self.version += 1
             if "samples" in msg or "samples_per_s" in msg:

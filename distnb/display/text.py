@@ -11,19 +11,33 @@ def _fmt(x, spec):
     return "-" if x is None else format(x, spec)
 
 
-def _ranks_text(st) -> str:
-    """Each rank's samples/s, or above the scale threshold their spread and the slowest rank (one line)."""
+def _ranks_text(st, epoch) -> str:
+    """Each rank's samples/s over ``epoch``, or above the scale threshold their spread and the slowest rank.
+
+    A rank's rate for an epoch is its own (samples it trained in that epoch over the epoch's time,
+    :meth:`distnb.engine.report.Reporter.end_epoch`), "-" while it has not said (the newest figures when
+    no rank sent per-epoch rates); above the threshold the slowest rank is the one slowest over the last second.
+    """
+    rates = [st.epoch_rates[r["rank"]].get(epoch) for r in st.rows]
+    if all(x is None for x in rates):  # messages without per-epoch rates: the newest figures instead
+        rates = [r["samples_per_s"] for r in st.rows] if st.world_size <= aggregate.SCALE_THRESHOLD else \
+            aggregate.rank_values(st, "rate")
     if st.world_size <= aggregate.SCALE_THRESHOLD:
-        return "  ".join(f"rank {r['rank']} {_fmt(r['samples_per_s'], '.0f')} samples/s" for r in st.rows)
-    rates = aggregate.summary(aggregate.rank_values(st, "rate"))
+        return "  ".join(f"rank {r['rank']} {_fmt(rate, '.0f')} samples/s" for r, rate in zip(st.rows, rates))
+    spread = aggregate.summary(rates)
     slow = aggregate.slowest(st, 1)
     text = f"{st.world_size} ranks"
-    if rates:
-        text += f" samples/s min {rates['min']:.0f} median {rates['median']:.0f} max {rates['max']:.0f}"
+    if spread:
+        text += f" samples/s min {spread['min']:.0f} median {spread['median']:.0f} max {spread['max']:.0f}"
     if slow:
         s = slow[0]
         text += f"  slowest rank {s['rank']} ({s['host']})" + ("" if s["skew"] is None else f" {100 * s['skew']:+.0f}%")
     return text
+
+
+def _all_said(st, epoch) -> bool:
+    """Whether every rank that is still training or done has reported its rate for ``epoch``."""
+    return all(epoch in st.epoch_rates[r["rank"]] for r in st.rows if r["status"] in ("running", "done"))
 
 
 class TextProgress:
@@ -47,8 +61,10 @@ class TextProgress:
             last = i == st.epochs - 1 or (final and epoch == epochs[-1])  # the cell's last, also when it stopped early
             if epoch in self._epochs_shown or (i % every and not last):
                 continue
+            if not final and not _all_said(st, epoch):  # the line waits (a report interval) for every rank's rate
+                break
             self._epochs_shown.add(epoch)
-            ranks = _ranks_text(st)
+            ranks = _ranks_text(st, epoch)
             extra = ""
             if st.validation:
                 loss, metric = st.validation[max(st.validation)]

@@ -326,8 +326,8 @@ def _train(ns, plan, code_text, relay):
         ctx.final_checkpoint()  # a resume never goes back behind this cell's last step (the restored best, if any)
     except BaseException as exc:
         if "find_unused_parameters=True" in str(exc) and not plan.find_unused_parameters and exc.args:
-            exc.args = (f"{exc.args[0]}\n[distnb] some parameters got no gradient: run the cell with "
-                        "--find-unused-parameters",) + exc.args[1:]
+            exc.args = ("[distnb] some parameters got no gradient: run the cell with --find-unused-parameters "
+                        f"(torch's message follows)\n{exc.args[0]}",) + exc.args[1:]  # the fix first, not after torch's text
         datasets.explain(exc)  # a DataLoader worker that died, a full /dev/shm
         status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
         reporter.set_status(status, error=f"{type(exc).__name__}: {exc}"[:300], failed_at=time.time())

@@ -131,6 +131,8 @@ class Reporter:
         self.status = "waiting"
         self.points = []  # (step, loss) at each published message
         self.epoch_losses = []
+        self.epoch_rates = []  # (epoch, this rank's samples/s over that epoch)
+        self._epoch_start = None  # (perf_counter, samples) when this epoch's training began
         self._last_loss = None
         self._t_last = time.perf_counter()
         self._win_samples = 0
@@ -164,14 +166,22 @@ class Reporter:
             self._flush(now)
 
     def set_status(self, status: str, **extra) -> None:
+        if status == "running" and self.status != "running":
+            self._epoch_start = (time.perf_counter(), self.samples)
         self.status = status
         self.extra.update(extra)
         self._flush(time.perf_counter())
 
     def end_epoch(self, epoch: int, mean_loss: float) -> None:
+        """Record epoch ``epoch``'s mean loss and this rank's samples/s over it (from ``running`` or the last epoch's end)."""
+        now = time.perf_counter()
         self.epoch_losses.append((epoch, mean_loss))
         del self.epoch_losses[:-TAIL]
-        self._flush(time.perf_counter())
+        if self._epoch_start is not None and now > self._epoch_start[0]:
+            self.epoch_rates.append((epoch, (self.samples - self._epoch_start[1]) / (now - self._epoch_start[0])))
+            del self.epoch_rates[:-TAIL]
+        self._epoch_start = (now, self.samples)
+        self._flush(now)
 
     def _flush(self, now: float) -> None:
         window = now - self._win_t0
@@ -198,7 +208,7 @@ class Reporter:
                    step=self.step, total=self.total, samples=self.samples, loss=loss,
                    samples_per_s=self.samples_per_s, step_time=self.step_time, busy_time=self.busy_time,
                    peak_memory=memory, memory_kind=memory_kind, points=self.points[-TAIL:],
-                   epoch_losses=self.epoch_losses[-TAIL:], time=time.time())
+                   epoch_losses=self.epoch_losses[-TAIL:], epoch_rates=self.epoch_rates[-TAIL:], time=time.time())
         msg.update(self.extra)
         try:
             self.publish(msg)

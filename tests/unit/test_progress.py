@@ -82,3 +82,41 @@ def test_text_progress_shows_the_last_epoch_of_a_cell_that_stopped_early():
     view.close()
     lines = [line.split("mean")[0].split() for line in out.getvalue().splitlines() if line.startswith("epoch")]
     assert lines == [["epoch", "0"], ["epoch", "3"], ["epoch", "5"]]
+
+
+def test_reporter_gives_each_epoch_its_own_rate(monkeypatch):
+    import distnb.engine.report as report
+
+    clock = [100.0]
+    monkeypatch.setattr(report.time, "perf_counter", lambda: clock[0])
+    sent = []
+    r = Reporter(rank=0, total_steps=20, epochs=2, interval=3600, publish=sent.append)
+    clock[0] = 105.0  # set-up before training is not in the first epoch
+    r.set_status("running")
+    for _ in range(10):
+        r.record(0.5, 8)
+    clock[0] = 107.0
+    r.end_epoch(0, 0.5)
+    for _ in range(10):
+        r.record(0.5, 8)
+    clock[0] = 111.0
+    r.end_epoch(1, 0.4)
+    assert sent[-1]["epoch_rates"] == [(0, 40.0), (1, 20.0)]  # 80 samples in 2 s, then in 4 s
+
+
+def test_an_epoch_line_waits_for_every_ranks_own_rate_of_that_epoch():
+    st = ProgressState(2, total_steps=4, epochs=3)
+    out = io.StringIO()
+    view = TextProgress(st, stream=out)
+    st.update(0, dict(status="running", samples_per_s=999.0, epoch_losses=[(0, 1.5), (1, 1.2)],
+                      epoch_rates=[(0, 100.0), (1, 110.0)]))
+    st.update(1, dict(status="running", samples_per_s=0.0, epoch_losses=[(0, 1.5)], epoch_rates=[(0, 90.0)]))
+    view.refresh()
+    assert out.getvalue().splitlines() == ["epoch   0  mean loss 1.5000  |  rank 0 100 samples/s  rank 1 90 samples/s"]
+    assert st.update(1, dict(status="running", epoch_losses=[(0, 1.5), (1, 1.2)], epoch_rates=[(0, 90.0), (1, 95.0)]))
+    view.refresh()
+    assert out.getvalue().splitlines()[1] == "epoch   1  mean loss 1.2000  |  rank 0 110 samples/s  rank 1 95 samples/s"
+    st.update(0, dict(status="running", epoch_losses=[(2, 1.0)], epoch_rates=[(2, 120.0)]))
+    st.set_status("failed", ranks=[1], error="ValueError: x")  # rank 1 never reports epoch 2
+    view.close()
+    assert "epoch   2  mean loss 1.0000  |  rank 0 120 samples/s  rank 1 - samples/s" in out.getvalue()
