@@ -439,7 +439,7 @@ def _parse(magic, line: str):
     import difflib
 
     try:
-        return parse_argstring(magic, line)
+        args = parse_argstring(magic, line)
     except UsageError as exc:
         text = str(exc)
         if not text.startswith("unrecognized arguments:"):
@@ -455,6 +455,27 @@ def _parse(magic, line: str):
         if not hints:
             raise
         raise UsageError(f"{text} ({'; '.join(hints)})") from None
+    _refuse_repeats(magic, line)
+    return args
+
+
+def _refuse_repeats(magic, line: str) -> None:
+    """UsageError for an option given twice (``--epochs 1 --epochs 2``), which argparse settles silently
+    by keeping the last; options meant to repeat (``action="append"``) may."""
+    from IPython.utils.process import arg_split  # how parse_argstring splits the line
+
+    by_flag = {o: a for a in magic.parser._actions for o in a.option_strings
+               if not isinstance(a, (argparse._AppendAction, argparse._HelpAction))}
+    seen = {}
+    for word in arg_split(line):
+        action = by_flag.get(word.partition("=")[0] if word.startswith("--") else word)
+        if action is None:
+            continue
+        flag = word.partition("=")[0]
+        if action.dest in seen:
+            both = flag if flag == seen[action.dest] else f"{seen[action.dest]} (the same as {flag})"
+            raise UsageError(f"{both} is given twice; give it once (otherwise only the last would count)")
+        seen[action.dest] = flag
 
 
 @magics_class

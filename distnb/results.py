@@ -134,10 +134,18 @@ class TrainResult(Table):
             "interrupted", False
         self._make_title()
 
+    def _loss_text(self) -> str:
+        """``final mean loss X``; for a cell that finished no epoch (interrupted early), the ranks' last step loss."""
+        if self.epoch_losses:
+            return f"final mean loss {self.final_loss:.4f}"
+        last = [r.get("final_loss") for r in self.rows if r.get("final_loss") is not None]
+        last = [x for x in last if math.isfinite(x)]
+        return f"no epoch finished, last step loss {math.fsum(last) / len(last):.4f}" if last else "no epoch finished"
+
     def _make_title(self) -> None:
         how = {"target": "reached --target-loss", "patience": "converged (--patience)",
                "interrupted": "interrupted"}.get(self.stop_reason, count(len(self.epochs), "epoch"))
-        parts = [self.plan.strategy, count(len(self.rows), "rank"), how, f"final mean loss {self.final_loss:.4f}"]
+        parts = [self.plan.strategy, count(len(self.rows), "rank"), how, self._loss_text()]
         if self.val_loss is not None:
             metric = f", {self.metric_name} {self.val_metric:.4f}" if self.val_metric is not None else ""
             parts.append(f"validation loss {self.val_loss:.4f}{metric}")

@@ -93,3 +93,20 @@ def test_an_unknown_option_like_no_other_gets_no_guess():
     with pytest.raises(UsageError) as err:
         magics._parse(magics._cell, "--bogus")
     assert str(err.value) == "unrecognized arguments: --bogus"
+
+
+@pytest.mark.parametrize("verb, line, said", [
+    ("distrain", "--model net --data d --epochs 1 --epochs 2", "--epochs is given twice"),
+    ("distrain", "--model net --data d --lr=0.1 --batch-size 8 --lr 0.2", "--lr is given twice"),
+    ("start", "-n 2 --engines 3", "-n (the same as --engines) is given twice"),
+])
+def test_an_option_given_twice_is_refused_not_settled_by_the_last(verb, line, said):
+    from IPython.core.error import UsageError
+
+    from distnb import magics
+
+    magic = magics._distrain if verb == "distrain" else magics.VERBS[verb]
+    with pytest.raises(UsageError, match="give it once") as err:
+        magics._parse(magic, line)
+    assert said in str(err.value)
+    assert magics._parse(magic, line.rsplit(" -", 1)[0]) is not None  # once is fine

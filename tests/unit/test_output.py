@@ -62,3 +62,16 @@ def test_an_interrupt_that_lands_inside_a_lock_is_still_an_interrupt():
     except RuntimeError as exc:
         assert execute._is_interrupt(exc)
     assert execute._is_interrupt(KeyboardInterrupt()) and not execute._is_interrupt(RuntimeError("other"))
+
+
+def test_a_result_that_finished_no_epoch_names_its_last_step_loss_not_nan():
+    import math
+
+    from distnb.plan import TrainPlan
+    from distnb.results import TrainResult
+
+    rows = [dict(rank=r, steps=3, samples=96, seconds=0.5, samples_per_s=192.0, final_loss=0.5 + r, param_bytes=8,
+                 epoch_losses=[], first_epoch=0, next_epoch=0, stopped_early=False, interrupted=True) for r in (0, 1)]
+    result = TrainResult(rows, TrainPlan(model="net", data="ds"), wall_seconds=0.6)
+    assert math.isnan(result.final_loss)  # documented: the mean over the last epoch, and none finished
+    assert "no epoch finished, last step loss 1.0000" in result.title and "nan" not in result.title
