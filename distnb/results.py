@@ -138,8 +138,7 @@ class TrainResult(Table):
         """``final mean loss X``; for a cell that finished no epoch (interrupted early), the ranks' last step loss."""
         if self.epoch_losses:
             return f"final mean loss {self.final_loss:.4f}"
-        last = [r.get("final_loss") for r in self.rows if r.get("final_loss") is not None]
-        last = [x for x in last if math.isfinite(x)]
+        last = [x for x in (r.get("final_loss") for r in self.rows) if x is not None and math.isfinite(x)]
         return f"no epoch finished, last step loss {math.fsum(last) / len(last):.4f}" if last else "no epoch finished"
 
     def _make_title(self) -> None:

@@ -23,7 +23,7 @@ is serialized):
   raises the logger to its handlers' lowest level; what was printed before still is.
 
 All three are applied once per engine by :func:`distnb.engine.runtime.setup` (:func:`apply`), and
-both are measured in benchmarks/README.md (issue 20).
+are measured in benchmarks/README.md (issue 20).
 """
 
 from __future__ import annotations
