@@ -109,7 +109,9 @@ def describe_cut(plan, info: dict, num_shards: int, world_size: int) -> str:
     steps = sharding.steps_per_epoch(n, w, plan.batch_size, plan.drop_last)
     lens = [sharding.shard_length(n, w, r) for r in range(w)]
     if plan.drop_last:
-        how = f"drop: each rank uses {per} of its {min(lens)}-{max(lens)} samples, full batches only"
+        held = str(min(lens)) if min(lens) == max(lens) else f"{min(lens)}-{max(lens)}"
+        used = min(per, steps * plan.batch_size)  # full batches only: the shard's tail is not trained on
+        how = f"drop: each rank uses {used} of its {held} samples, full batches only"
     elif min(lens) < per:
         how = f"pad: ranks with {min(lens)} samples repeat {per - min(lens)} so all visit {per}"
     else:

@@ -75,3 +75,13 @@ def test_a_result_that_finished_no_epoch_names_its_last_step_loss_not_nan():
     result = TrainResult(rows, TrainPlan(model="net", data="ds"), wall_seconds=0.6)
     assert math.isnan(result.final_loss)  # documented: the mean over the last epoch, and none finished
     assert "no epoch finished, last step loss 1.0000" in result.title and "nan" not in result.title
+
+
+def test_the_drop_last_sentence_counts_only_the_full_batches_a_rank_trains():
+    from distnb.data import describe_cut
+    from distnb.plan import TrainPlan
+
+    text = describe_cut(TrainPlan(model="m", data="d", batch_size=150, drop_last=True), {"num_samples": 400}, 2, 2)
+    assert "each rank uses 150 of its 200 samples" in text and "1 step/epoch" in text
+    text = describe_cut(TrainPlan(model="m", data="d", batch_size=64, drop_last=True), {"num_samples": 401}, 2, 2)
+    assert "each rank uses 192 of its 200-201 samples" in text
