@@ -229,7 +229,9 @@ def _debug(line):
 
 
 @magic_arguments(name="%dist")
-@argument("--all-output", action="store_true", help="show every rank's output (default rank 0 only)")
+@argument("--all-output", action="store_true",
+          help="show every rank's output (default rank 0 only): printed lines in the order they arrive, "
+               "the cell's last value in rank order")
 @argument("--targets", "--ranks", dest="targets", default=None,
           help="run on these ranks only, e.g. 0,2 (a collective in such a cell is an error: every rank of the "
                "group must call it)")
