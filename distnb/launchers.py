@@ -21,6 +21,7 @@ exited early (mpiexec), the host an ssh launcher failed on, the registration por
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -129,6 +130,54 @@ class _ControllerLauncher(_Forkable, LocalControllerLauncher):
     def start(self):
         if not self._start_forked(self.controller_cmd, CONTROLLER_CMD):
             super().start()
+
+    async def get_connection_info(self, timeout=None):
+        """ipyparallel's, once the files are complete: it looks for them every 0.1 s, this every 5-20 ms.
+
+        A forked controller writes them about 50 ms after it starts (issue 17: a tenth of a
+        2-engine ``%dist start`` was this wait). They are written in place, so a file counts
+        once it parses. A controller that exits meanwhile is left to ipyparallel's wait to report.
+        """
+        paths = list(self.connection_files.values())
+        deadline, pause = time.monotonic() + CONNECTION_FILES_WAIT, 0.005
+        while not all(map(_complete_json, paths)) and self.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(pause)
+            pause = min(0.02, pause * 1.5)
+        return await super().get_connection_info(timeout)
+
+
+#: Up to this many engines the controller runs its schedulers as threads of its own process (:func:`scheduler_args`).
+SCHEDULER_THREADS_UP_TO = 16
+
+
+def scheduler_args(num_engines: int) -> list:
+    """The controller's option for where its schedulers run, for a cluster of ``num_engines`` engines.
+
+    By default ipyparallel's controller forks a process for each of its eight helpers (the
+    direct, control and IOPub queues, the load-balancing and broadcast schedulers, the heart
+    monitor) before it answers anyone. Forked from the engine template, each fork copies the
+    page tables of a process that has imported torch: about 20 ms each here, 0.16 s of a 2-engine
+    ``%dist start``. As threads (``IPController.use_threads``) only the heart monitor is forked; the
+    queues are zmq devices either way (they run outside the GIL), and distnb sends nothing through
+    the schedulers. Measured here (issue 17, benchmarks/README.md), starts of 2/8/16/32 engines took
+    0.46/1.01/1.66/3.71 s with threads against 0.60/1.11/1.79/3.17 s with processes: at 32 the
+    schedulers' handling of every engine's registration, all in the hub's one thread, costs more
+    than the forks save. So threads up to :data:`SCHEDULER_THREADS_UP_TO` engines, processes above.
+    """
+    return ["--IPController.use_threads=True"] if num_engines <= SCHEDULER_THREADS_UP_TO else []
+
+
+#: Seconds :meth:`_ControllerLauncher.get_connection_info` looks often before ipyparallel's own wait goes on.
+CONNECTION_FILES_WAIT = 10.0
+
+
+def _complete_json(path: str) -> bool:
+    try:
+        with open(path) as f:
+            json.load(f)
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 class _EngineLauncher(_Forkable, LocalEngineLauncher):

@@ -136,7 +136,7 @@ def _probe_rendezvous(master_addr: str, master_port: int, timeout: float) -> Non
     that could not connect nor what to change.
     """
     deadline = time.monotonic() + timeout
-    last = None
+    last, pause = None, 0.005  # rank 0 listens within milliseconds of the others asking: retry soon, then less often
     while True:
         left = deadline - time.monotonic()
         try:
@@ -144,9 +144,10 @@ def _probe_rendezvous(master_addr: str, master_port: int, timeout: float) -> Non
                 return
         except OSError as exc:
             last = exc
-        if time.monotonic() + 0.1 >= deadline:
+        if time.monotonic() + pause >= deadline:
             break
-        time.sleep(0.1)
+        time.sleep(pause)
+        pause = min(0.1, pause * 2)
     why = last.strerror if getattr(last, "strerror", None) else (str(last) or type(last).__name__)
     raise RuntimeError(
         f"rank {STATE.rank} on host {STATE.host} cannot reach the rendezvous at {master_addr}:{master_port} "

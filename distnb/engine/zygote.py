@@ -45,7 +45,9 @@ import traceback
 
 #: Imported once in the template: the engine's and the controller's modules (then what the engine's
 #: preload thread would import in every engine, given to :func:`serve`, then the runtime).
-PRELOAD_FIRST = ("numpy", "ipyparallel.engine.app", "ipyparallel.controller.app")
+#: ``ipykernel.debugger`` is imported by the engine's kernel as it registers (it loads debugpy):
+#: 0.12-0.17 CPU-s per engine, in the middle of ``%dist start``, when it was left to each engine.
+PRELOAD_FIRST = ("numpy", "ipyparallel.engine.app", "ipyparallel.controller.app", "ipykernel.debugger")
 PRELOAD_LAST = ("distnb.engine.runtime",)
 
 
@@ -145,6 +147,42 @@ def _quiet_at_start(app_class) -> None:
     app_class.start = start_quietly
 
 
+class _TimeWithoutSleep:
+    """The ``time`` module with a ``sleep`` that returns at once (see :func:`_no_db_wait`)."""
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+    @staticmethod
+    def sleep(seconds) -> None:
+        pass
+
+
+def _no_db_wait(app_module) -> None:
+    """The controller's hub set up without the quarter second it waits for its database.
+
+    ipyparallel's ``IPController.init_hub`` sleeps 0.25 s after making the hub's database, before
+    it writes the connection files that the client and the engines wait for: a quarter of a
+    2-engine ``%dist start`` here (issue 17; a cProfile of the controller's start). distnb's
+    controller keeps no database (``NoDB``, :data:`distnb.cluster.CONTROLLER_QUIET`), so there is
+    nothing to wait for; with any other database the wait stays.
+    """
+    from ipyparallel.controller.dictdb import NoDB
+
+    init_hub = app_module.IPController.init_hub
+
+    def init_hub_at_once(self):
+        if not (isinstance(self.db_class, type) and issubclass(self.db_class, NoDB)):
+            return init_hub(self)
+        app_module.time = _TimeWithoutSleep()  # the module's name for time, during this call only
+        try:
+            return init_hub(self)
+        finally:
+            app_module.time = time
+
+    app_module.IPController.init_hub = init_hub_at_once
+
+
 def _become_engine(req: dict, close_fds: list, engine_main) -> None:
     """In the forked child: turn into the engine ``req`` asks for (``engine_main``) or the controller; never returns."""
     code = 1
@@ -176,11 +214,12 @@ def _become_engine(req: dict, close_fds: list, engine_main) -> None:
         args = [f"--work-dir={os.getcwd()}", *req["args"]]
         _reread_environment()
         if req.get("main") == "controller":
-            from ipyparallel.controller.app import IPController, main as controller_main
+            from ipyparallel.controller import app as controller_app
 
-            _quiet_at_start(IPController)
+            _quiet_at_start(controller_app.IPController)
+            _no_db_wait(controller_app)
             sys.argv = ["ipcontroller", *args]
-            controller_main()
+            controller_app.main()
         else:
             sys.argv = ["ipengine", *args]
             engine_main()
