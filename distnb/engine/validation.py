@@ -122,6 +122,7 @@ class Validator:
         sums = torch.zeros(5, dtype=torch.float64)  # loss sum, samples, metric sum, metric count, has metric
         ns = self.ns
         saved = {k: ns.get(k) for k in ("batch", "model", "loss")}
+        strategy.sync_buffers()  # the BatchNorm statistics the notebook gets (rank 0's), on every rank
         module.eval()
         try:
             with torch.no_grad():

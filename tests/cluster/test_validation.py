@@ -42,6 +42,21 @@ def test_reported_figures_equal_the_notebooks_on_the_returned_weights(dist_sessi
     assert "validation loss" in result.title and not result.converged and result.stop_reason == "epochs"
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_batchnorm_statistics_validated_are_the_ones_the_notebook_gets(dist_session, shell, strategy):
+    # each rank's BatchNorm running statistics follow its own shard; the notebook gets rank 0's
+    name = f"val_bn_{strategy}"
+    setup(shell, name)
+    torch.manual_seed(3)
+    shell.user_ns[name] = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(),
+                                              torch.nn.Linear(16, 3))
+    result = dist_session.train(BODY, model=name, data="val_train", val_data="val_set", epochs=2, batch_size=16,
+                                optimizer="adam", lr=0.01, seed=4, strategy=strategy, progress="none", quiet=True)
+    model = shell.user_ns[name].eval()
+    loss, acc = notebook_figures(model, shell.user_ns["val_set"])
+    assert result.val_loss == pytest.approx(loss, rel=1e-5) and result.val_metric == pytest.approx(acc, abs=1e-6)
+
+
 def test_a_notebook_metric_and_a_validation_every_two_epochs(dist_session, shell):
     setup(shell, "val_metric")
     shell.user_ns["abs_error"] = lambda out, y: (out.argmax(-1) - y).abs().float()  # per-sample scores

@@ -148,6 +148,23 @@ class Strategy:
         """What validation calls: the model in this rank's distributed form (``model`` by default)."""
         return self.model
 
+    def sync_buffers(self) -> None:
+        """Every rank's module buffers (BatchNorm's running statistics) set to rank 0's, when the data is sharded.
+
+        Each rank updates its buffers from its own shard (DDP copies rank 0's to the others only at
+        the start of each training forward), and the notebook receives rank 0's. Validation calls
+        this first (every rank), so that it evaluates the model the notebook gets. One broadcast per
+        buffer; nothing when every rank trained on the same batches (tensor, pipeline), for one
+        rank, or for a model without buffers.
+        """
+        import torch.distributed as dist
+
+        if not self.data_parallel or dist.get_world_size() == 1:
+            return
+        for buf in self.module.buffers():
+            if buf.device.type != "meta" and not hasattr(buf, "to_local"):  # a DTensor buffer is the mesh's
+                dist.broadcast(buf, src=0)
+
     def full_state(self):
         """The whole model's state as :func:`wire.flatten_state` on rank 0, None elsewhere.
 

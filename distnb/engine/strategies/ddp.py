@@ -42,7 +42,8 @@ class DDP(Strategy):
         super().compile()
 
     def eval_model(self):
-        """The module itself: the replicas are identical and validation needs no gradient sync."""
+        """The module itself: the parameters are identical on every rank (the buffers too, once
+        :meth:`sync_buffers` ran) and validation needs no gradient sync."""
         return self.module
 
     def close(self) -> None:
