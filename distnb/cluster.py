@@ -206,7 +206,7 @@ class Cluster(Engines):
             controller_ip=self.controller_ip,
             controller_args=[f"--HeartMonitor.period={HEARTBEAT_MS}",
                              f"--HeartMonitor.max_heartmonitor_misses={HEARTBEAT_MISSES}", *CONTROLLER_QUIET,
-                             *launchers.scheduler_args(spec.num_engines)],
+                             *launchers.scheduler_args(spec.num_engines, self.launcher)],
             log=_log,
             engine_timeout=int(engine_timeout),
             shutdown_atexit=False,  # distnb stops it (session atexit, the reaper); ipyparallel's retries hang

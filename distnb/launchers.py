@@ -150,8 +150,8 @@ class _ControllerLauncher(_Forkable, LocalControllerLauncher):
 SCHEDULER_THREADS_UP_TO = 16
 
 
-def scheduler_args(num_engines: int) -> list:
-    """The controller's option for where its schedulers run, for a cluster of ``num_engines`` engines.
+def scheduler_args(num_engines: int, launcher: str = "local") -> list:
+    """The controller's option for where its schedulers run, for ``num_engines`` engines started by ``launcher``.
 
     By default ipyparallel's controller forks a process for each of its eight helpers (the
     direct, control and IOPub queues, the load-balancing and broadcast schedulers, the heart
@@ -163,8 +163,12 @@ def scheduler_args(num_engines: int) -> list:
     0.46/1.01/1.66/3.71 s with threads against 0.60/1.11/1.79/3.17 s with processes: at 32 the
     schedulers' handling of every engine's registration, all in the hub's one thread, costs more
     than the forks save. So threads up to :data:`SCHEDULER_THREADS_UP_TO` engines, processes above.
+    Only for the ``local`` launcher, whose controller is the one forked from the template: with remote
+    engines the controller is a fresh, small process, and its threads' internal sockets (loopback)
+    would sit beside the address the engines reach.
     """
-    return ["--IPController.use_threads=True"] if num_engines <= SCHEDULER_THREADS_UP_TO else []
+    return ["--IPController.use_threads=True"] if launcher == "local" and num_engines <= SCHEDULER_THREADS_UP_TO \
+        else []
 
 
 #: Seconds :meth:`_ControllerLauncher.get_connection_info` looks often before ipyparallel's own wait goes on.

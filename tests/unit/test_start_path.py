@@ -47,6 +47,7 @@ def test_scheduler_threads_for_small_clusters_processes_for_large():
     assert launchers.scheduler_args(2) == threads
     assert launchers.scheduler_args(launchers.SCHEDULER_THREADS_UP_TO) == threads
     assert launchers.scheduler_args(launchers.SCHEDULER_THREADS_UP_TO + 1) == []
+    assert launchers.scheduler_args(2, "ssh") == launchers.scheduler_args(2, "slurm") == []  # a fresh controller
 
 
 def test_connection_file_counts_once_it_parses(tmp_path):
