@@ -374,6 +374,8 @@ class Stepper:
 
     def optimizer_step(self) -> None:
         opt, scaler = self.optimizer, self.scaler
+        if self.optimizer_steps == 0:
+            self.strategy.check_grads()
         if scaler is not None:
             scaler.unscale_(opt)
             if not self.strategy.replicated_grads:

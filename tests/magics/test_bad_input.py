@@ -241,8 +241,11 @@ def test_unused_parameters_are_named_with_the_option(shell, trained):
 
 def test_the_advised_retry_works_on_the_same_model(shell, trained):
     run(shell, "torch.manual_seed(0)\nunused_net3 = BadNet()")
-    res = run(shell, f"%%distrain --model unused_net3 --data bad_ds --progress none\n{BODY}")
-    assert isinstance(res.error_in_exec, RankError)
+    before = {k: v.clone() for k, v in shell.user_ns["unused_net3"].state_dict().items()}
+    res = run(shell, f"%%distrain --model unused_net3 --data bad_ds --epochs 1 --batch-size 64 --progress none\n{BODY}")
+    assert isinstance(res.error_in_exec, RankError) and "no optimizer step was taken" in str(res.error_in_exec)
+    after = shell.user_ns["unused_net3"].state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # no step with one rank's gradients
     ok = run(shell, f"%%distrain --model unused_net3 --data bad_ds --find-unused-parameters --progress none\n{BODY}")
     assert ok.error_in_exec is None, ok.error_in_exec
 

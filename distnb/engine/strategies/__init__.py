@@ -148,6 +148,9 @@ class Strategy:
         """What validation calls: the model in this rank's distributed form (``model`` by default)."""
         return self.model
 
+    def check_grads(self) -> None:
+        """Before a cell's first optimizer step: raise if the step would be wrong (nothing by default)."""
+
     def sync_buffers(self) -> None:
         """Every rank's module buffers (BatchNorm's running statistics) set to rank 0's, when the data is sharded.
 

@@ -41,6 +41,26 @@ class DDP(Strategy):
         graph at the gradient buckets so the all-reduce still overlaps backward)."""
         super().compile()
 
+    def check_grads(self) -> None:
+        """Every trainable parameter got a gradient, else a RuntimeError naming those that did not.
+
+        Without ``find_unused_parameters`` DDP all-reduces a bucket only once all of its parameters
+        have gradients: a parameter that took no part in the loss leaves its bucket rank-local, and
+        torch says so only at the next forward, after the optimizer stepped with those local
+        gradients (and never in a one-step cell). Checked before the cell's first step, nothing is
+        updated and the ranks stay identical.
+        """
+        if self.plan.find_unused_parameters:
+            return
+        missing = sorted(n for n, p in self.module.named_parameters() if p.requires_grad and p.grad is None)
+        if missing:
+            import torch.distributed as dist
+
+            raise RuntimeError(
+                f"[distnb] some parameters got no gradient: run the cell with --find-unused-parameters (or set "
+                f"requires_grad=False on them). On rank {dist.get_rank()} the loss did not depend on "
+                f"{', '.join(missing[:12])}{', ...' if len(missing) > 12 else ''}; no optimizer step was taken")
+
     def eval_model(self):
         """The module itself: the parameters are identical on every rank (the buffers too, once
         :meth:`sync_buffers` ran) and validation needs no gradient sync."""
