@@ -37,6 +37,7 @@ from ipyparallel.cluster.launcher import (LocalControllerLauncher, LocalEngineLa
                                           SlurmEngineSetLauncher, SSHEngineLauncher, SSHEngineSetLauncher)
 
 from . import slurm, zygote
+from .engine.ipengine import holds_json
 from .errors import ClusterError
 from .placement import REGISTRATION_ARG, engine_command
 
@@ -140,7 +141,7 @@ class _ControllerLauncher(_Forkable, LocalControllerLauncher):
         """
         paths = list(self.connection_files.values())
         deadline, pause = time.monotonic() + CONNECTION_FILES_WAIT, 0.005
-        while not all(map(_complete_json, paths)) and self.poll() is None and time.monotonic() < deadline:
+        while not all(map(holds_json, paths)) and self.poll() is None and time.monotonic() < deadline:
             await asyncio.sleep(pause)
             pause = min(0.02, pause * 1.5)
         return await super().get_connection_info(timeout)
@@ -173,15 +174,6 @@ def scheduler_args(num_engines: int, launcher: str = "local") -> list:
 
 #: Seconds :meth:`_ControllerLauncher.get_connection_info` looks often before ipyparallel's own wait goes on.
 CONNECTION_FILES_WAIT = 10.0
-
-
-def _complete_json(path: str) -> bool:
-    try:
-        with open(path) as f:
-            json.load(f)
-        return True
-    except (OSError, ValueError):
-        return False
 
 
 class _EngineLauncher(_Forkable, LocalEngineLauncher):

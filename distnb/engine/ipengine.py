@@ -100,6 +100,16 @@ def connection_file() -> str | None:
     return os.path.join(profile, "security", name)
 
 
+def holds_json(path: str) -> bool:
+    """Whether ``path`` exists and parses as JSON (the controller writes its connection files in place)."""
+    try:
+        with open(path) as f:
+            json.load(f)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 def wait_for_connection_file(path: str | None, timeout: float = CONNECTION_WAIT) -> bool:
     """Wait until ``path`` holds complete JSON (True), or ``timeout`` s pass (False)."""
     if not path or os.environ.get("IPP_CONNECTION_INFO"):
@@ -107,13 +117,10 @@ def wait_for_connection_file(path: str | None, timeout: float = CONNECTION_WAIT)
     deadline = time.monotonic() + timeout
     delay = 0.005
     while True:
-        try:
-            with open(path) as f:
-                json.load(f)
+        if holds_json(path):
             return True
-        except (OSError, ValueError):
-            if time.monotonic() >= deadline:
-                return False
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(delay)
         delay = min(0.05, delay * 1.5)
 

@@ -7,7 +7,7 @@ import types
 from ipyparallel.controller.dictdb import DictDB, NoDB
 
 from distnb import launchers
-from distnb.engine import zygote
+from distnb.engine import ipengine, zygote
 
 
 def _fake_controller_module():
@@ -52,8 +52,8 @@ def test_scheduler_threads_for_small_clusters_processes_for_large():
 
 def test_connection_file_counts_once_it_parses(tmp_path):
     path = tmp_path / "ipcontroller-client.json"
-    assert not launchers._complete_json(str(path))
+    assert not ipengine.holds_json(str(path))
     path.write_text('{"key": "ab')  # written in place: half a file first
-    assert not launchers._complete_json(str(path))
+    assert not ipengine.holds_json(str(path))
     path.write_text(json.dumps({"key": "abc"}))
-    assert launchers._complete_json(str(path))
+    assert ipengine.holds_json(str(path))
