@@ -1,4 +1,5 @@
-"""What ``%dist start`` picks when it is not told: how many engines, the backend, the device, threads.
+"""What ``%dist start`` picks when it is not told: how many engines, the backend, the device, threads
+(and the namespace names are looked up in).
 
 :func:`default_spec` turns the options given (any of them may be missing) into a
 :class:`~distnb.plan.ClusterSpec`: one engine per visible GPU (nccl), or with no GPU one CPU
@@ -10,6 +11,7 @@ report (:func:`distnb.placement.fit_to_hosts`).
 from __future__ import annotations
 
 import os
+import sys
 
 from . import placement
 from .errors import ClusterError, PlanError
@@ -75,3 +77,16 @@ def default_spec(n: int | None = None, backend: str | None = None, timeout: floa
     threads = max(1, cpu_cores() // n) if isinstance(n, int) and n > 0 else 1
     return ClusterSpec(num_engines=n, backend=backend, device_type=device_type, num_threads=threads,
                        timeout=timeout, master_port=master_port, **where)
+
+
+def user_ns() -> dict:
+    """The namespace notebook names are looked up in: IPython's user namespace, else ``__main__``'s."""
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        if shell is not None:
+            return shell.user_ns
+    except ImportError:
+        pass
+    return sys.modules["__main__"].__dict__

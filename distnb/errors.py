@@ -137,7 +137,7 @@ class RankError(DistnbError, RuntimeError):
 
     def _render_traceback_(self):
         # IPython calls this instead of printing the kernel-side traceback.
-        lines = [f"RankError: {self._summary()}"]
+        lines = [f"{type(self).__name__}: {self._summary()}"]  # HangError names itself
         shown = set()
         root_causes = [f for f in self.failures if not f.get("collateral") or f is self.failures[0]]
         for f in root_causes:  # ranks stopped as a consequence are named in the summary only

@@ -116,6 +116,18 @@ def declared(cls) -> list:
     return [(f, f.metadata["option"]) for f in dataclasses.fields(cls) if "option" in f.metadata]
 
 
+def refuse_unknown(given, known, what: str) -> None:
+    """Raise a PlanError naming the keywords of ``given`` that are not in ``known`` (and listing those)."""
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise PlanError(f"unknown {what} option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+
+
+def kind_of(cls, name: str) -> str:
+    """The declared kind of the option field ``name`` of ``cls``."""
+    return next(opt.kind for f, opt in declared(cls) if f.name == name)
+
+
 def flags_of(f, opt: Option) -> tuple:
     """The magic's flags of a field (``--batch-size`` for ``batch_size``)."""
     return opt.flags or ("--" + f.name.replace("_", "-"),)
@@ -263,7 +275,8 @@ def _check_one(f, opt: Option, value):
             raise PlanError(f"{label} must be one of {', '.join(opt.choices)}, got {value!r}")
     elif kind == "name":
         if not isinstance(value, str) or not value.isidentifier():
-            raise PlanError(f"{label} must name a variable in the notebook, got {value!r}")
+            got = repr(value) if isinstance(value, str) else f"a {type(value).__name__}"
+            raise PlanError(f"{label} must name a variable in the notebook, got {got}")
     elif kind == "names":
         value = _names(label, value)
     elif kind == "path":

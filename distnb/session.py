@@ -27,13 +27,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import inspect
-import sys
 
 from . import background, calls, checkpoints, debugger, options, scaling, shrinking, training
 from .background import BackgroundRun, check_idle
 from .cluster import Cluster
 from .data import reassemble, scatter as scatter_shards
-from .defaults import default_spec
+from .defaults import default_spec, user_ns
 from .display.tables import count
 from .errors import ClusterError, PlanError
 from .execute import run_on_ranks
@@ -50,6 +49,9 @@ START_OPTIONS = options.keywords(ClusterSpec)
 #: Session.train()'s keyword options (TrainPlan and RunOptions fields), from their declarations.
 TRAIN_OPTIONS = frozenset(options.keywords(TrainPlan)) - {"model", "data"}
 RUN_OPTIONS = frozenset(options.keywords(RunOptions))
+#: train()'s options that name a notebook object (and so also take the object itself).
+OBJECT_OPTIONS = frozenset(k for k, field in options.keywords(TrainPlan).items()
+                           if options.kind_of(TrainPlan, field) in ("name", "text")) - {"model", "data"}
 
 
 def start(*args, ns=None, spec=None, quiet=False, **given) -> "Session":
@@ -80,11 +82,10 @@ def start(*args, ns=None, spec=None, quiet=False, **given) -> "Session":
         If the engines cannot start or form a process group, or ``master_port`` is taken.
     PlanError
         For invalid options (``n < 1``, unknown backend, nccl without GPUs, a port
-        outside 1-65535).
-    TypeError
-        For a keyword that is not an option.
+        outside 1-65535) and for a keyword that is not an option (the message lists them).
     """
     global _CURRENT, _STOPPED
+    options.refuse_unknown(given, _START_SIGNATURE.parameters, "start")
     bound = _START_SIGNATURE.bind(*args, **given)
     explicit = {k: v for k, v in bound.arguments.items() if k not in ("auto_restart", "on_failure")}
     bound.apply_defaults()
@@ -141,18 +142,6 @@ def current() -> "Session":
     return _CURRENT
 
 
-def _user_ns():
-    try:
-        from IPython import get_ipython
-
-        shell = get_ipython()
-        if shell is not None:
-            return shell.user_ns
-    except ImportError:
-        pass
-    return sys.modules["__main__"].__dict__
-
-
 class Session:
     """A running cluster plus what distnb has sent to it.
 
@@ -177,7 +166,7 @@ class Session:
     # basics --------------------------------------------------------------
     @property
     def ns(self) -> dict:
-        return self._ns if self._ns is not None else _user_ns()
+        return self._ns if self._ns is not None else user_ns()
 
     @property
     def auto_restart(self) -> bool:
@@ -501,12 +490,10 @@ class Session:
             A rank raised; the weights of the last completed step are still loaded back
             and the process group is re-formed.
         """
-        unknown = sorted(set(given) - TRAIN_OPTIONS - RUN_OPTIONS)
-        if unknown:
-            raise PlanError(f"unknown training option(s) {', '.join(unknown)}; known: "
-                            f"{', '.join(sorted(TRAIN_OPTIONS | RUN_OPTIONS))}")
+        options.refuse_unknown(given, TRAIN_OPTIONS | RUN_OPTIONS, "training")
         run = RunOptions(**{k: given.pop(k) for k in RUN_OPTIONS if k in given})
         self._check_running()
+        self._bind_objects(given)
         if run.background:
             shown = {k: getattr(run, k) for k in RUN_OPTIONS - {"background"}}
             self._background = BackgroundRun(self.train, dict(code=code, model=model, data=data, **shown, **given))
@@ -580,6 +567,14 @@ class Session:
         return checkpoints.load(self, *self._trained_model(model), directory, quiet)
 
     export = session_export  # %dist export DIR: the last training cell as a torchrun job (distnb/export.py)
+
+    def _bind_objects(self, given: dict) -> None:
+        """Objects given for options that name them (``val_data=``, ``metric=``): their names (or ``_distnb_<option>``)."""
+        for key in OBJECT_OPTIONS & given.keys():
+            value = given[key]
+            if value is not None and not isinstance(value, str):
+                given[key], _ = self._named(value, key)
+                self.ns[given[key]] = value
 
     def _named(self, value, what):
         if isinstance(value, str):

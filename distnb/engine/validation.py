@@ -100,9 +100,16 @@ class Validator:
         self.best = None  # (loss, epoch)
         self.best_state = None
         self.bad_evaluations = 0
-        self.metric_name = plan.metric or None
+        self.metric_name = self._metric_label()
         longest = sharding.shard_length(data.num_samples, data.num_shards, 0)
         self.num_batches = max(1, -(-longest // plan.batch_size))
+
+    def _metric_label(self):
+        """The metric's notebook name, or its function's name when the API was given the object itself."""
+        name = self.plan.metric
+        if name is not None and name.startswith("_distnb_"):  # bound by Session.train (no notebook name)
+            return getattr(self.ns.get(name), "__name__", name)
+        return name
 
     def _metric_fn(self, output, target):
         if self.plan.metric is not None:
@@ -143,7 +150,7 @@ class Validator:
                 sums /= copies
         loss_sum, count, metric_sum, metric_count, has_metric = sums.tolist()
         if has_metric:  # known on every rank (a pipeline's metric runs on its last stage only)
-            self.metric_name = self.plan.metric or "accuracy"
+            self.metric_name = self._metric_label() or "accuracy"
         loss = loss_sum / count if count else math.nan
         metric = metric_sum / metric_count if has_metric and metric_count else None
         entry = dict(epoch=epoch, loss=loss, metric=metric, metric_name=self.metric_name if metric is not None else None,

@@ -135,3 +135,22 @@ def test_bad_validation_options_are_plan_errors_before_anything_is_sent(dist_ses
     with pytest.raises(PlanError, match="--metric 'nope' is not defined"):
         dist_session.train(BODY, val_data="val_set", metric="nope", **opts)
     assert "val_bad" not in dist_session.holdings.models  # nothing was sent
+
+
+def test_the_python_api_takes_the_validation_set_and_metric_as_objects(dist_session, shell):
+    # objects with no notebook name (a new user's local variables): the same figures as names give
+    setup(shell, "val_objects")
+    held_out = parity_data(n=65, seed=7)
+
+    def abs_error(out, y):
+        return (out.argmax(-1) - y).abs().float()
+
+    result = dist_session.train(BODY, model="val_objects", data="val_train", val_data=held_out, metric=abs_error,
+                                epochs=2, batch_size=16, optimizer="adam", lr=0.01, progress="none", quiet=True)
+    x, y = held_out.tensors
+    with torch.no_grad():
+        want = (shell.user_ns["val_objects"](x).argmax(-1) - y).abs().float().mean().item()
+    assert result.val_metric == pytest.approx(want, abs=1e-6) and result.metric_name == "abs_error"
+    assert len(result.val_history) == 2 and all(e["samples"] == 65 for e in result.val_history)
+    with pytest.raises(PlanError, match=r"--val-data _distnb_val_data is a int, not a data set"):
+        dist_session.train(BODY, model="val_objects", data="val_train", val_data=3, progress="none", quiet=True)

@@ -88,6 +88,7 @@ def test_a_rank_sleeping_in_a_step_while_the_other_waits_in_ddp_all_reduce(shell
     assert isinstance(err, HangError) and took < HANG + 15, (err, took)
     text = str(err)
     assert text.startswith("training hung: rank 0 waited") and "DDP gradient all-reduce" in text
+    assert err._render_traceback_()[0] == f"HangError: {text}"  # what the notebook shows names the hang
     assert "rank 1 never arrived: it is at cell line 3: `time.sleep(60)`" in text
     res = run(shell, "%%distrain --model hang_net --data hang_train --epochs 1 --batch-size 16 --progress none\n"
                      "x, y = batch\nloss = F.cross_entropy(model(x), y)")

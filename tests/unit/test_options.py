@@ -71,6 +71,18 @@ def test_the_magic_and_the_python_api_give_the_same_error_for_a_bad_choice():
     assert args.nan == "maybe"  # the parser passes it on; TrainPlan names the option and the choices
 
 
+def test_an_unknown_keyword_to_start_or_train_is_a_plan_error_listing_the_options():
+    with pytest.raises(PlanError, match=r"unknown start option\(s\) bogus; known: account, auto_restart, backend, .*, n, nodes, "):
+        session.start(bogus=1, quiet=True)
+    assert session.OBJECT_OPTIONS >= {"val_data", "metric", "loss", "collate", "optimizer", "lr_schedule"}
+    assert not session.OBJECT_OPTIONS & {"model", "data", "epochs", "checkpoint_dir"}
+
+
+def test_a_name_option_given_an_object_says_its_type_not_its_whole_repr():
+    with pytest.raises(PlanError, match=r"^--val-data must name a variable in the notebook, got a Tensor$"):
+        TrainPlan(model="m", data="d", val_data=__import__("torch").zeros(10_000))
+
+
 def test_paths_are_normalised_once_by_the_declaration(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert TrainPlan(model="m", data="d", checkpoint_dir="ck").checkpoint_dir == str(tmp_path / "ck")
