@@ -53,7 +53,10 @@ class StopRequest:
 
 #: Seconds of training between two checks for a stop request (one tiny all-reduce each).
 STOP_CHECK_SECONDS = 0.1
-#: Seconds between two looks at the store while a rank waits for the others' step counts.
+#: Seconds between the first two looks at the store while a rank waits for the others' step counts; each
+#: later wait doubles, up to :data:`STEPS_POLL_SECONDS`. Ranks usually arrive within a millisecond of each
+#: other, and a fixed 5 ms poll made every epoch end wait a whole poll (6 % of a small CNN's training).
+STEPS_POLL_FIRST = 0.0001
 STEPS_POLL_SECONDS = 0.005
 _AGREED = {"store": None, "seq": 0}  # the step agreements of this process group, counted alike on every rank
 
@@ -96,12 +99,14 @@ def agree_on_steps(steps: int, when: str) -> None:
     where.NOTE["text"] = (f"waiting {when} after {steps} steps of it for the other ranks (a rank that takes "
                           "fewer steps than the others, e.g. a --loop body that breaks out of ctx.loader on "
                           "some ranks only, leaves them waiting in the step's collective)")
-    try:
+    delay = STEPS_POLL_FIRST
+    try:  # polled, not store.wait: the store's C++ logs a warning line (into the cell) at each wait's timeout
         while not store.check(keys):
-            time.sleep(STEPS_POLL_SECONDS)
+            time.sleep(delay)
+            delay = min(STEPS_POLL_SECONDS, 2 * delay)
     finally:
         where.NOTE.pop("text", None)
-    seen = [store.get(k).decode().split("\t", 1) for k in keys]
+    seen = [v.decode().split("\t", 1) for v in store.multi_get(keys)]  # one round trip, not one per rank
     if len({tuple(v) for v in seen}) > 1:
         if len({w for _, w in seen}) == 1:
             what = f"the ranks took different numbers of steps {when} (" + \
