@@ -355,7 +355,7 @@ class Cluster(Engines):
             reap(procs)
 
     def reform(self) -> None:
-        """Form a fresh process group (new port, or the pinned --master-port) on every rank, after a failure."""
+        """A fresh process group on every rank after a failure, on the same port (a pinned one: a new store)."""
         if self.spec.master_port is not None:
             # the same port again: every rank must have left the old group (rank 0 closing the old
             # store) before any rank joins the new one, or a rank could reach the old store
@@ -363,8 +363,8 @@ class Cluster(Engines):
                           what="leaving the old process group")
             if self.placement[0]["local"]:
                 check_port_free(self.spec.master_port, self.master_addr, wait=5.0)
-        self.master_port = self.spec.master_port or self._free_port()
-        ars = [self.apply(r, calls.reform, self.master_addr, self.master_port)
+        self.generation = getattr(self, "generation", 0) + 1  # the group's key prefix in the store
+        ars = [self.apply(r, calls.reform, self.master_addr, self.master_port, self.generation)
                for r in range(self.world_size)]
         self.wait_all(ars, timeout=self.spec.timeout + 30, what="re-forming the process group")
 

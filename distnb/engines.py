@@ -295,7 +295,8 @@ class Engines:
         spec = self.spec
         keep = min(old, n)
         self._check_joining(self.engine_ids[keep:n])  # before the running ranks leave their group
-        self.wait_all([self.apply(r, calls.release) for r in range(keep)], timeout=spec.timeout,
+        pinned = spec.master_port is not None  # rank 0 lets the old store go: the pinned port must be free again
+        self.wait_all([self.apply(r, calls.release, pinned) for r in range(keep)], timeout=spec.timeout,
                       what="leaving the old process group")
         self.num_nodes = len({p["node_rank"] for p in self.placement})
         self.master_addr = self._master_addr()

@@ -268,9 +268,7 @@ class Session:
         spec = self.cluster.spec
         policy = failure_policy(given.pop("auto_restart", None), given.pop("on_failure", None)) or self.on_failure
         if given:
-            unknown = set(given) - set(START_OPTIONS)
-            if unknown:
-                raise TypeError(f"restart() got unexpected keyword arguments: {', '.join(sorted(unknown))}")
+            options.refuse_unknown(given, START_OPTIONS, "restart")
             kept = {k: getattr(spec, f) for k, f in START_OPTIONS.items() if k not in ("auto_restart", "on_failure")}
             spec = default_spec(**dict(kept, **given))
         self.stop(quiet=True)  # the carried options, and how far the weights are, go to the new session (start)

@@ -49,7 +49,8 @@ STORE_SECONDS = 2.0
 
 
 class _Armed:
-    store = None  # a connection of our own to the group's TCPStore
+    store = None  # a connection of our own to the group's TCPStore (under the group's key prefix)
+    clone = None  # (the TCPStore, that connection): kept while groups form on the same store
     server = None  # the group's store itself, kept while the peers may still read the key (see forget_store)
     sockets: dict = {}  # fd -> "socket:[inode]" of gloo's connections to its peers
     by = None  # the rank whose failure ended this rank's collective, once seen (-1: the store was gone)
@@ -80,18 +81,23 @@ def socket_fds() -> dict:
     return out
 
 
-def arm(store, before: dict, backend: str) -> None:
+def arm(store, prefix: str, before: dict, backend: str) -> None:
     """After ``init_process_group``: remember gloo's sockets (those not in ``before``) and a store connection.
 
     Parameters
     ----------
     store : torch.distributed.TCPStore
-        The group's store (cloned: the group keeps its own connection).
+        The store the group formed on (cloned once: the group keeps its own connection; a group formed
+        again on the same store reuses the clone).
+    prefix : str
+        The group's key prefix in ``store`` (a failure is announced under it).
     before : dict
         :func:`socket_fds` just before the group formed.
     backend : str
         Only ``gloo`` is armed.
     """
+    import torch.distributed as dist
+
     disarm()
     ARMED.server = store  # rank 0's serves the key: it must outlive this rank's destroy_process_group
     if backend != "gloo":
@@ -100,10 +106,23 @@ def arm(store, before: dict, backend: str) -> None:
     ARMED.sockets = {fd: link for fd, link in socket_fds().items()
                      if before.get(fd) != link and _gloo_socket(fd, port)}
     try:
-        ARMED.store = store.clone()
-        ARMED.store.set_timeout(datetime.timedelta(seconds=STORE_SECONDS))
+        if ARMED.clone is None or ARMED.clone[0] is not store or not answers(ARMED.clone[1], ARMED.clone[2], -1):
+            clone = store.clone()
+            clone.set_timeout(datetime.timedelta(seconds=STORE_SECONDS))
+            ARMED.clone = (store, clone, [0])
+        ARMED.store = dist.PrefixStore(prefix, ARMED.clone[1])
     except Exception:  # a store that cannot be cloned: failures travel as before
-        ARMED.store = None
+        ARMED.store = ARMED.clone = None
+
+
+def answers(store, count: list, rank) -> bool:
+    """Whether a kept store connection still answers in step: its own counter key, added to each time, must
+    come back one higher (a reply left over from a timed-out call would not). ``count``: [the last value]."""
+    try:
+        count[0] += 1
+        return store.add(f"distnb/alive/{rank}/{os.getpid()}", 1) == count[0]
+    except Exception:
+        return False
 
 
 @contextlib.contextmanager
@@ -167,7 +186,7 @@ def disarm() -> None:
 def forget_store() -> None:
     """Let the old group's store go (rank 0: stop serving it, its port is free again)."""
     disarm()
-    ARMED.server = None
+    ARMED.server = ARMED.clone = None
 
 
 def announce(rank: int) -> None:

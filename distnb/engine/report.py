@@ -251,7 +251,7 @@ def host_relay(world_size: int, local_rank: int, node_rank: int, relay_above: in
     """This rank's :class:`HostRelay` for a training cell, started; None at ``world_size <= relay_above``.
 
     One relay per host and process group: the socket is named by the group's rendezvous
-    (``MASTER_ADDR``/``MASTER_PORT``, a fresh port per group) and the host's ``node_rank``, in
+    (``MASTER_ADDR``/``MASTER_PORT``: one path per world, reused by its cells) and the host's ``node_rank``, in
     the temporary folder; the host's local rank 0 is its leader. The leader spaces its bundles
     by :func:`relay_interval` of the number of hosts, estimated as ``world_size`` over the ranks
     it hears from.

@@ -1,7 +1,7 @@
 """Per-engine runtime: environment, device, thread count and the process group.
 
 Every function here runs inside an engine. ``setup`` is called once per engine right
-after the cluster starts; ``reform`` forms a fresh process group (new port) after a
+after the cluster starts; ``reform`` forms a fresh process group (on the same store) after a
 failure; ``shutdown`` destroys the group and leaves with ``os._exit(0)``, which avoids
 the exit-time abort seen after gloo DDP (FIELD-NOTES pitfall 1).
 """
@@ -46,7 +46,35 @@ INFO_HOOKS = []
 CELL_NAMES: set = set()
 
 
-def _init_group(master_addr: str, master_port: int) -> None:
+#: The TCPStore this rank's last group formed on, kept for a re-form on the same port (see :func:`_group_base`).
+_BASE = {"key": None, "store": None, "count": [0]}
+
+
+def _group_base(master_addr: str, master_port: int, timeout, reuse: bool):
+    """The TCPStore a group forms on: with ``reuse``, the last group's again when it is on the same port and
+    still answers (no new connection), else a new one (rank 0 serves it).
+
+    Every connection torch makes formats its peer's address with ``getnameinfo``, a reverse DNS lookup: a
+    resolver that drops some of 32 such queries at once (seen here for ``::ffff:127.0.0.1``) held a re-form
+    5 s (the resolver's timeout). A re-form now opens none; its keys are apart by the group's prefix.
+    """
+    key = (master_addr, master_port, STATE.rank == 0)
+    if reuse and _BASE["key"] == key and abort.answers(_BASE["store"], _BASE["count"], STATE.rank):
+        return _BASE["store"]
+    _forget_store()  # rank 0: the old store stops serving before a new one binds
+    store = _store(master_addr, master_port, timeout)
+    _BASE.update(key=key, store=store)
+    return store
+
+
+def _forget_store() -> None:
+    """Let the last group's store go (rank 0: its port is free again once nothing else holds it)."""
+    _BASE.update(key=None, store=None, count=[0])
+    abort.forget_store()
+
+
+def _init_group(master_addr: str, master_port: int, generation: int = 0) -> None:
+    """Form the process group on ``master_addr:master_port``; ``generation`` > 0: a re-form, on the last store."""
     import torch.distributed as dist
 
     abort.disarm()
@@ -71,7 +99,9 @@ def _init_group(master_addr: str, master_port: int) -> None:
         kwargs["device_id"] = torch.device("cuda", 0)
     _pin_interface(master_addr)
     timeout = datetime.timedelta(seconds=STATE.timeout)
-    store = _store(master_addr, master_port, timeout)
+    base = _group_base(master_addr, master_port, timeout, reuse=generation > 0)
+    prefix = f"distnb-group-{generation}/"  # a re-form's keys apart from the last group's (torch's own restart at 0)
+    store = dist.PrefixStore(prefix, base)
     before, modules = abort.socket_fds(), frozenset(sys.modules)  # modules loaded before the group cannot hold it
     dist.init_process_group(
         STATE.backend,
@@ -81,7 +111,7 @@ def _init_group(master_addr: str, master_port: int) -> None:
         timeout=timeout,
         **kwargs,
     )
-    abort.arm(store, before, STATE.backend)  # one rank's failure ends every rank's collective (engine/abort.py)
+    abort.arm(base, prefix, before, STATE.backend)  # one rank's failure ends every rank's collective (engine/abort.py)
     STATE.modules_at_init = modules  # skipped by drop_captured_group (a preload thread may import meanwhile)
     STATE.generation += 1
     STATE.broken = False
@@ -266,15 +296,16 @@ def info(**extra) -> dict:
     return out
 
 
-def reform(ns: dict, master_addr: str, master_port: int) -> dict:
-    """Form a new process group on ``master_port`` after a failure.
+def reform(ns: dict, master_addr: str, master_port: int, generation: int = 0) -> dict:
+    """Form a new process group on ``master_port`` after a failure (the last group's store when it is on that
+    port: ``generation``, counted by the kernel, keeps the new group's keys apart).
 
     What still references the old group (strategy wrappers, the last traceback the engine
     kept, with its frames) is dropped first: a DDP wrapper left alive keeps its gradient
     hooks on the parameters, and the next wrapper over the same parameters would fail.
     """
     mark_broken(ns, announce=False)
-    _init_group(master_addr, master_port)
+    _init_group(master_addr, master_port, generation)
     return info()
 
 
@@ -299,7 +330,7 @@ def mark_broken(ns: dict | None = None, announce: bool = True) -> None:
     in a collective then waits for the full timeout. So every reference distnb holds is
     dropped first (:data:`RELEASE_HOOKS`, ``model``/``ctx`` in the namespace, the last
     traceback); the peers' pending collectives then fail at once with "Connection
-    closed by peer", and the kernel re-forms the group on a fresh port. A traceback kept for
+    closed by peer", and the kernel re-forms the group (same store, new key prefix). A traceback kept for
     ``%dist debug`` keeps its frames: the objects in them let go of the group instead
     (:func:`distnb.engine.postmortem.free_groups`). With ``announce`` (a failure, not a re-form), the
     group's first failure is told to every rank, whose pending collectives then fail at once as well
@@ -345,7 +376,7 @@ def release(ns: dict, drop_store: bool = False) -> None:
     """
     mark_broken(ns)
     if drop_store:
-        abort.forget_store()
+        _forget_store()
 
 
 _CELLS = [0]

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from IPython.core.error import UsageError
 
 from distnb import scaling
-from distnb.errors import BusyError, ClusterError, PlanError
+from distnb.errors import BusyError, ClusterError, PlanError, RankError
+from distnb.net import free_port
 from support.data import parity_data, parity_model
 from support.reference import reference
 from support.worlds import back_to_two_ranks
@@ -157,6 +158,25 @@ def test_bad_scales_are_usage_errors_and_change_nothing(shell, dist_session):
         err = run(shell, line).error_in_exec
         assert isinstance(err, UsageError) and says in str(err), (line, err)
     assert dist_session.world_size == 2
+
+
+ALL_REDUCE = "import torch, torch.distributed as dist\nx = torch.ones(1)\ndist.all_reduce(x)\nx.item()"
+
+
+def test_a_world_on_a_pinned_master_port_grows_and_is_re_formed_on_it(dist_session):
+    # the old world's store held the pinned port, so the new world could not form there (scale failed)
+    port = free_port()
+    session = dist_session.restart(quiet=True, master_port=port)
+    try:
+        session.scale(3, quiet=True)
+        assert session.world_size == 3 and session.cluster.master_port == port
+        assert session.run(ALL_REDUCE) == ["3.0"] * 3
+        with pytest.raises(RankError, match="rank 1"):
+            session.run("if rank == 1:\n    raise ValueError('x')\n" + ALL_REDUCE)
+        assert session.cluster.master_port == port and session.run(ALL_REDUCE) == ["3.0"] * 3  # re-formed there
+    finally:
+        session.restart(quiet=True, master_port=None)
+        back_to_two_ranks()
 
 
 def test_scale_to_the_same_size_changes_nothing(dist_session, capsys):
