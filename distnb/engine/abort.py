@@ -50,7 +50,7 @@ STORE_SECONDS = 2.0
 
 class _Armed:
     store = None  # a connection of our own to the group's TCPStore (under the group's key prefix)
-    clone = None  # (the TCPStore, that connection): kept while groups form on the same store
+    clone = None  # (the TCPStore, that connection, [its answers count]): kept while groups form on that store
     server = None  # the group's store itself, kept while the peers may still read the key (see forget_store)
     sockets: dict = {}  # fd -> "socket:[inode]" of gloo's connections to its peers
     by = None  # the rank whose failure ended this rank's collective, once seen (-1: the store was gone)
