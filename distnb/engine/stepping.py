@@ -198,8 +198,9 @@ def prepare_schedule(plan, run, total_steps: int, ns: dict, lr_given: bool) -> s
     if lr_given:
         run.scheduler.base_lrs = [g["lr"] for g in run.optimizer.param_groups]
     if run.scheduler.last_epoch >= run.schedule_total:
-        return (f"the --lr-schedule {run.schedule_name} of an earlier cell has run its {run.schedule_total} steps "
-                f"(lr {run.optimizer.param_groups[0]['lr']:.3g}); pass --lr-schedule again for a new one")
+        return (f"the --lr-schedule {run.schedule_name} of an earlier cell has taken the {run.schedule_total} steps "
+                f"it was made for and goes on stepping from there (lr {run.optimizer.param_groups[0]['lr']:.3g}); "
+                "pass --lr-schedule again for a new one")
     return ""
 
 

@@ -225,7 +225,7 @@ def check_loss(loss, ctx):
                                      "training stopped before the update (lower --lr, check the data, or pass "
                                      "--nan skip to drop such steps)")
         return value
-    where = f"rank {ctx.rank}, epoch {ctx.epoch}, step {ctx.step}"
+    where = f"epoch {ctx.epoch}, step {ctx.step}"  # the same on every rank: the RankError names the ranks
     if loss is None:
         raise ValueError(f"the %%distrain body left no `loss` ({where}); its last line should be "
                          "like `loss = F.cross_entropy(model(x), y)`")
