@@ -121,7 +121,7 @@ class Cluster(Engines):
         self.client = None
         self.engine_ids: list[int] = []  # index = rank
         self.ranks: list[dict] = []
-        self.master_port = None
+        self.master_port, self.generation = None, 0  # generation: the re-forms so far (the group's key prefix)
         self.start_seconds = None
         self.num_nodes = 1
         self.remote = False
@@ -363,7 +363,7 @@ class Cluster(Engines):
                           what="leaving the old process group")
             if self.placement[0]["local"]:
                 check_port_free(self.spec.master_port, self.master_addr, wait=5.0)
-        self.generation = getattr(self, "generation", 0) + 1  # the group's key prefix in the store
+        self.generation += 1
         ars = [self.apply(r, calls.reform, self.master_addr, self.master_port, self.generation)
                for r in range(self.world_size)]
         self.wait_all(ars, timeout=self.spec.timeout + 30, what="re-forming the process group")

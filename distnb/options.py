@@ -123,11 +123,6 @@ def refuse_unknown(given, known, what: str) -> None:
         raise PlanError(f"unknown {what} option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
 
 
-def kind_of(cls, name: str) -> str:
-    """The declared kind of the option field ``name`` of ``cls``."""
-    return next(opt.kind for f, opt in declared(cls) if f.name == name)
-
-
 def flags_of(f, opt: Option) -> tuple:
     """The magic's flags of a field (``--batch-size`` for ``batch_size``)."""
     return opt.flags or ("--" + f.name.replace("_", "-"),)

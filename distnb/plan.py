@@ -35,6 +35,8 @@ SCHEDULES = ("gpipe", "1f1b")
 #: Built-in optimizers (torch.optim names) and their default learning rates.
 DEFAULT_LR = {"sgd": 0.01, "adam": 1e-3, "adamw": 1e-3}
 BACKENDS = ("gloo", "nccl")
+#: The name an object passed to the Python API without a notebook name is bound under: ``_distnb_<option>``.
+BOUND_PREFIX = "_distnb_"
 #: ipyparallel's batch-system engine launchers (the scheduler places the engines).
 BATCH_LAUNCHERS = ("slurm", "pbs", "sge", "lsf", "htcondor")
 #: ipyparallel engine launchers ``%dist start --launcher`` takes (ipyparallel's entry-point names).

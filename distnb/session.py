@@ -37,7 +37,7 @@ from .display.tables import count
 from .errors import ClusterError, PlanError
 from .execute import run_on_ranks
 from .export import session_export
-from .plan import ClusterSpec, RunOptions, TrainPlan
+from .plan import BOUND_PREFIX, ClusterSpec, RunOptions, TrainPlan
 from .startup import differences as _differences, failure_policy, say_policy, say_ready as _say_ready
 from .results import StatusTable, TrainResult, WhereTable, status_table, where_table
 from .transfer import sweep_shm
@@ -50,8 +50,8 @@ START_OPTIONS = options.keywords(ClusterSpec)
 TRAIN_OPTIONS = frozenset(options.keywords(TrainPlan)) - {"model", "data"}
 RUN_OPTIONS = frozenset(options.keywords(RunOptions))
 #: train()'s options that name a notebook object (and so also take the object itself).
-OBJECT_OPTIONS = frozenset(k for k, field in options.keywords(TrainPlan).items()
-                           if options.kind_of(TrainPlan, field) in ("name", "text")) - {"model", "data"}
+OBJECT_OPTIONS = frozenset(opt.keyword or f.name for f, opt in options.declared(TrainPlan)
+                           if opt.api and opt.kind in ("name", "text")) - {"model", "data"}
 
 
 def start(*args, ns=None, spec=None, quiet=False, **given) -> "Session":
@@ -580,7 +580,7 @@ class Session:
         for k, v in self.ns.items():
             if v is value and k.isidentifier() and not k.startswith("_"):
                 return k, value
-        name = f"_distnb_{what}"
+        name = BOUND_PREFIX + what
         return name, value
 
 

@@ -29,6 +29,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..plan import BOUND_PREFIX
 from . import shard as sharding
 
 
@@ -107,7 +108,7 @@ class Validator:
     def _metric_label(self):
         """The metric's notebook name, or its function's name when the API was given the object itself."""
         name = self.plan.metric
-        if name is not None and name.startswith("_distnb_"):  # bound by Session.train (no notebook name)
+        if name is not None and name.startswith(BOUND_PREFIX):  # bound by Session.train (no notebook name)
             return getattr(self.ns.get(name), "__name__", name)
         return name
 
