@@ -209,6 +209,9 @@ def ddp_allreduce_hook(group, bucket):
     connections were shut ends only at ``--timeout``; seen at 32 ranks in one run of two, a rank held
     in ``Reducer::finalize_backward`` for the whole 60 s). Cost: one Python call per bucket and step.
     The division before the sum is what DDP does without a hook (and torch's ``allreduce_hook``).
+    The all-reduce is the process group's own (``ProcessGroup.allreduce``), as DDP's C++ reducer
+    calls it: ``dist.all_reduce`` and its wrappers (c10d's logger, distnb's cell check) cost 1-1.5 %
+    of a 4 ms step of the digits CNN (benchmarks/README.md, "the DDP comm hook").
     """
     import torch
     import torch.distributed as dist
@@ -220,7 +223,7 @@ def ddp_allreduce_hook(group, bucket):
     tensor = bucket.buffer()
     group = group if group is not None else dist.group.WORLD
     tensor.div_(group.size())
-    work = dist.all_reduce(tensor, group=group, async_op=True)
+    work = group.allreduce([tensor])
     with _LOCK:
         _PENDING.add(mine)
 
