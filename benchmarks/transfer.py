@@ -10,13 +10,16 @@ frames; what distnb used for every transfer before), alternated round by round.
   into the kernel's model. Rate = model bytes / wall seconds of the call.
 - data: ``X`` float32 (50000, 1000) = 200 MB plus int64 labels; *scatter* = each rank
   gets its half (the shard sizes and the bytes each rank holds are checked).
-- kernel memory: the largest rise of the kernel's resident set during the call (sampled
-  every millisecond), i.e. the extra copy a path makes in the kernel.
+- kernel memory: the largest rise of the kernel's resident set during the call (Linux's own peak,
+  reset before the call: :class:`PeakRss`), i.e. the extra copy a path makes in the kernel.
+- each path moves a model and a data set of its own (the same sizes, under their own names), so
+  that the rounds of one path leave the other's tensors where that path put them.
 - the first shared-memory round after start is reported on its own (nothing is pooled yet: every
   page is touched for the first time, and the model and data move into the kernel's segments,
   :mod:`distnb.resident`); the target is for the rounds after it, a model and a data set sent
-  again and again as a notebook does between cells: then the kernel copies nothing (the rounds
-  check that the model and the data lie in its segments), each rank copies once.
+  again and again as a notebook does between cells: then the kernel copies nothing of the model
+  (the rounds check that it lies in the kernel's segments), each rank copies once; a scatter is
+  gathered by the kernel into a segment the ranks map (one copy, in the kernel).
 - the machine's two memory-copy rates, measured in every round beside the transfers
   (:func:`copy_rates`): 400 MB ``numpy.copyto`` into pages already touched (*warm*) and into freshly
   allocated ones (*first touch*); every shared-memory rate is also given as a fraction of both.
@@ -34,25 +37,46 @@ DATA_SHAPE = (50_000, 1000)
 
 
 class PeakRss:
-    """The highest resident-set size of this process above its level at entry, in bytes."""
+    """The highest resident-set size of this process above its level at entry, in bytes.
+
+    Linux keeps the peak (``VmHWM``) itself: writing 5 to ``/proc/self/clear_refs`` resets it
+    to the current size, so the call being timed runs with nothing beside it. Where that file
+    cannot be written, a thread samples the resident set every millisecond instead (it costs
+    the kernel about 5 % of these transfers' speed on 2 cores).
+    """
 
     def __enter__(self):
         import psutil
 
         self._proc = psutil.Process()
         self.base = self.peak = self._proc.memory_info().rss
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
+        self._thread = None
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self._hwm()
+        except (OSError, ValueError):
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
         return self
+
+    @staticmethod
+    def _hwm() -> int:
+        with open("/proc/self/status") as f:
+            line = next(x for x in f if x.startswith("VmHWM:"))
+        return int(line.split()[1]) * 1024
 
     def _sample(self):
         while not self._stop.wait(0.001):
             self.peak = max(self.peak, self._proc.memory_info().rss)
 
     def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+        else:
+            self.peak = max(self.peak, self._hwm())
         self.peak = max(self.peak, self._proc.memory_info().rss)
         self.extra = self.peak - self.base
         return False
@@ -105,54 +129,39 @@ def measure(nb, rounds: int, log=print) -> dict:
 
     s = sessions.current()
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(MODEL_LAYERS)])
-    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    X = torch.randn(*DATA_SHAPE)
-    Y = torch.randint(0, 10, (DATA_SHAPE[0],))
-    data_bytes = X.nbytes + Y.nbytes
-    nb.ns["bench_big"], nb.ns["bench_data"] = model, (X, Y)
-    plan = TrainPlan(model="bench_big", data="bench_data", reset=True)
+    # each path moves its own model and data set under its own names: a notebook uses one path, and
+    # the other path's rounds in between must not move this one's tensors out of its segments
+    made = {}
+    for path in ("shm", "ipyparallel"):
+        model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(MODEL_LAYERS)])
+        X, Y = torch.randn(*DATA_SHAPE), torch.randint(0, 10, (DATA_SHAPE[0],))
+        names = (f"bench_big_{path}", f"bench_data_{path}")
+        nb.ns[names[0]], nb.ns[names[1]] = model, (X, Y)
+        made[path] = (model, X, Y, names, TrainPlan(model=names[0], data=names[1], reset=True))
+    model_bytes = sum(p.numel() * p.element_size() for p in made["shm"][0].parameters())
+    data_bytes = made["shm"][1].nbytes + made["shm"][2].nbytes
     runs = {"shm": [], "ipyparallel": []}
     held_by_path = {}
     try:
         for k in range(rounds):
             for path in (("shm", "ipyparallel") if k % 2 == 0 else ("ipyparallel", "shm")):
-                set_path(s, path)
-                send, send_mem = _timed(lambda: training.ensure_model(s, plan, model, quiet=True))
-                with torch.no_grad():
-                    model[0].weight.add_(1.0)  # the kernel's copy differs, so "back" visibly restores it
-                back, back_mem = _timed(lambda: training.weights_back(s, "bench_big", model))
-                with torch.no_grad():
-                    model[0].weight.sub_(1.0)
-                scatter, scatter_mem = _timed(lambda: s.scatter("bench_data", (X, Y), quiet=True))
-                if path not in held_by_path:  # each rank holds only its shard, and the data arrived intact
-                    s.run("_bench_rows = len(bench_data[0])\n"
-                          "_bench_bytes = bench_data[0].untyped_storage().nbytes()")
-                    rows, held = s.pull("_bench_rows"), s.pull("_bench_bytes")
-                    assert rows == [DATA_SHAPE[0] // 2] * 2, rows
-                    assert all(h < X.nbytes * 0.6 for h in held), held
-                    back_data = s.gather("bench_data")
-                    assert torch.equal(back_data[0], X) and torch.equal(back_data[1], Y)
-                    held_by_path[path] = held
-                warm, fresh = copy_rates()
-                pool = transfer._pool()
-                resident = all(pool.ours(t.data_ptr(), t.nbytes) for t in (model[0].weight, model[-1].bias, X, Y))
-                runs[path].append(dict(send_s=send, back_s=back, scatter_s=scatter, send_mem=send_mem,
-                                       back_mem=back_mem, scatter_mem=scatter_mem, copy_warm=warm, copy_fresh=fresh,
-                                       resident=resident))
-                log(f"  transfer round {k + 1} {path}: send {model_bytes / send / 1e9:.2f} GB/s, back "
-                    f"{model_bytes / back / 1e9:.2f} GB/s, scatter {data_bytes / scatter / 1e9:.2f} GB/s; kernel +"
-                    f"{send_mem / 1e6:.0f}/{back_mem / 1e6:.0f}/{scatter_mem / 1e6:.0f} MB; memory copy "
-                    f"{warm / 1e9:.1f} GB/s warm, {fresh / 1e9:.1f} GB/s first touch; model and data in the "
-                    f"kernel's segments: {resident}")
+                runs[path].append(_round(s, path, made[path], held_by_path, data_bytes))
+                r = runs[path][-1]
+                log(f"  transfer round {k + 1} {path}: send {model_bytes / r['send_s'] / 1e9:.2f} GB/s, back "
+                    f"{model_bytes / r['back_s'] / 1e9:.2f} GB/s, scatter {data_bytes / r['scatter_s'] / 1e9:.2f} GB/s; "
+                    f"kernel +{r['send_mem'] / 1e6:.0f}/{r['back_mem'] / 1e6:.0f}/{r['scatter_mem'] / 1e6:.0f} MB; "
+                    f"memory copy {r['copy_warm'] / 1e9:.1f} GB/s warm, {r['copy_fresh'] / 1e9:.1f} GB/s first "
+                    f"touch; the model in the kernel's segments: {r['resident']}")
     finally:
-        for name in ("bench_big", "bench_data"):
+        names = [n for m in made.values() for n in m[3]]
+        for name in names:
             nb.ns.pop(name, None)
-        s.run("for _n in ('bench_big', 'bench_data', '_bench_rows', '_bench_bytes'):\n    globals().pop(_n, None)\n"
-              "from distnb.engine import loop as _loop\n_loop.RUNS.pop('bench_big', None)\n"
-              "_ = _loop.SHARDS.pop('bench_data', None)")
-        s.holdings.models.pop("bench_big", None)
-        s.holdings.data.pop("bench_data", None)
+        s.run(f"for _n in {names + ['_bench_rows', '_bench_bytes']!r}:\n    globals().pop(_n, None)\n"
+              "from distnb.engine import loop as _loop\n"
+              f"for _n in {names!r}:\n    _loop.RUNS.pop(_n, None)\n    _ = _loop.SHARDS.pop(_n, None)")
+        for model_name, data_name in (m[3] for m in made.values()):
+            s.holdings.models.pop(model_name, None)
+            s.holdings.data.pop(data_name, None)
         set_path(s, "shm")
     med = statistics.median
     out = dict(model_bytes=model_bytes, data_bytes=data_bytes, runs=runs)
@@ -169,3 +178,33 @@ def measure(nb, rounds: int, log=print) -> dict:
                          scatter_mem_mb=med(r["scatter_mem"] for r in rs) / 1e6,
                          shard_mb=[b / 1e6 for b in held_by_path[path.removesuffix("_first")]])
     return out
+
+
+def _round(s, path, made, held_by_path, data_bytes) -> dict:
+    """One round of one path: send, weights back, scatter, then the machine's copy rates."""
+    import torch
+
+    from distnb import training, transfer
+
+    model, X, Y, (model_name, data_name), plan = made
+    set_path(s, path)
+    send, send_mem = _timed(lambda: training.ensure_model(s, plan, model, quiet=True))
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # the kernel's copy differs, so "back" visibly restores it
+    back, back_mem = _timed(lambda: training.weights_back(s, model_name, model))
+    with torch.no_grad():
+        model[0].weight.sub_(1.0)
+    scatter, scatter_mem = _timed(lambda: s.scatter(data_name, (X, Y), quiet=True))
+    if path not in held_by_path:  # each rank holds only its shard, and the data arrived intact
+        s.run(f"_bench_rows = len({data_name}[0])\n_bench_bytes = {data_name}[0].untyped_storage().nbytes()")
+        rows, held = s.pull("_bench_rows"), s.pull("_bench_bytes")
+        assert rows == [DATA_SHAPE[0] // 2] * 2, rows
+        assert all(h < X.nbytes * 0.6 for h in held), held
+        back_data = s.gather(data_name)
+        assert torch.equal(back_data[0], X) and torch.equal(back_data[1], Y)
+        held_by_path[path] = held
+    warm, fresh = copy_rates()
+    pool = transfer._pool()
+    resident = all(pool.ours(t.data_ptr(), t.nbytes) for t in (model[0].weight, model[-1].bias))
+    return dict(send_s=send, back_s=back, scatter_s=scatter, send_mem=send_mem, back_mem=back_mem,
+                scatter_mem=scatter_mem, copy_warm=warm, copy_fresh=fresh, resident=resident)
