@@ -50,11 +50,11 @@ CLUSTER_MARKERS = ("ipyparallel.engine", "ipyparallel.controller", "ipengine", "
 DEFAULT_EPOCHS = {"cnn": 15, "mlp": 30}  # about 1-2 s of training on 2 cores
 
 
-def start_digits_notebook(nb, model_cls):
-    """Cells every distnb side runs first: load distnb, start 2 ranks, the digits data set as ``train``,
-    the model class (the reference script's source) and ``net``."""
+def start_digits_notebook(nb, model_cls, cpu_bind: str = "auto"):
+    """Cells every distnb side runs first: load distnb, start 2 ranks (``--cpu-bind cpu_bind``), the digits
+    data set as ``train``, the model class (the reference script's source) and ``net``."""
     nb.cell("%load_ext distnb")
-    nb.cell("%dist start -n 2")
+    nb.cell(f"%dist start -n 2 --cpu-bind {cpu_bind}")
     nb.cell("import torch, torch.nn as nn, torch.nn.functional as F\n"
             "from sklearn.datasets import load_digits\n"
             "X, y = load_digits(return_X_y=True)\n"
@@ -154,7 +154,8 @@ def run_torchrun(args, first_epoch: int) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            os.path.join(HERE, "torchrun_digits.py"), "--model", args.model, "--epochs", str(args.epochs),
            "--repeats", str(args.repeats), "--first-epoch", str(first_epoch), "--batch-size",
-           str(args.batch_size), "--lr", str(args.lr), "--warmup-epochs", str(args.warmup_epochs)]
+           str(args.batch_size), "--lr", str(args.lr), "--warmup-epochs", str(args.warmup_epochs),
+           "--cpu-bind", getattr(args, "torchrun_cpu_bind", "none")]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -286,6 +287,10 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=150.0,
                    help="no re-runs once this many seconds have passed (default 150)")
     p.add_argument("--json", default=None, help="also write every measurement to this file")
+    p.add_argument("--cpu-bind", choices=("auto", "cores", "none"), default="auto",
+                   help="distnb's %%dist start --cpu-bind (default auto, distnb's default)")
+    p.add_argument("--torchrun-cpu-bind", choices=("none", "cores"), default="none",
+                   help="the reference's binding (default none, torchrun's default; cores: distnb's partition)")
     p.add_argument("--dashboard", action="store_true",
                    help="instead: the dashboard's cost, the same cell with --progress widgets vs --progress none "
                         "(alternated, --rounds rounds of --repeats runs a side; target < 1%% slower)")
@@ -306,12 +311,13 @@ def main(argv=None) -> int:
     model_cls = ref.MODELS[args.model]
     print(f"distnb benchmark: {args.model} ({model_cls.__name__}), {args.epochs} epochs x 1797 digits per run, "
           f"batch {args.batch_size}/rank, Adam, 2 ranks gloo; {args.rounds} rounds x {args.repeats} runs a side; "
+          f"--cpu-bind {args.cpu_bind} (torchrun: {args.torchrun_cpu_bind}); "
           f"torch {torch.__version__}, {os.cpu_count()} cores, Python {platform.python_version()}", flush=True)
     t_start = time.perf_counter()
     nb = Notebook()
     rounds = []
     try:
-        start_digits_notebook(nb, model_cls)
+        start_digits_notebook(nb, model_cls, args.cpu_bind)
         # warm-up cell: sends model and shards, builds DDP and the optimizer on the ranks
         nb.cell(distrain_line(args.model, args.warmup_epochs, args) + "\n" + BODY, quiet=True)
         print(f"cluster up and warm in {time.perf_counter() - t_start:.1f} s", flush=True)

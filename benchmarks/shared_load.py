@@ -18,6 +18,9 @@ its rounds puts it on one side of the target, ``benchmarks/verdicts.py``), and t
 rows are the quiet reference, in the same script::
 
     .venv/bin/python benchmarks/shared_load.py --load-procs 2 --duty 0.5 --rounds 5
+
+``--cpu-bind`` (the engines, default auto) and ``--torchrun-cpu-bind`` (default none) set each side's
+CPU binding (:mod:`distnb.engine.binding`).
 """
 
 from __future__ import annotations
@@ -64,12 +67,16 @@ class Load:
 
     def __init__(self, procs: int, duty: float, period: float):
         self.procs, self.duty, self.period = procs, duty, period
-        self._children = []
+        self._pids = []
 
     def __enter__(self):
+        # detached (started by a shell that exits at once): like other users' work, the load is not a
+        # descendant of this kernel, which is how --cpu-bind auto tells others' processes from its own
         for _ in range(self.procs):
-            self._children.append(subprocess.Popen([sys.executable, "-c", _SPIN, str(self.duty), str(self.period)],
-                                                   start_new_session=True))
+            out = subprocess.run(["sh", "-c", '"$0" -c "$1" "$2" "$3" >/dev/null 2>&1 & echo $!', sys.executable,
+                                  _SPIN, str(self.duty), str(self.period)], capture_output=True, text=True,
+                                 check=True, start_new_session=True)
+            self._pids.append(int(out.stdout.split()[-1]))
         time.sleep(0.2)
         return self
 
@@ -78,20 +85,26 @@ class Load:
         import psutil
 
         total = 0.0
-        for p in self._children:
+        for pid in self._pids:
             try:
-                t = psutil.Process(p.pid).cpu_times()
+                t = psutil.Process(pid).cpu_times()
                 total += t.user + t.system
             except psutil.Error:
                 pass
         return total
 
     def __exit__(self, *exc):
-        for p in self._children:
-            p.kill()
-        for p in self._children:
-            p.wait(timeout=10)
-        self._children = []
+        import psutil
+
+        procs = []
+        for pid in self._pids:
+            try:
+                procs.append(psutil.Process(pid))
+                procs[-1].kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(procs, timeout=10)
+        self._pids = []
         return False
 
 
@@ -102,7 +115,7 @@ def ensure_engines(nb, kind: str, current: str | None, args) -> str:
     if current is not None:
         nb.cell("%dist stop", quiet=True)
     os.environ["DISTNB_ZYGOTE"] = "1" if kind == "template" else "0"
-    nb.cell("%dist start -n 2", quiet=True)
+    nb.cell(f"%dist start -n 2 --cpu-bind {args.cpu_bind}", quiet=True)
     nb.cell(harness.distrain_line(args.model, args.warmup_epochs, args) + "\n" + harness.BODY, quiet=True)
     return kind
 
@@ -155,6 +168,10 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup-epochs", type=int, default=2)
     p.add_argument("--json", default=None)
+    p.add_argument("--cpu-bind", choices=("auto", "cores", "none"), default="auto",
+                   help="the engines' %%dist start --cpu-bind (default auto, distnb's default)")
+    p.add_argument("--torchrun-cpu-bind", choices=("none", "cores"), default="none",
+                   help="the torchrun side's binding (default none, torchrun's default)")
     args = p.parse_args(argv)
     if not 0 < args.duty <= 1 or args.load_procs < 0 or args.rounds < 1:
         p.error("--duty must be in (0, 1], --load-procs >= 0, --rounds >= 1")

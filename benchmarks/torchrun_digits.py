@@ -114,9 +114,16 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0, help="shard and shuffle seed")
     p.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP bucket_cap_mb (default: DDP's, 25)")
     p.add_argument("--static-graph", action="store_true", help="DDP static_graph=True")
+    p.add_argument("--cpu-bind", choices=("none", "cores"), default="none",
+                   help="none (torchrun's default) or cores: each worker on its own share of the cores, "
+                        "as distnb's %%dist start --cpu-bind cores does (distnb.engine.binding)")
     args = p.parse_args(argv)
 
     torch.set_num_threads(1)
+    if args.cpu_bind == "cores":
+        from distnb.engine import binding
+
+        binding.bind(int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
@@ -180,6 +187,7 @@ def main(argv=None):
     if rank == 0:
         print(json.dumps(dict(model=args.model, world_size=world, epochs=args.epochs, batch_size=args.batch_size,
                               threads=torch.get_num_threads(), omp_num_threads=os.environ.get("OMP_NUM_THREADS"),
+                              cpu_bind=args.cpu_bind,
                               runs=runs)), flush=True)
     dist.destroy_process_group()
     # gloo DDP processes sometimes abort at interpreter exit (FIELD-NOTES pitfall 1), which

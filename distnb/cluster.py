@@ -37,7 +37,7 @@ import ipyparallel as ipp
 import psutil
 from ipyparallel.serialize import PrePickled
 
-from . import calls, fanout, launchers, placement, slurm, tracebacks, zygote
+from . import calls, cpuload, fanout, launchers, placement, slurm, tracebacks, zygote
 from .reaper import reap, spawn
 from .calls import RankFunction
 from .engines import Engines
@@ -132,6 +132,7 @@ class Cluster(Engines):
         # follows the live world)
         self.start_hosts, self.host_slots = tuple(spec.hosts), spec.engines_per_node
         self.note = ""  # what the start wants the user to know (e.g. why engines were not forked)
+        self.foreign_cores = 0.0  # cores other processes used during the start (--cpu-bind auto)
 
     # lifecycle -----------------------------------------------------------
     def start(self, engine_timeout: float = 60.0) -> "Cluster":
@@ -141,6 +142,7 @@ class Cluster(Engines):
         launcher for ``local``, :mod:`distnb.launchers`); see :mod:`distnb.placement`.
         """
         t0 = time.perf_counter()
+        cpuload.mark()  # --cpu-bind auto: other processes' load is measured over the start
         spec = self.spec
         profile_kwargs, profile = placement.profile_config(spec.profile)
         self.launcher = placement.launcher_name(spec, profile)
@@ -300,10 +302,8 @@ class Cluster(Engines):
         return addr
 
     def _free_port(self) -> int:
-        """A port free on rank 0's host (asked there when rank 0 is on another host).
-
-        A ClusterError naming ``--master-addr`` when rank 0 cannot listen on that address.
-        """
+        """A port free on rank 0's host (asked there when rank 0 is on another host); a ClusterError naming
+        ``--master-addr`` when rank 0 cannot listen on that address."""
         try:
             if self.placement[0]["local"]:
                 return free_port(self.master_addr)
@@ -319,14 +319,14 @@ class Cluster(Engines):
         spec = self.spec
         self.master_addr = self._master_addr()
         self.master_port = spec.master_port or self._free_port()
-        ars = []
         local_gpus = None if self.remote or spec.device_type != "cuda" else visible_gpus()
         gpus = placement.rank_gpus(self.placement, self.where, spec.device_type, local_gpus)
-        for rank, (p, gpu) in enumerate(zip(self.placement, gpus)):
-            threads = p.get("num_threads", spec.num_threads)
-            ars.append(self.apply(rank, calls.setup, rank, spec.num_engines,
-                                  p["local_rank"], spec.backend, spec.device_type, gpu, threads, self.master_addr,
-                                  self.master_port, spec.timeout, p["node_rank"], p["node"], spec.interface))
+        self.foreign_cores = cpuload.foreign_cores() if spec.cpu_bind == "auto" else 0.0
+        among = placement.bind_among(self.placement, spec, self.foreign_cores)
+        ars = [self.apply(rank, calls.setup, rank, spec.num_engines, p["local_rank"], spec.backend, spec.device_type,
+                          gpu, p.get("num_threads", spec.num_threads), self.master_addr, self.master_port, spec.timeout,
+                          p["node_rank"], p["node"], spec.interface, among[rank])
+               for rank, (p, gpu) in enumerate(zip(self.placement, gpus))]
         infos = self.wait_all(ars, timeout=spec.timeout + 60, what="forming the process group")
         self.ranks = [dict(info, engine_id=p["engine_id"], local=p["local"], address=self.where[p["engine_id"]][
             "address"]) for info, p in zip(infos, self.placement)]

@@ -304,15 +304,16 @@ class Engines:
             check_port_free(spec.master_port, self.master_addr, wait=5.0)
         self.master_port = spec.master_port or self._free_port()
         threads = self._rank_threads(old, n)
+        among = placement.bind_among(self.placement[:n], spec, self.foreign_cores)  # the new world's shares
         ars = [self.apply(r, calls.resize, r, n, threads[r], self.master_addr, self.master_port,
-                          self.placement[r]["local_rank"]) for r in range(keep)]
+                          self.placement[r]["local_rank"], among[r]) for r in range(keep)]
         local_gpus = visible_gpus() if spec.device_type == "cuda" and not self.remote else None
         gpus = placement.rank_gpus(self.placement, self.where, spec.device_type, local_gpus)
         for rank in range(keep, n):
             p = self.placement[rank]
             ars.append(self.apply(rank, calls.setup, rank, n, p["local_rank"], spec.backend, spec.device_type,
                                   gpus[rank], threads[rank], self.master_addr, self.master_port, spec.timeout,
-                                  p["node_rank"], p["node"], spec.interface))
+                                  p["node_rank"], p["node"], spec.interface, among[rank]))
         infos = self.wait_all(ars, timeout=spec.timeout + 60, what=f"forming the process group of {n} ranks")
         self.ranks = [dict(info, engine_id=p["engine_id"], local=p["local"], address=self.where[p["engine_id"]]
                            ["address"]) for info, p in zip(infos, self.placement)]

@@ -17,6 +17,7 @@ reported (``where``, :func:`distnb.net.whereami`); :class:`distnb.cluster.Cluste
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import ipaddress
 import logging
@@ -472,6 +473,20 @@ def rank_gpus(places: list, where: dict, device_type: str, local_gpus=None) -> l
         return [None] * len(places)
     return [_gpu_for(where[p["engine_id"]]["gpus"] if local_gpus is None else local_gpus, p["local_rank"])
             for p in places]
+
+
+def bind_among(places: list, spec, foreign_cores: float = 0.0) -> list:
+    """Per rank of ``places``: how many ranks share its host's cores, each bound to its share; None where the
+    rank is not bound. Not with ``--cpu-bind none`` nor GPU engines; with ``auto``, ranks on this host only
+    while other processes use less than :data:`distnb.cpuload.AUTO_MAX_FOREIGN` cores (``foreign_cores``).
+    Each engine binds itself: :mod:`distnb.engine.binding`."""
+    from .cpuload import AUTO_MAX_FOREIGN
+
+    if spec.cpu_bind == "none" or spec.device_type != "cpu":
+        return [None] * len(places)
+    per_node = collections.Counter(p["node_rank"] for p in places)
+    here = spec.cpu_bind == "cores" or foreign_cores < AUTO_MAX_FOREIGN
+    return [per_node[p["node_rank"]] if here or not p.get("local", True) else None for p in places]
 
 
 def fit_to_hosts(places: list, where: dict, spec, auto_device: bool = False):

@@ -22,7 +22,7 @@ class StatusTable(Table):
     """
 
     columns = ("rank", "engine_id", "host", "node_rank", "local_rank", "pid", "device", "backend", "threads",
-               "alive")
+               "cores", "alive")
 
 
 class TrainResult(Table):

@@ -198,7 +198,8 @@ class Session:
 
     # lifecycle -----------------------------------------------------------
     def status(self, timeout: float = 10.0) -> StatusTable:
-        """Rank, engine id, host, node_rank, local_rank, pid, device, backend, threads and liveness of every rank.
+        """Rank, engine id, host, node_rank, local_rank, pid, device, backend, threads, bound cores (``all``: not
+        bound, ``--cpu-bind``) and liveness of every rank.
 
         A rank is alive when its engine process runs and answers within ``timeout`` seconds
         (an engine still loading torch right after a start can take a few seconds). During a

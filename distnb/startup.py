@@ -37,6 +37,11 @@ def say_ready(cluster) -> None:
           f"{cluster.start_seconds:.1f} s")
     if cluster.note:
         print(f"distnb: {cluster.note}")
+    from .cpuload import AUTO_MAX_FOREIGN
+
+    if spec.cpu_bind == "auto" and spec.device_type == "cpu" and cluster.foreign_cores >= AUTO_MAX_FOREIGN:
+        print(f"distnb: the ranks are not bound to cores: other processes used {cluster.foreign_cores:.1f} of this "
+              "host's cores while the cluster started (%dist start --cpu-bind cores binds them anyway)")
 
 
 def failure_policy(auto_restart, on_failure):

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..plan import STRATEGIES
-from . import datasets, loop, runtime, wire
+from . import binding, datasets, loop, runtime, wire
 
 #: Names distnb binds in every rank's namespace (the rank's identity, a training cell's objects): never the user's.
 BOUND = frozenset({"rank", "world_size", "local_rank", "node_rank", "device", "model", "optimizer", "ctx", "loss",
@@ -41,7 +41,7 @@ BOUND = frozenset({"rank", "world_size", "local_rank", "node_rank", "device", "m
 
 
 def resize(ns: dict, rank: int, world_size: int, num_threads: int, master_addr: str, master_port: int,
-           local_rank: int | None = None) -> dict:
+           local_rank: int | None = None, bind_among: int | None = None) -> dict:
     """This (surviving) rank joins the world of ``world_size`` ranks formed on ``master_port`` as ``rank``.
 
     What holds the old group (strategy wrappers) is dropped first, the sampler positions are
@@ -49,8 +49,9 @@ def resize(ns: dict, rank: int, world_size: int, num_threads: int, master_addr: 
     host) and ``rank``/``world_size``/``local_rank`` in the namespace updated and ``num_threads``
     torch threads set. ``rank`` differs from this rank's old one only when a lower rank is gone
     (``--on-failure shrink``); ``local_rank`` (this rank's index on its host; default ``rank``,
-    right on one host) only then too. Every rank of the new world calls this (or ``setup``, for the added
-    ones) at once: the rendezvous waits for all of them.
+    right on one host) only then too. ``bind_among``: the ranks now sharing this host's cores (see
+    :func:`distnb.engine.runtime.setup`; more ranks than cores unbinds). Every rank of the new world calls
+    this (or ``setup``, for the added ones) at once: the rendezvous waits for all of them.
 
     Returns
     -------
@@ -67,6 +68,7 @@ def resize(ns: dict, rank: int, world_size: int, num_threads: int, master_addr: 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
                       OMP_NUM_THREADS=str(num_threads))
     torch.set_num_threads(num_threads)
+    binding.bind(local_rank, bind_among)
     runtime._init_group(master_addr, master_port)
     ns.update(rank=rank, world_size=world_size, local_rank=local_rank)
     return runtime.info()

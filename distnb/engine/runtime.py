@@ -17,7 +17,7 @@ import time
 import traceback
 
 from ..net import interface_of, is_loopback, loopback_interface, route_address
-from . import abort
+from . import abort, binding
 
 
 class _State:
@@ -188,15 +188,17 @@ def _probe_rendezvous(master_addr: str, master_port: int, timeout: float) -> Non
 
 def setup(ns: dict, rank: int, world_size: int, local_rank: int, backend: str, device_type: str,
           gpu: str | None, num_threads: int, master_addr: str, master_port: int,
-          timeout: float, node_rank: int = 0, host: str | None = None, interface: str | None = None) -> dict:
-    """Make this engine rank ``rank``: env vars, device, threads, process group.
+          timeout: float, node_rank: int = 0, host: str | None = None, interface: str | None = None,
+          bind_among: int | None = None) -> dict:
+    """Make this engine rank ``rank``: env vars, device, threads, CPU binding, process group.
 
     Sets RANK, WORLD_SIZE, LOCAL_RANK, NODE_RANK, MASTER_ADDR, MASTER_PORT (and for GPU
     engines CUDA_VISIBLE_DEVICES=gpu, before torch is imported, so the engine sees one GPU),
     GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME (``interface``, else the interface that reaches
     ``master_addr``; unless set by the user), and defines ``rank``, ``world_size``,
     ``local_rank``, ``node_rank`` and ``device`` in the engine namespace ``ns``. ``host``
-    names this rank's host in errors.
+    names this rank's host in errors. ``bind_among``: the ranks that share this host's cores,
+    this one bound to its share (:func:`distnb.engine.binding.bind`; None: not bound).
 
     Returns
     -------
@@ -218,6 +220,7 @@ def setup(ns: dict, rank: int, world_size: int, local_rank: int, backend: str, d
     import torch  # torch._dynamo (DDP needs it) loads meanwhile in the engine's preload thread (ipengine)
 
     torch.set_num_threads(num_threads)
+    binding.bind(local_rank, bind_among)  # before the group: gloo's threads inherit the share
     STATE.rank, STATE.world_size, STATE.local_rank = rank, world_size, local_rank
     STATE.backend, STATE.timeout = backend, float(timeout)
     if device_type == "cuda":
@@ -286,7 +289,7 @@ def info(**extra) -> dict:
     out = dict(rank=STATE.rank, pid=os.getpid(), host=STATE.host or socket.gethostname(), device=str(STATE.device),
                local_rank=STATE.local_rank, node_rank=STATE.node_rank,
                backend=STATE.backend, generation=STATE.generation, broken=STATE.broken,
-               num_threads=torch.get_num_threads())
+               num_threads=torch.get_num_threads(), cores=binding.describe(binding.CORES))
     for hook in INFO_HOOKS:
         try:
             out.update(hook())

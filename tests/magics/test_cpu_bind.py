@@ -1,0 +1,90 @@
+"""``%dist start --cpu-bind``: each CPU rank's process, every thread of it, on its own share of the cores."""
+
+import glob
+import os
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from distnb import session as session_mod
+from distnb.engine import binding
+from support.worlds import back_to_two_ranks
+
+CORES = sorted(psutil.Process().cpu_affinity())
+ALL_REDUCE = "import torch, torch.distributed as dist\nx = torch.ones(1)\ndist.all_reduce(x)\nx.item()"
+pytestmark = pytest.mark.skipif(len(CORES) < 2, reason="binding 2 ranks to cores of their own needs 2 cores")
+
+
+def thread_cpus(pid: int) -> set:
+    """The distinct CPU sets (``Cpus_allowed_list``) of every thread of process ``pid``."""
+    out = set()
+    for task in glob.glob(f"/proc/{pid}/task/*/status"):
+        try:
+            with open(task) as f:
+                out.add(next(line.split()[1] for line in f if line.startswith("Cpus_allowed_list")))
+        except (OSError, StopIteration):
+            pass
+    return out
+
+
+def test_cores_binds_every_thread_of_each_rank_to_its_own_share_and_a_scale_shares_them_out_again(dist_session):
+    s = dist_session.restart(quiet=True, cpu_bind="cores")
+    try:
+        assert s.run(ALL_REDUCE) == ["2.0", "2.0"]  # gloo's threads, made at the group's first use, inherit it
+        table = s.status()
+        shares = [binding.share(CORES, r, 2) for r in range(2)]
+        assert [r["cores"] for r in table] == [binding.describe(x) for x in shares]
+        assert [thread_cpus(r["pid"]) for r in table] == [{binding.describe(x)} for x in shares]
+        s.scale(len(CORES) + 1, quiet=True)  # more ranks than cores: none is bound
+        table = s.status()
+        assert {r["cores"] for r in table} == {"all"}
+        assert all(thread_cpus(r["pid"]) == {binding.describe(CORES)} for r in table)
+        assert s.run(ALL_REDUCE) == [f"{len(CORES) + 1.0}"] * (len(CORES) + 1)
+        s.scale(2, quiet=True)  # bound again, each to its share
+        assert [thread_cpus(r["pid"]) for r in s.status()] == [{binding.describe(x)} for x in shares]
+    finally:
+        s.restart(n=2, quiet=True, cpu_bind="auto")
+        back_to_two_ranks()
+
+
+def test_none_leaves_every_rank_on_every_core(dist_session):
+    s = dist_session.restart(quiet=True, cpu_bind="none")
+    try:
+        table = s.status()
+        assert [r["cores"] for r in table] == ["all", "all"]
+        assert all(thread_cpus(r["pid"]) == {binding.describe(CORES)} for r in table)
+    finally:
+        s.restart(quiet=True, cpu_bind="auto")
+
+
+def test_auto_leaves_the_ranks_unbound_while_another_process_keeps_the_cores_busy(dist_session, capsys):
+    spin = "import time\nt = time.time()\nwhile time.time() - t < 60: pass\n"
+    out = subprocess.run(["sh", "-c", '"$0" -c "$1" >/dev/null 2>&1 & echo $!', sys.executable, spin],
+                         capture_output=True, text=True, check=True, start_new_session=True)
+    pid = int(out.stdout.split()[-1])  # detached: another user's work, not this kernel's
+    try:
+        capsys.readouterr()
+        s = dist_session.restart(cpu_bind="auto")
+        said = capsys.readouterr().out
+        assert [r["cores"] for r in s.status()] == ["all", "all"]
+        assert "not bound to cores: other processes used" in said and "--cpu-bind cores" in said
+        assert s.cluster.foreign_cores >= 0.25
+    finally:
+        os.kill(pid, 9)
+        session_mod.current().restart(quiet=True, cpu_bind="auto")
+
+
+def test_a_bad_cpu_bind_is_a_usage_error_naming_the_choices(shell):
+    from IPython.core.error import UsageError
+
+    from distnb.errors import PlanError
+
+    before = session_mod.current()
+    res = shell.run_cell("%dist restart --cpu-bind sockets")
+    assert isinstance(res.error_in_exec, UsageError)
+    assert "--cpu-bind must be one of auto, cores, none, got 'sockets'" in str(res.error_in_exec)
+    with pytest.raises(PlanError, match="--cpu-bind must be one of auto, cores, none"):
+        before.restart(quiet=True, cpu_bind="sockets")
+    assert session_mod.current() is before and before.running and before.world_size == 2  # nothing was stopped
