@@ -6,11 +6,12 @@ core got half of it, and the world ran at 0.82x torchrun's speed against 0.90x u
 (benchmarks/README.md, issue 17: "CPU binding"). So ``auto`` binds only when other processes used
 less than :data:`AUTO_MAX_FOREIGN` of a core just before the start.
 
-"Other processes" is every process but the kernel and its descendants (the engine template, a
+"Other processes" is every process but the kernel and its descendants (the engine template, the
 cluster's engines and controller): the CPU time of the host's cores (``/proc/stat``) minus theirs,
-over the span since the last :func:`mark` (``%load_ext distnb``, the end of a ``%dist stop``) when
-that span is between :data:`MIN_SPAN` and :data:`MAX_SPAN` seconds, else over a fresh
-:data:`SAMPLE_SECONDS` sample.
+over the span since the last :func:`mark`. The cluster marks when its start begins and asks just
+before the ranks set up, so the span is the start itself and nothing is added to its time; a span
+shorter than :data:`MIN_SPAN` or longer than :data:`MAX_SPAN` seconds (a batch job that waited in the
+queue) is replaced by a fresh :data:`SAMPLE_SECONDS` sample.
 """
 
 from __future__ import annotations
