@@ -57,10 +57,10 @@ class _Armed:
 
 
 ARMED = _Armed()
-#: Held while gloo's sockets are shut down or forgotten (never while the group is being destroyed), and
-#: while :data:`_PENDING` changes.
+#: Held while gloo's sockets are shut down or forgotten (never while the group is being destroyed).
 _LOCK = threading.Lock()
-#: Futures :func:`ddp_allreduce_hook` handed to DDP that no collective has settled yet.
+#: Futures :func:`ddp_allreduce_hook` handed to DDP that no collective has settled yet (whoever removes one
+#: from the set, the all-reduce's callback or :func:`end_pending`, settles it).
 _PENDING: set = set()
 
 
@@ -207,40 +207,71 @@ def ddp_allreduce_hook(group, bucket):
     failure is announced, :func:`end_pending` fails it at once, so the backward raises even if
     gloo's own operation waits on (see :func:`bury`: one whose data was on its way when the
     connections were shut ends only at ``--timeout``; seen at 32 ranks in one run of two, a rank held
-    in ``Reducer::finalize_backward`` for the whole 60 s). Cost: one Python call per bucket and step.
-    The division before the sum is what DDP does without a hook (and torch's ``allreduce_hook``).
-    The all-reduce is the process group's own (``ProcessGroup.allreduce``), as DDP's C++ reducer
-    calls it: ``dist.all_reduce`` and its wrappers (c10d's logger, distnb's cell check) cost 1-1.5 %
-    of a 4 ms step of the digits CNN (benchmarks/README.md, "the DDP comm hook").
-    """
-    import torch
-    import torch.distributed as dist
+    in ``Reducer::finalize_backward`` for the whole 60 s). Cost: one Python call per bucket and step,
+    kept small (benchmarks/README.md, "the DDP comm hook"; in A/B tests on the digits CNN with the
+    ranks bound to cores, no hook at all was 1.048x faster than the hook before these choices):
 
-    mine = torch.futures.Future()
+    - the all-reduce is the process group's own (``ProcessGroup.allreduce``), as DDP's C++ reducer
+      calls it, not ``dist.all_reduce`` and its Python wrappers (c10d's logger, distnb's cell check);
+    - the future is torch's C++ one (``torch._C.Future``, the base class of ``torch.futures.Future``),
+      whose Python subclass cost DDP's backward about 2.5 % here;
+    - the pending set is changed by single ``set`` operations, atomic under the GIL, not under a lock:
+      a future is settled either here (``remove`` found it) or by :func:`end_pending` (which took it).
+
+    The division before the sum is what DDP does without a hook (and torch's ``allreduce_hook``).
+    """
+    future_class, world = _HOOK_TYPES or _hook_types()
+    mine = future_class([])
     if ARMED.by is not None:  # a failure seen before this bucket was ready: no new collective
-        mine.set_exception(RuntimeError(_ended_message()))
+        _fail(mine, RuntimeError(_ended_message()))
         return mine
     tensor = bucket.buffer()
-    group = group if group is not None else dist.group.WORLD
+    group = group if group is not None else world()
     tensor.div_(group.size())
     work = group.allreduce([tensor])
-    with _LOCK:
-        _PENDING.add(mine)
+    _PENDING.add(mine)
 
     def settle(fut):
-        with _LOCK:
-            if mine not in _PENDING:  # already ended by end_pending
-                return
-            _PENDING.discard(mine)
+        try:
+            _PENDING.remove(mine)
+        except KeyError:  # already ended by end_pending
+            return
         try:
             fut.value()
         except Exception as exc:
-            mine.set_exception(exc)
+            _fail(mine, exc)
         else:
             mine.set_result(tensor)
 
     work.get_future().add_done_callback(settle)
     return mine
+
+
+_HOOK_TYPES: tuple = ()
+
+
+def _hook_types() -> tuple:
+    """(the future class the hook hands DDP, a function returning the default group), found once."""
+    global _HOOK_TYPES
+    import torch
+    import torch.distributed as dist
+
+    _HOOK_TYPES = (getattr(torch._C, "Future", None) or (lambda devices: torch.futures.Future()),
+                   lambda: dist.group.WORLD)
+    return _HOOK_TYPES
+
+
+def _raise(error):
+    raise error
+
+
+def _fail(fut, error: Exception) -> None:
+    """Complete ``fut`` with ``error``, as ``torch.futures.Future.set_exception`` does (a method of the
+    Python subclass only): its value, when read (by DDP's backward), raises ``error``."""
+    unwrap = getattr(fut, "_set_unwrap_func", None)
+    if unwrap is not None:
+        unwrap(_raise)
+    fut.set_result(error)
 
 
 def _ended_message() -> str:
@@ -252,14 +283,19 @@ def _ended_message() -> str:
 def end_pending() -> int:
     """Fail every future :func:`ddp_allreduce_hook` handed out and not yet settled; how many."""
     with _LOCK:
-        pending = list(_PENDING)
-        _PENDING.clear()
+        pending = [f for f in list(_PENDING) if _take(f)]
     for fut in pending:
-        try:
-            fut.set_exception(RuntimeError(_ended_message()))
-        except RuntimeError:  # settled meanwhile
-            pass
+        _fail(fut, RuntimeError(_ended_message()))
     return len(pending)
+
+
+def _take(fut) -> bool:
+    """Take ``fut`` out of the pending set; False when its all-reduce settled it first."""
+    try:
+        _PENDING.remove(fut)
+    except KeyError:
+        return False
+    return True
 
 
 def poll() -> bool:
