@@ -11,6 +11,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from distnb import session
+from distnb.engine import binding
 from distnb.errors import RankError
 
 from .parity import train_and_check_parity
@@ -30,11 +31,13 @@ def mpi(own_shell):
 
 
 def test_ranks_are_mpi_ranks(mpi):
-    mpi.run("import os\n_mpi = (int(os.environ['OMPI_COMM_WORLD_RANK']), mpi_rank, len(os.sched_getaffinity(0)))")
+    mpi.run("import os\n_mpi = (int(os.environ['OMPI_COMM_WORLD_RANK']), mpi_rank, sorted(os.sched_getaffinity(0)))")
     got = mpi.pull("_mpi")
     assert [g[:2] for g in got] == [(0, 0), (1, 1)]  # distnb's rank is the rank mpiexec gave, and MPI is joined
-    assert all(g[2] == len(os.sched_getaffinity(0)) for g in got)  # --bind-to none: not pinned to one core
     table = mpi.status()
+    everywhere = sorted(os.sched_getaffinity(0))
+    for (_, _, cpus), row in zip(got, table.rows):  # mpiexec binds nothing (--bind-to none): --cpu-bind decides
+        assert binding.describe(cpus) == row["cores"] or (row["cores"] == "all" and cpus == everywhere)
     assert [(r["node_rank"], r["local_rank"]) for r in table.rows] == [(0, 0), (0, 1)]
     assert table.store.startswith("127.0.0.1:")  # one host: the rendezvous stays on loopback
 
