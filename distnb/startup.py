@@ -37,11 +37,29 @@ def say_ready(cluster) -> None:
           f"{cluster.start_seconds:.1f} s")
     if cluster.note:
         print(f"distnb: {cluster.note}")
+    note = binding_note(cluster)
+    if note:
+        print(f"distnb: {note}")
+
+
+def binding_note(cluster) -> str:
+    """Why the CPU ranks on this host were not bound to cores although binding was asked for (``""``: they were,
+    or it was not): other processes' load under ``--cpu-bind auto``, or more ranks than cores."""
     from .cpuload import AUTO_MAX_FOREIGN
 
-    if spec.cpu_bind == "auto" and spec.device_type == "cpu" and cluster.foreign_cores >= AUTO_MAX_FOREIGN:
-        print(f"distnb: the ranks are not bound to cores: other processes used {cluster.foreign_cores:.1f} of this "
-              "host's cores while the cluster started (%dist start --cpu-bind cores binds them anyway)")
+    spec = cluster.spec
+    here = [r for r in cluster.ranks if r.get("local", True)]
+    if spec.cpu_bind == "none" or spec.device_type != "cpu" or not here or any(r.get("bound") for r in here):
+        return ""
+    if spec.cpu_bind == "auto" and cluster.foreign_cores >= AUTO_MAX_FOREIGN:
+        return (f"the ranks are not bound to cores: other processes used {cluster.foreign_cores:.1f} of this host's "
+                "cores while the cluster started (%dist restart --cpu-bind cores binds them anyway)")
+    if spec.cpu_bind != "cores":  # auto binds what it can without a word
+        return ""
+    from .defaults import cpu_cores
+
+    return (f"the ranks are not bound to cores: this host has {count(len(here), 'rank')} and only "
+            f"{count(cpu_cores(), 'core')} for them ({here[0].get('cores', 'all')}), so each may run on any of them")
 
 
 def failure_policy(auto_restart, on_failure):

@@ -86,9 +86,11 @@ def bind(local_rank: int, among: int | None) -> list | None:
     return mine
 
 
-def describe(cores: list | None) -> str:
-    """``"0-3"``, ``"0,2,4"`` or ``"all"`` (not bound): the ``cores`` column of ``%dist status``."""
-    if not cores:
+def describe(cores: list | None, everywhere: bool = False) -> str:
+    """``"0-3"``, ``"0,2,4"``: the ``cores`` column of ``%dist status``. ``"all"`` for None, and with
+    ``everywhere`` for a set that is every CPU of the machine (a rank not bound, its launcher restricting
+    nothing); an unbound rank confined by its launcher (``taskset``, a cpuset) shows that set."""
+    if not cores or (everywhere and len(cores) >= (os.cpu_count() or 0)):
         return "all"
     runs, start = [], cores[0]
     for prev, cpu in zip(cores, cores[1:] + [None]):

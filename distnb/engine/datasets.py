@@ -35,16 +35,18 @@ that dies and a full ``/dev/shm`` are errors naming the rank, the sample indices
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import random
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate, get_worker_info
 
-from . import runtime, shard as sharding, wire
+from . import binding, runtime, shard as sharding, wire
 
 #: Data sets this rank holds for training, by name (the tensor path's are ``loop.SHARDS``).
 SOURCES: dict = {}
@@ -274,13 +276,16 @@ class Source:
                                                                    plan.drop_last)]
         loader = self._loader_for(plan, device, epoch)
         loader.batch_sampler.keys = keys
-        it = iter(loader)
+        with _workers_share_cores():
+            it = iter(loader)
         for key in keys:
             batch = self._next(it, epoch, key[1])
             yield len(key[1]), (batch if device.type == "cpu" else to_device(batch, device))
 
     def _stream(self, plan, epoch, device):
-        it = iter(self._loader_for(plan, device, epoch))
+        loader = self._loader_for(plan, device, epoch)
+        with _workers_share_cores():
+            it = iter(loader)
         have = torch.ones(1, device=device)
         for step in itertools.count():
             if plan.steps_per_epoch is not None and step >= plan.steps_per_epoch:
@@ -323,14 +328,18 @@ class Source:
         if plan.workers:
             workers.update(persistent_workers=True, prefetch_factor=plan.prefetch_factor or 2,
                            multiprocessing_context="fork")
+        with _workers_share_cores():
+            self._loader = self._new_loader(plan, epoch, batcher, workers)
+        return self._loader
+
+    def _new_loader(self, plan, epoch, batcher, workers):
+        rank = runtime.STATE.rank
         if self.kind == "stream":
             split = _Split(self.dataset, self.name, self.index, self.num_shards, rank, plan.seed, epoch, batcher,
                            plan.batch_size, plan.drop_last, stream=self.stream)
-            self._loader = DataLoader(split, batch_size=None, **workers)
-        else:
-            self._loader = DataLoader(_Indexed(self.dataset, self.name, rank, plan.seed, batcher, stream=self.stream),
-                                      batch_sampler=_Keys(), collate_fn=_identity, **workers)
-        return self._loader
+            return DataLoader(split, batch_size=None, **workers)
+        return DataLoader(_Indexed(self.dataset, self.name, rank, plan.seed, batcher, stream=self.stream),
+                          batch_sampler=_Keys(), collate_fn=_identity, **workers)
 
     def close(self) -> None:
         """End this cell's DataLoader workers (if any); the next cell makes a new loader."""
@@ -340,6 +349,19 @@ class Source:
             it._shutdown_workers()
         if loader is not None:
             loader._iterator = None
+
+
+@contextlib.contextmanager
+def _workers_share_cores():
+    """Around a bound rank's DataLoader: without torch's warning that more workers than cores "might get
+    DataLoader running slow or even freeze". Its workers share the rank's cores by design (engine/binding.py:
+    with 2 workers each on a rank's 1 core, 1.107x torchrun's unbound DataLoader, benchmarks/README.md)."""
+    if binding.CORES is None:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"This DataLoader will create \d+ worker processes in total")
+        yield
 
 
 class _Keys:

@@ -289,7 +289,8 @@ def info(**extra) -> dict:
     out = dict(rank=STATE.rank, pid=os.getpid(), host=STATE.host or socket.gethostname(), device=str(STATE.device),
                local_rank=STATE.local_rank, node_rank=STATE.node_rank,
                backend=STATE.backend, generation=STATE.generation, broken=STATE.broken,
-               num_threads=torch.get_num_threads(), cores=binding.describe(binding.CORES))
+               num_threads=torch.get_num_threads(), bound=binding.CORES is not None,
+               cores=binding.describe(binding.CORES or binding.allowed(), everywhere=binding.CORES is None))
     for hook in INFO_HOOKS:
         try:
             out.update(hook())

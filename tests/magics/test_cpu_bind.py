@@ -69,7 +69,7 @@ def test_auto_leaves_the_ranks_unbound_while_another_process_keeps_the_cores_bus
         s = dist_session.restart(cpu_bind="auto")
         said = capsys.readouterr().out
         assert [r["cores"] for r in s.status()] == ["all", "all"]
-        assert "not bound to cores: other processes used" in said and "--cpu-bind cores" in said
+        assert "not bound to cores: other processes used" in said and "%dist restart --cpu-bind cores" in said
         assert s.cluster.foreign_cores >= 0.25
     finally:
         os.kill(pid, 9)
@@ -88,3 +88,45 @@ def test_a_bad_cpu_bind_is_a_usage_error_naming_the_choices(shell):
     with pytest.raises(PlanError, match="--cpu-bind must be one of auto, cores, none"):
         before.restart(quiet=True, cpu_bind="sockets")
     assert session_mod.current() is before and before.running and before.world_size == 2  # nothing was stopped
+
+
+ROWS = """
+import torch, torch.nn as nn, torch.nn.functional as F
+from torch.utils.data import Dataset
+class Rows(Dataset):
+    def __len__(self):
+        return 128
+    def __getitem__(self, i):
+        return torch.full((4,), float(i)), i % 2
+rows = Rows()
+torch.manual_seed(0)
+rows_net = nn.Linear(4, 2)
+"""
+
+
+def test_a_bound_ranks_workers_share_its_cores_without_torchs_worker_count_warning(shell, dist_session, capfd):
+    s = dist_session.restart(quiet=True, cpu_bind="cores")
+    try:
+        assert shell.run_cell(ROWS).error_in_exec is None
+        capfd.readouterr()
+        res = shell.run_cell("%%distrain --model rows_net --data rows --epochs 2 --batch-size 16 --workers 2 "
+                             "--progress none\nx, y = batch\nloss = F.cross_entropy(model(x), y)")
+        assert res.error_in_exec is None, res.error_in_exec
+        out = capfd.readouterr()
+        assert "worker processes in total" not in out.out + out.err  # the workers' share is the rank's by design
+        shares = [binding.describe(binding.share(CORES, r, 2)) for r in range(2)]
+        assert [r["cores"] for r in s.status()] == shares
+    finally:
+        session_mod.current().restart(quiet=True, cpu_bind="auto")
+
+
+def test_cores_says_so_when_the_ranks_outnumber_the_cores(dist_session, capsys):
+    capsys.readouterr()
+    s = dist_session.restart(n=len(CORES) + 1, cpu_bind="cores")
+    try:
+        said = capsys.readouterr().out
+        assert f"this host has {len(CORES) + 1} ranks and only {len(CORES)} cores for them" in said
+        assert {r["cores"] for r in s.status()} == {"all"}
+    finally:
+        s.restart(n=2, quiet=True, cpu_bind="auto")
+        back_to_two_ranks()
