@@ -321,7 +321,7 @@ class Cluster(Engines):
         self.master_port = spec.master_port or self._free_port()
         local_gpus = None if self.remote or spec.device_type != "cuda" else visible_gpus()
         gpus = placement.rank_gpus(self.placement, self.where, spec.device_type, local_gpus)
-        self.foreign_cores = cpuload.foreign_cores() if spec.cpu_bind == "auto" else 0.0
+        self.foreign_cores = cpuload.foreign_cores() if (spec.cpu_bind, spec.device_type) == ("auto", "cpu") else 0.0
         among = placement.bind_among(self.placement, spec, self.foreign_cores)
         ars = [self.apply(rank, calls.setup, rank, spec.num_engines, p["local_rank"], spec.backend, spec.device_type,
                           gpu, p.get("num_threads", spec.num_threads), self.master_addr, self.master_port, spec.timeout,

@@ -220,21 +220,19 @@ def ddp_allreduce_hook(group, bucket):
 
     The division before the sum is what DDP does without a hook (and torch's ``allreduce_hook``).
     """
-    future_class, world = _HOOK_TYPES or _hook_types()
+    future_class, dist = _HOOK_TYPES or _hook_types()
     mine = future_class([])
     if ARMED.by is not None:  # a failure seen before this bucket was ready: no new collective
         _fail(mine, RuntimeError(_ended_message()))
         return mine
     tensor = bucket.buffer()
-    group = group if group is not None else world()
+    group = group if group is not None else dist.group.WORLD
     tensor.div_(group.size())
     work = group.allreduce([tensor])
     _PENDING.add(mine)
 
     def settle(fut):
-        try:
-            _PENDING.remove(mine)
-        except KeyError:  # already ended by end_pending
+        if not _take(mine):  # already ended by end_pending
             return
         try:
             fut.value()
@@ -251,13 +249,12 @@ _HOOK_TYPES: tuple = ()
 
 
 def _hook_types() -> tuple:
-    """(the future class the hook hands DDP, a function returning the default group), found once."""
+    """(the future class the hook hands DDP, ``torch.distributed``), imported once."""
     global _HOOK_TYPES
     import torch
     import torch.distributed as dist
 
-    _HOOK_TYPES = (getattr(torch._C, "Future", None) or (lambda devices: torch.futures.Future()),
-                   lambda: dist.group.WORLD)
+    _HOOK_TYPES = (getattr(torch._C, "Future", None) or (lambda devices: torch.futures.Future()), dist)
     return _HOOK_TYPES
 
 
@@ -282,8 +279,7 @@ def _ended_message() -> str:
 
 def end_pending() -> int:
     """Fail every future :func:`ddp_allreduce_hook` handed out and not yet settled; how many."""
-    with _LOCK:
-        pending = [f for f in list(_PENDING) if _take(f)]
+    pending = [f for f in list(_PENDING) if _take(f)]
     for fut in pending:
         _fail(fut, RuntimeError(_ended_message()))
     return len(pending)
