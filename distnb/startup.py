@@ -53,7 +53,8 @@ def binding_note(cluster) -> str:
         return ""
     if spec.cpu_bind == "auto" and cluster.foreign_cores >= AUTO_MAX_FOREIGN:
         return (f"the ranks are not bound to cores: other processes used {cluster.foreign_cores:.1f} of this host's "
-                "cores while the cluster started (%dist restart --cpu-bind cores binds them anyway)")
+                "cores while the cluster started (%dist restart --cpu-bind cores, or restart(cpu_bind=\"cores\") in "
+                "Python, binds them anyway)")
     if spec.cpu_bind != "cores":  # auto binds what it can without a word
         return ""
     from .defaults import cpu_cores

@@ -530,9 +530,11 @@ def train_cell(session, code, model, data, run, given):
             rows = run_on_ranks(session, calls.train, plan.to_dict(), code, outbox, what="training", state=state,
                                 view=view, show_ranks=show)
         except Interrupted as exc:  # every rank stopped after the same step: the result of what was trained
-            if getattr(exc, "results", None) is None:
+            if getattr(exc, "results", None) is None:  # stopped where they were: the replicas may be steps apart
                 weights_back(session, plan.model, model_obj, best_effort=True)
-                raise
+                session.holdings.models.pop(plan.model, None)  # so the next cell sends rank 0's weights to all
+                raise Interrupted(f"{exc}; the next cell sends {plan.model} to every rank again from rank 0's weights "
+                                  "(now the notebook's), with a fresh optimizer") from None
             rows, stopped = exc.results, exc
         except (RankError, KeyboardInterrupt) as exc:
             weights_back(session, plan.model, model_obj, best_effort=True)
