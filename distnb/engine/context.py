@@ -67,8 +67,9 @@ def agree_on_steps(steps: int, when: str) -> None:
     The ranks' ``when`` must agree too: the agreements are counted per process group, so a
     rank that left ``ctx.epochs()`` early meets the others' epoch end with its body end.
 
-    Called at each epoch end (and at the end of a ``--loop`` body) before distnb's own
-    collectives (the epoch's mean loss, the stop check, the trained state). A ``--loop`` body
+    Called at each epoch end of a ``--loop`` body or of a stream, and at the end of a ``--loop``
+    body, before distnb's own collectives (the epoch's mean loss, the stop check, the trained
+    state); a step body over data of known length takes the same steps on every rank. A ``--loop`` body
     in which some ranks leave ``ctx.loader`` early (``if ctx.rank == 0 and i == 3: break``)
     would otherwise send the early ranks into those collectives while the others are still
     in a step's DDP all-reduce: gloo, given buffers of different sizes, aborts the engine
@@ -158,6 +159,9 @@ class Context:
         self._loss_count = 0
         self._batch_samples = 0
         self._forwards_seen = run.forwards
+        # a step body over data of known length takes the same steps on every rank (distnb's loop runs them
+        # all); a --loop body, or a stream that may end sooner on some ranks, has its step counts compared
+        self._agree_at_epoch_end = plan.loop or data.epoch_length(plan) is None
         self._stop = stop or StopRequest()
         self._check_at = 1  # step count of the next stop check (the same on every rank)
         self._stop_work = None  # the stop check in flight: (work, flags)
@@ -221,7 +225,8 @@ class Context:
             self._losses, self._loss_count = [], 0
             step0 = self.step
             yield epoch
-            agree_on_steps(self.step - step0, f"at the end of epoch {epoch}")  # before any collective of distnb's
+            if self._agree_at_epoch_end:
+                agree_on_steps(self.step - step0, f"at the end of epoch {epoch}")  # before any collective of distnb's
             mean = self._epoch_mean()
             self.epoch_losses.append(mean)
             self._run.epoch, self._run.epoch_step, self._run.epoch_samples = epoch + 1, 0, 0

@@ -104,6 +104,27 @@ def test_reporter_gives_each_epoch_its_own_rate(monkeypatch):
     assert sent[-1]["epoch_rates"] == [(0, 40.0), (1, 20.0)]  # 80 samples in 2 s, then in 4 s
 
 
+def test_short_epochs_share_messages_and_none_is_lost(monkeypatch):
+    # epochs of 10 ms: each end waits for a step at least EPOCH_GAP after the last message, which carries it
+    import distnb.engine.report as report
+
+    clock = [100.0]
+    monkeypatch.setattr(report.time, "perf_counter", lambda: clock[0])
+    sent = []
+    r = Reporter(rank=0, total_steps=400, epochs=40, interval=0.1, publish=sent.append)
+    r.set_status("running")
+    for epoch in range(40):
+        for _ in range(10):
+            clock[0] += 0.001
+            r.record(0.5, 8)
+        r.end_epoch(epoch, 1.0 / (epoch + 1))
+    r.set_status("done")
+    seen = {e for msg in sent for e, _ in msg["epoch_losses"]}
+    assert seen == set(range(40))  # every epoch's mean reached the kernel
+    assert len(sent) <= 40 * 0.01 / report.EPOCH_GAP + 3  # about one message per EPOCH_GAP, not one per epoch
+    assert sent[-1]["epoch_losses"][-1] == (39, 1.0 / 40) and sent[-1]["status"] == "done"
+
+
 def test_an_epoch_line_waits_for_every_ranks_own_rate_of_that_epoch():
     st = ProgressState(2, total_steps=4, epochs=3)
     out = io.StringIO()
