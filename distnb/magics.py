@@ -88,6 +88,8 @@ def _stop(line):
 def _restart(line):
     """Stop and start again: a fresh process group, empty ranks; options given replace the running cluster's.
 
+    Options not given keep the running cluster's values (the defaults named below are %dist start's).
+
     Example: %dist restart -n 4
     """
 

@@ -37,7 +37,7 @@ import dataclasses
 import os
 import time
 
-from . import calls, data, meshes
+from . import calls, data, meshes, startup
 from .display.tables import count
 from .errors import ClusterError, PlanError, RankError
 
@@ -72,7 +72,8 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
         ``meshes`` (fsdp+tensor model -> its ``--mesh`` on the new world: the tensor-parallel size
         kept, ``DP = N / TP``, :mod:`distnb.meshes`), ``global_batch`` (before, after) or None when
         no model has been trained, ``unconfirmed`` (removed ssh engines whose exit their host did
-        not confirm; normally empty).
+        not confirm; normally empty), ``binding`` (what changed about the ranks' binding to cores,
+        ``--cpu-bind``: ``""`` when nothing did).
 
     Raises
     ------
@@ -96,12 +97,13 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
         if not quiet:
             print(f"distnb: the world already has {count(n, 'rank')}; nothing changed")
         return dict(world_size=(old, n), seconds=0.0, added=[], removed=[], models=[], names=[], defined=[],
-                    unpicklable={}, bytes=0, resharded=[], global_batch=None, meshes={})
+                    unpicklable={}, bytes=0, resharded=[], global_batch=None, meshes={}, binding="")
     batches = _global_batches(session, old, n, keep_global_batch)
     t0 = time.perf_counter()
     held = session.holdings
     mesh_before = _meshes(held)
     saved = _save_sharded(session, n)  # sharded models: a DCP checkpoint of the old world, resharded below
+    was_bound = startup.bound_here(session.cluster)
     try:
         if n > old:
             shared = _grow(session, n)
@@ -121,7 +123,7 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
                defined=shared.get("defined", []), unpicklable=shared.get("unpicklable", {}),
                bytes=shared.get("bytes", 0), resharded=resharded, global_batch=batches and batches[:2],
                meshes={m: v for m, v in _meshes(held).items() if v != mesh_before.get(m)},
-               unconfirmed=shared.get("unconfirmed", []))
+               unconfirmed=shared.get("unconfirmed", []), binding=startup.rebinding_note(session.cluster, was_bound))
     if not quiet:
         _say(session, out, dealt, batches, keep_global_batch)
     return out
@@ -444,6 +446,8 @@ def _say(session, out: dict, dealt: list, batches, keep: bool) -> None:
               "cell")
     if dealt:
         print(f"distnb: {', '.join(dealt)} dealt again into the new world's shards")
+    if out["binding"]:
+        print(f"distnb: {out['binding']}")
     from .plan import STRATEGIES
 
     if out["resharded"]:

@@ -49,7 +49,7 @@ def binding_note(cluster) -> str:
 
     spec = cluster.spec
     here = [r for r in cluster.ranks if r.get("local", True)]
-    if spec.cpu_bind == "none" or spec.device_type != "cpu" or not here or any(r.get("bound") for r in here):
+    if spec.cpu_bind == "none" or spec.device_type != "cpu" or not here or bound_here(cluster):
         return ""
     if spec.cpu_bind == "auto" and cluster.foreign_cores >= AUTO_MAX_FOREIGN:
         return (f"the ranks are not bound to cores: other processes used {cluster.foreign_cores:.1f} of this host's "
@@ -61,6 +61,26 @@ def binding_note(cluster) -> str:
 
     return (f"the ranks are not bound to cores: this host has {count(len(here), 'rank')} and only "
             f"{count(cpu_cores(), 'core')} for them ({here[0].get('cores', 'all')}), so each may run on any of them")
+
+
+def bound_here(cluster) -> bool:
+    """Whether this host's CPU ranks are bound to cores of their own (``--cpu-bind``)."""
+    return any(r.get("bound") for r in cluster.ranks if r.get("local", True))
+
+
+def rebinding_note(cluster, was_bound: bool) -> str:
+    """What a ``%dist scale`` changed about the binding of this host's ranks to cores (``""``: nothing)."""
+    now = bound_here(cluster)
+    if now == was_bound:
+        return ""
+    if now:
+        return "the ranks are bound to cores of their own again, each to its share of this host's cores"
+    from .defaults import cpu_cores
+
+    here = [r for r in cluster.ranks if r.get("local", True)]
+    return (f"the ranks are no longer bound to cores: this host has {count(len(here), 'rank')} now and only "
+            f"{count(cpu_cores(), 'core')} for them, so each may run on any of them (with at most "
+            f"{count(cpu_cores(), 'rank')} here they are bound again)")
 
 
 def failure_policy(auto_restart, on_failure):

@@ -29,7 +29,7 @@ def thread_cpus(pid: int) -> set:
     return out
 
 
-def test_cores_binds_every_thread_of_each_rank_to_its_own_share_and_a_scale_shares_them_out_again(dist_session):
+def test_cores_binds_every_thread_of_each_rank_to_its_own_share_and_a_scale_shares_them_out_again(dist_session, capsys):
     s = dist_session.restart(quiet=True, cpu_bind="cores")
     try:
         assert s.run(ALL_REDUCE) == ["2.0", "2.0"]  # gloo's threads, made at the group's first use, inherit it
@@ -37,12 +37,16 @@ def test_cores_binds_every_thread_of_each_rank_to_its_own_share_and_a_scale_shar
         shares = [binding.share(CORES, r, 2) for r in range(2)]
         assert [r["cores"] for r in table] == [binding.describe(x) for x in shares]
         assert [thread_cpus(r["pid"]) for r in table] == [{binding.describe(x)} for x in shares]
-        s.scale(len(CORES) + 1, quiet=True)  # more ranks than cores: none is bound
+        capsys.readouterr()
+        out = s.scale(len(CORES) + 1)  # more ranks than cores: none is bound, and the scale says so
+        said = capsys.readouterr().out
+        assert f"no longer bound to cores: this host has {len(CORES) + 1} ranks now and only {len(CORES)} cores" in said
+        assert out["binding"] in said and out["binding"]
         table = s.status()
         assert {r["cores"] for r in table} == {"all"}
         assert all(thread_cpus(r["pid"]) == {binding.describe(CORES)} for r in table)
         assert s.run(ALL_REDUCE) == [f"{len(CORES) + 1.0}"] * (len(CORES) + 1)
-        s.scale(2, quiet=True)  # bound again, each to its share
+        assert "bound to cores of their own again" in s.scale(2, quiet=True)["binding"]  # each to its share
         assert [thread_cpus(r["pid"]) for r in s.status()] == [{binding.describe(x)} for x in shares]
     finally:
         s.restart(n=2, quiet=True, cpu_bind="auto")
