@@ -216,6 +216,10 @@ class TrainPlan:
     log_dir: str | None = option(None, "path", "write TensorBoard event files there (loss, lr, grad norm, samples/s "
                                  "per rank, validation); needs the tensorboard package")
     loop: bool = option(False, "flag", "the body is the whole per-rank loop, driven through ctx")
+    unchecked: bool = option(False, "flag", "collectives the body calls itself (dist.all_reduce(...)) skip the "
+                             "cross-rank check of their tensors, a fingerprint exchanged before each call: as fast "
+                             "as torchrun's, but tensors of different shapes abort gloo's engines instead of an "
+                             "error naming each rank's tensor")
     drop_last: bool = option(False, "flag", "drop the uneven tail instead of padding",
                              doc="False (default): pad, so every rank runs ``ceil(ceil(n / world_size) / batch_size)`` "
                                  "steps, a rank with a shorter shard repeating samples of its own shard. True: drop, "

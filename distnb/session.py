@@ -341,8 +341,11 @@ class Session:
         background.end(self)
 
     # running code --------------------------------------------------------
-    def run(self, code: str, all_output: bool = False, targets=None) -> list:
+    def run(self, code: str, all_output: bool = False, targets=None, unchecked: bool = False) -> list:
         """Run ``code`` on every rank, or on ``targets`` only (``rank``, ``world_size``, ``device`` defined).
+
+        ``unchecked``: the cell's own collectives skip the cross-rank check of their tensors
+        (``%%dist --unchecked``; tensors of different shapes then abort gloo's engines).
 
         Output is printed live, tagged ``[rank r]``, for rank 0 (the first target) only unless
         ``all_output``. Returns the repr of each rank's final expression (None for a rank
@@ -367,7 +370,7 @@ class Session:
         ranks = tuple(range(self.world_size)) if targets is None else tuple(sorted({self._rank(r, "--targets") for r in targets}))
         show = ranks if all_output else ranks[:1]
         values = run_on_ranks(self, calls.run_cell, code, None if targets is None else list(ranks),
-                              what="%%dist cell", show_ranks=show)
+                              bool(unchecked), what="%%dist cell", show_ranks=show)
         for rank in show:
             if values[rank] is not None:
                 prefix = f"[rank {rank}] " if self.world_size > 1 else ""

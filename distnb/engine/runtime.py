@@ -401,8 +401,10 @@ def compile_cell(code: str, kind: str):
     return compile(code, cell_filename(code, kind), "exec")
 
 
-def run_cell(ns: dict, code: str, targets=None):
+def run_cell(ns: dict, code: str, targets=None, unchecked=False):
     """Run a ``%%dist`` cell in the engine namespace; return repr of a final expression.
+
+    ``unchecked``: the cell's own collectives skip the cross-rank check (``%%dist --unchecked``).
 
     ``targets``: the ranks that run it (None: all); another rank returns None at once, and
     on the targets a collective of the default group is an error (the others never join it).
@@ -428,7 +430,7 @@ def run_cell(ns: dict, code: str, targets=None):
     watchdog.start()
     before = {k: id(v) for k, v in ns.items()}
     try:
-        with checked(only=targets):  # mismatched tensors in a user collective: an error on every rank, not an abort
+        with checked(only=targets, off=unchecked):  # mismatched tensors in a user collective: an error on every rank, not an abort
             exec(compile(tree, filename, "exec"), ns)
             if last is not None:
                 value = eval(compile(last, filename, "eval"), ns)

@@ -296,6 +296,29 @@ def test_mismatched_collective_in_a_training_body_is_an_error_not_a_hang(shell, 
     assert ok.error_in_exec is None, ok.error_in_exec
 
 
+ACTIVE = "from distnb.engine import collectives as _c\n"  # the checked wrappers stand in torch.distributed's place
+
+
+def test_unchecked_cells_call_torchs_collectives_themselves(shell, trained, capsys):
+    # --unchecked: no fingerprint exchange before the cell's own collectives (each one a collective of its own)
+    code = ("import torch, torch.distributed as dist\n" + ACTIVE +
+            "t = torch.ones(2) * (rank + 1)\ndist.all_reduce(t)\n(len(_c._ORIGINALS), t.tolist())")
+    s = session_mod.current()
+    assert s.run(code) == ["(6, [3.0, 3.0])"] * 2  # checked by default
+    assert s.run(code, unchecked=True) == ["(0, [3.0, 3.0])"] * 2
+    capsys.readouterr()
+    assert run(shell, "%%dist --unchecked --all-output\n" + code).error_in_exec is None
+    assert capsys.readouterr().out.count("(0, [3.0, 3.0])") == 2  # each rank's last value
+    assert "unchecked : bool" in session_mod.Session.train.__doc__
+    run(shell, "torch.manual_seed(0)\nfree_net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))")
+    body = ("import torch.distributed as dist\n" + ACTIVE + "_active = len(_c._ORIGINALS)\n"
+            "t = torch.ones(1)\ndist.all_reduce(t)\n" + BODY)
+    for flag, active in (("", "6"), (" --unchecked", "0")):
+        res = run(shell, f"%%distrain --model free_net --data bad_ds --progress none{flag}\n{body}")
+        assert res.error_in_exec is None, res.error_in_exec
+        assert s.run("_active") == [active] * 2, flag
+
+
 def test_pull_of_a_bad_name_is_a_usage_error(shell, trained):
     from IPython.core.error import UsageError
 
