@@ -72,8 +72,7 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
         ``meshes`` (fsdp+tensor model -> its ``--mesh`` on the new world: the tensor-parallel size
         kept, ``DP = N / TP``, :mod:`distnb.meshes`), ``global_batch`` (before, after) or None when
         no model has been trained, ``unconfirmed`` (removed ssh engines whose exit their host did
-        not confirm; normally empty), ``binding`` (what changed about the ranks' binding to cores,
-        ``--cpu-bind``: ``""`` when nothing did).
+        not confirm; normally empty), ``binding`` (``--cpu-bind``: what changed, ``""``: nothing).
 
     Raises
     ------
@@ -102,8 +101,7 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
     t0 = time.perf_counter()
     held = session.holdings
     mesh_before = _meshes(held)
-    saved = _save_sharded(session, n)  # sharded models: a DCP checkpoint of the old world, resharded below
-    was_bound = startup.bound_here(session.cluster)
+    saved, was_bound = _save_sharded(session, n), startup.bound_here(session.cluster)  # sharded: a DCP checkpoint
     try:
         if n > old:
             shared = _grow(session, n)
