@@ -74,7 +74,7 @@ def rebinding_note(cluster, was_bound: bool) -> str:
     if now == was_bound:
         return ""
     if now:
-        return "the ranks are bound to cores of their own again, each to its share of this host's cores"
+        return "the ranks are bound to cores of their own now, each to its share of this host's cores"
     from .defaults import cpu_cores
 
     here = [r for r in cluster.ranks if r.get("local", True)]

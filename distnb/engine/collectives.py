@@ -142,7 +142,7 @@ def checked(only=None, off=False):
     ``only``: the ranks running the cell when not all of them (``%%dist --targets``); a
     collective called then on a group with other ranks raises at once instead of waiting.
     ``off``: check nothing (``--unchecked``: each check is a collective of its own, about the
-    latency of the call it guards; a loop of small all-reduces took 1.6x as long checked).
+    latency of the call it guards; a loop of small all-reduces took 1.6-1.7x as long checked).
     """
     dist = sys.modules.get("torch.distributed")
     if off or dist is None or _ORIGINALS:  # unchecked, torch not imported yet (nothing to check) or already active

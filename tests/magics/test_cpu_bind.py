@@ -46,7 +46,7 @@ def test_cores_binds_every_thread_of_each_rank_to_its_own_share_and_a_scale_shar
         assert {r["cores"] for r in table} == {"all"}
         assert all(thread_cpus(r["pid"]) == {binding.describe(CORES)} for r in table)
         assert s.run(ALL_REDUCE) == [f"{len(CORES) + 1.0}"] * (len(CORES) + 1)
-        assert "bound to cores of their own again" in s.scale(2, quiet=True)["binding"]  # each to its share
+        assert "bound to cores of their own now" in s.scale(2, quiet=True)["binding"]  # each to its share
         assert [thread_cpus(r["pid"]) for r in s.status()] == [{binding.describe(x)} for x in shares]
     finally:
         s.restart(n=2, quiet=True, cpu_bind="auto")
