@@ -6,13 +6,14 @@ op.nbytes``, SIGABRT), and with the same number of bytes but a different shape o
 returns a silently wrong result. While a ``%%dist`` cell runs, :func:`checked` wraps the
 common collectives of ``torch.distributed`` so that each call made from the cell's own code
 (a frame whose file is a distnb cell, ``<dist-cell-N>``, functions defined in cells included)
-first exchanges a small fingerprint (collective, dtype, shape) over the same group with
-``all_gather_into_tensor``; if the fingerprints differ, every rank raises
+first compares a small fingerprint (collective, dtype, shape) over the same group (an
+all-reduce of its hash, :func:`_checked_call`); if the fingerprints differ, every rank raises
 :class:`~distnb.errors.CollectiveMismatchError` naming each rank's tensor, before the
 collective runs, and the process group stays consistent. This is the check that
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (torch's ``ProcessGroupWrapper``) does for every
 collective of a process, limited here to user code, so libraries (DDP, FSDP, ...) and
-training steps pay nothing for it. Cost: one all-gather of 12 int64 per rank per checked call.
+training steps pay nothing for it. Cost: one all-reduce of 2 int64 per checked call (and an all-gather
+of 12 int64 per rank when the ranks disagree).
 
 Checked: ``all_reduce``, ``broadcast``, ``reduce``, ``all_gather`` (the input tensor),
 ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` (the input tensors).
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import inspect
 import sys
 import warnings
@@ -104,23 +106,34 @@ def _wrap(dist, torch, op, original):
 
 
 def _checked_call(dist, torch, op, original, args, kwargs, tensor, group, world):
-    """The fingerprint exchange, then the collective itself (see the module docstring)."""
-    mine = torch.tensor(_fingerprint(torch, op, tensor), dtype=torch.int64, device=tensor.device)
-    every = torch.empty(world * mine.numel(), dtype=torch.int64, device=tensor.device)
+    """The fingerprint check, then the collective itself (see the module docstring).
+
+    First one all-reduce (max) of ``[h, -h]``, ``h`` a 56-bit hash of this rank's fingerprint: the
+    ranks agree when the largest ``h`` is also the smallest. Only when they do not (every rank sees
+    that alike) are the fingerprints all-gathered, to name each rank's tensor. Two int64 all-reduced
+    took half the time of the twelve all-gathered (245-469 us against 447-834 us on 2 gloo ranks).
+    """
+    fingerprint = _fingerprint(torch, op, tensor)
+    digest = int.from_bytes(hashlib.blake2b(repr(fingerprint).encode(), digest_size=7).digest(), "little")
+    bounds = torch.tensor([digest, -digest], dtype=torch.int64, device=tensor.device)
     with warnings.catch_warnings():  # torch's deprecation notice is about its API, not the user's cell
         warnings.simplefilter("ignore", FutureWarning)
+        _ORIGINALS["all_reduce"](bounds, op=dist.ReduceOp.MAX, group=group)
+        highest, lowest = bounds.tolist()
+        if highest == -lowest:
+            return original(*args, **kwargs)
+        mine = torch.tensor(fingerprint, dtype=torch.int64, device=tensor.device)
+        every = torch.empty(world * mine.numel(), dtype=torch.int64, device=tensor.device)
         _ORIGINALS["all_gather_into_tensor"](every, mine, group=group)
     rows = every.view(world, -1).cpu().tolist()
-    if any(row != rows[0] for row in rows):
-        ranks = (dist.get_process_group_ranks(group) if group is not None else list(range(world)))
-        seen = "; ".join(f"rank {r}: {_describe(torch, row)}" for r, row in zip(ranks, rows))
-        ops = sorted({_OPS[row[0]] for row in rows})  # the same text on every rank: one error, not several
-        what = f"dist.{ops[0]} got different tensors on different ranks" if len(ops) == 1 else \
-            "the ranks called different collectives"
-        raise CollectiveMismatchError(
-            f"{what} ({seen}). Every rank must call the same collective with a tensor of the same shape and "
-            "dtype (gloo would abort the engine or return a wrong result)")
-    return original(*args, **kwargs)
+    ranks = (dist.get_process_group_ranks(group) if group is not None else list(range(world)))
+    seen = "; ".join(f"rank {r}: {_describe(torch, row)}" for r, row in zip(ranks, rows))
+    ops = sorted({_OPS[row[0]] for row in rows})  # the same text on every rank: one error, not several
+    what = f"dist.{ops[0]} got different tensors on different ranks" if len(ops) == 1 else \
+        "the ranks called different collectives"
+    raise CollectiveMismatchError(
+        f"{what} ({seen}). Every rank must call the same collective with a tensor of the same shape and "
+        "dtype (gloo would abort the engine or return a wrong result)")
 
 
 _ORIGINALS: dict = {}
