@@ -361,8 +361,9 @@ class Session:
             is re-formed first, so the next cell works.
         """
         self._check_running()
-        if not isinstance(code, str):
-            raise PlanError(f"code must be a string of Python source, got {type(code).__name__}")
+        if not isinstance(code, str) or not isinstance(unchecked, bool):
+            raise PlanError(f"code must be a string of Python source and unchecked True or False, got "
+                            f"{type(code).__name__} and {unchecked!r}")
         try:
             compile(code, "<%%dist>", "exec")
         except SyntaxError as exc:
@@ -370,7 +371,7 @@ class Session:
         ranks = tuple(range(self.world_size)) if targets is None else tuple(sorted({self._rank(r, "--targets") for r in targets}))
         show = ranks if all_output else ranks[:1]
         values = run_on_ranks(self, calls.run_cell, code, None if targets is None else list(ranks),
-                              bool(unchecked), what="%%dist cell", show_ranks=show)
+                              unchecked, what="%%dist cell", show_ranks=show)
         for rank in show:
             if values[rank] is not None:
                 prefix = f"[rank {rank}] " if self.world_size > 1 else ""

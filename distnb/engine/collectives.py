@@ -98,6 +98,8 @@ def _wrap(dist, torch, op, original):
         CURRENT["call"] = (op, list(tensor.shape))  # what a rank waiting here waits in (distnb.engine.where)
         PROGRESS[0] += 1
         try:
+            if SUBSET.get("unchecked"):  # --unchecked --targets: only the subset is checked
+                return original(*args, **kwargs)
             return _checked_call(dist, torch, op, original, args, kwargs, tensor, group, world)
         finally:
             CURRENT.pop("call", None)
@@ -144,7 +146,7 @@ CURRENT: dict = {}
 #: a rank whose count moved has moved on, even when each look finds it at the same line
 #: (:class:`distnb.engine.where.Watchdog` restarts its "since" then).
 PROGRESS = [0]
-#: ``{"ranks": [...]}`` while a cell runs on some ranks only (``%%dist --targets``).
+#: ``{"ranks": [...]}`` while a cell runs on some ranks only (``%%dist --targets``), and ``"unchecked"``.
 SUBSET: dict = {}
 
 
@@ -154,17 +156,18 @@ def checked(only=None, off=False):
 
     ``only``: the ranks running the cell when not all of them (``%%dist --targets``); a
     collective called then on a group with other ranks raises at once instead of waiting.
-    ``off``: check nothing (``--unchecked``: each check is a collective of its own, about the
-    latency of the call it guards; a loop of small all-reduces took 1.6-1.7x as long checked).
+    ``off``: no fingerprint check (``--unchecked``: each check is a collective of its own, about
+    the latency of the call it guards; a loop of small all-reduces took 1.6-1.7x as long checked);
+    with ``only``, a collective on a group beyond those ranks is still an error.
     """
     dist = sys.modules.get("torch.distributed")
-    if off or dist is None or _ORIGINALS:  # unchecked, torch not imported yet (nothing to check) or already active
+    if (off and only is None) or dist is None or _ORIGINALS:  # nothing to check, or already active
         yield
         return
     import torch
 
     _ORIGINALS.update({op: getattr(dist, op) for op in _OPS})
-    SUBSET["ranks"] = only
+    SUBSET.update(ranks=only, unchecked=off)
     try:
         for op in _OPS:
             setattr(dist, op, _wrapped(dist, torch, op, _ORIGINALS[op]))

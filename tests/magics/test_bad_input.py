@@ -14,7 +14,7 @@ import torch
 from IPython.core.error import UsageError
 
 from distnb import session as session_mod
-from distnb.errors import RankError
+from distnb.errors import PlanError, RankError
 
 SETUP = """
 import threading
@@ -310,6 +310,12 @@ def test_unchecked_cells_call_torchs_collectives_themselves(shell, trained, caps
     assert run(shell, "%%dist --unchecked --all-output\n" + code).error_in_exec is None
     assert capsys.readouterr().out.count("(0, [3.0, 3.0])") == 2  # each rank's last value
     assert "unchecked : bool" in session_mod.Session.train.__doc__
+    with pytest.raises(PlanError, match="unchecked True or False"):
+        s.run(code, unchecked="no")
+    t0 = time.monotonic()
+    with pytest.raises(RankError, match="ranks 1 of its group never call it"):  # --targets still refuses at once
+        s.run("import torch, torch.distributed as dist\ndist.all_reduce(torch.ones(1))", targets=[0], unchecked=True)
+    assert time.monotonic() - t0 < 5
     run(shell, "torch.manual_seed(0)\nfree_net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))")
     body = ("import torch.distributed as dist\n" + ACTIVE + "_active = len(_c._ORIGINALS)\n"
             "t = torch.ones(1)\ndist.all_reduce(t)\n" + BODY)
