@@ -150,8 +150,7 @@ class Reporter:
         self.device = device if device is not None else _engine_device()
         self.busy_time = None  # CPU seconds of the training thread per step (CPU devices only)
         self._win_cpu0 = self._cpu_time()
-        self._gap = self.interval  # seconds after the last message that the next step sends one
-        self._unsent_epochs = 0  # epoch ends since the last message
+        self._unsent_epochs = 0  # epoch ends since the last message (they shorten the gap to EPOCH_GAP)
 
     def _cpu_time(self) -> float:
         """CPU seconds of the training thread so far (``busy_time`` is its growth per step)."""
@@ -169,7 +168,7 @@ class Reporter:
         self._win_steps += 1
         self._last_loss = loss
         now = time.perf_counter()
-        if now - self._t_last >= self._gap:
+        if now - self._t_last >= (min(self.interval, EPOCH_GAP) if self._unsent_epochs else self.interval):
             self._flush(now)
 
     def set_status(self, status: str, **extra) -> None:
@@ -190,9 +189,7 @@ class Reporter:
         self._epoch_start = (now, self.samples)
         self._unsent_epochs += 1
         if now - self._t_last >= EPOCH_GAP or self._unsent_epochs >= TAIL // 2:
-            self._flush(now)
-        else:  # a short epoch: its end goes with the message of a step at most EPOCH_GAP later
-            self._gap = min(self.interval, EPOCH_GAP)
+            self._flush(now)  # else a short epoch: its end goes with the message of a step at most EPOCH_GAP later
 
     def _flush(self, now: float) -> None:
         window = now - self._win_t0
@@ -214,7 +211,7 @@ class Reporter:
                 self.points.append((self.step, loss))
                 del self.points[:-TAIL]
         self._t_last = now
-        self._gap, self._unsent_epochs = self.interval, 0
+        self._unsent_epochs = 0
         self.messages += 1
         msg = dict(rank=self.rank, status=self.status, epoch=self.epoch, epochs=self.epochs,
                    step=self.step, total=self.total, samples=self.samples, loss=loss,
