@@ -122,11 +122,12 @@ def _checked_call(dist, torch, op, original, args, kwargs, tensor, group, world)
         warnings.simplefilter("ignore", FutureWarning)
         _ORIGINALS["all_reduce"](bounds, op=dist.ReduceOp.MAX, group=group)
         highest, lowest = bounds.tolist()
-        if highest == -lowest:
-            return original(*args, **kwargs)
-        mine = torch.tensor(fingerprint, dtype=torch.int64, device=tensor.device)
-        every = torch.empty(world * mine.numel(), dtype=torch.int64, device=tensor.device)
-        _ORIGINALS["all_gather_into_tensor"](every, mine, group=group)
+        if highest != -lowest:
+            mine = torch.tensor(fingerprint, dtype=torch.int64, device=tensor.device)
+            every = torch.empty(world * mine.numel(), dtype=torch.int64, device=tensor.device)
+            _ORIGINALS["all_gather_into_tensor"](every, mine, group=group)
+    if highest == -lowest:
+        return original(*args, **kwargs)  # the user's own call, with the warnings it gives
     rows = every.view(world, -1).cpu().tolist()
     ranks = (dist.get_process_group_ranks(group) if group is not None else list(range(world)))
     seen = "; ".join(f"rank {r}: {_describe(torch, row)}" for r, row in zip(ranks, rows))
