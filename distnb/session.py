@@ -362,8 +362,8 @@ class Session:
         """
         self._check_running()
         if not isinstance(code, str) or not isinstance(unchecked, bool):
-            raise PlanError(f"code must be a string of Python source and unchecked True or False, got "
-                            f"{type(code).__name__} and {unchecked!r}")
+            raise PlanError(f"code must be a string of Python source, got {type(code).__name__}" if not
+                            isinstance(code, str) else f"unchecked must be True or False, got {unchecked!r}")
         try:
             compile(code, "<%%dist>", "exec")
         except SyntaxError as exc:

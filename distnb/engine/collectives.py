@@ -6,14 +6,14 @@ op.nbytes``, SIGABRT), and with the same number of bytes but a different shape o
 returns a silently wrong result. While a ``%%dist`` cell runs, :func:`checked` wraps the
 common collectives of ``torch.distributed`` so that each call made from the cell's own code
 (a frame whose file is a distnb cell, ``<dist-cell-N>``, functions defined in cells included)
-first compares a small fingerprint (collective, dtype, shape) over the same group (an
+first compares a small fingerprint (collective, dtype, shape, root, reduce op) over the same group (an
 all-reduce of its hash, :func:`_checked_call`); if the fingerprints differ, every rank raises
 :class:`~distnb.errors.CollectiveMismatchError` naming each rank's tensor, before the
 collective runs, and the process group stays consistent. This is the check that
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (torch's ``ProcessGroupWrapper``) does for every
 collective of a process, limited here to user code, so libraries (DDP, FSDP, ...) and
 training steps pay nothing for it. Cost: one all-reduce of 2 int64 per checked call (and an all-gather
-of 12 int64 per rank when the ranks disagree).
+of 14 int64 per rank when the ranks disagree).
 
 Checked: ``all_reduce``, ``broadcast``, ``reduce``, ``all_gather`` (the input tensor),
 ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` (the input tensors).
@@ -39,12 +39,26 @@ CELL_FILES = ("<dist-cell-", "<distrain-cell-")
 _DIMS = 8  # shape entries in a fingerprint (a tensor of more dims is compared by its first 8 and numel)
 
 
-def _fingerprint(torch, op: str, tensor) -> list:
+def _fingerprint(torch, op: str, tensor, arguments: dict) -> list:
+    """``[op, dtype, ndim, numel, 8 dims, root, reduce op]``: root is ``src``/``dst`` (-1: none), the
+    reduce op its number (-1: none), so ranks that name different roots or ops disagree too."""
     dtypes = _dtypes(torch)
     shape = list(tensor.shape)
     dims = (shape + [-1] * _DIMS)[:_DIMS]
+    root = arguments.get("src", arguments.get("dst"))
+    reduce_op = arguments.get("op")
     return [_OPS.index(op), dtypes.index(tensor.dtype) if tensor.dtype in dtypes else -1, tensor.dim(),
-            tensor.numel(), *dims]
+            tensor.numel(), *dims, _number(root), _number(reduce_op)]
+
+
+def _number(value) -> int:
+    """An int64 for a root rank or reduce op: -1 for none, -2 for one without a number (a custom op)."""
+    if value is None:
+        return -1
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return -2
 
 
 @functools.lru_cache(maxsize=1)
@@ -53,12 +67,26 @@ def _dtypes(torch):
                                         "int8", "uint8", "bool", "complex64", "complex128")]
 
 
-def _describe(torch, row) -> str:
+def _describe(torch, row, roots: bool = False, reduce_ops: bool = False) -> str:
+    """``all_reduce of float32 [2, 3]``, with the root (``to rank 1``) and reduce op (``(MAX)``) when asked:
+    where the ranks differ in them."""
     op, dtype, ndim, numel = row[:4]
     dtypes = _dtypes(torch)
     name = str(dtypes[dtype]).replace("torch.", "") if 0 <= dtype < len(dtypes) else "other dtype"
     shape = row[4:4 + min(ndim, _DIMS)] + (["..."] if ndim > _DIMS else [])
-    return f"{_OPS[op]} of {name} {list(shape)}"
+    root, reduce_op = row[4 + _DIMS:]
+    where = f" {'from' if _OPS[op] == 'broadcast' else 'to'} rank {root}" if roots and root >= 0 else ""
+    how = f" ({_reduce_name(reduce_op)})" if reduce_ops and reduce_op >= 0 else ""
+    return f"{_OPS[op]} of {name} {list(shape)}{where}{how}"
+
+
+def _reduce_name(number: int) -> str:
+    import torch.distributed as dist
+
+    try:
+        return dist.ReduceOp.RedOpType(number).name
+    except (ValueError, TypeError):
+        return f"op {number}"
 
 
 def _wrapped(dist, torch, op, original):
@@ -83,6 +111,7 @@ def _wrap(dist, torch, op, original):
             bound = signature.bind(*args, **kwargs)
         except TypeError:
             return original(*args, **kwargs)  # its own error message
+        bound.apply_defaults()  # the default reduce op counts as the one named
         tensor = bound.arguments.get(arg)
         group = bound.arguments.get("group")
         if not isinstance(tensor, torch.Tensor) or not dist.is_initialized() or dist.get_rank(group) < 0:
@@ -100,14 +129,14 @@ def _wrap(dist, torch, op, original):
         try:
             if SUBSET.get("unchecked"):  # --unchecked --targets: only the subset is checked
                 return original(*args, **kwargs)
-            return _checked_call(dist, torch, op, original, args, kwargs, tensor, group, world)
+            return _checked_call(dist, torch, op, original, args, kwargs, bound.arguments, group, world)
         finally:
             CURRENT.pop("call", None)
 
     return checked_collective
 
 
-def _checked_call(dist, torch, op, original, args, kwargs, tensor, group, world):
+def _checked_call(dist, torch, op, original, args, kwargs, arguments, group, world):
     """The fingerprint check, then the collective itself (see the module docstring).
 
     First one all-reduce (max) of ``[h, -h]``, ``h`` a 56-bit hash of this rank's fingerprint: the
@@ -115,7 +144,8 @@ def _checked_call(dist, torch, op, original, args, kwargs, tensor, group, world)
     that alike) are the fingerprints all-gathered, to name each rank's tensor. Two int64 all-reduced
     took half the time of the twelve all-gathered (245-469 us against 447-834 us on 2 gloo ranks).
     """
-    fingerprint = _fingerprint(torch, op, tensor)
+    tensor = arguments[CHECKED[op]]
+    fingerprint = _fingerprint(torch, op, tensor, arguments)
     digest = int.from_bytes(hashlib.blake2b(repr(fingerprint).encode(), digest_size=7).digest(), "little")
     bounds = torch.tensor([digest, -digest], dtype=torch.int64, device=tensor.device)
     with warnings.catch_warnings():  # torch's deprecation notice is about its API, not the user's cell
@@ -130,10 +160,13 @@ def _checked_call(dist, torch, op, original, args, kwargs, tensor, group, world)
         return original(*args, **kwargs)  # the user's own call, with the warnings it gives
     rows = every.view(world, -1).cpu().tolist()
     ranks = (dist.get_process_group_ranks(group) if group is not None else list(range(world)))
-    seen = "; ".join(f"rank {r}: {_describe(torch, row)}" for r, row in zip(ranks, rows))
     ops = sorted({_OPS[row[0]] for row in rows})  # the same text on every rank: one error, not several
-    what = f"dist.{ops[0]} got different tensors on different ranks" if len(ops) == 1 else \
-        "the ranks called different collectives"
+    # one collective named with different roots or reduce ops: those are shown (different collectives differ anyway)
+    roots, reduce_ops = (len(ops) == 1 and len({row[i] for row in rows}) > 1 for i in (4 + _DIMS, 5 + _DIMS))
+    seen = "; ".join(f"rank {r}: {_describe(torch, row, roots, reduce_ops)}" for r, row in zip(ranks, rows))
+    tensors = {tuple(row[1:4 + _DIMS]) for row in rows}  # dtype and shape, apart from root and reduce op
+    what = "the ranks called different collectives" if len(ops) > 1 else \
+        f"dist.{ops[0]} got different {'tensors' if len(tensors) > 1 else 'arguments'} on different ranks"
     raise CollectiveMismatchError(
         f"{what} ({seen}). Every rank must call the same collective with a tensor of the same shape and "
         "dtype (gloo would abort the engine or return a wrong result)")

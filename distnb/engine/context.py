@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, runtime, stepping
+from . import checkpoint, collectives, runtime, stepping
 
 
 class _Stopped(BaseException):
@@ -281,6 +281,8 @@ class Context:
                 "the DistributedDataParallel-wrapped model; calling the notebook's model directly (e.g. "
                 "`net(x)`) skips the gradient all-reduce and the ranks diverge. Use `model(x)` in the body")
         self._forwards_seen = self._run.forwards
+        if self.plan.loop:  # the body's step: the rank moved on (distnb.engine.where; the stepper says so otherwise)
+            collectives.PROGRESS[0] += 1
         detached = loss.detach()
         if skipped:
             self.skipped_steps += 1

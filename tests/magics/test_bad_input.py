@@ -263,6 +263,12 @@ MISMATCHES = [
      "the ranks called different collectives (rank 0: all_reduce of float32 [3]; rank 1: broadcast of float32 [3])"),
     ("out = [torch.zeros(2), torch.zeros(2)]\ndist.all_gather(out, torch.ones(2 + rank))",
      "dist.all_gather got different tensors"),
+    ("t = torch.ones(3)\ndist.broadcast(t, src=rank)",  # each rank its own root: gloo's send and recv time out
+     "dist.broadcast got different arguments on different ranks (rank 0: broadcast of float32 [3] from rank 0; "
+     "rank 1: broadcast of float32 [3] from rank 1)"),
+    ("t = torch.ones(3)\ndist.all_reduce(t, op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX)",
+     "dist.all_reduce got different arguments on different ranks (rank 0: all_reduce of float32 [3] (SUM); "
+     "rank 1: all_reduce of float32 [3] (MAX))"),  # silently wrong before: [3, 3, 2]
 ]
 
 
@@ -310,7 +316,7 @@ def test_unchecked_cells_call_torchs_collectives_themselves(shell, trained, caps
     assert run(shell, "%%dist --unchecked --all-output\n" + code).error_in_exec is None
     assert capsys.readouterr().out.count("(0, [3.0, 3.0])") == 2  # each rank's last value
     assert "unchecked : bool" in session_mod.Session.train.__doc__
-    with pytest.raises(PlanError, match="unchecked True or False"):
+    with pytest.raises(PlanError, match="unchecked must be True or False"):
         s.run(code, unchecked="no")
     t0 = time.monotonic()
     with pytest.raises(RankError, match="ranks 1 of its group never call it"):  # --targets still refuses at once

@@ -211,3 +211,18 @@ def test_step_counts_are_compared_only_where_they_can_differ(shell):
     assert counts() == before and len(before) == 1
     assert run(shell, loop_cell + loop).error_in_exec is None
     assert counts() == {next(iter(before)) + 4}  # three epoch ends and the body's end
+
+
+def test_a_loop_body_whose_ranks_differ_in_speed_trains_on_without_a_hang_error(shell):
+    # rank 1 waits in each step's all-reduce for the slower rank 0, at the same line for longer than --hang-after
+    # in all; each reported step is progress, so the wait at that line starts again (it read as a hang after 3 s)
+    run(shell, SETUP)
+    slower = "if ctx.rank == 0:\n            time.sleep(0.02)"
+    body = BREAK_LOOP.replace("if ctx.rank == 0 and i == 3:\n            break", slower)
+    with hang_after(HANG):
+        t0 = time.monotonic()
+        res = run(shell, "%%distrain --model hang_net --data hang_train --loop --epochs 60 --batch-size 16 "
+                         "--progress none\n" + body)
+        took = time.monotonic() - t0
+    assert res.error_in_exec is None, res.error_in_exec
+    assert took > HANG, took  # long enough that a wait counted from the cell's start would have been called a hang
