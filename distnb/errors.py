@@ -59,6 +59,12 @@ def rank_list(ranks) -> str:
     return ",".join(runs)
 
 
+def ranks_named(ranks) -> str:
+    """``[3]`` as ``"rank 3"``, ``[0, 1, 2, 5]`` as ``"ranks 0-2,5"``: one rank or several, named in a message."""
+    ranks = sorted(set(ranks))
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_list(ranks)}"
+
+
 def _key(failure):
     """A failure's identity across ranks: its exception with rank numbers taken out."""
     text = re.sub(r"\brank \d+", "rank ?", str(failure.get("evalue")))

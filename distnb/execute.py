@@ -20,7 +20,7 @@ import sys
 import time
 
 from . import calls, hangs
-from .errors import ClusterError, Interrupted, RankError
+from .errors import ClusterError, Interrupted, PlanError, RankError
 from .output import LineFolder
 
 #: Seconds between checks that the ranks' engine processes are alive while a cell runs.
@@ -37,6 +37,38 @@ OUTPUT_WAIT = 2.0
 STOP_WAIT = 3.0
 #: Seconds to wait for ranks to stop after the second (hard) SIGINT.
 INTERRUPT_WAIT = 10.0
+
+
+def targets_of(targets, world_size: int):
+    """``targets=`` of ``Session.run`` (``%%dist --targets``) as a sorted tuple of ranks, or None (every rank).
+
+    Takes one rank (``int``) or a sequence of them (``(0, 2)``; ``"0,2"`` as the magic spells it).
+
+    Raises
+    ------
+    PlanError
+        Naming the value: no rank in it, a rank that is not an int, or one outside ``0..world_size-1``.
+    """
+    if targets is None:
+        return None
+    given = targets
+    if isinstance(targets, str):
+        targets = [t.strip() for t in targets.split(",")]
+        if not all(t.lstrip("-").isdigit() for t in targets):
+            raise PlanError(f"targets= takes ranks (an int, or ints such as targets=(0, 2)), got {given!r}")
+        targets = [int(t) for t in targets]
+    elif isinstance(targets, int) and not isinstance(targets, bool):
+        targets = [targets]
+    try:
+        ranks = list(targets)
+    except TypeError:
+        raise PlanError(f"targets= takes ranks (an int, or ints such as targets=(0, 2)), got {given!r}") from None
+    wrong = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size]
+    if wrong or not ranks:
+        why = "names no rank" if not ranks else f"has {wrong[0]!r}"
+        raise PlanError(f"targets= {why}: it takes ranks between 0 and {world_size - 1} (e.g. targets=(0, 2), "
+                        f"%%dist --targets 0,2), got {given!r}")
+    return tuple(sorted(set(ranks)))
 
 
 def run_on_ranks(session, fn, *args, what: str, state=None, view=None, show_ranks=(0,)) -> list:

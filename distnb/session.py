@@ -35,7 +35,7 @@ from .data import reassemble, scatter as scatter_shards
 from .defaults import default_spec, user_ns
 from .display.tables import count
 from .errors import ClusterError, PlanError
-from .execute import run_on_ranks
+from .execute import run_on_ranks, targets_of
 from .export import session_export
 from .plan import BOUND_PREFIX, ClusterSpec, RunOptions, TrainPlan
 from .startup import differences as _differences, failure_policy, say_policy, say_ready as _say_ready
@@ -355,7 +355,7 @@ class Session:
         Raises
         ------
         PlanError
-            ``targets`` names a rank that does not exist.
+            ``targets`` names no rank, or a rank that does not exist.
         RankError
             Naming the failing rank(s) with their remote tracebacks; the process group
             is re-formed first, so the next cell works.
@@ -368,7 +368,8 @@ class Session:
             compile(code, "<%%dist>", "exec")
         except SyntaxError as exc:
             raise PlanError(f"the cell is not valid Python: {exc}") from None
-        ranks = tuple(range(self.world_size)) if targets is None else tuple(sorted({self._rank(r, "--targets") for r in targets}))
+        targets = targets_of(targets, self.world_size)
+        ranks = tuple(range(self.world_size)) if targets is None else targets
         show = ranks if all_output else ranks[:1]
         values = run_on_ranks(self, calls.run_cell, code, None if targets is None else list(ranks),
                               unchecked, what="%%dist cell", show_ranks=show)

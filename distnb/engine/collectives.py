@@ -16,7 +16,9 @@ training steps pay nothing for it. Cost: one all-reduce of 2 int64 per checked c
 of 14 int64 per rank when the ranks disagree).
 
 Checked: ``all_reduce``, ``broadcast``, ``reduce``, ``all_gather`` (the input tensor),
-``all_gather_into_tensor`` and ``reduce_scatter_tensor`` (the input tensors).
+``all_gather_into_tensor`` and ``reduce_scatter_tensor`` (the input tensors), and ``barrier``
+(no tensor: a rank in a barrier while another is in a collective is a mismatch too, and in a
+cell run on some ranks only it raises at once instead of waiting for the others).
 """
 
 from __future__ import annotations
@@ -28,11 +30,11 @@ import inspect
 import sys
 import warnings
 
-from ..errors import CollectiveMismatchError
+from ..errors import CollectiveMismatchError, ranks_named
 
 #: Collective -> name of the argument holding the tensor that must match across ranks.
 CHECKED = {"all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor", "all_gather": "tensor",
-           "all_gather_into_tensor": "input_tensor", "reduce_scatter_tensor": "input"}
+           "all_gather_into_tensor": "input_tensor", "reduce_scatter_tensor": "input", "barrier": None}
 _OPS = tuple(CHECKED)
 #: Code of these files is checked: distnb's cells (see distnb.engine.runtime.cell_filename).
 CELL_FILES = ("<dist-cell-", "<distrain-cell-")
@@ -42,11 +44,12 @@ _DIMS = 8  # shape entries in a fingerprint (a tensor of more dims is compared b
 def _fingerprint(torch, op: str, tensor, arguments: dict) -> list:
     """``[op, dtype, ndim, numel, 8 dims, root, reduce op]``: root is ``src``/``dst`` (-1: none), the
     reduce op its number (-1: none), so ranks that name different roots or ops disagree too."""
-    dtypes = _dtypes(torch)
-    shape = list(tensor.shape)
-    dims = (shape + [-1] * _DIMS)[:_DIMS]
     root = arguments.get("src", arguments.get("dst"))
     reduce_op = arguments.get("op")
+    if CHECKED[op] is None:  # barrier: the collective alone
+        return [_OPS.index(op), -1, 0, 0, *[-1] * _DIMS, _number(root), _number(reduce_op)]
+    dtypes = _dtypes(torch)
+    dims = (list(tensor.shape) + [-1] * _DIMS)[:_DIMS]
     return [_OPS.index(op), dtypes.index(tensor.dtype) if tensor.dtype in dtypes else -1, tensor.dim(),
             tensor.numel(), *dims, _number(root), _number(reduce_op)]
 
@@ -71,6 +74,8 @@ def _describe(torch, row, roots: bool = False, reduce_ops: bool = False) -> str:
     """``all_reduce of float32 [2, 3]``, with the root (``to rank 1``) and reduce op (``(MAX)``) when asked:
     where the ranks differ in them."""
     op, dtype, ndim, numel = row[:4]
+    if CHECKED[_OPS[op]] is None:
+        return _OPS[op]
     dtypes = _dtypes(torch)
     name = str(dtypes[dtype]).replace("torch.", "") if 0 <= dtype < len(dtypes) else "other dtype"
     shape = row[4:4 + min(ndim, _DIMS)] + (["..."] if ndim > _DIMS else [])
@@ -102,6 +107,7 @@ def _wrapped(dist, torch, op, original):
 def _wrap(dist, torch, op, original):
     signature = inspect.signature(original)
     arg = CHECKED[op]
+    placeholder = arg is None  # barrier: no tensor to compare, the check's own goes on the group's device
 
     @functools.wraps(original)
     def checked_collective(*args, **kwargs):
@@ -112,31 +118,41 @@ def _wrap(dist, torch, op, original):
         except TypeError:
             return original(*args, **kwargs)  # its own error message
         bound.apply_defaults()  # the default reduce op counts as the one named
-        tensor = bound.arguments.get(arg)
         group = bound.arguments.get("group")
-        if not isinstance(tensor, torch.Tensor) or not dist.is_initialized() or dist.get_rank(group) < 0:
+        if not dist.is_initialized() or dist.get_rank(group) < 0:
+            return original(*args, **kwargs)
+        tensor = _group_tensor(dist, torch, group) if placeholder else bound.arguments.get(arg)
+        if not isinstance(tensor, torch.Tensor):
             return original(*args, **kwargs)
         world = dist.get_world_size(group)
         only = SUBSET.get("ranks")
         members = dist.get_process_group_ranks(group) if group is not None else range(world)
         if only is not None and not set(members) <= set(only):
             raise CollectiveMismatchError(
-                f"dist.{op} in a cell run on ranks {', '.join(map(str, only))} only: ranks "
-                f"{', '.join(str(r) for r in members if r not in only)} of its group never call it, so it would hang. "
+                f"dist.{op} in a cell run on {ranks_named(only)} only: "
+                f"{ranks_named(r for r in members if r not in only)} of its group never call it, so it would hang. "
                 "Run the cell on every rank (leave out --targets)")
-        CURRENT["call"] = (op, list(tensor.shape))  # what a rank waiting here waits in (distnb.engine.where)
+        CURRENT["call"] = (op, None if placeholder else list(tensor.shape))  # what a rank waiting here waits in (distnb.engine.where)
         PROGRESS[0] += 1
         try:
             if SUBSET.get("unchecked"):  # --unchecked --targets: only the subset is checked
                 return original(*args, **kwargs)
-            return _checked_call(dist, torch, op, original, args, kwargs, bound.arguments, group, world)
+            arguments = dict(bound.arguments, **({} if arg is None else {arg: tensor}))
+            return _checked_call(dist, torch, op, original, args, kwargs, arguments, group, world, tensor)
         finally:
             CURRENT.pop("call", None)
 
     return checked_collective
 
 
-def _checked_call(dist, torch, op, original, args, kwargs, arguments, group, world):
+def _group_tensor(dist, torch, group):
+    """An empty tensor on the device ``group``'s backend works on (a CUDA device for nccl), for a barrier's check."""
+    if dist.get_backend(group) == "nccl":
+        return torch.empty(0, device=torch.device("cuda", torch.cuda.current_device()))
+    return torch.empty(0)
+
+
+def _checked_call(dist, torch, op, original, args, kwargs, arguments, group, world, tensor):
     """The fingerprint check, then the collective itself (see the module docstring).
 
     First one all-reduce (max) of ``[h, -h]``, ``h`` a 56-bit hash of this rank's fingerprint: the
@@ -144,7 +160,6 @@ def _checked_call(dist, torch, op, original, args, kwargs, arguments, group, wor
     that alike) are the fingerprints all-gathered, to name each rank's tensor. Two int64 all-reduced
     took half the time of the twelve all-gathered (245-469 us against 447-834 us on 2 gloo ranks).
     """
-    tensor = arguments[CHECKED[op]]
     fingerprint = _fingerprint(torch, op, tensor, arguments)
     digest = int.from_bytes(hashlib.blake2b(repr(fingerprint).encode(), digest_size=7).digest(), "little")
     bounds = torch.tensor([digest, -digest], dtype=torch.int64, device=tensor.device)

@@ -269,6 +269,8 @@ MISMATCHES = [
     ("t = torch.ones(3)\ndist.all_reduce(t, op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX)",
      "dist.all_reduce got different arguments on different ranks (rank 0: all_reduce of float32 [3] (SUM); "
      "rank 1: all_reduce of float32 [3] (MAX))"),  # silently wrong before: [3, 3, 2]
+    ("t = torch.ones(3)\nif rank == 0:\n    dist.barrier()\nelse:\n    dist.all_reduce(t)",
+     "the ranks called different collectives (rank 0: barrier; rank 1: all_reduce of float32 [3])"),
 ]
 
 
@@ -310,7 +312,7 @@ def test_unchecked_cells_call_torchs_collectives_themselves(shell, trained, caps
     code = ("import torch, torch.distributed as dist\n" + ACTIVE +
             "t = torch.ones(2) * (rank + 1)\ndist.all_reduce(t)\n(len(_c._ORIGINALS), t.tolist())")
     s = session_mod.current()
-    assert s.run(code) == ["(6, [3.0, 3.0])"] * 2  # checked by default
+    assert s.run(code) == ["(7, [3.0, 3.0])"] * 2  # checked by default
     assert s.run(code, unchecked=True) == ["(0, [3.0, 3.0])"] * 2
     capsys.readouterr()
     assert run(shell, "%%dist --unchecked --all-output\n" + code).error_in_exec is None
@@ -319,13 +321,16 @@ def test_unchecked_cells_call_torchs_collectives_themselves(shell, trained, caps
     with pytest.raises(PlanError, match="unchecked must be True or False"):
         s.run(code, unchecked="no")
     t0 = time.monotonic()
-    with pytest.raises(RankError, match="ranks 1 of its group never call it"):  # --targets still refuses at once
+    with pytest.raises(RankError, match="rank 1 of its group never call it"):  # --targets still refuses at once
         s.run("import torch, torch.distributed as dist\ndist.all_reduce(torch.ones(1))", targets=[0], unchecked=True)
     assert time.monotonic() - t0 < 5
+    with pytest.raises(RankError, match="dist.barrier in a cell run on rank 1 only: rank 0 of its group never"):
+        s.run("import torch.distributed as dist\ndist.barrier()", targets=1)  # was a HangError after --hang-after
+    assert time.monotonic() - t0 < 10
     run(shell, "torch.manual_seed(0)\nfree_net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))")
     body = ("import torch.distributed as dist\n" + ACTIVE + "_active = len(_c._ORIGINALS)\n"
             "t = torch.ones(1)\ndist.all_reduce(t)\n" + BODY)
-    for flag, active in (("", "6"), (" --unchecked", "0")):
+    for flag, active in (("", "7"), (" --unchecked", "0")):
         res = run(shell, f"%%distrain --model free_net --data bad_ds --progress none{flag}\n{body}")
         assert res.error_in_exec is None, res.error_in_exec
         assert s.run("_active") == [active] * 2, flag

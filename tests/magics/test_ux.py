@@ -1,9 +1,12 @@
 """Small things a notebook user meets: cells on some ranks, a second %dist start, %unload_ext (real cluster)."""
 
+import re
+
+import pytest
 from IPython.core.error import UsageError
 
 from distnb import session as session_mod
-from distnb.errors import RankError
+from distnb.errors import PlanError, RankError
 
 
 def run(shell, code):
@@ -19,8 +22,14 @@ def test_a_cell_on_some_ranks_runs_there_only_and_a_collective_in_it_is_an_error
     err = run(shell, "%%dist --ranks 0\nimport torch, torch.distributed as dist\ndist.all_reduce(torch.ones(2))"
               ).error_in_exec
     assert isinstance(err, RankError) and err.ranks == [0]
-    assert "dist.all_reduce in a cell run on ranks 0 only: ranks 1 of its group never call it" in str(err)
+    assert "dist.all_reduce in a cell run on rank 0 only: rank 1 of its group never call it" in str(err)
     assert isinstance(run(shell, "%%dist --targets 5\npass").error_in_exec, UsageError)
+    s = session_mod.current()
+    assert s.run("rank", targets=1) == [None, "1"] and s.run("rank", targets="0,1") == ["0", "1"]
+    for bad, says in (((), "targets= names no rank"), ("0,x", "got '0,x'"), ([0, 5], "has 5"),
+                      (1.0, "got 1.0"), ([True], "has True")):
+        with pytest.raises(PlanError, match=re.escape(says)):
+            s.run("rank", targets=bad)
     res = run(shell, "%%dist\nimport torch, torch.distributed as dist\n_t = torch.ones(1)\ndist.all_reduce(_t)")
     assert res.error_in_exec is None  # the group is fine afterwards
 
