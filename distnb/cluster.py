@@ -570,7 +570,7 @@ class Cluster(Engines):
             ar.wait(max(0.0, deadline - time.monotonic()))
         if not all(ar.ready() for ar in ars):
             late = [r for r, ar in enumerate(ars) if not ar.ready()]
-            raise ClusterError(f"ranks {tracebacks.rank_list(late)} did not finish {what} within {timeout:.0f} s")
+            raise ClusterError(f"{tracebacks.ranks_named(late)} did not finish {what} within {timeout:.0f} s")
         failures = self.failures(ars)
         if failures:
             raise RankError(failures, context=what)

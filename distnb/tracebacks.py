@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import re
 
-from .errors import rank_list  # noqa: F401  (cluster.py names late ranks with it)
+from .errors import ranks_named  # noqa: F401  (cluster.py names late ranks with it)
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _OWN_FRAMES = (os.sep + "ipyparallel" + os.sep, os.path.dirname(os.path.abspath(__file__)) + os.sep, "File <string>")
