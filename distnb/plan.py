@@ -451,7 +451,8 @@ class ClusterSpec:
                                       "not reached before the cell ends, naming both (default 10, or half of a "
                                       "--timeout under 20; at most --timeout)")
     master_port: int | None = option(None, "int", "TCP port of the torch.distributed store (default: a free port); "
-                                     "a taken port is an error naming it", minimum=1)
+                                     "a taken port is an error naming it; 0 is a free port too (restart "
+                                     "--master-port 0 unpins one given before)", minimum=0)
     auto_restart: bool = option(False, "flag", "when an engine dies during a cell, start a fresh world of the same "
                                 "size at once (default off; on a running cluster this only switches the setting)",
                                 given=None)
@@ -485,7 +486,9 @@ class ClusterSpec:
         options.check_fields(self)
         _check_placement(self)
         if self.master_port is not None and self.master_port > 65535:
-            raise PlanError(f"--master-port must be a TCP port (1-65535), got {self.master_port}")
+            raise PlanError(f"--master-port must be a TCP port (1-65535, or 0: a free one), got {self.master_port}")
+        if self.master_port == 0:  # as for bind(): any free port, chosen at start
+            object.__setattr__(self, "master_port", None)
         if self.backend == "nccl" and self.device_type != "cuda":
             raise PlanError("--backend nccl needs GPU engines; this machine has none (use --backend gloo)")
         if not 1 <= self.timeout <= MAX_TIMEOUT:

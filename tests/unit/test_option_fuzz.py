@@ -266,3 +266,14 @@ def test_train_plan_is_valid_or_a_plan_error(fields):
         assert str(exc)
         return
     assert TrainPlan.from_dict(plan.to_dict()) == plan  # what travels to the ranks is the same plan
+
+
+def test_master_port_0_is_a_free_port_and_unpins_one_given_before():
+    # %dist restart keeps the running options not given: --master-port 0 is how a pinned port is let go
+    from distnb.defaults import default_spec
+
+    pinned = default_spec(n=2, master_port=29_511)
+    assert pinned.master_port == 29_511
+    kept = dict(n=2, master_port=pinned.master_port)
+    assert default_spec(**dict(kept, master_port=0)).master_port is None  # as Session.restart merges them
+    assert ClusterSpec(num_engines=2, master_port=0).master_port is None
