@@ -111,8 +111,8 @@ def _wrap(dist, torch, op, original):
 
     @functools.wraps(original)
     def checked_collective(*args, **kwargs):
-        if not sys._getframe(1).f_code.co_filename.startswith(CELL_FILES):  # a library's own call
-            return original(*args, **kwargs)
+        if SUBSET.get("off", True) or not sys._getframe(1).f_code.co_filename.startswith(CELL_FILES):
+            return original(*args, **kwargs)  # no check now (an alias called after or between cells, --unchecked), or a library's call
         try:
             bound = signature.bind(*args, **kwargs)
         except TypeError:
@@ -135,7 +135,7 @@ def _wrap(dist, torch, op, original):
         CURRENT["call"] = (op, None if placeholder else list(tensor.shape))  # what a rank waiting here waits in (distnb.engine.where)
         PROGRESS[0] += 1
         try:
-            if SUBSET.get("unchecked"):  # --unchecked --targets: only the subset is checked
+            if SUBSET["unchecked"]:  # --unchecked --targets: only the subset is checked
                 return original(*args, **kwargs)
             arguments = dict(bound.arguments, **({} if arg is None else {arg: tensor}))
             return _checked_call(dist, torch, op, original, args, kwargs, arguments, group, world, tensor)
@@ -195,7 +195,8 @@ CURRENT: dict = {}
 #: a rank whose count moved has moved on, even when each look finds it at the same line
 #: (:class:`distnb.engine.where.Watchdog` restarts its "since" then).
 PROGRESS = [0]
-#: ``{"ranks": [...]}`` while a cell runs on some ranks only (``%%dist --targets``), and ``"unchecked"``.
+#: While a cell runs: ``"ranks"``, those it runs on when not all (``%%dist --targets``), ``"unchecked"``
+#: (``--unchecked``), and ``"off"``: nothing to check (``--unchecked`` on every rank); empty between cells.
 SUBSET: dict = {}
 
 
@@ -207,16 +208,18 @@ def checked(only=None, off=False):
     collective called then on a group with other ranks raises at once instead of waiting.
     ``off``: no fingerprint check (``--unchecked``: each check is a collective of its own, about
     the latency of the call it guards; a loop of small all-reduces took 1.6-1.7x as long checked);
-    with ``only``, a collective on a group beyond those ranks is still an error.
+    with ``only``, a collective on a group beyond those ranks is still an error. The checked
+    versions stand in ``torch.distributed`` then too, passing each call straight on, so that a name
+    the cell binds to one (``ar = dist.all_reduce``) is checked when a later cell calls it.
     """
     dist = sys.modules.get("torch.distributed")
-    if (off and only is None) or dist is None or _ORIGINALS:  # nothing to check, or already active
+    if dist is None or _ORIGINALS:  # nothing to check, or already active
         yield
         return
     import torch
 
     _ORIGINALS.update({op: getattr(dist, op) for op in _OPS})
-    SUBSET.update(ranks=only, unchecked=off)
+    SUBSET.update(ranks=only, unchecked=off, off=off and only is None)
     try:
         for op in _OPS:
             setattr(dist, op, _wrapped(dist, torch, op, _ORIGINALS[op]))

@@ -7,6 +7,7 @@ in the kernel). The same magics are fuzzed with hypothesis, without a cluster, i
 tests/unit/test_option_fuzz.py; tests/magics/test_magics.py has the first bad-option cases.
 """
 
+import re
 import time
 
 import pytest
@@ -70,7 +71,7 @@ DIST_LINES = [
     ("%dist start --timeout -1", "--timeout must be positive"),
     ("%dist start --timeout 0.001", "--timeout must be between 1 and"),
     ("%dist start --timeout nan", "--timeout must be a finite number"),
-    ("%dist start --master-port 0", "--master-port must be at least 1"),
+    ("%dist start --master-port -1", "--master-port must be at least 0"),
     ("%dist start --master-port 70000", "--master-port must be a TCP port"),
     ("%dist start --master-port http", "--master-port: invalid int value"),
     ("%dist start --backend nccl", "needs GPU engines"),
@@ -304,19 +305,18 @@ def test_mismatched_collective_in_a_training_body_is_an_error_not_a_hang(shell, 
     assert ok.error_in_exec is None, ok.error_in_exec
 
 
-ACTIVE = "from distnb.engine import collectives as _c\n"  # the checked wrappers stand in torch.distributed's place
-
-
 def test_unchecked_cells_call_torchs_collectives_themselves(shell, trained, capsys):
-    # --unchecked: no fingerprint exchange before the cell's own collectives (each one a collective of its own)
-    code = ("import torch, torch.distributed as dist\n" + ACTIVE +
-            "t = torch.ones(2) * (rank + 1)\ndist.all_reduce(t)\n(len(_c._ORIGINALS), t.tolist())")
+    # --unchecked: no fingerprint exchange before the cell's own collectives (each one a collective of its own);
+    # tensors of the same bytes and different shapes pass unchecked, as under torchrun
+    code = ("import torch, torch.distributed as dist\nt = torch.ones((2, 3) if rank == 0 else (3, 2)) * (rank + 1)\n"
+            "dist.all_reduce(t)\nt.sum().item()")
     s = session_mod.current()
-    assert s.run(code) == ["(7, [3.0, 3.0])"] * 2  # checked by default
-    assert s.run(code, unchecked=True) == ["(0, [3.0, 3.0])"] * 2
+    with pytest.raises(RankError, match="rank 0: all_reduce of float32 \\[2, 3\\]; rank 1"):
+        s.run(code)  # checked by default
+    assert s.run(code, unchecked=True) == ["18.0"] * 2
     capsys.readouterr()
     assert run(shell, "%%dist --unchecked --all-output\n" + code).error_in_exec is None
-    assert capsys.readouterr().out.count("(0, [3.0, 3.0])") == 2  # each rank's last value
+    assert capsys.readouterr().out.count("18.0") == 2  # each rank's last value
     assert "unchecked : bool" in session_mod.Session.train.__doc__
     with pytest.raises(PlanError, match="unchecked must be True or False"):
         s.run(code, unchecked="no")
@@ -328,12 +328,24 @@ def test_unchecked_cells_call_torchs_collectives_themselves(shell, trained, caps
         s.run("import torch.distributed as dist\ndist.barrier()", targets=1)  # was a HangError after --hang-after
     assert time.monotonic() - t0 < 10
     run(shell, "torch.manual_seed(0)\nfree_net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))")
-    body = ("import torch.distributed as dist\n" + ACTIVE + "_active = len(_c._ORIGINALS)\n"
-            "t = torch.ones(1)\ndist.all_reduce(t)\n" + BODY)
-    for flag, active in (("", "7"), (" --unchecked", "0")):
-        res = run(shell, f"%%distrain --model free_net --data bad_ds --progress none{flag}\n{body}")
-        assert res.error_in_exec is None, res.error_in_exec
-        assert s.run("_active") == [active] * 2, flag
+    body = "import torch.distributed as dist\n" + code.split("\n", 1)[1].replace("rank", "ctx.rank") + "\n" + BODY
+    res = run(shell, f"%%distrain --model free_net --data bad_ds --progress none\n{body}")
+    assert isinstance(res.error_in_exec, RankError) and "all_reduce of float32 [2, 3]" in str(res.error_in_exec)
+    res = run(shell, f"%%distrain --model free_net --data bad_ds --progress none --unchecked\n{body}")
+    assert res.error_in_exec is None, res.error_in_exec
+
+
+def test_a_name_bound_to_a_collective_is_checked_in_checked_cells_only(shell, trained):
+    s = session_mod.current()
+    s.run("import torch, torch.distributed as dist\nar_unchecked = dist.all_reduce", unchecked=True)
+    s.run("from torch.distributed import all_reduce as ar_checked")
+    mismatch = "t = torch.ones(2 + rank)\n{}(t)"
+    for name in ("ar_unchecked", "ar_checked"):  # ar_unchecked was torch's own: a HangError after --hang-after
+        with pytest.raises(RankError, match=re.escape("rank 0: all_reduce of float32 [2]; rank 1: all_reduce")):
+            s.run(mismatch.format(name))
+    # called in an --unchecked cell, the checked one passes the call on (it raised KeyError: 'all_reduce')
+    assert s.run("t = torch.ones(2)\nar_checked(t)\nt.tolist()", unchecked=True) == ["[2.0, 2.0]"] * 2
+    assert s.run("def f():\n    t = torch.ones(1)\n    ar_checked(t)\n    return t.item()\nf()") == ["2.0"] * 2
 
 
 def test_pull_of_a_bad_name_is_a_usage_error(shell, trained):
