@@ -544,7 +544,7 @@ def train_cell(session, code, model, data, run, given):
                 session.holdings.remember(plan, model_obj)
             exc.plan = plan  # what --on-failure shrink goes on with (distnb.shrinking)
             raise
-        result = finish(session, plan, model_obj, rows, time.perf_counter() - t0, num_shards, run.quiet, stopped)
+        result = finish(session, plan, model_obj, rows, time.perf_counter() - t0, num_shards, run, stopped, given)
     session.last_result = result
     export.remember(cell, result, model_obj)
     return result
@@ -573,23 +573,23 @@ def dtype_hint(exc, plan, model_obj, data_obj) -> str:
             f"convert the data once in the notebook ({fix}), or the batch in the step (x = x.float())")
 
 
-def finish(session, plan, model_obj, rows, wall_seconds, num_shards, quiet, stopped=None):
-    """The end of a training cell: weights back, the notes, the TrainResult (``stopped``: the Interrupted).
+def finish(session, plan, model_obj, rows, wall_seconds, num_shards, run, stopped=None, given=()):
+    """A cell's end: weights back, the notes (``given``: its options), the TrainResult (``stopped``: the Interrupted).
 
     A run stopped by the interrupt button or ``%dist stop-training`` (every rank after the same
     step) still gives the result of what was trained, marked ``interrupted``.
     """
-    from .results import TrainResult, training_notes
+    from . import loopcell, results
 
     weights_back(session, plan.model, model_obj, packed=rows[0].pop("state"))
     for row in rows:
         row.pop("state", None)
         row.update(row.pop("holdings", {}))
-    result = TrainResult(rows, plan, wall_seconds, num_shards)
+    result = results.TrainResult(rows, plan, wall_seconds, num_shards)
     if stopped is not None:
         result.mark_interrupted(str(stopped))
-    if not quiet:
-        for note in training_notes(rows[0]):
+    if not run.quiet:  # run: the cell's RunOptions
+        for note in loopcell.notes(rows[0], plan, given):
             print(f"distnb: {note}")
         background = session._background
         if stopped is not None and not (background is not None and background.current_thread_is_runner()):

@@ -141,6 +141,9 @@ class Context:
     steps_per_epoch : int
     loader : iterable
         Batches of this rank's shard for the current epoch (used with ``--loop``).
+    iterated_epochs : bool
+        The body iterated :meth:`epochs` (with ``--loop``, the only thing that runs ``--epochs``
+        and moves the model's epoch count: :class:`distnb.engine.loopwatch.LoopWatch`).
     """
 
     def __init__(self, plan, run, data, reporter, stop=None):
@@ -150,11 +153,12 @@ class Context:
         self.strategy = run.strategy
         self._run, self._data, self._reporter = run, data, reporter
         self.steps_per_epoch = data.steps_per_epoch(plan)
-        self.epoch = run.epoch
+        self.epoch = reporter.epoch = run.epoch  # (a --loop body may never iterate ctx.epochs(), which sets it)
         self.step = 0
         self.epoch_losses = []
         self.local_losses = []
         self.stopped_early = False
+        self.iterated_epochs = False
         self._losses = []
         self._loss_count = 0
         self._batch_samples = 0
@@ -218,7 +222,14 @@ class Context:
             yield batch
 
     def epochs(self):
-        """Yield epoch numbers; after each, all-reduce the mean loss and honour --target-loss."""
+        """Yield the ``--epochs`` epoch numbers (counted across cells); after each, all-reduce the mean loss.
+
+        Each epoch the body finishes here advances the model's epoch count, runs validation
+        and checkpoints, and honours ``--target-loss`` and ``--patience``. With ``--loop`` this
+        is the only place ``--epochs`` acts: a body that never iterates it runs the passes it
+        writes itself, and the epoch count stays as it was.
+        """
+        self.iterated_epochs = True
         first = self._run.epoch
         for epoch in range(first, first + self.plan.epochs):
             self.epoch = self._reporter.epoch = epoch
@@ -269,7 +280,8 @@ class Context:
         """Record one finished step (loss: scalar tensor; num_samples: default the last batch size).
 
         ``value`` is ``float(loss)`` when the caller has it already. With ``--loop`` and
-        ``--lr-schedule``, each report is one optimizer step: it steps the schedule.
+        ``--lr-schedule``, each report steps the schedule (the optimizer steps the result
+        counts are the body's real ``optimizer.step()`` calls: :mod:`distnb.engine.loopwatch`).
 
         Raises if the step never called ``model`` (the strategy wrapper): calling the
         unwrapped module (e.g. by its notebook name) skips the gradient all-reduce and the
@@ -306,10 +318,7 @@ class Context:
         if every and self.plan.checkpoint_dir and self._run.steps % every == 0:
             self._save_pending = True  # at the next optimizer step (a global step count every rank shares)
         if self.plan.loop and self._run.scheduler is not None:  # the loop stepped its optimizer: the schedule too
-            stepper.lrs.add(self._run.optimizer_steps + 1, stepper.lr)
-            self._run.scheduler.step()
-            stepper.optimizer_steps += 1
-            self._run.optimizer_steps += 1
+            self._run.scheduler.step()  # (the step itself was counted by loopwatch's optimizer hook)
         if not stepper.at_boundary(self.epoch_done, self.epoch_batches):
             return  # in the middle of an --accumulate group: stop checks and saves wait for its end
         if self.logger is not None and stepper.optimizer_steps:

@@ -22,6 +22,7 @@ from . import abort, where
 from .report import LINGER as RELAY_LINGER, Reporter, host_relay, publish_raw
 from . import strategies
 from .context import Context, StopRequest, _Stopped, agree_on_steps  # noqa: F401 - the cell's ctx and its stop
+from .loopwatch import LoopWatch
 from .validation import Validator
 
 
@@ -234,7 +235,8 @@ def _steps(ns, code, ctx):
 
 def _run_body(ns, code, ctx, plan):
     if plan.loop:
-        exec(code, ns)
+        with LoopWatch(ctx):  # the body's own optimizer steps; the epoch count only through ctx.epochs()
+            exec(code, ns)
         agree_on_steps(ctx.step, "at the end of the --loop body")  # a body that left ctx.epochs() early on some ranks only
         if ctx.step == 0:
             raise ValueError("the --loop body ran no step: drive it with `for epoch in ctx.epochs():` / "
@@ -353,6 +355,7 @@ def _train(ns, plan, code_text, relay):
                 interrupted=ctx.interrupted,
                 where=dict(epoch=run.epoch, step=run.epoch_step), holdings=run.strategy.holdings(), state=state,
                 resumed=resumed, continued=continued, checkpoints=ctx.checkpoints, skipped_steps=ctx.skipped_steps,
+                iterated_epochs=ctx.iterated_epochs,
                 **_step_figures(plan, run, ctx, restored))
 
 

@@ -108,6 +108,7 @@ def test_loop_body_steps_through_the_servers(dist_session, shell):
                                 progress="none", quiet=True)
     reference(ref, ns["ps_data"], num_shards=2, batch_size=16, epochs=1, seed=4, optimizer=ref_opt)
     assert [row["server_updates"] for row in result.rows] == [7, 7]
+    assert result.optimizer_steps == result.rows[0]["steps"]  # the body's steps, not also the servers' own
     for p, p_ref in zip(ns["ps_loop_net"].parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach(), p_ref.detach(), **TOL)
     assert_weights_back(dist_session, ns["ps_loop_net"], "ps_loop_net")

@@ -178,6 +178,73 @@ def test_a_loop_body_gets_its_schedule_stepped_at_each_report(dist_session, shel
     assert [v for _, v in result.lr_history] == pytest.approx(stepping.lr_sequence("linear", 0.3, 0, 6))
 
 
+LOOP_EVERY_SECOND_REPORT = """
+for epoch in ctx.epochs():
+    for i, (x, y) in enumerate(ctx.loader):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        if i % 2 == 1:
+            optimizer.step()
+            optimizer.zero_grad()
+        ctx.report(loss)
+"""
+LOOP_OWN_OPTIMIZER = LOOP.replace("for epoch", "optimizer = torch.optim.SGD(model.parameters(), lr=0.05)\nfor epoch", 1)
+
+
+def test_a_loop_body_s_optimizer_steps_are_the_steps_it_took(dist_session, shell, capsys):
+    """optimizer_steps of a --loop cell counts the body's optimizer.step() calls (it said 0), its own optimizer's too."""
+    shell.user_ns["torch"] = torch
+    fresh(shell, "loop_steps")  # 192 samples: 96 per rank, 6 batches of 16 per epoch
+    result = dist_session.train(LOOP, model="loop_steps", data="step_data", epochs=2, batch_size=16, loop=True,
+                                optimizer="sgd", lr=0.1, progress="none", quiet=True)
+    assert result.rows[0]["steps"] == 12 and result.optimizer_steps == 12
+    assert [s for s, _ in result.lr_history] == list(range(1, 13))  # each optimizer step's lr, numbered across it
+    result = dist_session.train(LOOP_EVERY_SECOND_REPORT, model="loop_steps", data="step_data", epochs=1,
+                                batch_size=16, loop=True, progress="none", quiet=True)
+    assert result.rows[0]["steps"] == 6 and result.optimizer_steps == 3
+    result = dist_session.train(LOOP_OWN_OPTIMIZER, model="loop_steps", data="step_data", epochs=1, batch_size=16,
+                                loop=True, progress="none", quiet=True)
+    assert result.optimizer_steps == 6
+    capsys.readouterr()
+    result = dist_session.train(LOOP.replace("        optimizer.step()\n", ""), model="loop_steps", data="step_data",
+                                epochs=1, batch_size=16, loop=True, progress="none")
+    assert result.optimizer_steps == 0
+    assert "the --loop body reported 6 steps but no optimizer stepped" in capsys.readouterr().out
+
+
+LOOP_NO_EPOCHS = """
+for x, y in ctx.loader:
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    ctx.report(loss)
+"""
+
+
+def test_a_loop_body_without_ctx_epochs_keeps_the_epoch_count_and_says_epochs_went_unused(dist_session, shell,
+                                                                                          capsys):
+    """Only ctx.epochs() runs --epochs and moves the epoch count: a body that walks ctx.loader alone leaves it (it
+    advanced by one per full pass, at the next cell), and an explicit --epochs it ignored is named."""
+    fresh(shell, "loop_no_epochs")
+    capsys.readouterr()
+    result = dist_session.train(LOOP_NO_EPOCHS, model="loop_no_epochs", data="step_data", epochs=3, batch_size=16,
+                                loop=True, progress="none")
+    out = capsys.readouterr().out
+    assert result.epochs == [] and result.rows[0]["steps"] == 6
+    assert ("--epochs 3 was not used: the --loop body never iterated ctx.epochs(), so it ran only the passes it "
+            "writes itself and loop_no_epochs stays at epoch 0; to run 3 epochs, loop `for epoch in ctx.epochs():` "
+            "around `for batch in ctx.loader:`") in out
+    result = dist_session.train(LOOP_NO_EPOCHS, model="loop_no_epochs", data="step_data", batch_size=16, loop=True,
+                                progress="none")
+    assert "was not used" not in capsys.readouterr().out  # --epochs not given: nothing to say
+    assert result.rows[0]["first_epoch"] == result.rows[0]["next_epoch"] == 0
+    result = dist_session.train(LOOP, model="loop_no_epochs", data="step_data", epochs=2, batch_size=16, loop=True,
+                                progress="none")
+    assert result.epochs == [0, 1] and result.rows[0]["steps"] == 12
+    assert "was not used" not in capsys.readouterr().out
+
+
 def test_rows_carry_the_ranks_cpu_seconds_not_their_wall_time(dist_session, shell):
     """``cpu_seconds`` (benchmarks/transformers.py's load-proof figure) is CPU time: a step that sleeps adds none."""
     fresh(shell, "cpu_time")  # 192 samples: 12 steps of 8 per rank, each sleeping 50 ms (0.6 s per rank)

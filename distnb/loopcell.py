@@ -1,0 +1,61 @@
+"""The notes a finished training cell prints, with those only a ``--loop`` body needs (kernel side).
+
+A ``--loop`` body writes its own loop, so two things a step body cannot get wrong can go
+unnoticed there: ``--epochs`` acts only through ``ctx.epochs()``, and the optimizer steps are
+the body's own ``optimizer.step()`` calls (counted on the ranks by
+:class:`distnb.engine.loopwatch.LoopWatch`).
+"""
+
+from __future__ import annotations
+
+from .display.tables import count
+from .results import training_notes
+
+
+def notes(first: dict, plan, given=()) -> list:
+    """The sentences a finished cell prints: :func:`distnb.results.training_notes` and the ``--loop`` ones.
+
+    Parameters
+    ----------
+    first : dict
+        Rank 0's row of the result.
+    plan : distnb.plan.TrainPlan
+        The cell's plan.
+    given : collection of str
+        The TrainPlan options the cell gave explicitly (``epochs`` for ``--epochs 3``).
+
+    Returns
+    -------
+    list of str
+    """
+    return training_notes(first) + (loop_notes(first, plan, given) if plan.loop else [])
+
+
+def loop_notes(first: dict, plan, given=()) -> list:
+    """What a ``--loop`` cell did not do that its options or its name suggest (empty when it did all).
+
+    Parameters
+    ----------
+    first : dict
+        Rank 0's row of the result (``iterated_epochs``, ``optimizer_steps``, ``steps``).
+    plan : distnb.plan.TrainPlan
+    given : collection of str
+        The TrainPlan options given explicitly.
+
+    Returns
+    -------
+    list of str
+        A note when ``--epochs`` was given but the body never iterated ``ctx.epochs()``, and one
+        when the body reported steps but no optimizer stepped.
+    """
+    found = []
+    if "epochs" in given and first.get("iterated_epochs") is False:
+        found.append(f"--epochs {plan.epochs} was not used: the --loop body never iterated ctx.epochs(), so it ran "
+                     f"only the passes it writes itself and {plan.model} stays at epoch {first['next_epoch']}; to "
+                     f"run {count(plan.epochs, 'epoch')}, loop `for epoch in ctx.epochs():` around "
+                     "`for batch in ctx.loader:`")
+    if first.get("optimizer_steps") == 0 and first.get("steps"):
+        found.append(f"the --loop body reported {count(first['steps'], 'step')} but no optimizer stepped "
+                     "(torch.optim.Optimizer.step() was never called on the ranks): the weights changed only if "
+                     "the body updated them itself; call optimizer.step() after loss.backward()")
+    return found
