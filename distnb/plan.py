@@ -215,7 +215,12 @@ class TrainPlan:
                            "notebook's model keeps plain BatchNorm", distribution=True)
     log_dir: str | None = option(None, "path", "write TensorBoard event files there (loss, lr, grad norm, samples/s "
                                  "per rank, validation); needs the tensorboard package")
-    loop: bool = option(False, "flag", "the body is the whole per-rank loop, driven through ctx")
+    loop: bool = option(False, "flag", "the body is the whole per-rank loop, driven through ctx (--epochs runs "
+                        "only through ctx.epochs())",
+                        doc="The body is the whole per-rank loop, driven through ``ctx``: ``for epoch in ctx.epochs(): "
+                            "for batch in ctx.loader: ...; ctx.report(loss)``. ``epochs`` acts only through "
+                            "``ctx.epochs()``, the one thing that moves the model's epoch count; ``optimizer_steps`` "
+                            "counts the body's own ``optimizer.step()`` calls.")
     unchecked: bool = option(False, "flag", "collectives the body calls itself (dist.all_reduce(...)) skip the "
                              "cross-rank check of their tensors, a fingerprint exchanged before each call: as fast "
                              "as torchrun's, but tensors of different shapes abort gloo's engines instead of an "
