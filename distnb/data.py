@@ -28,6 +28,7 @@ import types
 from . import calls
 from .display.tables import count
 from .errors import PlanError
+from .transfer import is_sample_list
 
 
 def scatter(session, name: str, obj, seed: int, num_shards: int) -> list:
@@ -178,6 +179,9 @@ def path_of(plan, obj) -> tuple:
         path, why = "dataset", (f"a map-style {type(obj).__name__} sent by value (its class and attributes, not its "
                                 "samples; the tensor fast path is for tensor containers); each rank loads its shard "
                                 "with __getitem__ every epoch")
+    elif is_sample_list(obj):
+        path, why = "dataset", ("a list of samples sent by value, a map-style data set as DataLoader takes one; each "
+                                "rank loads its shard every epoch")
     elif isinstance(obj, (types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial)):
         path, why = "factory", f"{name}(rank, world_size) runs on each rank and returns that rank's part"
     else:
@@ -200,7 +204,8 @@ def _check_container(name, obj) -> None:
 
     if not isinstance(obj, (torch.Tensor, np.ndarray, tuple, list, dict, torch.utils.data.TensorDataset)):
         raise PlanError(f"--data {name} is a {type(obj).__name__}; --data takes a torch Dataset, a TensorDataset, "
-                        "a tensor/array, a tuple of tensors/arrays, or a function make(rank, world_size)")
+                        "a tensor/array, a tuple of tensors/arrays, a list of samples such as list(zip(X, y)), or a "
+                        "function make(rank, world_size)")
 
 
 def _fingerprint(payload: bytes, descs, buffers, tensors) -> tuple:

@@ -237,7 +237,7 @@ def _is_data_set(obj) -> bool:
     if isinstance(obj, (torch.Tensor, np.ndarray, torch.utils.data.TensorDataset)):
         return True
     if isinstance(obj, (tuple, list)):
-        return bool(obj) and all(isinstance(x, (torch.Tensor, np.ndarray)) for x in obj)
+        return bool(obj) and (all(isinstance(x, (torch.Tensor, np.ndarray)) for x in obj) or data.is_sample_list(obj))
     if isinstance(obj, dict):
         return bool(obj) and all(isinstance(x, (torch.Tensor, np.ndarray)) for x in obj.values())
     return isinstance(obj, torch.utils.data.Dataset) and hasattr(obj, "__len__")

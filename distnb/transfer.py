@@ -17,12 +17,18 @@ from . import calls
 from .errors import PlanError
 
 
+def is_sample_list(obj) -> bool:
+    """Whether ``obj`` is a list of samples (``list(zip(X, y))``: its items are tuples, lists or dicts), which
+    trains as a map-style Dataset (what DataLoader makes of a list), rather than columns (``[X, y]``)."""
+    return isinstance(obj, list) and bool(obj) and isinstance(obj[0], (tuple, list, dict))
+
+
 def columns_of(data, name="data"):
     """Normalise a data set held in the kernel into columns of equal length.
 
     Accepts a tensor or numpy array, a tuple/list of them, a dict of them, a
-    ``TensorDataset``, or any map-style ``torch.utils.data.Dataset`` (its items are
-    collated with ``default_collate``).
+    ``TensorDataset``, or any map-style ``torch.utils.data.Dataset`` or list of samples
+    (:func:`is_sample_list`; its items are collated with ``default_collate``).
 
     Returns
     -------
@@ -57,13 +63,13 @@ def columns_of(data, name="data"):
         structure, columns = ("tuple", len(data.tensors)), list(data.tensors)
     elif isinstance(data, (torch.Tensor, np.ndarray)):
         structure, columns = ("tensor",), [as_tensor(data, name)]
-    elif isinstance(data, (tuple, list)):
+    elif isinstance(data, (tuple, list)) and not is_sample_list(data):
         structure = ("tuple", len(data))
         columns = [as_tensor(x, f"{name}[{i}]") for i, x in enumerate(data)]
     elif isinstance(data, dict):
         structure = ("dict", tuple(data))
         columns = [as_tensor(v, f"{name}[{k!r}]") for k, v in data.items()]
-    elif isinstance(data, Dataset) and hasattr(data, "__len__"):
+    elif (isinstance(data, Dataset) and hasattr(data, "__len__")) or is_sample_list(data):
         n = len(data)
         if n == 0:
             raise PlanError(f"{name} is empty (len 0)")

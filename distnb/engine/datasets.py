@@ -426,8 +426,24 @@ def explain(exc: BaseException, where: str = "") -> None:
 
 # installing ------------------------------------------------------------------------------
 
+class SampleList(Dataset):
+    """A Python list of samples (``[(x, y), ...]``, ``[{"x": ..., "y": ...}, ...]``) as a map-style Dataset:
+    what ``torch.utils.data.DataLoader`` makes of a list it is given."""
+
+    def __init__(self, samples: list):
+        self.samples = samples
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, index):
+        return self.samples[index]
+
+
 def _install(ns, name, dataset, kind, num_shards):
     per_rank = kind == "part"
+    if isinstance(dataset, list):  # a list of samples (distnb.data.is_sample_list), sent or made on the ranks
+        dataset = SampleList(dataset)
     if not isinstance(dataset, Dataset):
         raise TypeError(f"rank {runtime.STATE.rank}: {name} is a {type(dataset).__name__}, not a "
                         "torch.utils.data.Dataset")

@@ -128,6 +128,28 @@ def test_map_style_dataset_gives_the_weights_of_the_same_data_as_tensors(dist_se
     assert kernel_calls(ns) <= 1  # not sent again: the kernel never looked again
 
 
+def test_a_list_of_samples_trains_as_a_dataset_and_validates(dist_session, ns, capsys):
+    # list(zip(X, y)), as DataLoader takes it: a map-style data set (it was a PlanError, "[0] is a tuple")
+    data = parity_data()
+    ns["pairs"] = list(zip(*data.tensors))
+    ns["held_out"] = [{"x": x, "y": y} for x, y in zip(*parity_data().tensors)][:40]
+    ns["m_tensors2"], ns["m_pairs"] = parity_model(), parity_model()
+    common = dict(epochs=2, batch_size=16, optimizer="adam", lr=0.01, seed=4, progress="none")
+    dist_session.train(BODY, model="m_tensors2", data=data, quiet=True, **common)
+    r = dist_session.train(BODY, model="m_pairs", data="pairs", **common)
+    out = capsys.readouterr().out
+    assert "pairs: a list of samples sent by value" in out and "203 samples in 2 shards" in out, out
+    assert [row["steps"] for row in r.rows] == [14, 14]
+    for a, b in zip(ns["m_tensors2"].parameters(), ns["m_pairs"].parameters()):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)  # the same cut of the same samples
+    r = dist_session.train(BODY.replace("x, y = batch", "x, y = (batch['x'], batch['y']) if isinstance(batch, dict) "
+                                        "else batch"), model="m_pairs", data="pairs", val_data="held_out", **common)
+    x, y = (torch.stack([s[k] for s in ns["held_out"]]) for k in ("x", "y"))
+    with torch.no_grad():  # the notebook's loss on the returned weights: what the ranks reported
+        loss = torch.nn.functional.cross_entropy(ns["m_pairs"](x), y).item()
+    assert r.val_history[-1]["samples"] == 40 and r.val_loss == pytest.approx(loss, rel=1e-5)
+
+
 def test_a_dataset_changed_in_place_is_sent_again(dist_session, ns):
     """``ds.x[:] = 0`` moves no tensor and leaves the pickle as it was; the ranks must still get the new data."""
     x, y = parity_data().tensors
