@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import math
 import os
@@ -120,7 +121,10 @@ def refuse_unknown(given, known, what: str) -> None:
     """Raise a PlanError naming the keywords of ``given`` that are not in ``known`` (and listing those)."""
     unknown = sorted(set(given) - set(known))
     if unknown:
-        raise PlanError(f"unknown {what} option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        near = {u: difflib.get_close_matches(u, list(known), n=1, cutoff=0.75) for u in unknown}
+        meant = [f"{u}: did you mean {m[0]}?" for u, m in near.items() if m]
+        raise PlanError(f"unknown {what} option(s) {', '.join(unknown)}" + (f" ({'; '.join(meant)})" if meant else "")
+                        + f"; known: {', '.join(sorted(known))}")
 
 
 def flags_of(f, opt: Option) -> tuple:

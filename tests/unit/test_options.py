@@ -74,6 +74,8 @@ def test_the_magic_and_the_python_api_give_the_same_error_for_a_bad_choice():
 def test_an_unknown_keyword_to_start_or_train_is_a_plan_error_listing_the_options():
     with pytest.raises(PlanError, match=r"unknown start option\(s\) bogus; known: account, auto_restart, backend, .*, n, nodes, "):
         session.start(bogus=1, quiet=True)
+    with pytest.raises(PlanError, match=r"unknown start option\(s\) bogus, cpubind \(cpubind: did you mean cpu_bind\?\); "):
+        session.start(bogus=1, cpubind="cores", quiet=True)
     assert session.OBJECT_OPTIONS >= {"val_data", "metric", "loss", "collate", "optimizer", "lr_schedule"}
     assert not session.OBJECT_OPTIONS & {"model", "data", "epochs", "checkpoint_dir"}
 
