@@ -53,7 +53,8 @@ class TrainResult(Table):
     stopped_early : bool
         True when --target-loss was reached or --patience ran out.
     optimizer_steps : int
-        Optimizer steps of this cell (micro-steps / --accumulate, rounded up per epoch).
+        Optimizer steps of this cell (micro-steps / --accumulate, rounded up per epoch); with
+        ``--loop``, the ``step()`` calls the body made on a ``torch.optim.Optimizer``.
     loss_history : dict
         ``{rank: [(step, loss), ...]}`` per micro-step (steps count across cells; a long run
         keeps at most about 2000 points, consecutive pairs averaged).
