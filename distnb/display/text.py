@@ -47,6 +47,7 @@ class TextProgress:
         self.state = state
         self.stream = stream or sys.stdout
         self._epochs_shown = set()
+        self._first = self._slot = None  # the cell's first epoch; the next epoch number due a line
         self._status_shown = {}
         self._where_shown = {}
 
@@ -55,15 +56,20 @@ class TextProgress:
 
     def refresh(self, final=False):
         st = self.state
-        every = max(1, -(-st.epochs // 10))  # at most ~10 epoch lines per cell
+        every = max(1, -(-st.epochs // 10))  # at most ~10 epoch lines per cell: the first, every `every`-th, the last
         epochs = sorted(st.epoch_means)
-        for i, epoch in enumerate(epochs):
-            last = i == st.epochs - 1 or (final and epoch == epochs[-1])  # the cell's last, also when it stopped early
-            if epoch in self._epochs_shown or (i % every and not last):
+        if epochs and self._first is None:
+            self._first = self._slot = epochs[0]  # the cell's first epoch (epochs are carried between cells)
+        for epoch in epochs:
+            last = epoch == self._first + st.epochs - 1 or (final and epoch == epochs[-1])  # also a cell stopped early
+            # by epoch number, not position: an epoch the kernel never read (more than TAIL of them between two
+            # looks) leaves its line to the next one read, and the lines after it keep to the same grid
+            if epoch in self._epochs_shown or (epoch < self._slot and not last):
                 continue
             if not final and not _all_said(st, epoch):  # the line waits (a report interval) for every rank's rate
                 break
             self._epochs_shown.add(epoch)
+            self._slot = self._first + ((epoch - self._first) // every + 1) * every
             ranks = _ranks_text(st, epoch)
             extra = ""
             if st.validation:

@@ -84,6 +84,22 @@ def test_text_progress_shows_the_last_epoch_of_a_cell_that_stopped_early():
     assert lines == [["epoch", "0"], ["epoch", "3"], ["epoch", "5"]]
 
 
+def test_text_progress_keeps_its_epoch_grid_when_epochs_were_never_read():
+    # 200 short epochs from epoch 40 (carried), a line every 20th; the kernel never read 180-187 (more than TAIL
+    # epoch ends between two looks): 188 takes 180's line, and 200 follows as due (by position: 188, 208, 228, ...)
+    st = ProgressState(1, total_steps=400, epochs=200)
+    out = io.StringIO()
+    view = TextProgress(st, stream=out)
+    read = [e for e in range(40, 240) if not 180 <= e < 188]
+    for k in range(0, len(read), 4):
+        st.update(0, dict(status="running", samples_per_s=1.0, epoch_rates=[(e, 1.0) for e in read[k:k + 4]],
+                          epoch_losses=[(e, 1.0) for e in read[k:k + 4]]))
+        view.refresh()
+    view.close()
+    shown = [int(line.split()[1]) for line in out.getvalue().splitlines() if line.startswith("epoch")]
+    assert shown == [40, 60, 80, 100, 120, 140, 160, 188, 200, 220, 239]
+
+
 def test_reporter_gives_each_epoch_its_own_rate(monkeypatch):
     import distnb.engine.report as report
 
