@@ -22,9 +22,12 @@ world unless ``keep_global_batch``: then the batch options of the following cell
 as written for the world before the scale, and each cell trains the per-rank batch (or
 accumulation) that keeps that global batch, and says so (:func:`batch_for_world`).
 
-Faults: an engine that does not start (or dies before the new group forms) is stopped and the
-old world is formed again, its state intact; a rank lost while the group re-forms is reported
-with how it died and ``%dist restart`` starts a fresh world.
+Faults: a world with a dead rank that would stay is refused before any engine starts (naming
+the rank, how it died, and ``%dist restart -n N`` or a scale that drops it); an engine that does
+not start (or dies before the new group forms) is stopped and the old world is formed again, its
+state intact, and so it is after an interrupt (one line, :class:`~distnb.errors.Interrupted`); a
+rank lost while the group re-forms is reported with how it died and ``%dist restart`` starts a
+fresh world.
 
 Idea: torchelastic and Horovod Elastic re-form the group and broadcast rank 0's state to the
 workers that join, but restart every worker process to do it; here the engines that stay keep
@@ -39,7 +42,8 @@ import time
 
 from . import calls, data, meshes, startup
 from .display.tables import count
-from .errors import ClusterError, PlanError, RankError
+from .errors import ClusterError, Interrupted, PlanError, RankError
+from .recovery import dead_rank_fix
 
 #: Called with the pids of the engines a grow started, once they registered (tests kill one here).
 ON_ENGINES_STARTED: list = []
@@ -64,34 +68,34 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
     Returns
     -------
     dict
-        ``world_size`` (before, after), ``seconds`` (float, s), ``added``/``removed`` (ranks),
-        ``models``/``names`` (carried to the added ranks), ``defined`` (names ``%%dist`` cells
-        defined on the ranks, carried), ``unpicklable`` ({name: why} of those that could not
-        be sent), ``bytes`` (tensor bytes broadcast),
-        ``resharded`` (fsdp, tensor and fsdp+tensor models resharded through a DCP checkpoint),
-        ``meshes`` (fsdp+tensor model -> its ``--mesh`` on the new world: the tensor-parallel size
-        kept, ``DP = N / TP``, :mod:`distnb.meshes`), ``global_batch`` (before, after) or None when
-        no model has been trained, ``unconfirmed`` (removed ssh engines whose exit their host did
-        not confirm; normally empty), ``binding`` (``--cpu-bind``: what changed, ``""``: nothing).
+        ``world_size`` (before, after), ``seconds`` (float, s), ``added``/``removed`` (ranks), ``models``/``names``
+        (carried to the added ranks), ``defined`` (names ``%%dist`` cells defined on the ranks, carried),
+        ``unpicklable`` ({name: why} of those that could not be sent), ``bytes`` (tensor bytes broadcast),
+        ``resharded`` (fsdp, tensor and fsdp+tensor models resharded through a DCP checkpoint), ``meshes``
+        (fsdp+tensor model -> its ``--mesh`` on the new world: the tensor-parallel size kept, ``DP = N / TP``,
+        :mod:`distnb.meshes`), ``global_batch`` (before, after) or None when no model has been trained,
+        ``unconfirmed`` (removed ssh engines whose exit their host did not confirm; normally empty),
+        ``binding`` (``--cpu-bind``: what changed, ``""``: nothing).
 
     Raises
     ------
     PlanError
-        ``n`` below 1 or beyond what the launcher can place, a launcher other than ``local``
-        and ``ssh`` (mpiexec's world and a batch job's allocation are fixed), a global batch
-        ``keep_global_batch`` cannot split evenly over ``n`` ranks, or a live fsdp+tensor model
-        whose tensor-parallel size does not divide ``n``. Nothing changed.
+        ``n`` below 1 or beyond what the launcher can place, a launcher other than ``local`` and ``ssh`` (mpiexec's
+        world and a batch job's allocation are fixed), a global batch ``keep_global_batch`` cannot split evenly
+        over ``n`` ranks, or a live fsdp+tensor model whose tensor-parallel size does not divide ``n``. Nothing changed.
     BusyError
         A background training run is going on.
     ClusterError
-        The added engines did not start (over ssh: naming the host) or form the group (the old
-        world is formed again and usable), or a rank died while the group re-formed (then run
-        ``%dist restart``).
+        A rank the new world keeps is dead (nothing changed, no engine started), the added engines
+        did not start (over ssh: naming the host) or form the group (the old world is formed again
+        and usable), or a rank died while the group re-formed (then run ``%dist restart``).
+    Interrupted
+        Interrupted: the engines it started are stopped, the old world is formed again (one line).
     """
     session._check_running()
     cluster = session.cluster
     old = cluster.world_size
-    _check(cluster, n)
+    _check(cluster, n)  # and, for another size, that no rank it keeps is dead (before any engine starts or stops)
     if n == old:
         if not quiet:
             print(f"distnb: the world already has {count(n, 'rank')}; nothing changed")
@@ -128,10 +132,27 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
 
 
 def _check(cluster, n) -> None:
-    """A PlanError unless ``n`` ranks can be placed by this cluster's launcher (nothing changes)."""
+    """A PlanError unless ``n`` ranks can be placed by this cluster's launcher, a ClusterError when a rank that
+    a world of ``n`` (another size) keeps is dead (:func:`_check_alive`); nothing changes."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise PlanError(f"%dist scale N: N is the new number of ranks, a whole number of at least 1; got {n!r}")
     cluster.check_resizable(n)
+    if n != cluster.world_size:
+        _check_alive(cluster, n, cluster.world_size)
+
+
+def _check_alive(cluster, n: int, old: int) -> None:
+    """A ClusterError (nothing changed, no engine started) when a rank the world of ``n`` keeps has a dead engine.
+
+    Growing keeps every rank; shrinking keeps ranks below ``n`` (a dead rank it drops is only dropped).
+    """
+    dead = {r: how for r, how in cluster.dead_ranks().items() if r < min(n, old)}
+    if not dead:
+        return
+    what = "; ".join(cluster.death_message(r, how) for r, how in sorted(dead.items()))
+    grow = "grow" if n > old else f"shrink to {count(n, 'rank')}"
+    raise ClusterError(f"%dist scale {n}: {what}, so the world cannot {grow}; nothing changed (no engine "
+                       f"was started). {dead_rank_fix(dead, old, n)}")
 
 
 # the global batch ---------------------------------------------------------------------------
@@ -244,14 +265,41 @@ def _grow(session, n: int) -> dict:
         infos = cluster.wait_all(cluster.apply_all(calls.share, sorted(session.holdings.names), old),
                                  timeout=cluster.spec.timeout + 60, what="sharing the state with the added ranks")
     except BaseException as exc:
-        why = _rollback(cluster, before, new_ids) if new_ids else \
-            f"the world of {count(old, 'rank')} is as it was (its state intact)"
-        if isinstance(exc, KeyboardInterrupt):
-            raise
-        cause = str(exc).split("\n")[0] if not isinstance(exc, RankError) else _rank_cause(exc)
-        raise ClusterError(f"%dist scale {n}: the added engines did not join ({cause}); {why}") from None
+        raise _grow_failed(cluster, n, before, new_ids, exc) from None
     cluster.rewatch()
     return infos[0]
+
+
+def _grow_failed(cluster, n: int, before: tuple, new_ids: list, exc: BaseException) -> BaseException:
+    """The old world formed again after a failed or interrupted grow; the error that says so (to raise).
+
+    An interrupt (Ctrl-C, the interrupt button) is an :class:`~distnb.errors.Interrupted` of one
+    line, as an interrupted ``%dist start`` is; pressed again during the rollback, it says to restart.
+    """
+    old = len(before[0])
+    try:
+        why = _rollback(cluster, before, new_ids) if new_ids else \
+            f"the world of {count(old, 'rank')} is as it was (its state intact)"
+    except BaseException as again:
+        if not _is_interrupt(again):
+            raise
+        cluster.restore(before)
+        why = (f"interrupted again while the old world of {count(old, 'rank')} was formed again: run %dist restart "
+               f"-n {old} (session.restart(n={old})) for a fresh world")
+        exc = exc if _is_interrupt(exc) else again
+    if _is_interrupt(exc):
+        stopped = ("the added engine was stopped" if len(new_ids) == 1 else f"the {len(new_ids)} added engines were "
+                   "stopped") if new_ids else "the engines being started were stopped"
+        return Interrupted(f"%dist scale {n} interrupted: {stopped}; {why}")
+    cause = str(exc).split("\n")[0] if not isinstance(exc, RankError) else _rank_cause(exc)
+    return ClusterError(f"%dist scale {n}: the added engines did not join ({cause}); "
+                        + (f"they were stopped and {why}" if new_ids else why))
+
+
+def _is_interrupt(exc: BaseException) -> bool:
+    from .execute import _is_interrupt as interrupt  # the RuntimeError a Ctrl-C in a Condition's `with` becomes
+
+    return interrupt(exc)
 
 
 def _rank_cause(exc: RankError) -> str:
@@ -260,7 +308,7 @@ def _rank_cause(exc: RankError) -> str:
 
 
 def _rollback(cluster, before: tuple, new_ids: list) -> str:
-    """After a failed grow: the added engines stopped, the old world formed again. Returns what happened.
+    """After a failed grow: the added engines stopped, the old world formed again. Returns how the old world is.
 
     ``before``: the cluster's :meth:`~distnb.engines.Engines.snapshot` before the grow.
     """
@@ -273,18 +321,29 @@ def _rollback(cluster, before: tuple, new_ids: list) -> str:
     except Exception as exc:
         return (f"the old world of {count(old, 'rank')} could not be formed again ({str(exc).splitlines()[0]}): "
                 "run %dist restart")
-    return f"they were stopped and the world of {count(old, 'rank')} is as it was (its state intact)"
+    return f"the world of {count(old, 'rank')} is as it was (its state intact)"
 
 
 def _shrink(session, n: int) -> dict:
     """Stop ranks ``n`` and above (each leaves the group and exits, on its host), then form the group of the first ``n``."""
     cluster = session.cluster
     old = cluster.world_size
-    left = cluster.remove_ranks(range(n, old))
+    gone = f"rank {n}" if old - n == 1 else f"ranks {n}-{old - 1}"
+    try:
+        left = cluster.remove_ranks(range(n, old))
+    except BaseException as exc:
+        if not _is_interrupt(exc):
+            raise
+        raise Interrupted(f"%dist scale {n} interrupted while stopping {gone} (some may be gone): run %dist "
+                          f"restart -n {n} (session.restart(n={n})) for a fresh world") from None
     try:
         cluster.form_group(n, old)
-    except Exception as exc:
-        gone = f"rank {n}" if old - n == 1 else f"ranks {n}-{old - 1}"
+    except BaseException as exc:
+        if _is_interrupt(exc):
+            raise Interrupted(f"%dist scale {n} interrupted: {gone} stopped, but the group of {count(n, 'rank')} was "
+                              f"not formed; run %dist restart -n {n} (session.restart(n={n}))") from None
+        if not isinstance(exc, Exception):
+            raise
         raise ClusterError(f"%dist scale {n}: {gone} stopped, but the group of {count(n, 'rank')} did "
                            f"not form ({str(exc).splitlines()[0]}); run %dist restart -n {n}") from None
     cluster.rewatch()

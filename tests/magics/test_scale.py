@@ -245,6 +245,87 @@ def test_a_rank_killed_during_the_re_form_is_reported_and_restart_works(shell, d
     assert new.world_size == 2 and new.run("world_size", all_output=True) == ["2", "2"]
 
 
+def _kill_rank(sess, rank):
+    """SIGKILL ``rank``'s engine and wait until the kernel sees it dead; its pid."""
+    pid = sess.cluster.ranks[rank]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while rank not in sess.cluster.dead_ranks():
+        assert time.monotonic() < deadline, f"rank {rank} (pid {pid}) not seen dead"
+        time.sleep(0.05)
+    return pid
+
+
+def test_a_grow_with_a_dead_rank_is_refused_at_once_and_a_scale_below_it_goes_on(shell, dist_session):
+    """A rank killed between cells: %dist scale 3 says so before starting an engine (not 'did not join')."""
+    dist_session.run("dr_value = 40 + rank")
+    ids = list(dist_session.cluster.engine_ids)
+    started = []
+    scaling.ON_ENGINES_STARTED.append(started.extend)
+    pid = _kill_rank(dist_session, 1)
+    try:
+        t0 = time.monotonic()
+        err = run(shell, "%dist scale 3").error_in_exec
+        assert time.monotonic() - t0 < 3, "refused only after trying"
+        assert isinstance(err, ClusterError), err
+        said = str(err)
+        assert said.startswith(f"%dist scale 3: rank 1 (engine {ids[1]}, pid {pid}) died: killed by SIGKILL"), said
+        assert "so the world cannot grow; nothing changed (no engine was started)" in said
+        assert "did not join" not in said and "%dist restart -n 3 (session.restart(n=3))" in said
+        assert "%dist scale 1 (session.scale(1)) to go on without it, keeping what rank 0 holds" in said
+        assert started == [] and dist_session.cluster.engine_ids == ids and dist_session.world_size == 2
+        with pytest.raises(ClusterError, match="so the world cannot grow"):  # the Python API says the same
+            dist_session.scale(4)
+        assert dist_session.scale(1, quiet=True)["world_size"] == (2, 1)  # the fix it names: rank 0's state kept
+        assert dist_session.run("dr_value") == ["40"]
+        scaling.ON_ENGINES_STARTED.clear()
+        assert dist_session.scale(2, quiet=True)["world_size"] == (1, 2)
+        assert dist_session.run(ALL_REDUCE) == ["2.0"] * 2
+    finally:
+        scaling.ON_ENGINES_STARTED.clear()
+        if dist_session.running and dist_session.cluster.dead_ranks():  # failed: the next test gets a whole world
+            dist_session.restart(n=2, quiet=True)
+
+
+@pytest.mark.parametrize("when", ["registered", "registering"])
+def test_an_interrupted_grow_ends_in_one_line_and_leaves_the_old_world(shell, dist_session, monkeypatch, when):
+    """Ctrl-C (a real SIGINT) once the added engine registered, or while it registers: rolled back, one line."""
+    from distnb import engines
+    from distnb.errors import Interrupted
+
+    dist_session.run("ig_value = 40 + rank")
+    pids = [r["pid"] for r in dist_session.cluster.ranks]
+    started = []
+
+    def interrupt(new_pids):
+        started.extend(new_pids)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    if when == "registered":
+        scaling.ON_ENGINES_STARTED.append(interrupt)
+    else:
+        wait_registered = engines.Engines._wait_registered
+
+        def interrupted_wait(self, known, k, new_pids):
+            interrupt(new_pids)
+            return wait_registered(self, known, k, new_pids)
+
+        monkeypatch.setattr(engines.Engines, "_wait_registered", interrupted_wait)
+    err = run(shell, "%dist scale 3").error_in_exec
+    monkeypatch.undo()
+    scaling.ON_ENGINES_STARTED.clear()
+    assert isinstance(err, Interrupted), err
+    stopped = "the added engine was stopped" if when == "registered" else "the engines being started were stopped"
+    assert str(err) == f"%dist scale 3 interrupted: {stopped}; the world of 2 ranks is as it was (its state intact)"
+    assert err._render_traceback_() == [f"KeyboardInterrupt: {err}"]  # one line, no traceback
+    assert started and dist_session.world_size == 2 and [r["pid"] for r in dist_session.cluster.ranks] == pids
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in started):
+        assert time.monotonic() < deadline, "the added engine outlived the interrupted scale"
+        time.sleep(0.1)
+    assert dist_session.run("ig_value", all_output=True) == ["40", "41"] and dist_session.run(ALL_REDUCE) == ["2.0"] * 2
+
+
 @pytest.mark.parametrize("strategy,worlds,num_shards", [("fsdp", (2, 3), (2, 3)), ("tensor", (2, 4), (1, 1))])
 def test_sharded_models_are_resharded_through_dcp(shell, dist_session, capsys, strategy, worlds, num_shards):
     """fsdp 2 -> 3 and tensor 2 -> 4: DCP written by the old world, loaded resharded; parity with one process."""
