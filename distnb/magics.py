@@ -113,8 +113,9 @@ def _scale(line):
 
 @magic_arguments(name="dist status")
 def _status(line):
-    """Table of rank, engine id, host, node_rank, local_rank, pid, device, backend, threads and liveness; during
-    a background training run, what the kernel knows without asking the busy ranks (and which rank died)."""
+    """Table of rank, engine id, host, node_rank, local_rank, pid, device, backend, threads, cores and liveness
+    (a dead rank: how it died, and the fix; the title: the --on-failure policy); during a background training
+    run, what the kernel knows without asking the busy ranks (and which rank died)."""
 
 
 @magic_arguments(name="dist push")

@@ -19,6 +19,13 @@ class StatusTable(Table):
         ``host:port`` of the torch.distributed store (rank 0's).
     job_id : str or None
         The batch job that holds the engines (``--launcher slurm``), also named in the title.
+    on_failure : str
+        What a cell does when an engine dies during it (``--on-failure``: ``stop``, ``restart`` or
+        ``shrink``), also named in the title (``on failure: stop``).
+
+    Each row has the columns' keys and ``died``: how a dead rank's engine ended (``killed by
+    SIGKILL ...``, ``exited with status 3``), else None. The ``died`` column is shown when a rank
+    is dead, and the title then names each dead rank and the fix.
     """
 
     columns = ("rank", "engine_id", "host", "node_rank", "local_rank", "pid", "device", "backend", "threads",
@@ -188,13 +195,16 @@ def training_notes(first: dict) -> list:
 def status_table(session, timeout: float, busy: bool = False) -> StatusTable:
     """Ask every live rank who it is (waiting at most ``timeout`` seconds in all); one row per rank.
 
-    With ``busy`` (a background training run holds the ranks) no rank is asked: each row is what
-    the kernel recorded at the start (host, pid, local_rank, ...), ``alive`` is whether the engine
-    process still runs as the kernel sees it, ``died`` how a dead one ended, and the title says so.
+    A rank whose engine process has ended is not asked: its row is what the kernel recorded at the
+    start, ``alive`` False and ``died`` how it ended (the title names the fix). With ``busy`` (a
+    background training run holds the ranks) no rank is asked: each row is what the kernel recorded
+    at the start (host, pid, local_rank, ...), ``alive`` is whether the engine process still runs
+    as the kernel sees it, and the title says so.
     """
     import time
 
     from . import calls
+    from .errors import ranks_named
 
     cluster = session.cluster
     dead = cluster.dead_ranks()
@@ -210,24 +220,41 @@ def status_table(session, timeout: float, busy: bool = False) -> StatusTable:
             except Exception:
                 pass
         if busy:
-            base.update(alive=rank not in dead, died=dead.get(rank))
-        base["threads"] = base.get("num_threads")
+            base.update(alive=rank not in dead)
+        base.update(died=dead.get(rank), threads=base.get("num_threads"))
         rows.append(base)
     # ranks whose model is on a named device mesh (--strategy fsdp+tensor) say where they sit in it
     columns = StatusTable.columns + (("mesh",) if any(row.get("mesh") for row in rows) else ())
-    columns += ("died",) if busy and dead else ()
+    columns += ("died",) if dead else ()
     table = StatusTable(rows, columns)
     table.controller_pid = cluster.pids["controller"]
     table.store = f"{cluster.master_addr}:{cluster.master_port}"
     table.job_id = getattr(cluster, "job_id", None)
+    table.on_failure = getattr(session, "on_failure", "stop")
     job = f"{cluster.launcher} job {table.job_id} · " if table.job_id else ""
     table.title = (f"{job}controller pid {table.controller_pid} · torch.distributed store {table.store} · "
-                   f"auto restart {'on' if session.auto_restart else 'off'}")
+                   f"on failure: {table.on_failure}")
     if busy:
-        died = "; ".join(f"rank {r} died: {how}" for r, how in sorted(dead.items()))
         table.title += (" · the ranks are busy training in the background (%dist wait, %dist stop-training): not "
-                        "asked, alive is whether each engine process runs" + (f" · {died}" if died else ""))
+                        "asked, alive is whether each engine process runs")
+    table.title += _dead_note(cluster, dead, fix=not busy)  # busy: %dist wait or stop-training comes first
+    silent = [rank for rank, row in enumerate(rows) if not row["alive"] and rank not in dead and not busy]
+    if silent:
+        table.title += (f" · {ranks_named(silent)} did not answer within {timeout:g} s (the engine process "
+                        "runs: busy, or still loading)")
     return table
+
+
+def _dead_note(cluster, dead: dict, fix: bool) -> str:
+    """`` · rank 1 died (its engine process, pid P): killed by SIGKILL ...`` (``fix``: ``. Run %dist restart ...``),
+    or ``""``."""
+    if not dead:
+        return ""
+    from .recovery import dead_rank_fix
+
+    what = "; ".join(f"rank {r} died (its engine process, pid {cluster.ranks[r]['pid']}): {how}"
+                     for r, how in sorted(dead.items()))
+    return f" · {what}" + (f". {dead_rank_fix(dead, cluster.world_size, cluster.world_size)}" if fix else "")
 
 
 class WhereTable(Table):

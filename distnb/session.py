@@ -199,13 +199,13 @@ class Session:
     # lifecycle -----------------------------------------------------------
     def status(self, timeout: float = 10.0) -> StatusTable:
         """Rank, engine id, host, node_rank, local_rank, pid, device, backend, threads, bound cores (``all``: not
-        bound, ``--cpu-bind``) and liveness of every rank.
+        bound, ``--cpu-bind``) and liveness of every rank; the title names the ``--on-failure`` policy.
 
-        A rank is alive when its engine process runs and answers within ``timeout`` seconds
-        (an engine still loading torch right after a start can take a few seconds). During a
-        background training run the ranks are not asked (they are busy training): the table shows
-        what the kernel knows (pids, hosts, whether each engine process is alive, how a dead one
-        died) and its title says the ranks are training.
+        A rank is alive when its engine process runs and answers within ``timeout`` seconds (an engine
+        loading torch right after a start can take a few); a dead one's ``died`` says how its engine
+        ended, and the title the fix. During a background training run the ranks are not asked (they
+        are busy training): the table shows what the kernel knows (pids, hosts, whether each engine
+        process is alive, how a dead one died) and its title says the ranks are training.
         """
         if not self.running:
             raise ClusterError("the distnb cluster is stopped; run %dist start")

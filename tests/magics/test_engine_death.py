@@ -105,3 +105,40 @@ def test_exit_in_a_collective_names_the_status_and_auto_restart_brings_back_a_fu
     finally:
         run(shell, "%dist start --no-auto-restart")
     assert session_mod.current().auto_restart is False
+
+
+def test_status_says_how_a_dead_rank_died_and_the_fix(shell, capsys):
+    """Between cells: the dead rank's row says how its engine ended (``died``), the title names it and the fix."""
+    from distnb.results import StatusTable
+
+    cluster = session_mod.current().cluster
+    pid = cluster.ranks[1]["pid"]
+    old_pids = [r["pid"] for r in cluster.ranks]
+    psutil.Process(pid).kill()  # SIGKILL, from outside the engine
+    deadline = time.monotonic() + 10
+    while 1 not in cluster.dead_ranks():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    table = run(shell, "%dist status").result
+    assert [r["alive"] for r in table] == [True, False]  # the keys stay; died is added
+    assert table[0]["died"] is None and table[1]["died"].startswith("killed by SIGKILL")
+    assert table.columns == StatusTable.columns + ("died",)
+    assert f"rank 1 died (its engine process, pid {pid}): killed by SIGKILL" in table.title
+    assert "Run %dist restart -n 2 (session.restart(n=2)) for a fresh world of 2 ranks" in table.title
+    assert "%dist scale 1 (session.scale(1)) to go on without it" in table.title
+    assert "killed by SIGKILL" in table.text().splitlines()[-1] and "<th>died</th>" in table._repr_html_()
+    _restart_and_check(shell, old_pids, capsys)
+    table = run(shell, "%dist status").result
+    assert "died" not in table.columns and "died" not in table.title and [r["died"] for r in table] == [None, None]
+
+
+def test_status_names_the_failure_policy(shell):
+    """The title says what a cell does when an engine dies (--on-failure), not only whether it restarts."""
+    try:
+        for policy in ("shrink", "restart", "stop"):
+            assert run(shell, f"%dist start --on-failure {policy}").error_in_exec is None
+            table = run(shell, "%dist status").result
+            assert table.on_failure == policy and table.title.endswith(f" · on failure: {policy}"), table.title
+            assert "auto restart" not in table.title
+    finally:
+        session_mod.current().on_failure = "stop"
