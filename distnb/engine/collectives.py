@@ -111,8 +111,9 @@ def _wrap(dist, torch, op, original):
 
     @functools.wraps(original)
     def checked_collective(*args, **kwargs):
+        # no check now (a name bound to it called between cells, or --unchecked), or a library's own call
         if SUBSET.get("off", True) or not sys._getframe(1).f_code.co_filename.startswith(CELL_FILES):
-            return original(*args, **kwargs)  # no check now (an alias called after or between cells, --unchecked), or a library's call
+            return original(*args, **kwargs)
         try:
             bound = signature.bind(*args, **kwargs)
         except TypeError:
@@ -132,13 +133,13 @@ def _wrap(dist, torch, op, original):
                 f"dist.{op} in a cell run on {ranks_named(only)} only: "
                 f"{ranks_named(r for r in members if r not in only)} of its group never call it, so it would hang. "
                 "Run the cell on every rank (leave out --targets)")
-        CURRENT["call"] = (op, None if placeholder else list(tensor.shape))  # what a rank waiting here waits in (distnb.engine.where)
+        # what a rank waiting here waits in (distnb.engine.where)
+        CURRENT["call"] = (op, None if placeholder else list(tensor.shape))
         PROGRESS[0] += 1
         try:
             if SUBSET["unchecked"]:  # --unchecked --targets: only the subset is checked
                 return original(*args, **kwargs)
-            arguments = dict(bound.arguments, **({} if arg is None else {arg: tensor}))
-            return _checked_call(dist, torch, op, original, args, kwargs, arguments, group, world, tensor)
+            return _checked_call(dist, torch, op, original, args, kwargs, bound.arguments, group, world, tensor)
         finally:
             CURRENT.pop("call", None)
 
