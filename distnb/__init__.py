@@ -52,6 +52,6 @@ def unload_ipython_extension(ipython):
         session._CURRENT.stop(quiet=not session._CURRENT.running)  # says what it stopped, as %dist stop does
     zygote.stop()
     manager = ipython.magics_manager
-    for kind, name in (("line", "dist"), ("cell", "dist"), ("cell", "distrain")):
+    for kind, name in (("line", "dist"), ("cell", "dist"), ("line", "distrain"), ("cell", "distrain")):
         manager.magics[kind].pop(name, None)
     manager.registry.pop("DistMagics", None)

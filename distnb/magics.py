@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, line_cell_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from . import options
@@ -525,10 +525,13 @@ class DistMagics(Magics):
         except PlanError as exc:
             raise UsageError(str(exc)) from None
 
-    @cell_magic
-    def distrain(self, line, cell):
-        if _asks_help(line):
-            return print(DistMagics.distrain.__doc__)
+    @line_cell_magic
+    def distrain(self, line, cell=None):
+        if _asks_help(line) or (cell is None and not line.strip()):  # also `%distrain`: IPython points an empty
+            return print(DistMagics.distrain.__doc__)  # `%%distrain --help` cell here
+        if cell is None:
+            raise UsageError("%%distrain is a cell magic: its options on the first line, the training step on the "
+                             "lines below it (%distrain --help lists the options)")
         args = _parse(_distrain, line)
         given = {k: getattr(args, k) for k in (*options.keywords(TrainPlan), *options.keywords(RunOptions))
                  if hasattr(args, k)}

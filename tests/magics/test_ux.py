@@ -49,7 +49,7 @@ def test_unload_ext_unregisters_the_magics_and_load_ext_brings_them_back(shell):
     assert run(shell, "%unload_ext distnb").error_in_exec is None
     assert session_mod._CURRENT is None
     assert "dist" not in shell.magics_manager.magics["line"]
-    assert "distrain" not in shell.magics_manager.magics["cell"]
+    assert "distrain" not in shell.magics_manager.magics["cell"] and "distrain" not in shell.magics_manager.magics["line"]
     assert run(shell, "%dist status").error_in_exec is not None  # an unknown magic now
     assert run(shell, "%load_ext distnb").error_in_exec is None
     assert run(shell, "%dist start -n 2 --timeout 30").error_in_exec is None

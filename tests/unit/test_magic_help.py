@@ -42,6 +42,14 @@ def test_help_is_printed_for_dist_help_and_for_help_on_every_verb(capsys):
     assert "%%distrain --model MODEL --data DATA" in out and "Example" in out
     magics.dist("--help", "print(1)")
     assert "--targets" in capsys.readouterr().out
+    # an empty `%%distrain --help` cell: IPython refuses it and points to the line magic %distrain, which helps
+    for line in ("", "--help"):
+        magics.distrain(line)
+        assert "%%distrain --model MODEL --data DATA" in capsys.readouterr().out
+    from IPython.core.error import UsageError
+
+    with pytest.raises(UsageError, match="%%distrain is a cell magic: its options on the first line"):
+        magics.distrain("--model m --data d")
 
 
 def test_restart_takes_the_start_options_and_only_those_given():
