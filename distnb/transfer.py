@@ -132,7 +132,9 @@ def fingerprint(obj):
     A model: object id, each submodule's type and plain attributes (``net.scale = 0.5``
     counts), each tensor's version counter, memory address, dtype, shape and device, and which
     parameters require gradients. Data: object id, length, and per column the same of each tensor,
-    or a numpy array's checksum. In-place changes through autograd-visible ops
+    or a numpy array's checksum; a tuple, list or dict of tensors or arrays is its columns, not its id
+    (a new ``(X, y)`` of the same tensors, as ``train(data=(X, y))`` makes at every call, is the data
+    the ranks hold). In-place changes through autograd-visible ops
     (``load_state_dict``, ``copy_``, ``*=``) bump ``_version``; a tensor given new memory or
     another dtype (``p.data = ...``, ``net.double()``, ``vector_to_parameters``) moves its
     address. Writes into a tensor's memory that torch does not see (``p.data.fill_(0)``, or
@@ -152,7 +154,16 @@ def fingerprint(obj):
     else:
         leaves = [_leaf(obj)]
     length = len(obj) if hasattr(obj, "__len__") else None
-    return (id(obj), type(obj), length, tuple(leaves))
+    return (0 if _columns_only(obj) else id(obj), type(obj), length, tuple(leaves))
+
+
+def _columns_only(obj) -> bool:
+    """Whether ``obj`` is a non-empty tuple, list or dict whose items are all tensors or numpy arrays."""
+    import numpy as np
+    import torch
+
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else ()
+    return bool(items) and all(isinstance(x, (torch.Tensor, np.ndarray)) for x in items)
 
 
 def load_state_into(model, keys, descs, sizes, flat) -> None:

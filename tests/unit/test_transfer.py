@@ -122,6 +122,19 @@ def test_fingerprint_sees_numpy_dict_and_attribute_changes():
     assert fingerprint(m) != fp
 
 
+
+def test_a_new_tuple_of_the_same_columns_is_the_same_data():
+    X, y = torch.ones(6, 2), torch.arange(6)
+    fp = fingerprint((X, y))
+    assert fingerprint((X, y)) == fingerprint(tuple([X, y])) == fp  # train(data=(X, y)) at every call: no re-scatter
+    assert fingerprint([X, y]) != fp and fingerprint({"x": X, "y": y}) == fingerprint({"x": X, "y": y})
+    assert fingerprint((X, y.clone())) != fp and fingerprint((y, X)) != fp
+    X.mul_(2)
+    assert fingerprint((X, y)) != fp
+    samples = [(X[0], y[0])]  # not columns: still the list object's identity
+    assert fingerprint(samples) != fingerprint(list(samples))
+
+
 def test_freezing_a_parameter_changes_the_fingerprint():
     import torch.nn as nn
 
