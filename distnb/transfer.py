@@ -11,6 +11,7 @@ neither pickled nor copied whole in the kernel.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 from . import calls
@@ -393,8 +394,16 @@ def free_names(code: str) -> set:
 
     Builtins are left out. Raises SyntaxError for invalid code.
     """
-    import ast
     import builtins
+
+    return {n for n in _unassigned(code) if not hasattr(builtins, n)}
+
+
+@functools.lru_cache(maxsize=64)
+def _unassigned(code: str) -> frozenset:
+    """The names ``code`` reads and never assigns, parsed once per code string (a cell's body is read by the
+    automatic push and by the export's capture, at every cell)."""
+    import ast
 
     tree = ast.parse(code)
     loaded, stored = set(), set()
@@ -407,7 +416,7 @@ def free_names(code: str) -> set:
             stored.add((node.asname or node.name).split(".")[0])
         elif isinstance(node, ast.arg):
             stored.add(node.arg)
-    return {n for n in loaded - stored if not hasattr(builtins, n)}
+    return frozenset(loaded - stored)
 
 
 def pack_named(name: str, value, why: str = "", tensors=None):

@@ -135,6 +135,20 @@ def test_a_new_tuple_of_the_same_columns_is_the_same_data():
     assert fingerprint(samples) != fingerprint(list(samples))
 
 
+def test_free_names_are_parsed_once_and_still_fresh():
+    from distnb.transfer import _unassigned
+
+    code = "x, y = batch\nloss = F.cross_entropy(model(x), y)\nprint(len(x))"
+    assert free_names(code) == {"batch", "F", "model"}
+    before = _unassigned.cache_info().hits
+    names = free_names(code)
+    names.add("changed")  # the caller's own set
+    assert free_names(code) == {"batch", "F", "model"} and _unassigned.cache_info().hits == before + 2
+    with pytest.raises(SyntaxError):
+        free_names("x = (")
+    with pytest.raises(SyntaxError):
+        free_names("x = (")
+
 def test_freezing_a_parameter_changes_the_fingerprint():
     import torch.nn as nn
 
