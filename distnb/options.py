@@ -134,6 +134,17 @@ def flags_of(f, opt: Option) -> tuple:
 
 def label_of(f, opt: Option) -> str:
     """How an error names the option: its label, its long flag, or (not a magic option) its name."""
+    key = (f, opt.label, opt.cli, opt.flags)  # each check of a plan names all of its options (issue 17: per cell)
+    label = _LABELS.get(key)
+    if label is None:
+        label = _LABELS[key] = _label(f, opt)
+    return label
+
+
+_LABELS: dict = {}  # (field, label, cli, flags) -> label_of
+
+
+def _label(f, opt: Option) -> str:
     if opt.label:
         return opt.label
     if not opt.cli:
