@@ -66,8 +66,9 @@ def targets_of(targets, world_size: int):
     wrong = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world_size]
     if wrong or not ranks:
         why = "names no rank" if not ranks else f"has {wrong[0]!r}"
-        raise PlanError(f"targets= {why}: it takes ranks between 0 and {world_size - 1} (e.g. targets=(0, 2), "
-                        f"%%dist --targets 0,2), got {given!r}")
+        example = tuple(range(min(world_size, 2)))
+        raise PlanError(f"targets= {why}: it takes ranks between 0 and {world_size - 1} (e.g. targets={example}, "
+                        f"%%dist --targets {','.join(map(str, example))}), got {given!r}")
     return tuple(sorted(set(ranks)))
 
 

@@ -95,7 +95,7 @@ def _call(where, step) -> str:
     at = f"cell line {where['cell_line']}: `{where['cell_code']}`" if where.get("cell_line") else \
         f"step {step}" if step is not None else "distnb's loop"
     if step is not None and where.get("cell_line"):  # a training cell: how far this rank got, too
-        at = f"after {step} steps, {at}"
+        at = f"after {step} step{'' if step == 1 else 's'}, {at}"
     return f"{op}{shape} ({at})"
 
 

@@ -256,7 +256,7 @@ VERBS = {"start": _start, "stop": _stop, "restart": _restart, "scale": _scale, "
 
 DIST_DOC = """Run code and manage the distributed cluster from a notebook.
 
-Line magic ``%dist VERB [options]``; cell magic ``%%dist [--all-output]``.
+Line magic ``%dist VERB [options]``; cell magic ``%%dist [--all-output] [--targets 0,2] [--unchecked]``.
 
 Example::
 
@@ -505,8 +505,10 @@ class DistMagics(Magics):
                                unchecked=args.unchecked)
                 return None
             verb, _, rest = line.strip().partition(" ")
-            if verb in ("", "help", "-h", "--help"):
+            if verb in ("", "help", "-h", "--help") and rest.strip() in ("", *VERBS):
                 return print(VERBS[rest.strip()].parser.format_help() if rest.strip() in VERBS else _dist_doc())
+            if verb in ("help", "-h", "--help"):  # %dist help bogus
+                verb = rest.strip()
             if verb not in VERBS:
                 raise UsageError(f"unknown %dist verb {verb!r}; use one of: {', '.join(VERBS)} (see %dist help)")
             if _asks_help(rest):

@@ -129,10 +129,11 @@ def _wrap(dist, torch, op, original):
         only = SUBSET.get("ranks")
         members = dist.get_process_group_ranks(group) if group is not None else range(world)
         if only is not None and not set(members) <= set(only):
+            absent = [r for r in members if r not in only]
             raise CollectiveMismatchError(
-                f"dist.{op} in a cell run on {ranks_named(only)} only: "
-                f"{ranks_named(r for r in members if r not in only)} of its group never call it, so it would hang. "
-                "Run the cell on every rank (leave out --targets)")
+                f"dist.{op} in a cell run on {ranks_named(only)} only: {ranks_named(absent)} of its group never "
+                f"call{'s' if len(absent) == 1 else ''} it, so it would hang. Run the cell on every rank (leave out "
+                "--targets)")
         # what a rank waiting here waits in (distnb.engine.where)
         CURRENT["call"] = (op, None if placeholder else list(tensor.shape))
         PROGRESS[0] += 1

@@ -97,9 +97,9 @@ def agree_on_steps(steps: int, when: str) -> None:
     key = f"distnb_steps/{_AGREED['seq']}/"
     store.set(key + str(st.rank), f"{steps}\t{when}")  # the spot too: one rank's epoch end may meet another's body end
     keys = [key + str(r) for r in range(st.world_size)]
-    where.NOTE["text"] = (f"waiting {when} after {steps} steps of it for the other ranks (a rank that takes "
-                          "fewer steps than the others, e.g. a --loop body that breaks out of ctx.loader on "
-                          "some ranks only, leaves them waiting in the step's collective)")
+    where.NOTE["text"] = (f"waiting {when} after {steps} step{'' if steps == 1 else 's'} of it for the other ranks "
+                          "(a rank that takes fewer steps than the others, e.g. a --loop body that breaks out of "
+                          "ctx.loader on some ranks only, leaves them waiting in the step's collective)")
     delay = STEPS_POLL_FIRST
     try:  # polled, not store.wait: the store's C++ logs a warning line (into the cell) at each wait's timeout
         while not store.check(keys):

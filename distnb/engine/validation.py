@@ -139,6 +139,11 @@ class Validator:
                     k = max(0, hi - lo)
                     idx = torch.arange(lo, hi) if k else torch.zeros(1, dtype=torch.long)  # masked pad sample
                     sums += self._batch(ctx, code, idx, k, strategy)
+        except Exception as exc:  # the body ran on the training batches: say this one was a validation batch
+            if exc.args and isinstance(exc.args[0], str):
+                exc.args = (f"{exc.args[0]}\n[distnb] rank {ctx.rank} raised this on a --val-data {self.plan.val_data} "
+                            f"batch (validation after epoch {epoch}); the training batches ran",) + exc.args[1:]
+            raise
         finally:
             module.train()
             ns.update(saved)

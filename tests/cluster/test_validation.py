@@ -122,6 +122,17 @@ def test_a_metric_that_raises_names_the_rank_and_the_cluster_stays_usable(dist_s
     assert ok.val_history
 
 
+def test_a_body_that_fails_on_a_validation_batch_says_it_was_one(dist_session, shell):
+    setup(shell, "val_shape")
+    x, y = parity_data(n=7, seed=3).tensors
+    shell.user_ns["val_2d"] = (x, y[:, None])  # targets of shape (7, 1): cross_entropy refuses them
+    with pytest.raises(RankError) as info:
+        dist_session.train(BODY, model="val_shape", data="val_train", val_data="val_2d", epochs=1, batch_size=16,
+                           progress="none", quiet=True)
+    text = str(info.value)
+    assert "on a --val-data val_2d batch (validation after epoch 0); the training batches ran" in text, text
+
+
 def test_bad_validation_options_are_plan_errors_before_anything_is_sent(dist_session, shell):
     setup(shell, "val_bad")
     shell.user_ns["not_data"] = "a string"

@@ -321,7 +321,7 @@ def test_unchecked_cells_call_torchs_collectives_themselves(shell, trained, caps
     with pytest.raises(PlanError, match="unchecked must be True or False"):
         s.run(code, unchecked="no")
     t0 = time.monotonic()
-    with pytest.raises(RankError, match="rank 1 of its group never call it"):  # --targets still refuses at once
+    with pytest.raises(RankError, match="rank 1 of its group never calls it"):  # --targets still refuses at once
         s.run("import torch, torch.distributed as dist\ndist.all_reduce(torch.ones(1))", targets=[0], unchecked=True)
     assert time.monotonic() - t0 < 5
     with pytest.raises(RankError, match="dist.barrier in a cell run on rank 1 only: rank 0 of its group never"):

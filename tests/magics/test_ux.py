@@ -22,7 +22,7 @@ def test_a_cell_on_some_ranks_runs_there_only_and_a_collective_in_it_is_an_error
     err = run(shell, "%%dist --ranks 0\nimport torch, torch.distributed as dist\ndist.all_reduce(torch.ones(2))"
               ).error_in_exec
     assert isinstance(err, RankError) and err.ranks == [0]
-    assert "dist.all_reduce in a cell run on rank 0 only: rank 1 of its group never call it" in str(err)
+    assert "dist.all_reduce in a cell run on rank 0 only: rank 1 of its group never calls it" in str(err)
     assert isinstance(run(shell, "%%dist --targets 5\npass").error_in_exec, UsageError)
     s = session_mod.current()
     assert s.run("rank", targets=1) == [None, "1"] and s.run("rank", targets="0,1") == ["0", "1"]

@@ -50,6 +50,8 @@ def test_help_is_printed_for_dist_help_and_for_help_on_every_verb(capsys):
 
     with pytest.raises(UsageError, match="%%distrain is a cell magic: its options on the first line"):
         magics.distrain("--model m --data d")
+    with pytest.raises(UsageError, match="unknown %dist verb 'bogus'; use one of: start, "):
+        magics.dist("help bogus")  # it printed the whole help, as for %dist help
 
 
 def test_restart_takes_the_start_options_and_only_those_given():
