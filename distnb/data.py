@@ -187,6 +187,8 @@ def path_of(plan, obj) -> tuple:
     else:
         path, why = "tensors", "a tensor container, materialised once and shipped as shards"
         _check_container(name, obj)
+    if path == "dataset" and plan.steps_per_epoch:  # known before anything is sent, as for tensors below
+        _check_steps_option(plan, dict(kind="dataset", num_samples=len(obj)))
     if path == "tensors":
         given = [flag for field, flag in _LOADER_OPTIONS if getattr(plan, field)] + \
             (["--steps-per-epoch"] if plan.steps_per_epoch else [])

@@ -291,6 +291,10 @@ def test_a_stream_is_split_across_ranks_and_workers_without_duplicates(dist_sess
     with pytest.raises(PlanError, match="--steps-per-epoch is for an IterableDataset"):
         dist_session.train(BODY, model="m_make", data="make_part", steps_per_epoch=3, **QUIET)
     assert children(dist_session) == []
+    ns["m_never_sent"], ns["plain_set"] = parity_model(), ns["Plain"](*parity_data().tensors)
+    with pytest.raises(PlanError, match="--steps-per-epoch is for an IterableDataset.*has 203 samples"):
+        dist_session.train(BODY, model="m_never_sent", data="plain_set", steps_per_epoch=3, **QUIET)
+    assert "m_never_sent" not in dist_session.holdings.models  # refused before the model was sent
 
 
 def test_loader_options_with_tensors_are_an_error(dist_session, ns):
