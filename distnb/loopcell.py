@@ -3,10 +3,13 @@
 A ``--loop`` body writes its own loop, so two things a step body cannot get wrong can go
 unnoticed there: ``--epochs`` acts only through ``ctx.epochs()``, and the optimizer steps are
 the body's own ``optimizer.step()`` calls (counted on the ranks by
-:class:`distnb.engine.loopwatch.LoopWatch`).
+:class:`distnb.engine.loopwatch.LoopWatch`). A step body gets one warning before it runs
+(:func:`clip_warnings`): clipping gradients before distnb's backward clips nothing.
 """
 
 from __future__ import annotations
+
+import functools
 
 from .display.tables import count
 from .results import training_notes
@@ -59,3 +62,31 @@ def loop_notes(first: dict, plan, given=()) -> list:
                      "(torch.optim.Optimizer.step() was never called on the ranks): the weights changed only if "
                      "the body updated them itself; call optimizer.step() after loss.backward()")
     return found
+
+
+@functools.lru_cache(maxsize=64)
+def clip_warnings(code: str) -> tuple:
+    """Sentences about a step body that clips gradients before distnb's backward (so it clips nothing).
+
+    Parsed once per body text (:func:`distnb.training.body_warnings` asks at every cell; the parse and the
+    two walks of the tree were about 0.2 ms of a warm cell's kernel time, issue 17).
+    """
+    import ast
+
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return ()
+    deferred = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef)):
+            deferred.update(id(n) for n in ast.walk(node) if n is not node)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and id(node) not in deferred:
+            fn = node.func
+            name = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else ""
+            if name in ("clip_grad_norm_", "clip_grad_value_"):
+                return (f"the step body calls {name} before distnb's backward, so it clips nothing: pass "
+                        "--clip-grad-norm X (the norm over the whole model, every rank's part), or clip in "
+                        "ctx.after_backward(lambda: ...), which runs once the gradients are complete",)
+    return ()

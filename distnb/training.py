@@ -289,27 +289,9 @@ def check_step_options(session, plan, model_obj) -> None:
 
 def body_warnings(code: str, plan) -> list:
     """Sentences about a step body that does something distnb's step undoes (e.g. clipping before backward)."""
-    import ast
+    from .loopcell import clip_warnings
 
-    if plan.loop:
-        return []
-    try:
-        tree = ast.parse(code)
-    except SyntaxError:
-        return []
-    deferred = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef)):
-            deferred.update(id(n) for n in ast.walk(node) if n is not node)
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and id(node) not in deferred:
-            fn = node.func
-            name = fn.attr if isinstance(fn, ast.Attribute) else fn.id if isinstance(fn, ast.Name) else ""
-            if name in ("clip_grad_norm_", "clip_grad_value_"):
-                return [f"the step body calls {name} before distnb's backward, so it clips nothing: pass "
-                        "--clip-grad-norm X (the norm over the whole model, every rank's part), or clip in "
-                        "ctx.after_backward(lambda: ...), which runs once the gradients are complete"]
-    return []
+    return [] if plan.loop else list(clip_warnings(code))
 
 
 def prepare(session, plan, code, model_obj, data_obj, quiet) -> tuple:
