@@ -46,7 +46,12 @@ def load(session, name: str, model_obj, directory: str, quiet: bool = False, cha
     plan = TrainPlan.from_dict(dict(meta["plan"], model=name, reset=True, checkpoint_dir=None, checkpoint_every=None,
                                     **(changes or {})))
     training.ensure_model(session, plan, model_obj, quiet=True)
-    run_on_ranks(session, calls.restore, name, meta["path"], changes or None, what=f"loading {name}")
+    try:
+        run_on_ranks(session, calls.restore, name, meta["path"], changes or None, what=f"loading {name}")
+    except BaseException:  # nothing loaded: the next cell sends the notebook's model afresh, with its own options
+        for held in (session.holdings.models, session.holdings.distributed):
+            held.pop(name, None)
+        raise
     session.holdings.remember(dataclasses.replace(plan, optimizer=meta["optimizer"], lr=None), model_obj)  # live now
     session.holdings.lr_of[name] = None
     session.holdings.trained_steps[name] = meta["steps"]

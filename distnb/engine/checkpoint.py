@@ -139,6 +139,8 @@ def load(run, meta: dict, ns=None, plan=None) -> None:
             raise
         failures = getattr(exc, "failures", None) or {}
         first = next(iter(failures.values()), exc)
+        if isinstance(first, tuple) and first and isinstance(first[0], BaseException):
+            first = first[0]  # (exception, its traceback's frames), as DCP keeps each rank's failure
         reason = str(first).strip().splitlines()[-1] if str(first).strip() else type(first).__name__
         raise RuntimeError(f"rank {runtime.STATE.rank}: checkpoint {meta['path']} does not fit this model "
                            f"(--strategy {meta['plan']['strategy']}, optimizer {meta['optimizer']}): {reason}. "

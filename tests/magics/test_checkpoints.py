@@ -189,3 +189,27 @@ def test_a_checkpoint_of_another_model_is_a_clear_error(dist_session, shell, tmp
     else:
         raise AssertionError("a mismatched checkpoint was loaded")
     train(dist_session, "ck_big", 1, checkpoint_dir=str(tmp_path), reset=True)  # the way out it names
+
+
+def test_load_into_another_model_names_the_key_and_changes_nothing(dist_session, shell, tmp_path, capsys):
+    from distnb.errors import RankError
+
+    ns = shell.user_ns
+    ns["ck_data"], ns["F"] = make_data(), F
+    ns["ck_fsdp"] = make_model()
+    train(dist_session, "ck_fsdp", 1, optimizer="adam", lr=0.01, strategy="fsdp")
+    dist_session.save(str(tmp_path), model="ck_fsdp", quiet=True)
+    torch.manual_seed(0)
+    shell.run_cell("import torch.nn as nn\nclass Headed(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                   "        self.head = nn.Linear(10, 2)\n    def forward(self, x):\n        return self.head(x)\n"
+                   "ck_other = Headed()").raise_error()  # keys the checkpoint lacks
+    before = params(ns["ck_other"]).clone()
+    with pytest.raises(RankError) as info:
+        dist_session.load(str(tmp_path), model="ck_other", quiet=True)
+    text = str(info.value)
+    assert "does not fit this model" in text and "Missing key in checkpoint state_dict: model.head." in text, text
+    assert "FrameSummary" not in text  # it showed DCP's (exception, frames) pair
+    assert torch.equal(params(ns["ck_other"]), before)
+    capsys.readouterr()
+    dist_session.train(BODY, model="ck_other", data="ck_data", epochs=1, batch_size=8, progress="none")
+    assert "the last cell used fsdp" not in capsys.readouterr().out  # the failed load left no options behind
