@@ -11,8 +11,13 @@ other distnb command raises :class:`~distnb.errors.BusyError` until the run is o
 ``%dist where`` and ``%dist status`` (which do not ask the busy ranks) and ``%dist stop``
 (:func:`stop_before_cluster_stop` stops the run first, then the cluster).
 
-``%dist wait`` (:meth:`Session.wait`) joins the thread and returns the run's TrainResult;
-``%dist stop-training`` (:meth:`Session.stop_training`) asks the watcher to stop the ranks
+``%dist wait`` (:meth:`Session.wait`) joins the thread and returns the run's TrainResult
+(the run's own thread put the weights into the kernel's model, once, as it ended). A finished
+run stays on the session until ``%dist wait`` (or ``%dist stop-training``, ``%dist stop``, a new
+background run) collects it: other commands that find it finished print one line about it, once,
+and leave it there, so ``r = %dist wait`` still returns it (or raises what it raised) however many
+commands ran in between. Once collected it is gone: a second ``%dist wait`` says there is nothing
+to wait for. ``%dist stop-training`` (:meth:`Session.stop_training`) asks the watcher to stop the ranks
 exactly as the interrupt button does in the foreground (a SIGINT to every rank; they agree
 on a step and stop together), then collects the run.
 """
@@ -57,7 +62,11 @@ class BackgroundRun:
     error : BaseException or None
         What the run raised (RankError, Interrupted, PlanError, ...).
     on_result : list of callable
-        Called with the TrainResult in the main thread when the run is collected.
+        Called with the TrainResult in the main thread, once: when a command first finds the run finished.
+    noted : bool
+        True once a command other than ``%dist wait`` said, in one line, that the run had ended.
+    collected : bool
+        True once the run was taken off the session (its result returned or its error raised).
     """
 
     def __init__(self, target, kwargs):
@@ -68,6 +77,8 @@ class BackgroundRun:
         self.result = None
         self.error = None
         self.collected = False
+        self.noted = False
+        self.delivered = False  # on_result called
         self.on_result = []
         self.t_start = time.monotonic()
         self.t_end = None
@@ -146,41 +157,53 @@ class BackgroundRun:
 def check_idle(session) -> None:
     """Raise BusyError if ``session`` has a background run going on (its own thread excepted).
 
-    A finished run nobody has collected yet is collected here, with a one-line note.
+    A finished run nobody has collected yet is said in one line (once) and kept for ``%dist wait``.
     """
     run = getattr(session, "_background", None)
     if run is None or run.current_thread_is_runner():
         return
     if run.active:
         raise BusyError(BUSY_MESSAGE)
-    collect(session, note=True)
+    note(run)
 
 
-def collect(session, note=False):
-    """Take the finished background run off ``session``; return its TrainResult or raise its error.
+def deliver(run) -> None:
+    """Call the finished run's ``on_result`` callbacks (``-o NAME`` bound), the first time only."""
+    if run.delivered or run.error is not None:
+        return
+    run.delivered = True
+    for callback in run.on_result:
+        callback(run.result)
 
-    With ``note``, print one line instead of raising (used when another command collects it).
-    """
+
+def note(run) -> None:
+    """Say in one line, once, that the run ended; it stays for ``%dist wait`` (which returns it, or raises)."""
+    deliver(run)
+    if run.noted:
+        return
+    run.noted = True
+    if run.error is None:
+        print(f"distnb: the background run finished: {run.result.title}; %dist wait returns its result")
+        return
+    first = (str(run.error).strip().splitlines() or [""])[0]
+    print(f"distnb: the background run ended: {type(run.error).__name__}: {first}; %dist wait raises it")
+
+
+def collect(session):
+    """Take the finished background run off ``session``; return its TrainResult or raise its error."""
     run = session._background
     session._background = None
     if run is None:
         return None
     run.collected = True
-    if run.error is None:
-        for callback in run.on_result:
-            callback(run.result)
-        if note:
-            print(f"distnb: the background run finished: {run.result.title}")
-        elif getattr(run.result, "lost", None):  # said while it ran, where no one may have looked
-            from .shrinking import summary
+    if run.error is not None:
+        raise run.error.with_traceback(None)
+    deliver(run)
+    if getattr(run.result, "lost", None):  # said while it ran, where no one may have looked
+        from .shrinking import summary
 
-            print(f"distnb: during the background run, {summary(run.result.lost)}")
-        return run.result
-    if note:
-        first = (str(run.error).strip().splitlines() or [""])[0]
-        print(f"distnb: the background run ended: {type(run.error).__name__}: {first}")
-        return None
-    raise run.error.with_traceback(None)
+        print(f"distnb: during the background run, {summary(run.result.lost)}")
+    return run.result
 
 
 def wait(session, timeout=None):
@@ -250,8 +273,7 @@ def stop_before_cluster_stop(session) -> str:
             return f"stopped the background training run ({run.error}); "
         first = (str(run.error).strip().splitlines() or [""])[0]
         return f"the background run had ended ({type(run.error).__name__}: {first}); "
-    for callback in run.on_result:
-        callback(run.result)
+    deliver(run)
     if run.result.interrupted:
         return (f"stopped the background training run ({run.result.interrupted_message}; the kernel's model "
                 "holds the weights of the last completed step), then ")

@@ -298,8 +298,8 @@ class Session:
     def wait(self, timeout=None):
         """Wait for the background training run (``%dist wait``) and return its TrainResult.
 
-        The trained weights are in the kernel's model by then, as after a foreground cell.
-        Interrupting the wait (the interrupt button) stops the run like ``stop_training``.
+        The trained weights are in the kernel's model by then, as after a foreground cell. A finished run
+        waits here, whatever ran since, until it is returned once. Interrupting the wait stops the run.
 
         Parameters
         ----------
@@ -309,8 +309,8 @@ class Session:
         Returns
         -------
         TrainResult or None
-            None when there is no background run (or it is still going on after ``timeout``, or the
-            wait was interrupted: the run is stopped and the Interrupted printed as one line).
+            None when there is no background run, or its result was returned already (or it is still going
+            on after ``timeout``, or the wait was interrupted: the run is stopped, the Interrupted said).
 
         Raises
         ------

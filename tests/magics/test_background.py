@@ -57,6 +57,35 @@ def test_background_run_frees_the_kernel_refuses_other_commands_and_wait_returns
     assert "no background training run" in (run(shell, "%dist wait"), capsys.readouterr().out)[1]
 
 
+def test_a_finished_run_is_kept_for_wait_whatever_ran_in_between(shell, capsys):
+    # %dist status (and %dist where) after the run had finished took it off the session with a
+    # one-line note, so a later `r = %dist wait` said there was nothing to wait for: without -o the
+    # TrainResult was lost
+    run(shell, SETUP)
+    before = {k: v.clone() for k, v in shell.user_ns["bg_net"].state_dict().items()}
+    res = run(shell, "%%distrain --model bg_net --data bg_train --epochs 2 --batch-size 16 --background\n"
+                     "x, y = batch\nloss = F.cross_entropy(model(x), y)")
+    assert res.error_in_exec is None
+    sess = session_mod.current()
+    assert sess._background.join(60)  # finished before any other command
+    trained = {k: v.clone() for k, v in shell.user_ns["bg_net"].state_dict().items()}
+    assert not all(torch.equal(before[k], v) for k, v in trained.items())  # the run's own weights-back
+    capsys.readouterr()
+    for cell in ("%dist status", "%dist where", "%dist status", "%%dist\nprint('meanwhile')"):
+        assert run(shell, cell).error_in_exec is None, cell
+    out = capsys.readouterr().out
+    assert out.count("the background run finished: ddp") == 1 and "no background training run" not in out
+    res = run(shell, "r = %dist wait")
+    assert res.error_in_exec is None and "no background training run" not in capsys.readouterr().out
+    result = shell.user_ns["r"]
+    assert result is not None and result.epochs == [0, 1] and all(row["steps"] == 16 for row in result.rows)
+    net = shell.user_ns["bg_net"]
+    assert all(torch.equal(trained[k], v) for k, v in net.state_dict().items())  # put back once, not again
+    assert _replicas_equal_kernel(shell)
+    assert sess._background is None
+    assert "no background training run" in (run(shell, "%dist wait"), capsys.readouterr().out)[1]  # once
+
+
 def test_stop_training_stops_every_rank_at_the_same_step(shell, capsys):
     run(shell, SETUP)
     run(shell, "%%distrain --model bg_net --data bg_train --epochs 500 --batch-size 16 --background -o bg_stopped\n"

@@ -184,9 +184,12 @@ def test_busy_while_running_then_collected_with_a_note(capsys):
     assert str(info.value) == BUSY_MESSAGE and "%dist stop-training" in BUSY_MESSAGE
     release.set()
     assert run.join(10)
-    check_idle(session)  # finished: collected by the next command, with a note
-    assert "the background run finished: ddp · 2 ranks" in capsys.readouterr().out
-    assert session._background is None and len(results) == 1 and collect(session) is None
+    check_idle(session)  # finished: said by the next command, in one line, and kept for %dist wait
+    check_idle(session)
+    assert capsys.readouterr().out.count("the background run finished: ddp · 2 ranks") == 1
+    assert session._background is run and len(results) == 1  # -o bound once
+    assert collect(session) is run.result and session._background is None and len(results) == 1
+    assert collect(session) is None
 
 
 # --- the where panel -----------------------------------------------------------------------------
