@@ -29,6 +29,9 @@ LIVENESS_SECONDS = 0.5
 POLL_SECONDS = 0.1
 #: Seconds to wait for the other ranks once one rank has failed, before interrupting them.
 FAILURE_GRACE = 5.0
+#: The same once a rank's engine died: nothing the others wait for can come from it (a %%dist cell that
+#: runs on without a collective was named after 5.4 s instead of about a second).
+DEATH_GRACE = 1.0
 #: Rank messages a second the kernel takes in at most, by spacing its looks at large worlds (see intake_interval).
 INTAKE_RATE = 1000
 #: Seconds to wait for a finished rank's remaining output messages.
@@ -161,7 +164,8 @@ class Watch:
                 pass
         if failed and self.failed_since is None:
             self.failed_since = time.monotonic()
-        if self.failed_since is not None and time.monotonic() - self.failed_since > FAILURE_GRACE:
+        grace = DEATH_GRACE if self.dead else FAILURE_GRACE
+        if self.failed_since is not None and time.monotonic() - self.failed_since > grace:
             self.interrupted |= self._interrupt_ranks()
             self.failed_since = math.inf
         self.hang = hangs.check(self) if self.hang is None else hangs.follow_up(self, self.hang)

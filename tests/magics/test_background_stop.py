@@ -74,9 +74,12 @@ def test_dist_stop_during_a_background_run_stops_it_at_one_step_then_the_cluster
     assert res.error_in_exec is None  # the new cluster trains
 
 
-def test_status_during_a_background_run_and_stop_after_a_rank_was_killed(shell, capsys):
+def test_status_during_a_background_run_and_stop_after_a_rank_was_killed(shell, capsys, monkeypatch):
     # rank 0 sleeps 20 s in its first step while rank 1 waits for it in the all-reduce: after rank 1 is
-    # killed the run goes on (rank 0 has not reached the collective) until FAILURE_GRACE ends it
+    # killed the run goes on (rank 0 has not reached the collective) until DEATH_GRACE ends it, here made long
+    from distnb import execute
+
+    monkeypatch.setattr(execute, "DEATH_GRACE", 60.0)
     run(shell, SETUP)
     res = run(shell, f"%%distrain {OPTIONS}\nx, y = batch\n"
                      "time.sleep(20 if torch.distributed.get_rank() == 0 else 0)\nloss = model(x).sum()")
