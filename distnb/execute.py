@@ -208,6 +208,9 @@ class Watch:
         if self.state is None:
             return
         for f in failures:
+            if self.hang is not None and f["ename"] != "EngineDied":  # distnb ended the hang: the HangError says why
+                self.state.set_status("interrupted", ranks=[f["rank"]], error="ended by distnb: a hang (the error below)")
+                continue
             status = "interrupted" if f["rank"] in self.interrupted or f.get("collateral") else "failed"
             error = f"{f['ename']}: {f['evalue']}"[:200]
             if f.get("collateral") and f["rank"] not in self.interrupted and failures[0] is not f:

@@ -109,15 +109,19 @@ for epoch in ctx.epochs():
 """
 
 
-def test_a_loop_body_that_breaks_on_one_rank_is_a_hang_naming_its_steps_not_an_abort(shell):
+def test_a_loop_body_that_breaks_on_one_rank_is_a_hang_naming_its_steps_not_an_abort(shell, capsys):
     # before: rank 0 went on to the epoch's mean-loss all-reduce while rank 1 was in DDP's bucket all-reduce;
     # gloo, given buffers of different sizes, aborted rank 0's engine (SIGABRT) and the cluster needed a restart
     run(shell, SETUP)
+    capsys.readouterr()
     with hang_after(HANG):
         t0 = time.monotonic()
         res = run(shell, "%%distrain --model hang_net --data hang_train --loop --epochs 1 --batch-size 16 "
-                         "--progress none\n" + BREAK_LOOP)
+                         "--progress text\n" + BREAK_LOOP)
         took = time.monotonic() - t0
+    shown = capsys.readouterr().out  # the ranks distnb interrupted to end the hang: not "failed: KeyboardInterrupt"
+    assert "rank 0 interrupted after 3 of this cell's steps in epoch 0: ended by distnb: a hang" in shown, shown
+    assert "KeyboardInterrupt" not in shown and "failed" not in shown
     err = res.error_in_exec
     assert isinstance(err, HangError) and took < HANG + 15, (err, took)
     text = str(err)
