@@ -213,7 +213,8 @@ def _share(t, world_size: int):
     column), and within ``M`` each local piece ``R`` times (``R``: the product of the sizes of
     the dimensions it is ``Replicate`` on). So every rank adds ``M.size() / (world_size * R)``
     of its local square; 1 for a tensor sharded over all ranks (fsdp). None when the tensor
-    is whole on every rank (replicated over a mesh of all ranks): it counts once, locally.
+    is whole on every rank (replicated over a mesh of all ranks, a ``Shard`` only on dimensions
+    of size 1, as ``--mesh 1xN``'s dp): it counts once, locally.
     """
     mesh = t.device_mesh
     size, copies = mesh.size(), 1
@@ -229,8 +230,9 @@ def total_norm(params, partitioned: bool, device) -> float:
     """The 2-norm of the gradients of the whole model, of which this rank holds ``params``' part.
 
     DTensor gradients sharded over a mesh (fsdp, tensor, fsdp+tensor) add their local squares
-    over the ranks, each weighted by :func:`_share` so that a piece held by several ranks
-    counts once; whole ones (DTensor ``Replicate`` on every rank, or plain tensors of ddp and
+    over the ranks, each weighted by :func:`_share` of its parameter's placements so that a
+    piece held by several ranks counts once (a ``Partial`` gradient is first reduced to its
+    parameter's layout); whole ones (DTensor whole on every rank, or plain tensors of ddp and
     tensor) count once. With ``partitioned`` (pipeline: every rank holds other parameters),
     plain tensors add over the ranks too. A collective whenever anything is summed: every
     rank calls it.
@@ -246,9 +248,11 @@ def total_norm(params, partitioned: bool, device) -> float:
         if g is None:
             continue
         if hasattr(g, "to_local"):
+            if hasattr(p, "placements") and any(pl.is_partial() for pl in g.placements):
+                g = g.redistribute(p.device_mesh, p.placements)  # pending sums: a local square of them is no norm
             local = g.to_local().detach().double().pow(2).sum().to(device)
-            if share is None and any(pl.is_shard() or pl.is_partial() for pl in g.placements):
-                share = 1.0
+            # the share is the parameter's, never guessed from a Shard of the grad: on --mesh 1xN a
+            # row-wise bias is (Shard(0) over a dp of 1, Replicate over tp), whole on every rank
             if share is None:
                 once += local
             else:

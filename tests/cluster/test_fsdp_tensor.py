@@ -273,6 +273,34 @@ def test_tensor_bad_plans_error_before_anything_runs(dist_session, shell):
     assert dist_session.pull("_sent") == [[], []]
 
 
+# fsdp+tensor on 2 ranks --------------------------------------------------------------------------
+def test_fsdp_tensor_1x2_clips_with_the_norm_of_one_process(dist_session, shell):
+    """--mesh 1x2: the row-wise layer's bias is Replicate over tp (Shard on a dp of one) and counts once.
+
+    It was counted once per tensor-parallel rank (a pre-clip norm ~2% too large here): the
+    clipped weights, and the reported grad_norm, went wrong without a warning.
+    """
+    ns = shell.user_ns
+    torch.manual_seed(3)
+    make = lambda: nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.ReLU(), nn.Linear(16, 4))
+    torch.manual_seed(3)
+    net = make()
+    ref = make()
+    ref.load_state_dict(net.state_dict())
+    data = torch.utils.data.TensorDataset(torch.randn(128, 16), torch.randint(0, 4, (128,)))
+    ns["ft_clip_net"], ns["ft_clip_data"], ns["F"] = net, data, F
+    result = dist_session.train(BODY, model="ft_clip_net", data="ft_clip_data", epochs=3, batch_size=128,
+                                optimizer="sgd", lr=0.5, seed=3, strategy="fsdp+tensor", mesh="1x2",
+                                clip_grad_norm=0.02, progress="none", quiet=True)
+    run = reference(ref, data, num_shards=1, batch_size=128, epochs=3, seed=3, optimizer=torch.optim.SGD,
+                    lr=0.5, clip_grad_norm=0.02)
+    assert len(run.grad_norms) == 3 and min(run.grad_norms) > 0.02  # every step clips
+    assert [v for _, v in result.grad_norm_history] == pytest.approx(run.grad_norms, rel=1e-6, abs=1e-9)
+    assert result.grad_norm == pytest.approx(run.grad_norms[-1], rel=1e-6)
+    for (name, p), p_ref in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), p_ref.detach(), atol=1e-6, rtol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 # switching strategies --------------------------------------------------------------------------
 def test_switching_strategy_redistributes_from_the_kernel_weights(dist_session, shell):
     ns = shell.user_ns

@@ -149,6 +149,21 @@ def test_clipping_accumulation_and_validation_count_each_sample_once(mesh_sessio
     assert result.val_history[-1]["loss"] == pytest.approx(want, rel=1e-5)
 
 
+@pytest.mark.parametrize("mesh,num_shards", [("1x4", 1), ("4x1", 4)])
+def test_clipping_on_pure_tensor_and_pure_fsdp_meshes(mesh_session, shell, mesh, num_shards):
+    """On 1x4 the row-wise bias (Shard over a dp of 1, Replicate over tp) counted 4 times in the norm."""
+    s, ns = mesh_session, shell.user_ns
+    name = f"mesh_clip_{mesh}"
+    ns[name], ns["mesh_data"] = make_model(), make_data()
+    ref = make_model()
+    result = train(s, name, "mesh_data", optimizer="sgd", lr=0.1, mesh=mesh, clip_grad_norm=0.05)
+    run = reference(ref, ns["mesh_data"], num_shards=num_shards, batch_size=16, epochs=1, seed=4,
+                    optimizer=torch.optim.SGD, lr=0.1, clip_grad_norm=0.05)
+    assert max(run.grad_norms) > 0.05  # some steps clip
+    assert [v for _, v in result.grad_norm_history] == pytest.approx(run.grad_norms, rel=1e-5)
+    assert_params_close(ns[name], ref)
+
+
 DATASETS = """
 import torch
 class MeshSet(torch.utils.data.Dataset):  # map-style, not tensors: loaded on the ranks
