@@ -14,7 +14,7 @@ import contextlib
 import functools
 import os
 
-from . import calls
+from . import calls, captured
 from .errors import PlanError
 
 
@@ -132,7 +132,8 @@ def fingerprint(obj):
 
     A model: object id, each submodule's type and plain attributes (``net.scale = 0.5``
     counts), each tensor's version counter, memory address, dtype, shape and device, and which
-    parameters require gradients. Data: object id, length, and per column the same of each tensor,
+    parameters require gradients, and the notebook globals its classes' code reads
+    (:mod:`distnb.captured`: ``TEMP = 100.0`` after the model was sent counts). Data: object id, length, and per column the same of each tensor,
     or a numpy array's checksum; a tuple, list or dict of tensors or arrays is its columns, not its id
     (a new ``(X, y)`` of the same tensors, as ``train(data=(X, y))`` makes at every call, is the data
     the ranks hold). In-place changes through autograd-visible ops
@@ -146,6 +147,7 @@ def fingerprint(obj):
     if isinstance(obj, torch.nn.Module):
         leaves = [_leaf(t) for t in obj.state_dict(keep_vars=True).values()] + [_module_settings(obj)]
         leaves.append(tuple(p.requires_grad for p in obj.parameters()))  # a frozen layer is a change too
+        leaves.append(captured.digest({type(m) for m in obj.modules()}))  # the notebook globals its code reads
     elif isinstance(obj, torch.utils.data.TensorDataset):
         leaves = [_leaf(t) for t in obj.tensors]
     elif isinstance(obj, (tuple, list)):
@@ -520,7 +522,7 @@ def model_change(old, new, keys) -> str:
     if old[0] != new[0] or old[1] != new[1]:
         return "it is a new object"
     before, after = old[3], new[3]
-    if len(before) != len(after) or len(before) != len(keys) + 2:
+    if len(before) != len(after) or len(before) != len(keys) + 3:  # the tensors, then the three of fingerprint()
         return "its tensors changed"
     names = [k for k, a, b in zip(keys, before, after) if a != b]
     names = [f"{k[:-len('.num_batches_tracked')] or 'the'} running statistics (BatchNorm run in train mode)"
@@ -529,8 +531,10 @@ def model_change(old, new, keys) -> str:
     if names:
         shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
         parts.append(f"{shown} changed")
-    if before[-2] != after[-2]:
+    if before[-3] != after[-3]:
         parts.append("a submodule's settings changed")
-    if before[-1] != after[-1]:
+    if before[-2] != after[-2]:
         parts.append("which parameters train changed")
+    if before[-1] != after[-1]:
+        parts.append("a notebook global or function its code reads changed")
     return "; ".join(parts) or "its state changed"

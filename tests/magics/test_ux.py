@@ -1,5 +1,6 @@
 """Small things a notebook user meets: cells on some ranks, a second %dist start, %unload_ext (real cluster)."""
 
+import math
 import re
 
 import pytest
@@ -104,6 +105,30 @@ def test_a_model_changed_in_the_notebook_or_a_strategy_switch_says_what_happens(
            "distributed anew; its optimizer state is rebuilt" in out
     assert run(shell, cell.format(" --strategy fsdp")).error_in_exec is None
     assert "sent again" not in capsys.readouterr().out  # nothing changed: the ranks keep model and optimizer
+
+
+def test_a_notebook_global_the_model_reads_changed_is_sent_to_the_ranks(shell, capsys):
+    # the ranks got TEMP (and helper) by value with the class: they kept computing with the old ones
+    run(shell, "import math, torch, torch.nn as nn, torch.nn.functional as F\nTEMP = 1.0\n"
+               "def scaled(z):\n    return z / TEMP\n"
+               "class Tempered(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+               "        self.fc = nn.Linear(4, 2)\n    def forward(self, x):\n        return scaled(self.fc(x))\n"
+               "torch.manual_seed(0)\ntemp_net = Tempered()\n"
+               "temp_data = torch.utils.data.TensorDataset(torch.randn(64, 4) * 20, torch.randint(0, 2, (64,)))")
+    cell = "%%distrain --model temp_net --data temp_data --batch-size 64 --lr 1e-9 --progress none\nx, y = batch\n" \
+           "loss = F.cross_entropy(model(x), y)"
+    first = run(shell, cell).result.final_loss
+    assert abs(first - math.log(2)) > 0.05
+    for change in ("TEMP = 1e6", "def scaled(z):\n    return z * 1e-6"):  # a value, then a function defined again
+        run(shell, "TEMP = 1.0\n" if change.startswith("def") else "")
+        run(shell, change)
+        capsys.readouterr()
+        result = run(shell, cell).result
+        assert abs(result.final_loss - math.log(2)) < 1e-4, (change, result.final_loss)  # logits near 0: ln 2
+        assert "temp_net changed in the notebook since the last cell (a notebook global or function its code reads " \
+               "changed): the ranks get it again" in capsys.readouterr().out
+        run(shell, "def scaled(z):\n    return z / TEMP\nTEMP = 1.0")
+        run(shell, cell)
 
 
 def test_a_new_object_under_a_trained_name_starts_from_the_defaults(shell, capsys):

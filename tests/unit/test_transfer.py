@@ -196,3 +196,27 @@ def test_a_changed_model_is_described_by_what_changed():
     net[0].bias.requires_grad_(False)
     assert model_change(before, fingerprint(net), keys) == "which parameters train changed"
     assert model_change(before, fingerprint(torch.nn.Linear(2, 2)), keys) == "it is a new object"
+
+
+def test_the_notebook_globals_a_model_reads_are_in_its_fingerprint():
+    import types
+
+    import torch.nn as nn
+
+    from distnb import captured
+
+    nb = types.ModuleType("__main__")  # a notebook's namespace: its classes and functions go by value
+    exec("import torch.nn as nn\nTEMP = 1.0\nCFG = {'k': 2}\ndef helper(z):\n    return z / TEMP\n"
+         "class Base(nn.Module):\n    @staticmethod\n    def act(z):\n        return z * CFG['k']\n"
+         "class Net(Base):\n    def __init__(self):\n        super().__init__()\n        self.fc = nn.Linear(2, 2)\n"
+         "    def forward(self, x):\n        return self.act(helper(self.fc(x)))\n", nb.__dict__)
+    net = nb.Net()
+    assert captured.by_value(nb.Net) and not captured.by_value(nn.Linear)
+    fp = fingerprint(net)
+    assert fingerprint(net) == fp
+    for change in ("TEMP = 2.0", "CFG['k'] = 3", "def helper(z):\n    return z * TEMP"):  # read through a base
+        exec(change, nb.__dict__)                                                    # class and a function too
+        assert fingerprint(net) != fp, change
+        fp = fingerprint(net)
+    exec("UNUSED = 5", nb.__dict__)  # a global the model's code does not read
+    assert fingerprint(net) == fp
