@@ -26,11 +26,13 @@ Randomness is reproducible: before the first sample of an epoch, the process tha
 (the rank itself, or each DataLoader worker) seeds ``torch``, ``random`` and ``numpy`` from
 ``(--seed, epoch, data shard, worker id)``; the data shard is the rank under data parallelism,
 and the ranks that share one (a tensor-parallel group, every rank of ``tensor`` or
-``pipeline``) draw the same random augmentations, as they must train on the same batches. ``--workers N`` loads in N DataLoader worker
-processes (forked, ``pin_memory`` on GPU ranks, ``persistent_workers`` between the epochs
-of one cell, ``--prefetch-factor``); they are ended when the cell ends, however it ends
-(:meth:`Source.close`). A sample that raises, samples that cannot be batched, a worker
-that dies and a full ``/dev/shm`` are errors naming the rank, the sample indices and the fix.
+``pipeline``) draw the same random augmentations, as they must train on the same batches. With
+``--workers 0`` that seeds the rank's own generators, as the tensor path does (:func:`seed_epoch`).
+``--workers N`` loads in N DataLoader worker processes (forked, ``pin_memory`` on GPU ranks,
+``persistent_workers`` between the epochs of one cell, ``--prefetch-factor``); they are ended
+when the cell ends, however it ends (:meth:`Source.close`). A sample that raises, samples that
+cannot be batched, a worker that dies and a full ``/dev/shm`` are errors naming the rank, the
+sample indices and the fix.
 """
 
 from __future__ import annotations
@@ -67,6 +69,17 @@ def seed_all(*keys: int) -> int:
     if numpy is not None:
         numpy.random.seed(value % 2**32)
     return value
+
+
+def seed_epoch(seed: int, epoch: int, stream: int) -> int:
+    """Seed this process's generators for ``epoch`` (:func:`seed_all` of ``(seed, epoch, stream, worker id + 1)``).
+
+    ``stream`` is the data shard: ranks that train on the same batches share it. Called before an
+    epoch's first sample by the process that loads it: a DataLoader worker (worker key ``id + 1``),
+    or the rank itself (key 0), which is also where the tensor path (``loop.Shard``) seeds, so tensors
+    and the same data as a Dataset with ``--workers 0`` draw the same random numbers (dropout included).
+    """
+    return seed_all(seed, epoch, stream, _worker_id() + 1)
 
 
 def _worker_id() -> int:
@@ -156,7 +169,7 @@ class _Indexed(Dataset):
         epoch, indices = key
         if epoch != self.epoch:  # the epoch's first batch in this process: its random streams start here
             self.epoch = epoch
-            seed_all(self.seed, epoch, self.stream, _worker_id() + 1)
+            seed_epoch(self.seed, epoch, self.stream)
             if callable(getattr(self.dataset, "set_epoch", None)):
                 self.dataset.set_epoch(epoch)
         samples = []
@@ -193,7 +206,7 @@ class _Split(IterableDataset):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         self.epoch += 1  # each iteration of this copy (one per epoch, in this process) is the next epoch
-        seed_all(self.seed, self.epoch, self.stream, _worker_id() + 1)
+        seed_epoch(self.seed, self.epoch, self.stream)
         if callable(getattr(self.dataset, "set_epoch", None)):
             self.dataset.set_epoch(self.epoch)
         part, parts = self.index * workers + worker, self.num_shards * workers

@@ -33,11 +33,18 @@ class Shard:
     ``("dict", keys)`` for a dict of tensors; a batch has the same structure.
     ``num_shards`` is the data-parallel size the set was cut for (world_size, or 1 when
     every rank trains on the same batches) and ``index`` the shard this rank holds.
+
+    Before an epoch's first batch in a cell, :meth:`epoch` seeds this rank's ``torch``, ``random``
+    and ``numpy`` from ``(--seed, epoch, index)`` exactly as a Dataset loaded with ``--workers 0``
+    does (:func:`distnb.engine.datasets.seed_epoch`): the ranks of one shard (every rank of
+    ``tensor`` or ``pipeline``, a tensor-parallel group) draw the same dropout masks, and tensors
+    train to the weights of the same data as a Dataset.
     """
 
     def __init__(self, num_samples, num_shards, seed, index, structure, columns):
         self.num_samples, self.num_shards, self.seed, self.index = num_samples, num_shards, seed, index
         self.structure, self.columns = tuple(structure), columns
+        self._seeded = None  # the epoch this cell last seeded for (a Dataset's loader: _Indexed.epoch)
 
     def __len__(self):
         return len(self.columns[0])
@@ -69,10 +76,14 @@ class Shard:
         """Yield ``(samples, batch)`` per step of ``epoch``, starting ``skip`` samples in."""
         order = sharding.epoch_order(self.num_samples, self.num_shards, self.index, plan.seed, epoch, plan.drop_last)
         for idx in sharding.batches(order[skip:], plan.batch_size, plan.drop_last):
+            if epoch != self._seeded:  # the epoch's first batch in this cell (or its first after a resume)
+                self._seeded = epoch
+                datasets.seed_epoch(plan.seed, epoch, self.index)
             yield len(idx), self.batch(idx, device)
 
     def close(self):
-        """Nothing to end: the shard is plain tensors."""
+        """The cell ended (the shard is plain tensors: nothing to end); the next cell seeds its first epoch."""
+        self._seeded = None
 
 
 class Run:
