@@ -10,9 +10,10 @@ import re
 import pytest
 import torch
 
-from distnb.engine import shard
+from distnb.engine import datasets, shard
 from distnb.errors import PlanError, RankError
-from support.data import parity_data, parity_model
+from support.data import dropout_model, parity_data, parity_model
+from support.reference import reference
 
 DEFINE = r'''
 import os, tempfile, time
@@ -126,6 +127,21 @@ def test_map_style_dataset_gives_the_weights_of_the_same_data_as_tensors(dist_se
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     assert children(dist_session) == []  # the workers ended with the cell
     assert kernel_calls(ns) <= 1  # not sent again: the kernel never looked again
+
+
+def test_dropout_trains_tensors_and_the_same_data_as_a_dataset_to_the_same_weights(dist_session, ns):
+    # each rank seeds its own generators at an epoch's first batch from (--seed, epoch, rank) on both paths
+    # (a Dataset with --workers 0 in _Indexed, tensors in loop.Shard): the same dropout masks, the same weights
+    data = parity_data()
+    ns["do_tensors"], ns["do_dataset"] = data, ns["Plain"](*data.tensors)
+    ns["do_a"], ns["do_b"] = dropout_model(), dropout_model()
+    common = dict(epochs=2, batch_size=16, optimizer="adam", lr=0.01, seed=4, **QUIET)
+    a = dist_session.train(BODY, model="do_a", data="do_tensors", **common)
+    b = dist_session.train(BODY, model="do_b", data="do_dataset", **common)
+    for p_a, p_b in zip(ns["do_a"].parameters(), ns["do_b"].parameters()):
+        torch.testing.assert_close(p_a, p_b, atol=1e-6, rtol=0)
+    for row_a, row_b in zip(a.rows, b.rows):  # each rank's own last loss
+        assert row_a["final_loss"] == pytest.approx(row_b["final_loss"], rel=1e-6)
 
 
 def test_a_list_of_samples_trains_as_a_dataset_and_validates(dist_session, ns, capsys):
@@ -339,3 +355,32 @@ def test_a_strategy_that_trains_every_rank_on_the_same_batches_gets_the_whole_se
     assert [row["samples"] for row in r.rows] == [64, 64]  # every rank saw all of it
     for a, b in zip(ns["tp_a"].parameters(), ns["tp_b"].parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("strategy,mesh", [("tensor", None), ("fsdp+tensor", "1x2")])
+def test_tensor_parallel_ranks_draw_the_same_dropout_masks_as_one_process(dist_session, ns, strategy, mesh):
+    # the ranks of a tensor-parallel group train on the same batches: on tensor data they must draw the same
+    # numbers (here a dropout on replicated activations), those one process seeded per epoch draws
+    data = parity_data(n=64)
+    ns["tpd_tensors"], ns["tpd_dataset"] = data, ns["Plain"](*data.tensors)
+    ns["tpd_a"], ns["tpd_b"], ns["tpd_c"], ref = dropout_model(), dropout_model(), dropout_model(), dropout_model()
+    common = dict(epochs=2, batch_size=16, optimizer="sgd", lr=0.1, seed=2, strategy=strategy, **QUIET)
+    if mesh is not None:
+        common["mesh"] = mesh
+    r = dist_session.train(BODY, model="tpd_a", data="tpd_tensors", **common)
+    assert r.rows[0]["final_loss"] == pytest.approx(r.rows[1]["final_loss"], rel=1e-6)  # each rank's own loss
+    dist_session.train(BODY, model="tpd_b", data="tpd_dataset", **common)
+    reference(ref, data, num_shards=1, batch_size=16, epochs=2, seed=2, optimizer=torch.optim.SGD, lr=0.1,
+              seed_epochs=True)
+    for p_a, p_b, p_ref in zip(ns["tpd_a"].parameters(), ns["tpd_b"].parameters(), ref.parameters()):
+        torch.testing.assert_close(p_a, p_b, atol=1e-6, rtol=0)
+        torch.testing.assert_close(p_a, p_ref, atol=1e-5, rtol=1e-5)
+    # what the body draws: the same on both ranks, from (--seed, epoch, data shard 0) at each epoch's start
+    draw = "x, y = batch\n_tpd_draws.append(torch.rand(1).item())\nloss = F.cross_entropy(model(x), y)"
+    dist_session.run("_tpd_draws = []")
+    dist_session.train(draw, model="tpd_c", data="tpd_tensors", **common)
+    draws = dist_session.pull("_tpd_draws")
+    assert len(draws[0]) == 8 and draws[0] == draws[1]
+    with torch.random.fork_rng():
+        firsts = [(datasets.seed_epoch(2, epoch, 0), torch.rand(1).item())[1] for epoch in (0, 1)]
+    assert [draws[0][0], draws[0][4]] == pytest.approx(firsts, rel=1e-7)

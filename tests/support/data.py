@@ -49,6 +49,14 @@ def parity_model(seed: int = 1) -> nn.Sequential:
     return mlp(12, 16, 3, seed=seed)
 
 
+def dropout_model(seed: int = 1) -> nn.Sequential:
+    """``Linear(12, 32), ReLU, Linear(32, 16), Dropout(0.5), Linear(16, 3)``: a parity model that draws
+    random numbers in its forward (the dropout acts on the replicated output of tensor parallelism's
+    column/row pair, so every rank of ``tensor`` must draw the same mask as one process would)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 16), nn.Dropout(0.5), nn.Linear(16, 3))
+
+
 def _digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
     from sklearn.datasets import load_digits
 

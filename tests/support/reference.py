@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from distnb.engine import shard
+from distnb.engine import datasets, shard
 
 
 @dataclass
@@ -34,7 +34,8 @@ def reference(model: torch.nn.Module, data: torch.utils.data.TensorDataset, *, n
               optimizer: torch.optim.Optimizer | Callable[..., torch.optim.Optimizer],
               lr: float | None = None, first_epoch: int = 0, drop_last: bool = False,
               loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
-              accumulate: int = 1, clip_grad_norm: float | None = None, scheduler=None) -> ReferenceRun:
+              accumulate: int = 1, clip_grad_norm: float | None = None, scheduler=None,
+              seed_epochs: bool = False) -> ReferenceRun:
     """Train ``model`` in this process for epochs ``first_epoch .. first_epoch + epochs - 1``, as the ranks do.
 
     ``optimizer`` is an optimizer over ``model``'s parameters (its state carries on from an
@@ -46,7 +47,14 @@ def reference(model: torch.nn.Module, data: torch.utils.data.TensorDataset, *, n
     ``num_shards * batch_size * N``. ``clip_grad_norm``: ``torch.nn.utils.clip_grad_norm_`` before
     each step (the pre-clip norms are kept). ``scheduler``: an LRScheduler over ``optimizer`` or a
     factory ``scheduler(optimizer)``, stepped after every optimizer step (the lrs are kept).
+
+    ``seed_epochs``: seed this process before each epoch's first step as a rank seeds itself for
+    tensor data (``distnb.engine.datasets.seed_epoch(seed, epoch, 0)``, data shard 0), so a model
+    that draws random numbers (dropout) draws what the ranks draw. Only with ``num_shards=1``
+    (tensor, pipeline): data-parallel ranks draw each for their own shard, which no one process does.
     """
+    if seed_epochs and num_shards != 1:
+        raise ValueError("seed_epochs needs num_shards=1: data-parallel ranks each draw for their own shard")
     if not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = optimizer(model.parameters(), **({} if lr is None else {"lr": lr}))
     elif lr is not None:
@@ -58,6 +66,8 @@ def reference(model: torch.nn.Module, data: torch.utils.data.TensorDataset, *, n
     for epoch in range(first_epoch, first_epoch + epochs):
         losses = []
         steps = list(shard.global_batches(len(x), num_shards, seed, epoch, batch_size, drop_last))
+        if seed_epochs:
+            datasets.seed_epoch(seed, epoch, 0)
         for start in range(0, len(steps), accumulate):
             idx = torch.cat(steps[start:start + accumulate])
             optimizer.zero_grad()

@@ -62,6 +62,37 @@ def test_seeds_come_from_seed_epoch_rank_and_worker():
     assert len({datasets.seed_all(*k) for k in [(1, 2, 3, 0), (1, 3, 3, 0), (1, 2, 4, 0), (1, 2, 3, 1)]}) == 4
 
 
+def _draws_after_each_batch(data, p, epoch, skip):
+    """``torch.rand(2)`` after each batch of ``data``'s epoch (what a step's dropout draws), then the cell's end."""
+    draws = [torch.rand(2) for _ in data.epoch(p, epoch, skip, torch.device("cpu"))]
+    data.close()
+    return torch.cat(draws)
+
+
+@pytest.mark.parametrize("num_shards,index", [(1, 0), (2, 1)])
+def test_tensors_seed_the_rank_as_a_dataset_without_workers_does(num_shards, index):
+    from distnb.engine.loop import Shard
+
+    n, p = 37, plan(batch_size=4, seed=5)
+    x, y = torch.randn(n, 3), torch.arange(n)
+    mine = shard.assign(n, num_shards, 5)[index]
+    tensors = Shard(n, num_shards, 5, index, ("tuple", 2), [x[mine], y[mine]])
+    source = datasets.Source("d", TensorDataset(x, y), "dataset", num_shards, index, {})
+    with torch.random.fork_rng():
+        seen = {}
+        for epoch, skip in [(0, 0), (1, 0), (1, 8)]:  # two epochs, and the second resumed 8 samples in
+            torch.manual_seed(100 + epoch)  # whatever the rank drew before: the epoch's first batch reseeds
+            a = _draws_after_each_batch(tensors, p, epoch, skip)
+            torch.manual_seed(200 + epoch)
+            b = _draws_after_each_batch(source, p, epoch, skip)
+            assert torch.equal(a, b)
+            datasets.seed_all(5, epoch, index, 0)
+            assert torch.equal(a[:2], torch.rand(2))  # from (--seed, epoch, data shard, no worker)
+            seen[epoch, skip] = a
+        assert not torch.equal(seen[0, 0][:2], seen[1, 0][:2])  # a new epoch, new draws
+        assert torch.equal(seen[1, 8][:2], seen[1, 0][:2])  # a resumed epoch starts from the epoch's seed
+
+
 def test_a_stream_is_split_into_disjoint_parts():
     class Count(IterableDataset):
         def __iter__(self):
