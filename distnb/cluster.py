@@ -163,8 +163,8 @@ class Cluster(Engines):
         env = {"OMP_NUM_THREADS": str(spec.num_threads),
                "DISTNB_PRELOAD": "all" if spec.device_type == "cpu" and not self.remote else "torch"}
         env.update({k: v for k, v in launchers.ENGINE_ENV.items() if k not in os.environ})
-        self._ipp = self._new_ipp(env, profile, profile_kwargs, engine_timeout)
         try:
+            self._ipp = self._new_ipp(env, profile, profile_kwargs, engine_timeout)  # an interrupt here too: one line
             # local CPU engines are forked from the kernel's engine template (imports done once; distnb.zygote)
             if self.launcher == "local" and spec.device_type == "cpu":
                 self._ipp._distnb_zygote = self._template({**os.environ, **env})
@@ -180,10 +180,10 @@ class Cluster(Engines):
             self._setup_ranks()
         except BaseException as exc:
             where = launchers.failed_ssh_host(self._ipp, self.spec.hosts) if self.launcher == "ssh" else ""
-            started = launchers.engines_started(self._ipp)  # "2 engines", before the stop forgets them
+            started = launchers.stopped_so_far(self._ipp)  # "stopped the 2 engines ...", before the stop forgets them
             self.stop()
             if isinstance(exc, KeyboardInterrupt) or isinstance(exc.__context__, KeyboardInterrupt):  # Ctrl-C
-                raise Interrupted(f"%dist start interrupted: stopped the {started} started so far") from None
+                raise Interrupted(f"%dist start interrupted: {started}") from None
             if isinstance(exc, (ClusterError, PlanError)):
                 raise
             if isinstance(exc, slurm.SubmitError):

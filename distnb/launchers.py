@@ -372,6 +372,12 @@ def engines_started(cluster) -> str:
     return f"{n} engine{'s' * (n != 1)}"
 
 
+def stopped_so_far(cluster) -> str:
+    """What an interrupted start stopped, for its one line: ``"stopped the 2 engines started so far"``."""
+    started = engines_started(cluster)
+    return "no engine had started yet" if started == "0 engines" else f"stopped the {started} started so far"
+
+
 class _InterruptedTaskFilter(logging.Filter):
     """Drops what asyncio logs about the tasks an interrupted ipyparallel call leaves.
 

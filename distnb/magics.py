@@ -51,6 +51,34 @@ def declared_arguments(*classes, only_given=False):
     return apply
 
 
+def _load_modules() -> None:
+    """Import what the magics run (``distnb.session`` and below: ipyparallel, jupyter_client, ...) the first time,
+    with Ctrl-C held until the imports are done: an interrupt in the middle of one left a module half made
+    (``module 'jupyter_client' has no attribute 'session'`` at every later ``%dist start``, until a kernel restart).
+
+    Raises
+    ------
+    Interrupted
+        The interrupt came during the imports (they are finished; nothing was started).
+    """
+    import signal
+    import sys
+    import threading
+
+    if "distnb.session" in sys.modules or threading.current_thread() is not threading.main_thread():
+        return
+    pressed = []
+    previous = signal.signal(signal.SIGINT, lambda *_: pressed.append(True))
+    try:
+        from . import session  # noqa: F401
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pressed:
+        from .errors import Interrupted
+
+        raise Interrupted("interrupted while distnb loaded its modules (they are loaded now; nothing was started)")
+
+
 def _session():
     from . import session
 
@@ -494,6 +522,7 @@ class DistMagics(Magics):
 
     @line_cell_magic
     def dist(self, line, cell=None):
+        _load_modules()
         from . import session
 
         try:
@@ -529,6 +558,7 @@ class DistMagics(Magics):
 
     @line_cell_magic
     def distrain(self, line, cell=None):
+        _load_modules()
         if _asks_help(line) or (cell is None and not line.strip()):  # also `%distrain`: IPython points an empty
             return print(DistMagics.distrain.__doc__)  # `%%distrain --help` cell here
         if cell is None:

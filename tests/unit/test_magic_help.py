@@ -120,3 +120,38 @@ def test_an_option_given_twice_is_refused_not_settled_by_the_last(verb, line, sa
         magics._parse(magic, line)
     assert said in str(err.value)
     assert magics._parse(magic, line.rsplit(" -", 1)[0]) is not None  # once is fine
+
+
+INTERRUPTED_IMPORT = r'''
+import importlib.abc, os, signal, sys
+from IPython.testing.globalipapp import start_ipython
+ip = start_ipython()
+ip.run_line_magic("load_ext", "distnb")
+assert "distnb.cluster" not in sys.modules  # %load_ext stays light: the first %dist line imports the rest
+
+class CtrlC(importlib.abc.MetaPathFinder):  # the interrupt button, pressed in the middle of that import
+    def find_spec(self, name, path=None, target=None):
+        if name == "distnb.cluster":
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+first = ip.run_cell("%dist status").error_in_exec
+print("first", type(first).__name__, first)
+again = ip.run_cell("%dist status")
+print("again", again.error_in_exec, "distnb.cluster" in sys.modules)
+'''
+
+
+def test_an_interrupt_while_the_first_dist_line_imports_leaves_the_modules_whole(tmp_path):
+    # it left a module half made: "module 'jupyter_client' has no attribute 'session'" at every later %dist start
+    import subprocess
+    import sys
+
+    script = tmp_path / "interrupted_import.py"
+    script.write_text(INTERRUPTED_IMPORT)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120).stdout
+    assert "first Interrupted interrupted while distnb loaded its modules (they are loaded now; nothing was started)" \
+        in out, out
+    assert "again no distnb cluster is running; start one with %dist start (or distnb.start()) True" in out, out
