@@ -141,11 +141,11 @@ def load(run, meta: dict, ns=None, plan=None) -> None:
         first = next(iter(failures.values()), exc)
         if isinstance(first, tuple) and first and isinstance(first[0], BaseException):
             first = first[0]  # (exception, its traceback's frames), as DCP keeps each rank's failure
-        reason = str(first).strip().splitlines()[-1] if str(first).strip() else type(first).__name__
+        reason = str(first).strip().splitlines()[-1].rstrip(".") if str(first).strip() else type(first).__name__
         raise RuntimeError(f"rank {runtime.STATE.rank}: checkpoint {meta['path']} does not fit this model "
                            f"(--strategy {meta['plan']['strategy']}, optimizer {meta['optimizer']}): {reason}. "
-                           "Load it into a model of the same class and sizes, or use another --checkpoint-dir "
-                           "(or --reset to start from the notebook's weights)") from None
+                           "Load it into a model of the same class and sizes (a training cell's --checkpoint-dir: "
+                           "another directory, or --reset to start from the notebook's weights)") from None
     run.strategy.load_checkpoint_state(run.optimizer, state["model"], state["optimizer"])
     run.epoch, run.epoch_step, run.steps = meta["epoch"], meta["epoch_step"], meta["steps"]
     run.epoch_samples = meta["epoch_samples"]
