@@ -189,6 +189,9 @@ class Watch:
         if user_interrupt:
             stop = Interrupted(self._interrupted_message(clean))
             # every rank stopped after the same step and returned its figures: what was trained comes back
+            for rank, ar in enumerate(ars):
+                if ar.ready():
+                    self._take_final(rank, ar)
             stop.results = [ar.get(0) for ar in ars] if clean and not failures else None
             raise stop
         if self.dead and self.session.auto_restart:
@@ -202,6 +205,8 @@ class Watch:
         if failures:
             self.session.last_error = RankError(failures, context=self.what)  # %dist debug's default rank
             raise self.session.last_error
+        for rank, ar in enumerate(ars):
+            self._take_final(rank, ar)  # a reply that came after the last look
         return [ar.get(0) for ar in ars]
 
     def _mark_failures(self, failures) -> None:
@@ -259,9 +264,23 @@ class Watch:
                     self.state.set_where(rank, data["distnb_where"])
             if intake:
                 take_progress(self.state, rank, data, self.progress, self.raw)
+            if force and ar.ready():  # every message it published is in (Watch._tick waited for its output)
+                self._take_final(rank, ar)
         self.folder.flush()
         if self.view is not None:
             self.view.refresh()
+
+    def _take_final(self, rank: int, ar) -> None:
+        """The final progress message that a rank's reply carries (``progress_message``, from
+        :meth:`distnb.engine.report.Reporter.final_message`), taken out of its result and given to the
+        progress state after everything the rank published. A reply without one (a failure, a host's
+        relay) changes nothing."""
+        value = ar.get(0) if ar.successful() else None
+        msg = value.pop("progress_message", None) if isinstance(value, dict) else None
+        if msg is not None:
+            self.progress[rank] = msg
+            if self.state is not None:
+                self.state.update(rank, msg)
 
     def _interrupt_ranks(self) -> set:
         """SIGINT every rank still running, then wait (bounded) for them to stop."""

@@ -18,7 +18,7 @@ import torch
 
 from ..plan import DEFAULT_LR, STRATEGIES, TrainPlan, redistribution
 from . import batchnorm, checkpoint, collectives, datasets, postmortem, runtime, shard as sharding, stepping, wire
-from . import abort, where
+from . import abort, report, where
 from .report import LINGER as RELAY_LINGER, Reporter, host_relay, publish_raw
 from . import strategies
 from .context import Context, StopRequest, _Stopped, agree_on_steps  # noqa: F401 - the cell's ctx and its stop
@@ -355,7 +355,12 @@ def _train(ns, plan, code_text, relay):
         stop.__exit__()
         data.close()  # DataLoader workers end with the cell, however it ends
         sys.stdout.flush()
-    reporter.set_status("interrupted" if ctx.interrupted else "done")
+    final = "interrupted" if ctx.interrupted else "done"
+    if relay is None and report.SINK is None:  # the reply carries it (Reporter.final_message)
+        carried = reporter.final_message(final)
+    else:  # a host's relay waits for each rank's final message; a job's sink prints it
+        reporter.set_status(final)
+        carried = None
     state = run.strategy.full_state()  # a collective for sharded strategies: every rank calls it
     last = ctx.local_losses[-1] if ctx.local_losses else math.nan
     return dict(rank=st.rank, steps=ctx.step, samples=reporter.samples, seconds=seconds, cpu_seconds=cpu_seconds,
@@ -366,7 +371,7 @@ def _train(ns, plan, code_text, relay):
                 interrupted=ctx.interrupted,
                 where=dict(epoch=run.epoch, step=run.epoch_step), holdings=run.strategy.holdings(), state=state,
                 resumed=resumed, continued=continued, checkpoints=ctx.checkpoints, skipped_steps=ctx.skipped_steps,
-                iterated_epochs=ctx.iterated_epochs,
+                iterated_epochs=ctx.iterated_epochs, progress_message=carried,
                 **_step_figures(plan, run, ctx, restored))
 
 

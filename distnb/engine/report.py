@@ -18,6 +18,8 @@ A message goes to the kernel under the key ``"distnb"`` (the rank of the engine 
 ``"distnb@R"`` (:func:`rank_key`: rank R's message sent by another process, a host's relay
 (:class:`HostRelay`) or the simulated ranks of :mod:`distnb.engine.simulate`). ipyparallel merges
 each published dict into the cell's ``AsyncResult.data``, so per key the kernel reads the newest.
+A training cell's last message of a rank that reports for itself is not published: its reply carries
+it (:meth:`Reporter.final_message`).
 """
 
 from __future__ import annotations
@@ -178,6 +180,17 @@ class Reporter:
         self.extra.update(extra)
         self._flush(time.perf_counter())
 
+    def final_message(self, status: str) -> dict:
+        """The rank's last message (``status`` in :data:`FINAL`), built but not published: the rank's reply carries it.
+
+        A message published just before the reply costs the warm cell about 3 ms on 2 ranks: the engine's
+        IOPub hand-off, the controller's relay and the kernel's client each handle it, and the reply
+        queues behind it (benchmarks/README.md, issue 17). The kernel takes it from the result
+        (:meth:`distnb.execute.Watch`) and ignores that rank's IOPub messages that arrive later.
+        """
+        self.status = status
+        return self._flush(time.perf_counter(), publish=False)
+
     def end_epoch(self, epoch: int, mean_loss: float) -> None:
         """Record epoch ``epoch``'s mean loss and this rank's samples/s over it (from ``running`` or the last epoch's end)."""
         now = time.perf_counter()
@@ -191,7 +204,7 @@ class Reporter:
         if now - self._t_last >= EPOCH_GAP or self._unsent_epochs >= TAIL // 2:
             self._flush(now)  # else a short epoch: its end goes with the message of a step at most EPOCH_GAP later
 
-    def _flush(self, now: float) -> None:
+    def _flush(self, now: float, publish: bool = True) -> dict:
         window = now - self._win_t0
         cpu = self._cpu_time()
         if self._win_steps and window > 0:
@@ -212,17 +225,20 @@ class Reporter:
                 del self.points[:-TAIL]
         self._t_last = now
         self._unsent_epochs = 0
-        self.messages += 1
+        self.messages += publish
         msg = dict(rank=self.rank, status=self.status, epoch=self.epoch, epochs=self.epochs,
                    step=self.step, total=self.total, samples=self.samples, loss=loss,
                    samples_per_s=self.samples_per_s, step_time=self.step_time, busy_time=self.busy_time,
                    peak_memory=memory, memory_kind=memory_kind, points=self.points[-TAIL:],
                    epoch_losses=self.epoch_losses[-TAIL:], epoch_rates=self.epoch_rates[-TAIL:], time=time.time())
         msg.update(self.extra)
+        if not publish:
+            return msg
         try:
             self.publish(msg)
         except Exception:  # progress must never break training
             pass
+        return msg
 
 
 #: Seconds a host's rank may wait for its leader's socket to take a message that changes its status.

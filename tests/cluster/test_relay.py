@@ -19,15 +19,23 @@ from support.data import blobs, mlp
 BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
 
 
+class _Seen(list):
+    """(rank whose AsyncResult carried it, rank it is about, status) of every message taken from IOPub,
+    and ``state``, the progress state they went to."""
+
+    state = None
+
+
 @pytest.fixture
 def seen(monkeypatch):
-    """(rank whose AsyncResult carried it, rank it is about, status) of every message the kernel takes."""
-    out = []
+    """The messages the kernel takes from IOPub (a :class:`_Seen`)."""
+    out = _Seen()
     take = execute.take_progress
 
     def recording(state, rank, data, progress, *raw):
         new = take(state, rank, data, progress, *raw)
         out.extend((rank, r, msg["status"]) for r, msg in new)
+        out.state = state
         return new
 
     monkeypatch.setattr(execute, "take_progress", recording)
@@ -46,7 +54,11 @@ def test_progress_through_the_hosts_relay(dist_session, shell, seen, relay_above
     else:
         assert carriers == {(0, 0), (1, 1)}
     last = {about: status for _, about, status in seen}
-    assert last == {0: "done", 1: "done"}  # every rank's last word reached the kernel
+    if relayed:
+        assert last == {0: "done", 1: "done"}  # every rank's last word reached the kernel through the relay
+    else:  # each rank's reply carried its last word (Reporter.final_message): none was published
+        assert "done" not in last.values()
+    assert [row["status"] for row in seen.state.rows] == ["done", "done"]
     leftovers = glob.glob(os.path.join(tempfile.gettempdir(), f"distnb-relay-{os.getuid()}-*"))
     assert leftovers == []
 

@@ -36,6 +36,20 @@ def test_reporter_throttles_and_reads_loss_only_when_publishing():
     assert sent[0]["loss"] == 0.25 and Loss.reads == 1 and sent[0]["rank"] == 1
 
 
+def test_the_final_message_is_built_for_the_reply_not_published():
+    sent = []
+    r = Reporter(rank=0, total_steps=10, epochs=1, interval=3600, publish=sent.append)
+    r.set_status("running")
+    for _ in range(10):
+        r.record(0.5, 4)
+    r.end_epoch(0, 0.5)  # a short epoch: its end waits for the next message
+    msg = r.final_message("done")
+    assert len(sent) == 1 and sent[0]["status"] == "running" and r.messages == 1
+    assert msg["status"] == "done" and msg["step"] == 10 and msg["epoch_losses"] == [(0, 0.5)]
+    st = ProgressState(1, total_steps=10, epochs=1)
+    assert st.update(0, msg) and st.rows[0]["status"] == "done" and st.epoch_means == {0: 0.5}
+
+
 def test_text_progress_prints_epoch_lines_and_failures():
     st = ProgressState(2, total_steps=4, epochs=2)
     out = io.StringIO()
