@@ -324,17 +324,39 @@ def _check_training(plan) -> None:
     if plan.loop and plan.val_data is not None:
         raise PlanError("--val-data runs the step body on each validation batch; a --loop body is the whole loop "
                         "(drop --loop, or evaluate in the loop)")
-    unsupported = (("ps", "--clip-grad-norm", plan.clip_grad_norm is not None, "the servers apply the averaged "
-                    "gradients, which no single rank sees"),
-                   ("ps", "--precision fp16", plan.precision == "fp16", "the GradScaler cannot unscale gradients "
-                    "the servers apply (use bf16)"))
-    for strategy, flag, on, why in unsupported:
-        if on and plan.strategy == strategy:
-            raise PlanError(f"{flag} is not available with --strategy {strategy}: {why}")
-    if plan.compile and plan.strategy in ("pipeline", "ps"):
-        raise PlanError(f"--compile is not available with --strategy {plan.strategy} (use ddp, fsdp or tensor)")
-    if plan.sync_bn and plan.strategy not in ("ddp", "fsdp"):
-        raise PlanError(f"--sync-bn is for data-parallel ddp and fsdp, not --strategy {plan.strategy}")
+    refused = strategy_refuses(plan.strategy, {name: getattr(plan, name) for name, *_ in STRATEGY_LIMITS})
+    if refused:
+        raise PlanError(next(iter(refused.values())))
+
+
+#: What a strategy cannot take besides another strategy's options: (field, refused(value), the
+#: strategies, the error). :func:`_check_training` raises the error; :func:`carry_over` drops a
+#: carried value that the cell's strategy refuses.
+STRATEGY_LIMITS = (
+    ("clip_grad_norm", lambda v: v is not None, ("ps",), "--clip-grad-norm is not available with --strategy ps: "
+     "the servers apply the averaged gradients, which no single rank sees"),
+    ("precision", lambda v: v == "fp16", ("ps",), "--precision fp16 is not available with --strategy ps: the "
+     "GradScaler cannot unscale gradients the servers apply (use bf16)"),
+    ("compile", bool, ("pipeline", "ps"), "--compile is not available with --strategy {strategy} (use ddp, fsdp or "
+     "tensor)"),
+    ("sync_bn", bool, tuple(s for s in STRATEGIES if s not in ("ddp", "fsdp")), "--sync-bn is for data-parallel ddp "
+     "and fsdp, not --strategy {strategy}"),
+    ("precision", lambda v: v != "fp32", ("pipeline",), "--precision {value} with --strategy pipeline is not "
+     "supported yet (the stages' losses come out NaN: the activations sent between stages are not cast); use fp32 "
+     "for pipeline, or --precision with ddp, fsdp or tensor"),
+)
+
+
+def strategy_refuses(strategy: str, values: dict) -> dict:
+    """Field -> error for each of ``values`` (field -> value) that ``strategy`` cannot take (:data:`STRATEGY_LIMITS`).
+
+    In :data:`STRATEGY_LIMITS`' order; fields absent from ``values`` are not checked.
+    """
+    refused = {}
+    for name, refuses, strategies, error in STRATEGY_LIMITS:
+        if name in values and name not in refused and strategy in strategies and refuses(values[name]):
+            refused[name] = error.format(strategy=strategy, value=values[name])
+    return refused
 
 
 @dataclass(frozen=True)
@@ -366,10 +388,12 @@ def carry_over(last: dict | None, given: dict) -> dict:
     ``--find-unused-parameters``: :data:`DISTRIBUTION`) and its optimizer (``--optimizer``)
     are state the ranks keep between cells, so a cell that leaves one out keeps the value of
     the model's last cell. The options of a strategy carry only while that strategy does: a
-    cell that names another ``--strategy`` starts them afresh. The learning rate and
-    ``--lr-schedule`` live on in the ranks' optimizer and scheduler in the same way (their
-    default, None, means "keep the live one"). Every other option applies to its own cell
-    alone and takes its default when left out.
+    cell that names another ``--strategy`` starts them afresh, and a carried value that the
+    cell's strategy cannot take (``--precision bf16`` into ``--strategy pipeline``:
+    :data:`STRATEGY_LIMITS`) is dropped too (:func:`not_carried` names those). The learning
+    rate and ``--lr-schedule`` live on in the ranks' optimizer and scheduler in the same way
+    (their default, None, means "keep the live one"). Every other option applies to its own
+    cell alone and takes its default when left out.
 
     Parameters
     ----------
@@ -385,8 +409,19 @@ def carry_over(last: dict | None, given: dict) -> dict:
         Field -> value for each carried option the cell left out (only values that are not
         the field's default).
     """
+    return _carry(last, given)[0]
+
+
+def not_carried(last: dict | None, given: dict) -> dict:
+    """Field -> value of the model's last cell that :func:`carry_over` drops because the cell's strategy cannot
+    take it (the cell left the option out, and named another ``--strategy``)."""
+    return _carry(last, given)[1]
+
+
+def _carry(last, given) -> tuple:
+    """(kept, dropped): :func:`carry_over`'s and :func:`not_carried`'s values."""
     if not last:
-        return {}
+        return {}, {}
     strategy = given.get("strategy") or last.get("strategy")
     kept = {}
     for f, opt in options.declared(TrainPlan):
@@ -395,7 +430,8 @@ def carry_over(last: dict | None, given: dict) -> dict:
             continue
         if not options.strategies_of(opt) or strategy in options.strategies_of(opt):
             kept[name] = last[name]
-    return kept
+    dropped = {name: kept.pop(name) for name in strategy_refuses(strategy, kept)}
+    return kept, dropped
 
 
 def _check_placement(spec) -> None:

@@ -22,7 +22,7 @@ from .display import ProgressState, make_view, view_kind
 from .display.tables import count
 from .errors import PlanError, RankError
 from .execute import run_on_ranks
-from .plan import DISTRIBUTION, LR_SCHEDULES, TrainPlan, carry_over, redistribution
+from .plan import DISTRIBUTION, LR_SCHEDULES, TrainPlan, carry_over, not_carried, redistribution
 
 #: How often ranks report for each progress view (seconds): the dashboard redraws live,
 #: text progress prints per epoch (status and epoch-end messages are always sent at once).
@@ -153,6 +153,10 @@ def make_plan(session, model_name, model_obj, data_name, given: dict, quiet=Fals
         print(f"distnb: {model_name} is a new object: the options its old object's cells carried "
               f"({_carried_flags(dropped)}) start from their defaults")
     kept = carry_over(held.carried.get(model_name), given)
+    refused = not_carried(held.carried.get(model_name), given)
+    if refused and not quiet:
+        print(f"distnb: --strategy {given['strategy']} cannot take {_carried_flags(refused)} from {model_name}'s last "
+              f"cell: this cell uses {_defaults_of(refused)}")
     if "optimizer" in kept and given.get("lr") is None:
         # the ranks keep their live optimizer anyway; one made new (the model sent again after a
         # restart, a strategy switch, --reset or a changed model) is the one the user chose last
@@ -200,6 +204,18 @@ def _carried_flags(kept, only=None) -> str:
         if only is None or name in only:
             value = "" if value is True else ",".join(value) if isinstance(value, tuple) else str(value)
             shown.append(f"{flags[name]} {value}".strip())
+    return ", ".join(shown)
+
+
+def _defaults_of(names) -> str:
+    """``--precision fp32, --no-compile``: the defaults of the options ``names``, as a cell would give them."""
+    from . import options
+
+    shown = []
+    for f, opt in options.declared(TrainPlan):
+        if f.name in names:
+            flag = options.flags_of(f, opt)[0]
+            shown.append(("--no-" + flag[2:]) if f.default is False else f"{flag} {f.default}")
     return ", ".join(shown)
 
 
@@ -253,10 +269,6 @@ def check_step_options(session, plan, model_obj) -> None:
     from .engine import batchnorm
 
     on_cpu = session.cluster.spec.device_type != "cuda"
-    if plan.precision != "fp32" and plan.strategy == "pipeline":
-        raise PlanError(f"--precision {plan.precision} with --strategy pipeline is not supported yet (the stages' "
-                        "losses come out NaN: the activations sent between stages are not cast); use fp32 for "
-                        "pipeline, or --precision with ddp, fsdp or tensor")
     if plan.precision == "fp16" and on_cpu:
         raise PlanError("--precision fp16 needs GPU ranks (its torch.amp.GradScaler scales CUDA gradients); these "
                         "ranks compute on CPU: use --precision bf16")

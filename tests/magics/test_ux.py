@@ -182,6 +182,22 @@ def test_state_carries_over_between_cells_and_settings_do_not(shell, capsys):
     assert shell.user_ns["carry_res"].plan.find_unused_parameters is False
 
 
+def test_a_carried_option_the_cells_new_strategy_cannot_take_is_dropped_with_a_note(shell, capsys):
+    small_net(shell, "drop")
+    cell = "%%distrain --model drop_net --data drop_data --progress none{} -o drop_res\nx, y = batch\n" \
+           "loss = F.cross_entropy(model(x), y)"
+    assert run(shell, cell.format(" --precision bf16")).error_in_exec is None
+    capsys.readouterr()
+    assert run(shell, cell.format(" --strategy pipeline --split 1")).error_in_exec is None
+    assert "distnb: --strategy pipeline cannot take --precision bf16 from drop_net's last cell: this cell uses " \
+           "--precision fp32" in capsys.readouterr().out
+    assert shell.user_ns["drop_res"].plan.precision == "fp32"
+    err = run(shell, cell.format(" --strategy pipeline --split 1 --precision bf16")).error_in_exec  # given: refused
+    assert isinstance(err, UsageError) and "--precision bf16 with --strategy pipeline is not supported" in str(err)
+    assert run(shell, cell.format(" --strategy ddp")).error_in_exec is None  # the last cell's state: fp32
+    assert shell.user_ns["drop_res"].plan.precision == "fp32"
+
+
 def test_carried_options_survive_a_stop_and_a_start_in_the_same_kernel(shell, capsys):
     small_net(shell, "ss")
     cell = "%%distrain --model ss_net --data ss_data --progress none{} -o ss_res\nx, y = batch\n" \

@@ -99,14 +99,38 @@ def test_a_cell_that_leaves_out_state_keeps_the_last_cells_values():
 
 
 def test_naming_another_strategy_starts_its_options_afresh_but_keeps_the_optimizer():
-    last = _last(strategy="pipeline", split=("1",), microbatches=4, optimizer="sgd", precision="bf16")
+    last = _last(strategy="pipeline", split=("1",), microbatches=4, optimizer="sgd")
+    assert carry_over(last, {"strategy": "ddp"}) == {"optimizer": "sgd"}
+    assert carry_over(last, {"strategy": "pipeline"}) == {"split": ("1",), "microbatches": 4, "optimizer": "sgd"}
+    last = _last(strategy="tensor", optimizer="sgd", precision="bf16")
     assert carry_over(last, {"strategy": "ddp"}) == {"optimizer": "sgd", "precision": "bf16"}
-    assert carry_over(last, {"strategy": "pipeline"}) == {"split": ("1",), "microbatches": 4, "optimizer": "sgd",
-                                                          "precision": "bf16"}
     flagged = _last(find_unused_parameters=True, compile=True)
     assert carry_over(flagged, {}) == {"find_unused_parameters": True, "compile": True}
     assert carry_over(flagged, {"find_unused_parameters": False, "compile": False}) == {}  # --no-...
     assert carry_over(flagged, {"strategy": "fsdp"}) == {"find_unused_parameters": True, "compile": True}
+
+
+def test_a_carried_value_the_named_strategy_cannot_take_is_dropped_and_an_explicit_one_is_refused():
+    from distnb.plan import STRATEGY_LIMITS, not_carried
+
+    last = _last(precision="bf16", compile=True, sync_bn=True, optimizer="adam")
+    for strategy, dropped in (("pipeline", {"precision": "bf16", "compile": True, "sync_bn": True}),
+                              ("ps", {"compile": True, "sync_bn": True}), ("tensor", {"sync_bn": True}),
+                              ("fsdp", {})):
+        kept = carry_over(last, {"strategy": strategy})
+        assert not_carried(last, {"strategy": strategy}) == dropped
+        assert set(kept) | set(dropped) == {"precision", "compile", "sync_bn", "optimizer"}
+        TrainPlan(model="m", data="d", strategy=strategy, **kept)  # the cell's plan is valid
+    assert not_carried(last, {}) == {} and not_carried(None, {"strategy": "ps"}) == {}
+    assert not_carried(_last(precision="fp16"), {"strategy": "ps"}) == {"precision": "fp16"}
+    assert not_carried(_last(precision="bf16"), {"strategy": "ps"}) == {}  # ps takes bf16
+    assert not_carried(last, {"strategy": "pipeline", "precision": "bf16"}) == {"compile": True, "sync_bn": True}
+    with pytest.raises(PlanError, match="--precision bf16 with --strategy pipeline is not supported yet"):
+        TrainPlan(model="m", data="d", strategy="pipeline", precision="bf16")  # given in the cell: refused
+    from distnb.plan import STRATEGIES
+
+    for name, _, strategies, _ in STRATEGY_LIMITS:  # every limit names a strategy and a carried or cell option
+        assert set(strategies) <= set(STRATEGIES) and name in {f.name for f, _ in options.declared(TrainPlan)}
 
 
 def test_defaults_are_not_carried_and_a_none_counts_as_left_out():
