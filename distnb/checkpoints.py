@@ -30,19 +30,50 @@ def save(session, name: str, model_obj, directory: str, quiet: bool = False) -> 
     return meta
 
 
+def model_to_load(session, directory: str, model=None) -> tuple:
+    """``(name, object)`` of the notebook model that ``%dist load DIRECTORY`` restores into.
+
+    ``model`` if given; else the model of the session's last training cell; else (no cell has
+    trained since the cluster started: after ``%dist restart``, say) the model the checkpoint was
+    saved from, when the notebook defines it under the same name.
+
+    Raises
+    ------
+    PlanError
+        No complete checkpoint in ``directory``, or no model named and none known to the kernel
+        (the message names the fix: the ``--model`` option, the ``model=`` keyword in Python).
+    """
+    import torch
+
+    if model is not None or session.last_result is not None:
+        return session._trained_model(model)
+    saved = _meta(directory)["plan"].get("model")
+    if isinstance(session.ns.get(saved), torch.nn.Module):
+        return saved, session.ns[saved]
+    why = (f"is a {type(session.ns[saved]).__name__}, not a torch.nn.Module" if saved in session.ns
+           else "is not defined in the notebook")
+    raise PlanError(f"no training cell has run since the cluster started, and {saved} (the model the checkpoint in "
+                    f"{directory} was saved from) {why}: name the notebook model to load it into with --model NAME "
+                    "(model=NAME in Python)")
+
+
+def _meta(directory: str) -> dict:
+    """The checkpoint's metadata (the newest complete one under ``directory``), or a PlanError saying there is none."""
+    from .engine import checkpoint
+
+    try:
+        return checkpoint.read_meta(os.path.abspath(os.path.expanduser(directory)))
+    except FileNotFoundError as exc:
+        raise PlanError(str(exc)) from None
+
+
 def load(session, name: str, model_obj, directory: str, quiet: bool = False, changes=None) -> dict:
     """Restore the checkpoint in ``directory`` into the ranks and ``model_obj``; its metadata (see Session.load).
 
     ``changes`` (TrainPlan fields) alter the saved plan for this world, e.g. ``{"mesh": "2x2"}``
     (:func:`distnb.meshes.plan_changes`): DCP reshards the saved DTensors onto that layout.
     """
-    from .engine import checkpoint
-
-    directory = os.path.abspath(os.path.expanduser(directory))
-    try:
-        meta = checkpoint.read_meta(directory)
-    except FileNotFoundError as exc:
-        raise PlanError(str(exc)) from None
+    meta = _meta(directory)
     plan = TrainPlan.from_dict(dict(meta["plan"], model=name, reset=True, checkpoint_dir=None, checkpoint_every=None,
                                     **(changes or {})))
     training.ensure_model(session, plan, model_obj, quiet=True)

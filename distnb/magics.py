@@ -186,7 +186,8 @@ def _save(line):
 
 @magic_arguments(name="dist load")
 @argument("directory", help="a step_* checkpoint folder or its parent (the newest complete one)")
-@argument("--model", default=None, help="notebook name of the model (default: the last one trained)")
+@argument("--model", default=None, help="notebook name of the model (default: the last one trained; none since "
+          "the cluster started: the checkpoint's own, if the notebook defines it)")
 def _load(line):
     """Restore a checkpoint into the ranks and the notebook's model; the next %%distrain continues from it.
 

@@ -513,7 +513,7 @@ class Session:
         if model is not None:
             return self._named(model, "model")
         if self.last_result is None:
-            raise PlanError("no model has been trained in this session; name one with --model")
+            raise PlanError("no model has been trained in this session; name one (--model NAME, model= in Python)")
         name = self.last_result.plan.model
         return name, self._lookup(name, "--model")
 
@@ -555,7 +555,8 @@ class Session:
         directory : str
             A ``step_*`` checkpoint folder, or its parent (the newest complete one is used).
         model : str or torch.nn.Module, optional
-            Default: the model of the last training cell.
+            Default: the model of the last training cell; with none since the cluster started, the
+            notebook's model of the name the checkpoint was saved from.
 
         Returns
         -------
@@ -568,7 +569,7 @@ class Session:
             No complete checkpoint there, or no such model in the notebook.
         """
         self._check_running()
-        return checkpoints.load(self, *self._trained_model(model), directory, quiet)
+        return checkpoints.load(self, *checkpoints.model_to_load(self, directory, model), directory, quiet)
 
     export = session_export  # %dist export DIR: the last training cell as a torchrun job (distnb/export.py)
 

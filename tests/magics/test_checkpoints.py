@@ -115,6 +115,32 @@ def test_training_resumes_from_the_last_checkpoint_after_an_engine_dies(dist_ses
     assert os.path.isdir(ckdir)
 
 
+def test_load_after_a_restart_finds_the_checkpoints_model_or_names_the_fix(dist_session, shell, tmp_path):
+    from IPython.core.error import UsageError
+
+    from distnb.errors import PlanError
+
+    ns = shell.user_ns
+    ns["ck_data"], ns["F"] = make_data(), F
+    ns["ck_rs"] = make_model()
+    train(dist_session, "ck_rs", 1, optimizer="adam", lr=0.01, checkpoint_dir=str(tmp_path))
+    saved = params(ns["ck_rs"]).clone()
+    shell.run_line_magic("dist", "restart")  # no training cell on the new ranks yet
+    with torch.no_grad():
+        ns["ck_rs"][0].weight.zero_()
+    shell.run_line_magic("dist", f"load {tmp_path}")  # no --model: the one the checkpoint was saved from
+    torch.testing.assert_close(params(ns["ck_rs"]), saved)
+    shell.run_line_magic("dist", "restart")
+    ns["ck_other"] = ns.pop("ck_rs")
+    res = shell.run_cell(f"%dist load {tmp_path}")
+    assert isinstance(res.error_in_exec, UsageError)
+    for why in (str(res.error_in_exec), str(pytest.raises(PlanError, session.current().load, str(tmp_path)).value)):
+        assert f"ck_rs (the model the checkpoint in {tmp_path} was saved from) is not defined in the notebook: name " \
+               "the notebook model to load it into with --model NAME (model=NAME in Python)" in why
+    session.current().load(str(tmp_path), model="ck_other", quiet=True)
+    torch.testing.assert_close(params(ns["ck_other"]), saved)
+
+
 def test_load_restores_the_optimizer_of_a_cell_that_kept_it(dist_session, shell, tmp_path):
     """A checkpoint taken after a cell without --optimizer still records (and restores) Adam."""
     ns = shell.user_ns
