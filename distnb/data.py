@@ -73,14 +73,15 @@ def scatter(session, name: str, obj, seed: int, num_shards: int) -> list:
 def reassemble(values: list, info: dict):
     """The shards pulled from the ranks (``values``, by rank) put back in the original sample order.
 
-    Returns a tensor, tuple or dict like the scattered original, or ``values`` unchanged when
+    Returns a tensor, tuple, dict or TensorDataset like the scattered original, or ``values`` unchanged when
     the ranks no longer hold tensors of the shards' lengths.
     """
     import torch
 
     values = values[::len(values) // info["num_shards"]]  # the first rank of each shard (the others hold copies)
     kind = info["structure"][0]
-    cols_by_rank = [[v] if kind == "tensor" else list(v.values()) if kind == "dict" else list(v) for v in values]
+    cols_by_rank = [[v] if kind == "tensor" else list(v.values()) if kind == "dict" else
+                    list(v.tensors if isinstance(v, torch.utils.data.TensorDataset) else v) for v in values]
     columns = []
     for j in range(len(cols_by_rank[0])):
         parts = [cols[j] for cols in cols_by_rank]
@@ -94,7 +95,7 @@ def reassemble(values: list, info: dict):
         return columns[0]
     if kind == "dict":
         return dict(zip(info["structure"][1], columns))
-    return tuple(columns)
+    return torch.utils.data.TensorDataset(*columns) if info["structure"][2:] == ("TensorDataset",) else tuple(columns)
 
 
 def describe_cut(plan, info: dict, num_shards: int, world_size: int) -> str:

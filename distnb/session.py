@@ -427,8 +427,8 @@ class Session:
         """Give each rank a disjoint shard of ``data`` (default: the kernel's ``name``).
 
         Shards are dealt from a seeded permutation (see :mod:`distnb.engine.shard`);
-        together they cover the data. On the ranks ``name`` is bound to the shard, with
-        the same structure (tensor, tuple or dict of tensors). With ``num_shards`` smaller
+        together they cover the data. On the ranks ``name`` is bound to the shard, with the same
+        structure (tensor, tuple or dict of tensors; a TensorDataset for a Dataset of tuples). With ``num_shards`` smaller
         than world_size, the ranks go in blocks: rank ``r`` gets shard
         ``r // (world_size // num_shards)`` (:func:`distnb.engine.shard.shard_index`; a tensor-parallel
         group of a mesh reads one shard; ``num_shards=1``: every rank holds the whole set, as model

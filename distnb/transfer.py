@@ -34,7 +34,9 @@ def columns_of(data, name="data"):
     Returns
     -------
     structure : tuple
-        ``("tensor",)``, ``("tuple", k)`` or ``("dict", keys)``.
+        ``("tensor",)``, ``("tuple", k)`` or ``("dict", keys)``; ``("tuple", k, "TensorDataset")``
+        for a Dataset whose samples are k-tuples (a TensorDataset among them): batches are
+        k-tuples, and the ranks' shard is a TensorDataset of the k columns.
     columns : list of torch.Tensor
         Each of shape (num_samples, ...).
     num_samples : int
@@ -61,7 +63,7 @@ def columns_of(data, name="data"):
                         "(a tensor, a tuple of them, a dict of them, or a torch Dataset)")
 
     if isinstance(data, TensorDataset):
-        structure, columns = ("tuple", len(data.tensors)), list(data.tensors)
+        structure, columns = ("tuple", len(data.tensors), "TensorDataset"), list(data.tensors)
     elif isinstance(data, (torch.Tensor, np.ndarray)):
         structure, columns = ("tensor",), [as_tensor(data, name)]
     elif isinstance(data, (tuple, list)) and not is_sample_list(data):
@@ -81,7 +83,9 @@ def columns_of(data, name="data"):
         except Exception as exc:
             raise PlanError(f"cannot collate the items of {name} into tensors ({exc}); "
                             "give tensors or a Dataset whose items are tensors/numbers") from exc
-        return columns_of(collated, name)
+        structure, columns, num_samples = columns_of(collated, name)
+        return structure + (("TensorDataset",) if structure[0] == "tuple" and not is_sample_list(data) else ()), \
+            columns, num_samples
     else:
         raise PlanError(f"{name} is a {type(data).__name__}; --data takes a torch Dataset, a TensorDataset, "
                         "a tensor/array, or a tuple of tensors/arrays")

@@ -30,7 +30,9 @@ class Shard:
     """This rank's part of a data set: columns of equal first dimension.
 
     ``structure`` is ``("tensor",)`` for one tensor, ``("tuple", k)`` for a k-tuple and
-    ``("dict", keys)`` for a dict of tensors; a batch has the same structure.
+    ``("dict", keys)`` for a dict of tensors; a batch has the same structure. A Dataset of
+    k-tuples (``("tuple", k, "TensorDataset")``) has k-tuple batches and is bound on the rank as
+    a TensorDataset of the shard's columns.
     ``num_shards`` is the data-parallel size the set was cut for (world_size, or 1 when
     every rank trains on the same batches) and ``index`` the shard this rank holds.
 
@@ -62,7 +64,10 @@ class Shard:
         return tuple(cols)
 
     def as_value(self):
-        """The shard as the user gave it: tensor, tuple of tensors or dict."""
+        """The shard as the user gave it: tensor, tuple of tensors or dict, or a TensorDataset of its columns
+        for a Dataset (``("tuple", k, "TensorDataset")``)."""
+        if self.structure[2:] == ("TensorDataset",):
+            return torch.utils.data.TensorDataset(*self.columns)
         return self.batch(slice(None), torch.device("cpu"))
 
     def steps_per_epoch(self, plan) -> int:

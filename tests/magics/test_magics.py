@@ -85,6 +85,26 @@ def test_pull_scatter_gather(shell):
     assert torch.equal(back, original)
 
 
+def test_a_scattered_dataset_is_a_dataset_on_each_rank_and_gathers_back_as_one(shell):
+    run(shell, "import torch\nds_x = torch.arange(22.).reshape(11, 2)\nds_y = torch.arange(11)\n"
+               "scat_ds = torch.utils.data.TensorDataset(ds_x, ds_y)\n"
+               "class Pairs(torch.utils.data.Dataset):\n    def __len__(self): return 11\n"
+               "    def __getitem__(self, i): return ds_x[i], int(ds_y[i])\n"
+               "scat_pairs = Pairs()\n%dist scatter scat_ds --seed 2\n%dist scatter scat_pairs --seed 2")
+    for name in ("scat_ds", "scat_pairs"):
+        res = run(shell, f"%%dist\n_x, _y = {name}[0]\n_kind = (type({name}).__name__, len({name}), "
+                         "_x[0].item() == 2 * _y.item())")  # row i of ds_x is (2i, 2i + 1)
+        assert res.error_in_exec is None
+        kinds = run(shell, "%dist pull _kind").result
+        assert sorted(kinds) == [("TensorDataset", 5, True), ("TensorDataset", 6, True)]  # rows stay paired
+        back = run(shell, f"%dist gather {name}").result
+        assert isinstance(back, torch.utils.data.TensorDataset)
+        assert torch.equal(back.tensors[0], shell.user_ns["ds_x"])
+        assert torch.equal(back.tensors[1], shell.user_ns["ds_y"])
+    run(shell, "%dist scatter ds_x")
+    assert type(run(shell, "%dist pull ds_x --rank 0").result) is torch.Tensor  # tensors stay tensors
+
+
 TRAIN_SETUP = """
 import torch, torch.nn as nn, torch.nn.functional as F
 g = torch.Generator().manual_seed(0)

@@ -49,7 +49,8 @@ def test_every_dtype_survives(dtype):
 
 def test_columns_of_accepts_the_documented_types():
     x, y = torch.randn(10, 3), torch.arange(10)
-    assert columns_of(torch.utils.data.TensorDataset(x, y))[0] == ("tuple", 2)
+    assert columns_of(torch.utils.data.TensorDataset(x, y))[0] == ("tuple", 2, "TensorDataset")  # one on the ranks
+    assert columns_of([x, y])[0] == ("tuple", 2) and columns_of(list(zip(x, y)))[0] == ("tuple", 2)
     assert columns_of((x.numpy(), y.numpy()))[2] == 10
     assert columns_of(x)[0] == ("tensor",)
     assert columns_of({"x": x, "y": y})[0] == ("dict", ("x", "y"))
@@ -62,7 +63,7 @@ def test_columns_of_accepts_the_documented_types():
             return torch.full((2,), float(i)), i
 
     structure, cols, n = columns_of(DS())
-    assert structure == ("tuple", 2) and n == 4 and cols[0][3].tolist() == [3.0, 3.0]
+    assert structure == ("tuple", 2, "TensorDataset") and n == 4 and cols[0][3].tolist() == [3.0, 3.0]
 
 
 @pytest.mark.parametrize("bad,msg", [
