@@ -27,7 +27,8 @@ Randomness is reproducible: before the first sample of an epoch, the process tha
 ``(--seed, epoch, data shard, worker id)``; the data shard is the rank under data parallelism,
 and the ranks that share one (a tensor-parallel group, every rank of ``tensor`` or
 ``pipeline``) draw the same random augmentations, as they must train on the same batches. With
-``--workers 0`` that seeds the rank's own generators, as the tensor path does (:func:`seed_epoch`).
+``--workers 0`` that seeds the rank's own generators, as the tensor path does (:func:`seed_epoch`);
+with ``--workers N`` the rank seeds its own the same way too (the forward's dropout draws there).
 ``--workers N`` loads in N DataLoader worker processes (forked, ``pin_memory`` on GPU ranks,
 ``persistent_workers`` between the epochs of one cell, ``--prefetch-factor``); they are ended
 when the cell ends, however it ends (:meth:`Source.close`). A sample that raises, samples that
@@ -291,6 +292,7 @@ class Source:
         loader.batch_sampler.keys = keys
         with _workers_share_cores():
             it = iter(loader)
+        self._seed_rank(plan, epoch)
         for key in keys:
             batch = self._next(it, epoch, key[1])
             yield len(key[1]), (batch if device.type == "cpu" else to_device(batch, device))
@@ -299,6 +301,7 @@ class Source:
         loader = self._loader_for(plan, device, epoch)
         with _workers_share_cores():
             it = iter(loader)
+        self._seed_rank(plan, epoch)
         have = torch.ones(1, device=device)
         for step in itertools.count():
             if plan.steps_per_epoch is not None and step >= plan.steps_per_epoch:
@@ -309,6 +312,16 @@ class Source:
             if not have.item():
                 return
             yield _count(batch), (batch if device.type == "cpu" else to_device(batch, device))
+
+    def _seed_rank(self, plan, epoch: int) -> None:
+        """With ``--workers N``, seed this rank's own generators for ``epoch`` (its workers seed theirs).
+
+        The forward and the step body run here, not in the workers: their random numbers (dropout)
+        come from this process, seeded as with ``--workers 0`` (:func:`seed_epoch`, worker key 0),
+        so the ranks of one data shard draw the same ones. With ``--workers 0`` the loader seeds it.
+        """
+        if plan.workers:
+            seed_epoch(plan.seed, epoch, self.stream)
 
     def _next(self, it, epoch, what, stream=False):
         """The next batch of ``it`` (None at a stream's end); ``what``: its indices (a stream: its step)."""

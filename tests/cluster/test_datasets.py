@@ -384,3 +384,29 @@ def test_tensor_parallel_ranks_draw_the_same_dropout_masks_as_one_process(dist_s
     with torch.random.fork_rng():
         firsts = [(datasets.seed_epoch(2, epoch, 0), torch.rand(1).item())[1] for epoch in (0, 1)]
     assert [draws[0][0], draws[0][4]] == pytest.approx(firsts, rel=1e-7)
+
+
+@pytest.mark.parametrize("strategy,mesh", [("tensor", None), ("fsdp+tensor", "1x2")])
+def test_with_workers_the_ranks_still_seed_themselves_per_epoch_and_draw_the_same_dropout(dist_session, ns,
+                                                                                          strategy, mesh):
+    # --workers 1: the samples load in a worker, but the forward (its dropout) runs on the rank, whose own
+    # generator is seeded from (--seed, epoch, data shard 0) as with --workers 0
+    data = parity_data(n=64)
+    ns["tpw_dataset"] = ns["Plain"](*data.tensors)
+    ns["tpw_a"], ns["tpw_b"], ref = dropout_model(), dropout_model(), dropout_model()
+    common = dict(epochs=2, batch_size=16, optimizer="sgd", lr=0.1, seed=2, strategy=strategy, workers=1, **QUIET)
+    if mesh is not None:
+        common["mesh"] = mesh
+    r = dist_session.train(BODY, model="tpw_a", data="tpw_dataset", **common)
+    assert r.rows[0]["final_loss"] == pytest.approx(r.rows[1]["final_loss"], rel=1e-6)
+    reference(ref, data, num_shards=1, batch_size=16, epochs=2, seed=2, optimizer=torch.optim.SGD, lr=0.1,
+              seed_epochs=True)
+    for p_a, p_ref in zip(ns["tpw_a"].parameters(), ref.parameters()):
+        torch.testing.assert_close(p_a, p_ref, atol=1e-5, rtol=1e-5)
+    draw = "x, y = batch\n_tpw_draws.append(torch.rand(1).item())\nloss = F.cross_entropy(model(x), y)"
+    dist_session.run("_tpw_draws = []")
+    dist_session.train(draw, model="tpw_b", data="tpw_dataset", **common)
+    draws = dist_session.pull("_tpw_draws")
+    with torch.random.fork_rng():
+        firsts = [(datasets.seed_epoch(2, epoch, 0), torch.rand(1).item())[1] for epoch in (0, 1)]
+    assert draws[0] == draws[1] and [draws[0][0], draws[0][4]] == pytest.approx(firsts, rel=1e-7)
