@@ -17,7 +17,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from . import calls, data, export
+from . import calls, data, export, transfer
 from .display import ProgressState, make_view, view_kind
 from .display.tables import count
 from .errors import PlanError, RankError
@@ -252,10 +252,8 @@ def _is_data_set(obj) -> bool:
 
     if isinstance(obj, (torch.Tensor, np.ndarray, torch.utils.data.TensorDataset)):
         return True
-    if isinstance(obj, (tuple, list)):
-        return bool(obj) and (all(isinstance(x, (torch.Tensor, np.ndarray)) for x in obj) or data.is_sample_list(obj))
-    if isinstance(obj, dict):
-        return bool(obj) and all(isinstance(x, (torch.Tensor, np.ndarray)) for x in obj.values())
+    if isinstance(obj, (tuple, list, dict)):
+        return transfer.is_columns(obj) or data.is_sample_list(obj)
     return isinstance(obj, torch.utils.data.Dataset) and hasattr(obj, "__len__")
 
 

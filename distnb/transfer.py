@@ -24,6 +24,15 @@ def is_sample_list(obj) -> bool:
     return isinstance(obj, list) and bool(obj) and isinstance(obj[0], (tuple, list, dict))
 
 
+def is_columns(obj) -> bool:
+    """Whether ``obj`` is a non-empty tuple, list or dict whose items are all tensors or numpy arrays (columns)."""
+    import numpy as np
+    import torch
+
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else ()
+    return bool(items) and all(isinstance(x, (torch.Tensor, np.ndarray)) for x in items)
+
+
 def columns_of(data, name="data"):
     """Normalise a data set held in the kernel into columns of equal length.
 
@@ -161,16 +170,7 @@ def fingerprint(obj):
     else:
         leaves = [_leaf(obj)]
     length = len(obj) if hasattr(obj, "__len__") else None
-    return (0 if _columns_only(obj) else id(obj), type(obj), length, tuple(leaves))
-
-
-def _columns_only(obj) -> bool:
-    """Whether ``obj`` is a non-empty tuple, list or dict whose items are all tensors or numpy arrays."""
-    import numpy as np
-    import torch
-
-    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (tuple, list)) else ()
-    return bool(items) and all(isinstance(x, (torch.Tensor, np.ndarray)) for x in items)
+    return (0 if is_columns(obj) else id(obj), type(obj), length, tuple(leaves))
 
 
 def load_state_into(model, keys, descs, sizes, flat) -> None:

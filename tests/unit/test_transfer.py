@@ -66,6 +66,16 @@ def test_columns_of_accepts_the_documented_types():
     assert structure == ("tuple", 2, "TensorDataset") and n == 4 and cols[0][3].tolist() == [3.0, 3.0]
 
 
+def test_is_columns_is_a_container_of_tensors_or_arrays_only():
+    from distnb.transfer import is_columns
+
+    x = torch.zeros(3, 2)
+    for yes in ((x, x.numpy()), [x], {"a": x, "b": x.numpy()}):
+        assert is_columns(yes)
+    for no in ((), [], {}, (x, 1), [(x, 1)], {"a": 1}, x, torch.utils.data.TensorDataset(x), "ab"):
+        assert not is_columns(no)
+
+
 @pytest.mark.parametrize("bad,msg", [
     ([1, 2, 3], "tensors or numpy arrays"), ((torch.zeros(3), torch.zeros(4)), "different numbers"),
     (torch.zeros(0, 3), "empty"), ("text", "--data takes"), (torch.tensor(1.0), "0-d"),
