@@ -5,11 +5,12 @@ A cluster of ``--ranks`` CPU ranks trains the digits MLP (64-32-10, 1 epoch of 1
 ``--cells`` timed ones. Each gives ``TrainResult.overhead_seconds`` (the cell's wall time minus the slowest
 rank's training time); after each, a bare ``apply_all(calls.info)`` round trip to every rank is timed, the
 floor that ipyparallel puts under any cell on this machine at that moment. ``--same`` passes one
-``(X, y)`` object to every cell instead of a new tuple per call (as a name in the notebook does).
+``(X, y)`` object to every cell instead of a new tuple per call (as a name in the notebook does);
+``--progress text`` shows each cell's text progress (its lines go to stdout) instead of none.
 
 Usage::
 
-    PYTHONPATH=. .venv/bin/python benchmarks/warm_cell.py [--cells 30] [--same] [--json PATH]
+    PYTHONPATH=. .venv/bin/python benchmarks/warm_cell.py [--cells 30] [--same] [--progress none|text] [--json PATH]
 
 To compare two checkouts, run it with ``PYTHONPATH`` pointing at each, alternated (timings on a shared
 2-core machine vary by a third between runs; compare medians of runs made in turn).
@@ -30,7 +31,7 @@ def figures(xs) -> dict:
     return dict(median_ms=round(1e3 * statistics.median(xs), 2), q1_ms=round(1e3 * q[0], 2), q3_ms=round(1e3 * q[2], 2))
 
 
-def measure(cells: int, same: bool, ranks: int = 2) -> dict:
+def measure(cells: int, same: bool, ranks: int = 2, progress: str = "none") -> dict:
     import torch
     from sklearn.datasets import load_digits
 
@@ -51,14 +52,14 @@ def measure(cells: int, same: bool, ranks: int = 2) -> dict:
         one = (X, y)
         for i in range(3 + cells):
             result = session.train(code, model="net", data=one if same else (X, y), epochs=1, batch_size=64,
-                                   progress="none", quiet=True)
+                                   progress=progress, quiet=True)
             t = time.perf_counter()
             session.cluster.wait_all(session.cluster.apply_all(distnb.calls.info), 30, "a bare round trip")
             if i >= 3:
                 rows.append((result.overhead_seconds, result.train_seconds, time.perf_counter() - t))
     finally:
         session.stop(quiet=True)
-    return dict(ranks=ranks, cells=cells, same=same, load=round(os.getloadavg()[0], 1),
+    return dict(ranks=ranks, cells=cells, same=same, progress=progress, load=round(os.getloadavg()[0], 1),
                 distnb=os.path.dirname(distnb.__file__), overhead=figures([r[0] for r in rows]),
                 train=figures([r[1] for r in rows]), bare_round_trip=figures([r[2] for r in rows]))
 
@@ -68,9 +69,11 @@ def main(argv=None) -> int:
     p.add_argument("--cells", type=int, default=30)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--same", action="store_true", help="one (X, y) object for every cell")
+    p.add_argument("--progress", default="none", choices=("none", "text"),
+                   help="the cells' progress view (default none; text prints each cell's epoch lines)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    out = measure(args.cells, args.same, args.ranks)
+    out = measure(args.cells, args.same, args.ranks, args.progress)
     print(json.dumps(out), flush=True)
     if args.json:
         with open(args.json, "w") as f:
