@@ -157,6 +157,21 @@ def given_of(f, opt: Option):
     return f.default if opt.given is FIELD_DEFAULT else opt.given
 
 
+def api_default(f, opt: Option):
+    """The Python keyword's default: None for an option that carries over between cells (:func:`carries`).
+
+    None there means "left out": the model's last cell's value, the field's default at first
+    (:func:`without_left_out`), so a signature never shows a value a cell may not get.
+    """
+    return None if carries(opt) else given_of(f, opt)
+
+
+def without_left_out(cls, given: dict) -> dict:
+    """``given`` without the carried options of ``cls`` passed as None (left out: carried, or the default)."""
+    carried = {opt.keyword or f.name for f, opt in declared(cls) if carries(opt)}
+    return {k: v for k, v in given.items() if v is not None or k not in carried}
+
+
 def keywords(cls) -> dict:
     """Python keyword -> field name, for the options the API takes."""
     return {opt.keyword or f.name: f.name for f, opt in declared(cls) if opt.api}
@@ -173,7 +188,7 @@ def signature(*classes, first=(), last=()) -> inspect.Signature:
         for f, opt in declared(cls):
             name = opt.keyword or f.name
             if opt.api and name not in taken:  # required options are among ``first`` (positional)
-                params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=given_of(f, opt)))
+                params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=api_default(f, opt)))
     return inspect.Signature(params + list(last))
 
 
@@ -192,11 +207,14 @@ def doc(*classes, internal=False, skip=()) -> str:
             if not (opt.api or internal) or f.name in skip:
                 continue
             kind = "{" + ", ".join(map(repr, opt.choices)) + "}" if opt.choices else _TYPES[opt.kind]
-            if given_of(f, opt) is None:
+            text = opt.doc or opt.help
+            if (given_of(f, opt) if internal else api_default(f, opt)) is None:
                 kind += ", optional"
+            if not internal and carries(opt) and given_of(f, opt) is not None and "at first" not in text:
+                said = f"None (left out): the model's last cell's value, {given_of(f, opt)!r} at first"
+                text = f"{text} {said}." if text.endswith(".") else f"{text}; {said}"
             name = f.name if internal else opt.keyword or f.name
-            lines += [f"{name} : {kind}"] + textwrap.wrap(opt.doc or opt.help, 92, initial_indent="    ",
-                                                           subsequent_indent="    ")
+            lines += [f"{name} : {kind}"] + textwrap.wrap(text, 92, initial_indent="    ", subsequent_indent="    ")
     return "\n".join(lines)
 
 

@@ -17,7 +17,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from . import calls, data, export, transfer
+from . import calls, data, export, options, transfer
 from .display import ProgressState, make_view, view_kind
 from .display.tables import count
 from .errors import PlanError, RankError
@@ -148,6 +148,7 @@ def make_plan(session, model_name, model_obj, data_name, given: dict, quiet=Fals
     from .engine import strategies
 
     held = session.holdings
+    given = options.without_left_out(TrainPlan, given)  # strategy=None: carried (the Python default), ddp at first
     dropped = carry_over(held.replaced(model_name, model_obj), given)
     if dropped and not quiet:
         print(f"distnb: {model_name} is a new object: the options its old object's cells carried "

@@ -198,6 +198,18 @@ def test_a_carried_option_the_cells_new_strategy_cannot_take_is_dropped_with_a_n
     assert shell.user_ns["drop_res"].plan.precision == "fp32"
 
 
+def test_a_none_for_a_carried_option_is_the_option_left_out(shell, dist_session):
+    """The signature's strategy=None (and precision=None, ...): ddp at first, then the model's last cell's."""
+    small_net(shell, "nn")
+    body = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
+    first = dist_session.train(body, model="nn_net", data="nn_data", strategy=None, precision=None, compile=None,
+                               progress="none", quiet=True)
+    assert (first.plan.strategy, first.plan.precision, first.plan.compile) == ("ddp", "fp32", False)
+    dist_session.train(body, model="nn_net", data="nn_data", strategy="fsdp", progress="none", quiet=True)
+    kept = dist_session.train(body, model="nn_net", data="nn_data", strategy=None, progress="none", quiet=True)
+    assert kept.plan.strategy == "fsdp" and kept.rows[0]["steps"] > 0
+
+
 def test_carried_options_survive_a_stop_and_a_start_in_the_same_kernel(shell, capsys):
     small_net(shell, "ss")
     cell = "%%distrain --model ss_net --data ss_data --progress none{} -o ss_res\nx, y = batch\n" \

@@ -116,3 +116,20 @@ def test_one_rule_decides_what_a_live_model_needs(last, key, generation, verdict
     from distnb.plan import redistribution
 
     assert redistribution(last, key, generation) == verdict
+
+
+def test_the_train_signature_shows_none_for_every_option_that_carries_over():
+    """help(Session.train) showed strategy='ddp' while a left-out --strategy keeps the model's last one."""
+    from distnb.plan import CARRIED
+
+    params = inspect.signature(session.Session.train).parameters
+    assert params["strategy"].default is None and params["precision"].default is None
+    assert all(params[name].default is None for name in CARRIED), [name for name in CARRIED
+                                                                   if params[name].default is not None]
+    assert params["epochs"].default == 1 and params["nan"].default == "stop"  # settings of one cell: their default
+    doc = session.Session.train.__doc__
+    assert "strategy : {'ddp', 'fsdp', 'pipeline', 'tensor', 'fsdp+tensor', 'ps'}, optional" in doc
+    assert "the model's\n            last one, ddp at first" in doc
+    assert "compile : bool, optional" in doc and "the model's last cell's value, 'fp32' at" in doc
+    assert options.without_left_out(TrainPlan, {"strategy": None, "lr": None, "epochs": 2}) == {"lr": None,
+                                                                                              "epochs": 2}
