@@ -41,13 +41,19 @@ class TrainResult(Table):
         Per rank: rank, steps (micro-steps: batches), samples, seconds (training time on the rank),
         cpu_seconds (CPU seconds the rank's engine process, all its threads, used in that time:
         ``time.process_time``; a figure a busy machine disturbs far less than wall time),
-        samples_per_s, final_loss (the rank's mean loss over its last epoch), param_bytes
+        samples_per_s, final_loss (the rank's mean loss over its last epoch of the cell; with no
+        epoch finished, over the steps it trained, ``final_loss_steps`` of them), param_bytes
         (bytes of parameters the rank holds: all of them for ddp, a shard for fsdp and
         tensor, its stage for pipeline) and, for pipeline, stage.
     epoch_losses : list of float
         Mean loss over all ranks for each epoch run in this cell.
     epochs : list of int
         The epoch numbers run (they continue across cells).
+    final_loss : float
+        The mean loss over all ranks of the cell's last epoch (``epoch_losses[-1]``). A cell that
+        finished no epoch (interrupted in its first, or a ``--loop`` body that never iterates
+        ``ctx.epochs()``) has the mean loss of the steps it trained instead; NaN only when no step
+        reported a loss. ``final_loss_of`` says which: ``"epoch"``, ``"steps"`` or None (no loss).
     wall_seconds : float
         Cell wall time in the kernel, seconds.
     train_seconds : float
@@ -104,7 +110,7 @@ class TrainResult(Table):
         self.overhead_seconds = wall_seconds - self.train_seconds
         share = len(rows) // (num_shards or len(rows))  # ranks that train on the same batch
         self.samples_per_s = sum(r["samples_per_s"] for r in rows) / max(1, share)
-        self.final_loss = self.epoch_losses[-1] if self.epoch_losses else math.nan
+        self.final_loss, self.final_loss_of = _final_loss(self.epoch_losses, rows)
         self._step_figures(rows)
         self.interrupted = any(r.get("interrupted") for r in rows)
         self.interrupted_message = "training interrupted" if self.interrupted else ""
@@ -143,11 +149,13 @@ class TrainResult(Table):
         self._make_title()
 
     def _loss_text(self) -> str:
-        """``final mean loss X``; for a cell that finished no epoch (interrupted early), the ranks' last step loss."""
-        if self.epoch_losses:
+        """``final mean loss X``; for a cell that finished no epoch, the mean loss of the steps it trained."""
+        if self.final_loss_of == "epoch":
             return f"final mean loss {self.final_loss:.4f}"
-        last = [x for x in (r.get("final_loss") for r in self.rows) if x is not None and math.isfinite(x)]
-        return f"no epoch finished, last step loss {math.fsum(last) / len(last):.4f}" if last else "no epoch finished"
+        if self.final_loss_of == "steps":
+            steps = max(r.get("final_loss_steps") or 0 for r in self.rows)
+            return f"no epoch finished, mean loss of its {count(steps, 'step')} {self.final_loss:.4f}"
+        return "no epoch finished, no step loss reported"
 
     def _make_title(self) -> None:
         how = {"target": "reached --target-loss", "patience": "converged (--patience)",
@@ -164,6 +172,18 @@ class TrainResult(Table):
             parts.append(f"grad norm {self.grad_norm:.3g}")
         parts += [f"{self.samples_per_s:.0f} samples/s", f"{self.wall_seconds:.2f} s"]
         self.title = " · ".join(parts)
+
+
+def _final_loss(epoch_losses, rows) -> tuple:
+    """``(final_loss, final_loss_of)`` of a result (see :class:`TrainResult`): the last epoch's mean, else the
+    mean over the ranks' steps of the cell (each rank's mean weighted by its steps), else ``(nan, None)``."""
+    if epoch_losses:
+        return epoch_losses[-1], "epoch"
+    weighted = [(r["final_loss"], r.get("final_loss_steps") or 0) for r in rows if r.get("final_loss") is not None]
+    weighted = [(x, n) for x, n in weighted if n > 0 and math.isfinite(x)]
+    if not weighted:
+        return math.nan, None
+    return math.fsum(x * n for x, n in weighted) / sum(n for _, n in weighted), "steps"
 
 
 def training_notes(first: dict) -> list:

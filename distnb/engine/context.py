@@ -395,13 +395,27 @@ class Context:
         if pending is not None:
             self._stop_answer(pending)
 
+    def _loss_sum(self) -> float:
+        """The sum of this rank's step losses reported since the epoch began (the cell's, without ctx.epochs())."""
+        floats = [v for v in self._losses if isinstance(v, float)]
+        tensors = [v for v in self._losses if not isinstance(v, float)]
+        return math.fsum(floats) + (float(torch.stack(tensors).double().sum()) if tensors else 0.0)
+
+    def steps_mean(self) -> tuple:
+        """``(mean, steps)``: this rank's mean loss over the steps it trained since the last epoch end (no collective).
+
+        The figure of a cell that finished no epoch: interrupted in its first one, or a ``--loop`` body
+        that never iterates :meth:`epochs` (then every step it reported). ``(nan, 0)`` when no step
+        reported a loss (or every one was skipped, ``--nan skip``).
+        """
+        if not self._loss_count:
+            return math.nan, 0
+        return self._loss_sum() / self._loss_count, self._loss_count
+
     def _epoch_mean(self):
         local = torch.zeros(2, dtype=torch.float64, device=self.device)
         if self._loss_count:
-            floats = [v for v in self._losses if isinstance(v, float)]
-            tensors = [v for v in self._losses if not isinstance(v, float)]
-            total = math.fsum(floats) + (float(torch.stack(tensors).double().sum()) if tensors else 0.0)
-            local[0] = total
+            local[0] = self._loss_sum()
             local[1] = self._loss_count
         self.local_losses.append(float(local[0] / local[1]) if local[1] > 0 else math.nan)
         dist.all_reduce(local)

@@ -367,10 +367,11 @@ def _train(ns, plan, code_text, relay):
         reporter.set_status(final)
         carried = None
     state = run.strategy.full_state()  # a collective for sharded strategies: every rank calls it
-    last = ctx.local_losses[-1] if ctx.local_losses else math.nan
+    # the mean over the cell's last epoch; with none finished, over the steps trained (its loss_steps; 0: an epoch's)
+    last, loss_steps = (ctx.local_losses[-1], 0) if ctx.local_losses else ctx.steps_mean()
     return dict(rank=st.rank, steps=ctx.step, samples=reporter.samples, seconds=seconds, cpu_seconds=cpu_seconds,
                 samples_per_s=reporter.samples / seconds if seconds > 0 else 0.0,
-                final_loss=last, epoch_losses=list(ctx.epoch_losses),
+                final_loss=last, final_loss_steps=loss_steps, epoch_losses=list(ctx.epoch_losses),
                 first_epoch=run.epoch - len(ctx.epoch_losses), next_epoch=run.epoch,
                 stopped_early=ctx.stopped_early, steps_per_epoch=steps, global_steps=run.steps, note=note,
                 interrupted=ctx.interrupted,

@@ -353,6 +353,32 @@ def test_interrupt_stops_every_rank_after_the_same_step(shell, dist_session):
     assert ok.rows[0]["steps"] > 0
 
 
+def test_a_cell_that_finished_no_epoch_reports_the_mean_loss_of_its_steps_not_nan(shell, dist_session):
+    """Interrupted in its first epoch (rank 0's own SIGINT, as the kernel sends it), and a --loop body that never
+    iterates ctx.epochs(): final_loss was NaN although every step reported a loss."""
+    import math
+
+    run(shell, TRAIN_SETUP.replace("mnet", "fnet"))
+    body = ("import os, signal, time\ntime.sleep(0.02)\nif ctx.rank == 0 and ctx.step == 2:\n"
+            "    os.kill(os.getpid(), signal.SIGINT)\n" + BODY)
+    result = dist_session.train(body, model="fnet", data="train_ds", epochs=3, batch_size=4, progress="none",
+                                quiet=True)
+    steps = result.rows[0]["steps"]
+    assert result.interrupted and result.epoch_losses == [] and 2 < steps < result.rows[0]["steps_per_epoch"]
+    points = [loss for history in result.loss_history.values() for _, loss in history]
+    assert len(points) == 2 * steps and result.final_loss_of == "steps"
+    assert result.final_loss == pytest.approx(math.fsum(points) / len(points), rel=1e-9)
+    assert all(row["final_loss_steps"] == steps and math.isfinite(row["final_loss"]) for row in result.rows)
+    assert f"no epoch finished, mean loss of its {steps} steps {result.final_loss:.4f}" in result.title
+    loop = ("for batch in ctx.loader:\n    x, y = batch\n    loss = F.cross_entropy(model(x), y)\n"
+            "    optimizer.zero_grad()\n    loss.backward()\n    optimizer.step()\n    ctx.report(loss)")
+    result = dist_session.train(loop, model="fnet", data="train_ds", loop=True, batch_size=32, progress="none",
+                                quiet=True)
+    points = [loss for history in result.loss_history.values() for _, loss in history]
+    assert result.epoch_losses == [] and result.final_loss_of == "steps" and "nan" not in result.title
+    assert result.final_loss == pytest.approx(math.fsum(points) / len(points), rel=1e-9)
+
+
 def test_the_interrupt_pressed_twice_stops_the_ranks_where_they_are_in_one_message(shell, dist_session, capsys):
     """The second press lands while the ranks are still finishing their step: it stops them at once, and the
     cell ends with distnb's one line, not the kernel-side KeyboardInterrupt tracebacks of the stop itself."""

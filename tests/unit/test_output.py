@@ -64,17 +64,25 @@ def test_an_interrupt_that_lands_inside_a_lock_is_still_an_interrupt():
     assert execute._is_interrupt(KeyboardInterrupt()) and not execute._is_interrupt(RuntimeError("other"))
 
 
-def test_a_result_that_finished_no_epoch_names_its_last_step_loss_not_nan():
+def test_a_result_that_finished_no_epoch_names_the_mean_loss_of_its_steps_not_nan():
     import math
 
     from distnb.plan import TrainPlan
     from distnb.results import TrainResult
 
     rows = [dict(rank=r, steps=3, samples=96, seconds=0.5, samples_per_s=192.0, final_loss=0.5 + r, param_bytes=8,
-                 epoch_losses=[], first_epoch=0, next_epoch=0, stopped_early=False, interrupted=True) for r in (0, 1)]
+                 final_loss_steps=3, epoch_losses=[], first_epoch=0, next_epoch=0, stopped_early=False,
+                 interrupted=True) for r in (0, 1)]
     result = TrainResult(rows, TrainPlan(model="net", data="ds"), wall_seconds=0.6)
-    assert math.isnan(result.final_loss)  # documented: the mean over the last epoch, and none finished
-    assert "no epoch finished, last step loss 1.0000" in result.title and "nan" not in result.title
+    assert result.final_loss == 1.0 and result.final_loss_of == "steps"  # documented: the mean of the steps trained
+    assert "no epoch finished, mean loss of its 3 steps 1.0000" in result.title and "nan" not in result.title
+    for row in rows:
+        row.update(final_loss=math.nan, final_loss_steps=0)  # no step reported a loss: said, not a silent nan
+    result = TrainResult(rows, TrainPlan(model="net", data="ds"), wall_seconds=0.6)
+    assert math.isnan(result.final_loss) and result.final_loss_of is None
+    assert "no epoch finished, no step loss reported" in result.title
+    rows[0].update(epoch_losses=[0.7, 0.6], next_epoch=2)
+    assert TrainResult(rows, TrainPlan(model="net", data="ds"), wall_seconds=0.6).final_loss_of == "epoch"
 
 
 def test_the_drop_last_sentence_counts_only_the_full_batches_a_rank_trains():
