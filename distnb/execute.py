@@ -223,10 +223,10 @@ class Watch:
             self.state.set_status(status, ranks=[f["rank"]], error=error)
 
     def _interrupted_message(self, clean: bool) -> str:
-        spots = {r: (ar.get(0).get("where") if clean and isinstance(ar.get(0), dict) else None)
-                 or self.progress.get(r) or {} for r, ar in enumerate(self.ars)}
-        where = ", ".join(f"rank {r}: epoch {m.get('epoch')}, step {m.get('step')}"
-                          for r, m in sorted(spots.items()) if m.get("epoch") is not None)
+        rows = {r: ar.get(0).get("where") for r, ar in enumerate(self.ars) if clean and isinstance(ar.get(0), dict)}
+        spots = {r: position(rows[r]) if rows.get(r) else _progress_position(self.progress.get(r) or {})
+                 for r in range(len(self.ars))}
+        where = ", ".join(f"rank {r}: {text}" for r, text in sorted(spots.items()) if text)
         how = "every rank stopped after the same step" if clean else "ranks stopped where they were" + (
             " (the interrupt was pressed again)" if self.pressed_again else "")
         return f"{self.what} interrupted: {how}" + (f" ({where})" if where else "")
@@ -391,3 +391,25 @@ def recover(session) -> None:
     except Exception as exc:
         raise ClusterError(f"could not re-form the process group after the failure ({exc}); "
                            "run %dist restart") from exc
+
+
+def position(where: dict) -> str:
+    """Where a rank stopped, from its row's ``where`` (:func:`distnb.engine.loop._where`), as the summary says it.
+
+    ``epoch 3, step 5`` in the middle of an epoch; ``after epoch 3`` at the start of the next one (the
+    epoch ended: its mean, validation and checkpoint ran); ``after the last step of epoch 3`` when its
+    end had not run yet (the next cell starts epoch 4).
+    """
+    epoch, step = where.get("epoch"), where.get("step")
+    if where.get("last_step"):
+        return f"after the last step of epoch {epoch} (the next cell starts epoch {epoch + 1})"
+    if step == 0 and epoch:
+        return f"after epoch {epoch - 1}"
+    return f"epoch {epoch}, step {step}"
+
+
+def _progress_position(msg: dict) -> str:
+    """Where a rank was at its last progress message (a rank that returned no row): its step counts the cell's."""
+    if msg.get("epoch") is None:
+        return ""
+    return f"epoch {msg['epoch']}, {msg.get('step')} of this cell's steps"

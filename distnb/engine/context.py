@@ -327,8 +327,18 @@ class Context:
         if self._save_pending:
             self._save_pending = False
             self.save_checkpoint()
-        if self.step >= self._check_at:
+        if self.step >= self._check_at and not self._ends_epoch():
             self._agree_on_stop()
+
+    def _ends_epoch(self) -> bool:
+        """Whether this step is the last of an epoch that :meth:`epochs` ends next on every rank alike.
+
+        A stop asked for then lands at that end (:meth:`_settle_stop_check`), after the epoch's mean,
+        validation and checkpoint, rather than between its last step and its end: a position that
+        read as "epoch E, step N" of an epoch whose steps were all trained. A ``--loop`` body or a
+        stream, whose ranks may take other steps (their counts are compared at the end), stops here.
+        """
+        return not self._agree_at_epoch_end and self.epoch_done >= self.epoch_batches
 
     def _time_step(self):
         if len(self._step_times) < 20:

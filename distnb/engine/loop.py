@@ -293,10 +293,24 @@ def _settle_position(run, plan, data, note: str) -> str:
                                     f"({run.epoch_data[0]}); it starts again at the beginning of {plan.data}") if x)
     run.epoch_data = data_key
     if run.epoch_samples:  # stopped after an epoch's last batch, before its end (or a stream): it is done
-        left = (data.epoch_length(plan) or 0) - run.epoch_samples
-        if left <= 0 or (plan.drop_last and left < plan.batch_size):
+        if _trained_through(run, plan, data.epoch_length(plan) or 0):
             run.epoch, run.epoch_step, run.epoch_samples = run.epoch + 1, 0, 0
     return note
+
+
+def _trained_through(run, plan, length: int) -> bool:
+    """Whether ``run`` stands after the last batch of its epoch of ``length`` samples (its end not run yet)."""
+    left = length - run.epoch_samples
+    return bool(run.epoch_samples) and (left <= 0 or (plan.drop_last and left < plan.batch_size))
+
+
+def _where(run, plan, data) -> dict:
+    """Where the cell stopped: ``epoch``, ``step`` (of it); ``last_step`` when that was the epoch's last step,
+    its end not run (a --loop body's stop there): the next cell starts the next epoch."""
+    length = data.epoch_length(plan)
+    if length is not None and _trained_through(run, plan, length):
+        return dict(epoch=run.epoch, step=run.epoch_step, last_step=True)
+    return dict(epoch=run.epoch, step=run.epoch_step)
 
 
 def _train(ns, plan, code_text, relay):
@@ -375,7 +389,7 @@ def _train(ns, plan, code_text, relay):
                 first_epoch=run.epoch - len(ctx.epoch_losses), next_epoch=run.epoch,
                 stopped_early=ctx.stopped_early, steps_per_epoch=steps, global_steps=run.steps, note=note,
                 interrupted=ctx.interrupted,
-                where=dict(epoch=run.epoch, step=run.epoch_step), holdings=run.strategy.holdings(), state=state,
+                where=_where(run, plan, data), holdings=run.strategy.holdings(), state=state,
                 resumed=resumed, continued=continued, checkpoints=ctx.checkpoints, skipped_steps=ctx.skipped_steps,
                 iterated_epochs=ctx.iterated_epochs, progress_message=carried,
                 **_step_figures(plan, run, ctx, restored))

@@ -339,8 +339,8 @@ def test_interrupt_stops_every_rank_after_the_same_step(shell, dist_session):
     import re
 
     assert result.interrupted and result.stop_reason == "interrupted" and not result.converged
-    assert re.search(r"every rank stopped after the same step \(rank 0: epoch (\d+), step (\d+), rank 1: epoch \1, "
-                     r"step \2\)", result.interrupted_message), result.interrupted_message
+    assert re.search(r"every rank stopped after the same step \(rank 0: (epoch \d+, step \d+|after epoch \d+), "
+                     r"rank 1: \1\)", result.interrupted_message), result.interrupted_message
     assert result.rows[0]["steps"] == result.rows[1]["steps"] > 0 and "interrupted" in result.title
     assert len(result.loss_history[0]) == result.rows[0]["steps"] and result.mean_loss_history
     assert time.monotonic() - t0 < 3.0 + 5.0  # every rank stopped within 5 s of the interrupt
@@ -427,6 +427,41 @@ def test_a_stop_after_an_epochs_last_step_continues_with_the_next_epoch(shell, d
     nxt = dist_session.train(BODY, model="lnet", data="train_ds", epochs=1, progress="none", quiet=True)
     assert nxt.rows[0]["steps"] == steps  # a whole epoch, not the empty rest of the finished one
     assert not nxt.rows[0].get("continued")
+
+
+def test_a_stop_asked_for_at_an_epochs_last_step_lands_after_its_end_and_says_so(shell, dist_session):
+    """The summary said "epoch 1, step 8" of an epoch of 8 steps: the stop landed between its last step and its end.
+
+    A step body's stop now lands at the end (the epoch's mean recorded, "after epoch 1"); a --loop body's, which
+    distnb cannot end for it there, is named "after the last step of epoch 1". Stop checks at every step (the
+    check interval 0) and rank 0's own SIGINT one step before the last make the landing exact.
+    """
+    from distnb.execute import position
+
+    run(shell, TRAIN_SETUP.replace("mnet", "enet"))
+    ask = ("import os, signal\nif ctx.epoch == 1 and ctx.rank == 0 and ctx.epoch_done == ctx.epoch_batches - 2:\n"
+           "    os.kill(os.getpid(), signal.SIGINT)\n")
+    dist_session.run("import distnb.engine.context as _ctx_mod\n_ctx_mod.STOP_CHECK_SECONDS = 0.0")
+    try:
+        result = dist_session.train(ask + BODY, model="enet", data="train_ds", epochs=3, batch_size=32,
+                                    progress="none", quiet=True)
+        loop = ("for epoch in ctx.epochs():\n    for batch in ctx.loader:\n" +
+                "".join(f"        {line}\n" for line in (ask + BODY).splitlines()) +
+                "        optimizer.zero_grad()\n        loss.backward()\n        optimizer.step()\n"
+                "        ctx.report(loss)")
+        looped = dist_session.train(loop, model="enet", data="train_ds", loop=True, epochs=3, batch_size=32,
+                                    reset=True, progress="none", quiet=True)
+    finally:
+        dist_session.run("import distnb.engine.context as _ctx_mod\n_ctx_mod.STOP_CHECK_SECONDS = 0.1")
+    steps = result.rows[0]["steps_per_epoch"]
+    assert result.interrupted and result.epochs == [0, 1] and len(result.epoch_losses) == 2
+    assert [row["where"] for row in result.rows] == [dict(epoch=2, step=0)] * 2 and result.rows[0]["steps"] == 2 * steps
+    assert position(result.rows[0]["where"]) == "after epoch 1"
+    assert looped.interrupted and looped.epochs == [0] and looped.rows[0]["steps"] == 2 * steps
+    assert [row["where"] for row in looped.rows] == [dict(epoch=1, step=steps, last_step=True)] * 2
+    assert position(looped.rows[0]["where"]) == "after the last step of epoch 1 (the next cell starts epoch 2)"
+    nxt = dist_session.train(BODY, model="enet", data="train_ds", epochs=1, batch_size=32, progress="none", quiet=True)
+    assert nxt.epochs == [2] and nxt.rows[0]["steps"] == steps  # the position was true: epoch 1 is done
 
 
 def test_a_position_partway_through_one_data_set_does_not_carry_to_another(shell, dist_session):

@@ -93,3 +93,14 @@ def test_the_drop_last_sentence_counts_only_the_full_batches_a_rank_trains():
     assert "each rank uses 150 of its 200 samples" in text and "1 step/epoch" in text
     text = describe_cut(TrainPlan(model="m", data="d", batch_size=64, drop_last=True), {"num_samples": 401}, 2, 2)
     assert "each rank uses 192 of its 200-201 samples" in text
+
+
+def test_the_interrupt_summary_names_a_position_at_an_epochs_end_as_after_it():
+    from distnb.execute import _progress_position, position
+
+    assert position(dict(epoch=54, step=3)) == "epoch 54, step 3"
+    assert position(dict(epoch=55, step=0)) == "after epoch 54" and position(dict(epoch=0, step=0)) == "epoch 0, step 0"
+    assert position(dict(epoch=54, step=8, last_step=True)) == \
+        "after the last step of epoch 54 (the next cell starts epoch 55)"
+    assert _progress_position(dict(epoch=3, step=57)) == "epoch 3, 57 of this cell's steps"  # not the epoch's step
+    assert _progress_position({}) == ""
