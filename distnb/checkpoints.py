@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from . import calls, training
+from . import calls, export, training
 from .display.tables import count
 from .errors import PlanError
 from .execute import run_on_ranks
@@ -87,6 +87,7 @@ def load(session, name: str, model_obj, directory: str, quiet: bool = False, cha
     session.holdings.lr_of[name] = None
     session.holdings.trained_steps[name] = meta["steps"]
     training.weights_back(session, name, model_obj)
+    export.loaded(name, model_obj, meta)  # the notebook's model agrees with the ranks': no "changed" claim
     if not quiet:
         print(f"distnb: loaded {meta['path']} into {name} on {count(session.world_size, 'rank')} and the kernel "
               f"(--strategy {plan.strategy}, epoch {meta['epoch']}, step {meta['epoch_step']} of it)")

@@ -58,7 +58,8 @@ class Cell:
     start: dict = field(default_factory=dict)
     problem: str = ""  # why it cannot be exported, if it cannot
     model_obj: object = None  # the notebook's model (a cell that went on with the ranks' live one exports it as is)
-    model_fp: object = None  # its fingerprint when that cell ended
+    model_fp: object = None  # its fingerprint when that cell ended (or %dist load put a checkpoint into it)
+    model_since: str = "the training cell ran"  # what model_fp was taken after, for the "changed" error
     epoch_losses: list = field(default_factory=list)
     not_kept: str = ""  # why a model sent fresh had its starting weights left uncopied (too large)
 
@@ -159,6 +160,26 @@ def remember(cell: Cell, result, model_obj) -> None:
                           "optimizer, so its losses can differ from the cell's")
     cell.epoch_losses = list(result.epoch_losses)
     _LAST[0] = cell
+
+
+def loaded(name: str, model_obj, meta: dict) -> None:
+    """``%dist load`` put checkpoint ``meta`` into ``name`` (the notebook's model and the ranks' alike).
+
+    A last cell of ``name`` that went on with the ranks' live model is exported from the notebook's
+    weights: from now on those are the checkpoint's, so the job goes on from them (from the
+    checkpoint's epoch), and only a change after the load counts as the model changed in the notebook.
+    A cell that sent its model fresh exports the weights it started from, which a load does not touch.
+    """
+    from .transfer import fingerprint
+
+    cell = _LAST[0]
+    if cell is None or cell.plan.model != name or cell.model_packed is not None or cell.problem:
+        return
+    cell.model_fp, cell.model_since = fingerprint(model_obj), f"%dist load {meta['path']}"
+    cell.start = dict(epoch=meta["epoch"], epoch_samples=0, steps=meta["steps"], epoch_step=0, exact=False,
+                      why=f"%dist load put the checkpoint {meta['path']} into {name} after the cell: the job goes "
+                          f"on from those weights (the notebook's now), from epoch {meta['epoch']}, with a fresh "
+                          "optimizer, and does not repeat the cell's losses")
 
 
 def last() -> Cell:
@@ -356,8 +377,8 @@ def _quote(path: str) -> str:
     return shlex.quote(path)
 
 
-def _changed(name, what) -> PlanError:
-    return PlanError(f"{what} {name} changed in the notebook since the training cell ran, so the job would not train "
+def _changed(name, what, since="the training cell ran") -> PlanError:
+    return PlanError(f"{what} {name} changed in the notebook since {since}, so the job would not train "
                      "on what the cell trained on: run the cell again (or export right after it), then %dist export")
 
 
@@ -402,7 +423,7 @@ def _model_packed(cell) -> tuple:
     if cell.model_packed is not None:
         return cell.model_packed
     if fingerprint(cell.model_obj) != cell.model_fp:
-        raise _changed(cell.plan.model, "--model")
+        raise _changed(cell.plan.model, "--model", cell.model_since)
     return pack_named(cell.plan.model, cell.model_obj, " (the exported job loads it from model.pkl)")
 
 

@@ -262,6 +262,33 @@ def test_a_cell_that_went_on_is_exported_from_the_notebooks_weights_after_it(exp
         shell.run_line_magic("dist", f"export {tmp_path / 'again'}")
 
 
+def test_export_after_dist_load_goes_on_from_the_loaded_weights_not_a_changed_claim(shell, tmp_path, capsys):
+    """%dist load after a cell that went on: export said "--model changed in the notebook" (the load's weights)."""
+    ns = shell.user_ns
+    shell.run_cell(CLASS)
+    ns["ex_l"], ns["F"] = ns["ExportNet"](), F
+    ns["ex_l_data"] = blobs(40, seed=5, num_features=10, num_classes=2)
+    line = "--model ex_l --data ex_l_data --epochs 1 --batch-size 8 --progress none"
+    shell.run_cell_magic("distrain", line, BODY)
+    shell.run_line_magic("dist", f"save {tmp_path / 'ck'}")
+    shell.run_cell_magic("distrain", line, BODY)  # goes on with the ranks' live model
+    shell.run_line_magic("dist", f"load {tmp_path / 'ck'}")
+    loaded = params(ns["ex_l"]).clone()
+    capsys.readouterr()
+    info = distnb.session.current().export(str(tmp_path / "job"))
+    assert not info["exact"] and "%dist load put the checkpoint" in info["why"] and "from epoch 1" in info["why"]
+    options = json.loads((tmp_path / "job" / "options.json").read_text())
+    assert options["start"] == dict(epoch=1, epoch_samples=0, steps=3, epoch_step=0, exact=False, why=info["why"])
+    from distnb.engine import wire
+
+    payload, descs, buffers = pickle.loads((tmp_path / "job" / "model.pkl").read_bytes())
+    torch.testing.assert_close(params(wire.loads(payload, descs, buffers)), loaded, rtol=0, atol=0)
+    with torch.no_grad():
+        ns["ex_l"].out.bias.add_(1.0)  # a change after the load is one, and the error says since when
+    with pytest.raises(UsageError, match="--model ex_l changed in the notebook since %dist load .*ck"):
+        shell.run_line_magic("dist", f"export {tmp_path / 'again'}")
+
+
 def test_a_model_too_large_to_keep_a_copy_of_is_exported_from_its_weights_after_the_cell(exported, shell, tmp_path,
                                                                                         monkeypatch):
     from distnb import export
