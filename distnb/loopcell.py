@@ -15,7 +15,7 @@ from .display.tables import count
 from .results import training_notes
 
 
-def notes(first: dict, plan, given=()) -> list:
+def notes(first: dict, plan, given=(), started=True) -> list:
     """The sentences a finished cell prints: :func:`distnb.results.training_notes` and the ``--loop`` ones.
 
     Parameters
@@ -26,12 +26,14 @@ def notes(first: dict, plan, given=()) -> list:
         The cell's plan.
     given : collection of str
         The TrainPlan options the cell gave explicitly (``epochs`` for ``--epochs 3``).
+    started : bool
+        Whether to include the notes on the cell's start (False: the progress view printed them).
 
     Returns
     -------
     list of str
     """
-    return training_notes(first) + (loop_notes(first, plan, given) if plan.loop else [])
+    return training_notes(first, started) + (loop_notes(first, plan, given) if plan.loop else [])
 
 
 def loop_notes(first: dict, plan, given=()) -> list:

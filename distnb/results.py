@@ -186,16 +186,31 @@ def _final_loss(epoch_losses, rows) -> tuple:
     return math.fsum(x * n for x, n in weighted) / sum(n for _, n in weighted), "steps"
 
 
-def training_notes(first: dict) -> list:
-    """The sentences a finished training cell prints, from rank 0's row (``first``)."""
-    notes = []
-    if first["note"]:
-        notes.append(first["note"])
+def start_notes(first: dict) -> list:
+    """The sentences about how a training cell started, from rank 0's row or its first progress message.
+
+    What changed about the optimizer or the position, the checkpoint resumed from, the epoch continued.
+    The text progress prints them before the cell's epoch lines (:class:`distnb.display.text.TextProgress`).
+    """
+    notes = [first["note"]] if first.get("note") else []
+    if first.get("resumed"):
+        notes.append(f"resumed from checkpoint {first['resumed']}")
+    if first.get("continued"):
+        c = first["continued"]
+        notes.append(f"continued epoch {c['epoch']} where it stopped ({c['samples']} samples per rank already "
+                     "trained); it counts as the first of this cell's epochs")
+    return notes
+
+
+def training_notes(first: dict, started: bool = True) -> list:
+    """The sentences a finished training cell prints, from rank 0's row (``first``).
+
+    ``started``: with the :func:`start_notes` first (False: the progress printed them already).
+    """
+    notes = start_notes(first) if started else []
     if first.get("skipped_steps"):
         notes.append(f"skipped {count(first['skipped_steps'], 'step')} whose loss was not finite on some rank "
                      "(--nan skip): no update was applied for them")
-    if first.get("resumed"):
-        notes.append(f"resumed from checkpoint {first['resumed']}")
     if first.get("restored_best"):
         notes.append(f"loaded the weights of the best validation loss back (epoch {first['best_epoch']})")
     if first.get("compiled") and first.get("first_step_seconds") is not None:
@@ -205,10 +220,6 @@ def training_notes(first: dict) -> list:
             speed = f", {first['eager_step_seconds'] / first['step_seconds']:.2f}x the eager steps of an earlier cell"
         notes.append(f"torch.compile: the first step took {first['first_step_seconds']:.1f} s ({extra:.1f} s "
                      f"compiling); later steps {first['step_seconds'] * 1000:.1f} ms{speed}")
-    if first.get("continued"):
-        c = first["continued"]
-        notes.append(f"continued epoch {c['epoch']} where it stopped ({c['samples']} samples per rank already "
-                     "trained); it counts as the first of this cell's epochs")
     return notes
 
 

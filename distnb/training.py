@@ -537,7 +537,8 @@ def train_cell(session, code, model, data, run, given):
                 session.holdings.remember(plan, model_obj)
             exc.plan = plan  # what --on-failure shrink goes on with (distnb.shrinking)
             raise
-        result = finish(session, plan, model_obj, rows, time.perf_counter() - t0, num_shards, run, stopped, given)
+        result = finish(session, plan, model_obj, rows, time.perf_counter() - t0, num_shards, run, stopped, given,
+                        started_shown=state.start_shown)
     session.last_result = result
     export.remember(cell, result, model_obj)
     return result
@@ -566,8 +567,10 @@ def dtype_hint(exc, plan, model_obj, data_obj) -> str:
             f"convert the data once in the notebook ({fix}), or the batch in the step (x = x.float())")
 
 
-def finish(session, plan, model_obj, rows, wall_seconds, num_shards, run, stopped=None, given=()):
+def finish(session, plan, model_obj, rows, wall_seconds, num_shards, run, stopped=None, given=(), started_shown=False):
     """A cell's end: weights back, the notes (``given``: its options), the TrainResult (``stopped``: the Interrupted).
+
+    ``started_shown``: the progress printed the notes on the cell's start already (before its epoch lines).
 
     A run stopped by the interrupt button or ``%dist stop-training`` (every rank after the same
     step) still gives the result of what was trained, marked ``interrupted``.
@@ -582,7 +585,7 @@ def finish(session, plan, model_obj, rows, wall_seconds, num_shards, run, stoppe
     if stopped is not None:
         result.mark_interrupted(str(stopped))
     if not run.quiet:  # run: the cell's RunOptions
-        for note in loopcell.notes(rows[0], plan, given):
+        for note in loopcell.notes(rows[0], plan, given, started=not started_shown):
             print(f"distnb: {note}")
         background = session._background
         if stopped is not None and not (background is not None and background.current_thread_is_runner()):

@@ -89,6 +89,8 @@ class ProgressState:
         self.band = Series()  # (step, (mean, p10, p90) of the ranks' newest losses): display/aggregate.py
         self.validation = {}  # cell step -> (validation loss, metric or None), from rank 0's messages
         self.metric_name = None
+        self.start = None  # rank 0's notes on the cell's start (its first message), see distnb.results.start_notes
+        self.start_shown = False  # a view printed them (the cell's end does not again)
         self.version = 0
         self.wheres = {}  # rank -> its latest where report (engine/where.py), for the where panel
         self.where_version = 0  # bumped when the where panel would draw differently
@@ -126,6 +128,8 @@ class ProgressState:
         for step, loss, metric in msg.get("val_points", ()):  # the same figures on every rank
             self.validation[int(step)] = (float(loss), None if metric is None else float(metric))
         self.metric_name = msg.get("metric_name") or self.metric_name
+        if rank == 0 and self.start is None and msg.get("start"):
+            self.start = msg["start"]
         changed = (bool(new_points) or n_means != len(self.epoch_means) or n_val != len(self.validation) or row_changed
                    or n_rates != len(self.epoch_rates[rank]))
         if changed:

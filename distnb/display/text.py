@@ -56,6 +56,12 @@ class TextProgress:
 
     def refresh(self, final=False):
         st = self.state
+        if st.start and not st.start_shown:  # how the cell started (a new optimizer, ...): before its epoch lines
+            from ..results import start_notes
+
+            st.start_shown = True
+            for note in start_notes(st.start):
+                print(f"distnb: {note}", file=self.stream)
         every = max(1, -(-st.epochs // 10))  # at most ~10 epoch lines per cell: the first, every `every`-th, the last
         epochs = sorted(st.epoch_means)
         if epochs and self._first is None:

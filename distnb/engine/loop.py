@@ -340,6 +340,9 @@ def _train(ns, plan, code_text, relay):
         note = " ".join(x for x in (note, _cell_extras(ns, plan, run, ctx, code, steps)) if x)
         ns.update(model=run.strategy.model, optimizer=run.optimizer, ctx=ctx)
         run.module.train()
+        start = dict(note=note, resumed=resumed, continued=continued)
+        if any(start.values()):  # in every message: the kernel prints it before the epoch lines, whichever it reads first
+            reporter.extra["start"] = start
         reporter.set_status("running")
         t0, c0 = time.perf_counter(), time.process_time()
         watchdog = where.Watchdog(publish_raw, ddp_backward=plan.strategy == "ddp")

@@ -210,6 +210,20 @@ def test_a_none_for_a_carried_option_is_the_option_left_out(shell, dist_session)
     assert kept.plan.strategy == "fsdp" and kept.rows[0]["steps"] > 0
 
 
+def test_the_notes_on_a_cells_start_print_before_its_epoch_lines_once(shell, capsys):
+    """"new sgd optimizer (was adam)" printed after the cell's epoch lines in the text progress view."""
+    small_net(shell, "sn")
+    cell = "%%distrain --model sn_net --data sn_data --batch-size 16 --epochs 2 --progress text{}\nx, y = batch\n" \
+           "loss = F.cross_entropy(model(x), y)"
+    assert run(shell, cell.format(" --optimizer adam")).error_in_exec is None
+    capsys.readouterr()
+    assert run(shell, cell.format(" --optimizer sgd")).error_in_exec is None
+    lines = capsys.readouterr().out.splitlines()
+    note = [i for i, line in enumerate(lines) if "new sgd optimizer (was adam)" in line]
+    epochs = [i for i, line in enumerate(lines) if line.startswith("epoch ")]
+    assert len(note) == 1 and len(epochs) == 2 and note[0] < epochs[0], lines
+
+
 def test_carried_options_survive_a_stop_and_a_start_in_the_same_kernel(shell, capsys):
     small_net(shell, "ss")
     cell = "%%distrain --model ss_net --data ss_data --progress none{} -o ss_res\nx, y = batch\n" \

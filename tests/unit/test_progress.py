@@ -171,3 +171,24 @@ def test_an_epoch_line_waits_for_every_ranks_own_rate_of_that_epoch():
     st.set_status("failed", ranks=[1], error="ValueError: x")  # rank 1 never reports epoch 2
     view.close()
     assert "epoch   2  mean loss 1.0000  |  rank 0 120 samples/s  rank 1 - samples/s" in out.getvalue()
+
+
+def test_the_text_view_prints_the_cells_start_notes_before_an_epoch_line_of_the_same_message():
+    import io
+
+    from distnb.display import ProgressState
+    from distnb.display.text import TextProgress
+
+    state = ProgressState(1, total_steps=4, epochs=2)
+    out = io.StringIO()
+    view = TextProgress(state, stream=out)
+    state.update(0, dict(rank=0, status="running", epoch=1, step=4, samples=64, epoch_losses=[(0, 0.5), (1, 0.4)],
+                         epoch_rates=[(0, 100.0), (1, 100.0)],
+                         start=dict(note="new sgd optimizer (was adam)", resumed=None,
+                                    continued=dict(epoch=0, samples=16))))
+    view.refresh()
+    view.refresh(final=True)
+    lines = out.getvalue().splitlines()
+    assert lines[:2] == ["distnb: new sgd optimizer (was adam)", "distnb: continued epoch 0 where it stopped (16 "
+                         "samples per rank already trained); it counts as the first of this cell's epochs"]
+    assert lines[2].startswith("epoch   0") and state.start_shown and len(lines) == 4  # once
