@@ -377,12 +377,7 @@ def _train(ns, plan, code_text, relay):
         stop.__exit__()
         data.close()  # DataLoader workers end with the cell, however it ends
         sys.stdout.flush()
-    final = "interrupted" if ctx.interrupted else "done"
-    if relay is None and report.SINK is None:  # the reply carries it (Reporter.final_message)
-        carried = reporter.final_message(final)
-    else:  # a host's relay waits for each rank's final message; a job's sink prints it
-        reporter.set_status(final)
-        carried = None
+    carried = _last_word(reporter, relay, "interrupted" if ctx.interrupted else "done")
     state = run.strategy.full_state()  # a collective for sharded strategies: every rank calls it
     # the mean over the cell's last epoch; with none finished, over the steps trained (its loss_steps; 0: an epoch's)
     last, loss_steps = (ctx.local_losses[-1], 0) if ctx.local_losses else ctx.steps_mean()
@@ -396,6 +391,15 @@ def _train(ns, plan, code_text, relay):
                 resumed=resumed, continued=continued, checkpoints=ctx.checkpoints, skipped_steps=ctx.skipped_steps,
                 iterated_epochs=ctx.iterated_epochs, progress_message=carried,
                 **_step_figures(plan, run, ctx, restored))
+
+
+def _last_word(reporter, relay, status: str):
+    """The rank's final progress message: returned for the reply to carry (:meth:`Reporter.final_message`), or
+    published (None returned) where a host's relay waits for it or a job's sink prints it."""
+    if relay is None and report.SINK is None:
+        return reporter.final_message(status)
+    reporter.set_status(status)
+    return None
 
 
 def _cell_extras(ns, plan, run, ctx, code, steps) -> str:
