@@ -294,7 +294,9 @@ def _check_one(f, opt: Option, value):
         check_number(label, value, positive=not opt.signed and opt.minimum is None)
         low, high = opt.minimum, opt.maximum
         if (low is not None and value < low) or (high is not None and value > high):
-            raise PlanError(f"{label} must be between {low:g} and {high:g}, got {value}")
+            bound = (f"at least {low:g}" if high is None else f"at most {high:g}" if low is None
+                     else f"between {low:g} and {high:g}")
+            raise PlanError(f"{label} must be {bound}, got {value}")
     elif kind == "flag":
         if not isinstance(value, bool):
             raise PlanError(f"{label} is a flag (True or False), got {value!r}")

@@ -133,8 +133,8 @@ class TrainPlan:
                              doc="Samples per rank per step; the global batch is ``batch_size * world_size``.")
     optimizer: str | None = option(None, "text", "sgd, adam, adamw, or a notebook name f(params)->Optimizer; default: "
                                    "keep the optimizer live on the ranks (with its state), sgd for a new model", carry=True)
-    lr: float | None = option(None, "float", "learning rate; default: keep the live one (a new optimizer: 0.01 sgd, "
-                              "1e-3 adam/adamw)")
+    lr: float | None = option(None, "float", "learning rate, >= 0 (0: the weights stay, e.g. to validate only); "
+                              "default: keep the live one (a new optimizer: 0.01 sgd, 1e-3 adam/adamw)", minimum=0)
     seed: int = option(0, "int", "seed of shards, per-epoch shuffles and, for a Dataset, the ranks' and workers' "
                        "random streams (default 0)", minimum=0)
     strategy: str = option("ddp", "choice", ", ".join(f"{k} ({v[0]})" for k, v in STRATEGIES.items())
@@ -249,7 +249,7 @@ class TrainPlan:
                               "progress messages, so the kernel receives one message per host, not per rank "
                               "(distnb.engine.report.HostRelay)", cli=False, minimum=1)
     lr_if_new: float | None = option(None, "float", "learning rate for an optimizer made new while lr is None (the "
-                                     "kernel passes the last one the user gave)", cli=False, api=False)
+                                     "kernel passes the last one the user gave)", cli=False, api=False, minimum=0)
     resume: bool = option(True, "flag", "a model the ranks receive fresh resumes from --checkpoint-dir's newest "
                           "checkpoint (the kernel sets False when the notebook's weights are as new)", cli=False,
                           api=False)

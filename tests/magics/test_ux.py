@@ -4,6 +4,7 @@ import math
 import re
 
 import pytest
+import torch
 from IPython.core.error import UsageError
 
 from distnb import session as session_mod
@@ -235,3 +236,14 @@ def test_carried_options_survive_a_stop_and_a_start_in_the_same_kernel(shell, ca
     assert run(shell, cell.format("")).error_in_exec is None
     assert shell.user_ns["ss_res"].plan.optimizer == "adam"
     assert "fresh adam optimizer" in capsys.readouterr().out  # the new ranks build the optimizer chosen before
+
+
+def test_lr_zero_is_taken_and_leaves_the_weights_as_they_were(shell):
+    """--lr 0 (torch takes it: a pass that only measures, or a frozen model) trains no change into the weights."""
+    small_net(shell, "lz")
+    before = [p.detach().clone() for p in shell.user_ns["lz_net"].parameters()]
+    res = run(shell, "%%distrain --model lz_net --data lz_data --batch-size 16 --optimizer sgd --lr 0 --progress none "
+                     "-o lz_res\nx, y = batch\nloss = F.cross_entropy(model(x), y)")
+    assert res.error_in_exec is None
+    assert shell.user_ns["lz_res"].rows[0]["steps"] > 0 and shell.user_ns["lz_res"].plan.lr == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, shell.user_ns["lz_net"].parameters()))
