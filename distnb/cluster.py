@@ -533,18 +533,18 @@ class Cluster(Engines):
         Raises ClusterError if the cluster is stopped or that rank's engine has died, TypeError
         if ``args`` do not fit ``fn``'s signature.
         """
-        self._check_sendable(rank)
+        self.check_sendable([rank])
         return _send(self._view(self.engine_ids[rank]), fn, *args)
 
-    def _check_sendable(self, rank: int) -> None:
-        """ClusterError unless the cluster runs and ``rank``'s engine is alive and registered."""
+    def check_sendable(self, ranks=None) -> None:
+        """ClusterError unless the cluster runs and every engine of ``ranks`` (default: all) is alive and registered."""
         if self.client is None:
             raise ClusterError("the cluster is not running; start it with %dist start")
-        proc = self._procs.get(self.ranks[rank]["pid"]) if rank < len(self.ranks) else None
-        if self.engine_ids[rank] not in self.client.ids or (proc is not None and proc.exit_status is not None):
-            self.check_alive([rank])
-            raise ClusterError(f"{self.describe(rank)} is no longer registered with the controller; "
-                               "run %dist restart")
+        for rank in range(self.world_size) if ranks is None else ranks:
+            proc = self._procs.get(self.ranks[rank]["pid"]) if rank < len(self.ranks) else None
+            if self.engine_ids[rank] not in self.client.ids or (proc is not None and proc.exit_status is not None):
+                self.check_alive(ranks)  # every dead one of them named, with how it died
+                raise ClusterError(f"{self.describe(rank)} is no longer registered with the controller; run %dist restart")
 
     def _view(self, engine_id: int):
         """The DirectView of one engine, made once per client (``client[i]`` builds a new view at each call)."""
@@ -558,8 +558,7 @@ class Cluster(Engines):
         (:func:`_packed`), one message per engine, all handed to the client's I/O thread at once
         (:func:`distnb.fanout.apply_each`); ipyparallel's broadcast view was slower at 32 ranks (issue 20)."""
         fn.check(args)
-        for rank in range(self.world_size):
-            self._check_sendable(rank)
+        self.check_sendable()
         packed = _packed(fn, args)
         return fanout.apply_each(self.client, self.engine_ids, packed[0], packed[1:])
 

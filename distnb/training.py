@@ -494,6 +494,7 @@ def train_cell(session, code, model, data, run, given):
     from .errors import Interrupted
 
     t0 = time.perf_counter()
+    session.cluster.check_sendable()  # a dead rank is named before anything about the cell is said
     model_name, model_obj = session._named(model, "model")
     data_name, data_obj = (data, None) if given.get("data_on_ranks") else session._named(data, "data")
     if not isinstance(code, str) or not code.strip():

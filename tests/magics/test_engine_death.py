@@ -24,6 +24,9 @@ death_net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
 """
 
 
+CELL = "%%distrain --model death_net --data death_ds --epochs 1 --batch-size 8\nx, y = batch\nloss = F.cross_entropy(model(x), y)"
+
+
 def run(shell, code):
     return shell.run_cell(code, silent=False)
 
@@ -111,6 +114,8 @@ def test_status_says_how_a_dead_rank_died_and_the_fix(shell, capsys):
     """Between cells: the dead rank's row says how its engine ended (``died``), the title names it and the fix."""
     from distnb.results import StatusTable
 
+    assert run(shell, SETUP).error_in_exec is None
+    assert run(shell, CELL).error_in_exec is None
     cluster = session_mod.current().cluster
     pid = cluster.ranks[1]["pid"]
     old_pids = [r["pid"] for r in cluster.ranks]
@@ -127,6 +132,10 @@ def test_status_says_how_a_dead_rank_died_and_the_fix(shell, capsys):
     assert "Run %dist restart -n 2 (session.restart(n=2)) for a fresh world of 2 ranks" in table.title
     assert "%dist scale 1 (session.scale(1)) to go on without it" in table.title
     assert "killed by SIGKILL" in table.text().splitlines()[-1] and "<th>died</th>" in table._repr_html_()
+    capsys.readouterr()
+    nxt = run(shell, CELL.replace("--batch-size 8", "--batch-size 16"))  # a new layout: said when a cell starts
+    assert isinstance(nxt.error_in_exec, ClusterError) and "killed by SIGKILL" in str(nxt.error_in_exec)
+    assert "distnb:" not in capsys.readouterr().out  # nothing of the cell's model or data before the dead rank
     _restart_and_check(shell, old_pids, capsys)
     table = run(shell, "%dist status").result
     assert "died" not in table.columns and "died" not in table.title and [r["died"] for r in table] == [None, None]
