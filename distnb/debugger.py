@@ -139,7 +139,7 @@ def _pick(session, rank) -> int:
     if last is not None and rank in last.ranks:
         failure = last.failures[last.ranks.index(rank)]
         why = ("its engine died" if failure.get("ename") == "EngineDied" else
-               "it raised nothing: it never arrived at the collective the others waited in"
+               "it raised nothing: it was not waiting in the collective the others waited in"
                if _never_arrived(last, rank) else
                "its frames were released: a debugging session on it ended, or a cell ran since")
     else:

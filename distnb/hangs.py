@@ -63,7 +63,8 @@ def check(watch):
                         or min(_waited(w) for w in waiting.values()) < limit):
         return None
     hang = dict(waiting=dict(waiting), missing={r: (None if ars[r].ready() else wheres.get(r)) for r in missing},
-                limit=limit, signalled=time.monotonic(), again=False, stuck=not missing)
+                limit=limit, signalled=time.monotonic(), again=False, stuck=not missing,
+                unchecked=any(w.get("unchecked") for w in waiting.values()))
     if not missing:  # every rank waits, in different collectives: nothing here can interrupt gloo's wait
         said = "; ".join(f"rank {r} in {_call(w, None)}" for r, w in sorted(waiting.items()))
         print(f"distnb: the ranks wait in different collectives ({said}): a hang that only gloo's --timeout "
@@ -99,15 +100,27 @@ def _call(where, step) -> str:
     return f"{op}{shape} ({at})"
 
 
-def _spot(where) -> str:
+def _spot(where, unchecked: bool = False) -> str:
+    """Where a rank that is not waiting is. ``unchecked`` (an ``--unchecked`` cell): its collective calls are not
+    counted, so a rank that finished may well have called the collective (a call without a match can return)."""
     if where is None:
-        return "it finished the cell without calling it"
+        return "it finished the cell" if unchecked else "it finished the cell without calling it"
     if where.get("note"):
         return f"it is {where['note']}"
     if where.get("cell_line"):
         return f"it is at cell line {where['cell_line']}: `{where['cell_code']}`"
     top = (where.get("stack") or [("?", 0, "?", "")])[-1]
     return f"it is in {top[2]} ({top[0]}:{top[1]})"
+
+
+def _missing(rank: int, where, unchecked: bool) -> str:
+    """``rank 1 never arrived: it is at cell line 3 ...``; in an ``--unchecked`` cell only what the kernel knows:
+    ``rank 1 finished the cell``, ``rank 1 is not waiting in a collective: it is at cell line 3 ...``."""
+    if not unchecked:
+        return f"rank {rank} never arrived: {_spot(where)}"
+    if where is None:
+        return f"rank {rank} finished the cell"
+    return f"rank {rank} is not waiting in a collective: {_spot(where)}"
 
 
 def _stack_text(where) -> str:
@@ -132,7 +145,8 @@ def error(watch, failures) -> HangError:
     waited = max(_waited(w) for w in waiting.values())
     parts = [f"ranks {rank_list(ranks)} waited {waited:.0f} s in {what}" if len(ranks) > 1 else
              f"rank {ranks[0]} waited {waited:.0f} s in {what}" for what, ranks in calls_made.items()]
-    parts += [f"rank {r} never arrived: {_spot(w)}" for r, w in sorted(missing.items())]
+    unchecked = hang.get("unchecked", False)
+    parts += [_missing(r, w, unchecked) for r, w in sorted(missing.items())]
     ended = (f"Ended by gloo's --timeout ({watch.cluster.spec.timeout:g} s): every rank waited, in different "
              "collectives, which nothing can interrupt" if hang["stuck"] else
              f"Ended after {hang['limit']:.3g} s (--hang-after {hang_seconds(watch.cluster.spec):g} s, or "
@@ -140,11 +154,16 @@ def error(watch, failures) -> HangError:
     message = (f"{watch.what} hung: " + "; ".join(parts) + f". {ended}, and the process group re-formed: every rank "
                "must call the same collectives in the same order (a rank that is only slow needs a longer "
                "--hang-after)")
+    if unchecked and missing:
+        message += (". The cell ran --unchecked: distnb does not count its collective calls then, so it cannot say "
+                    "which of them the ranks not waiting made (a call that does not match another rank's can return on "
+                    "one rank and leave the other waiting)")
     by_rank = {f["rank"]: f for f in failures}
     out = []
     for r, w in sorted(missing.items()):
         base = by_rank.get(r, dict(rank=r, engine_id=watch.cluster.engine_ids[r], host=watch.cluster.host_of(r)))
-        out.append(dict(base, ename="NeverArrived", evalue=_spot(w), traceback=_stack_text(w), collateral=False))
+        out.append(dict(base, ename="NeverArrived", evalue=_spot(w, unchecked), traceback=_stack_text(w),
+                        collateral=False))
     for r, w in sorted(waiting.items()):
         base = by_rank.get(r, dict(rank=r, engine_id=watch.cluster.engine_ids[r], host=watch.cluster.host_of(r)))
         out.append(dict(base, ename="Waited", evalue=f"in {_call(w, steps[r])}", traceback=_stack_text(w),

@@ -13,6 +13,8 @@ publishes a summary to the kernel (ipyparallel's ``publish_data``, key ``distnb_
 - ``cell_line`` and ``cell_code``: the innermost line of the cell's own code on the stack;
 - ``stack``: the innermost frames, ``(file, line, function, code)``;
 - ``note``: what the rank says it waits for outside torch.distributed (:data:`NOTE`), or None;
+- ``unchecked``: the cell runs ``--unchecked``: its own collectives go straight to torch, uncounted,
+  so the kernel cannot tell which of them a rank has called (:mod:`distnb.hangs` words a hang so);
 - ``since`` and ``sent``: when the rank got to this spot and when it said so (``time.time()``,
   seconds, the rank's clock: the kernel only uses their difference).
 
@@ -66,7 +68,7 @@ def _summary(frame, ddp_backward: bool) -> dict:
     if op is not None and current is not None:
         op, shape = current
     return dict(state="collective" if op is not None else "running", op=op, shape=shape, note=NOTE.get("text"),
-                cell_line=cell.lineno if cell else None, cell_code=(cell.line or "").strip() if cell else None,
+                unchecked=bool(collectives.SUBSET.get("unchecked")), cell_line=cell.lineno if cell else None, cell_code=(cell.line or "").strip() if cell else None,
                 stack=[(f.filename, f.lineno, f.name, (f.line or "").strip()) for f in stack[-STACK_FRAMES:]])
 
 

@@ -62,6 +62,30 @@ def test_a_collective_on_rank_0_only_is_named_within_hang_after(shell):
     _works(shell)
 
 
+def test_an_unchecked_cell_says_only_what_distnb_knows_of_the_rank_that_finished(shell):
+    # rank 1's all_reduce returned (it matched rank 0's first); rank 0 waits in its second. --unchecked counts no
+    # calls, so "finished the cell without calling it" (or "never arrived") would be a claim distnb cannot make
+    with hang_after(HANG):
+        res = run(shell, "%%dist --unchecked\nimport torch, torch.distributed as dist\nt = torch.ones(4)\n"
+                         "dist.all_reduce(t)\nif rank == 0:\n    dist.all_reduce(t)\n")
+    err = res.error_in_exec
+    assert isinstance(err, HangError), err
+    text = str(err)
+    assert "rank 0 waited" in text and "in all_reduce (cell line 5: `dist.all_reduce(t)`)" in text
+    assert "; rank 1 finished the cell. Ended after" in text
+    assert "without calling it" not in text and "never arrived" not in text
+    assert "The cell ran --unchecked: distnb does not count its collective calls then" in text
+    assert err.rank == 1 and err.failures[0]["evalue"] == "it finished the cell"
+    with hang_after(HANG):  # a rank still in its code: where it is, not that it never called the collective
+        res = run(shell, "%%dist --unchecked\nimport torch, torch.distributed as dist\nt = torch.ones(3)\n"
+                         "dist.all_reduce(t)\nwhile rank == 1:\n    pass\ndist.all_reduce(t)\n")
+    text = str(res.error_in_exec)
+    assert isinstance(res.error_in_exec, HangError), res.error_in_exec
+    assert "rank 1 is not waiting in a collective: it is at cell line 4: `while rank == 1:`" in text, text
+    assert "never arrived" not in text
+    _works(shell)
+
+
 def test_a_rank_in_its_own_code_while_the_other_waits_is_named_with_its_line_and_stack(shell):
     with hang_after(HANG):
         t0 = time.monotonic()
