@@ -1,4 +1,5 @@
-"""What to run when ranks of a live world have a dead engine (``%dist scale``'s refusal, ``%dist status``)."""
+"""What to run when ranks of a live world have a dead engine (``%dist scale``'s refusal, ``%dist status``), or one
+the controller no longer has registered."""
 
 from __future__ import annotations
 
@@ -33,3 +34,21 @@ def dead_rank_fix(dead, world: int, n: int) -> str:
                ) if first else ""
     return (f"Run %dist restart -n {n} (session.restart(n={n})) for a fresh world of {count(n, 'rank')} (empty "
             f"namespaces){without}")
+
+
+def unregistered_fix(n: int) -> str:
+    """The fix for ranks whose engine runs but is no longer registered with the controller, as a sentence.
+
+    Parameters
+    ----------
+    n : int
+        The size of the fresh world ``%dist restart -n`` is named with (the world's size now).
+
+    Returns
+    -------
+    str
+        ``Run %dist restart -n N ...``: the controller does not take an engine back, and a rank it
+        cannot reach cannot leave the process group, so a fresh world is the fix.
+    """
+    return (f"Run %dist restart -n {n} (session.restart(n={n})) for a fresh world of {count(n, 'rank')} (empty "
+            "namespaces)")

@@ -25,7 +25,9 @@ class StatusTable(Table):
 
     Each row has the columns' keys and ``died``: how a dead rank's engine ended (``killed by
     SIGKILL ...``, ``exited with status 3``), else None. The ``died`` column is shown when a rank
-    is dead, and the title then names each dead rank and the fix.
+    is dead, and the title then names each dead rank and the fix. A ``registered`` column is shown
+    when an engine process runs that the controller no longer has registered (it missed the
+    controller's heartbeats); such a rank's row is ``alive`` True, ``registered`` False.
     """
 
     columns = ("rank", "engine_id", "host", "node_rank", "local_rank", "pid", "device", "backend", "threads",
@@ -227,7 +229,10 @@ def status_table(session, timeout: float, busy: bool = False) -> StatusTable:
     """Ask every live rank who it is (waiting at most ``timeout`` seconds in all); one row per rank.
 
     A rank whose engine process has ended is not asked: its row is what the kernel recorded at the
-    start, ``alive`` False and ``died`` how it ended (the title names the fix). With ``busy`` (a
+    start, ``alive`` False and ``died`` how it ended (the title names the fix). Nor is a rank whose
+    engine process runs but that the controller no longer has registered (it missed its heartbeats):
+    ``alive`` True, ``registered`` False (a column shown then), and the title says so and names the
+    fix. With ``busy`` (a
     background training run holds the ranks) no rank is asked: each row is what the kernel recorded
     at the start (host, pid, local_rank, ...), ``alive`` is whether the engine process still runs
     as the kernel sees it, and the title says so.
@@ -239,12 +244,15 @@ def status_table(session, timeout: float, busy: bool = False) -> StatusTable:
 
     cluster = session.cluster
     dead = cluster.dead_ranks()
-    ars = {} if busy else {r: cluster.apply(r, calls.info) for r in range(cluster.world_size) if r not in dead}
+    unregistered = _unregistered(cluster, dead)
+    ars = {} if busy else _ask_info(cluster, calls.info, dead, unregistered)
     deadline = time.monotonic() + timeout
     rows = []
     for rank in range(cluster.world_size):
         base = dict(cluster.ranks[rank], alive=False)
-        if rank in ars:
+        if rank in unregistered:  # its process runs, but the controller dropped it: nothing can be asked
+            base.update(alive=True, registered=False)
+        elif rank in ars:
             ars[rank].wait(max(0.0, deadline - time.monotonic()))
             try:
                 base.update(ars[rank].get(0), alive=True)
@@ -254,8 +262,11 @@ def status_table(session, timeout: float, busy: bool = False) -> StatusTable:
             base.update(alive=rank not in dead)
         base.update(died=dead.get(rank), threads=base.get("num_threads"))
         rows.append(base)
+    for row in rows if unregistered else ():
+        row.setdefault("registered", True)
     # ranks whose model is on a named device mesh (--strategy fsdp+tensor) say where they sit in it
     columns = StatusTable.columns + (("mesh",) if any(row.get("mesh") for row in rows) else ())
+    columns += ("registered",) if unregistered else ()
     columns += ("died",) if dead else ()
     table = StatusTable(rows, columns)
     table.controller_pid = cluster.pids["controller"]
@@ -269,11 +280,48 @@ def status_table(session, timeout: float, busy: bool = False) -> StatusTable:
         table.title += (" · the ranks are busy training in the background (%dist wait, %dist stop-training): not "
                         "asked, alive is whether each engine process runs")
     table.title += _dead_note(cluster, dead, fix=not busy)  # busy: %dist wait or stop-training comes first
+    table.title += _unregistered_note(cluster, unregistered, dead, fix=not busy)
     silent = [rank for rank, row in enumerate(rows) if not row["alive"] and rank not in dead and not busy]
     if silent:
         table.title += (f" · {ranks_named(silent)} did not answer within {timeout:g} s (the engine process "
                         "runs: busy, or still loading)")
     return table
+
+
+def _unregistered(cluster, dead: dict) -> list:
+    """Ranks whose engine process runs but is no longer registered with the controller (it missed the controller's
+    heartbeats: stopped, frozen, starved of CPU); ranks on other hosts are dead then (:meth:`Cluster.dead_ranks`)."""
+    ids = set(cluster.client.ids) if cluster.client is not None else set()
+    return [r for r in range(cluster.world_size) if r not in dead and cluster.engine_ids[r] not in ids]
+
+
+def _ask_info(cluster, info, dead: dict, unregistered: list) -> dict:
+    """``{rank: AsyncResult}`` of ``info`` sent to each rank that can be asked; a rank the controller drops
+    meanwhile is added to ``unregistered``."""
+    from .errors import ClusterError
+
+    ars = {}
+    for rank in range(cluster.world_size):
+        if rank in dead or rank in unregistered:
+            continue
+        try:
+            ars[rank] = cluster.apply(rank, info)
+        except ClusterError:
+            if rank not in cluster.dead_ranks():
+                unregistered.append(rank)
+    return ars
+
+
+def _unregistered_note(cluster, unregistered: list, dead: dict, fix: bool) -> str:
+    """`` · rank 1 (engine 1, pid P) runs but is no longer registered with the controller ...``, or ``""``."""
+    if not unregistered:
+        return ""
+    from .recovery import unregistered_fix
+
+    what = "; ".join(f"{cluster.describe(r)} runs but is no longer registered with the controller"
+                     for r in unregistered)
+    return (f" · {what} (it missed the controller's heartbeats: stopped, frozen or starved of CPU; distnb cannot "
+            f"reach it)" + (f". {unregistered_fix(cluster.world_size)}" if fix and not dead else ""))
 
 
 def _dead_note(cluster, dead: dict, fix: bool) -> str:

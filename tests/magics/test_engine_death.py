@@ -141,6 +141,36 @@ def test_status_says_how_a_dead_rank_died_and_the_fix(shell, capsys):
     assert "died" not in table.columns and "died" not in table.title and [r["died"] for r in table] == [None, None]
 
 
+def test_status_shows_an_engine_that_runs_but_is_no_longer_registered(shell, capsys):
+    """A stopped engine misses the controller's heartbeats and is unregistered; its process still runs. The table
+    shows it (alive, not registered) and the fix instead of failing with the ClusterError of a call to it."""
+    import signal
+
+    from distnb.results import StatusTable
+
+    cluster = session_mod.current().cluster
+    pid, eid = cluster.ranks[1]["pid"], cluster.engine_ids[1]
+    old_pids = [r["pid"] for r in cluster.ranks]
+    psutil.Process(pid).send_signal(signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 20
+        while eid in cluster.client.ids:
+            assert time.monotonic() < deadline, "the controller kept the stopped engine"
+            time.sleep(0.05)
+    finally:
+        psutil.Process(pid).send_signal(signal.SIGCONT)
+    res = run(shell, "%dist status")
+    assert res.error_in_exec is None, res.error_in_exec
+    table = res.result
+    assert [r["alive"] for r in table] == [True, True] and [r["registered"] for r in table] == [True, False]
+    assert table.columns == StatusTable.columns + ("registered",) and "died" not in table.columns
+    assert f"rank 1 (engine {eid}, pid {pid}) runs but is no longer registered with the controller" in table.title
+    assert "Run %dist restart -n 2 (session.restart(n=2)) for a fresh world of 2 ranks" in table.title
+    assert session_mod.current().status().title == table.title  # the Python API too
+    _restart_and_check(shell, old_pids, capsys)
+    assert "registered" not in run(shell, "%dist status").result.columns
+
+
 def test_status_names_the_failure_policy(shell):
     """The title says what a cell does when an engine dies (--on-failure), not only whether it restarts."""
     try:
