@@ -114,9 +114,10 @@ class RankError(DistnbError, RuntimeError):
         parts = [who or f"rank {f.get('rank')}"]
         if f.get("host"):
             parts.append(f"on {f['host']}")
-        if f.get("epoch") is not None and f.get("step") is not None:
-            parts.append(f"at epoch {f['epoch']}, step {f['step']}")
-        return " ".join(parts)
+        text = " ".join(parts)
+        if f.get("epoch") is not None and f.get("step") is not None:  # rank 1 on vm, last reported at epoch 0, step 5
+            text += (", " if f.get("reported") else " ") + position(f)
+        return text
 
     def _summary(self):
         if not self.failures:
@@ -155,6 +156,19 @@ class RankError(DistnbError, RuntimeError):
             lines.append(f"--- traceback from {self._where(f)} ---")
             lines.extend((f.get("traceback") or f"{f.get('ename')}: {f.get('evalue')}").rstrip().splitlines())
         return lines
+
+
+def position(failure: dict) -> str:
+    """Where a failing rank was: ``at epoch E, step S``, or for a rank whose engine died (``reported``: no word
+    came from it after its last progress message) ``last reported at epoch E, step S``.
+
+    Parameters
+    ----------
+    failure : dict
+        A :class:`RankError` failure (``epoch`` and ``step`` not None; ``reported`` optional).
+    """
+    at = "last reported at" if failure.get("reported") else "at"
+    return f"{at} epoch {failure['epoch']}, step {failure['step']}"
 
 
 class HangError(RankError):

@@ -237,9 +237,13 @@ class Watch:
         failures = [f for f in cluster.failures(self.ars, self.progress, collateral=self.interrupted)
                     if f["rank"] not in self.dead]
         for rank, how in sorted(self.dead.items(), reverse=True):
+            # a dead rank says nothing more: its position is its last progress message (every 0.1 s with the
+            # dashboard, 2 s with text progress, at epoch ends with none: it may have got further), marked
+            # ``reported``, and RankError and --on-failure shrink say so ("last reported at epoch E, step S")
             where = self.progress.get(rank) or {}
             failures.insert(0, dict(rank=rank, engine_id=cluster.engine_ids[rank], host=cluster.host_of(rank),
                                     ename="EngineDied", traceback="", epoch=where.get("epoch"), step=where.get("step"),
+                                    reported=True,
                                     evalue=f"{cluster.death_message(rank, how)}; run %dist restart for a "
                                            f"fresh world of {cluster.world_size} ranks"))
         return failures

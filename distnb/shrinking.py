@@ -18,8 +18,8 @@ and are numbered again from 0, the process group is formed again at the smaller 
   cell fails saying so (``%dist scale`` to a size that works, then run it again).
 
 Tensor data sets are dealt again into the new world's shards, so the dead rank's samples are
-trained by the survivors. The cell ends by saying what was lost: the rank, where it was (epoch,
-step) and how it died, the steps that were not kept (ddp: none that completed; a resume: those
+trained by the survivors. The cell ends by saying what was lost: the rank, where it last reported
+being (epoch, step) and how it died, the steps that were not kept (ddp: none that completed; a resume: those
 after the checkpoint), and the samples re-assigned. The TrainResult is the part trained after
 the shrink; ``result.lost`` holds the report as a dict.
 """
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from . import calls, scaling
 from .display.tables import count
-from .errors import ClusterError, RankError
+from .errors import ClusterError, RankError, position
 from .plan import STRATEGIES
 
 
@@ -76,8 +76,12 @@ def go_on(session, plan, dead: dict, failure: RankError, retry):
     Returns
     -------
     TrainResult
-        Of the part trained after the shrink, with ``lost`` (dict: ranks, world_size, steps_lost,
-        samples_reassigned, resumed_from).
+        Of the part trained after the shrink, with ``lost`` (dict: ranks, where, world_size,
+        steps_lost, samples_reassigned, resumed_from). ``where`` maps each lost rank to the
+        ``(epoch, step)`` it last reported (its last progress message, as its RankError says it:
+        ``last reported at epoch E, step S``; messages come every 0.1 s with the dashboard, 2 s with
+        text progress, only at epoch ends with none, so the rank may have got further before its
+        engine died), ``(None, None)`` if it reported none.
 
     Raises
     ------
@@ -90,7 +94,8 @@ def go_on(session, plan, dead: dict, failure: RankError, retry):
     """
     cluster = session.cluster
     old = cluster.world_size
-    where = {f["rank"]: (f.get("epoch"), f.get("step")) for f in failure.failures}
+    # the same source as the RankError's "last reported at epoch E, step S": the dead rank's last progress message
+    where = {f["rank"]: (f.get("epoch"), f.get("step")) for f in failure.failures if f["rank"] in dead}
     said = {r: f"{cluster.describe(r)}: {how}" for r, how in dead.items()}
     reassigned = _samples_of(session, plan.data, sorted(dead), old)
     try:
@@ -214,7 +219,7 @@ def _lost_steps(lost: dict) -> str:
 def _say(lost: dict, n: int, left: int) -> None:
     for rank, text in sorted(lost["ranks"].items()):
         epoch, step = lost["where"].get(rank, (None, None))
-        at = f" at epoch {epoch}, step {step}" if epoch is not None else ""
+        at = f"; {position(dict(epoch=epoch, step=step, reported=True))}" if None not in (epoch, step) else ""
         print(f"distnb: --on-failure shrink: {text}{at}; going on on {count(n, 'surviving rank')} "
               f"({count(left, 'epoch')} left)")
 

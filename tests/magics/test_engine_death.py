@@ -67,6 +67,7 @@ def test_sigkill_during_training_names_rank_and_signal_then_restart(shell, tmp_p
                      "if rank == 1 and ctx.step == 5:\n"
                      "    import os, signal, time\n"
                      "    open(KILL_MARK, 'w').write(repr(time.time()))\n"
+                     "    time.sleep(0.3)\n"  # time to send what it reported (a SIGKILL loses what is still queued)
                      "    os.kill(os.getpid(), signal.SIGKILL)\n"
                      "loss = F.cross_entropy(model(x), y)")
     ended = time.time()
@@ -76,6 +77,11 @@ def test_sigkill_during_training_names_rank_and_signal_then_restart(shell, tmp_p
     assert ended - killed_at < 10, f"the cell ended {ended - killed_at:.1f} s after the kill"
     assert err.rank == 1 and err.ename == "EngineDied"
     assert f"rank 1 (engine {eid}, pid {pid}) died: killed by SIGKILL" in str(err)
+    # a dead rank's position is its last progress message, and said to be: with --progress none (a message an
+    # hour, and at epoch ends) that is the cell's start, though it died in step 5
+    assert str(err).startswith(f"training failed on rank 1 on {err.host}, last reported at epoch 0, step 0: "
+                               "EngineDied"), err
+    assert (err.failures[0]["epoch"], err.failures[0]["step"], err.failures[0]["reported"]) == (0, 0, True)
     assert "%dist restart" in str(err)
     # the world is not silently smaller: status shows the dead rank, cells say what to do
     assert [r["alive"] for r in run(shell, "%dist status").result] == [True, False]

@@ -372,6 +372,9 @@ x, y = batch
 if rank == 1 and world_size == 3 and ctx.step == 7:  # once: the cell goes on on 2 ranks
     os.kill(os.getpid(), signal.SIGKILL)
 loss = F.cross_entropy(model(x), y)"""
+# the same, with 0.3 s for rank 1 to send what it reported before the kill (a SIGKILL loses what is still queued)
+KILL_RANK_1_REPORTED = KILL_RANK_1.replace("x, y = batch\n", "x, y = batch\nif rank == 1 and world_size == 3 and "
+                                           "ctx.step == 7:\n    import time\n    time.sleep(0.3)\n")
 
 
 def test_a_shrink_in_a_background_run_is_said_by_dist_wait(shell, dist_session, capsys):
@@ -399,10 +402,17 @@ def test_on_failure_shrink_goes_on_on_the_survivors_from_the_last_completed_step
     dist_session.scale(3, quiet=True)
     victim = dist_session.cluster.ranks[1]["pid"]
     res = run(shell, "%%distrain --model of_net --data of_data --epochs 3 --batch-size 16 --optimizer sgd --lr 0.1 "
-                     "--seed 6 --progress none\n" + KILL_RANK_1)
+                     "--seed 6 --progress none\n" + KILL_RANK_1_REPORTED)
     said = capsys.readouterr().out
     assert res.error_in_exec is None, res.error_in_exec
     assert "--on-failure shrink: rank 1 (engine" in said and "killed by SIGKILL" in said
+    # where the lost rank was: what it last reported (--progress none: its start or an epoch end), said so, and the
+    # same in result.lost, which holds the lost ranks only
+    assert set(res.result.lost["where"]) == {1}, res.result.lost
+    epoch, step = res.result.lost["where"][1]
+    assert epoch in (0, 1) and step is not None, res.result.lost
+    assert (f"killed by SIGKILL (from outside the engine, or by the out-of-memory killer); last reported at epoch "
+            f"{epoch}, step {step}; going on on 2 surviving ranks") in said, said
     assert "the cell finished on 2 ranks (was 3)" in said and "no completed step lost" in said
     result = res.result
     assert result.epochs == [1, 2] and len(result.rows) == 2 and dist_session.world_size == 2
