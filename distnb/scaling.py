@@ -86,7 +86,7 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
     BusyError
         A background training run is going on.
     ClusterError
-        A rank the new world keeps is dead (nothing changed, no engine started), the added engines
+        A rank the new world (its own size too) keeps is dead (nothing changed, no engine started), the added engines
         did not start (over ssh: naming the host) or form the group (the old world is formed again
         and usable), or a rank died while the group re-formed (then run ``%dist restart``).
     Interrupted
@@ -95,7 +95,7 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
     session._check_running()
     cluster = session.cluster
     old = cluster.world_size
-    _check(cluster, n)  # and, for another size, that no rank it keeps is dead (before any engine starts or stops)
+    _check(cluster, n)  # and that no rank it keeps is dead (before any engine starts or stops; the same size too)
     if n == old:
         if not quiet:
             print(f"distnb: the world already has {count(n, 'rank')}; nothing changed")
@@ -133,24 +133,25 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
 
 def _check(cluster, n) -> None:
     """A PlanError unless ``n`` ranks can be placed by this cluster's launcher, a ClusterError when a rank that
-    a world of ``n`` (another size) keeps is dead (:func:`_check_alive`); nothing changes."""
+    a world of ``n`` keeps is dead (:func:`_check_alive`; the world's own size keeps every rank, so a scale that
+    would change nothing says so too); nothing changes."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise PlanError(f"%dist scale N: N is the new number of ranks, a whole number of at least 1; got {n!r}")
     cluster.check_resizable(n)
-    if n != cluster.world_size:
-        _check_alive(cluster, n, cluster.world_size)
+    _check_alive(cluster, n, cluster.world_size)
 
 
 def _check_alive(cluster, n: int, old: int) -> None:
     """A ClusterError (nothing changed, no engine started) when a rank the world of ``n`` keeps has a dead engine.
 
-    Growing keeps every rank; shrinking keeps ranks below ``n`` (a dead rank it drops is only dropped).
+    Growing, and a scale to the world's own size, keep every rank; shrinking keeps ranks below ``n`` (a dead
+    rank it drops is only dropped).
     """
     dead = {r: how for r, how in cluster.dead_ranks().items() if r < min(n, old)}
     if not dead:
         return
     what = "; ".join(cluster.death_message(r, how) for r, how in sorted(dead.items()))
-    grow = "grow" if n > old else f"shrink to {count(n, 'rank')}"
+    grow = "grow" if n > old else f"go on at {count(n, 'rank')}" if n == old else f"shrink to {count(n, 'rank')}"
     raise ClusterError(f"%dist scale {n}: {what}, so the world cannot {grow}; nothing changed (no engine "
                        f"was started). {dead_rank_fix(dead, old, n)}")
 

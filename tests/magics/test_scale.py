@@ -276,6 +276,14 @@ def test_a_grow_with_a_dead_rank_is_refused_at_once_and_a_scale_below_it_goes_on
         assert started == [] and dist_session.cluster.engine_ids == ids and dist_session.world_size == 2
         with pytest.raises(ClusterError, match="so the world cannot grow"):  # the Python API says the same
             dist_session.scale(4)
+        same = run(shell, "%dist scale 2").error_in_exec  # the same size: not "nothing changed" with a rank dead
+        assert isinstance(same, ClusterError), same
+        assert str(same).startswith(f"%dist scale 2: rank 1 (engine {ids[1]}, pid {pid}) died: killed by SIGKILL")
+        assert "so the world cannot go on at 2 ranks; nothing changed (no engine was started)" in str(same)
+        assert "%dist restart -n 2 (session.restart(n=2))" in str(same) and "%dist scale 1 (session.scale(1))" in \
+            str(same)
+        with pytest.raises(ClusterError, match="so the world cannot go on at 2 ranks"):
+            dist_session.scale(2)
         assert dist_session.scale(1, quiet=True)["world_size"] == (2, 1)  # the fix it names: rank 0's state kept
         assert dist_session.run("dr_value") == ["40"]
         scaling.ON_ENGINES_STARTED.clear()
