@@ -12,7 +12,8 @@ the debugging session ends or the next cell runs.
 
 The debugging session is a :class:`pdb.Pdb` with its own input and output (text buffers),
 set up on the kept traceback at the innermost frame of the user's code, as
-``pdb.post_mortem`` does at the innermost frame. The kernel drives it one command at a time
+``pdb.post_mortem`` does at the innermost frame (when the cell's code had returned, at the frame
+of distnb's that ran it, seen with the cell's names: :func:`cell_runner`). The kernel drives it one command at a time
 (:func:`debug_begin`, :func:`debug_command`, :func:`debug_end`); each call returns what pdb printed. Stdlib only
 at import time (torch is imported when groups are freed).
 """
@@ -44,6 +45,8 @@ MAX_TEXT = 200_000
 PROMPT = "(Pdb) "
 #: Code names that start with "<" but are not the user's (generated code, frozen modules).
 GENERATED = ("<frozen", "<string>", "<eval_with_key")
+#: The names a cell's code is compiled under (:func:`distnb.engine.runtime.compile_cell`).
+CELL_FILES = ("<dist-cell-", "<distrain-cell-")
 
 #: The kept failure: exc, tb (from where the cell caught it), what ("%%dist cell", "training"), names.
 KEPT: dict = {}
@@ -208,13 +211,48 @@ def user_frame(stack) -> int:
     Frames of the standard library, installed packages (torch) and distnb are not the user's;
     when every frame is, the innermost one.
     """
+    found = _user_index(stack)
+    return len(stack) - 1 if found is None else found
+
+
+def _user_index(stack):
+    """Index in pdb's ``stack`` of the innermost frame of the user's code, or None when it has none."""
     library = _library_dirs()
     for i in range(len(stack) - 1, -1, -1):
         name = stack[i][0].f_code.co_filename
         ours = not name.startswith(GENERATED) if name.startswith("<") else not os.path.abspath(name).startswith(library)
         if ours:
             return i
-    return len(stack) - 1
+    return None
+
+
+def cell_runner(stack):
+    """``(index, ns)``: the innermost frame of pdb's ``stack`` that ran a cell's code (its locals hold the code,
+    compiled from the cell, and ``ns``, the namespace it ran in), or None.
+
+    A training step's body is the cell's code run at module level in ``ns``: once it has returned, a
+    rank can still fail in what distnb runs after it (DDP's gradient all-reduce in ``backward``, when
+    another rank failed), and its traceback then holds no frame of the user's code. This frame, seen
+    with ``ns`` as its locals (:class:`_CellPdb`), shows what the body's own frame would have shown.
+    """
+    for i in range(len(stack) - 1, -1, -1):
+        local = stack[i][0].f_locals
+        ran = any(isinstance(v, types.CodeType) and v.co_filename.startswith(CELL_FILES) for v in local.values())
+        if ran and isinstance(local.get("ns"), dict):
+            return i, local["ns"]
+    return None
+
+
+class _CellPdb(pdb.Pdb):
+    """pdb whose frame that ran the cell's code (:func:`cell_runner`; ``cell``: ``(index, ns)``) evaluates
+    ``p``, ``pp`` and ``!`` in the cell's namespace, also when ``up`` or ``down`` come back to it."""
+
+    cell = None
+
+    def _select_frame(self, number):
+        super()._select_frame(number)
+        if self.cell is not None and self.curindex == self.cell[0]:
+            self.curframe_locals = self.cell[1]
 
 
 def _has_user_frame(tb) -> bool:
@@ -256,7 +294,7 @@ def debug_begin(ns: dict) -> dict:
                            "released (by the next cell or the end of a debugging session)")
     debug_end(ns, release=False)  # a session left open (the kernel went away): start afresh
     out = io.StringIO()  # pdb's output, and the engine's stdout while a command runs
-    debugger = pdb.Pdb(stdin=io.StringIO(), stdout=out, nosigint=True, readrc=False)
+    debugger = _CellPdb(stdin=io.StringIO(), stdout=out, nosigint=True, readrc=False)
     debugger.prompt = PROMPT
     debugger.reset()
     restored = {k: v for k, v in KEPT["names"].items() if k not in ns}
@@ -266,15 +304,20 @@ def debug_begin(ns: dict) -> dict:
     cause = _cause_in_user_code(exc)
     debugger.setup(None, cause.__traceback__ if cause is not None else KEPT["tb"])
     innermost = len(debugger.stack) - 1
-    chosen = user_frame(debugger.stack)
+    chosen = _user_index(debugger.stack)
+    if chosen is None:  # the cell's code had returned (a step's body, before distnb's backward): the frame that ran it
+        debugger.cell = cell_runner(debugger.stack)
+        chosen = debugger.cell[0] if debugger.cell is not None else innermost
     out.write(f"post-mortem pdb on rank {rank} (pid {os.getpid()}): {type(exc).__name__}: {exc}\n")
     if cause is not None:
         out.write(f"(at its cause in your code: {type(cause).__name__}: {cause})\n")
     if chosen != innermost:
         debugger.curindex, debugger.curframe = chosen, debugger.stack[chosen][0]
-        debugger.curframe_locals = debugger.curframe.f_locals
-        out.write(f"(the innermost frame of your code; `down` goes {innermost - chosen} frame(s) deeper, "
-                  "into library code)\n")
+        debugger.curframe_locals = debugger.cell[1] if debugger.cell is not None else debugger.curframe.f_locals
+        deeper = f"`down` goes {innermost - chosen} frame(s) deeper, into library code"
+        out.write(f"(the innermost frame of your code; {deeper})\n" if debugger.cell is None else
+                  f"(your cell's code had returned: this rank stopped in what distnb runs after it. This is the "
+                  f"frame that ran your code; p, pp and ! see the cell's names; {deeper})\n")
     debugger.print_stack_entry(debugger.stack[debugger.curindex])
     return dict(text=_text(out), done=False, prompt=PROMPT)
 

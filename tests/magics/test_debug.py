@@ -116,6 +116,26 @@ def test_a_training_failure_keeps_the_batch_the_model_and_the_next_training_cell
     assert [row["steps"] for row in res.result.rows] == [2, 2]  # the rest of the epoch, with a new DDP wrapper
 
 
+def test_a_rank_stopped_in_ddps_backward_is_debugged_from_the_frame_that_ran_its_step(shell):
+    """Rank 0 fails in the gradient all-reduce of the backward distnb runs after the body returned (rank 1 raised):
+    no frame of the cell's code is left, so pdb starts at the frame that ran it, with the cell's names, not in
+    torch's autograd frames."""
+    assert run(shell, SETUP).error_in_exec is None
+    body = ("%%distrain --model dbg_net --data dbg_train --epochs 1 --batch-size 16\n"
+            "x, y = batch\nout = model(x)\n"
+            "if ctx.rank == 1 and ctx.step == 2:\n    raise RuntimeError('diverged at step 2')\n"
+            "loss = F.cross_entropy(out, y)")
+    err = run(shell, body).error_in_exec
+    assert isinstance(err, RankError) and err.rank == 1 and 0 in err.ranks, err
+    text = session_mod.current().debug(rank=0, commands=["p x.shape", "p out.shape", "down", "up", "p x.shape", "q"])
+    start = text.split("(Pdb)")[0]
+    assert "your cell's code had returned: this rank stopped in what distnb runs after it" in start, text
+    assert "-> ctx.backward(loss)" in start and "autograd" not in start, text
+    assert text.count("(Pdb) p x.shape\ntorch.Size([16, 8])") == 2 and "(Pdb) p out.shape\ntorch.Size([16, 2])" in text
+    res = run(shell, body.replace("if ctx.rank == 1 and ctx.step == 2", "if False"))
+    assert res.error_in_exec is None, res.error_in_exec
+
+
 def test_debug_during_a_background_run_is_busy(shell, capsys):
     assert run(shell, SETUP).error_in_exec is None
     run(shell, "%%distrain --model dbg_net --data dbg_train --epochs 500 --batch-size 16 --background\n"
