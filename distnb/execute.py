@@ -226,7 +226,11 @@ class Watch:
         rows = {r: ar.get(0).get("where") for r, ar in enumerate(self.ars) if clean and isinstance(ar.get(0), dict)}
         spots = {r: position(rows[r]) if rows.get(r) else _progress_position(self.progress.get(r) or {})
                  for r in range(len(self.ars))}
-        where = ", ".join(f"rank {r}: {text}" for r, text in sorted(spots.items()) if text)
+        texts = [text for _, text in sorted(spots.items()) if text]
+        if len(texts) == len(spots) > 1 and len(set(texts)) == 1:
+            where = f"every rank: {texts[0]}"
+        else:
+            where = ", ".join(f"rank {r}: {text}" for r, text in sorted(spots.items()) if text)
         how = "every rank stopped after the same step" if clean else "ranks stopped where they were" + (
             " (the interrupt was pressed again)" if self.pressed_again else "")
         return f"{self.what} interrupted: {how}" + (f" ({where})" if where else "")

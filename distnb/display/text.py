@@ -87,9 +87,12 @@ class TextProgress:
                 self._where_shown[r["rank"]] = r["where"].rsplit(" for ", 1)[0]
                 print(f"rank {r['rank']} is {r['where']}", file=self.stream)
         shown = 0
-        for r in aggregate.attention(st) if final else ():
+        attention = aggregate.attention(st) if final else []
+        if all(r["status"] == "interrupted" and not r.get("error") for r in attention):
+            attention = []  # the interrupt pressed, every rank stopped after one step: the cell's summary says where
+        for r in attention:
             if self._status_shown.get(r["rank"]) != r["status"] and shown == scale.ATTENTION_ROWS:
-                left = sum(self._status_shown.get(x["rank"]) != x["status"] for x in aggregate.attention(st))
+                left = sum(self._status_shown.get(x["rank"]) != x["status"] for x in attention)
                 print(f"... and {left} more ranks failed or stopped", file=self.stream)
                 break
             if self._status_shown.get(r["rank"]) != r["status"]:

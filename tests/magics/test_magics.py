@@ -339,8 +339,8 @@ def test_interrupt_stops_every_rank_after_the_same_step(shell, dist_session):
     import re
 
     assert result.interrupted and result.stop_reason == "interrupted" and not result.converged
-    assert re.search(r"every rank stopped after the same step \(rank 0: (epoch \d+, step \d+|after epoch \d+), "
-                     r"rank 1: \1\)", result.interrupted_message), result.interrupted_message
+    assert re.search(r"every rank stopped after the same step \(every rank: (epoch \d+, step \d+|after epoch \d+)\)",
+                     result.interrupted_message), result.interrupted_message  # one position: the same on each
     assert result.rows[0]["steps"] == result.rows[1]["steps"] > 0 and "interrupted" in result.title
     assert len(result.loss_history[0]) == result.rows[0]["steps"] and result.mean_loss_history
     assert time.monotonic() - t0 < 3.0 + 5.0  # every rank stopped within 5 s of the interrupt

@@ -86,6 +86,17 @@ def test_text_progress_names_no_epoch_for_a_rank_that_never_reported():
     assert "rank 0 interrupted after 3 of this cell's steps in epoch 1" in text
 
 
+def test_text_progress_leaves_a_clean_interrupt_to_the_cells_summary():
+    """Every rank stopped after the same step (no error): the Interrupted summary names where, once."""
+    st = ProgressState(2, total_steps=40, epochs=2)
+    out = io.StringIO()
+    view = TextProgress(st, stream=out)
+    for r in (0, 1):
+        st.update(r, dict(status="interrupted", epoch=1, step=23, samples_per_s=100.0))
+    view.close()
+    assert "interrupted after" not in out.getvalue()
+
+
 def test_text_progress_shows_the_last_epoch_of_a_cell_that_stopped_early():
     st = ProgressState(1, total_steps=300, epochs=30)  # every third epoch is shown while it runs
     out = io.StringIO()
