@@ -350,12 +350,13 @@ class WhereTable(Table):
 
 
 def where_table(wheres: dict, world_size: int, title: str) -> WhereTable:
-    """A WhereTable from ``{rank: where}`` (see distnb.engine.where); a rank with none is ``unknown``."""
+    """A WhereTable from ``{rank: where}`` (see distnb.engine.where); a rank with none is ``unknown``, "no report
+    yet" (a background run's rank before its cell has run :data:`distnb.engine.where.INTERVAL` seconds)."""
     rows, stacks = [], {}
     for rank in range(world_size):
         w = wheres.get(rank)
         if w is None:
-            rows.append(dict(rank=rank, state="unknown"))
+            rows.append(dict(rank=rank, state="unknown", code="no report yet"))
             continue
         top = (w.get("stack") or [None])[-1]
         stacks[rank] = w.get("stack") or []

@@ -288,6 +288,15 @@ def test_where_table_above_16_ranks_folds_the_ranks_at_one_spot():
         ("0-6,8-19", "collective", "2.0-3.0"), (7, "running", 20.0), (20, "unknown", None)]
     assert sorted(table.stacks) == list(range(20))  # every rank's frames are still there
     assert [r["rank"] for r in where_table(wheres, 16, "where").rows] == list(range(16))
+    assert table.rows[-1].get("code") == "no report yet"  # a background run's rank before it reported: said
+
+
+def test_where_table_says_a_rank_has_not_reported_yet():
+    from distnb.results import where_table
+
+    table = where_table({0: where_report("running", sent=3.0, cell_line=1, cell_code="x = 1")}, 2, "where")
+    assert [(r["rank"], r["state"], r.get("code")) for r in table.rows] == [(0, "running", "x = 1"),
+                                                                           (1, "unknown", "no report yet")]
 
 
 def test_where_version_changes_only_when_the_panel_would_draw_differently():
