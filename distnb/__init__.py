@@ -39,7 +39,24 @@ def load_ipython_extension(ipython):
     from .magics import DistMagics
 
     ipython.register_magics(DistMagics)
+    if help_cell not in ipython.input_transformers_cleanup:
+        ipython.input_transformers_cleanup.append(help_cell)
     zygote.warm()
+
+
+def help_cell(lines: list) -> list:
+    """``%%distrain --help`` (or ``-h``, ``%%dist``) in a cell with no body, as the line magic that prints the help.
+
+    IPython refuses a cell magic whose body is empty before the magic sees its line ("the cell
+    body is empty"); this input transformer (``InteractiveShell.input_transformers_cleanup``)
+    runs first. Any other cell is returned unchanged.
+    """
+    head = lines[0].lstrip() if lines else ""
+    words = head.split()
+    if (words and words[0] in ("%%distrain", "%%dist") and ({"-h", "--help"} & set(words))
+            and not "".join(lines[1:]).strip()):
+        return [head[1:]]
+    return lines
 
 
 def unload_ipython_extension(ipython):
@@ -51,6 +68,8 @@ def unload_ipython_extension(ipython):
         session._CURRENT._end_background()
         session._CURRENT.stop(quiet=not session._CURRENT.running)  # says what it stopped, as %dist stop does
     zygote.stop()
+    if help_cell in ipython.input_transformers_cleanup:
+        ipython.input_transformers_cleanup.remove(help_cell)
     manager = ipython.magics_manager
     for kind, name in (("line", "dist"), ("cell", "dist"), ("line", "distrain"), ("cell", "distrain")):
         manager.magics[kind].pop(name, None)

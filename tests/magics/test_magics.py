@@ -246,6 +246,18 @@ def test_help_has_examples(shell):
     assert "Example" in train_doc and "--batch-size" in train_doc and "loss = F.cross_entropy" in train_doc
 
 
+@pytest.mark.parametrize("cell, shows", [("%%distrain --help", "the cell body is one training step"),
+                                         ("%%distrain --model net -h\n\n", "the cell body is one training step"),
+                                         ("%%dist --help", "%%dist --unchecked for a loop")])
+def test_help_in_a_cell_with_no_body_prints_the_help(shell, capsys, cell, shows):
+    """IPython refuses an empty cell magic before the magic sees --help; distnb's input transformer turns it
+    into the line magic, which prints the help."""
+    capsys.readouterr()
+    res = run(shell, cell)
+    assert res.error_before_exec is None and res.error_in_exec is None
+    assert shows in capsys.readouterr().out
+
+
 def test_restart_gives_a_fresh_world(shell, capsys):
     old = session_mod.current()
     old_pids = old.cluster.pids["engines"] + [old.cluster.pids["controller"]]
