@@ -89,8 +89,9 @@ def from_buffer(desc: tuple, buf, copy: bool = True) -> torch.Tensor:
 def pack(obj, tensors=None):
     """Pickle ``obj`` with cloudpickle, its tensors cut out as zero-copy buffers.
 
-    Classes and functions defined in a notebook (``__main__``) travel by value. Used in
-    both directions: kernel to ranks (push, models) and ranks to kernel (pull). ``tensors``:
+    Classes and functions defined in a notebook (``__main__``) travel by value, their code with
+    its file name and the notebook cell's source (:mod:`distnb.engine.sources`: tracebacks and pdb
+    on the receiving side show their lines). Used in both directions: kernel to ranks (push, models) and ranks to kernel (pull). ``tensors``:
     a list that receives the tensors cut out, in ``descs``' order (their version counters tell
     an in-place change, which neither the pickle nor the buffers' addresses show).
 
@@ -103,9 +104,16 @@ def pack(obj, tensors=None):
     buffers : list of numpy.ndarray
         One flat uint8 view per tensor (zero-copy for contiguous CPU tensors).
     """
+    import types
+    from collections import ChainMap
+
     import cloudpickle
 
+    from . import sources
+
     class _TensorPickler(cloudpickle.Pickler):
+        dispatch_table = ChainMap({types.CodeType: sources.reduce_code}, cloudpickle.Pickler.dispatch_table)
+
         def __init__(self, file):
             super().__init__(file, protocol=5)
             self.tensors, self._index = [], {}
