@@ -587,9 +587,8 @@ class Cluster(Engines):
             try:
                 ar.get(0)
             except ipp.error.RemoteError as exc:
-                f = dict(rank=rank, engine_id=self.engine_ids[rank], host=self.host_of(rank), ename=exc.ename,
-                         evalue=tracebacks.clean_message(exc.evalue),
-                         traceback=tracebacks.clean_traceback(exc.traceback))
+                f = dict(rank=rank, engine_id=self.engine_ids[rank], host=self.host_of(rank),
+                         **tracebacks.remote_error(exc))
                 msg = (progress or {}).get(rank) or {}
                 f.update(epoch=msg.get("epoch"), step=msg.get("step"), failed_at=msg.get("failed_at"))
                 out.append(f)

@@ -65,6 +65,10 @@ def ranks_named(ranks) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_list(ranks)}"
 
 
+#: The line :func:`distnb.tracebacks.fold_frames` puts in place of torch's frames.
+_FOLDED_LINE = re.compile(r"\.\.\. \d+ frames in torch \(")
+
+
 def _key(failure):
     """A failure's identity across ranks: its exception with rank numbers taken out."""
     text = re.sub(r"\brank \d+", "rank ?", str(failure.get("evalue")))
@@ -80,7 +84,8 @@ class RankError(DistnbError, RuntimeError):
         One dict per failing rank, earliest first, with keys ``rank`` (int),
         ``engine_id`` (int), ``host`` (str), ``ename`` (str, the remote exception
         class name), ``evalue`` (str), ``traceback`` (str, the remote traceback
-        text) and optionally ``epoch`` and ``step`` (int) where the failure happened.
+        text, distnb's frames left out and torch's folded between the user's) and optionally
+        ``full_traceback`` (str, every frame), ``epoch`` and ``step`` (int) where the failure happened.
     context : str
         What was running ("%%dist cell", "training", ...).
 
@@ -90,6 +95,8 @@ class RankError(DistnbError, RuntimeError):
         The rank of the first (root-cause) failure.
     ranks : list of int
         Every failing rank.
+    full_traceback : str
+        The first failure's traceback with every frame (``remote_traceback`` folds torch's).
     """
 
     def __init__(self, failures, context="cell"):
@@ -101,6 +108,7 @@ class RankError(DistnbError, RuntimeError):
         self.ename = first.get("ename")
         self.evalue = first.get("evalue")
         self.remote_traceback = first.get("traceback", "")
+        self.full_traceback = first.get("full_traceback") or self.remote_traceback
         self.ranks = [f.get("rank") for f in self.failures]
         self.hint = ""
         super().__init__(self._summary())
@@ -155,6 +163,8 @@ class RankError(DistnbError, RuntimeError):
             lines.append("")
             lines.append(f"--- traceback from {self._where(f)} ---")
             lines.extend((f.get("traceback") or f"{f.get('ename')}: {f.get('evalue')}").rstrip().splitlines())
+        if any(_FOLDED_LINE.match(line) for line in lines):
+            lines.append("(torch's frames are folded: sys.last_value.full_traceback has every frame)")
         return lines
 
 

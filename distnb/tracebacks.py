@@ -1,7 +1,8 @@
 """Failed ranks as :class:`~distnb.errors.RankError` failure dicts: tracebacks cleaned, root cause first.
 
 Stdlib only. :func:`clean_traceback` strips ANSI colours and ipyparallel's and distnb's own
-frames from a remote traceback; :func:`order_failures` marks the failures that look like a
+frames from a remote traceback and folds torch's call plumbing between the user's frames
+(:func:`fold_frames`); :func:`full_traceback` is the same text uncut. :func:`order_failures` marks the failures that look like a
 consequence of another rank's (a closed gloo connection) and sorts them last, so that a
 :class:`~distnb.errors.RankError` names the root cause first.
 """
@@ -32,12 +33,18 @@ def clean_message(text: str) -> str:
     return _CPP_STACK.sub("", text) if isinstance(text, str) else text
 
 
+def full_traceback(tb: str) -> str:
+    """The remote traceback as plain text (no ANSI colours), every frame kept."""
+    return _ANSI.sub("", tb or "").strip("\n")
+
+
 def clean_traceback(tb: str) -> str:
-    """The remote traceback as plain text, without ipyparallel's and distnb's own frames.
+    """The remote traceback as plain text, without ipyparallel's and distnb's own frames, torch's folded.
 
     IPython formats remote tracebacks as blocks ("File PATH:LINE, in FUNC" plus context
-    lines) separated by blank lines; the user's cell frames (``<distrain-cell-N>``), library
-    frames (torch, ...) and the exception itself are kept.
+    lines) separated by blank lines; the user's frames (``<distrain-cell-N>``, notebook
+    classes and functions), the frame where the error was raised and the exception itself are
+    kept; runs of torch frames between them become one line (:func:`fold_frames`).
     """
     keep = []
     for block in clean_message(_ANSI.sub("", tb or "")).split("\n\n"):
@@ -48,7 +55,49 @@ def clean_traceback(tb: str) -> str:
                 break
         if any(line.strip() for line in lines):
             keep.append("\n".join(lines))
-    return "\n\n".join(keep).strip("\n")
+    return "\n\n".join(fold_frames(keep)).strip("\n")
+
+
+#: A frame in torch's files (the last ``torch/`` of its path), and the file's name there; :func:`fold_frames`.
+_FOLDED = re.compile(r"^File .*[\\/]torch[\\/](\S+?\.py)")
+_FRAME_STARTS = ("File ", "Cell In[")
+
+
+def fold_frames(blocks: list) -> list:
+    """``blocks`` (of a traceback, see :func:`clean_traceback`) with each run of 2 or more torch frames
+    made one line, "... 8 frames in torch (nn/modules/module.py, nn/parallel/distributed.py) ...".
+
+    A frame right before a block that is not a frame (the exception, a chained traceback's
+    header) is where the error was raised: it is kept. So is every frame outside torch.
+    """
+    out, run = [], []  # run: (block, file in torch) of the torch frames not yet written
+
+    def flush():
+        if len(run) >= 2:
+            files = ", ".join(dict.fromkeys(name for _, name in run))
+            out.append(f"... {len(run)} frames in torch ({files}) ...")
+        else:
+            out.extend(block for block, _ in run)
+        run.clear()
+
+    for i, block in enumerate(blocks):
+        first = block.split("\n", 1)[0]
+        match = _FOLDED.match(first)
+        raised_here = i + 1 == len(blocks) or not blocks[i + 1].startswith(_FRAME_STARTS)
+        if match is not None and not raised_here:
+            run.append((block, match.group(1)))
+            continue
+        flush()
+        out.append(block)
+    flush()
+    return out
+
+
+def remote_error(exc) -> dict:
+    """A RankError failure's ``ename``, ``evalue``, ``traceback`` (cleaned) and ``full_traceback`` of an
+    ipyparallel ``RemoteError``."""
+    return dict(ename=exc.ename, evalue=clean_message(exc.evalue), traceback=clean_traceback(exc.traceback),
+                full_traceback=full_traceback(exc.traceback))
 
 
 def is_collateral(failure: dict) -> bool:

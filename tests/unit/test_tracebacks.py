@@ -1,6 +1,6 @@
 """Remote tracebacks and messages as a RankError shows them (distnb.tracebacks), without a cluster."""
 
-from distnb.tracebacks import clean_message, clean_traceback
+from distnb.tracebacks import clean_message, clean_traceback, full_traceback
 
 STORE_ERROR = """failed to recv, got 0 bytes
 Exception raised from recvBytes at /pytorch/torch/csrc/distributed/c10d/Utils.hpp:671 (most recent call first):
@@ -18,3 +18,41 @@ def test_the_cpp_stack_torch_appends_is_dropped_and_the_message_kept():
     cleaned = clean_traceback(tb)
     assert "frame #" not in cleaned and "Exception raised from" not in cleaned
     assert "DistBackendError: failed to recv, got 0 bytes" in cleaned and cleaned.endswith("after")
+
+
+def _frame(path, line, func, code):
+    return f"File {path}:{line}, in {func}\n----> {line} {code}"
+
+
+TORCH = "/venv/lib/python3.11/site-packages/torch"
+RAISED = (["-" * 20 + "\nRuntimeError                              Traceback (most recent call last)",
+           _frame("/venv/lib/python3.11/site-packages/ipyparallel/engine/kernel.py", 9, "apply", "f()"),
+           "File <distrain-cell-1>:2\n      1 x, y = batch\n----> 2 loss = F.cross_entropy(model(x[:, :5]), y)"]
+          + [_frame(f"{TORCH}/nn/modules/module.py", 1778, "Module._wrapped_call_impl", "self._call_impl()"),
+             _frame(f"{TORCH}/nn/modules/module.py", 1884, "Module._call_impl", "inner()"),
+             _frame(f"{TORCH}/nn/parallel/distributed.py", 1890, "DistributedDataParallel.forward", "f()"),
+             _frame(f"{TORCH}/nn/parallel/distributed.py", 1715, "DistributedDataParallel._run_ddp_forward", "f()"),
+             _frame("<ipython-input-3-abc>", 5, "M.forward(self, x)", "h = self.fc(x)"),
+             _frame(f"{TORCH}/nn/modules/module.py", 1778, "Module._wrapped_call_impl", "self._call_impl()"),
+             _frame(f"{TORCH}/nn/modules/linear.py", 134, "Linear.forward(self, input)", "F.linear(input)"),
+             "RuntimeError: mat1 and mat2 shapes cannot be multiplied (8x5 and 10x16)"])
+
+
+def test_torch_frames_between_the_users_fold_into_one_line_and_the_raising_frame_stays():
+    cleaned = clean_traceback("\n\n".join(RAISED))
+    blocks = cleaned.split("\n\n")
+    assert blocks[1].startswith("File <distrain-cell-1>:2") and "ipyparallel" not in cleaned
+    assert blocks[2] == "... 4 frames in torch (nn/modules/module.py, nn/parallel/distributed.py) ..."
+    assert blocks[3].startswith("File <ipython-input-3-abc>:5, in M.forward")
+    assert blocks[4].startswith(f"File {TORCH}/nn/modules/module.py:1778")  # a run of one: kept
+    assert blocks[5].startswith(f"File {TORCH}/nn/modules/linear.py:134") and blocks[6].startswith("RuntimeError: mat1")
+    assert len(blocks) == 7
+    full = full_traceback("\x1b[0;31m" + "\n\n".join(RAISED) + "\x1b[0m")
+    assert full == "\n\n".join(RAISED)  # every frame, colours off
+
+
+def test_a_chained_tracebacks_raising_frame_in_torch_is_kept_before_the_next_section():
+    first = [_frame(f"{TORCH}/a.py", 1, "a", "b()"), _frame(f"{TORCH}/b.py", 2, "b", "raise X"), "KeyError: 'k'",
+             "During handling of the above exception, another exception occurred:"]
+    cleaned = clean_traceback("\n\n".join(first + RAISED[2:]))
+    assert cleaned.startswith(first[0] + "\n\n" + first[1] + "\n\nKeyError")  # a run of one is not folded
