@@ -54,9 +54,9 @@ def reduce_code(code: types.CodeType):
     tuple
         ``(types.CodeType, args)`` when there is no source to send, else ``(make_code, (args, lines))``.
     """
-    from cloudpickle import cloudpickle as cp
+    import cloudpickle
 
-    make, args = cp._code_reduce(code)
+    make, args = cloudpickle.Pickler.dispatch_table[types.CodeType](code)  # cloudpickle's own reducer
     if PLACEHOLDER in args:
         at = args.index(PLACEHOLDER)
         args = args[:at] + (code.co_filename,) + args[at + 1:]

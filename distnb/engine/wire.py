@@ -91,7 +91,8 @@ def pack(obj, tensors=None):
 
     Classes and functions defined in a notebook (``__main__``) travel by value, their code with
     its file name and the notebook cell's source (:mod:`distnb.engine.sources`: tracebacks and pdb
-    on the receiving side show their lines). Used in both directions: kernel to ranks (push, models) and ranks to kernel (pull). ``tensors``:
+    on the receiving side show their lines). Used in both directions: kernel to ranks (push,
+    models) and ranks to kernel (pull). ``tensors``:
     a list that receives the tensors cut out, in ``descs``' order (their version counters tell
     an in-place change, which neither the pickle nor the buffers' addresses show).
 
