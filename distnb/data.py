@@ -45,12 +45,18 @@ def scatter(session, name: str, obj, seed: int, num_shards: int) -> list:
     Raises
     ------
     PlanError
-        If ``obj`` is not a data set, or has fewer samples than ``num_shards``.
+        If ``obj`` is not a data set, or has fewer samples than ``num_shards``, or ``num_shards`` does
+        not divide world_size (before the ranks drop what they held under ``name``).
     """
     from .engine import shard as sharding
     from .transfer import columns_of, fingerprint, outgoing_rows
 
     cluster = session.cluster
+    world = cluster.world_size
+    if isinstance(num_shards, bool) or not isinstance(num_shards, int) or num_shards < 1 or world % num_shards:
+        fits = ", ".join(str(k) for k in range(1, world + 1) if world % k == 0)
+        raise PlanError(f"num_shards must divide world_size={world} (ranks go in equal blocks, one shard a block): "
+                        f"one of {fits}, got {num_shards!r}")
     structure, columns, n = columns_of(obj, name)
     if n < num_shards:
         raise PlanError(f"{name} has {n} samples, fewer than world_size={cluster.world_size}")

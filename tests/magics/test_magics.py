@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from distnb import session as session_mod
-from distnb.errors import RankError
+from distnb.errors import PlanError, RankError
 
 
 def run(shell, code):
@@ -83,6 +83,17 @@ def test_pull_scatter_gather(shell):
     original = shell.user_ns["xs"].clone()
     back = run(shell, "%dist gather xs").result
     assert torch.equal(back, original)
+
+
+@pytest.mark.parametrize("num_shards", [3, 0, -1, "2", True])
+def test_a_num_shards_that_does_not_divide_the_world_is_refused_and_the_shards_stay(shell, num_shards):
+    from distnb import session as session_mod
+
+    run(shell, "import torch\nns_xs = torch.arange(8.)\n%dist scatter ns_xs")
+    s = session_mod.current()
+    with pytest.raises(PlanError, match=r"num_shards must divide world_size=2 .*one of 1, 2, got"):
+        s.scatter("ns_xs", num_shards=num_shards, quiet=True)
+    assert sorted(len(x) for x in s.pull("ns_xs")) == [4, 4]  # what the ranks held is still there
 
 
 def test_a_scattered_dataset_is_a_dataset_on_each_rank_and_gathers_back_as_one(shell):
