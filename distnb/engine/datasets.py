@@ -332,8 +332,12 @@ class Source:
                 return None
             raise RuntimeError(f"rank {runtime.STATE.rank}: the DataLoader of {self.name} ended early "
                                f"(epoch {epoch}, before samples {_few(what)})") from None
-        except SampleError as exc:  # raised in a worker: the DataLoader wrapped it with the worker's traceback
-            raise SampleError(_original_message(exc)) from None
+        except SampleError as exc:
+            if exc.__cause__ is not None:  # raised in this process (--workers 0): its cause holds the sample's frames
+                raise
+            # raised in a worker: the DataLoader re-raised it with the worker's traceback as text; that text
+            # (the Dataset's own frames among it) becomes the cause of the SampleError, its message the message
+            raise SampleError(_original_message(exc)) from WorkerTraceback(_worker_traceback(exc))
         except Exception as exc:
             where = f"step {what}" if stream else f"samples {_few(what)}"
             explain(exc, f"while loading {where} of {self.name} (epoch {epoch})")
@@ -401,6 +405,21 @@ class _Keys:
 
     def __len__(self):
         return len(self.keys)
+
+
+class WorkerTraceback(Exception):
+    """The traceback of an error raised in a DataLoader worker process, as the text torch sent from it."""
+
+
+def _worker_traceback(exc) -> str:
+    """The first section of the worker's traceback in the message torch re-raised ``exc`` with (after
+    "Original Traceback"): the error the sample raised, with its frames; "" when there is none."""
+    text = str(exc)
+    marker = "Original Traceback (most recent call last):"
+    if marker not in text:
+        return ""
+    first = text.split(marker, 1)[1].split("\n\nThe above exception was the direct cause", 1)[0]
+    return ("Traceback (most recent call last):" + first).rstrip()
 
 
 def _original_message(exc) -> str:

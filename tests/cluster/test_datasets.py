@@ -256,6 +256,8 @@ def test_a_sample_that_raises_names_the_rank_and_index_and_the_next_cell_works(d
     assert err.value.rank == owner
     assert f"rank {owner}: flaky[7] raised ValueError: corrupt record 7" in str(err.value)
     assert "Fix the Dataset's __getitem__ for index 7" in str(err.value)
+    shown = err.value.failures[0]["traceback"]  # the Dataset's own frame, with its line, in a worker or not
+    assert 'raise ValueError(f"corrupt record {i}")' in shown and "__getitem__" in shown, shown
     assert children(dist_session) == []
     ns["flaky"].bad = -1  # fixed: sent again (its attributes changed) and trains
     r = dist_session.train(BODY, model="m_flaky", data="flaky", batch_size=4, workers=workers, **QUIET)
