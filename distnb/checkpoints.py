@@ -14,12 +14,14 @@ import os
 from . import calls, export, training
 from .display.tables import count
 from .errors import PlanError
+from .options import check_path
 from .execute import run_on_ranks
 from .plan import TrainPlan
 
 
 def save(session, name: str, model_obj, directory: str, quiet: bool = False) -> dict:
     """Checkpoint model ``name`` on every rank under ``directory``; its metadata (see Session.save)."""
+    directory = check_path("directory", directory)
     if name not in session.holdings.models:
         raise PlanError(f"{name} is not on the ranks (train it with %%distrain first)")
     directory = os.path.abspath(os.path.expanduser(directory))
@@ -61,6 +63,7 @@ def _meta(directory: str) -> dict:
     """The checkpoint's metadata (the newest complete one under ``directory``), or a PlanError saying there is none."""
     from .engine import checkpoint
 
+    directory = check_path("directory", directory)
     try:
         return checkpoint.read_meta(os.path.abspath(os.path.expanduser(directory)))
     except FileNotFoundError as exc:

@@ -526,8 +526,8 @@ def session_export(session, directory: str, force: bool = False, nodes=None, npr
                    quiet: bool = False) -> dict:
     """Write the last training cell into ``directory`` as a job that runs without a notebook (``%dist export``).
 
-    ``Session.export``. The folder gets ``train.py`` (run it with ``torchrun --nproc-per-node N
-    train.py``), ``options.json``, ``model.pkl`` and ``model.py``, the data (``data.pt`` or
+    ``Session.export``. The folder gets ``train.py`` (run it with ``torchrun --standalone
+    --nproc-per-node N train.py``), ``options.json``, ``model.pkl`` and ``model.py``, the data (``data.pt`` or
     ``data.pkl``, ``val.pt``), ``names.pkl`` and ``job.sbatch`` (Slurm: ``srun torchrun``). The
     job runs distnb's own training loop. A cell whose model was sent fresh to the ranks (its first
     cell, ``--reset``, a changed model, after ``%dist restart``) is exported from the weights it
@@ -564,4 +564,8 @@ def session_export(session, directory: str, force: bool = False, nodes=None, npr
         writable; ``--data`` was made on the ranks (``--data-on-ranks``) or changed since the cell;
         something the cell read cannot be pickled; a bad ``nodes``/``nproc_per_node``.
     """
-    return write(directory, force=force, nodes=nodes, nproc_per_node=nproc_per_node, quiet=quiet)
+    from .options import check_flags, check_path
+
+    check_flags(force=force, quiet=quiet)
+    return write(check_path("directory", directory), force=force, nodes=nodes, nproc_per_node=nproc_per_node,
+                 quiet=quiet)

@@ -207,7 +207,7 @@ def _export(line):
     model (by value, with the weights the cell started from), the data, the options and job.sbatch
     (Slurm: srun torchrun). The job runs distnb's own loop and saves checkpoints that %dist load reads.
 
-    Example: %dist export jobs/digits    then, in a shell: cd jobs/digits && torchrun --nproc-per-node 2 train.py
+    Example: %dist export jobs/digits    then, in a shell: cd jobs/digits && torchrun --standalone --nproc-per-node 2 train.py
     """
 
 

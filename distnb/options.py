@@ -259,6 +259,22 @@ def check_number(name, value, positive=True):
         raise PlanError(f"{name} must be positive, got {value}")
 
 
+def check_flags(**flags) -> None:
+    """PlanError naming the first of ``flags`` (keyword -> value) that is not True or False."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise PlanError(f"{name} must be True or False, got {value!r}")
+
+
+def check_path(name, value) -> str:
+    """``value`` as a path string (a str or ``os.PathLike``), or a PlanError naming ``name``."""
+    import os
+
+    if isinstance(value, (str, os.PathLike)) and os.fspath(value):
+        return os.fspath(value)
+    raise PlanError(f"{name} must be a folder path (a str or pathlib.Path), got {value!r}")
+
+
 def _names(label, value):
     if isinstance(value, str):
         value = tuple(v.strip() for v in value.split(",") if v.strip())

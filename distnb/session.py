@@ -361,9 +361,9 @@ class Session:
             is re-formed first, so the next cell works.
         """
         self._check_running()
-        if not isinstance(code, str) or not isinstance(unchecked, bool):
-            raise PlanError(f"code must be a string of Python source, got {type(code).__name__}" if not
-                            isinstance(code, str) else f"unchecked must be True or False, got {unchecked!r}")
+        if not isinstance(code, str):
+            raise PlanError(f"code must be a string of Python source, got {type(code).__name__}")
+        options.check_flags(unchecked=unchecked, all_output=all_output)
         try:
             compile(code, "<%%dist>", "exec")
         except SyntaxError as exc:
@@ -420,7 +420,8 @@ class Session:
 
     def _rank(self, rank, flag="--rank"):
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
-            raise PlanError(f"{flag} must be between 0 and {self.world_size - 1}, got {rank!r}")
+            raise PlanError(f"{flag} must be {'' if type(rank) is int else 'an integer rank '}between 0 and "
+                            f"{self.world_size - 1}, got {rank!r}")
         return rank
 
     def scatter(self, name: str, data=None, seed: int = 0, quiet: bool = False, num_shards=None) -> list:

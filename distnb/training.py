@@ -497,7 +497,9 @@ def train_cell(session, code, model, data, run, given):
     session.cluster.check_sendable()  # a dead rank is named before anything about the cell is said
     model_name, model_obj = session._named(model, "model")
     data_name, data_obj = (data, None) if given.get("data_on_ranks") else session._named(data, "data")
-    if not isinstance(code, str) or not code.strip():
+    if not isinstance(code, str):
+        raise PlanError(f"code must be a string of Python source (the step body), got {type(code).__name__}")
+    if not code.strip():
         raise PlanError("the training cell body is empty: write one step that sets `loss`, e.g. "
                         "`x, y = batch; loss = F.cross_entropy(model(x), y)`")
     if given.get("report_interval") is None:

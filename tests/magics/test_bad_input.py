@@ -353,3 +353,23 @@ def test_pull_of_a_bad_name_is_a_usage_error(shell, trained):
     for line in ("pull 0", "gather 1bad"):
         res = run(shell, f"%dist {line}")
         assert isinstance(res.error_in_exec, UsageError), (line, res.error_in_exec)
+
+
+@pytest.mark.parametrize("call, needle", [
+    (lambda s: s.export(None), "directory must be a folder path (a str or pathlib.Path), got None"),
+    (lambda s: s.export(123), "directory must be a folder path"),
+    (lambda s: s.export("unused-export-dir", force="y"), "force must be True or False, got 'y'"),
+    (lambda s: s.run("1", all_output="yes"), "all_output must be True or False, got 'yes'"),
+    (lambda s: s.save(123), "directory must be a folder path"),
+    (lambda s: s.load(123), "directory must be a folder path"),
+    (lambda s: s.train(123, model="keep_net", data="bad_ds"), "code must be a string of Python source"),
+    (lambda s: s.pull("keep_net", rank="0"), "--rank must be an integer rank between 0 and 1, got '0'"),
+])
+def test_python_api_arguments_of_the_wrong_type_are_named(shell, trained, tmp_path, monkeypatch, call, needle):
+    """A wrong type is a PlanError naming the argument (before: a folder named 'None', a raw TypeError, 'the cell
+    body is empty', a range error for a string)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(PlanError) as err:
+        call(session_mod.current())
+    assert needle in str(err.value)
+    assert list(tmp_path.iterdir()) == []  # nothing written
