@@ -130,9 +130,10 @@ def test_an_interrupt_stops_all_16_ranks_after_the_same_step(many, tmp_path):
     assert result.interrupted and result.stop_reason == "interrupted"
     steps = {row["steps"] for row in result.rows}
     assert len(steps) == 1 and steps.pop() > 0, [row["steps"] for row in result.rows]
-    spots = re.findall(r"rank (\d+): epoch (\d+), step (\d+)", result.interrupted_message)
     assert "every rank stopped after the same step" in result.interrupted_message
-    assert len(spots) == N and len({s[1:] for s in spots}) == 1, result.interrupted_message
+    # one position for all N ranks: said once (each rank's own, had they differed)
+    assert re.search(r"\(every rank: (epoch \d+, step \d+|after epoch \d+)\)", result.interrupted_message), \
+        result.interrupted_message
     many.run("import torch\n_w = torch.cat([p.detach().flatten() for p in net16.parameters()])")
     flats = many.pull("_w")
     assert all(torch.equal(flats[0], w) for w in flats)  # identical replicas: no step half-applied
