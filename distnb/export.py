@@ -329,12 +329,19 @@ import os
 
 from distnb.engine import job
 
-# %%distrain {options_line}
+# %%distrain {options_line}{_checkpoint_note(cell)}
 STEP = {_body_literal(cell.code)}
 
 if __name__ == "__main__":
     job.run(os.path.dirname(os.path.abspath(__file__)), STEP)  # distnb.engine.job: the ranks, the loop
 '''
+
+
+def _checkpoint_note(cell) -> str:
+    """A comment line under the cell's options when it had --checkpoint-dir: the job writes to checkpoints/ instead."""
+    if not cell.plan.checkpoint_dir:
+        return ""
+    return "\n# (the job saves its checkpoints in checkpoints/ of this folder, not in the cell's --checkpoint-dir)"
 
 
 def _data_files(cell) -> str:

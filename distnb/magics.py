@@ -540,7 +540,8 @@ class DistMagics(Magics):
             if verb in ("help", "-h", "--help"):  # %dist help bogus
                 verb = rest.strip()
             if verb not in VERBS:
-                raise UsageError(f"unknown %dist verb {verb!r}; use one of: {', '.join(VERBS)} (see %dist help)")
+                train = "; training is the cell magic %%distrain (%distrain --help)" if "train" in verb else ""
+                raise UsageError(f"unknown %dist verb {verb!r}; use one of: {', '.join(VERBS)} (see %dist help){train}")
             if _asks_help(rest):
                 return print(VERBS[verb].parser.format_help())
             args = _parse(VERBS[verb], rest)

@@ -180,7 +180,7 @@ class TrainPlan:
     target_loss: float | None = option(None, "float", "stop after an epoch whose mean loss (with --val-data: "
                                                 "the validation loss) is <= this", signed=True)
     precision: str = option("fp32", "choice", "fp32 (default), bf16 or fp16 (GPU only: with a GradScaler) autocast in "
-                            "the forward and the loss; weights stay fp32", choices=PRECISIONS, distribution=True,
+                            "the forward and the loss; weights stay fp32; not with --strategy pipeline", choices=PRECISIONS, distribution=True,
                             doc="Autocast dtype of the forward pass and the loss (``torch.autocast``). ``fp16`` "
                                 "scales the loss with ``torch.amp.GradScaler`` and needs GPU ranks; fsdp also gets "
                                 "a ``MixedPrecisionPolicy``. Master weights, optimizer state and the weights that "

@@ -82,3 +82,12 @@ def test_dist_export_help_has_an_example():
 
     text = _export.parser.format_help()
     assert "%dist export" in text and "Example: %dist export" in text and "--force" in text
+
+
+def test_the_job_says_where_it_saves_when_the_cell_had_a_checkpoint_dir():
+    """The script repeats the cell's options, --checkpoint-dir included; the job saves in its own checkpoints/."""
+    from types import SimpleNamespace
+
+    note = export._checkpoint_note(SimpleNamespace(plan=SimpleNamespace(checkpoint_dir="/tmp/cells-ckpt")))
+    assert note.startswith("\n# ") and "checkpoints/ of this folder, not in the cell's --checkpoint-dir" in note
+    assert export._checkpoint_note(SimpleNamespace(plan=SimpleNamespace(checkpoint_dir=None))) == ""

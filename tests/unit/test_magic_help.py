@@ -52,6 +52,9 @@ def test_help_is_printed_for_dist_help_and_for_help_on_every_verb(capsys):
         magics.distrain("--model m --data d")
     with pytest.raises(UsageError, match="unknown %dist verb 'bogus'; use one of: start, "):
         magics.dist("help bogus")  # it printed the whole help, as for %dist help
+    for line in ("help train", "help distrain", "train"):  # a verb for training is a natural guess: say where it is
+        with pytest.raises(UsageError, match=r"training is the cell magic %%distrain \(%distrain --help\)"):
+            magics.dist(line)
 
 
 def test_restart_takes_the_start_options_and_only_those_given():
