@@ -14,18 +14,18 @@ __all__ = ["start", "current", "load_ipython_extension", "unload_ipython_extensi
 from .errors import ClusterError, DistnbError, PlanError, RankError
 
 
-def start(*args, **kwargs):
-    """Start (or return the running) cluster; see :func:`distnb.session.start`."""
-    from .session import start as _start
+def __getattr__(name):
+    """``distnb.start`` and ``distnb.current`` are :func:`distnb.session.start` and :func:`distnb.session.current`,
+    imported at first use (``import distnb`` stays light): their signatures and help are the real ones."""
+    if name in ("start", "current"):
+        from . import session
 
-    return _start(*args, **kwargs)
+        return getattr(session, name)
+    raise AttributeError(f"module 'distnb' has no attribute {name!r}")
 
 
-def current():
-    """The running session; see :func:`distnb.session.current`."""
-    from .session import current as _current
-
-    return _current()
+def __dir__():
+    return sorted(set(globals()) | {"start", "current"})
 
 
 def load_ipython_extension(ipython):

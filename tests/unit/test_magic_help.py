@@ -158,3 +158,16 @@ def test_an_interrupt_while_the_first_dist_line_imports_leaves_the_modules_whole
     assert "first Interrupted interrupted while distnb loaded its modules (they are loaded now; nothing was started)" \
         in out, out
     assert "again no distnb cluster is running; start one with %dist start (or distnb.start()) True" in out, out
+
+
+def test_distnb_start_has_the_real_signature_and_help():
+    """``distnb.start`` is the session's start (keyword completion, ``help``), not a ``(*args, **kwargs)`` stand-in."""
+    import inspect
+
+    import distnb
+    from distnb import session
+
+    assert distnb.start is session.start and distnb.current is session.current
+    params = inspect.signature(distnb.start).parameters
+    assert {"n", "backend", "cpu_bind", "timeout"} <= set(params) and "args" not in params
+    assert "start" in dir(distnb)
