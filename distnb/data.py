@@ -191,6 +191,7 @@ def path_of(plan, obj) -> tuple:
                                 "rank loads its shard every epoch")
     elif isinstance(obj, (types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial)):
         path, why = "factory", f"{name}(rank, world_size) runs on each rank and returns that rank's part"
+        _check_factory(name, obj)
     else:
         path, why = "tensors", "a tensor container, materialised once and shipped as shards"
         _check_container(name, obj)
@@ -204,6 +205,19 @@ def path_of(plan, obj) -> tuple:
                             "container, whose batches are sliced from memory (nothing to load). Wrap the loading "
                             "in a torch.utils.data.Dataset to use DataLoader workers")
     return path, why
+
+
+def _check_factory(name, make) -> None:
+    """PlanError unless ``make`` can be called as ``make(rank, world_size)`` (checked in the kernel, not on each rank)."""
+    import inspect
+
+    try:
+        inspect.signature(make).bind(0, 1)
+    except TypeError as exc:
+        raise PlanError(f"--data {name} is a function, so each rank calls {name}(rank, world_size) for its part of the "
+                        f"data, but it does not take those two arguments ({exc})") from None
+    except ValueError:  # no signature to read (some builtins): the ranks' call will say
+        pass
 
 
 def _check_container(name, obj) -> None:

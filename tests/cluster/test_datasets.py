@@ -273,6 +273,9 @@ def test_make_runs_on_each_rank_and_uneven_parts_are_an_error(dist_session, ns, 
     with pytest.raises(PlanError, match=r"different lengths on the ranks \(rank 0: 50, rank 1: 51\)"):
         dist_session.train(BODY, model="m_make", data="make_uneven", batch_size=16, **QUIET)
     dist_session.train(BODY, model="m_make", data="make_part", batch_size=16, **QUIET)  # usable after
+    ns["make_none"] = lambda: None  # takes no (rank, world_size): said in the kernel, before anything is sent
+    with pytest.raises(PlanError, match=r"each rank calls make_none\(rank, world_size\).*does not take those two"):
+        dist_session.train(BODY, model="m_make", data="make_none", batch_size=16, **QUIET)
 
 
 def test_a_dataset_made_on_the_ranks_is_used_by_name(dist_session, ns):
