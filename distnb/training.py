@@ -390,7 +390,8 @@ def ensure_model(session, plan, model_obj, quiet) -> bool:
     keep = resident.movable(model_obj.state_dict(keep_vars=True).values(), transfer_pool())  # before packing
     payload, descs, buffers = pack_named(plan.model, model_obj, " as --model")
     with outgoing(cluster, buffers, keep=keep) as sent:  # shared memory on one host, else zero-copy frames
-        ars = cluster.apply_all(calls.install_model, plan.model, payload, descs, *sent)
+        ars = cluster.apply_all(calls.install_model, plan.model, payload, descs, held.trained_steps.get(plan.model, 0),
+                               *sent)
         counts = cluster.wait_all(ars, timeout=cluster.spec.timeout + 60, what=f"sending {plan.model}")
     del buffers, keep
     held.models[plan.model] = fingerprint(model_obj)  # the same state (a move keeps version counters)

@@ -183,7 +183,7 @@ def _install(ns, directory, spec, plan) -> None:
     from . import checkpoint, loop, runtime, strategies, wire
 
     payload, descs, buffers = _load_pickle(directory, MODEL)
-    loop.install_model(ns, plan.model, payload, descs, *buffers)
+    loop.install_model(ns, plan.model, payload, descs, 0, *buffers)
     if os.path.exists(os.path.join(directory, NAMES)):
         ns.update(wire.loads(*_load_pickle(directory, NAMES)))
     num_shards = strategies.data_parallel_size(plan, runtime.STATE.world_size)

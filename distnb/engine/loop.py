@@ -94,7 +94,7 @@ class Shard:
 class Run:
     """A model living on this rank between cells."""
 
-    def __init__(self, module):
+    def __init__(self, module, steps: int = 0):
         self.module = module
         self.strategy = None  # a strategies.Strategy, rebuilt when the plan or process group changes
         self.generation = -1
@@ -105,7 +105,7 @@ class Run:
         self.epoch_step = 0  # steps done in the current (unfinished) epoch
         self.epoch_samples = 0  # positions of this rank's epoch order consumed: the sampler position
         self.epoch_data = None  # (data name, samples) that position is in: other data starts its epoch afresh
-        self.steps = 0
+        self.steps = self.received_steps = steps  # the global step count of the weights it was received with
         self.plan_dict = None  # the plan it was last trained with (recorded in checkpoints)
         self.forwards = 0  # calls of the strategy wrapper, to catch bodies that bypass it
         self.optimizer_steps = 0
@@ -153,8 +153,12 @@ def _mesh_info() -> dict:
 runtime.INFO_HOOKS.append(_mesh_info)
 
 
-def install_model(ns, name, payload, descs, *buffers):
-    """Receive a model from the kernel; start a new Run (fresh optimizer, epoch 0)."""
+def install_model(ns, name, payload, descs, steps, *buffers):
+    """Receive a model from the kernel; start a new Run (fresh optimizer, epoch 0).
+
+    ``steps``: the global step count the kernel's weights have had (0 for new ones); the Run's
+    count goes on from it, so the checkpoints of this training sort after the older ones.
+    """
     module = wire.loads(payload, descs, buffers)
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"{name} is a {type(module).__name__}, not a torch.nn.Module")
@@ -162,7 +166,7 @@ def install_model(ns, name, payload, descs, *buffers):
     old = RUNS.get(name)
     if old is not None and old.strategy is not None:
         old.strategy.close()  # the replaced model must not keep the process group referenced
-    RUNS[name] = Run(module)
+    RUNS[name] = Run(module, steps)
     ns[name] = module
     return sum(p.numel() for p in module.parameters())
 
@@ -443,7 +447,7 @@ def _prepare(ns, plan, run):
     holding a checkpoint resumes from its newest one, unless --reset.
     """
     st = runtime.STATE
-    fresh = run.optimizer is None and run.steps == 0
+    fresh = run.optimizer is None and run.steps == run.received_steps  # as received: no step trained here
     key = plan.strategy_key()
     last = None if run.strategy_key is None else (run.strategy_key, run.generation)
     verdict = redistribution(last, key, st.generation)

@@ -239,3 +239,24 @@ def test_load_into_another_model_names_the_key_and_changes_nothing(dist_session,
     capsys.readouterr()
     dist_session.train(BODY, model="ck_other", data="ck_data", epochs=1, batch_size=8, progress="none")
     assert "the last cell used fsdp" not in capsys.readouterr().out  # the failed load left no options behind
+
+
+def _restarted(shell):
+    shell.run_line_magic("dist", "restart")
+    return session.current()
+
+
+def test_steps_trained_without_a_checkpoint_are_never_rolled_back(dist_session, shell, tmp_path):
+    """The step count goes on from the notebook's weights, so their checkpoint sorts after the older ones."""
+    ns = shell.user_ns
+    ns["ck_data"], ns["F"] = make_data(), F
+    ns["ck_later"] = make_model()
+    ckdir = str(tmp_path)
+    train(dist_session, "ck_later", 1, optimizer="sgd", lr=0.1, checkpoint_dir=ckdir)  # 6 steps: step_6
+    train(dist_session, "ck_later", 1)  # steps 7-12, no checkpoint
+    r = train(_restarted(shell), "ck_later", 1, checkpoint_dir=ckdir)  # from the notebook's newer weights
+    assert r.rows[0]["resumed"] is None and r.rows[0]["global_steps"] == 18
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000006", "step_00000018"]
+    r = train(_restarted(shell), "ck_later", 1, checkpoint_dir=ckdir)
+    assert r.rows[0]["resumed"] == os.path.join(ckdir, "step_00000018") and r.rows[0]["global_steps"] == 24
+
