@@ -208,16 +208,21 @@ def _set_lr(optimizer, lr):
         group["lr"] = lr
 
 
+def _given_lr(optimizer, lr) -> str:
+    """Set a cell's ``--lr`` on the live ``optimizer`` (None: keep its own); returns the note ("" if unchanged)."""
+    if lr is None or all(g["lr"] == lr for g in optimizer.param_groups):
+        return ""
+    _set_lr(optimizer, lr)
+    return f"lr set to {lr:g}"
+
+
 def _optimizer(ns, run, plan):
     """The live optimizer, kept (with its state) unless --optimizer names a different one.
 
     Returns (optimizer, note): note says what changed ("" when nothing did).
     """
     if run.optimizer is not None and plan.optimizer in (None, run.optimizer_key):
-        if plan.lr is not None and any(g["lr"] != plan.lr for g in run.optimizer.param_groups):
-            _set_lr(run.optimizer, plan.lr)
-            return run.optimizer, f"lr set to {plan.lr:g}"
-        return run.optimizer, ""
+        return run.optimizer, _given_lr(run.optimizer, plan.lr)
     name = plan.optimizer or "sgd"
     params = list(run.strategy.parameters())
     lr = plan.lr if plan.lr is not None else plan.lr_if_new
@@ -444,7 +449,8 @@ def _prepare(ns, plan, run):
 
     Returns (note, resumed): what changed about the optimizer, and the checkpoint path
     resumed from (None). A model just received (no optimizer yet) with --checkpoint-dir
-    holding a checkpoint resumes from its newest one, unless --reset.
+    holding a checkpoint resumes from its newest one, unless --reset; a cell's ``--lr`` is set
+    on the resumed optimizer, as on a live one.
     """
     st = runtime.STATE
     fresh = run.optimizer is None and run.steps == run.received_steps  # as received: no step trained here
@@ -468,16 +474,14 @@ def _prepare(ns, plan, run):
         run.generation, run.strategy_key = st.generation, key
     if run.inherited is not None:  # a rank added by %dist scale: the optimizer and schedule rank 0 had
         stepping.adopt_optimizer(ns, run, plan, _optimizer)
-    meta = None
-    if fresh and plan.checkpoint_dir and not plan.reset and plan.resume and checkpoint.latest(plan.checkpoint_dir):
-        meta = checkpoint.read_meta(plan.checkpoint_dir)
-        if plan.optimizer is None:  # the optimizer the checkpoint was saved with (its lr comes back with it)
-            plan = dataclasses.replace(plan, optimizer=meta["optimizer"])
-    _, note = _optimizer(ns, run, plan)
-    if meta is None:
-        return note, None
+    if not (fresh and plan.checkpoint_dir and not plan.reset and plan.resume and checkpoint.latest(plan.checkpoint_dir)):
+        return _optimizer(ns, run, plan)[1], None
+    meta = checkpoint.read_meta(plan.checkpoint_dir)
+    # the optimizer restored (its lr and schedule come back with it) ...
+    _optimizer(ns, run, dataclasses.replace(plan, optimizer=plan.optimizer or meta["optimizer"], lr=None,
+                                            lr_if_new=None))
     checkpoint.load(run, meta, ns, plan)
-    return note, meta["path"]
+    return _given_lr(run.optimizer, plan.lr), meta["path"]  # ... and a cell's --lr applies on top, as live
 
 
 def _param_ids(optimizer) -> set:

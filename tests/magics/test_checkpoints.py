@@ -260,3 +260,17 @@ def test_steps_trained_without_a_checkpoint_are_never_rolled_back(dist_session, 
     r = train(_restarted(shell), "ck_later", 1, checkpoint_dir=ckdir)
     assert r.rows[0]["resumed"] == os.path.join(ckdir, "step_00000018") and r.rows[0]["global_steps"] == 24
 
+
+def test_an_explicit_lr_applies_to_a_resumed_optimizer_and_schedule(dist_session, shell, tmp_path):
+    """After a restart, --lr goes on top of the checkpoint's optimizer, as on the live one (here: past a
+    cosine schedule that has run out, whose lr is 0)."""
+    ns = shell.user_ns
+    ns["ck_data"], ns["F"] = make_data(), F
+    ns["ck_lr"] = make_model()
+    train(dist_session, "ck_lr", 1, optimizer="sgd", lr=0.1, lr_schedule="cosine", checkpoint_dir=str(tmp_path))
+    before = params(ns["ck_lr"]).clone()
+    r = train(_restarted(shell), "ck_lr", 1, lr=0.02, checkpoint_dir=str(tmp_path))
+    assert r.rows[0]["resumed"] is not None
+    assert [lr for _, lr in r.lr_history] == [0.02] * 6, r.lr_history
+    assert not torch.allclose(params(ns["ck_lr"]), before)
+
