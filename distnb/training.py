@@ -21,6 +21,7 @@ from . import calls, data, export, options, transfer
 from .display import ProgressState, make_view, view_kind
 from .display.tables import count
 from .errors import PlanError, RankError
+from .resuming import newest_start, start_sentence
 from .execute import run_on_ranks
 from .plan import DISTRIBUTION, LR_SCHEDULES, TrainPlan, carry_over, not_carried, redistribution
 
@@ -77,7 +78,7 @@ class Holdings:
     objects: dict = field(default_factory=dict)
     names: set = field(default_factory=set)
     batch_world: int | None = None
-    resume_steps: tuple = (None, None)  # (the notebook's, the newest checkpoint's) steps, for the cell's message
+    resume_steps: tuple = (None, None, None)  # the notebook's and the newest checkpoint's steps, its optimizer
     generation: int = 0
 
     def forget(self) -> None:
@@ -123,15 +124,6 @@ class Holdings:
         del self.objects[name]
         self.lr_of.pop(name, None)
         return self.carried.pop(name, None) or {}
-
-
-def has_checkpoint(directory: str) -> bool:
-    """Whether ``directory`` holds a complete checkpoint (imports torch.distributed.checkpoint only then)."""
-    if not os.path.isdir(directory):
-        return False
-    from .engine import checkpoint
-
-    return checkpoint.latest(directory) is not None
 
 
 def make_plan(session, model_name, model_obj, data_name, given: dict, quiet=False) -> TrainPlan:
@@ -192,7 +184,7 @@ def make_plan(session, model_name, model_obj, data_name, given: dict, quiet=Fals
 
         raise PlanError(carried_message(model_name, plan.mesh, session.world_size)) from None
     check_step_options(session, plan, model_obj)
-    return _newest_start(session, plan)
+    return newest_start(session, plan)
 
 
 def _carried_flags(kept, only=None) -> str:
@@ -225,26 +217,6 @@ def _say_carried(model_name, kept) -> None:
     shown = _carried_flags(kept, only=DISTRIBUTION)
     if shown:
         print(f"distnb: {shown}, as in {model_name}'s last cell (name another to change it)")
-
-
-def _newest_start(session, plan):
-    """``plan`` with ``resume=False`` when the notebook's weights are newer than the newest checkpoint.
-
-    A model the ranks receive fresh (after ``%dist restart``, say) resumes from
-    ``--checkpoint-dir``'s newest checkpoint unless the weights the notebook holds are further
-    on (in global optimizer steps); at the same step the checkpoint wins, as it also holds the
-    optimizer, the schedule and the sampler position. ``ensure_model`` says which it took.
-    """
-    import dataclasses
-
-    if not plan.checkpoint_dir or plan.reset or not has_checkpoint(plan.checkpoint_dir):
-        return plan
-    from .engine import checkpoint
-
-    saved = checkpoint.read_meta(plan.checkpoint_dir)["steps"]
-    mine = session.holdings.trained_steps.get(plan.model)
-    session.holdings.resume_steps = (mine, saved)
-    return dataclasses.replace(plan, resume=False) if mine is not None and mine > saved else plan
 
 
 def _is_data_set(obj) -> bool:
@@ -396,17 +368,8 @@ def ensure_model(session, plan, model_obj, quiet) -> bool:
     del buffers, keep
     held.models[plan.model] = fingerprint(model_obj)  # the same state (a move keeps version counters)
     if not quiet:
-        mine, saved = held.resume_steps
-        if plan.checkpoint_dir and not plan.reset and plan.resume and has_checkpoint(plan.checkpoint_dir):
-            newer = "" if mine is None else f"; the notebook's weights are at step {mine}"
-            then = f"it resumes from the newest checkpoint in --checkpoint-dir (step {saved}{newer})"
-        elif not plan.resume:
-            then = (f"the notebook's weights (step {mine}) are newer than the newest checkpoint in --checkpoint-dir "
-                    f"(step {saved}), so training goes on from them with a fresh {plan.optimizer or 'sgd'} optimizer")
-        else:
-            then = f"fresh {plan.optimizer or 'sgd'} optimizer, epoch 0"
         print(f"distnb: sent {plan.model} ({type(model_obj).__name__}, {counts[0]:,} parameters) to "
-              f"{count(session.world_size, 'rank')}; {then}")
+              f"{count(session.world_size, 'rank')}; {start_sentence(plan, held.resume_steps)}")
     return True
 
 

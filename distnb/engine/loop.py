@@ -449,8 +449,9 @@ def _prepare(ns, plan, run):
 
     Returns (note, resumed): what changed about the optimizer, and the checkpoint path
     resumed from (None). A model just received (no optimizer yet) with --checkpoint-dir
-    holding a checkpoint resumes from its newest one, unless --reset; a cell's ``--lr`` is set
-    on the resumed optimizer, as on a live one.
+    holding a checkpoint resumes from its newest one, unless --reset: into the optimizer it was
+    saved with, then as a live model would go on (a cell's ``--lr`` set on it; another
+    ``--optimizer`` replaces it, keeping the weights and position).
     """
     st = runtime.STATE
     fresh = run.optimizer is None and run.steps == run.received_steps  # as received: no step trained here
@@ -477,10 +478,12 @@ def _prepare(ns, plan, run):
     if not (fresh and plan.checkpoint_dir and not plan.reset and plan.resume and checkpoint.latest(plan.checkpoint_dir)):
         return _optimizer(ns, run, plan)[1], None
     meta = checkpoint.read_meta(plan.checkpoint_dir)
-    # the optimizer restored (its lr and schedule come back with it) ...
-    _optimizer(ns, run, dataclasses.replace(plan, optimizer=plan.optimizer or meta["optimizer"], lr=None,
-                                            lr_if_new=None))
+    # the optimizer the checkpoint holds the state of (its lr and schedule come back with it) ...
+    _optimizer(ns, run, dataclasses.replace(plan, optimizer=meta["optimizer"], lr=None, lr_if_new=None))
     checkpoint.load(run, meta, ns, plan)
+    if plan.optimizer not in (None, meta["optimizer"]):  # ... replaced by another --optimizer, as in a live model
+        _optimizer(ns, run, plan)  # (the kernel said so when it sent the model: no note here)
+        return "", meta["path"]
     return _given_lr(run.optimizer, plan.lr), meta["path"]  # ... and a cell's --lr applies on top, as live
 
 

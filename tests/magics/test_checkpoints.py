@@ -274,3 +274,26 @@ def test_an_explicit_lr_applies_to_a_resumed_optimizer_and_schedule(dist_session
     assert [lr for _, lr in r.lr_history] == [0.02] * 6, r.lr_history
     assert not torch.allclose(params(ns["ck_lr"]), before)
 
+
+def test_another_optimizer_on_resume_takes_the_weights_with_a_fresh_optimizer(dist_session, shell, tmp_path, capsys):
+    """A checkpoint of SGD resumed with --optimizer adam: its weights and position, a fresh Adam, one line saying
+    so; the same as naming Adam for the live model."""
+    ns = shell.user_ns
+    ns["ck_data"], ns["F"] = make_data(), F
+    ns["ck_ref"] = make_model()
+    train(dist_session, "ck_ref", 1, optimizer="sgd", lr=0.1)
+    train(dist_session, "ck_ref", 1, optimizer="adam", lr=0.02)
+    ns["ck_switch"] = make_model()
+    train(dist_session, "ck_switch", 1, optimizer="sgd", lr=0.1, checkpoint_dir=str(tmp_path))
+    s = _restarted(shell)
+    capsys.readouterr()
+    r = s.train(BODY, model="ck_switch", data="ck_data", epochs=1, batch_size=8, seed=5, progress="none",
+                optimizer="adam", lr=0.02, checkpoint_dir=str(tmp_path))
+    out = capsys.readouterr().out
+    assert "resumes from the newest checkpoint in --checkpoint-dir (step 6; the notebook's weights are at step 6) " \
+           "with a fresh adam optimizer: the checkpoint's optimizer state is sgd's (--optimizer sgd resumes it too; " \
+           "--reset starts from the notebook's weights)" in out, out
+    assert r.rows[0]["resumed"] is not None and r.epochs == [1] and r.rows[0]["global_steps"] == 12
+    s.run("_opt = (type(optimizer).__name__, optimizer.param_groups[0]['lr'])")
+    assert s.pull("_opt", rank=0) == ("Adam", 0.02)
+    torch.testing.assert_close(params(ns["ck_switch"]), params(ns["ck_ref"]), atol=1e-6, rtol=1e-6)

@@ -1,0 +1,62 @@
+"""Which start a training cell's ``--checkpoint-dir`` gives a model the ranks receive fresh, and its sentence.
+
+The kernel decides from the newest checkpoint's metadata before anything is sent
+(:func:`newest_start`); the ranks resume as :func:`distnb.engine.loop._prepare` does; the
+cell's "sent" line says which start it took (:func:`start_sentence`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+
+def has_checkpoint(directory: str) -> bool:
+    """Whether ``directory`` holds a complete checkpoint (imports torch.distributed.checkpoint only then)."""
+    if not os.path.isdir(directory):
+        return False
+    from .engine import checkpoint
+
+    return checkpoint.latest(directory) is not None
+
+
+def newest_start(session, plan):
+    """``plan`` with ``resume=False`` when the notebook's weights are newer than the newest checkpoint.
+
+    A model the ranks receive fresh (after ``%dist restart``, say) resumes from
+    ``--checkpoint-dir``'s newest checkpoint unless the weights the notebook holds are further
+    on (in global steps, which go on from the kernel's count: :func:`distnb.engine.loop.install_model`);
+    at the same step the checkpoint wins, as it also holds the optimizer, the schedule and the
+    sampler position. Records ``session.holdings.resume_steps`` for :func:`start_sentence`.
+    """
+    if not plan.checkpoint_dir or plan.reset or not has_checkpoint(plan.checkpoint_dir):
+        return plan
+    from .engine import checkpoint
+
+    meta = checkpoint.read_meta(os.path.abspath(os.path.expanduser(plan.checkpoint_dir)))
+    mine = session.holdings.trained_steps.get(plan.model)
+    session.holdings.resume_steps = (mine, meta["steps"], meta["optimizer"])
+    return dataclasses.replace(plan, resume=False) if mine is not None and mine > meta["steps"] else plan
+
+
+def start_sentence(plan, resume_steps) -> str:
+    """How a model just sent to the ranks starts (``resume_steps``: :func:`newest_start`'s record).
+
+    A resume into another ``--optimizer`` than the checkpoint was saved with takes the weights
+    and the position (epoch, sampler, step count) and a fresh optimizer of that kind, as naming
+    another ``--optimizer`` does for a live model: the saved state (an SGD's momentum, Adam's
+    moments) belongs to the optimizer that made it, and its lr schedule goes with it.
+    """
+    mine, saved, saved_optimizer = resume_steps
+    optimizer = plan.optimizer or "sgd"
+    if plan.checkpoint_dir and not plan.reset and plan.resume and has_checkpoint(plan.checkpoint_dir):
+        newer = "" if mine is None else f"; the notebook's weights are at step {mine}"
+        then = f"it resumes from the newest checkpoint in --checkpoint-dir (step {saved}{newer})"
+        if plan.optimizer not in (None, saved_optimizer):
+            then += (f" with a fresh {optimizer} optimizer: the checkpoint's optimizer state is {saved_optimizer}'s "
+                     f"(--optimizer {saved_optimizer} resumes it too; --reset starts from the notebook's weights)")
+        return then
+    if not plan.resume:
+        return (f"the notebook's weights (step {mine}) are newer than the newest checkpoint in --checkpoint-dir "
+                f"(step {saved}), so training goes on from them with a fresh {optimizer} optimizer")
+    return f"fresh {optimizer} optimizer, epoch 0"
