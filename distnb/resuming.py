@@ -20,7 +20,7 @@ def has_checkpoint(directory: str) -> bool:
     return checkpoint.latest(directory) is not None
 
 
-def newest_start(session, plan):
+def newest_start(session, plan, model_obj=None):
     """``plan`` with ``resume=False`` when the notebook's weights are newer than the newest checkpoint.
 
     A model the ranks receive fresh (after ``%dist restart``, say) resumes from
@@ -34,7 +34,7 @@ def newest_start(session, plan):
     from .engine import checkpoint
 
     meta = checkpoint.read_meta(os.path.abspath(os.path.expanduser(plan.checkpoint_dir)))
-    mine = session.holdings.trained_steps.get(plan.model)
+    mine = session.holdings.steps_of(plan.model, model_obj)  # None for a new object under the name
     session.holdings.resume_steps = (mine, meta["steps"], meta["optimizer"])
     return dataclasses.replace(plan, resume=False) if mine is not None and mine > meta["steps"] else plan
 

@@ -108,6 +108,12 @@ class Holdings:
             self.lr_of[plan.model] = plan.lr
         self.carried[plan.model] = values
 
+    def steps_of(self, name: str, model_obj):
+        """The global step count of ``model_obj``'s weights (:attr:`trained_steps`), or None when ``model_obj``
+        is not the object the name's count belongs to (``net = Net()`` run again: new weights, no steps)."""
+        ref = self.objects.get(name)
+        return self.trained_steps.get(name) if ref is not None and ref() is model_obj else None
+
     def keep_across_restart(self, new: "Holdings") -> None:
         """Copy into ``new`` what survives ``%dist restart``: the carried options, lrs and step counts."""
         new.carried.update(self.carried)
@@ -123,6 +129,7 @@ class Holdings:
             return {}
         del self.objects[name]
         self.lr_of.pop(name, None)
+        self.trained_steps.pop(name, None)  # new weights: no steps trained on them yet
         return self.carried.pop(name, None) or {}
 
 
@@ -184,7 +191,7 @@ def make_plan(session, model_name, model_obj, data_name, given: dict, quiet=Fals
 
         raise PlanError(carried_message(model_name, plan.mesh, session.world_size)) from None
     check_step_options(session, plan, model_obj)
-    return newest_start(session, plan)
+    return newest_start(session, plan, model_obj)
 
 
 def _carried_flags(kept, only=None) -> str:
@@ -362,8 +369,8 @@ def ensure_model(session, plan, model_obj, quiet) -> bool:
     keep = resident.movable(model_obj.state_dict(keep_vars=True).values(), transfer_pool())  # before packing
     payload, descs, buffers = pack_named(plan.model, model_obj, " as --model")
     with outgoing(cluster, buffers, keep=keep) as sent:  # shared memory on one host, else zero-copy frames
-        ars = cluster.apply_all(calls.install_model, plan.model, payload, descs, held.trained_steps.get(plan.model, 0),
-                               *sent)
+        steps = held.steps_of(plan.model, model_obj) or 0  # the ranks count on from the weights' global step
+        ars = cluster.apply_all(calls.install_model, plan.model, payload, descs, steps, *sent)
         counts = cluster.wait_all(ars, timeout=cluster.spec.timeout + 60, what=f"sending {plan.model}")
     del buffers, keep
     held.models[plan.model] = fingerprint(model_obj)  # the same state (a move keeps version counters)

@@ -1,0 +1,20 @@
+"""The kernel's record of what the ranks hold (``training.Holdings``) that needs no cluster."""
+
+import weakref
+
+from distnb.training import Holdings
+
+
+class Net:  # any object the notebook binds to the model's name
+    pass
+
+
+def test_a_step_count_belongs_to_the_object_it_was_trained_on():
+    """``net = Net()`` run again is new weights: the old object's global step count is not theirs (the ranks would
+    count on from it, and a resume would take the new weights for trained ones)."""
+    held, old, new = Holdings(), Net(), Net()
+    held.objects["net"], held.trained_steps["net"] = weakref.ref(old), 12
+    assert held.steps_of("net", old) == 12 and held.steps_of("net", new) is None
+    assert held.steps_of("other", old) is None
+    held.replaced("net", new)  # the cell that finds the new object forgets the old one's options and steps
+    assert "net" not in held.trained_steps and held.steps_of("net", old) is None
