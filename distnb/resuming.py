@@ -20,6 +20,22 @@ def has_checkpoint(directory: str) -> bool:
     return checkpoint.latest(directory) is not None
 
 
+def first_step(plan, steps: int) -> int:
+    """The global step count a model sent fresh starts from: ``steps`` (the kernel's count for its weights),
+    or the step of ``--checkpoint-dir``'s newest checkpoint when that is further on.
+
+    So a folder's checkpoints are numbered in the order they were written: a cell that starts again
+    (``--reset``, a new model) into a folder of older checkpoints writes ``step_*`` after them, where
+    it wrote ``step_2`` below a ``step_12`` (which the next resume then took, and which pruning kept
+    over the one just written). A resume sets the count from the checkpoint anyway.
+    """
+    if not plan.checkpoint_dir or not has_checkpoint(plan.checkpoint_dir):
+        return steps
+    from .engine import checkpoint
+
+    return max(steps, checkpoint.read_meta(os.path.abspath(os.path.expanduser(plan.checkpoint_dir)))["steps"])
+
+
 def newest_start(session, plan, model_obj=None):
     """``plan`` with ``resume=False`` when the notebook's weights are newer than the newest checkpoint.
 

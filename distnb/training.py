@@ -21,7 +21,7 @@ from . import calls, data, export, options, transfer
 from .display import ProgressState, make_view, view_kind
 from .display.tables import count
 from .errors import PlanError, RankError
-from .resuming import newest_start, start_sentence
+from .resuming import first_step, newest_start, start_sentence
 from .execute import run_on_ranks
 from .plan import DISTRIBUTION, LR_SCHEDULES, TrainPlan, carry_over, not_carried, redistribution
 
@@ -369,7 +369,7 @@ def ensure_model(session, plan, model_obj, quiet) -> bool:
     keep = resident.movable(model_obj.state_dict(keep_vars=True).values(), transfer_pool())  # before packing
     payload, descs, buffers = pack_named(plan.model, model_obj, " as --model")
     with outgoing(cluster, buffers, keep=keep) as sent:  # shared memory on one host, else zero-copy frames
-        steps = held.steps_of(plan.model, model_obj) or 0  # the ranks count on from the weights' global step
+        steps = first_step(plan, held.steps_of(plan.model, model_obj) or 0)  # the ranks count on from there
         ars = cluster.apply_all(calls.install_model, plan.model, payload, descs, steps, *sent)
         counts = cluster.wait_all(ars, timeout=cluster.spec.timeout + 60, what=f"sending {plan.model}")
     del buffers, keep

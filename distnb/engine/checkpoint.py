@@ -111,15 +111,18 @@ def save(run, directory: str, plan_dict: dict, data_seed: int) -> dict:
         with open(tmp, "w") as f:
             json.dump(meta, f, indent=1)
         os.replace(tmp, os.path.join(path, MARKER))
-        _prune(os.path.dirname(path))
+        _prune(os.path.dirname(path), keep=os.path.basename(path))
     return meta
 
 
-def _prune(directory: str) -> None:
+def _prune(directory: str, keep: str) -> None:
+    """Remove all but the newest :data:`KEEP` complete checkpoints of ``directory``; never ``keep`` (the one just
+    written, whatever its step)."""
     complete = sorted(d for d in os.listdir(directory)
                       if _STEP_DIR.match(d) and os.path.exists(os.path.join(directory, d, MARKER)))
     for d in complete[:-KEEP]:
-        shutil.rmtree(os.path.join(directory, d), ignore_errors=True)
+        if d != keep:
+            shutil.rmtree(os.path.join(directory, d), ignore_errors=True)
 
 
 def load(run, meta: dict, ns=None, plan=None) -> None:

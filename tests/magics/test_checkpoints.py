@@ -261,6 +261,24 @@ def test_steps_trained_without_a_checkpoint_are_never_rolled_back(dist_session, 
     assert r.rows[0]["resumed"] == os.path.join(ckdir, "step_00000018") and r.rows[0]["global_steps"] == 24
 
 
+def test_a_cell_that_starts_again_numbers_its_checkpoints_after_the_folders_older_ones(dist_session, shell, tmp_path):
+    """--reset into a folder of older checkpoints wrote step_6 below their step_12 (the next resume took the old
+    one; pruning could remove the one just written): the count goes on from the folder's newest."""
+    ns = shell.user_ns
+    ns["ck_data"], ns["F"] = make_data(), F
+    ns["ck_again"] = make_model()
+    ckdir = str(tmp_path)
+    train(dist_session, "ck_again", 2, optimizer="sgd", lr=0.1, checkpoint_dir=ckdir)  # step_6, step_12
+    ns["ck_again"] = make_model()  # start over: new weights
+    r = train(dist_session, "ck_again", 1, optimizer="sgd", lr=0.1, checkpoint_dir=ckdir, reset=True)
+    assert r.rows[0]["resumed"] is None and r.rows[0]["global_steps"] == 18
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000012", "step_00000018"]  # the newest 2 kept
+    started_over = params(ns["ck_again"]).clone()
+    r = train(_restarted(shell), "ck_again", 1, checkpoint_dir=ckdir)  # resumes the newest: the one written last
+    assert r.rows[0]["resumed"] == os.path.join(ckdir, "step_00000018")
+    assert not torch.equal(params(ns["ck_again"]), started_over)  # it trained on from there
+
+
 def test_an_explicit_lr_applies_to_a_resumed_optimizer_and_schedule(dist_session, shell, tmp_path):
     """After a restart, --lr goes on top of the checkpoint's optimizer, as on the live one (here: past a
     cosine schedule that has run out, whose lr is 0)."""
