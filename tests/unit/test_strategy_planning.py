@@ -75,3 +75,60 @@ def test_fsdp_units_sharing_a_parameter_are_grouped_or_left_to_the_outer_unit():
     a[0].weight, c[0].weight = c[1].weight, a[1].weight
     with pytest.raises(StrategyError, match=r"tied .* make 0\+1\.0 and 0\.0\+1 FSDP groups .*choose --fsdp-units"):
         unit_groups(nn.Sequential(a, c), ["0", "0.0", "1", "1.0"])
+
+
+def test_tensor_plan_check_compares_nested_outputs_at_a_dtype_tolerance():
+    import torch
+
+    from distnb.engine.strategies.tensor_check import DIFFERENT, SAME, UNCOMPARABLE, compare, leaves
+
+    a = torch.tensor([[1.0, -2.0], [0.5, 4.0]])
+    out = {"logits": a, "extra": (a * 2, torch.tensor([1, 2])), "name": "x"}
+    assert [t.shape for t in leaves(out)] == [(2, 2), (2, 2), (2,)]
+    assert compare(leaves(out), leaves(out))[0] == SAME
+    assert compare([a], [a + 1e-6])[0] == SAME  # a different order of sums
+    verdict, worst, which = compare([a, a], [a, a + 0.05])  # 0.05 / 4 relative: what a half-mean does
+    assert (verdict, which) == (DIFFERENT, "output 1") and worst == pytest.approx(0.0125, rel=1e-5)
+    assert compare([a], [a * float("nan")])[0] == DIFFERENT
+    nan = torch.tensor([float("nan"), float("inf"), 1.0])
+    assert compare([nan], [nan.clone()])[0] == SAME  # the whole model's own NaN and inf are no difference
+    assert compare([a.bfloat16()], [(a + 0.01).bfloat16()])[0] == SAME  # bf16: rounding of partial sums
+    assert compare([a], [a[:, :1]]) == (UNCOMPARABLE, 0.0, "output 0 has shape (2, 1) where the whole model's "
+                                                           "is (2, 2)")
+    assert compare([a], [a, a])[0] == UNCOMPARABLE
+    assert compare([torch.tensor([1])], [torch.tensor([2])])[0] == UNCOMPARABLE  # nothing to compare
+
+
+def test_tensor_plan_check_leaves_modes_rng_and_grad_mode_as_they_were():
+    import torch
+
+    from distnb.engine.strategies.tensor_check import _Quiet
+
+    net = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5), nn.BatchNorm1d(2))
+    net[1].eval()  # a submodule's own mode comes back too
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    with _Quiet([net], torch.device("cpu")):
+        assert not net.training and not torch.is_grad_enabled()
+        net(torch.randn(4, 2))
+        torch.rand(5)
+    assert torch.equal(torch.rand(3), expected)
+    assert [m.training for m in net.modules()] == [True, True, False, True]
+    assert int(net[2].num_batches_tracked) == 0 and torch.is_grad_enabled()
+
+
+def test_tensor_plan_check_message_names_the_pair_and_the_fix():
+    from distnb.engine.strategies.tensor_check import DIFFERENT, UNCOMPARABLE, explain
+
+    text = explain("tensor plan", "tensor plan: 'fc1' column-wise, 'fc2' row-wise", DIFFERENT, 0.0967, "output 0",
+                   ["'fc1' (column-wise) -> 'fc2' (row-wise)"], default=True)
+    assert text.startswith("tensor plan changes what the model computes: on the first batch, in eval mode, the "
+                           "split model's output differs from the whole model's by up to 0.0967")
+    assert "at the split pair 'fc1' (column-wise) -> 'fc2' (row-wise)" in text
+    assert "elementwise over the hidden units" in text and "Nothing was trained" in text
+    assert "--tp-plan NAME" in text and "--strategy ddp or fsdp" in text
+    text = explain("--tp-plan p", "tensor plan: 'a' column-wise", UNCOMPARABLE, 0.0, "output 0 has shape (2, 1)", [],
+                   default=False)
+    assert "does not match the whole model's (output 0 has shape (2, 1))" in text
+    assert "at the split layers (tensor plan: 'a' column-wise)" in text and "fix --tp-plan p" in text

@@ -45,7 +45,8 @@ from __future__ import annotations
 from ...plan import mesh_shape
 from . import Strategy, gathered_state, tensor_bytes
 from .fsdp import FSDP, make_mesh, optimizer_state_bytes, release_group, shard
-from .tensor import DefaultPlanHint, check_default, check_plan, describe, plan_label, resolve_plan
+from .tensor import DefaultPlanHint, check_default, check_plan, default_pairs, describe, plan_label, resolve_plan
+from .tensor_check import VerifiedPlan
 
 #: The mesh's dimension names, outer (FSDP, data parallel) first, as torchtitan names them.
 DIMS = ("dp", "tp")
@@ -59,7 +60,7 @@ def _degree(plan, tp: int) -> str:
             "whose TP divides it")
 
 
-class FsdpTensor(DefaultPlanHint, FSDP):
+class FsdpTensor(VerifiedPlan, DefaultPlanHint, FSDP):
     """FSDP2 over the mesh's ``dp`` dimension, tensor parallel over its ``tp`` dimension.
 
     Attributes
@@ -90,8 +91,11 @@ class FsdpTensor(DefaultPlanHint, FSDP):
         self.tp_plan, self.replicated = resolve_plan(module, plan, ns)
         check_plan(self.tp_plan, module, self.shape[1], plan_label(plan), _degree(plan, self.shape[1]))
         self.mesh = make_mesh(device.type, self.shape, DIMS)
+        self.arm(module, plan_label(plan), describe(self.tp_plan), default_pairs(module)[0] if plan.tp_plan is None
+                 else ())  # the whole model, to verify the plan on the first forward (tensor_check.py)
         parallelize_module(module, self.mesh["tp"], self.tp_plan)  # tensor parallel first, then FSDP
         self.units = shard(module, plan, self.mesh["dp"])
+        self.watch()
         if dist.get_rank() == 0:
             groups = [list(range(d * self.shape[1], (d + 1) * self.shape[1])) for d in range(self.shape[0])]
             split = (describe(self.tp_plan, self.replicated, WHOLE) if plan.tp_plan is None
@@ -166,6 +170,7 @@ class FsdpTensor(DefaultPlanHint, FSDP):
         The mesh is reused (see :func:`~distnb.engine.strategies.fsdp.make_mesh`) and let go
         with the process group at teardown, when the release hooks clear it.
         """
+        self._disarm()
         release_group(None, self.module, meshes=False)
         self.model = None
         self.mesh = None

@@ -25,8 +25,15 @@ Default: within each module, its direct children in registration order; two ``nn
 children with only elementwise, parameter-free modules (activations, dropout) between them
 and ``A.out_features == B.in_features`` become ``A: ColwiseParallel``,
 ``B: RowwiseParallel``. This assumes registration order is the order of the forward (as in
-``nn.Sequential``); an ``nn.Linear`` without such a partner stays replicated (rank 0 says
-so when the strategy is built). For models whose forward differs, pass ``--tp-plan``.
+``nn.Sequential``) and that whatever the forward does between ``A`` and ``B`` (functional
+code included, which no module list shows) is elementwise over ``A``'s output features; an
+``nn.Linear`` without such a partner stays replicated (rank 0 says so when the strategy is
+built). For models whose forward differs, pass ``--tp-plan``.
+
+Verified: whichever plan, the first forward after the strategy is built compares the split
+model with the whole one on that real input (:mod:`.tensor_check`); a mean, softmax,
+normalization or reshape across the split features is a ``StrategyError`` on every rank
+before any step, naming the pair.
 
 Errors (kernel side, :class:`~distnb.engine.strategies.StrategyError`): a plan key that
 matches no submodule (the message lists the valid names), a value that is not a
@@ -43,6 +50,7 @@ import torch.nn as nn
 
 from . import Strategy, StrategyError, gathered_state, tensor_bytes
 from .fsdp import make_mesh, module_names, optimizer_state_bytes, release_group
+from .tensor_check import VerifiedPlan
 
 #: Parameter-free modules that act elementwise on the last dimension, allowed between the
 #: two linear layers of a default pair (a sharded activation passes through them unchanged).
@@ -196,12 +204,14 @@ class DefaultPlanHint:
     def step(self, ns, code, ctx):
         try:
             return super().step(ns, code, ctx)
+        except StrategyError:  # the plan's check (tensor_check.py) says it all
+            raise
         except (RuntimeError, IndexError, ValueError) as exc:
             explain_default_plan(exc, self.plan, self.tp_plan, self.replicated)
             raise
 
 
-class Tensor(DefaultPlanHint, Strategy):
+class Tensor(VerifiedPlan, DefaultPlanHint, Strategy):
     """Linear layers split across ranks (column- then row-wise); every rank sees the same batches.
 
     Attributes
@@ -227,8 +237,11 @@ class Tensor(DefaultPlanHint, Strategy):
         self.tp_plan, self.replicated = resolve_plan(module, plan, ns)
         check_plan(self.tp_plan, module, world_size, plan_label(plan))
         self.mesh = make_mesh(device.type, (world_size,))
+        self.arm(module, plan_label(plan), describe(self.tp_plan), default_pairs(module)[0] if plan.tp_plan is None
+                 else ())  # the whole model, to verify the plan on the first forward (tensor_check.py)
         parallelize_module(module, self.mesh, self.tp_plan)
         self.model = module
+        self.watch()
         self._optimizer = None
         if dist.get_rank() == 0 and plan.tp_plan is None:
             print(f"distnb: {describe(self.tp_plan, self.replicated)}", flush=True)
@@ -261,6 +274,7 @@ class Tensor(DefaultPlanHint, Strategy):
                     replicated_param_bytes=replicated, optimizer_state_bytes=optimizer_state_bytes(self._optimizer))
 
     def close(self) -> None:
+        self._disarm()
         release_group(self.mesh, None)  # the mesh outlives us in DTensor's caches: drop its group
         self.model = None
         self.mesh = None
