@@ -1,0 +1,165 @@
+"""A tensor plan is verified on the first forward: a forward that is not elementwise between a split pair
+fails the cell on every rank before any step (2 ranks; tensor and fsdp+tensor --mesh 1x2); models whose
+forward is elementwise there still train and match one process.
+
+Before the check, the models below trained to different weights with no error (the mean over the
+hidden dim was each rank's half: 0.0967 largest weight difference after 5 Adam epochs).
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distnb.errors import RankError
+from support.reference import reference
+
+BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+def classes():
+    """(Normed, Mlp), made here so that they travel to the ranks by value (a test module is not importable there)."""
+
+    class Normed(nn.Module):
+        """fc1 -> an op over the hidden dim -> fc2: the default plan pairs fc1 and fc2 by registration order."""
+
+        def __init__(self, op="mean"):
+            super().__init__()
+            self.op = op
+            self.fc1 = nn.Linear(16, 32)
+            self.fc2 = nn.Linear(32, 3)
+
+        def forward(self, x):
+            h = self.fc1(x)
+            if self.op == "mean":
+                h = h - h.mean(-1, keepdim=True)
+            elif self.op == "softmax":
+                h = torch.softmax(h, -1) * 32
+            elif self.op == "view":  # swaps the two halves of the hidden units: a view across the split dim
+                h = h.view(h.shape[0], 2, -1).flip(1).reshape(h.shape)
+            return self.fc2(torch.relu(h))
+
+    class Mlp(nn.Module):
+        """A transformer MLP block (fc1 -> GELU -> dropout -> fc2, residual, LayerNorm) called with keywords."""
+
+        def __init__(self, dropout=0.0):
+            super().__init__()
+            self.norm = nn.LayerNorm(16)
+            self.fc1 = nn.Linear(16, 64)
+            self.act = nn.GELU()
+            self.drop = nn.Dropout(dropout)
+            self.fc2 = nn.Linear(64, 16)
+            self.head = nn.Linear(16, 3)
+
+        def forward(self, *, inputs):
+            x = inputs["x"]
+            x = x + self.fc2(self.drop(self.act(self.fc1(self.norm(x)))))
+            return self.head(x)
+
+    return Normed, Mlp
+
+
+def data(n=256):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 16, generator=g)
+    return torch.utils.data.TensorDataset(x, (x[:, :4].sum(1) > 0).long() + (x[:, 4] > 1).long())
+
+
+def made(which, *args, seed=2):
+    torch.manual_seed(seed)
+    return classes()[which](*args)
+
+
+@pytest.mark.parametrize("strategy,mesh", [("tensor", None), ("fsdp+tensor", "1x2")])
+def test_a_mean_over_the_hidden_dim_fails_the_cell_and_the_next_cell_trains(dist_session, shell, strategy, mesh):
+    ns = shell.user_ns
+    name = f"tpc_mean_{strategy.replace('+', '_')}"
+    ns[name], ns["tpc_data"], ns["F"] = made(0), data(), F
+    before = {k: v.clone() for k, v in ns[name].state_dict().items()}
+    with pytest.raises(RankError) as info:
+        dist_session.train(BODY, model=name, data="tpc_data", epochs=2, batch_size=64, optimizer="adam", lr=0.01,
+                           seed=3, strategy=strategy, mesh=mesh, progress="none", quiet=True)
+    text = str(info.value)
+    assert "StrategyError: tensor plan changes what the model computes" in text
+    assert "'fc1' (column-wise) -> 'fc2' (row-wise)" in text
+    assert "elementwise over the hidden units" in text and "--tp-plan NAME" in text and "--strategy ddp" in text
+    assert "Nothing was trained" in text
+    for k, v in ns[name].state_dict().items():  # no step: the notebook's model is untouched
+        assert torch.equal(v, before[k]), k
+    # the cluster is usable: the next cell trains with another strategy and matches one process
+    ref = made(0)
+    dist_session.train(BODY, model=name, data="tpc_data", epochs=1, batch_size=32, optimizer="sgd", lr=0.1, seed=3,
+                       strategy="ddp", progress="none", quiet=True)
+    reference(ref, ns["tpc_data"], num_shards=2, batch_size=32, epochs=1, seed=3, optimizer=torch.optim.SGD, lr=0.1)
+    for p, p_ref in zip(ns[name].parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), p_ref.detach(), **TOL)
+
+
+@pytest.mark.parametrize("op", ["softmax", "view"])
+def test_other_ops_across_the_hidden_dim_fail_too(dist_session, shell, op):
+    ns = shell.user_ns
+    name = f"tpc_{op}"
+    ns[name], ns["tpc_data"], ns["F"] = made(0, op), data(), F
+    with pytest.raises(RankError, match=r"tensor plan changes what the model computes.*'fc1' \(column-wise\)"):
+        dist_session.train(BODY, model=name, data="tpc_data", epochs=1, batch_size=64, optimizer="sgd", lr=0.1,
+                           seed=3, strategy="tensor", progress="none", quiet=True)
+
+
+def test_a_tp_plan_that_changes_the_forward_is_the_same_error(dist_session, shell):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    ns = shell.user_ns
+    ns["tpc_user"], ns["tpc_data"], ns["F"] = made(0), data(), F
+    ns["tpc_user_plan"] = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+    with pytest.raises(RankError, match=r"--tp-plan tpc_user_plan changes what the model computes.*'fc2'.*"
+                                        r"fix --tp-plan tpc_user_plan"):
+        dist_session.train(BODY, model="tpc_user", data="tpc_data", epochs=1, batch_size=64, optimizer="sgd",
+                           lr=0.1, seed=3, strategy="tensor", tp_plan="tpc_user_plan", progress="none", quiet=True)
+
+
+@pytest.mark.parametrize("strategy,mesh", [("tensor", None), ("fsdp+tensor", "1x2")])
+def test_an_elementwise_block_called_with_a_dict_trains_and_matches_one_process(dist_session, shell, strategy, mesh):
+    ns = shell.user_ns
+    name = f"tpc_mlp_{strategy.replace('+', '_')}"
+    ns[name], ns["tpc_data"], ns["F"] = made(1), data(), F
+    ref = made(1)
+    body = "x, y = batch\nloss = F.cross_entropy(model(inputs={'x': x}), y)"
+    result = dist_session.train(body, model=name, data="tpc_data", epochs=2, batch_size=64, optimizer="adam",
+                                lr=0.01, seed=3, strategy=strategy, mesh=mesh, progress="none", quiet=True)
+    assert [row["steps"] for row in result.rows] == [8, 8]
+
+    class Wrapped(nn.Module):  # the reference calls model(x): the same function of x
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(inputs={"x": x})
+
+    reference(Wrapped(ref), ns["tpc_data"], num_shards=1, batch_size=64, epochs=2, seed=3,
+              optimizer=torch.optim.Adam, lr=0.01)
+    for (n, p), p_ref in zip(ns[name].named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), p_ref.detach(), **TOL, msg=lambda m: f"{n}: {m}")
+
+
+def test_dropout_and_batchnorm_are_left_alone_by_the_check(dist_session, shell):
+    """The check runs in eval mode with the RNG restored: running statistics and dropout masks are the
+    ones one process gets (dropout on the replicated output, as tests/cluster/test_datasets.py does)."""
+    ns = shell.user_ns
+
+    def make():
+        torch.manual_seed(5)
+        return nn.Sequential(nn.BatchNorm1d(16), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.Dropout(0.5),
+                             nn.Linear(16, 3))
+
+    ns["tpc_bn"], ns["tpc_data"], ns["F"] = make(), data(), F
+    ref = make()
+    dist_session.train(BODY, model="tpc_bn", data="tpc_data", epochs=1, batch_size=64, optimizer="sgd", lr=0.1,
+                       seed=3, strategy="tensor", progress="none", quiet=True)
+    reference(ref, ns["tpc_data"], num_shards=1, batch_size=64, epochs=1, seed=3, optimizer=torch.optim.SGD, lr=0.1,
+              seed_epochs=True)
+    state, ref_state = ns["tpc_bn"].state_dict(), ref.state_dict()
+    for k, v in ref_state.items():
+        torch.testing.assert_close(state[k].float(), v.float(), **TOL, msg=lambda m: f"{k}: {m}")
+    assert int(state["0.num_batches_tracked"]) == 4  # one update per training batch, none by the check
