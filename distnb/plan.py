@@ -154,7 +154,10 @@ class TrainPlan:
     loss: str | None = option(None, "name", "pipeline: notebook function loss(output, target); default: the body's "
                               "`loss`", strategy="pipeline")
     tp_plan: str | None = option(None, "name", "tensor: notebook dict {submodule: ParallelStyle}; default: Linear "
-                                 "pairs column- then row-wise", strategy=("tensor", "fsdp+tensor"))
+                                 "pairs column- then row-wise in definition order, assuming the forward between "
+                                 "them is elementwise (ReLU, GELU, dropout); either plan is verified against the "
+                                 "whole model on the first batch (a mismatch fails the cell before any step)",
+                                 strategy=("tensor", "fsdp+tensor"))
     mesh: str | None = option(None, "word", "fsdp+tensor: DPxTP, the 2-D device mesh, e.g. --mesh 2x2 on 4 ranks: "
                               "tensor parallel within groups of TP consecutive ranks, FSDP across the DP groups "
                               "(default: TP the largest divisor of world_size not above its square root)",
