@@ -163,3 +163,20 @@ def test_dropout_and_batchnorm_are_left_alone_by_the_check(dist_session, shell):
     for k, v in ref_state.items():
         torch.testing.assert_close(state[k].float(), v.float(), **TOL, msg=lambda m: f"{k}: {m}")
     assert int(state["0.num_batches_tracked"]) == 4  # one update per training batch, none by the check
+
+
+def test_a_tp_plan_that_leaves_the_output_sharded_is_trained_with_a_warning(dist_session, shell, capsys):
+    """A sharded output (a column-wise last layer) has another shape than the whole model's: not comparable."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    ns = shell.user_ns
+    torch.manual_seed(2)
+    ns["tpc_sharded"], ns["tpc_data"] = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), data()
+    ns["tpc_sharded_plan"] = {"2": ColwiseParallel()}
+    result = dist_session.train("x, y = batch\nloss = model(x).square().mean()", model="tpc_sharded", data="tpc_data",
+                                epochs=1, batch_size=64, optimizer="sgd", lr=0.1, seed=3, strategy="tensor",
+                                tp_plan="tpc_sharded_plan", progress="none", quiet=True)
+    assert [row["steps"] for row in result.rows] == [4, 4]
+    out = capsys.readouterr().out
+    assert out.count("--tp-plan tpc_sharded_plan was not verified") == 1  # rank 0 only
+    assert "output 0 has shape (64, 2) where the whole model's is (64, 4)" in out
