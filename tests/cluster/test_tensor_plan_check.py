@@ -29,6 +29,8 @@ def classes():
             self.op = op
             self.fc1 = nn.Linear(16, 32)
             self.fc2 = nn.Linear(32, 3)
+            if op == "gated":  # ReZero / adaLN-Zero: the term across the hidden dim starts at 0
+                self.g = nn.Parameter(torch.zeros(1))
 
         def forward(self, x):
             h = self.fc1(x)
@@ -36,6 +38,8 @@ def classes():
                 h = h - h.mean(-1, keepdim=True)
             elif self.op == "softmax":
                 h = torch.softmax(h, -1) * 32
+            elif self.op == "gated":  # equal at the first batch's weights, different once g has trained
+                h = h + self.g * h.mean(-1, keepdim=True)
             elif self.op == "view":  # swaps the two halves of the hidden units: a view across the split dim
                 h = h.view(h.shape[0], 2, -1).flip(1).reshape(h.shape)
             return self.fc2(torch.relu(h))
@@ -96,7 +100,7 @@ def test_a_mean_over_the_hidden_dim_fails_the_cell_and_the_next_cell_trains(dist
         torch.testing.assert_close(p.detach(), p_ref.detach(), **TOL)
 
 
-@pytest.mark.parametrize("op", ["softmax", "view"])
+@pytest.mark.parametrize("op", ["softmax", "view", "gated"])
 def test_other_ops_across_the_hidden_dim_fail_too(dist_session, shell, op):
     ns = shell.user_ns
     name = f"tpc_{op}"

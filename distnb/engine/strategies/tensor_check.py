@@ -24,8 +24,10 @@ Design
   arguments. The outputs (tensors in
   any nesting of tuples, lists and dicts; a DTensor as its full tensor) are compared, relative to
   the largest value of the whole model's output, at a tolerance for their dtype
-  (:data:`RTOL`). The hook then removes itself and drops the whole model: nothing runs per step;
-  the cost, once per strategy build, is one all-gather of the state and one forward of the whole
+  (:data:`RTOL`); then again with both models' weights moved by the same seeded noise
+  (:class:`_Perturbed`: a term across the hidden units that vanishes at the current weights,
+  a gate initialised at 0, shows there). The hook then removes itself and drops the whole
+  model: nothing runs per step; the cost, once per strategy build, is one all-gather of the state and two forwards of the whole
   model and of the split one, with the whole model's memory held during that check only.
 - The ranks agree with one ``all_reduce`` (MAX) of each rank's verdict, so every rank makes the
   same decision and none waits. If any rank's outputs differ, every rank raises
@@ -206,6 +208,20 @@ class VerifiedPlan:
                               assign=True)
         rows = [name for name, style in self.tp_plan.items() if type(style).__name__ == "RowwiseParallel"
                 and _has(self.module, name) and _has(whole, name)]
+        now = self._compare_on(whole, rows, args, kwargs)
+        with _Perturbed(whole, self.module, self.device):  # every rank runs both: the split forward is collective
+            moved = self._compare_on(whole, rows, args, kwargs)
+        if moved[0] > now[0]:  # a term that vanishes at these weights (a gate initialised at 0) shows here
+            now = (moved[0], moved[1], f"{moved[2]}, with the weights moved at random", moved[3])
+        verdict, worst, which, row_flags = now
+        del whole
+        verdict, worst, row_flags = agree(verdict, worst, row_flags, self.device)
+        bad_rows = [r for r, flag in zip(rows, row_flags) if flag]
+        self._decide(verdict, worst, which, bad_rows)
+        return None
+
+    def _compare_on(self, whole, rows, args, kwargs) -> tuple:
+        """(verdict, difference, what differs, a flag per row-wise layer) of one forward of each model."""
         seen = (_Outputs(whole, rows), _Outputs(self.module, rows))
         try:
             with _Quiet((whole, self.module), self.device):
@@ -215,12 +231,8 @@ class VerifiedPlan:
             for s in seen:
                 s.remove()
         verdict, worst, which = compare(expected, got)
-        row_flags = [int(compare(seen[0].seen.get(r, []), seen[1].seen.get(r, []))[0] == DIFFERENT) for r in rows]
-        del whole, expected, got
-        verdict, worst, row_flags = agree(verdict, worst, row_flags, self.device)
-        bad_rows = [r for r, flag in zip(rows, row_flags) if flag]
-        self._decide(verdict, worst, which, bad_rows)
-        return None
+        flags = [int(compare(seen[0].seen.get(r, []), seen[1].seen.get(r, []))[0] == DIFFERENT) for r in rows]
+        return verdict, worst, which, flags
 
     def _decide(self, verdict: int, worst: float, which: str, bad_rows: list[str]) -> None:
         import torch.distributed as dist
@@ -238,6 +250,49 @@ class VerifiedPlan:
         # the suspect layers: a default pair 'fc1' -> 'fc2' whose row-wise output differs; a --tp-plan's row layer
         suspects = [f"{partner[r]!r} (column-wise) -> {r!r} (row-wise)" if r in partner else repr(r) for r in bad_rows]
         raise StrategyError(explain(label, plan_text, verdict, worst, which, suspects, default))
+
+
+class _Perturbed:
+    """Both models' parameters moved by the same random amounts (seeded: equal on every rank), then put back.
+
+    A non-elementwise term that is zero at the current weights (``h + g * h.mean(-1)`` with ``g``
+    initialised at 0, as in ReZero or adaLN-Zero) makes the split model agree with the whole one
+    on the first batch and differ once ``g`` has trained; at moved weights it differs at once.
+    Each split parameter (a DTensor) gets its own shard of the whole tensor's noise
+    (``distribute_tensor(..., src_data_rank=None)``: cut locally, nothing sent), added as the
+    optimizer's updates are; its values are copied back afterwards, bit for bit.
+    """
+
+    SEED = 20260104
+
+    def __init__(self, whole, split, device):
+        self.whole, self.split, self.device = whole, split, device
+
+    def __enter__(self):
+        from torch.distributed.tensor import distribute_tensor
+
+        mine = dict(self.split.named_parameters())
+        gen = torch.Generator().manual_seed(self.SEED)
+        self.saved = []
+        with torch.no_grad():
+            for name, p in self.whole.named_parameters():
+                q = mine.get(name)
+                if q is None or not p.is_floating_point():
+                    continue
+                noise = torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.device, p.dtype)
+                noise.mul_(0.5 * float(p.abs().mean()) + 0.1)
+                self.saved.append((q, q.detach().clone()))
+                p.add_(noise)
+                if hasattr(q, "device_mesh"):  # a DTensor: its own shard of the same noise, added shard to shard
+                    noise = distribute_tensor(noise.to(self.device, q.dtype), q.device_mesh, q.placements,
+                                              src_data_rank=None)
+                q.add_(noise.to(q.dtype) if not hasattr(noise, "device_mesh") else noise)
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for q, kept in self.saved:
+                q.copy_(kept)
+        self.saved = []
 
 
 def skeleton(module):
