@@ -27,8 +27,9 @@ Design
   (:data:`RTOL`); then again with both models' weights moved by the same seeded noise
   (:class:`_Perturbed`: a term across the hidden units that vanishes at the current weights,
   a gate initialised at 0, shows there). The hook then removes itself and drops the whole
-  model: nothing runs per step; the cost, once per strategy build, is one all-gather of the state and two forwards of the whole
-  model and of the split one, with the whole model's memory held during that check only.
+  model: nothing runs per step; the cost, once per strategy build, is one all-gather of the
+  state and two forwards of the whole model and of the split one, with the whole model's memory
+  held during that check only.
 - The ranks agree with one ``all_reduce`` (MAX) of each rank's verdict, so every rank makes the
   same decision and none waits. If any rank's outputs differ, every rank raises
   :class:`~distnb.engine.strategies.StrategyError` from inside the body's ``model(...)`` call,
