@@ -131,6 +131,12 @@ class _Quiet:
         self.modules, self.device = modules, device
 
     def __enter__(self):
+        import logging
+
+        # a split model that cannot run logs each failed sharding propagation at ERROR (fake tensors), tens of lines
+        self.log = logging.getLogger("torch._subclasses.fake_tensor")
+        self.level = self.log.level
+        self.log.setLevel(logging.CRITICAL)
         self.flags = [(m, m.training) for module in self.modules for m in module.modules()]
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
@@ -141,6 +147,7 @@ class _Quiet:
             module.eval()
 
     def __exit__(self, *exc):
+        self.log.setLevel(self.level)
         for ctx in reversed(self.stack):
             ctx.__exit__(*exc)
         for m, flag in self.flags:
@@ -227,7 +234,12 @@ class VerifiedPlan:
         try:
             with _Quiet((whole, self.module), self.device):
                 expected = leaves(whole(*args, **kwargs))
-                got = leaves(self.module(*args, **kwargs))
+                try:
+                    got = leaves(self.module(*args, **kwargs))
+                except RuntimeError as exc:  # the split layers' shapes do not fit the forward (DTensor's propagation
+                    # fails alike on every rank, before any collective): the plan, not the body, is wrong
+                    return DIFFERENT, float("inf"), f"the split model cannot run: {str(exc).splitlines()[0][:300].rstrip('.')}", \
+                        [0] * len(rows)
         finally:
             for s in seen:
                 s.remove()
@@ -321,7 +333,9 @@ def _has(module, name: str) -> bool:
 def explain(label: str, plan_text: str, verdict: int, worst: float, which: str, pairs: list[str],
             default: bool) -> str:
     """The error's text: what differs, which layers, why, and the fix."""
-    if verdict == DIFFERENT:
+    if verdict == DIFFERENT and which.startswith("the split model cannot run"):
+        what = which
+    elif verdict == DIFFERENT:
         what = (f"the split model's output differs from the whole model's by up to {worst:.3g} (relative to its "
                 f"largest value; {which})")
     else:
