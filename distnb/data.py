@@ -76,6 +76,18 @@ def scatter(session, name: str, obj, seed: int, num_shards: int) -> list:
     return sizes
 
 
+def scatter_line(name: str, info: dict, sizes: list) -> str:
+    """What ``%dist scatter`` did, in one line: ``sizes`` are the samples per rank, ``info`` the holdings entry."""
+    n, shards = info["num_samples"], info["num_shards"]
+    if shards == 1:
+        return f"scattered {name} ({n} samples): every rank holds the whole set (num_shards=1)"
+    if shards < len(sizes):
+        per = len(sizes) // shards
+        return (f"scattered {name} ({n} samples) as {shards} shards of {', '.join(map(str, sizes[::per]))}, "
+                f"each held by {per} ranks in a row")
+    return f"scattered {name} ({n} samples) as shards of {', '.join(map(str, sizes))}"
+
+
 def reassemble(values: list, info: dict):
     """The shards pulled from the ranks (``values``, by rank) put back in the original sample order.
 

@@ -31,7 +31,7 @@ import inspect
 from . import background, calls, checkpoints, debugger, options, scaling, shrinking, training
 from .background import BackgroundRun, check_idle
 from .cluster import Cluster
-from .data import reassemble, scatter as scatter_shards
+from .data import reassemble, scatter as scatter_shards, scatter_line
 from .defaults import default_spec, user_ns
 from .display.tables import count
 from .errors import ClusterError, PlanError
@@ -186,6 +186,8 @@ class Session:
         return self.cluster.world_size
 
     def _lookup(self, name, what="name"):
+        if not isinstance(name, str):
+            raise PlanError(f"{what} must be a notebook name (a string), got {name!r}")
         try:
             return self.ns[name]
         except KeyError:
@@ -444,11 +446,9 @@ class Session:
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise PlanError(f"--seed must be a non-negative integer, got {seed!r}")
         obj = self._lookup(name, "data") if data is None else data
-        n_shards = self.world_size if num_shards is None else num_shards
-        sizes = scatter_shards(self, name, obj, seed, n_shards)
-        n = self.holdings.data[name]["num_samples"]
+        sizes = scatter_shards(self, name, obj, seed, self.world_size if num_shards is None else num_shards)
         if not quiet:
-            print(f"distnb: scattered {name} ({n} samples) as shards of {', '.join(map(str, sizes))}")
+            print(f"distnb: {scatter_line(name, self.holdings.data[name], sizes)}")
         return sizes
 
     def gather(self, name: str):

@@ -1,4 +1,4 @@
-"""The kernel's record of what the ranks hold (``training.Holdings``) that needs no cluster."""
+"""The kernel's record of what the ranks hold (``training.Holdings``, ``data.scatter_line``), no cluster needed."""
 
 import weakref
 
@@ -18,3 +18,13 @@ def test_a_step_count_belongs_to_the_object_it_was_trained_on():
     assert held.steps_of("other", old) is None
     held.replaced("net", new)  # the cell that finds the new object forgets the old one's options and steps
     assert "net" not in held.trained_steps and held.steps_of("net", old) is None
+
+
+def test_the_scatter_line_says_how_the_ranks_hold_the_shards():
+    from distnb.data import scatter_line
+
+    assert scatter_line("X", dict(num_samples=64, num_shards=2), [32, 32]) == "scattered X (64 samples) as shards of 32, 32"
+    assert scatter_line("X", dict(num_samples=64, num_shards=1), [64, 64]) == \
+        "scattered X (64 samples): every rank holds the whole set (num_shards=1)"  # it read 'shards of 64, 64'
+    assert scatter_line("X", dict(num_samples=64, num_shards=2), [32, 32, 32, 32]).endswith(
+        "as 2 shards of 32, 32, each held by 2 ranks in a row")
