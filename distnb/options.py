@@ -313,6 +313,7 @@ def _check_one(f, opt: Option, value):
             bound = (f"at least {low:g}" if high is None else f"at most {high:g}" if low is None
                      else f"between {low:g} and {high:g}")
             raise PlanError(f"{label} must be {bound}, got {value}")
+        value = value + 0.0  # -0.0 (which passes ">= 0") as 0.0: it printed "lr set to -0"
     elif kind == "flag":
         if not isinstance(value, bool):
             raise PlanError(f"{label} is a flag (True or False), got {value!r}")

@@ -133,3 +133,13 @@ def test_the_train_signature_shows_none_for_every_option_that_carries_over():
     assert "compile : bool, optional" in doc and "the model's last cell's value, 'fp32' at" in doc
     assert options.without_left_out(TrainPlan, {"strategy": None, "lr": None, "epochs": 2}) == {"lr": None,
                                                                                               "epochs": 2}
+
+
+def test_a_negative_zero_learning_rate_is_zero():
+    """lr=-0.0 passes ">= 0" and printed "lr set to -0"."""
+    import math
+
+    from distnb.plan import TrainPlan
+
+    lr = TrainPlan(model="m", data="d", lr=-0.0).lr
+    assert lr == 0.0 and math.copysign(1.0, lr) == 1.0
