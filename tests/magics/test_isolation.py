@@ -13,7 +13,7 @@ import psutil
 from jupyter_client import KernelManager
 
 from distnb import session as session_mod
-from distnb.net import free_port
+from support.ports import pinned_port
 
 LOOP = """
 import torch, torch.distributed as dist
@@ -42,23 +42,6 @@ def _alive(pid):
         return False
 
 
-def _pinned_port() -> int:
-    """A free port below Linux's ephemeral range (32768-60999), as a user would pin one: a port from
-    ``free_port()`` lies in that range, where the new cluster's own controller binds its random ports, and
-    one of them could take it before the store does (once: "Failed to recv, got 0 bytes" forming the group)."""
-    import random
-    import socket
-
-    for port in random.Random().sample(range(20000, 32000), 200):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    return free_port()
-
-
 def test_second_kernel_has_its_own_cluster_and_pinned_ports_are_checked(shell, capsys):
     first = session_mod.current()
     a_status = first.status()
@@ -80,7 +63,7 @@ def test_second_kernel_has_its_own_cluster_and_pinned_ports_are_checked(shell, c
         assert time.monotonic() - t0 < 5
         assert _execute(kc, "import distnb.session as S\nprint(S._CURRENT)")[0].strip() == "None"
         # its own cluster, on a pinned free port
-        port = _pinned_port()
+        port = pinned_port()
         _, err = _execute(kc, f"%dist start -n 2 --master-port {port}")
         assert err is None, err
         text, err = _execute(kc, "_t = get_ipython().run_line_magic('dist', 'status')\nimport json, distnb\n"

@@ -17,7 +17,7 @@ from IPython.core.error import UsageError
 
 from distnb import scaling
 from distnb.errors import BusyError, ClusterError, PlanError, RankError
-from distnb.net import free_port
+from support.ports import pinned_port
 from support.data import parity_data, parity_model
 from support.reference import reference
 from support.worlds import back_to_two_ranks
@@ -165,7 +165,7 @@ ALL_REDUCE = "import torch, torch.distributed as dist\nx = torch.ones(1)\ndist.a
 
 def test_a_world_on_a_pinned_master_port_grows_and_is_re_formed_on_it(dist_session):
     # the old world's store held the pinned port, so the new world could not form there (scale failed)
-    port = free_port()
+    port = pinned_port()  # below the ephemeral range, where clusters' random ports cannot take it first
     session = dist_session.restart(quiet=True, master_port=port)
     try:
         session.scale(3, quiet=True)
