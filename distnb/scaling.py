@@ -531,5 +531,8 @@ def _say(session, out: dict, dealt: list, batches, keep: bool) -> None:
             print(f"distnb: the global batch stays {total} ({_product(_dp(plan, n), plan)}): under --strategy "
                   f"{plan.strategy} the data-parallel size does not change with the world")
         else:
-            print(f"distnb: the global batch changes from {total} to {after} ({_product(_dp(plan, n), plan)}); "
-                  f"%dist scale {n} --keep-global-batch would have kept {total}")
+            keeps = (f"%dist scale {n} --keep-global-batch would have kept {total}"
+                     if _fit(total, _dp(plan, n), batch, accumulate) is not None else
+                     f"--keep-global-batch cannot keep {total}: it does not split evenly over {_dp(plan, n)} "
+                     "data-parallel ranks")
+            print(f"distnb: the global batch changes from {total} to {after} ({_product(_dp(plan, n), plan)}); {keeps}")

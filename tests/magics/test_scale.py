@@ -75,6 +75,8 @@ def test_ddp_2_ranks_then_3_matches_one_process_with_each_worlds_global_batches(
     assert re.search(r"rank 0 broadcast [^(]*\bsc_net\b[^(]* \((each its )?model, optimizer, lr schedule, epoch "
                      r"and sampler position\)", said), said
     assert "sc_data dealt again" in said and "global batch changes from 32 to 48" in said
+    # 32 does not split over 3: the fix is not offered (it suggested --keep-global-batch, which then refused)
+    assert "--keep-global-batch cannot keep 32: it does not split evenly over 3 data-parallel ranks" in said, said
     assert dist_session.world_size == 3 and len(dist_session.status().rows) == 3
     assert dist_session.run("world_size", all_output=True) == ["3", "3", "3"]
 

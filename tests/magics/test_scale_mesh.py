@@ -79,7 +79,7 @@ def test_fsdp_tensor_1x2_grows_to_2x2_and_matches_one_process(shell, dist_sessio
     said = capsys.readouterr().out
     assert "mt_net" in out["resharded"] and out["meshes"]["mt_net"] == "2x2", out
     assert "mt_net: --mesh 2x2 from its next cell on (the tensor-parallel size kept" in said, said
-    assert "global batch changes from 16 to 32" in said
+    assert "global batch changes from 16 to 32" in said and "%dist scale 4 --keep-global-batch would have kept 16" in said
     assert mesh_column(s, "mt_net") == [["dp=0 tp=0 of 2x2"], ["dp=0 tp=1 of 2x2"], ["dp=1 tp=0 of 2x2"],
                                         ["dp=1 tp=1 of 2x2"]]
     result = train(s, "mt_net", "mt_data", quiet=False)  # --strategy and --mesh carried, the resharded copy goes on
