@@ -337,6 +337,18 @@ if __name__ == "__main__":
 '''
 
 
+def _on_path() -> str:
+    """Where this environment's ``torchrun`` is, when the shell's PATH would not find it (a venv not activated)."""
+    import shutil
+
+    mine = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    found = shutil.which("torchrun")
+    if not os.path.exists(mine) or (found and os.path.realpath(found) == os.path.realpath(mine)):
+        return ""
+    other = "" if found is None else ", which finds another"
+    return f" (torchrun is {mine}: this environment's bin is not on PATH{other})"
+
+
 def _checkpoint_note(cell) -> str:
     """A comment line under the cell's options when it had --checkpoint-dir: the job writes to checkpoints/ instead."""
     if not cell.plan.checkpoint_dir:
@@ -516,7 +528,7 @@ def write(directory: str, force: bool = False, nodes=None, nproc_per_node=None, 
         plan = cell.plan
         print(f"distnb: exported the %%distrain cell of {cell.when} (--model {plan.model} --data {plan.data}, "
               f"{plan.strategy} on {count(cell.cluster['world_size'], 'rank')}, {count(plan.epochs, 'epoch')}) to "
-              f"{directory}: {', '.join(sorted(files))}. Run it there: {launch}, or sbatch job.sbatch")
+              f"{directory}: {', '.join(sorted(files))}. Run it there: {launch}, or sbatch job.sbatch{_on_path()}")
         print("distnb: " + ("it starts from the weights the cell started from with a fresh optimizer, as the cell "
                             "did, so it gives the cell's per-epoch losses" if cell.start["exact"] else
                             cell.start["why"]))

@@ -91,3 +91,15 @@ def test_the_job_says_where_it_saves_when_the_cell_had_a_checkpoint_dir():
     note = export._checkpoint_note(SimpleNamespace(plan=SimpleNamespace(checkpoint_dir="/tmp/cells-ckpt")))
     assert note.startswith("\n# ") and "checkpoints/ of this folder, not in the cell's --checkpoint-dir" in note
     assert export._checkpoint_note(SimpleNamespace(plan=SimpleNamespace(checkpoint_dir=None))) == ""
+
+
+def test_the_export_says_where_torchrun_is_when_path_does_not_find_it(monkeypatch):
+    """After `make demo` the venv is not activated: `torchrun ...` as printed was 'command not found'."""
+    import os
+    import sys
+
+    mine = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert export._on_path() == f" (torchrun is {mine}: this environment's bin is not on PATH)"
+    monkeypatch.setenv("PATH", os.path.dirname(sys.executable))
+    assert export._on_path() == ""
