@@ -177,6 +177,9 @@ class Watch:
     def _conclude(self, user_interrupt: bool) -> list:
         ars = self.ars
         self.folder.flush(final=True)
+        for rank, ar in enumerate(ars):  # after the last look at what the ranks published (Watch._tick, wait)
+            if ar.ready():
+                self._take_final(rank, ar)
         clean = all(ar.ready() and ar.successful() for ar in ars)
         if not clean:  # every rank answered: none died during the cell (a /proc read per rank spared)
             self.dead.update(self.cluster.dead_ranks())
@@ -189,9 +192,6 @@ class Watch:
         if user_interrupt:
             stop = Interrupted(self._interrupted_message(clean))
             # every rank stopped after the same step and returned its figures: what was trained comes back
-            for rank, ar in enumerate(ars):
-                if ar.ready():
-                    self._take_final(rank, ar)
             stop.results = [ar.get(0) for ar in ars] if clean and not failures else None
             raise stop
         if self.dead and self.session.auto_restart:
@@ -205,8 +205,6 @@ class Watch:
         if failures:
             self.session.last_error = RankError(failures, context=self.what)  # %dist debug's default rank
             raise self.session.last_error
-        for rank, ar in enumerate(ars):
-            self._take_final(rank, ar)  # a reply that came after the last look
         return [ar.get(0) for ar in ars]
 
     def _mark_failures(self, failures) -> None:
@@ -272,8 +270,6 @@ class Watch:
                     self.state.set_where(rank, data["distnb_where"])
             if intake:
                 take_progress(self.state, rank, data, self.progress, self.raw)
-            if force and ar.ready():  # every message it published is in (Watch._tick waited for its output)
-                self._take_final(rank, ar)
         self.folder.flush()
         if self.view is not None:
             self.view.refresh()
@@ -281,7 +277,7 @@ class Watch:
     def _take_final(self, rank: int, ar) -> None:
         """The final progress message that a rank's reply carries (``progress_message``, from
         :meth:`distnb.engine.report.Reporter.final_message`), taken out of its result and given to the
-        progress state after everything the rank published. A reply without one (a failure, a host's
+        progress state after everything the rank published (:meth:`_conclude`, once per rank). A reply without one (a failure, a host's
         relay) changes nothing."""
         value = ar.get(0) if ar.successful() else None
         msg = value.pop("progress_message", None) if isinstance(value, dict) else None
