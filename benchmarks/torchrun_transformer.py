@@ -53,7 +53,7 @@ SIZES = {  # d, heads, layers, context (block), text modules
 }
 BATCH_SIZE = 32
 LR = 3e-3
-STRATEGIES = ("ddp", "fsdp", "tensor", "pipeline", "dist-ddp")
+STRATEGIES = ("ddp", "fsdp", "tensor", "pipeline", "dist-ddp", "dist-fsdp")
 
 
 class Block(nn.Module):
@@ -122,7 +122,7 @@ class Trainer:
 
     def __init__(self, strategy, size, precision="fp32", compile=False, seed=0):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.strategy = "ddp" if strategy == "dist-ddp" else strategy
+        self.strategy = strategy.removeprefix("dist-")  # dist-ddp, dist-fsdp: the same loop in a %%dist cell
         X, Y, vocab = load_text(SIZES[size]["block"])
         self.n = len(X)
         self.shards = self.world if self.strategy in ("ddp", "fsdp") else 1

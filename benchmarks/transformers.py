@@ -3,8 +3,9 @@
 For each case (model size, strategy, precision, compile) it alternates, round by round:
 
 (a) distnb on 2 warm CPU engines in a real IPython ``InteractiveShell`` (``%load_ext distnb``,
-    ``%dist start -n 2``): ``%%distrain --strategy S`` cells, or for ``dist-ddp`` a hand-written
-    DDP loop in a ``%%dist`` cell (``torchrun_transformer.Trainer`` built once on the engines);
+    ``%dist start -n 2``): ``%%distrain --strategy S`` cells, or for ``dist-ddp`` (``dist-fsdp``) the
+    reference's hand-written DDP (FSDP2) loop in a ``%%dist`` cell (``torchrun_transformer.Trainer``
+    built once on the engines): the engines as processes, without distnb's loop;
     a first, untimed cell sends the model and data and builds the strategy and optimizer;
 (b) ``benchmarks/torchrun_transformer.py`` under ``torchrun --standalone --nproc-per-node 2``:
     the same model, seeds, shards, batch order, AdamW, one thread per rank and the same torch
@@ -18,7 +19,7 @@ the CPU ratio = torchrun CPU s / distnb CPU s: the work each side did, which oth
 on a shared machine disturb far less than the wall time (a rank descheduled for a second
 adds a second of wall time and no CPU time).
 Targets (issue 17): ddp >= 1.00, fsdp >= 0.95, tensor and pipeline >= 0.90, the ``%%dist``
-loop >= 0.95. A figure is *decided* when a sign test over its rounds puts it on one side of its
+loops >= 0.95. A figure is *decided* when a sign test over its rounds puts it on one side of its
 target at 5 % (at least 6 rounds; ``benchmarks/verdicts.py``), else *within noise*.
 Losses: the warm-up cell's per-epoch mean losses against the reference's warm-up epochs (both
 from the same seed-0 model and epoch 0).
@@ -29,7 +30,7 @@ a round where that exceeds ``--max-foreign`` is re-run, at most ``--retries`` ti
 Usage::
 
     .venv/bin/python benchmarks/transformers.py [--sizes small,large] [--cases ddp,fsdp,tensor,pipeline,
-        dist-ddp,ddp-bf16,ddp-compile] [--rounds 3] [--epochs 1] [--json PATH]
+        dist-ddp,dist-fsdp,ddp-bf16,ddp-compile] [--rounds 3] [--epochs 1] [--json PATH]
     .venv/bin/python benchmarks/run.py --transformers ...   # the same
 """
 
@@ -49,22 +50,22 @@ from verdicts import median_interval, verdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-TARGETS = {"ddp": 1.00, "fsdp": 0.95, "tensor": 0.90, "pipeline": 0.90, "dist-ddp": 0.95}
-CASES = ("ddp", "fsdp", "tensor", "pipeline", "dist-ddp", "ddp-bf16", "ddp-compile")
+TARGETS = {"ddp": 1.00, "fsdp": 0.95, "tensor": 0.90, "pipeline": 0.90, "dist-ddp": 0.95, "dist-fsdp": 0.95}
+CASES = ("ddp", "fsdp", "tensor", "pipeline", "dist-ddp", "dist-fsdp", "ddp-bf16", "ddp-compile")
 BODY = "x, y = batch\nloss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())"
 
 
 def parse_case(case: str) -> dict:
-    """``"ddp-bf16"`` -> strategy ddp, precision bf16, compile False (``dist-ddp`` is a strategy)."""
-    strategy, _, flag = case.partition("-") if case != "dist-ddp" else (case, "", "")
+    """``"ddp-bf16"`` -> strategy ddp, precision bf16, compile False (``dist-ddp``, ``dist-fsdp`` are strategies)."""
+    strategy, _, flag = case.partition("-") if not case.startswith("dist-") else (case, "", "")
     return dict(strategy=strategy, precision="bf16" if flag == "bf16" else "fp32", compile=flag == "compile")
 
 
-def prepare(nb, ref) -> None:
+def prepare(nb, ref, cpu_bind: str = "auto") -> None:
     """Cells run once: load distnb, 2 ranks, the model classes (the reference's source), the text windows."""
     nb.cell("%load_ext distnb")
     # a shared machine can hold a rank back for many seconds: no hang verdict or gloo timeout may end a round
-    nb.cell("%dist start -n 2 --timeout 600 --hang-after 300")
+    nb.cell(f"%dist start -n 2 --timeout 600 --hang-after 300 --cpu-bind {cpu_bind}")
     nb.cell("import torch, torch.nn as nn, torch.nn.functional as F")
     nb.cell(inspect.getsource(ref.Block))
     nb.cell(inspect.getsource(ref.CharGPT))
@@ -98,9 +99,9 @@ class DistnbSide:
     def warm(self, epochs: int) -> list:
         nb, size = self.nb, self.size
         nb.cell(f"train_{size} = data[{size!r}]", quiet=True)
-        if self.case == "dist-ddp":
+        if self.case.startswith("dist-"):
             nb.cell(f"%%dist\nimport sys\nsys.path.insert(0, {HERE!r})\nimport torchrun_transformer as ref\n"
-                    f"trainer = ref.Trainer('dist-ddp', {size!r})\n"
+                    f"trainer = ref.Trainer({self.case!r}, {size!r})\n"
                     f"warm_losses = [trainer.epoch(e)[2] for e in range({epochs})]", quiet=True)
             self.epoch = epochs
             return self.nb_pull("warm_losses")[0]
@@ -117,7 +118,7 @@ class DistnbSide:
     def run(self, epochs: int) -> dict:
         harness = self.harness
         with harness.ForeignCpu() as foreign:
-            if self.case == "dist-ddp":
+            if self.case.startswith("dist-"):
                 self.nb.cell(f"%%dist\nimport torch\nbench_out = ref.timed_run(trainer, {self.epoch}, {epochs})\n"
                              "bench_out['threads'] = torch.get_num_threads()", quiet=True)
                 out = self.nb_pull("bench_out")[0]
@@ -255,6 +256,8 @@ def main(argv=None) -> int:
                    "more than this many cores on average (default 0.1)")
     p.add_argument("--retries", type=int, default=0, help="at most this many re-run rounds per case (default 0)")
     p.add_argument("--json", default=None, help="also write every measurement to this file")
+    p.add_argument("--cpu-bind", choices=("auto", "cores", "none"), default="auto",
+                   help="distnb's %%dist start --cpu-bind (default auto, distnb's default; torchrun: unbound)")
     args = p.parse_args(argv)
     sizes = [s for s in args.sizes.split(",") if s]
     cases = [c for c in args.cases.split(",") if c]
@@ -272,7 +275,7 @@ def main(argv=None) -> int:
     nb = harness.Notebook()
     results = []
     try:
-        prepare(nb, ref)
+        prepare(nb, ref, args.cpu_bind)
         nb.cell("vocab = ref.load_text(32)[2]", quiet=True)
         for size in sizes:
             for case in cases:
