@@ -11,13 +11,15 @@ import dataclasses
 import os
 
 
-def has_checkpoint(directory: str) -> bool:
-    """Whether ``directory`` holds a complete checkpoint (imports torch.distributed.checkpoint only then)."""
-    if not os.path.isdir(directory):
-        return False
+def newest_meta(directory: str | None) -> dict | None:
+    """The metadata (``distnb.json``, with its ``path``) of the newest complete checkpoint under ``directory``
+    (a ``--checkpoint-dir``, already absolute), or None when there is none (imports torch only then)."""
+    if not directory or not os.path.isdir(directory):
+        return None
     from .engine import checkpoint
 
-    return checkpoint.latest(directory) is not None
+    newest = checkpoint.latest(directory)
+    return checkpoint.read_meta(newest) if newest is not None else None
 
 
 def first_step(plan, steps: int) -> int:
@@ -29,11 +31,8 @@ def first_step(plan, steps: int) -> int:
     it wrote ``step_2`` below a ``step_12`` (which the next resume then took, and which pruning kept
     over the one just written). A resume sets the count from the checkpoint anyway.
     """
-    if not plan.checkpoint_dir or not has_checkpoint(plan.checkpoint_dir):
-        return steps
-    from .engine import checkpoint
-
-    return max(steps, checkpoint.read_meta(os.path.abspath(os.path.expanduser(plan.checkpoint_dir)))["steps"])
+    meta = newest_meta(plan.checkpoint_dir)
+    return steps if meta is None else max(steps, meta["steps"])
 
 
 def newest_start(session, plan, model_obj=None):
@@ -45,11 +44,9 @@ def newest_start(session, plan, model_obj=None):
     at the same step the checkpoint wins, as it also holds the optimizer, the schedule and the
     sampler position. Records ``session.holdings.resume_steps`` for :func:`start_sentence`.
     """
-    if not plan.checkpoint_dir or plan.reset or not has_checkpoint(plan.checkpoint_dir):
+    meta = None if plan.reset else newest_meta(plan.checkpoint_dir)
+    if meta is None:
         return plan
-    from .engine import checkpoint
-
-    meta = checkpoint.read_meta(os.path.abspath(os.path.expanduser(plan.checkpoint_dir)))
     mine = session.holdings.steps_of(plan.model, model_obj)  # None for a new object under the name
     session.holdings.resume_steps = (mine, meta["steps"], meta["optimizer"])
     return dataclasses.replace(plan, resume=False) if mine is not None and mine > meta["steps"] else plan
@@ -65,7 +62,7 @@ def start_sentence(plan, resume_steps) -> str:
     """
     mine, saved, saved_optimizer = resume_steps
     optimizer = plan.optimizer or "sgd"
-    if plan.checkpoint_dir and not plan.reset and plan.resume and has_checkpoint(plan.checkpoint_dir):
+    if not plan.reset and plan.resume and newest_meta(plan.checkpoint_dir) is not None:
         newer = "" if mine is None else f"; the notebook's weights are at step {mine}"
         then = f"it resumes from the newest checkpoint in --checkpoint-dir (step {saved}{newer})"
         if plan.optimizer not in (None, saved_optimizer):

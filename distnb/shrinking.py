@@ -30,6 +30,7 @@ from . import calls, scaling
 from .display.tables import count
 from .errors import ClusterError, RankError, position
 from .plan import STRATEGIES
+from .resuming import newest_meta
 
 
 def train_cell(session, code, model, data, run, given):
@@ -107,14 +108,12 @@ def go_on(session, plan, dead: dict, failure: RankError, retry):
     epoch, _, steps, first = positions.get(plan.model, (None, 0, 0, 0))
     resumed, changes = None, {}
     if STRATEGIES[plan.strategy][1]:  # sharded in place: the newest checkpoint, if any
-        if not (plan.checkpoint_dir and _has_checkpoint(plan.checkpoint_dir)):
+        meta = newest_meta(plan.checkpoint_dir)
+        if meta is None:
             _cannot_go_on(failure, dead, f"--on-failure shrink: the world is now {count(n, 'rank')} and usable, but "
                           f"--strategy {plan.strategy} keeps no copy of the lost shards: give --checkpoint-dir to go "
                           "on from the newest checkpoint")
         changes = _mesh_for(session, plan, old, n, failure, dead)
-        from .engine import checkpoint
-
-        meta = checkpoint.read_meta(plan.checkpoint_dir)
         resumed, epoch = meta, meta["epoch"] + _finished(session, plan, meta)
     left = plan.epochs - ((epoch if epoch is not None else first) - first)
     lost = dict(ranks=said, where=where, world_size=(old, n), samples_reassigned=reassigned,
@@ -198,16 +197,6 @@ def rest_of(given: dict, epochs: int) -> dict:
     rest = {k: v for k, v in given.items() if k not in ("reset", "lr", "lr_schedule", "warmup_steps")}
     rest["epochs"] = epochs
     return rest
-
-
-def _has_checkpoint(directory: str) -> bool:
-    import os
-
-    if not os.path.isdir(directory):
-        return False
-    from .engine import checkpoint
-
-    return checkpoint.latest(directory) is not None
 
 
 def _lost_steps(lost: dict) -> str:
