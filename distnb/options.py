@@ -315,8 +315,7 @@ def _check_one(f, opt: Option, value):
             raise PlanError(f"{label} must be {bound}, got {value}")
         value = value + 0.0  # -0.0 (which passes ">= 0") as 0.0: it printed "lr set to -0"
     elif kind == "flag":
-        if not isinstance(value, bool):
-            raise PlanError(f"{label} is a flag (True or False), got {value!r}")
+        check_flags(**{label: value})
     elif kind == "choice":
         if value not in opt.choices:
             raise PlanError(f"{label} must be one of {', '.join(opt.choices)}, got {value!r}")

@@ -88,8 +88,8 @@ def failure_policy(auto_restart, on_failure):
 
     Raises PlanError for a value that is not one, or for both options disagreeing.
     """
-    if auto_restart is not None and not isinstance(auto_restart, bool):
-        raise PlanError(f"auto_restart must be True or False, got {auto_restart!r}")
+    if auto_restart is not None:
+        options.check_flags(auto_restart=auto_restart)
     if on_failure is not None and on_failure not in FAILURE_POLICIES:
         raise PlanError(f"--on-failure must be one of {', '.join(FAILURE_POLICIES)}, got {on_failure!r}")
     if auto_restart and on_failure not in (None, "restart"):
