@@ -391,10 +391,7 @@ class Cluster(Engines):
                     self._ipp.stop_cluster_sync()
                 except Exception:
                     pass
-                try:  # ipyparallel leaves it behind when a stop fails (an unreachable host)
-                    os.remove(self._ipp.cluster_file)
-                except OSError:
-                    pass
+                launchers.remove_cluster_files(self._ipp)
             if self.client is not None:
                 try:
                     self.client.close()

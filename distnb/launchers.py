@@ -351,6 +351,22 @@ def _restrict_security_files(profile_dir: str) -> None:
             pass
 
 
+def remove_cluster_files(cluster) -> None:
+    """After ``cluster`` (an ``ipp.Cluster``) stopped: remove the files it leaves in its profile.
+
+    Its cluster file, which ipyparallel leaves when a stop fails (an unreachable host), and the
+    controller's engine state file (``log/engines<cluster_id>.json``, written at every
+    registration for ``ipcontroller --restore``), which ipyparallel 9 never removes: one more in
+    the profile at every ``%dist start``.
+    """
+    log_dir = os.path.join(cluster.profile_dir or "", "log")
+    for path in (cluster.cluster_file, os.path.join(log_dir, f"engines{cluster.cluster_id}.json")):
+        try:
+            os.remove(path)
+        except (OSError, TypeError):
+            pass
+
+
 def engine_processes(cluster) -> dict:
     """{pid: psutil.Process} of the engines the local launchers of ``cluster`` (an ``ipp.Cluster``) started."""
     out = {}

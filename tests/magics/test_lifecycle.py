@@ -1,5 +1,6 @@
-"""Start and stop a separate real cluster: no process is left behind (the GPU/CPU defaults: tests/unit)."""
+"""Start and stop a separate real cluster: no process or file is left behind (the GPU/CPU defaults: tests/unit)."""
 
+import os
 import time
 
 import psutil
@@ -14,6 +15,9 @@ def test_stop_leaves_no_process_behind():
     cluster = Cluster(default_spec(n=2, timeout=20)).start()
     session = Session(cluster, ns={})
     pids = cluster.pids
+    ipp = cluster._ipp
+    files = [ipp.cluster_file, os.path.join(ipp.profile_dir, "log", f"engines{ipp.cluster_id}.json")]
+    assert all(os.path.exists(f) for f in files), files  # the cluster file; the controller's engine state
     procs = [psutil.Process(p) for p in pids["engines"] + [pids["controller"]]]
     assert all(p.is_running() for p in procs) and len(procs) == 3
     session.run("import torch\nx = torch.ones(1)\nimport torch.distributed as dist\ndist.all_reduce(x)")
@@ -23,6 +27,7 @@ def test_stop_leaves_no_process_behind():
         time.sleep(0.2)
     alive = [p.pid for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert alive == []
+    assert [f for f in files if os.path.exists(f)] == []  # ipyparallel leaves the engine state file behind
     assert not session.running
     with pytest.raises(Exception, match="stopped"):
         session.run("1")
