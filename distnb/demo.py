@@ -9,7 +9,9 @@ evaluates the weights that came back on the held-out split in this process.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import tempfile
 import time
 
@@ -21,7 +23,9 @@ def main(argv=None) -> float:
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--lr", type=float, default=2e-3)
     args = parser.parse_args(argv)
-    os.environ.setdefault("IPYTHONDIR", tempfile.mkdtemp(prefix="distnb-ipython-"))
+    if "IPYTHONDIR" not in os.environ:  # a profile of its own, removed at exit (after the engine template stops)
+        os.environ["IPYTHONDIR"] = tempfile.mkdtemp(prefix="distnb-ipython-")
+        atexit.register(shutil.rmtree, os.environ["IPYTHONDIR"], True)
     from distnb import zygote
 
     zygote.warm()  # as %load_ext does: the engine template imports while this process loads torch and the data

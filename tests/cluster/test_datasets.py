@@ -6,6 +6,7 @@ them, so that they travel to the ranks by value.
 
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -96,7 +97,8 @@ QUIET = dict(progress="none", quiet=True)
 def ns(shell):
     result = shell.run_cell(DEFINE)
     result.raise_error()
-    return shell.user_ns
+    yield shell.user_ns
+    shutil.rmtree(shell.user_ns["CALLS"], ignore_errors=True)
 
 
 def children(session):
