@@ -277,6 +277,13 @@ def clip_(params, max_norm: float, norm: float) -> None:
                 p.grad.mul_(coef)
 
 
+#: A step body that ran backward itself (the same on every rank: the RankError names the ranks)
+BODY_BACKWARD = ("the %%distrain body ran backward itself (`loss.backward()`): distnb runs the backward pass "
+                 "(with the gradient all-reduce), the optimizer step and zero_grad after the body, so the "
+                 "gradients would be computed twice. Remove that line and only set `loss`, or pass --loop to "
+                 "write the whole loop yourself")
+
+
 # -- the step -----------------------------------------------------------------------------
 class Stepper:
     """Runs the micro-steps and optimizer steps of one cell on this rank.
@@ -308,6 +315,8 @@ class Stepper:
         self._after = []  # hooks the body registered in this micro-step
         self._group_bad = False
         self.scale = 1.0  # the loss scale of the micro-step in progress (1 / group size)
+        self._first = False  # the micro-step in progress opens its group (its gradients were set to None)
+        self._nulled = None  # the parameters whose gradients the group's zero_grad set to None (found once)
 
     @staticmethod
     def groups_per_epoch(steps_per_epoch: int, accumulate: int) -> int:
@@ -331,11 +340,22 @@ class Stepper:
         return torch.autocast(self.device.type, dtype=self.dtype)
 
     def backward(self, loss) -> None:
-        """Back-propagate this micro-step's share of the loss (scaled for accumulation and fp16)."""
+        """Back-propagate this micro-step's share of the loss (scaled for accumulation and fp16).
+
+        A body that ran backward itself (``loss.backward()``) is an error naming the fix: torch's own
+        error says nothing of distnb, and with ``retain_graph=True`` the gradients were silently doubled.
+        """
+        if self._first and self._nulled and any(p.grad is not None for p in self._nulled):
+            raise RuntimeError(BODY_BACKWARD)
         scaled = loss * self.scale if self.scale != 1.0 else loss
         if self.scaler is not None:
             scaled = self.scaler.scale(scaled)
-        scaled.backward()
+        try:
+            scaled.backward()
+        except RuntimeError as exc:
+            if "backward through the graph a second time" in str(exc):
+                raise RuntimeError(BODY_BACKWARD) from exc
+            raise
 
     def scale_loss(self, loss):
         """The loss as :meth:`backward` would back-propagate it (for strategies that call backward themselves)."""
@@ -354,6 +374,10 @@ class Stepper:
         if first:
             self.optimizer.zero_grad(set_to_none=True)
             self._group_bad = False
+            if self._nulled is None:  # an optimizer whose zero_grad leaves tensors (zeros) is not checked
+                params = [p for g in getattr(self.optimizer, "param_groups", ()) for p in g["params"]]
+                self._nulled = [p for p in params if p.requires_grad] if all(p.grad is None for p in params) else []
+        self._first = first
         self.scale = 1.0 / size
         self._after = []
         sync = contextlib.nullcontext() if last else self.strategy.no_sync()

@@ -191,6 +191,11 @@ def test_nothing_was_lost_and_the_cluster_works(shell, trained):
     ("x, y = batch\nloss = F.cross_entropy(model(x), y).detach()", "`loss` does not require grad"),
     ("x, y = batch\nloss = model(x)", "`loss` must be a scalar tensor, got (32, 2)"),
     ("x, y = batch\nloss = None", "left no `loss`"),
+    # a body that runs backward itself: torch's 'backward through the graph a second time' said nothing of distnb,
+    # and with retain_graph=True the cell trained on doubled gradients without a word
+    ("x, y = batch\nloss = F.cross_entropy(model(x), y)\nloss.backward()", "the %%distrain body ran backward itself"),
+    ("x, y = batch\nloss = F.cross_entropy(model(x), y)\nloss.backward(retain_graph=True)",
+     "the %%distrain body ran backward itself"),
 ])
 def test_bad_loss_names_rank_and_step(shell, trained, body, needle):
     res = run(shell, f"%%distrain --model keep_net --data bad_ds --progress none\n{body}")
