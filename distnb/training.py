@@ -17,7 +17,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from . import calls, data, export, options, transfer
+from . import calls, data, export, modelcheck, options, transfer
 from .display import ProgressState, make_view, view_kind
 from .display.tables import count
 from .errors import PlanError, RankError
@@ -174,6 +174,7 @@ def make_plan(session, model_name, model_obj, data_name, given: dict, quiet=Fals
         _say_carried(model_name, kept)
     if not isinstance(model_obj, torch.nn.Module):
         raise PlanError(f"--model {model_name} is a {type(model_obj).__name__}, not a torch.nn.Module")
+    modelcheck.check_initialized(model_name, model_obj)
     if not plan.builtin_optimizer:
         if plan.optimizer not in session.ns:
             raise PlanError(f"--optimizer {plan.optimizer!r} is neither sgd, adam, adamw nor a name defined in "

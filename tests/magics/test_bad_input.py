@@ -40,6 +40,7 @@ class BadNet(nn.Module):
         return self.fc(x)
 torch.manual_seed(0)
 keep_net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+lazy_net = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 2))  # its first forward has not run
 """
 BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
 
@@ -125,6 +126,9 @@ TRAIN_LINES = [
     ("--model keep_net --data one_ds", BODY, "fewer than world_size=2"),
     ("--model keep_net --data a_word", BODY, "a_word is a str; --data takes"),
     ("--model a_word --data bad_ds", BODY, "--model a_word is a str, not a torch.nn.Module"),
+    # torch's ValueError from distnb's fingerprint, as a traceback through distnb's internals
+    ("--model lazy_net --data bad_ds", BODY, "--model lazy_net has uninitialized parameters (0.weight, 0.bias: "
+                                              "LazyLinear not yet run): run one forward pass in the notebook first"),
     ("--model keep_net", BODY, "required: --data"),
     ("--model keep_net --data bad_ds", "", "cell body is empty"),
     ("--model keep_net --data bad_ds", "x, y = batch\nloss = (", "not valid Python"),
