@@ -435,8 +435,12 @@ def ensure_data(session, plan, data_obj, quiet, num_shards, silent=False, name=N
             print(f"distnb: {data.describe_validation(name, info, num_shards, plan.batch_size)}")
 
 
-def weights_back(session, name, model_obj, best_effort=False, packed=None) -> None:
-    """Load rank 0's weights (``packed`` from its training result, else fetched) into ``model_obj``."""
+def weights_back(session, name, model_obj, best_effort=False, packed=None, replicated=False) -> None:
+    """Load rank 0's weights (``packed`` from its training result, else fetched) into ``model_obj``.
+
+    ``replicated``: every rank holds the whole model (ddp), so with another rank dead rank 0 alone gives
+    them (the last step every rank completed), which ``%dist restart`` then sends to the fresh world.
+    """
     from .transfer import fingerprint, load_state_into
 
     from .transfer import Offer
@@ -444,7 +448,11 @@ def weights_back(session, name, model_obj, best_effort=False, packed=None) -> No
     cluster = session.cluster
     try:
         with Offer(cluster, model_obj) if packed is None else contextlib.nullcontext() as outbox:
-            if packed is None:  # every rank: sharded strategies assemble the state with collectives
+            dead = cluster.dead_ranks() if packed is None and replicated else {}
+            if dead and 0 not in dead:
+                packed = cluster.wait_all([cluster.apply(0, calls.pull_state, name, outbox)],
+                                          timeout=cluster.spec.timeout, what="weights back")[0]
+            elif packed is None:  # every rank: sharded strategies assemble the state with collectives
                 ars = cluster.apply_all(calls.pull_state, name, outbox)
                 packed = cluster.wait_all(ars, timeout=cluster.spec.timeout, what="weights back")[0]
             keys, descs, sizes, flat = packed
@@ -505,7 +513,7 @@ def train_cell(session, code, model, data, run, given):
                                   "(now the notebook's), with a fresh optimizer") from None
             rows, stopped = exc.results, exc
         except (RankError, KeyboardInterrupt) as exc:
-            weights_back(session, plan.model, model_obj, best_effort=True)
+            weights_back(session, plan.model, model_obj, best_effort=True, replicated=plan.strategy == "ddp")
             if isinstance(exc, RankError) and not exc.hint:
                 exc.add_hint(dtype_hint(exc, plan, model_obj, data_obj))
             if plan.builtin_optimizer:  # a built-in optimizer was not what failed (a dead engine, the body, ...)

@@ -193,7 +193,8 @@ def pull_state(name, outbox=None):
     """
     wire.offer(outbox)
     run = RUNS[name]
-    if run.strategy is not None:
+    # a replicated model (ddp) whose group is gone (a peer died): rank 0's replica alone holds the whole state
+    if run.strategy is not None and (torch.distributed.is_initialized() or not run.strategy.replicated_grads):
         return run.strategy.full_state()
     if runtime.STATE.rank != 0:
         return None

@@ -187,3 +187,27 @@ def test_status_names_the_failure_policy(shell):
             assert "auto restart" not in table.title
     finally:
         session_mod.current().on_failure = "stop"
+
+
+def test_a_ddp_cell_whose_peer_died_leaves_the_notebook_rank_0s_last_completed_step(shell, capsys):
+    """A peer's death ends a ddp cell as any failure does: the notebook gets rank 0's weights after the last step
+    every rank completed (the README's promise for a failed ddp cell), so ``%dist restart`` and the next cell go on
+    from them. The kernel asked every rank for them, the dead one too, and kept the last cell's weights instead."""
+    import torch
+
+    assert run(shell, SETUP).error_in_exec is None
+    net = shell.user_ns["death_net"]
+    before = torch.cat([p.detach().flatten() for p in net.parameters()]).clone()
+    res = run(shell, "%%distrain --model death_net --data death_ds --epochs 50 --batch-size 8 --progress none\n"
+                     "x, y = batch\nif rank == 1 and ctx.step == 5:\n    import os, signal\n"
+                     "    os.kill(os.getpid(), signal.SIGKILL)\nloss = F.cross_entropy(model(x), y)")
+    assert isinstance(res.error_in_exec, RankError) and res.error_in_exec.ename == "EngineDied", res.error_in_exec
+    after = torch.cat([p.detach().flatten() for p in net.parameters()])
+    assert not torch.equal(before, after), "the notebook lost the steps rank 0 completed"
+    # rank 0's replica, kept by a scale to the survivor, is what the notebook holds
+    assert run(shell, "%dist scale 1").error_in_exec is None
+    assert run(shell, "%%dist\nimport torch\n_w = torch.cat([p.detach().flatten() for p in death_net.parameters()])").error_in_exec \
+        is None
+    assert torch.equal(run(shell, "%dist pull _w --rank 0").result, after)
+    assert run(shell, "%dist restart -n 2").error_in_exec is None
+    assert session_mod.current().world_size == 2
