@@ -17,6 +17,7 @@ from .errors import PlanError
 from .options import check_path
 from .execute import run_on_ranks
 from .plan import TrainPlan
+from .resuming import unwritable
 
 
 def save(session, name: str, model_obj, directory: str, quiet: bool = False) -> dict:
@@ -25,6 +26,9 @@ def save(session, name: str, model_obj, directory: str, quiet: bool = False) -> 
     if name not in session.holdings.models:
         raise PlanError(f"{name} is not on the ranks (train it with %%distrain first)")
     directory = os.path.abspath(os.path.expanduser(directory))
+    why = unwritable(directory) if all(info.get("local", True) for info in session.cluster.ranks) else ""
+    if why:  # before the ranks tear down their group over it
+        raise PlanError(f"%dist save {directory}: it cannot be written: {why}; give a folder you can create and write")
     meta = run_on_ranks(session, calls.save_checkpoint, name, directory, what=f"saving {name}")[0]
     if not quiet:
         print(f"distnb: saved {name} to {meta['path']} (epoch {meta['epoch']}, step {meta['epoch_step']} of it, "

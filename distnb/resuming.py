@@ -73,3 +73,37 @@ def start_sentence(plan, resume_steps) -> str:
         return (f"the notebook's weights (step {mine}) are newer than the newest checkpoint in --checkpoint-dir "
                 f"(step {saved}), so training goes on from them with a fresh {optimizer} optimizer")
     return f"fresh {optimizer} optimizer, epoch 0"
+
+
+def unwritable(path: str) -> str:
+    """Why the folder ``path`` cannot be created and written by this process ('' when it can).
+
+    Nothing is left behind: the nearest part of ``path`` that exists must be a folder in which a folder can be
+    made (tried, and removed; ``os.access`` says yes to root everywhere, /proc included).
+    """
+    import tempfile
+
+    probe = os.path.abspath(path)
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        return f"{probe} is a file, not a folder"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".distnb-probe-", dir=probe))
+    except OSError as exc:
+        where = "" if probe == os.path.abspath(path) else f" (to create {path} in)"
+        return f"{probe} is not writable{where}: {exc.strerror or exc}"
+    return ""
+
+
+def check_folders(plan, ranks) -> str:
+    """The first of ``--checkpoint-dir`` and ``--log-dir`` that the ranks of this host cannot write, as the error
+    naming it ('' if none): a folder that cannot be written failed only at the first save, after an epoch's
+    training. ``ranks``: the cluster's rank records; folders on other hosts are theirs, and not checked here."""
+    if not all(info.get("local", True) for info in ranks):
+        return ""
+    for flag, path in (("--checkpoint-dir", plan.checkpoint_dir), ("--log-dir", plan.log_dir)):
+        why = unwritable(path) if path else ""
+        if why:
+            return f"{flag} {path} cannot be written: {why}; give a folder you can create and write"
+    return ""

@@ -21,7 +21,7 @@ from . import calls, data, export, modelcheck, options, transfer
 from .display import ProgressState, make_view, view_kind
 from .display.tables import count
 from .errors import PlanError, RankError
-from .resuming import first_step, newest_start, start_sentence
+from .resuming import check_folders, first_step, newest_start, start_sentence
 from .execute import run_on_ranks
 from .plan import DISTRIBUTION, LR_SCHEDULES, TrainPlan, carry_over, not_carried, redistribution
 
@@ -276,6 +276,9 @@ def check_step_options(session, plan, model_obj) -> None:
     if plan.log_dir is not None and importlib.util.find_spec("tensorboard") is None:
         raise PlanError("--log-dir writes TensorBoard event files and needs the tensorboard package (pip install "
                         "tensorboard)")
+    unwritable = check_folders(plan, session.cluster.ranks)
+    if unwritable:
+        raise PlanError(unwritable)
 
 
 def body_warnings(code: str, plan) -> list:

@@ -98,6 +98,9 @@ DIST_LINES = [
     ("%dist push a_generator", "cannot send 'a_generator' (generator)"),
     ("%%dist --bogus\n1", "unrecognized arguments: --bogus"),
     ("%%dist\nx = (", "the cell is not valid Python"),
+    # a folder that cannot be made: the ranks' FileNotFoundError, after their group was torn down over it
+    ("%dist save /proc/distnb-nope --model keep_net", "%dist save /proc/distnb-nope: it cannot be written: /proc is "
+                                                      "not writable (to create /proc/distnb-nope in)"),
 ]
 
 TRAIN_LINES = [
@@ -130,6 +133,9 @@ TRAIN_LINES = [
     ("--model lazy_net --data bad_ds", BODY, "--model lazy_net has uninitialized parameters (0.weight, 0.bias: "
                                               "LazyLinear not yet run): run one forward pass in the notebook first"),
     ("--model keep_net", BODY, "required: --data"),
+    # it failed only at the first save, after an epoch's training, with the ranks' FileNotFoundError
+    ("--model keep_net --data bad_ds --checkpoint-dir /proc/distnb-nope", BODY,
+     "--checkpoint-dir /proc/distnb-nope cannot be written: /proc is not writable"),
     ("--model keep_net --data bad_ds", "", "cell body is empty"),
     ("--model keep_net --data bad_ds", "x, y = batch\nloss = (", "not valid Python"),
 ]
