@@ -325,6 +325,7 @@ def _where(run, plan, data) -> dict:
 
 def _train(ns, plan, code_text, relay):
     postmortem.drop(ns)  # the next cell releases the frames the last failure kept
+    runtime.own_names(ns)  # a body's `rank = ...` last cell: the body reads this rank's again
     st = runtime.STATE
     if st.broken:
         raise RuntimeError(f"rank {st.rank}: the process group is broken; the kernel must re-form it")

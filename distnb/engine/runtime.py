@@ -401,6 +401,47 @@ def compile_cell(code: str, kind: str):
     return compile(code, cell_filename(code, kind), "exec")
 
 
+#: What distnb binds in every rank's namespace (:func:`setup`), from :data:`STATE`
+OWN_NAMES = ("rank", "world_size", "local_rank", "node_rank", "device")
+
+
+def own_names(ns: dict) -> list:
+    """Set distnb's names of this rank (:data:`OWN_NAMES`) in ``ns`` again; those a cell had rebound or deleted
+    (``rank = 0``, ``for rank in ...``), which every later cell would have read instead of this rank's."""
+    own = {k: getattr(STATE, k) for k in OWN_NAMES}
+    changed = [k for k, v in own.items() if v is not None and (k not in ns or type(ns[k]) is not type(v)
+                                                              or ns[k] != v)]
+    ns.update({k: own[k] for k in changed})
+    return changed
+
+
+def _assigned_own(tree) -> list:
+    """The names of :data:`OWN_NAMES` that a cell's code binds or deletes in its namespace (the same on every
+    rank); the bodies of its functions, classes, lambdas and comprehensions have scopes of their own."""
+    scoped = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda, ast.ListComp, ast.SetComp,
+              ast.DictComp, ast.GeneratorExp)
+    bound, todo = set(), list(ast.iter_child_nodes(tree))
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+            bound.add(node.id)
+        elif isinstance(node, ast.alias):
+            bound.add(node.asname or node.name.split(".")[0])
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        if not isinstance(node, scoped):
+            todo.extend(ast.iter_child_nodes(node))
+    return [k for k in OWN_NAMES if k in bound]
+
+
+def _say_restored(names: list) -> None:
+    """One line on stderr (the same on every rank: shown once) when a cell rebound distnb's names."""
+    if names:
+        listed = ", ".join(f"`{k}`" for k in names)
+        print(f"distnb: this cell assigned {listed}, which distnb sets on each rank (this rank's own); set back "
+              "for the next cells: give your own values other names", file=sys.stderr)
+
+
 def run_cell(ns: dict, code: str, targets=None, unchecked=False):
     """Run a ``%%dist`` cell in the engine namespace; return repr of a final expression.
 
@@ -415,10 +456,12 @@ def run_cell(ns: dict, code: str, targets=None, unchecked=False):
     from . import postmortem
 
     postmortem.drop(ns)  # the next cell releases the frames the last failure kept
+    own_names(ns)  # a training body's `rank = ...`: this cell reads this rank's again
     if targets is not None and STATE.rank not in targets:
         return None
     filename = cell_filename(code, "dist")
     tree = ast.parse(code, filename=filename, mode="exec")
+    assigned = _assigned_own(tree)
     last = None
     if tree.body and isinstance(tree.body[-1], ast.Expr):
         last = ast.Expression(tree.body.pop().value)
@@ -445,6 +488,8 @@ def run_cell(ns: dict, code: str, targets=None, unchecked=False):
         raise
     finally:  # no flush here: ipyparallel's apply_request flushes stdout and stderr before it replies
         watchdog.stop()  # (each flush is a round trip to ipykernel's IOPub thread)
+        changed = own_names(ns)
+        _say_restored([k for k in OWN_NAMES if k in changed or k in assigned])
         CELL_NAMES.update(k for k, v in ns.items() if before.get(k) != id(v))
 
 

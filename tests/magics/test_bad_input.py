@@ -388,3 +388,20 @@ def test_python_api_arguments_of_the_wrong_type_are_named(shell, trained, tmp_pa
         call(session_mod.current())
     assert needle in str(err.value)
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_a_cell_that_assigns_rank_has_it_set_back_and_is_told(shell, trained, capsys):
+    """`rank = 0` or `for world_size in ...` in a %%dist cell rebound distnb's names on every rank for good: every
+    later cell, training bodies too (`if rank == 1: ...`), read the user's value without a word."""
+    capsys.readouterr()
+    res = run(shell, "%%dist\nrank = 0\nfor world_size in range(1):\n    pass\ndef f():\n    local_rank = 5")
+    assert res.error_in_exec is None, res.error_in_exec
+    out = capsys.readouterr()
+    said = "this cell assigned `rank`, `world_size`, which distnb sets on each rank (this rank's own); set back"
+    assert (out.out + out.err).count(said) == 1, out  # the same line on each rank: shown once; f's local not named
+    s = session_mod.current()
+    assert s.run("(rank, world_size, local_rank)") == ["(0, 2, 0)", "(1, 2, 1)"]
+    res = run(shell, "%%distrain --model keep_net --data bad_ds --epochs 1 --progress none\nx, y = batch\nrank = 7\n"
+                     "loss = F.cross_entropy(model(x), y)")
+    assert res.error_in_exec is None, res.error_in_exec
+    assert s.run("rank") == ["0", "1"]
