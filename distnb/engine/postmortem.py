@@ -369,3 +369,20 @@ def _text(out: io.StringIO) -> str:
     if len(text) > MAX_TEXT:
         text = text[:MAX_TEXT] + f"\n... ({len(text) - MAX_TEXT} more characters not shown)\n"
     return text
+
+
+def _breakpoint_skipped(*args, **kwargs) -> None:
+    """``sys.breakpointhook`` of a notebook's rank: a rank has no terminal, so pdb read EOF and went on without a
+    word; this says so, where, and the debugger that works from the notebook (the same line on every rank)."""
+    caller = sys._getframe(1)
+    name, line = caller.f_code.co_filename, caller.f_lineno
+    where = f"cell line {line}" if name.startswith(("<dist-cell-", "<distrain-cell-")) else f"{name}:{line}"
+    print(f"distnb: breakpoint() at {where} was skipped: a rank has no terminal for pdb. To look at a rank's "
+          "frames, raise an exception there (`raise RuntimeError('look')`) and run %dist debug, which opens pdb "
+          "on them from the notebook", file=sys.stderr)
+
+
+def install_breakpoint_hook() -> None:
+    """Make ``breakpoint()`` on this rank say why it cannot stop (unless ``PYTHONBREAKPOINT`` chose a hook)."""
+    if not os.environ.get("PYTHONBREAKPOINT"):
+        sys.breakpointhook = _breakpoint_skipped

@@ -235,6 +235,9 @@ def setup(ns: dict, rank: int, world_size: int, local_rank: int, backend: str, d
         if preload is not None:
             preload.RESUME.set()
     ns.update(rank=rank, world_size=world_size, local_rank=local_rank, node_rank=node_rank, device=STATE.device)
+    from . import postmortem
+
+    postmortem.install_breakpoint_hook()
     return info(seconds=time.perf_counter() - t0)
 
 

@@ -186,3 +186,15 @@ def test_a_dataset_that_raises_is_debugged_in_its_own_getitem(shell):
     assert isinstance(err, RankError), err
     out = session_mod.current().debug(commands=["p i, scale", "q"])
     assert "at its cause in your code: KeyError" in out and "(37, 74)" in out, out
+
+
+def test_breakpoint_on_a_rank_says_it_was_skipped_and_names_dist_debug(shell, capsys):
+    """A rank has no terminal: ``breakpoint()`` in a cell read EOF and went on without a word (pdb's quit). It
+    now says so once, where, and what works from the notebook; the cell still runs to its end."""
+    capsys.readouterr()
+    res = shell.run_cell("%%dist\nbreakpoint()\nafter_breakpoint = rank")
+    assert res.error_in_exec is None, res.error_in_exec
+    out = capsys.readouterr()
+    said = "distnb: breakpoint() at cell line 1 was skipped: a rank has no terminal for pdb"
+    assert (out.out + out.err).count(said) == 1 and "%dist debug" in out.out + out.err, out
+    assert session_mod.current().run("after_breakpoint") == ["0", "1"]
