@@ -183,6 +183,7 @@ class Context:
         self._save_pending = False
         self._step_times = []  # wall seconds of the first steps (--compile: the first one compiles)
         self.epoch_batches, self.epoch_done = self.steps_per_epoch, 0  # batches of this epoch, and done
+        self.epoch_samples = None  # the samples of those batches (None: a stream's, not known ahead)
         self._t_step = time.perf_counter()
 
     # what the strategies' steps and the body use --------------------------------------
@@ -213,10 +214,11 @@ class Context:
         # this epoch's batches in this cell (fewer for an epoch resumed in the middle): --accumulate groups them
         length, size = self._data.epoch_length(self.plan), self.plan.batch_size
         if length is None:  # a stream: at most --steps-per-epoch, fewer if the streams end first
-            self.epoch_batches = self.steps_per_epoch
+            self.epoch_batches, self.epoch_samples = self.steps_per_epoch, None
         else:
             left = max(0, length - skip)
             self.epoch_batches = left // size if self.plan.drop_last else -(-left // size)
+            self.epoch_samples = min(left, self.epoch_batches * size)  # what those batches hold (the last may be short)
         self.epoch_done = 0
         for self._batch_samples, batch in self._data.epoch(self.plan, self.epoch, skip, self.device):
             yield batch

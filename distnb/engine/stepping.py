@@ -4,9 +4,12 @@ A cell's batches are *micro-steps* (one forward and backward each); every ``--ac
 consecutive micro-steps of an epoch form one *optimizer step* (the last group of an epoch may
 be shorter: an epoch always ends with an optimizer step). :class:`Stepper` runs them:
 
-- **accumulation**: each micro-step's loss is scaled by ``1 / group size`` before backward, so
-  the summed gradients are the mean over the group's batches (2 ranks x batch B x N equals one
-  process on the global batch 2*B*N). On the first N-1 micro-steps the strategy skips its
+- **accumulation**: each micro-step's loss (a batch mean) is scaled by its batch's share of the
+  group's samples before backward (``1 / group size`` when the batches are full), so the summed
+  gradients are the mean over the group's samples, the epoch's short last batch weighted by what it
+  holds (2 ranks x batch B x N equals one process on the global batch 2*B*N, the epoch's last
+  one included; a stream's batch sizes are not known ahead, so there every batch counts the same).
+  On the first N-1 micro-steps the strategy skips its
   gradient reduction (``Strategy.no_sync``: DDP's ``no_sync()``, FSDP2's
   ``set_requires_gradient_sync(False)``); the last one reduces the sum.
 - **precision**: the body's forward and loss run under ``torch.autocast`` (bf16/fp16);
@@ -314,7 +317,7 @@ class Stepper:
         self.skipped_groups = 0
         self._after = []  # hooks the body registered in this micro-step
         self._group_bad = False
-        self.scale = 1.0  # the loss scale of the micro-step in progress (1 / group size)
+        self.scale = 1.0  # the loss scale of the micro-step in progress (its share of the group's samples)
         self._first = False  # the micro-step in progress opens its group (its gradients were set to None)
         self._nulled = None  # the parameters whose gradients the group's zero_grad set to None (found once)
 
@@ -328,6 +331,21 @@ class Stepper:
         start = index - index % n
         size = max(1, min(n, batches - start))
         return index == start, index == start + size - 1, size
+
+    def share(self, index: int, batches: int, samples=None) -> float:
+        """The loss scale of micro-step ``index`` of an epoch of ``batches``: its share of its group's samples.
+
+        ``samples``: what the epoch's ``batches`` hold in all (full ``--batch-size`` batches but the
+        last); None (a stream) counts every batch the same, ``1 / group size``.
+        """
+        _, _, size = self.position(index, batches)
+        full = self.plan.batch_size
+        tail = None if samples is None else samples - (batches - 1) * full  # the last batch's samples
+        if tail is None or not 0 < tail < full:
+            return 1.0 / size
+        start = index - index % self.accumulate
+        counts = [tail if j == batches - 1 else full for j in range(start, start + size)]
+        return counts[index - start] / sum(counts)
 
     def at_boundary(self, done: int, batches: int) -> bool:
         """True when ``done`` micro-steps of an epoch of ``batches`` end an optimizer step (or none ran)."""
@@ -370,7 +388,7 @@ class Stepper:
     def micro_step(self, ns, code, ctx, index: int, batches: int):
         """One forward and backward (the strategy's step) of micro-step ``index`` of ``batches``; (loss, value)."""
         collectives.PROGRESS[0] += 1  # the rank moves on: a watchdog look at the same line is a new visit
-        first, last, size = self.position(index, batches)
+        first, last, _ = self.position(index, batches)
         if first:
             self.optimizer.zero_grad(set_to_none=True)
             self._group_bad = False
@@ -378,7 +396,7 @@ class Stepper:
                 params = [p for g in getattr(self.optimizer, "param_groups", ()) for p in g["params"]]
                 self._nulled = [p for p in params if p.requires_grad] if all(p.grad is None for p in params) else []
         self._first = first
-        self.scale = 1.0 / size
+        self.scale = self.share(index, batches, getattr(ctx, "epoch_samples", None))
         self._after = []
         sync = contextlib.nullcontext() if last else self.strategy.no_sync()
         with sync:

@@ -67,6 +67,23 @@ def test_accumulation_with_a_short_last_group_steps_at_the_epoch_end(dist_sessio
     assert_params_close(shell.user_ns["acc_tail"], ref)
 
 
+@pytest.mark.parametrize("strategy,num_shards,n", [("ddp", 2, 150), ("pipeline", 1, 142)])
+def test_accumulation_weights_a_partial_last_batch_by_its_samples(dist_session, shell, strategy, num_shards, n):
+    """A group holding the epoch's partial last batch is the mean over the group's samples, as one process's batch.
+
+    ddp: 150 samples, 75 per rank: 9 batches of 8 and one of 3; pipeline: 142 on every rank, 17 of 8 and one of 6.
+    With --accumulate 2 the last group is 8 + 3 (8 + 6) samples; scaling each micro-step by 1/2 gave the short
+    batch the weight of a full one (0.003 off after an epoch).
+    """
+    name = f"acc_partial_{strategy}"
+    ref = fresh(shell, name, n=n)
+    dist_session.train(BODY, model=name, data="step_data", epochs=2, batch_size=8, accumulate=2, optimizer="sgd",
+                       lr=0.5, seed=4, strategy=strategy, progress="none", quiet=True)
+    reference(ref, shell.user_ns["step_data"], num_shards=num_shards, batch_size=8, epochs=2, seed=4,
+              optimizer=torch.optim.SGD, lr=0.5, accumulate=2)
+    assert_params_close(shell.user_ns[name], ref)
+
+
 @pytest.mark.parametrize("strategy,num_shards", [("ddp", 2), ("fsdp", 2), ("tensor", 1), ("pipeline", 1)])
 def test_clipping_uses_the_whole_models_norm(dist_session, shell, strategy, num_shards):
     name = f"clip_{strategy}"

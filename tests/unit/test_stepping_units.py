@@ -57,6 +57,20 @@ def test_stepper_groups_micro_steps_per_epoch():
     assert [st.at_boundary(n, 10) for n in (1, 4, 9, 10)] == [False, True, False, True]
 
 
+def test_stepper_weights_each_micro_step_by_its_share_of_the_group_s_samples():
+    plan = TrainPlan(model="m", data="d", accumulate=2, batch_size=8)
+
+    class Run:
+        strategy = optimizer = scaler = scheduler = None
+        optimizer_steps = 0
+
+    st = stepping.Stepper(plan, Run(), 4, torch.device("cpu"))
+    assert [st.share(i, 4, 32) for i in range(4)] == [0.5] * 4  # full batches: 1 / group size
+    assert [st.share(i, 4, 27) for i in range(4)] == [0.5, 0.5, 8 / 11, 3 / 11]  # the last batch holds 3
+    assert st.share(2, 3, 19) == 1.0  # the short batch alone in its group
+    assert [st.share(i, 4, None) for i in range(4)] == [0.5] * 4  # a stream: sizes not known ahead
+
+
 def test_plan_rules_of_the_step_options():
     with pytest.raises(PlanError, match="--restore-best needs validation"):
         TrainPlan(model="m", data="d", restore_best=True)
