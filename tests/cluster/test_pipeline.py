@@ -145,6 +145,56 @@ def test_traced_model_default_split(dist_session, shell):
     assert sorted(stages[0]) == ["net.0.bias", "net.0.weight"]
 
 
+DICT_CELL = """
+import torch, torch.nn as nn
+class PipeDict(nn.Module):
+    def __init__(self, early=False):
+        super().__init__()
+        self.early = early
+        self.a, self.b, self.head = nn.Linear(12, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        g = torch.tanh(self.b(h))
+        return {"logits": self.head(g), "hidden": h if self.early else g}
+def make_pipe_dict(seed=1, early=False):
+    torch.manual_seed(seed)
+    return PipeDict(early)
+"""
+DICT_BODY = "x, y = batch\nout = model(x)\nloss = F.cross_entropy(out['logits'], y) + 0.01 * out['hidden'].pow(2).mean()"
+
+
+def test_a_model_returning_a_dict_gets_its_dict_on_the_last_stage(dist_session, shell):
+    """A traced last stage returns the output's tensors flattened: the body gets the model's dict back.
+
+    Before, ``model(x)`` was a tuple (two tensors) or the bare tensor (a dict of one), and ``out['logits']``
+    failed with ``tuple indices must be integers`` / ``too many indices for tensor``.
+    """
+    shell.run_cell(DICT_CELL)
+    ns = shell.user_ns
+    ns["pp_dict"], ns["pp_data"], ns["pp_val"], ns["F"] = ns["make_pipe_dict"](), make_data(), parity_data(20, seed=3), F
+    ref = ns["make_pipe_dict"]()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def loss_fn(out, y):
+        return F.cross_entropy(out["logits"], y) + 0.01 * out["hidden"].pow(2).mean()
+
+    result = dist_session.train(DICT_BODY, model="pp_dict", data="pp_data", val_data="pp_val", epochs=1,
+                                batch_size=16, optimizer="sgd", lr=0.1, seed=4, strategy="pipeline", split="b",
+                                progress="none", quiet=True)
+    run = reference(ref, ns["pp_data"], num_shards=1, batch_size=16, epochs=1, seed=4, optimizer=opt, loss_fn=loss_fn)
+    torch.testing.assert_close(result.epoch_losses, run.epoch_losses, **TOL)
+    assert_params_close(ns["pp_dict"], ref)
+    with torch.no_grad():
+        x, y = ns["pp_val"].tensors
+        assert result.val_loss == pytest.approx(float(loss_fn(ns["pp_dict"](x), y)), rel=1e-5)
+    # a tensor returned from an earlier stage never reaches the last one: an error that says so
+    ns["pp_early"] = ns["make_pipe_dict"](early=True)
+    with pytest.raises(RankError, match=r"pipeline stage 1 of 2 \(rank 1\): the model returns 2 tensors \(a dict of "
+                                        r"shapes \(8, 3\), \(8, 16\) per microbatch\) but the last stage computes 1"):
+        dist_session.train(DICT_BODY, model="pp_early", data="pp_data", epochs=1, batch_size=16, strategy="pipeline",
+                           split="b", progress="none", quiet=True)
+
+
 def test_bad_options_error_before_anything_runs(dist_session, shell):
     ns = shell.user_ns
     ns["pp_bad"], ns["pp_small"], ns["pp_data"], ns["F"] = make_model(), nn.Sequential(nn.Linear(12, 3)), make_data(), F

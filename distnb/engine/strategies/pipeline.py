@@ -44,7 +44,9 @@ tensors never move between stages by hand. On the first stage, the body runs wit
 tensors whose first dimension is the batch) and stops the body there; they are fed to the
 schedule. On the last stage, the schedule's loss function runs the body once per
 microbatch with ``batch`` = that microbatch's slice of the batch and ``model(...)``
-returning the last stage's output for it, and takes its ``loss`` (or, with ``--loss
+returning the last stage's output for it (a traced model's tuple, list or dict as the
+model returns it: the stage's flattened tensors are put back into the structure of a meta
+forward's output; a tensor returned from an earlier stage is an error), and takes its ``loss`` (or, with ``--loss
 NAME``, calls ``NAME(output, target)`` with ``target`` the last element of the
 microbatch). Each microbatch loss is weighted by its share of the batch (``n_mb / n``, the
 schedule's own scaling is off), so the gradients are those of the batch's mean loss. The
@@ -172,11 +174,53 @@ def _annotate(exc: BaseException, where: str) -> None:
         exc.add_note(where)
 
 
-class _Schedule:
-    """A built stage and schedule for one batch size."""
+def _output_structure(module, mb_args):
+    """``(leaves, spec)``: the pytree of what ``module`` returns for ``mb_args`` (a meta forward), or None.
 
-    def __init__(self, stage, schedule, microbatches, submodule):
+    None when the output is one tensor (the last stage gives it as it is) or the meta forward fails.
+    A traced last stage returns the output's tensors flattened (a dict comes out as a tuple, a dict
+    of one tensor as that tensor): :func:`_restructure` puts them back into this structure.
+    """
+    from torch.utils import _pytree
+
+    try:
+        with torch.no_grad():
+            out = _meta_copy(module)(*mb_args)
+    except Exception:
+        return None
+    leaves, spec = _pytree.tree_flatten(out)
+    return None if spec.is_leaf() else (leaves, spec)
+
+
+def _restructure(output, structure, where: str):
+    """The last stage's ``output`` (a tensor or a tuple of them) as the model returns it (``structure``)."""
+    if structure is None:
+        return output
+    from torch.utils import _pytree
+
+    leaves, spec = structure
+    got = list(output) if isinstance(output, (tuple, list)) else [output]
+    slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    if len(got) != len(slots) or any(not isinstance(t, torch.Tensor) or t.shape != leaves[i].shape
+                                     for i, t in zip(slots, got)):
+        shapes = ", ".join(str(tuple(leaves[i].shape)) for i in slots)
+        kind = type(_pytree.tree_unflatten(leaves, spec)).__name__
+        raise RuntimeError(f"{where}: the model returns {len(slots)} tensors (a {kind} of shapes {shapes} per "
+                           f"microbatch) but the last stage computes {len(got)}: a tensor the "
+                           "forward returns from an earlier stage does not reach the last one; return only what the "
+                           "last stage computes, or move the split (--split)")
+    filled = list(leaves)
+    for i, t in zip(slots, got):
+        filled[i] = t
+    return _pytree.tree_unflatten(filled, spec)
+
+
+class _Schedule:
+    """A built stage and schedule for one batch size (``structure``: the model's output, see :func:`_output_structure`)."""
+
+    def __init__(self, stage, schedule, microbatches, submodule, structure=None):
         self.stage, self.schedule, self.microbatches, self.submodule = stage, schedule, microbatches, submodule
+        self.structure = structure
 
 
 class Pipeline(Strategy):
@@ -317,11 +361,13 @@ class Pipeline(Strategy):
                                       input_args=example_in.detach().requires_grad_(example_in.requires_grad),
                                       output_args=example_out.detach().requires_grad_(example_out.requires_grad))
                 submodule = self.model
+                structure = None
             else:
                 stage, submodule = self._trace(mb_args)
+                structure = _output_structure(self.module, mb_args) if self.rank == self.world_size - 1 else None
         cls = ScheduleGPipe if self.plan.schedule == "gpipe" or m < self.world_size else Schedule1F1B
         schedule = cls(stage, n_microbatches=m, loss_fn=self._loss_fn, scale_grads=False)
-        entry = self._schedules[batch_size] = _Schedule(stage, schedule, m, submodule)
+        entry = self._schedules[batch_size] = _Schedule(stage, schedule, m, submodule, structure)
         return entry
 
     def _trace(self, mb_args):
@@ -359,6 +405,7 @@ class Pipeline(Strategy):
     def _loss_fn(self, output, index):
         """The schedule's loss on the last stage: the body (or --loss) on microbatch ``index``'s samples."""
         mb = self._mb
+        output = _restructure(output, self._schedules[mb.size].structure, self.where)
         start, stop = int(index[0]), int(index[-1]) + 1
         part = _slice_batch(mb.batch, start, stop)
         ns = self.ns
