@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 
 
 class DistnbError(Exception):
@@ -110,7 +112,7 @@ class RankError(DistnbError, RuntimeError):
         self.remote_traceback = first.get("traceback", "")
         self.full_traceback = first.get("full_traceback") or self.remote_traceback
         self.ranks = [f.get("rank") for f in self.failures]
-        self.hint = ""
+        self.hint = module_hint(first)
         super().__init__(self._summary())
 
     def add_hint(self, hint: str) -> None:
@@ -166,6 +168,33 @@ class RankError(DistnbError, RuntimeError):
         if any(_FOLDED_LINE.match(line) for line in lines):
             lines.append("(torch's frames are folded: sys.last_value.full_traceback has every frame)")
         return lines
+
+
+def module_hint(failure: dict) -> str:
+    """The fix for a rank's ``ModuleNotFoundError`` of a module this process (the kernel) imported, else "".
+
+    A model or Dataset whose class lives in a module (not the notebook) travels by reference: the
+    ranks import that module. One the kernel found through a folder it put on its own ``sys.path``
+    (``sys.path.append('../src')`` in a notebook, before or after ``%dist start``) is not on the ranks'.
+
+    Parameters
+    ----------
+    failure : dict
+        A :class:`RankError` failure (``ename``, ``evalue``).
+    """
+    found = re.match(r"No module named '([\w.]+)'", str(failure.get("evalue") or ""))
+    if failure.get("ename") != "ModuleNotFoundError" or not found:
+        return ""
+    top = found.group(1).split(".")[0]
+    path = getattr(sys.modules.get(top), "__file__", None)
+    if not path:
+        return ""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.basename(path) == "__init__.py":  # a package: its parent folder is the one on sys.path
+        folder = os.path.dirname(folder)
+    return (f"The kernel imports {top} from {path}, but the ranks cannot: its folder {folder} is on the kernel's "
+            f"sys.path and not on theirs. Add it there with a %%dist cell (import sys; sys.path.insert(0, {folder!r})) "
+            "and run this again, or install it as a package both import")
 
 
 def position(failure: dict) -> str:

@@ -185,6 +185,42 @@ def test_float64_data_for_a_float32_model_names_the_fix(shell, trained, data, fi
     assert run(shell, f"%%distrain --model dt_net --data dt_data --progress none\n{BODY}").error_in_exec is None
 
 
+MODULE = """
+import torch.nn as nn
+class ModNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 2)
+    def forward(self, x):
+        return self.fc(x)
+"""
+
+
+def test_a_model_from_a_folder_only_the_kernel_has_on_its_path_names_the_fix(shell, trained, tmp_path):
+    """A model class from a module the kernel imports through its own sys.path entry travels by reference.
+
+    The ranks cannot import it; the error said only ``No module named 'distnb_user_models'``.
+    """
+    import sys
+
+    (tmp_path / "distnb_user_models.py").write_text(MODULE)
+    folder = str(tmp_path)
+    run(shell, f"import sys\nsys.path.insert(0, {folder!r})\nfrom distnb_user_models import ModNet\nmod_net = ModNet()")
+    try:
+        res = run(shell, f"%%distrain --model mod_net --data bad_ds --progress none\n{BODY}")
+        err = res.error_in_exec
+        assert isinstance(err, RankError) and "No module named 'distnb_user_models'" in str(err), err
+        fix = f"import sys; sys.path.insert(0, {folder!r})"
+        assert f"its folder {folder} is on the kernel's sys.path and not on theirs" in str(err)
+        assert fix in str(err)
+        run(shell, f"%%dist\n{fix}")  # the fix it names works
+        assert run(shell, f"%%distrain --model mod_net --data bad_ds --progress none\n{BODY}").error_in_exec is None
+    finally:
+        sys.path.remove(folder)
+        sys.modules.pop("distnb_user_models", None)
+        run(shell, f"%%dist\nimport sys\nsys.path.remove({folder!r})")
+
+
 def test_nothing_was_lost_and_the_cluster_works(shell, trained):
     # runs after the bad input above: the model on the ranks and in the kernel is untouched
     ranks = _ranks_weights("keep_net")
