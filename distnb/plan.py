@@ -190,7 +190,8 @@ class TrainPlan:
                                 "come back to the notebook stay fp32.")
     accumulate: int = option(1, "int", "micro-steps whose gradients are summed before one optimizer step (default 1)",
                              minimum=1, doc="Gradient accumulation: N consecutive micro-steps (batches) add up their "
-                                            "gradients (each loss scaled by 1/N) before one optimizer step; ddp skips "
+                                            "gradients (each loss scaled by its batch's share of the group's samples: "
+                                            "1/N for full batches) before one optimizer step; ddp skips "
                                             "the all-reduce on the first N-1 (``no_sync``), fsdp its reduce-scatter "
                                             "(``set_requires_gradient_sync``).")
     clip_grad_norm: float | None = option(None, "float", "clip the gradients' total norm (over the whole model, every "
