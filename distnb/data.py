@@ -233,7 +233,8 @@ def _check_factory(name, make) -> None:
 
 
 def _check_container(name, obj) -> None:
-    """PlanError unless ``obj`` can be a tensor container (its columns are checked when it is cut)."""
+    """PlanError unless ``obj`` can be a tensor container: a tensor/array, a TensorDataset, or a flat
+    tuple, list or dict of tensors/arrays (their lengths are checked when it is cut)."""
     import numpy as np
     import torch
 
@@ -241,6 +242,13 @@ def _check_container(name, obj) -> None:
         raise PlanError(f"--data {name} is a {type(obj).__name__}; --data takes a torch Dataset, a TensorDataset, "
                         "a tensor/array, a tuple of tensors/arrays, a list of samples such as list(zip(X, y)), or a "
                         "function make(rank, world_size)")
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (tuple, list)) else ()
+    for key, value in items:  # what columns_of takes, checked before the model is sent
+        if not isinstance(value, (torch.Tensor, np.ndarray)):
+            nested = (" (a nested container: flatten it, e.g. (x, y, w), or give a Dataset whose items nest)"
+                      if isinstance(value, (tuple, list, dict)) else "")
+            raise PlanError(f"{name}[{key!r}] is a {type(value).__name__}; --data takes tensors or numpy arrays "
+                            f"(a tensor, a tuple of them, a dict of them, or a torch Dataset){nested}")
 
 
 def _fingerprint(payload: bytes, descs, buffers, tensors) -> tuple:

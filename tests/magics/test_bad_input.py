@@ -160,12 +160,17 @@ def test_bad_training_input_is_a_usage_error(shell, trained, line, body, needle)
     assert time.monotonic() - t0 < 5
 
 
-def test_a_data_set_that_cannot_be_sent_fails_before_the_model_is_sent(shell, trained, capsys):
-    run(shell, "never_sent = nn.Linear(8, 2)")
+@pytest.mark.parametrize("data,needle", [
+    ("keep_net", "--data keep_net is a Sequential; --data takes"),  # a Module as data
+    ("nested_data", "nested_data[1] is a tuple; --data takes tensors or numpy arrays (a tensor, a tuple of them, a "
+                    "dict of them, or a torch Dataset) (a nested container: flatten it"),  # the model was sent first
+    ("dict_data", "dict_data['x'] is a list; --data takes tensors"),
+])
+def test_a_data_set_that_cannot_be_sent_fails_before_the_model_is_sent(shell, trained, capsys, data, needle):
+    run(shell, "never_sent = nn.Linear(8, 2)\nnested_data = (X, (Y, Y))\ndict_data = {'x': X.tolist(), 'y': Y}")
     capsys.readouterr()
-    res = run(shell, f"%%distrain --model never_sent --data keep_net --progress none\n{BODY}")  # a Module as data
-    assert isinstance(res.error_in_exec, UsageError) and "--data keep_net is a Sequential; --data takes" in str(
-        res.error_in_exec), res.error_in_exec
+    res = run(shell, f"%%distrain --model never_sent --data {data} --progress none\n{BODY}")
+    assert isinstance(res.error_in_exec, UsageError) and needle in str(res.error_in_exec), res.error_in_exec
     assert "sent never_sent" not in capsys.readouterr().out
     run(shell, "%%dist\nfrom distnb.engine import loop\n_held = 'never_sent' in loop.RUNS")
     assert run(shell, "%dist pull _held").result == [False, False]
