@@ -195,6 +195,44 @@ def test_a_model_returning_a_dict_gets_its_dict_on_the_last_stage(dist_session, 
                            split="b", progress="none", quiet=True)
 
 
+CONST_CELL = """
+import torch, torch.nn as nn
+class PipeConst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(12, 12), nn.Linear(12, 16), nn.Linear(16, 3)
+        self.gate = torch.linspace(0.0, 1.0, 12)  # a plain tensor attribute, as many models hold a causal mask
+        self.register_buffer("shift", torch.linspace(-1.0, 1.0, 16), persistent=False)
+    def forward(self, x):
+        h = torch.tanh(self.a(x)) * self.gate
+        return self.head(torch.tanh(self.b(h) + self.shift))
+def make_pipe_const(seed=1):
+    torch.manual_seed(seed)
+    return PipeConst()
+"""
+
+
+def test_a_traced_model_with_a_plain_tensor_attribute_and_a_non_persistent_buffer(dist_session, shell):
+    """Tensors outside the state_dict go into the traced stages too.
+
+    Before: the plain attribute stayed on the CPU in the meta copy that is traced (``could not trace PipeConst
+    ... meta and cpu``), and a non-persistent buffer was refused (``the traced stage holds 'shift', which is
+    not in the model's state_dict``).
+    """
+    shell.run_cell(CONST_CELL)
+    ns = shell.user_ns
+    ns["pp_const"], ns["pp_data"], ns["F"] = ns["make_pipe_const"](), make_data(), F
+    ref = ns["make_pipe_const"]()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    result = dist_session.train(BODY, model="pp_const", data="pp_data", epochs=1, batch_size=16, optimizer="sgd",
+                                lr=0.1, seed=4, strategy="pipeline", split="b", progress="none", quiet=True)
+    means = same_batches(ref, ns["pp_data"], 1, opt).epoch_losses
+    torch.testing.assert_close(result.epoch_losses, means, **TOL)
+    assert_params_close(ns["pp_const"], ref)
+    assert sorted(ns["pp_const"].state_dict()) == ["a.bias", "a.weight", "b.bias", "b.weight", "head.bias",
+                                                   "head.weight"]
+
+
 def test_bad_options_error_before_anything_runs(dist_session, shell):
     ns = shell.user_ns
     ns["pp_bad"], ns["pp_small"], ns["pp_data"], ns["F"] = make_model(), nn.Sequential(nn.Linear(12, 3)), make_data(), F

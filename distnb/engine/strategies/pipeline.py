@@ -31,7 +31,8 @@ A plain ``nn.Sequential`` cut at top-level children is split directly: stage ``r
 are the model's own. Any other model is traced with ``torch.distributed.pipelining.pipeline``
 (``torch.export``) with ``SplitPoint.BEGINNING`` at each split point; the trace runs on a
 ``meta`` copy (no memory, no compute) and the rank's real parameters and buffers are then
-put into its stage. Traced stages always run in training mode (dropout and batch norm as
+put into its stage (non-persistent buffers and plain tensor attributes, e.g. a causal mask,
+too: export lifts them into the stage as buffers; they are not in the weights that come back). Traced stages always run in training mode (dropout and batch norm as
 traced), and the model's forward must be traceable by ``torch.export``. The input of each
 stage has a fixed shape per microbatch size: a batch of a new size (the last, partial
 batch of an epoch) builds a new schedule once.
@@ -109,10 +110,29 @@ class _ModelStandIn:
         return getattr(self._stage_module, name)
 
 
+def _plain_tensors(module) -> dict:
+    """Name -> tensor of what a stage may hold that is not in ``module.state_dict()``.
+
+    Non-persistent buffers (``register_buffer(..., persistent=False)``) and tensors set as plain
+    attributes (``self.mask = torch.tril(...)``): ``torch.export`` lifts both into the traced stage
+    as buffers under these names.
+    """
+    found = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        prefix = f"{mod_name}." if mod_name else ""
+        for key in getattr(mod, "_non_persistent_buffers_set", ()):
+            if mod._buffers.get(key) is not None:
+                found[prefix + key] = mod._buffers[key]
+        for key, value in vars(mod).items():
+            if isinstance(value, torch.Tensor):
+                found[prefix + key] = value
+    return found
+
+
 def _meta_copy(module):
-    """A copy of ``module`` with every parameter and buffer on the ``meta`` device (no data copied)."""
+    """A copy of ``module`` with every parameter, buffer and plain tensor attribute on ``meta`` (no data copied)."""
     memo = {}
-    for t in itertools.chain(module.parameters(), module.buffers()):
+    for t in itertools.chain(module.parameters(), module.buffers(), _plain_tensors(module).values()):
         if id(t) in memo:
             continue
         meta = torch.empty_like(t, device="meta")
@@ -388,11 +408,11 @@ class Pipeline(Strategy):
                                f"{pipe.num_stages} stages, not {self.world_size}: are those modules called in forward?")
         stage = pipe.build_stage(self.rank, self.device)
         sub = stage.submod
-        real = dict(self.module.state_dict(keep_vars=True))
+        real = {**_plain_tensors(self.module), **self.module.state_dict(keep_vars=True)}
         for name, t in itertools.chain(sub.named_parameters(remove_duplicate=False),
                                        sub.named_buffers(remove_duplicate=False)):
             if name not in real:
-                raise RuntimeError(f"the traced stage holds {name!r}, which is not in the model's state_dict")
+                raise RuntimeError(f"the traced stage holds {name!r}, which is not a tensor of the model")
             if self.owners.get(name) not in (self.rank, None):
                 raise RuntimeError(f"the trace puts {name} in stage {self.rank}, but it belongs to stage "
                                    f"{self.owners[name]}: the model's forward does not call its blocks in the order "
