@@ -210,3 +210,40 @@ def test_a_tp_plan_that_leaves_the_output_sharded_is_trained_with_a_warning(dist
     out = capsys.readouterr().out
     assert out.count("--tp-plan tpc_sharded_plan was not verified") == 1  # rank 0 only
     assert "output 0 has shape (64, 2) where the whole model's is (64, 4)" in out
+
+
+DATACLASS_CELL = """
+import dataclasses, typing
+import torch, torch.nn as nn, torch.nn.functional as F
+@dataclasses.dataclass
+class TpcOutput:  # as transformers' ModelOutput is used: logits and the loss the model computed itself
+    logits: torch.Tensor
+    loss: typing.Optional[torch.Tensor] = None
+class TpcLabelled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 3)
+    def forward(self, x, labels=None):
+        logits = self.fc2(torch.relu(self.fc1(x)))
+        return TpcOutput(logits, None if labels is None else F.cross_entropy(logits, labels))
+"""
+
+
+@pytest.mark.parametrize("strategy,mesh", [("tensor", None), ("fsdp+tensor", "1x2")])
+def test_a_model_returning_a_dataclass_is_checked_on_its_tensors(dist_session, shell, strategy, mesh):
+    """The check walked tuples, lists and dicts only: a dataclass output had 'no floating-point output tensor',
+    and the default plan of an elementwise model was refused as one that 'changes what the model computes'."""
+    shell.run_cell(DATACLASS_CELL)
+    ns = shell.user_ns
+    name = f"tpc_dc_{strategy.replace('+', '_')}"
+    torch.manual_seed(4)
+    ns[name], ns["tpc_data"] = ns["TpcLabelled"](), data()
+    torch.manual_seed(4)
+    ref = ns["TpcLabelled"]()
+    body = "x, y = batch\nloss = model(x, y).loss"
+    dist_session.train(body, model=name, data="tpc_data", epochs=1, batch_size=64, optimizer="sgd", lr=0.1, seed=3,
+                       strategy=strategy, mesh=mesh, progress="none", quiet=True)
+    reference(ref, ns["tpc_data"], num_shards=1, batch_size=64, epochs=1, seed=3, optimizer=torch.optim.SGD, lr=0.1,
+              loss_fn=lambda out, y: F.cross_entropy(out.logits, y))
+    for (n, p), p_ref in zip(ns[name].named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), p_ref.detach(), **TOL, msg=lambda m: f"{n}: {m}")

@@ -85,6 +85,15 @@ def test_tensor_plan_check_compares_nested_outputs_at_a_dtype_tolerance():
     a = torch.tensor([[1.0, -2.0], [0.5, 4.0]])
     out = {"logits": a, "extra": (a * 2, torch.tensor([1, 2])), "name": "x"}
     assert [t.shape for t in leaves(out)] == [(2, 2), (2, 2), (2,)]
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Output:  # a model's own output class (transformers' ModelOutput is a dict and a dataclass)
+        logits: torch.Tensor
+        extra: tuple = ()
+        loss: object = None
+
+    assert [t.shape for t in leaves(Output(a, (a[0],)))] == [(2, 2), (2,)]
     assert compare(leaves(out), leaves(out))[0] == SAME
     assert compare([a], [a + 1e-6])[0] == SAME  # a different order of sums
     verdict, worst, which = compare([a, a], [a, a + 0.05])  # 0.05 / 4 relative: what a half-mean does

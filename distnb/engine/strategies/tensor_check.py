@@ -48,6 +48,7 @@ Design
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Mapping
 
 import torch
@@ -64,13 +65,15 @@ SAME, UNCOMPARABLE, DIFFERENT = 0, 1, 2
 
 
 def leaves(out) -> list:
-    """The tensors of a model output, in order: nested tuples, lists and dicts (``ModelOutput``) walked."""
+    """The tensors of a model output, in order: nested tuples, lists, dicts (``ModelOutput``) and dataclasses walked."""
     if isinstance(out, torch.Tensor):
         return [out.full_tensor() if hasattr(out, "full_tensor") else out]
     if isinstance(out, Mapping):
         return [t for key in out for t in leaves(out[key])]
     if isinstance(out, (list, tuple)):
         return [t for item in out for t in leaves(item)]
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):  # @dataclass class Output: logits; loss
+        return [t for f in dataclasses.fields(out) for t in leaves(getattr(out, f.name))]
     return []
 
 
