@@ -233,6 +233,36 @@ def test_a_traced_model_with_a_plain_tensor_attribute_and_a_non_persistent_buffe
                                                    "head.weight"]
 
 
+LABELLED_CELL = """
+import torch, torch.nn as nn, torch.nn.functional as F
+class PipeLabelled(nn.Module):  # computes its own loss, as models called as model(input_ids, labels) do
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(12, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+    def forward(self, x, labels):
+        logits = self.head(torch.tanh(self.b(torch.tanh(self.a(x)))))
+        return logits, F.cross_entropy(logits, labels)
+"""
+
+
+def test_an_argument_only_a_later_stage_uses_is_an_error_naming_it(dist_session, shell):
+    """torch's pipeline feeds model(...)'s arguments to the first stage only; the labels a model uses in its
+    last stage made stage 0's forward fail with 'takes 2 positional arguments but 3 were given' (and a
+    message that was only torch's 'failed to run forward: args: ...')."""
+    shell.run_cell(LABELLED_CELL)
+    ns = shell.user_ns
+    ns["pp_labelled"], ns["pp_data"], ns["F"] = ns["PipeLabelled"](), make_data(), F
+    body = "x, y = batch\nlogits, loss = model(x, y)"
+    with pytest.raises(RankError, match=r"argument 1 \(labels\) of model\(\.\.\.\) is not used by the first stage "
+                                        r"\(the layers before 'b'\).* loss = F\.cross_entropy\(model\(x\), y\)"):
+        dist_session.train(body, model="pp_labelled", data="pp_data", epochs=1, batch_size=16, strategy="pipeline",
+                           split="b", progress="none", quiet=True)
+    ns["pp_after"] = make_model()  # the next cell works
+    result = dist_session.train(BODY, model="pp_after", data="pp_data", epochs=1, batch_size=16, strategy="pipeline",
+                                progress="none", quiet=True)
+    assert result.epochs == [0]
+
+
 def test_bad_options_error_before_anything_runs(dist_session, shell):
     ns = shell.user_ns
     ns["pp_bad"], ns["pp_small"], ns["pp_data"], ns["F"] = make_model(), nn.Sequential(nn.Linear(12, 3)), make_data(), F

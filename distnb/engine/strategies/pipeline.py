@@ -71,7 +71,6 @@ during a step is prefixed with ``pipeline stage S of W (rank R)``.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import math
 import types
@@ -84,6 +83,7 @@ from torch import nn
 
 from . import Strategy, StrategyError, check_loss, tensor_bytes
 from .pipeline_split import is_plain_sequential, num_microbatches, split_points, tensor_owners
+from .pipeline_trace import check_first_stage_inputs, meta_copy, output_structure, plain_tensors, restructure
 
 
 # -- rank side -----------------------------------------------------------------------------
@@ -108,36 +108,6 @@ class _ModelStandIn:
         if name in ("_stage_module", "_fn"):  # not set yet (copy, pickle)
             raise AttributeError(name)
         return getattr(self._stage_module, name)
-
-
-def _plain_tensors(module) -> dict:
-    """Name -> tensor of what a stage may hold that is not in ``module.state_dict()``.
-
-    Non-persistent buffers (``register_buffer(..., persistent=False)``) and tensors set as plain
-    attributes (``self.mask = torch.tril(...)``): ``torch.export`` lifts both into the traced stage
-    as buffers under these names.
-    """
-    found = {}
-    for mod_name, mod in module.named_modules(remove_duplicate=False):
-        prefix = f"{mod_name}." if mod_name else ""
-        for key in getattr(mod, "_non_persistent_buffers_set", ()):
-            if mod._buffers.get(key) is not None:
-                found[prefix + key] = mod._buffers[key]
-        for key, value in vars(mod).items():
-            if isinstance(value, torch.Tensor):
-                found[prefix + key] = value
-    return found
-
-
-def _meta_copy(module):
-    """A copy of ``module`` with every parameter, buffer and plain tensor attribute on ``meta`` (no data copied)."""
-    memo = {}
-    for t in itertools.chain(module.parameters(), module.buffers(), _plain_tensors(module).values()):
-        if id(t) in memo:
-            continue
-        meta = torch.empty_like(t, device="meta")
-        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
-    return copy.deepcopy(module, memo)
 
 
 def _set_tensor(root, name, value):
@@ -194,49 +164,8 @@ def _annotate(exc: BaseException, where: str) -> None:
         exc.add_note(where)
 
 
-def _output_structure(module, mb_args):
-    """``(leaves, spec)``: the pytree of what ``module`` returns for ``mb_args`` (a meta forward), or None.
-
-    None when the output is one tensor (the last stage gives it as it is) or the meta forward fails.
-    A traced last stage returns the output's tensors flattened (a dict comes out as a tuple, a dict
-    of one tensor as that tensor): :func:`_restructure` puts them back into this structure.
-    """
-    from torch.utils import _pytree
-
-    try:
-        with torch.no_grad():
-            out = _meta_copy(module)(*mb_args)
-    except Exception:
-        return None
-    leaves, spec = _pytree.tree_flatten(out)
-    return None if spec.is_leaf() else (leaves, spec)
-
-
-def _restructure(output, structure, where: str):
-    """The last stage's ``output`` (a tensor or a tuple of them) as the model returns it (``structure``)."""
-    if structure is None:
-        return output
-    from torch.utils import _pytree
-
-    leaves, spec = structure
-    got = list(output) if isinstance(output, (tuple, list)) else [output]
-    slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    if len(got) != len(slots) or any(not isinstance(t, torch.Tensor) or t.shape != leaves[i].shape
-                                     for i, t in zip(slots, got)):
-        shapes = ", ".join(str(tuple(leaves[i].shape)) for i in slots)
-        kind = type(_pytree.tree_unflatten(leaves, spec)).__name__
-        raise RuntimeError(f"{where}: the model returns {len(slots)} tensors (a {kind} of shapes {shapes} per "
-                           f"microbatch) but the last stage computes {len(got)}: a tensor the "
-                           "forward returns from an earlier stage does not reach the last one; return only what the "
-                           "last stage computes, or move the split (--split)")
-    filled = list(leaves)
-    for i, t in zip(slots, got):
-        filled[i] = t
-    return _pytree.tree_unflatten(filled, spec)
-
-
 class _Schedule:
-    """A built stage and schedule for one batch size (``structure``: the model's output, see :func:`_output_structure`)."""
+    """A built stage and schedule for one batch size (``structure``: the model's output, see :func:`~.pipeline_trace.output_structure`)."""
 
     def __init__(self, stage, schedule, microbatches, submodule, structure=None):
         self.stage, self.schedule, self.microbatches, self.submodule = stage, schedule, microbatches, submodule
@@ -289,7 +218,7 @@ class Pipeline(Strategy):
             names = [n for n, _ in module.named_children()]
             starts = [0] + [names.index(p) for p in self.points] + [len(names)]
             self.groups = [names[starts[s]:starts[s + 1]] for s in range(self.world_size)]
-            meta = _meta_copy(module)
+            meta = meta_copy(module)
             self._meta_stages = [nn.Sequential(OrderedDict((n, meta.get_submodule(n)) for n in group))
                                  for group in self.groups]
             self.model = nn.Sequential(OrderedDict((n, module.get_submodule(n)) for n in self.groups[self.rank]))
@@ -384,7 +313,7 @@ class Pipeline(Strategy):
                 structure = None
             else:
                 stage, submodule = self._trace(mb_args)
-                structure = _output_structure(self.module, mb_args) if self.rank == self.world_size - 1 else None
+                structure = output_structure(self.module, mb_args) if self.rank == self.world_size - 1 else None
         cls = ScheduleGPipe if self.plan.schedule == "gpipe" or m < self.world_size else Schedule1F1B
         schedule = cls(stage, n_microbatches=m, loss_fn=self._loss_fn, scale_grads=False)
         entry = self._schedules[batch_size] = _Schedule(stage, schedule, m, submodule, structure)
@@ -394,7 +323,7 @@ class Pipeline(Strategy):
         """Trace a meta copy with split points; build this rank's stage and give it the real tensors."""
         from torch.distributed.pipelining import SplitPoint, pipeline
 
-        meta = _meta_copy(self.module)
+        meta = meta_copy(self.module)
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -406,9 +335,10 @@ class Pipeline(Strategy):
         if pipe.num_stages != self.world_size:
             raise RuntimeError(f"tracing {type(self.module).__name__} at {', '.join(self.points)} gave "
                                f"{pipe.num_stages} stages, not {self.world_size}: are those modules called in forward?")
+        check_first_stage_inputs(pipe.split_gm.graph, self.points[0])
         stage = pipe.build_stage(self.rank, self.device)
         sub = stage.submod
-        real = {**_plain_tensors(self.module), **self.module.state_dict(keep_vars=True)}
+        real = {**plain_tensors(self.module), **self.module.state_dict(keep_vars=True)}
         for name, t in itertools.chain(sub.named_parameters(remove_duplicate=False),
                                        sub.named_buffers(remove_duplicate=False)):
             if name not in real:
@@ -425,7 +355,7 @@ class Pipeline(Strategy):
     def _loss_fn(self, output, index):
         """The schedule's loss on the last stage: the body (or --loss) on microbatch ``index``'s samples."""
         mb = self._mb
-        output = _restructure(output, self._schedules[mb.size].structure, self.where)
+        output = restructure(output, self._schedules[mb.size].structure, self.where)
         start, stop = int(index[0]), int(index[-1]) + 1
         part = _slice_batch(mb.batch, start, stop)
         ns = self.ns
