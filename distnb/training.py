@@ -392,7 +392,7 @@ def _why_sent_again(plan, model_obj, held, fp, last, verdict):
         return None
     if verdict == "resend" and last is not None and last[0][0] != plan.strategy:
         return (f"--strategy {plan.strategy} (the last cell used {last[0][0]}): {plan.model} is sent again from the "
-                "notebook's weights and distributed anew; its optimizer state is rebuilt")
+                "notebook's weights and distributed anew; its optimizer state and epoch count start afresh")
     if held.models[plan.model] != fp:
         change = model_change(held.models[plan.model], fp, list(model_obj.state_dict().keys()))
         return (f"{plan.model} changed in the notebook since the last cell ({change}): the ranks get it again; its "
@@ -400,8 +400,8 @@ def _why_sent_again(plan, model_obj, held, fp, last, verdict):
                 "keep them)")
     if verdict == "resend":
         return (f"{plan.model} was sharded for --strategy {plan.strategy} on a process group that has been re-formed "
-                "(or with other options): it is sent again from the notebook's weights; its optimizer state is "
-                "rebuilt")
+                "(or with other options): it is sent again from the notebook's weights; its optimizer state and epoch "
+                "count start afresh")
     return None
 
 

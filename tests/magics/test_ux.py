@@ -103,7 +103,8 @@ def test_a_model_changed_in_the_notebook_or_a_strategy_switch_says_what_happens(
     assert run(shell, cell.format(" --strategy fsdp")).error_in_exec is None
     out = capsys.readouterr().out
     assert "--strategy fsdp (the last cell used ddp): bn_net is sent again from the notebook's weights and " \
-           "distributed anew; its optimizer state is rebuilt" in out
+           "distributed anew; its optimizer state and epoch count start afresh" in out  # it said "is rebuilt"
+    assert "fresh adam optimizer, epoch 0" in out  # as the next line says: nothing of the old state is kept
     assert run(shell, cell.format(" --strategy fsdp")).error_in_exec is None
     assert "sent again" not in capsys.readouterr().out  # nothing changed: the ranks keep model and optimizer
 
@@ -172,7 +173,7 @@ def test_state_carries_over_between_cells_and_settings_do_not(shell, capsys):
     assert isinstance(err, UsageError) and "carried" not in str(err) and "--epochs" in str(err)
     assert run(shell, cell.format(" --strategy ddp --find-unused-parameters")).error_in_exec is None
     out = capsys.readouterr().out
-    assert "--strategy ddp (the last cell used fsdp)" in out and "optimizer state is rebuilt" in out
+    assert "--strategy ddp (the last cell used fsdp)" in out and "optimizer state and epoch count start afresh" in out
     plan = shell.user_ns["carry_res"].plan
     assert (plan.fsdp_units, plan.optimizer, plan.find_unused_parameters) == (None, "adam", True)
     assert run(shell, cell.format("")).error_in_exec is None
