@@ -285,6 +285,10 @@ BODY_BACKWARD = ("the %%distrain body ran backward itself (`loss.backward()`): d
                  "(with the gradient all-reduce), the optimizer step and zero_grad after the body, so the "
                  "gradients would be computed twice. Remove that line and only set `loss`, or pass --loop to "
                  "write the whole loop yourself")
+#: A backward into a graph an earlier backward freed, the body's own backward ruled out (its gradients were None)
+GRAPH_FREED = ("the loss depends on a tensor kept from an earlier step (a hidden state or running value carried "
+               "between batches, as in truncated backpropagation through time), whose graph that step's backward "
+               "freed: `.detach()` it where it is carried over")
 
 
 # -- the step -----------------------------------------------------------------------------
@@ -371,9 +375,11 @@ class Stepper:
         try:
             scaled.backward()
         except RuntimeError as exc:
-            if "backward through the graph a second time" in str(exc):
-                raise RuntimeError(BODY_BACKWARD) from exc
-            raise
+            if "backward through the graph a second time" not in str(exc):
+                raise
+            if self._first and self._nulled:  # the check above found no gradients: not the body's own backward
+                raise RuntimeError(GRAPH_FREED) from exc
+            raise RuntimeError(f"{GRAPH_FREED}; or {BODY_BACKWARD}") from exc
 
     def scale_loss(self, loss):
         """The loss as :meth:`backward` would back-propagate it (for strategies that call backward themselves)."""

@@ -255,6 +255,17 @@ def test_bad_loss_names_rank_and_step(shell, trained, body, needle):
     assert "epoch" in str(err) and "step 0" in str(err)
 
 
+def test_a_graph_carried_from_an_earlier_step_is_named_not_blamed_on_the_body(shell, trained):
+    # an RNN's hidden state carried over without .detach(): torch's 'backward through the graph a second time',
+    # which is not the body running backward itself
+    res = run(shell, "%%distrain --model keep_net --data bad_ds --progress none\nx, y = batch\n"
+                     "carried = model(x).mean() + (carried if ctx.step else 0)\n"
+                     "loss = F.cross_entropy(model(x), y) + carried")
+    err = res.error_in_exec
+    assert isinstance(err, RankError) and "a tensor kept from an earlier step" in str(err), err
+    assert "`.detach()` it" in str(err) and "ran backward itself" not in str(err) and "step 1" in str(err)
+
+
 def test_nan_loss_on_one_rank_names_the_rank_and_step(shell, trained):
     run(shell, SETUP.split("torch.manual_seed(0)")[0] + "torch.manual_seed(1)\n"
                "nan_net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))")
