@@ -399,7 +399,9 @@ class Stepper:
             self.optimizer.zero_grad(set_to_none=True)
             self._group_bad = False
             if self._nulled is None:  # an optimizer whose zero_grad leaves tensors (zeros) is not checked
-                params = [p for g in getattr(self.optimizer, "param_groups", ()) for p in g["params"]]
+                # the model's own parameters, which only backward fills (a parameter server's optimizer holds
+                # server copies, which its exchange thread gives gradients at any time)
+                params = list(self.strategy.module.parameters())
                 self._nulled = [p for p in params if p.requires_grad] if all(p.grad is None for p in params) else []
         self._first = first
         self.scale = self.share(index, batches, getattr(ctx, "epoch_samples", None))
