@@ -37,7 +37,7 @@ import ipyparallel as ipp
 import psutil
 from ipyparallel.serialize import PrePickled
 
-from . import calls, cpuload, fanout, launchers, placement, slurm, tracebacks, zygote
+from . import calls, cpuload, fanout, hub, launchers, placement, slurm, tracebacks, zygote
 from .reaper import reap, spawn
 from .calls import RankFunction
 from .engines import Engines
@@ -537,6 +537,7 @@ class Cluster(Engines):
         """ClusterError unless the cluster runs and every engine of ``ranks`` (default: all) is alive and registered."""
         if self.client is None:
             raise ClusterError("the cluster is not running; start it with %dist start")
+        hub.check_controller(self)  # a dead controller: any call would wait forever
         for rank in range(self.world_size) if ranks is None else ranks:
             proc = self._procs.get(self.ranks[rank]["pid"]) if rank < len(self.ranks) else None
             if self.engine_ids[rank] not in self.client.ids or (proc is not None and proc.exit_status is not None):

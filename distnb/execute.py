@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 
-from . import calls, hangs
+from . import calls, hangs, hub
 from .errors import ClusterError, Interrupted, PlanError, RankError
 from .output import LineFolder
 
@@ -147,6 +147,7 @@ class Watch:
             self.dead.update({r: d for r, d in self.cluster.dead_ranks().items() if not ars[r].ready()})
             if self.dead and self.failed_since is None:
                 self.failed_since = time.monotonic()
+            self._check_controller()
         done = all(ar.ready() or r in self.dead for r, ar in enumerate(ars))
         if done:  # a result can arrive before the rank's last printed output
             deadline = time.monotonic() + OUTPUT_WAIT
@@ -173,6 +174,20 @@ class Watch:
         if pending:
             pending[-1].wait(POLL_SECONDS)  # the last sent is about the last to finish: one wake-up, not one per rank
         return False
+
+    def _check_controller(self) -> None:
+        """ClusterError when the controller died: no rank's result can come back (the cell would wait forever)."""
+        how = hub.controller_death(self.cluster)
+        if not how:
+            return
+        pending = [r for r, ar in enumerate(self.ars) if not ar.ready()]
+        if self.state is not None and pending:
+            self.state.set_status("interrupted", ranks=pending, error="the controller died: no result can come back")
+        self.folder.flush(final=True)
+        if self.view is not None:
+            self.view.close()
+        raise ClusterError(f"{self.what} cannot finish: {hub.controller_message(self.cluster, how)} (the ranks "
+                           "may still be running the cell: the restart ends them)")
 
     def _conclude(self, user_interrupt: bool) -> list:
         ars = self.ars

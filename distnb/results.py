@@ -239,13 +239,14 @@ def status_table(session, timeout: float, busy: bool = False) -> StatusTable:
     """
     import time
 
-    from . import calls
+    from . import calls, hub
     from .errors import ranks_named
 
     cluster = session.cluster
     dead = cluster.dead_ranks()
-    unregistered = _unregistered(cluster, dead)
-    ars = {} if busy else _ask_info(cluster, calls.info, dead, unregistered)
+    gone = hub.controller_death(cluster)  # nothing can be asked through a dead controller
+    unregistered = [] if gone else _unregistered(cluster, dead)
+    ars = {} if busy or gone else _ask_info(cluster, calls.info, dead, unregistered)
     deadline = time.monotonic() + timeout
     rows = []
     for rank in range(cluster.world_size):
@@ -258,7 +259,7 @@ def status_table(session, timeout: float, busy: bool = False) -> StatusTable:
                 base.update(ars[rank].get(0), alive=True)
             except Exception:
                 pass
-        if busy:
+        if busy or gone:
             base.update(alive=rank not in dead)
         base.update(died=dead.get(rank), threads=base.get("num_threads"))
         rows.append(base)
@@ -281,6 +282,8 @@ def status_table(session, timeout: float, busy: bool = False) -> StatusTable:
                         "asked, alive is whether each engine process runs")
     table.title += _dead_note(cluster, dead, fix=not busy)  # busy: %dist wait or stop-training comes first
     table.title += _unregistered_note(cluster, unregistered, dead, fix=not busy)
+    if gone:
+        table.title += f" · {hub.controller_message(cluster, gone)} (alive is whether each engine process runs)"
     silent = [rank for rank, row in enumerate(rows) if not row["alive"] and rank not in dead and not busy]
     if silent:
         table.title += (f" · {ranks_named(silent)} did not answer within {timeout:g} s (the engine process "

@@ -211,3 +211,30 @@ def test_a_ddp_cell_whose_peer_died_leaves_the_notebook_rank_0s_last_completed_s
     assert torch.equal(run(shell, "%dist pull _w --rank 0").result, after)
     assert run(shell, "%dist restart -n 2").error_in_exec is None
     assert session_mod.current().world_size == 2
+
+
+def test_a_dead_controller_is_named_with_the_fix_at_once_not_a_hang(shell, capsys):
+    """Every call and result goes through the ipyparallel controller. Killed (its pid is in %dist status), a running
+    %%dist cell waited forever, and after the interrupt 50 s more to re-form the group; the next cells hung too, and
+    %dist status said the ranks were 'busy, or still loading'. Now each names the controller's death and the fix."""
+    import threading
+
+    cluster = session_mod.current().cluster
+    pid = cluster.pids["controller"]
+    old_pids = [r["pid"] for r in cluster.ranks]
+    killer = threading.Timer(1.0, psutil.Process(pid).kill)
+    killer.start()
+    t0 = time.monotonic()
+    res = run(shell, "%%dist\nimport time\ntime.sleep(60)")
+    killer.join()
+    said = f"the ipyparallel controller (pid {pid}) died: killed by SIGKILL"
+    assert isinstance(res.error_in_exec, ClusterError) and said in str(res.error_in_exec), res.error_in_exec
+    assert "%dist restart" in str(res.error_in_exec) and time.monotonic() - t0 < 10
+    t0 = time.monotonic()
+    nxt = run(shell, "%%dist\n1")
+    assert isinstance(nxt.error_in_exec, ClusterError) and said in str(nxt.error_in_exec), nxt.error_in_exec
+    table = run(shell, "%dist status").result
+    assert said in table.title and "did not answer" not in table.title, table.title
+    assert [r["alive"] for r in table] == [True, True]  # the engines run; the controller is what is gone
+    assert time.monotonic() - t0 < 5
+    _restart_and_check(shell, old_pids, capsys)
