@@ -311,10 +311,11 @@ def prepare(session, plan, code, model_obj, data_obj, quiet) -> tuple:
     if not plan.data_on_ranks:
         data.path_of(plan, data_obj)  # a --data that cannot be sent fails here, before the model is sent
     autopush(session, code, exclude=(model_obj, data_obj, val_obj))
+    if val_obj is not None:  # the same scatter as the training set (seeded, disjoint, covering shards); one that
+        # cannot be cut into tensors fails here, before the model is sent
+        ensure_data(session, plan, val_obj, quiet, num_shards, silent=quiet, name=plan.val_data)
     sent = ensure_model(session, plan, model_obj, quiet)
     ensure_data(session, plan, data_obj, quiet or not sent, num_shards, silent=quiet)
-    if val_obj is not None:  # the same scatter as the training set: seeded, disjoint, covering shards
-        ensure_data(session, plan, val_obj, quiet, num_shards, silent=quiet, name=plan.val_data)
     return num_shards, data.steps_of(plan, session.holdings.data[plan.data], num_shards), sent
 
 
@@ -423,7 +424,12 @@ def ensure_data(session, plan, data_obj, quiet, num_shards, silent=False, name=N
         return
     if info is None or "structure" not in info or info["fingerprint"] != fingerprint(data_obj) or \
             info["seed"] != plan.seed or info["num_shards"] != num_shards:
-        data.scatter(session, name, data_obj, plan.seed, num_shards)
+        try:
+            data.scatter(session, name, data_obj, plan.seed, num_shards)
+        except PlanError as exc:
+            if name == plan.data:
+                raise
+            raise PlanError(f"--val-data {name}: {exc}") from None
         info = session.holdings.data[name]
         quiet = False
     layout = (plan.batch_size, plan.drop_last)

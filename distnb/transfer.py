@@ -82,19 +82,7 @@ def columns_of(data, name="data"):
         structure = ("dict", tuple(data))
         columns = [as_tensor(v, f"{name}[{k!r}]") for k, v in data.items()]
     elif (isinstance(data, Dataset) and hasattr(data, "__len__")) or is_sample_list(data):
-        n = len(data)
-        if n == 0:
-            raise PlanError(f"{name} is empty (len 0)")
-        from torch.utils.data import default_collate
-
-        try:
-            collated = default_collate([data[i] for i in range(n)])
-        except Exception as exc:
-            raise PlanError(f"cannot collate the items of {name} into tensors ({exc}); "
-                            "give tensors or a Dataset whose items are tensors/numbers") from exc
-        structure, columns, num_samples = columns_of(collated, name)
-        return structure + (("TensorDataset",) if structure[0] == "tuple" and not is_sample_list(data) else ()), \
-            columns, num_samples
+        return _dataset_columns(data, name)
     else:
         raise PlanError(f"{name} is a {type(data).__name__}; --data takes a torch Dataset, a TensorDataset, "
                         "a tensor/array, or a tuple of tensors/arrays")
@@ -110,6 +98,28 @@ def columns_of(data, name="data"):
     if num_samples == 0:
         raise PlanError(f"{name} is empty (0 samples)")
     return structure, columns, num_samples
+
+
+def _dataset_columns(data, name):
+    """:func:`columns_of` of a map-style Dataset or list of samples: its items collated with ``default_collate``."""
+    from torch.utils.data import default_collate
+
+    n = len(data)
+    if n == 0:
+        raise PlanError(f"{name} is empty (len 0)")
+    try:
+        collated = default_collate([data[i] for i in range(n)])
+    except Exception as exc:
+        raise PlanError(f"cannot collate the items of {name} into tensors ({exc}); "
+                        "give tensors or a Dataset whose items are tensors/numbers") from exc
+    try:
+        structure, columns, num_samples = columns_of(collated, name)
+    except PlanError as exc:  # a field that collates to no tensor (a list of strings, of None)
+        raise PlanError(f"{name}'s items collate with torch's default_collate to what is not all tensors: "
+                        f"{str(exc).split(';')[0]}; a Dataset taken as tensors (a --val-data set, %dist scatter) "
+                        "needs items of tensors and numbers only: leave the other fields out of its items") from None
+    return structure + (("TensorDataset",) if structure[0] == "tuple" and not is_sample_list(data) else ()), \
+        columns, num_samples
 
 
 _MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules", "training"})

@@ -176,6 +176,28 @@ def test_a_data_set_that_cannot_be_sent_fails_before_the_model_is_sent(shell, tr
     assert run(shell, "%dist pull _held").result == [False, False]
 
 
+def test_a_validation_set_that_cannot_be_tensors_fails_before_anything_is_sent(shell, trained, capsys):
+    """A --val-data Dataset is collated into tensors in the kernel; an item field of strings failed after the
+    model and the training set were sent, as "vds['name'] is a list; --data takes tensors ... or a torch Dataset"
+    (vds being one)."""
+    run(shell, "class NamedItems(torch.utils.data.Dataset):\n"
+               "    def __len__(self): return 16\n"
+               "    def __getitem__(self, i): return {'x': X[i], 'y': Y[i], 'name': f'item{i}'}\n"
+               "named_val = NamedItems()\nnever_sent_v = nn.Linear(8, 2)")
+    capsys.readouterr()
+    res = run(shell, "%%distrain --model never_sent_v --data bad_ds --val-data named_val --progress none\n"
+                     "x, y = (batch['x'], batch['y']) if isinstance(batch, dict) else batch\n"
+                     "loss = F.cross_entropy(model(x), y)")
+    err = res.error_in_exec
+    assert isinstance(err, UsageError), err
+    assert str(err).startswith("--val-data named_val: named_val's items collate with torch's default_collate to what "
+                               "is not all tensors: named_val['name'] is a list;"), str(err)
+    assert "leave the other fields out of its items" in str(err)
+    assert "sent never_sent_v" not in capsys.readouterr().out
+    run(shell, "%%dist\nfrom distnb.engine import loop\n_held = 'never_sent_v' in loop.RUNS")
+    assert run(shell, "%dist pull _held").result == [False, False]
+
+
 @pytest.mark.parametrize("data, fix", [("(X.double().numpy(), Y.numpy())", "X.astype(np.float32)"),
                                        ("(X.double(), Y)", "X.float()"),
                                        ("torch.utils.data.TensorDataset(X.double(), Y)", "X.float()")])
