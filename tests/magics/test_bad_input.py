@@ -248,6 +248,24 @@ def test_a_model_from_a_folder_only_the_kernel_has_on_its_path_names_the_fix(she
         run(shell, f"%%dist\nimport sys\nsys.path.remove({folder!r})")
 
 
+def test_a_dataset_of_float64_arrays_for_a_float32_model_names_the_fix(shell, trained):
+    """The hint named tensor containers only: a Dataset whose __getitem__ returns numpy's float64 got torch's
+    'mat1 and mat2 must have the same dtype' alone."""
+    run(shell, "import numpy as np\n"
+               "class Float64Items(torch.utils.data.Dataset):\n"
+               "    def __len__(self): return 32\n"
+               "    def __getitem__(self, i): return X[i].double().numpy(), int(Y[i])\n"
+               "f64_items = Float64Items()\ntorch.manual_seed(0)\nf64_net = nn.Sequential(nn.Linear(8, 2))")
+    res = run(shell, f"%%distrain --model f64_net --data f64_items --progress none\n{BODY}")
+    err = res.error_in_exec
+    assert isinstance(err, RankError) and "same dtype" in str(err), err
+    assert "--data f64_items's samples are (float64[8], int), float64 (numpy's default for floats), and f64_net's " \
+           "parameters are float32: return float32 from __getitem__ (x.astype(np.float32)" in str(err), str(err)
+    assert "x = x.float()" in str(err)
+    assert run(shell, f"%%distrain --model f64_net --data f64_items --progress none\n"  # the fix it names works
+                      "x, y = batch\nloss = F.cross_entropy(model(x.float()), y)").error_in_exec is None
+
+
 def test_nothing_was_lost_and_the_cluster_works(shell, trained):
     # runs after the bad input above: the model on the ranks and in the kernel is untouched
     ranks = _ranks_weights("keep_net")
