@@ -247,3 +247,42 @@ def test_a_model_returning_a_dataclass_is_checked_on_its_tensors(dist_session, s
               loss_fn=lambda out, y: F.cross_entropy(out.logits, y))
     for (n, p), p_ref in zip(ns[name].named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.detach(), p_ref.detach(), **TOL, msg=lambda m: f"{n}: {m}")
+
+
+TIED_CELL = """
+import torch, torch.nn as nn, torch.nn.functional as F
+class TpcTied(nn.Module):  # a language model whose output layer is its embedding (out.weight = emb.weight)
+    def __init__(self):
+        super().__init__()
+        self.emb, self.up, self.down = nn.Embedding(20, 8), nn.Linear(8, 16), nn.Linear(16, 8)
+        self.out = nn.Linear(8, 20, bias=False)
+        self.out.weight = self.emb.weight
+    def forward(self, tok):
+        h = self.emb(tok)
+        return self.out(h + self.down(torch.relu(self.up(h))))
+"""
+
+
+@pytest.mark.parametrize("mesh", ["2x1", "1x2"])
+def test_tied_weights_under_fsdp_tensor_pass_the_check_and_match_one_process(dist_session, shell, mesh):
+    """The check's whole copy got the tied weight twice (FSDP's full state holds each name apart); moving the
+    weights at random moved one copy only, and a correct plan was refused ('differs ... by up to 0.418, with
+    the weights moved at random'; --mesh 2x1, where FSDP shards the tied weight; 1x2 passed)."""
+    shell.run_cell(TIED_CELL)
+    ns = shell.user_ns
+    g = torch.Generator().manual_seed(5)
+    tok = torch.randint(0, 20, (64, 6), generator=g)
+    ns["tpc_tok"] = torch.utils.data.TensorDataset(tok, torch.randint(0, 20, (64, 6), generator=g))
+    name = f"tpc_tied_{mesh.replace('x', '_')}"
+    torch.manual_seed(6)
+    ns[name] = ns["TpcTied"]()
+    torch.manual_seed(6)
+    ref = ns["TpcTied"]()
+    body = "x, y = batch\nloss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())"
+    dist_session.train(body, model=name, data="tpc_tok", epochs=1, batch_size=8, optimizer="sgd", lr=0.5, seed=3,
+                       strategy="fsdp+tensor", mesh=mesh, progress="none", quiet=True)
+    reference(ref, ns["tpc_tok"], num_shards=int(mesh[0]), batch_size=8, epochs=1, seed=3,
+              optimizer=torch.optim.SGD, lr=0.5, loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))
+    assert ns[name].out.weight is ns[name].emb.weight
+    for (n, p), p_ref in zip(ns[name].named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.detach(), p_ref.detach(), **TOL, msg=lambda m: f"{n}: {m}")

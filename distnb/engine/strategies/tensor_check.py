@@ -217,6 +217,7 @@ class VerifiedPlan:
         # the split module's weights now (a checkpoint or %dist scale may have loaded others since the build)
         whole.load_state_dict(get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True)),
                               assign=True)
+        retie(whole, self.module)
         rows = [name for name, style in self.tp_plan.items() if type(style).__name__ == "RowwiseParallel"
                 and _has(self.module, name) and _has(whole, name)]
         now = self._compare_on(whole, rows, args, kwargs)
@@ -323,6 +324,29 @@ def skeleton(module):
             for p in module.parameters()}
     memo.update({id(b): torch.empty_like(b, device="meta") for b in module.buffers() if id(b) not in kept})
     return copy.deepcopy(module, memo)
+
+
+def retie(whole, split) -> None:
+    """Tie ``whole``'s parameters as ``split``'s are tied (``out.weight = emb.weight``).
+
+    ``load_state_dict(assign=True)`` gives each name a parameter of its own when the full state holds
+    separate tensors (FSDP's gathered state does): the whole model then had two copies of a tied weight,
+    and the moved-weights comparison moved one of them only, a difference the split model does not have.
+
+    Parameters
+    ----------
+    whole : torch.nn.Module
+        The unsplit copy (its parameters are replaced in place).
+    split : torch.nn.Module
+        The distributed module, whose ``named_parameters(remove_duplicate=False)`` shows the ties.
+    """
+    first = {}
+    for name, p in split.named_parameters(remove_duplicate=False):
+        if id(p) not in first:
+            first[id(p)] = name
+            continue
+        owner, _, attr = name.rpartition(".")
+        setattr(whole.get_submodule(owner) if owner else whole, attr, whole.get_parameter(first[id(p)]))
 
 
 def _has(module, name: str) -> bool:
