@@ -141,3 +141,41 @@ def test_tensor_plan_check_message_names_the_pair_and_the_fix():
                    default=False)
     assert "does not match the whole model's (output 0 has shape (2, 1))" in text
     assert "at the split layers (tensor plan: 'a' column-wise)" in text and "fix --tp-plan p" in text
+
+
+class _Blocks(nn.Module):
+    """A transformer-like stack: an input layer, a ModuleList of residual blocks, a ModuleDict of heads."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 10)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(10, 10), nn.ReLU()) for _ in range(3)])
+        self.heads = nn.ModuleDict({"out": nn.Linear(10, 2)})
+        self.gains = nn.ParameterList([nn.Parameter(nn.init.ones_(nn.Linear(1, 10).weight[:, 0]))])
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = h + b(h) * self.gains[0]
+        return self.heads["out"](h)
+
+
+def test_containers_stand_for_their_elements_as_fsdp_units_and_pipeline_blocks():
+    """ModuleList/ModuleDict are never called: FSDP2 refuses them as units and no stage can begin at one."""
+    from distnb.engine.strategies import StrategyError, is_container
+    from distnb.engine.strategies.fsdp import FSDP, default_units
+    from distnb.engine.strategies.pipeline_split import default_blocks, split_points
+    from distnb.plan import TrainPlan
+
+    model = _Blocks()
+    assert is_container(model.blocks) and is_container(model.gains) and not is_container(model.blocks[0])
+    assert default_units(model) == ["inp", "blocks.0", "blocks.1", "blocks.2", "heads.out"]
+    assert [n for n, _ in default_blocks(model)] == ["inp", "blocks.0", "blocks.1", "blocks.2", "heads.out"]
+    assert split_points(model, 2) == ["blocks.1"]
+    with pytest.raises(StrategyError, match=r"--fsdp-units: blocks is an ModuleList.*--fsdp-units "
+                                            r"blocks\.0,blocks\.1,blocks\.2"):
+        FSDP.check(TrainPlan(model="m", data="d", strategy="fsdp", fsdp_units=("blocks",)), model, 2)
+    with pytest.raises(StrategyError, match=r"gains is an ParameterList.*leave it out"):
+        FSDP.check(TrainPlan(model="m", data="d", strategy="fsdp", fsdp_units=("gains",)), model, 2)
+    with pytest.raises(StrategyError, match=r"--split: heads is an ModuleDict.*--split heads\.out"):
+        split_points(model, 2, ("heads",))

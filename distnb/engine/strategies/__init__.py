@@ -214,6 +214,20 @@ class Strategy:
         self.model = None
 
 
+def is_container(module) -> bool:
+    """Whether ``module`` only holds others and is never called itself.
+
+    ``nn.ModuleList``, ``nn.ModuleDict``, ``nn.ParameterList`` and ``nn.ParameterDict`` that
+    keep ``nn.Module``'s forward: the model's forward indexes or iterates them and calls their
+    elements, so a hook on the container itself (an FSDP unit's all-gather, a pipeline split
+    point) never runs. FSDP2 refuses such a module as a unit.
+    """
+    from torch import nn
+
+    kinds = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+    return isinstance(module, kinds) and type(module).forward is nn.Module.forward
+
+
 def check_loss(loss, ctx):
     """Validate the body's ``loss``; returns ``float(loss)`` on CPU (None on GPU: no sync per step)."""
     if isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1:

@@ -15,7 +15,8 @@ ranks, so that after ``backward()`` each rank holds the mean gradient of its own
 step therefore equals one process training on the union of the ranks' batches.
 
 Units: ``--fsdp-units NAME,...`` (submodule names as in ``model.named_modules()``), or by
-default every direct child of the model that holds parameters; the root is always a unit
+default every direct child of the model that holds parameters (the elements of an
+``nn.ModuleList`` or ``nn.ModuleDict`` child, which is never called itself); the root is always a unit
 (it takes the parameters no other unit holds). Units are sharded innermost first.
 
 Tied weights (one ``Parameter`` used by two modules, ``out.weight = emb.weight``): FSDP2
@@ -37,7 +38,7 @@ from __future__ import annotations
 import weakref
 
 from .. import runtime
-from . import Strategy, StrategyError, gathered_state, tensor_bytes
+from . import Strategy, StrategyError, gathered_state, is_container, tensor_bytes
 
 #: Device meshes made by the fsdp and tensor strategies on this rank, by id (meshes of one
 #: shape compare equal, so no set). DTensor's caches keep them (and so the process group)
@@ -59,9 +60,23 @@ def module_names(module, limit: int = 30) -> str:
     return text + (f", ... ({len(names) - limit} more)" if len(names) > limit else "") if names else "(none)"
 
 
-def default_units(module) -> list[str]:
-    """Names of the direct children of ``module`` that hold parameters."""
-    return [name for name, child in module.named_children() if _has_params(child)]
+def default_units(module, prefix: str = "") -> list[str]:
+    """Names of the direct children of ``module`` that hold parameters.
+
+    A container child (``nn.ModuleList``, ``nn.ModuleDict``: never called itself, see
+    :func:`~distnb.engine.strategies.is_container`) is replaced by its own children with
+    parameters (``blocks.0``, ``blocks.1``, ...), repeatedly; a ``ParameterList`` or
+    ``ParameterDict`` child is none (its parameters go to the unit around it, the root).
+    """
+    units = []
+    for name, child in module.named_children():
+        if not _has_params(child):
+            continue
+        if is_container(child):
+            units += default_units(child, f"{prefix}{name}.")
+        else:
+            units.append(prefix + name)
+    return units
 
 
 class FSDP(Strategy):
@@ -103,6 +118,13 @@ class FSDP(Strategy):
             if not _has_params(sub):
                 raise StrategyError(f"--fsdp-units: {unit} ({type(sub).__name__}) holds no parameters; an FSDP "
                                     f"unit shards parameters, so name a module that has some")
+            if is_container(sub):
+                inner = ",".join(default_units(sub, f"{unit}."))
+                fix = (f"name its elements instead: --fsdp-units {inner}" if inner else
+                       "leave it out: its parameters go to the unit around it")
+                raise StrategyError(f"--fsdp-units: {unit} is an {type(sub).__name__}, which the forward never "
+                                    f"calls (it uses its elements), so FSDP could not gather its parameters before "
+                                    f"they are used; {fix}")
         unit_groups(module, plan.fsdp_units or default_units(module))
 
     def no_sync(self):

@@ -20,7 +20,8 @@ data set is not sharded).
 Stages
 ------
 Default split: the top-level children of the model (descending through a wrapper that
-holds a single child and no tensors of its own, e.g. ``self.net = nn.Sequential(...)``)
+holds a single child and no tensors of its own, e.g. ``self.net = nn.Sequential(...)``; an
+``nn.ModuleList`` or ``nn.ModuleDict`` child counts as its elements, ``blocks.0``, ...)
 balanced by parameter count into ``world_size`` contiguous, non-empty groups (the largest
 group as small as possible). ``--split NAME,...`` gives the ``world_size - 1`` submodules
 (names as in ``model.named_modules()``) that each begin a new stage

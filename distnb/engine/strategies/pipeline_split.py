@@ -16,7 +16,7 @@ import itertools
 
 from torch import nn
 
-from . import StrategyError
+from . import StrategyError, is_container
 
 
 def is_plain_sequential(module) -> bool:
@@ -33,15 +33,28 @@ def default_blocks(module) -> list:
 
     The top-level children, or, for a wrapper with a single child (``self.net =
     nn.Sequential(...)``), that child's children (repeatedly), named as in ``named_modules()``.
-    Tensors the wrapper holds itself go to the stage the trace puts them in.
+    Tensors the wrapper holds itself go to the stage the trace puts them in. A container
+    (``nn.ModuleList``, ``nn.ModuleDict``: never called itself, so no stage can begin at it)
+    stands for its elements (``blocks.0``, ``blocks.1``, ...), repeatedly.
     """
     prefix, base = "", module
     while True:
-        kids = list(base.named_children())
+        kids = _expand(list(base.named_children()))
         if len(kids) == 1 and any(True for _ in kids[0][1].children()):
             prefix, base = prefix + kids[0][0] + ".", kids[0][1]
             continue
         return [(prefix + name, child) for name, child in kids]
+
+
+def _expand(kids) -> list:
+    """``[(name, child)]`` with each container child replaced by its elements (dotted names)."""
+    out = []
+    for name, child in kids:
+        if is_container(child):
+            out += _expand([(f"{name}.{n}", c) for n, c in child.named_children()])
+        else:
+            out.append((name, child))
+    return out
 
 
 def balance(sizes, num_groups: int) -> list[int]:
@@ -107,6 +120,14 @@ def split_points(module, world_size: int, split=None) -> list[str]:
     if missing:
         raise StrategyError(f"--split: {type(module).__name__} has no submodule named {missing[0]!r}; its submodules "
                             f"are: {_some_names(module)}")
+    containers = [n for n in split if is_container(module.get_submodule(n))]
+    if containers:
+        name = containers[0]
+        sub = module.get_submodule(name)
+        first = next((f"{name}.{n}" for n, _ in sub.named_children()), None)
+        raise StrategyError(f"--split: {name} is an {type(sub).__name__}, which the forward never calls (it calls "
+                            f"its elements), so no stage can begin at it; name an element"
+                            + (f", e.g. --split {first}" if first else ""))
     if len(set(split)) != len(split):
         raise StrategyError(f"--split names a submodule twice ({', '.join(split)})")
     for a in split:
