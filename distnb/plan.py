@@ -29,6 +29,18 @@ STRATEGIES = {
     "fsdp+tensor": ("FSDP2 across, tensor parallel within the --mesh", True),
     "ps": ("parameter server", True),
 }
+#: How a strategy's checkpoints lay out the optimizer state, where it is not by parameter name (as
+#: ``torch.distributed.checkpoint.state_dict`` has it for ddp, fsdp, tensor and fsdp+tensor): a
+#: strategy reads only its own layout's state, so a resume into another takes the checkpoint's
+#: weights and position with a fresh optimizer (:func:`optimizer_state_readable`).
+OPTIMIZER_LAYOUTS = {"pipeline": "per stage", "ps": "per server"}
+
+
+def optimizer_state_readable(saved_strategy: str, strategy: str) -> bool:
+    """Whether ``strategy`` can load the optimizer state of a checkpoint ``saved_strategy`` wrote."""
+    return OPTIMIZER_LAYOUTS.get(saved_strategy, "by name") == OPTIMIZER_LAYOUTS.get(strategy, "by name")
+
+
 #: Pipeline schedules (torch.distributed.pipelining): GPipe (Huang et al. 2019) and 1F1B
 #: (PipeDream-Flush, Narayanan et al. 2021).
 SCHEDULES = ("gpipe", "1f1b")

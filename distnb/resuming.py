@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from .plan import optimizer_state_readable
+
 
 def newest_meta(directory: str | None) -> dict | None:
     """The metadata (``distnb.json``, with its ``path``) of the newest complete checkpoint under ``directory``
@@ -65,7 +67,12 @@ def start_sentence(plan, resume_steps) -> str:
     if not plan.reset and plan.resume and newest_meta(plan.checkpoint_dir) is not None:
         newer = "" if mine is None else f"; the notebook's weights are at step {mine}"
         then = f"it resumes from the newest checkpoint in --checkpoint-dir (step {saved}{newer})"
-        if plan.optimizer not in (None, saved_optimizer):
+        saved_strategy = newest_meta(plan.checkpoint_dir)["plan"]["strategy"]
+        if not optimizer_state_readable(saved_strategy, plan.strategy):
+            then += (f" with a fresh {plan.optimizer or saved_optimizer} optimizer: --strategy {plan.strategy} cannot "
+                     f"read the optimizer state --strategy {saved_strategy} saved (its weights and position resume; "
+                     f"--strategy {saved_strategy} resumes the optimizer too)")
+        elif plan.optimizer not in (None, saved_optimizer):
             then += (f" with a fresh {optimizer} optimizer: the checkpoint's optimizer state is {saved_optimizer}'s "
                      f"(--optimizer {saved_optimizer} resumes it too; --reset starts from the notebook's weights)")
         return then

@@ -125,16 +125,19 @@ def _prune(directory: str, keep: str) -> None:
             shutil.rmtree(os.path.join(directory, d), ignore_errors=True)
 
 
-def load(run, meta: dict, ns=None, plan=None) -> None:
+def load(run, meta: dict, ns=None, plan=None, optimizer_state: bool = True) -> None:
     """Restore ``run``'s model, optimizer and position from checkpoint ``meta`` (every rank).
 
     The strategy and optimizer must already be built as ``meta["plan"]`` describes
     (:func:`distnb.engine.loop.restore` does that), or as ``plan`` (a TrainPlan) does: the
     same strategy on this world, e.g. ``--mesh`` with the saved tensor-parallel size and
-    another data-parallel size (DCP reshards the saved DTensors onto it).
+    another data-parallel size (DCP reshards the saved DTensors onto it), or another strategy
+    (a resume after a strategy switch: the weights are saved by name in every layout).
+    ``optimizer_state`` False: the weights and position only, neither the optimizer's state nor
+    its lr schedule (another strategy's layout, :func:`distnb.plan.optimizer_state_readable`).
     """
     model_sd, optim_sd = run.strategy.checkpoint_state(run.optimizer)
-    state = {"model": model_sd, "optimizer": optim_sd}
+    state = {"model": model_sd, "optimizer": optim_sd} if optimizer_state else {"model": model_sd}
     try:
         dcp.load(state, checkpoint_id=meta["path"])
     except BaseException as exc:  # DCP's CheckpointException (a BaseException) only says which ranks failed
@@ -149,13 +152,15 @@ def load(run, meta: dict, ns=None, plan=None) -> None:
                            f"(--strategy {meta['plan']['strategy']}, optimizer {meta['optimizer']}): {reason}. "
                            "Load it into a model of the same class and sizes (a training cell's --checkpoint-dir: "
                            "another directory, or --reset to start from the notebook's weights)") from None
-    run.strategy.load_checkpoint_state(run.optimizer, state["model"], state["optimizer"])
+    run.strategy.load_checkpoint_state(run.optimizer, state["model"], state.get("optimizer"))
     run.epoch, run.epoch_step, run.steps = meta["epoch"], meta["epoch_step"], meta["steps"]
     run.epoch_samples = meta["epoch_samples"]
     moved = _position(meta, plan)
-    if moved is not None:  # saved by a world of another size (%dist scale, --on-failure shrink, restart -n)
+    if moved is not None:  # another data-parallel size (%dist scale, shrink, restart -n, another strategy)
         run.epoch_samples, run.epoch_step = moved
     run.optimizer_steps = meta.get("optimizer_steps", run.steps)
+    if not optimizer_state:
+        return
     from .stepping import load_scheduler
 
     load_scheduler(run, meta.get("scheduler"), ns or {})  # the lr schedule, where it was
@@ -176,14 +181,14 @@ def _position(meta: dict, now_plan=None):
 
     world = runtime.STATE.world_size
     saved = meta.get("world_size") or world
-    if saved == world or not meta.get("epoch_samples"):
+    if not meta.get("epoch_samples"):
         return None
     try:
         plan = TrainPlan.from_dict(meta["plan"])
     except Exception:  # a plan this version cannot read: the position as saved
         return None
     before = strategies.data_parallel_size(plan, saved)
-    now = strategies.data_parallel_size(now_plan or plan, world)
+    now = strategies.data_parallel_size(now_plan or plan, world)  # another world, mesh or strategy
     if before == now:
         return None
     samples = meta["epoch_samples"] * before // now

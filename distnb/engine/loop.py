@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from ..plan import DEFAULT_LR, STRATEGIES, TrainPlan, redistribution
+from ..plan import DEFAULT_LR, STRATEGIES, TrainPlan, optimizer_state_readable, redistribution
 from . import batchnorm, checkpoint, collectives, datasets, postmortem, runtime, shard as sharding, stepping, wire
 from . import abort, report, where
 from .report import LINGER as RELAY_LINGER, Reporter, host_relay, publish_raw
@@ -482,7 +482,13 @@ def _prepare(ns, plan, run):
     meta = checkpoint.read_meta(plan.checkpoint_dir)
     # the optimizer the checkpoint holds the state of (its lr and schedule come back with it) ...
     _optimizer(ns, run, dataclasses.replace(plan, optimizer=meta["optimizer"], lr=None, lr_if_new=None))
-    checkpoint.load(run, meta, ns, plan)
+    readable = optimizer_state_readable(meta["plan"]["strategy"], plan.strategy)
+    checkpoint.load(run, meta, ns, plan, optimizer_state=readable)
+    if not readable:  # ... another strategy's layout: the weights and position, a fresh optimizer
+        run.optimizer = None  # (its lr: the cell's, else the one the checkpoint's cell trained with)
+        lr_if_new = plan.lr_if_new if plan.lr_if_new is not None else meta["plan"].get("lr")
+        _optimizer(ns, run, dataclasses.replace(plan, optimizer=plan.optimizer or meta["optimizer"], lr_if_new=lr_if_new))
+        return "", meta["path"]
     if plan.optimizer not in (None, meta["optimizer"]):  # ... replaced by another --optimizer, as in a live model
         _optimizer(ns, run, plan)  # (the kernel said so when it sent the model: no note here)
         return "", meta["path"]

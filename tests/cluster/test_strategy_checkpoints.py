@@ -52,3 +52,58 @@ def test_save_load_continue_equals_uninterrupted(dist_session, shell, tmp_path, 
     result = train(name, 1)
     assert result.epochs == [1]
     torch.testing.assert_close(params(ns[name]), want, atol=1e-5, rtol=1e-5)
+
+
+SHARDS = {"ddp": 2, "fsdp": 2, "ps": 2, "tensor": 1, "pipeline": 1}
+
+
+@pytest.mark.parametrize("saved,resumed", [("fsdp", "pipeline"), ("pipeline", "fsdp"), ("ps", "tensor"),
+                                           ("fsdp", "tensor")])
+def test_resume_into_another_strategy(dist_session, shell, tmp_path, saved, resumed):
+    """A model sent fresh with another --strategy resumes a --checkpoint-dir: the weights and position always;
+    the optimizer state where the two lay it out alike (ddp, fsdp, tensor by name; pipeline per stage and ps
+    per server only their own), else a fresh optimizer of the same kind. Before, pipeline and ps failed to
+    load the others' checkpoints ("Missing key in checkpoint state_dict"), and a mid-epoch position was kept
+    in the saving strategy's steps, not converted to the samples trained."""
+    import itertools
+    import shutil
+
+    from distnb.engine import shard
+
+    ns = shell.user_ns
+    ns["sx_data"], ns["F"] = make_data(), F
+    name = f"sx_{saved}_{resumed}"
+
+    def train(strategy, **kw):
+        return dist_session.train(BODY, model=name, data="sx_data", epochs=1, batch_size=8, seed=2, optimizer="adam",
+                                  lr=0.01, strategy=strategy, checkpoint_dir=str(tmp_path), progress="none",
+                                  quiet=True, **OPTIONS[strategy], **kw)
+
+    ns[name] = make_model()
+    train(saved, checkpoint_every=3)  # 64 samples: 4 steps of 8 on 2 shards, 8 on 1; saved at step 3
+    mid = "step_00000003" if SHARDS[saved] == 2 else "step_00000006"
+    for d in tmp_path.iterdir():
+        if d.name != mid:
+            shutil.rmtree(d)
+    ns[name] = make_model()  # a new object: sent fresh, it resumes from the checkpoint
+    result = train(resumed)
+    # where the checkpoint stood: 3 x 2 x 8 = 48 or 6 x 8 = 48 samples of epoch 0; the rest on the new layout
+    assert [row["steps"] for row in result.rows] == [16 // (8 * SHARDS[resumed])] * 2
+    ref_mid = make_model()  # one process: the saving layout's first global batches, then the rest on the new one
+    x, y = ns["sx_data"].tensors
+    opt = torch.optim.Adam(ref_mid.parameters(), lr=0.01)
+    batches = list(shard.global_batches(len(x), SHARDS[saved], 2, 0, 8, False))
+    for idx in itertools.islice(batches, int(mid[-1])):
+        opt.zero_grad()
+        F.cross_entropy(ref_mid(x[idx]), y[idx]).backward()
+        opt.step()
+    same_state = {"pipeline": "stage", "ps": "server"}.get(saved, "name") == \
+        {"pipeline": "stage", "ps": "server"}.get(resumed, "name")
+    if not same_state:
+        opt = torch.optim.Adam(ref_mid.parameters(), lr=0.01)
+    rest = list(shard.global_batches(len(x), SHARDS[resumed], 2, 0, 8, False))[48 // (8 * SHARDS[resumed]):]
+    for idx in rest:
+        opt.zero_grad()
+        F.cross_entropy(ref_mid(x[idx]), y[idx]).backward()
+        opt.step()
+    torch.testing.assert_close(params(ns[name]), params(ref_mid), atol=1e-5, rtol=1e-5)

@@ -192,9 +192,13 @@ class Strategy:
         return get_state_dict(self.module, optimizer)
 
     def load_checkpoint_state(self, optimizer, model_state, optimizer_state) -> None:
-        """Load what :meth:`checkpoint_state` described (filled in by ``dcp.load``)."""
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        """Load what :meth:`checkpoint_state` described (filled in by ``dcp.load``); ``optimizer_state``
+        None: the model only (a checkpoint whose optimizer state this strategy cannot read)."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
+        if optimizer_state is None:
+            set_model_state_dict(self.module, model_state)
+            return
         set_state_dict(self.module, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
 
     def mesh_coordinates(self) -> dict | None:

@@ -513,6 +513,8 @@ class Pipeline(Strategy):
             for k, v in model_state.items():
                 if v.data_ptr() != tensors[k].data_ptr():
                     tensors[k].copy_(v)
+        if optimizer_state is None:  # the model only
+            return
         set_optimizer_state_dict(self.module, optimizer, optimizer_state,
                                  options=StateDictOptions(flatten_optimizer_state_dict=True))
 

@@ -475,8 +475,9 @@ class ParameterServer(Strategy):
         return model, optim
 
     def load_checkpoint_state(self, optimizer, model_state, optimizer_state) -> None:
-        """Load a checkpoint (every rank): the servers load their values and optimizer state,
-        then broadcast the values to every rank (a collective on the ps group)."""
+        """Load a checkpoint (every rank): the servers load their values and optimizer state
+        (``optimizer_state`` None: the values only), then broadcast the values to every rank (a
+        collective on the ps group)."""
         import torch.distributed as dist
 
         inner = getattr(optimizer, "inner", optimizer)
@@ -484,7 +485,7 @@ class ParameterServer(Strategy):
         with torch.no_grad():
             for name, value in model_state.items():
                 targets[name].copy_(value)
-        if self.is_server:
+        if self.is_server and optimizer_state is not None:  # None: the model only
             inner.load_state_dict(optimizer_state[f"server{self.rank}"])
         for s in range(self.num_servers):
             values = self._flat(self.owned[s]) if s == self.rank else \
