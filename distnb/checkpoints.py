@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from . import calls, export, training
+from . import calls, export, meshes, training
 from .display.tables import count
 from .errors import PlanError
 from .options import check_path
@@ -78,9 +78,14 @@ def load(session, name: str, model_obj, directory: str, quiet: bool = False, cha
     """Restore the checkpoint in ``directory`` into the ranks and ``model_obj``; its metadata (see Session.load).
 
     ``changes`` (TrainPlan fields) alter the saved plan for this world, e.g. ``{"mesh": "2x2"}``
-    (:func:`distnb.meshes.plan_changes`): DCP reshards the saved DTensors onto that layout.
+    (:func:`distnb.meshes.plan_changes`): DCP reshards the saved DTensors onto that layout. Without
+    them, an fsdp+tensor checkpoint of another world size is laid out on this one as ``%dist scale``
+    does (its tensor-parallel size kept), or refused naming the sizes that fit, before anything is sent.
     """
     meta = _meta(directory)
+    if changes is None:
+        changes = meshes.plan_changes(meta["plan"], meta.get("world_size") or session.world_size,
+                                      session.world_size, f"%dist load {directory}: {name}")
     plan = TrainPlan.from_dict(dict(meta["plan"], model=name, reset=True, checkpoint_dir=None, checkpoint_every=None,
                                     **(changes or {})))
     training.ensure_model(session, plan, model_obj, quiet=True)
@@ -97,5 +102,7 @@ def load(session, name: str, model_obj, directory: str, quiet: bool = False, cha
     export.loaded(name, model_obj, meta)  # the notebook's model agrees with the ranks': no "changed" claim
     if not quiet:
         print(f"distnb: loaded {meta['path']} into {name} on {count(session.world_size, 'rank')} and the kernel "
-              f"(--strategy {plan.strategy}, epoch {meta['epoch']}, step {meta['epoch_step']} of it)")
+              f"(--strategy {plan.strategy}, epoch {meta['epoch']}, step {meta['epoch_step']} of it"
+              + (f"; --mesh {plan.mesh}, saved on {meta['plan'].get('mesh') or meta.get('world_size')}"
+                 if "mesh" in changes else "") + ")")
     return meta

@@ -219,3 +219,28 @@ def test_names_defined_on_the_ranks_reach_the_added_rank(shell, dist_session, ca
         ["(6, 6.0, True)", "(6, 6.0, True)", "(6, 6.0, False)"]
     assert not set(out["defined"]) & {"rank", "world_size", "model", "optimizer", "F", "x", "y", "dn_net"}
     assert s.run("'x' in globals()", all_output=True) == ["True", "True", "False"]
+
+
+def test_dist_load_lays_a_mesh_checkpoint_out_on_another_world(shell, dist_session, tmp_path, capsys):
+    """``%dist load`` of an fsdp+tensor checkpoint after ``%dist restart -n N``: its tensor-parallel size kept
+    (``1x2`` saved, ``2x2`` on 4 ranks, as ``%dist scale`` does), or refused in the kernel when it does not divide
+    N. Before, the saved ``--mesh 1x2`` went to the ranks as it was and every rank failed (a RankError)."""
+    s, ns = dist_session, shell.user_ns
+    ns.update(ml_net=make_model(), ml_data=parity_data(), F=F)
+    train(s, "ml_net", "ml_data", strategy="fsdp+tensor", mesh="1x2", optimizer="adam", lr=0.01)
+    s.save(str(tmp_path), model="ml_net", quiet=True)
+    saved = {k: v.clone() for k, v in ns["ml_net"].state_dict().items()}
+    s = s.restart(n=3, quiet=True)
+    ns["ml_back"] = make_model(seed=5)
+    with pytest.raises(PlanError, match=r"ml_back \(--strategy fsdp\+tensor, --mesh 1x2\) keeps its tensor-parallel "
+                                        r"size 2 .* 2 does not divide N = 3"):
+        s.load(str(tmp_path), model="ml_back", quiet=True)
+    s = s.restart(n=4, quiet=True)
+    capsys.readouterr()
+    s.load(str(tmp_path), model="ml_back")
+    assert "--mesh 2x2, saved on 1x2" in capsys.readouterr().out
+    for k, v in ns["ml_back"].state_dict().items():
+        torch.testing.assert_close(v, saved[k], msg=k)
+    result = train(s, "ml_back", "ml_data")
+    assert result.epochs == [1] and [row["mesh"] for row in result.rows][-1] == "dp=1,tp=1"
+    del ns["ml_back"], ns["ml_net"]
