@@ -288,6 +288,7 @@ class _Perturbed:
     def __enter__(self):
         from torch.distributed.tensor import distribute_tensor
 
+        self._reshard()
         mine = dict(self.split.named_parameters())
         gen = torch.Generator().manual_seed(self.SEED)
         self.saved = []
@@ -305,7 +306,21 @@ class _Perturbed:
                                               src_data_rank=None)
                 q.add_(noise.to(q.dtype) if not hasattr(noise, "device_mesh") else noise)
 
+    def _reshard(self) -> None:
+        """fsdp+tensor: every FSDP unit of the split model back to its sharded parameters.
+
+        FSDP2 leaves the root unit's parameters gathered after a forward (until the backward), so
+        ``named_parameters()`` would give those gathered copies: the noise would go into them, and
+        the values restored too, while the shards kept what the split forward had seen moved.
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.split.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
     def __exit__(self, *exc):
+        self._reshard()  # the moved values the split forward gathered are freed, the shards restored below
         with torch.no_grad():
             for q, kept in self.saved:
                 q.copy_(kept)
