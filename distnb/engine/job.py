@@ -228,6 +228,20 @@ def _count(n, what) -> str:
     return f"{n} {what}{'s' if n != 1 else ''}"
 
 
+def _data_change(plan, world_size: int, cell_world: int) -> str:
+    """What another number of ranks changes in what the job trains on (the sentence's end)."""
+    from . import strategies
+
+    try:
+        same = strategies.data_parallel_size(plan, world_size) == strategies.data_parallel_size(plan, cell_world)
+    except Exception:  # a --mesh that does not fit: the strategy says so when it builds
+        same = False
+    if same:
+        return (f"the data is cut into as many shards as in the cell (--strategy {plan.strategy}), so the batches are "
+                "the cell's, and the losses too but for rounding")
+    return "the shards and batches differ, so the losses will not be the cell's"
+
+
 def _say_start(spec, plan, world_size) -> None:
     from . import checkpoint
 
@@ -236,8 +250,8 @@ def _say_start(spec, plan, world_size) -> None:
     print(f"distnb job: {plan.model} on {_count(world_size, 'rank')} ({plan.strategy}), "
           f"{_count(plan.epochs, 'epoch')} {where}; the cell ran on {_count(cell['world_size'], 'rank')}", flush=True)
     if world_size != cell["world_size"]:
-        print(f"distnb job: {_count(world_size, 'rank')} where the cell had {cell['world_size']}: the shards and "
-              "batches differ, so the losses will not be the cell's", flush=True)
+        print(f"distnb job: {_count(world_size, 'rank')} where the cell had {cell['world_size']}: "
+              f"{_data_change(plan, world_size, cell['world_size'])}", flush=True)
     if not newest and not spec["start"]["exact"]:
         print(f"distnb job: {spec['start']['why']}", flush=True)
 

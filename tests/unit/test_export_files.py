@@ -103,3 +103,18 @@ def test_the_export_says_where_torchrun_is_when_path_does_not_find_it(monkeypatc
     assert export._on_path() == f" (torchrun is {mine}: this environment's bin is not on PATH)"
     monkeypatch.setenv("PATH", os.path.dirname(sys.executable))
     assert export._on_path() == ""
+
+
+def test_a_job_on_another_number_of_ranks_says_whether_its_batches_are_the_cells():
+    """tensor and pipeline train every rank on the same batches: on 3 ranks the job's data is the 2-rank cell's
+    (its losses came out the cell's), which the job said would differ."""
+    from distnb.engine.job import _data_change
+    from distnb.plan import TrainPlan
+
+    for strategy in ("tensor", "pipeline"):
+        said = _data_change(TrainPlan(model="m", data="d", strategy=strategy), 3, 2)
+        assert said.startswith("the data is cut into as many shards as in the cell"), said
+    for strategy in ("ddp", "fsdp", "ps"):
+        assert "will not be the cell's" in _data_change(TrainPlan(model="m", data="d", strategy=strategy), 3, 2)
+    mesh = TrainPlan(model="m", data="d", strategy="fsdp+tensor", mesh="1x2")
+    assert "will not be the cell's" in _data_change(mesh, 3, 2)  # a mesh that does not fit 3 ranks
