@@ -475,6 +475,7 @@ def _prepare(ns, plan, run):
             run.optimizer = None  # its parameters belong to the old distribution
             run.scheduler = run.schedule_name = None
         run.generation, run.strategy_key = st.generation, key
+        _agree_with_rank0(run)  # every rank built it (DDP broadcast rank 0's weights): the same position too
     if run.inherited is not None:  # a rank added by %dist scale: the optimizer and schedule rank 0 had
         stepping.adopt_optimizer(ns, run, plan, _optimizer)
     if not (fresh and plan.checkpoint_dir and not plan.reset and plan.resume and checkpoint.latest(plan.checkpoint_dir)):
@@ -493,6 +494,36 @@ def _prepare(ns, plan, run):
         _optimizer(ns, run, plan)  # (the kernel said so when it sent the model: no note here)
         return "", meta["path"]
     return _given_lr(run.optimizer, plan.lr), meta["path"]  # ... and a cell's --lr applies on top, as live
+
+
+def _agree_with_rank0(run) -> None:
+    """Every rank takes rank 0's position (and, for ddp, optimizer state) when the ranks' counts differ.
+
+    A failed cell can leave the ranks steps apart: one that raised at its next forward after an
+    optimizer step the other never finished (DDP's unused-parameter error, its peer stopped in that
+    step's all-reduce). The notebook gets rank 0's weights and the re-wrapped DDP broadcasts them;
+    the ranks' own positions made the next cell run other numbers of steps on each, and gloo aborted
+    an engine (SIGABRT) on the mismatched collectives. One small ``all_gather_object`` when nothing differs.
+    """
+    import torch.distributed as dist
+
+    mine = (run.epoch, run.epoch_step, run.epoch_samples, run.steps, run.optimizer_steps)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if all(e == every[0] for e in every):
+        return
+    replicated = not STRATEGIES[run.strategy_key[0]][1]  # ddp: the same optimizer state belongs on every rank
+    state = [None]
+    if runtime.STATE.rank == 0:
+        state = [(mine, run.optimizer.state_dict() if replicated and run.optimizer is not None else None,
+                  run.scheduler.state_dict() if replicated and run.scheduler is not None else None,
+                  run.scaler.state_dict() if replicated and run.scaler is not None else None)]
+    dist.broadcast_object_list(state, src=0)
+    counts, optimizer, scheduler, scaler = state[0]
+    run.epoch, run.epoch_step, run.epoch_samples, run.steps, run.optimizer_steps = counts
+    for held, value in ((run.optimizer, optimizer), (run.scheduler, scheduler), (run.scaler, scaler)):
+        if held is not None and value is not None and runtime.STATE.rank != 0:
+            held.load_state_dict(value)
 
 
 def _param_ids(optimizer) -> set:

@@ -357,6 +357,40 @@ def test_the_advised_retry_works_on_the_same_model(shell, trained):
     assert ok.error_in_exec is None, ok.error_in_exec
 
 
+BRANCHY = """
+class Branchy(nn.Module):  # a branch taken on some batches only: its parameters get no gradient on the others
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 2), nn.Linear(8, 2)
+    def forward(self, x):
+        return self.a(x) + (self.b(x) if x[0, 0] > 0 else 0)
+torch.manual_seed(0)
+branchy_x = torch.randn(40, 8)
+branchy_x[:, 0] = 1.0
+branchy_x[torch.arange(40) % 7 == 3, 0] = -1.0  # the branch is off on one rank's batch at some step
+branchy_ds = torch.utils.data.TensorDataset(branchy_x, torch.randint(0, 2, (40,)))
+branchy = Branchy()
+"""
+
+
+def test_the_retry_after_a_mid_epoch_unused_parameter_error_works(shell, trained):
+    """DDP without --find-unused-parameters fails a step after one rank skipped the branch: that rank had
+    taken the step before (with its own gradients), its peer had not. The ranks' positions differed by a
+    step, and the advised retry ran other numbers of steps on them: gloo aborted rank 0 (SIGABRT)."""
+    run(shell, BRANCHY)
+    res = run(shell, f"%%distrain --model branchy --data branchy_ds --epochs 2 --batch-size 2 --progress none\n{BODY}")
+    assert isinstance(res.error_in_exec, RankError) and "--find-unused-parameters" in str(res.error_in_exec)
+    assert "step 0" not in str(res.error_in_exec)  # it fails mid-epoch, not at the first step's check
+    ok = run(shell, "%%distrain --model branchy --data branchy_ds --epochs 2 --batch-size 2 --find-unused-parameters "
+                    f"--progress none -o branchy_res\n{BODY}")
+    assert ok.error_in_exec is None, ok.error_in_exec
+    rows = shell.user_ns["branchy_res"].rows
+    assert rows[0]["steps"] == rows[1]["steps"]  # one position for both ranks: rank 0's, as its weights
+    run(shell, "%%dist\nfrom distnb.engine import loop\n_pos = (loop.RUNS['branchy'].epoch, loop.RUNS['branchy'].steps)")
+    first, second = run(shell, "%dist pull _pos").result
+    assert first == second
+
+
 MISMATCHES = [
     ("t = torch.ones(3 if rank == 0 else 5)\ndist.all_reduce(t)", "rank 0: all_reduce of float32 [3]; "
                                                                    "rank 1: all_reduce of float32 [5]"),
