@@ -133,7 +133,7 @@ def describe_cut(plan, info: dict, num_shards: int, world_size: int) -> str:
         used = min(per, steps * plan.batch_size)  # full batches only: the shard's tail is not trained on
         how = f"drop: each rank uses {used} of its {held} samples, full batches only"
     elif min(lens) < per:
-        how = f"pad: ranks with {min(lens)} samples repeat {per - min(lens)} so all visit {per}"
+        how = f"pad: ranks with {count(min(lens), 'sample')} repeat {per - min(lens)} so all visit {per}"
     else:
         how = f"every rank visits {per} samples"
     shared = (f" (each shared by the {world_size // w} ranks of a tensor-parallel group)" if 1 < w < world_size
@@ -146,8 +146,8 @@ def _batch(plan, visited: int, per_rank: str = "") -> str:
     """The batch a rank trains on: ``--batch-size``, or all it visits when that is fewer (and the cell says so)."""
     if plan.batch_size <= visited:
         return f"{plan.batch_size}{per_rank}"
-    return (f"{visited}{per_rank} (--batch-size {plan.batch_size} is more than the {visited} samples a rank visits "
-            "per epoch)")
+    return (f"{visited}{per_rank} (--batch-size {plan.batch_size} is more than the {count(visited, 'sample')} a rank "
+            "visits per epoch)")
 
 
 def describe_validation(name: str, info: dict, num_shards: int, batch_size: int) -> str:

@@ -417,6 +417,7 @@ def ensure_data(session, plan, data_obj, quiet, num_shards, silent=False, name=N
     info = session.holdings.data.get(name)
     if path != "tensors":
         info, changed = data.ensure_dataset(session, plan, data_obj, path, why, num_shards)
+        data.steps_of(plan, info, num_shards)  # the error before a line about 0 steps (see below)
         layout = (plan.batch_size, plan.drop_last, plan.workers, plan.steps_per_epoch)
         if (changed or info.get("layout") != layout) and not silent:
             print(f"distnb: {data.describe_loaded(plan, info, session.world_size)}")
@@ -432,6 +433,8 @@ def ensure_data(session, plan, data_obj, quiet, num_shards, silent=False, name=N
             raise PlanError(f"--val-data {name}: {exc}") from None
         info = session.holdings.data[name]
         quiet = False
+    if name == plan.data:
+        data.steps_of(plan, info, num_shards)  # no full batch with --drop-last: the error, not a line about 0 steps
     layout = (plan.batch_size, plan.drop_last)
     if info.get("layout") != layout:  # say how batches are cut whenever that changes
         info["layout"] = layout

@@ -266,6 +266,18 @@ def test_a_dataset_of_float64_arrays_for_a_float32_model_names_the_fix(shell, tr
                       "x, y = batch\nloss = F.cross_entropy(model(x.float()), y)").error_in_exec is None
 
 
+@pytest.mark.parametrize("data", ["(X[:3], Y[:3])", "list(zip(X[:3], Y[:3]))"])
+def test_drop_last_with_no_full_batch_says_only_the_error(shell, trained, capsys, data):
+    """It printed the cut first ('drop: each rank uses 0 of its 1-2 samples ...; 0 steps/epoch of 1 per rank'),
+    then the UsageError."""
+    run(shell, f"tiny_dl = {data}")
+    capsys.readouterr()
+    res = run(shell, f"%%distrain --model keep_net --data tiny_dl --batch-size 4 --drop-last --progress none\n{BODY}")
+    err = res.error_in_exec
+    assert isinstance(err, UsageError) and "no full batch (lower --batch-size or drop --drop-last)" in str(err), err
+    assert "steps/epoch" not in capsys.readouterr().out
+
+
 def test_nothing_was_lost_and_the_cluster_works(shell, trained):
     # runs after the bad input above: the model on the ranks and in the kernel is untouched
     ranks = _ranks_weights("keep_net")
