@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import time
 from dataclasses import dataclass, field
 
@@ -528,7 +527,7 @@ def train_cell(session, code, model, data, run, given):
             weights_back(session, plan.model, model_obj, best_effort=True, replicated=plan.strategy == "ddp")
             if isinstance(exc, RankError) and not exc.hint:
                 held = session.holdings.data.get(plan.data) or {}
-                exc.add_hint(dtype_hint(exc, plan, model_obj, data_obj, held.get("sample") or ""))
+                exc.add_hint(modelcheck.dtype_hint(exc, plan, model_obj, data_obj, held.get("sample") or ""))
             if plan.builtin_optimizer:  # a built-in optimizer was not what failed (a dead engine, the body, ...)
                 session.holdings.remember(plan, model_obj)
             exc.plan = plan  # what --on-failure shrink goes on with (distnb.shrinking)
@@ -538,40 +537,6 @@ def train_cell(session, code, model, data, run, given):
     session.last_result = result
     export.remember(cell, result, model_obj)
     return result
-
-
-#: What torch says when a batch's dtype is not the parameters' (F.linear, conv, matmul, the losses)
-_DTYPE_CLASH = re.compile(r"same dtype|expected scalar type|Found dtype|should be the same|Expected .*dtype", re.I)
-
-
-def dtype_hint(exc, plan, model_obj, data_obj, sample: str = "") -> str:
-    """The fix when a step failed on a dtype clash between float64 data (numpy's default) and a model of
-    another floating dtype, else ''.
-
-    ``sample``: how sample 0 of a Dataset sent by value looked (``samples like (float64[5], int)``), whose
-    ``__getitem__`` the kernel does not call again.
-    """
-    import numpy as np
-
-    if not _DTYPE_CLASH.search(str(exc.evalue)) or data_obj is None or not hasattr(model_obj, "parameters"):
-        return ""
-    parts = data_obj.values() if isinstance(data_obj, dict) else data_obj if isinstance(data_obj, (tuple, list)) \
-        else getattr(data_obj, "tensors", None) or [data_obj]  # a TensorDataset's columns
-    double = [p for p in parts if str(getattr(p, "dtype", "")) in ("float64", "torch.float64")]
-    params = {str(p.dtype).removeprefix("torch.") for p in model_obj.parameters() if p.is_floating_point()}
-    if not params or params == {"float64"}:
-        return ""
-    if not double and "float64[" in sample:  # a Dataset: np.random.randn, pandas' .values, np.load of floats
-        return (f"--data {plan.data}'s samples are {sample.removeprefix('samples like ')}, float64 (numpy's default "
-                f"for floats), and {plan.model}'s parameters are {', '.join(sorted(params))}: return float32 from "
-                "__getitem__ (x.astype(np.float32), torch.as_tensor(x, dtype=torch.float32)), or convert the batch in "
-                "the step (x = x.float())")
-    if not double:
-        return ""
-    held, fix = (("float64 arrays (numpy's default for floats)", "X.astype(np.float32)")
-                 if any(isinstance(p, np.ndarray) for p in double) else ("float64 tensors", "X.float()"))
-    return (f"--data {plan.data} holds {held} and {plan.model}'s parameters are {', '.join(sorted(params))}: "
-            f"convert the data once in the notebook ({fix}), or the batch in the step (x = x.float())")
 
 
 def finish(session, plan, model_obj, rows, wall_seconds, num_shards, run, stopped=None, given=(), started_shown=False):
