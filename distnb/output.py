@@ -9,17 +9,23 @@ with the ranks that printed them:
 - a line on stderr that was already shown (a warning repeated every step) is not shown
   again; when the cell ends, one line says how many more times it came, and from which ranks;
 - lines that differ are all shown, in the order they were read (``--all-output`` shows every
-  rank's distinct lines in time order).
+  rank's distinct lines in time order);
+- the frames of a C++ backtrace on stderr (``frame #3: c10d::TCPStore::check(...)``, torch's warnings
+  when a peer's socket closes: about 40 lines per warning on every rank left when rank 0, which serves
+  the store, dies) are left out, and one line says how many.
 """
 
 from __future__ import annotations
 
+import re
 import time
 
 from .errors import rank_list  # noqa: F401  (named here too: the tags use it)
 
 #: Seconds lines are held so the same line from several ranks can be shown once.
 WINDOW = 0.3
+#: A line of a C++ backtrace that torch prints under ``Exception raised from ... (most recent call first):``
+CPP_FRAME = re.compile(r"^frame #\d+: |^<omitting python frames>$")
 
 
 def tag(ranks, world_size: int) -> str:
@@ -47,6 +53,7 @@ class LineFolder:
         self._partial = {}  # (rank, stream) -> text after the last newline
         self._pending = []  # [stream, line, ranks, first seen], in arrival order
         self._repeats = {}  # (stream, line) -> {rank: times} for stderr lines already shown
+        self._frames = {}  # (rank, "stderr") -> C++ backtrace frames left out since its last other line
 
     def feed(self, rank: int, stream: str, text: str) -> None:
         """``rank`` printed ``text`` (any piece of its output) to ``stream``."""
@@ -59,6 +66,11 @@ class LineFolder:
             self._add(rank, stream, line, now)
 
     def _add(self, rank, stream, line, now) -> None:
+        if stream == "stderr" and CPP_FRAME.match(line):
+            self._frames[(rank, stream)] = self._frames.get((rank, stream), 0) + 1
+            return
+        if self._frames.get((rank, stream)):
+            self._say_frames(rank, stream, now)
         key = (stream, line)
         if stream == "stderr" and key in self._repeats:
             counts = self._repeats[key]
@@ -70,12 +82,18 @@ class LineFolder:
                 return
         self._pending.append([stream, line, [rank], now])
 
+    def _say_frames(self, rank, stream, now) -> None:
+        n = self._frames.pop((rank, stream))
+        self._add(rank, stream, f"(the {n} line{'s' if n != 1 else ''} of its C++ backtrace left out)", now)
+
     def flush(self, final: bool = False) -> None:
         """Write the lines held longer than :data:`WINDOW` (all of them, and the repeat counts, if ``final``)."""
         if final:
             for (rank, stream), rest in sorted(self._partial.items()):
                 self._add(rank, stream, rest, self.clock())
             self._partial.clear()
+            for rank, stream in sorted(k for k, n in self._frames.items() if n):
+                self._say_frames(rank, stream, self.clock())
         now = self.clock()
         while self._pending and (final or now - self._pending[0][3] >= WINDOW):
             stream, line, ranks, _ = self._pending.pop(0)

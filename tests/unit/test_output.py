@@ -104,3 +104,26 @@ def test_the_interrupt_summary_names_a_position_at_an_epochs_end_as_after_it():
         "after the last step of epoch 54 (the next cell starts epoch 55)"
     assert _progress_position(dict(epoch=3, step=57)) == "epoch 3, 57 of this cell's steps"  # not the epoch's step
     assert _progress_position({}) == ""
+
+
+def test_a_cpp_backtrace_on_stderr_is_left_out_with_one_line_saying_how_many():
+    """torch's warning when a peer's socket closes (every rank left when rank 0, the store's server, dies) came with
+    its whole C++ backtrace, about 40 lines each time; the frames are left out, the warning and a count stay."""
+    folder, out, err, clock = _folder(2)
+    block = ("[rank1]:[W1204 04:43:45 TCPStore.cpp:125] [c10d] recvValue failed on SocketImpl(fd=51): Failed to recv\n"
+             "Exception raised from recvBytes at Utils.hpp:787 (most recent call first):\n"
+             + "".join(f"frame #{i}: c10::Error::Error() + 0x9d (0x7f37 in libc10.so)\n" for i in range(8))
+             + "<omitting python frames>\nframe #23: <unknown function> + 0x8c79\n\n")
+    for rank in (0, 1):
+        folder.feed(rank, "stderr", block)
+    folder.feed(0, "stdout", "frame #1: a line of the user's own, on stdout\n")
+    clock.t = 1.0
+    folder.flush(final=True)
+    lines = err.getvalue().splitlines()
+    assert not any("frame #" in line or "omitting python" in line for line in lines), lines
+    assert lines[1:3] == ["[ranks 0-1] Exception raised from recvBytes at Utils.hpp:787 (most recent call first):",
+                          "[ranks 0-1] (the 10 lines of its C++ backtrace left out)"], lines
+    assert out.getvalue() == "[rank 0] frame #1: a line of the user's own, on stdout\n"
+    folder.feed(1, "stderr", "frame #0: at the very end\n")  # a backtrace the cell ends in: counted at the end
+    folder.flush(final=True)
+    assert err.getvalue().endswith("[rank 1] (the 1 line of its C++ backtrace left out)\n")
