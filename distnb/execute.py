@@ -219,6 +219,10 @@ class Watch:
             raise self.session.last_error
         if failures:
             self.session.last_error = RankError(failures, context=self.what)  # %dist debug's default rank
+            if self.what == "%%dist cell":
+                from .tracebacks import notebook_name_hint
+
+                self.session.last_error.add_hint(notebook_name_hint(failures, self.session.ns))
             raise self.session.last_error
         return [ar.get(0) for ar in ars]
 

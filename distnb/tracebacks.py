@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import types
 
 from .errors import ranks_named  # noqa: F401  (cluster.py names late ranks with it)
 
@@ -115,3 +116,24 @@ def order_failures(failures: list, collateral=()) -> list:
     for f in failures:
         f["collateral"] = bool(f["rank"] in collateral or is_collateral(f))
     return sorted(failures, key=lambda f: (f["collateral"], f.get("failed_at") or float("inf"), f["rank"]))
+
+
+_UNDEFINED = re.compile(r"^name '([A-Za-z_][A-Za-z0-9_]*)' is not defined")
+
+
+def notebook_name_hint(failures, ns: dict) -> str:
+    """The fix when a ``%%dist`` cell failed with NameError for a name the notebook defines, else ''.
+
+    A ``%%dist`` cell runs on the ranks as written (a training body gets the names it reads pushed; this does
+    not): ``os`` imported in the notebook is not defined there, and Python's NameError did not say why.
+    """
+    for f in failures:
+        m = _UNDEFINED.match(f.get("evalue") or "") if f.get("ename") == "NameError" else None
+        if m and m.group(1) in ns:
+            name = m.group(1)
+            module = ns[name].__name__ if isinstance(ns[name], types.ModuleType) else None
+            fix = (f"define it in the cell, or send the notebook's with %dist push {name}" if module is None else
+                   f"import {module} in the cell" if module == name else f"import {module} as {name} in the cell")
+            return (f"{name} is defined in the notebook, not on the ranks: a %%dist cell runs there as written; "
+                    f"{fix}")
+    return ""

@@ -543,3 +543,17 @@ def test_a_cell_that_assigns_rank_has_it_set_back_and_is_told(shell, trained, ca
                      "loss = F.cross_entropy(model(x), y)")
     assert res.error_in_exec is None, res.error_in_exec
     assert s.run("rank") == ["0", "1"]
+
+
+def test_a_dist_cell_reading_a_name_only_the_notebook_defines_says_how_to_get_it_there(shell, trained):
+    """A %%dist cell runs on the ranks as written (training bodies get their names pushed; it does not), and
+    Python's NameError for `os`, imported in the notebook, did not say why."""
+    run(shell, "import json as nb_only_json\nnb_only_value = 3")
+    err = run(shell, "%%dist\nnb_only_json.dumps(1)").error_in_exec
+    assert isinstance(err, RankError) and "NameError" in str(err), err
+    assert ("nb_only_json is defined in the notebook, not on the ranks: a %%dist cell runs there as written; "
+            "import json as nb_only_json in the cell") in str(err)
+    err = run(shell, "%%dist\nnb_only_value + 1").error_in_exec
+    assert "send the notebook's with %dist push nb_only_value" in str(err), err
+    err = run(shell, "%%dist\nnowhere_at_all + 1").error_in_exec
+    assert isinstance(err, RankError) and "defined in the notebook" not in str(err), err
