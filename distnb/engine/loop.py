@@ -375,6 +375,7 @@ def _train(ns, plan, code_text, relay):
             exc.args = ("[distnb] some parameters got no gradient: run the cell with --find-unused-parameters "
                         f"(torch's message follows)\n{exc.args[0]}",) + exc.args[1:]  # the fix first, not after torch's text
         datasets.explain(exc)  # a DataLoader worker that died, a full /dev/shm
+        stepping.short_batch_note(exc, ns.get("batch"), plan)  # a shape error on an epoch's short last batch
         status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
         reporter.set_status(status, error=f"{type(exc).__name__}: {exc}"[:300], failed_at=time.time())
         postmortem.keep(exc, ns, "training")  # for %dist debug; mark_broken frees the group the frames hold

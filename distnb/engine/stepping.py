@@ -464,3 +464,27 @@ class Stepper:
     @property
     def lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
+
+
+#: Words of torch's errors about a tensor's shape or size (a view, a matmul, a cat, a loss against its target)
+_SHAPE_WORDS = ("shape", "size", "dimension")
+
+
+def short_batch_note(exc: BaseException, batch, plan) -> None:
+    """Add to ``exc``'s message, in place, that the step's batch was shorter than ``--batch-size`` when it failed on a
+    shape: the epoch's last batch of a shard is (without ``--drop-last``), and code written for a full one
+    (``x.view(32, -1)``) fails there only, after every full batch of the epoch trained, with torch's words alone."""
+    text = str(exc) if exc.args and isinstance(exc.args[0], str) else ""
+    if not text or "[distnb]" in text or plan.loop or plan.strategy == "pipeline" \
+            or not any(w in text.lower() for w in _SHAPE_WORDS):
+        return
+    first = batch
+    while isinstance(first, (tuple, list, dict)) and first:
+        first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+    n = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else None
+    if n is None or n >= plan.batch_size:
+        return
+    exc.args = (f"{exc.args[0]}\n[distnb] this step's batch held {n} samples, fewer than --batch-size "
+                f"{plan.batch_size}: the last batch of an epoch is short unless --drop-last. Code written for a "
+                "full batch (x.view(32, -1)) fails only there: use x.shape[0] (or -1), or pass --drop-last to "
+                "train on full batches only",) + tuple(exc.args[1:])

@@ -557,3 +557,19 @@ def test_a_dist_cell_reading_a_name_only_the_notebook_defines_says_how_to_get_it
     assert "send the notebook's with %dist push nb_only_value" in str(err), err
     err = run(shell, "%%dist\nnowhere_at_all + 1").error_in_exec
     assert isinstance(err, RankError) and "defined in the notebook" not in str(err), err
+
+
+def test_a_shape_error_on_an_epochs_short_last_batch_says_the_batch_was_short(shell, trained):
+    """Code written for a full batch fails only on each epoch's short last batch (128 samples a rank in batches of 48:
+    48, 48, 32), after the full ones trained, and torch's words alone did not say that batch was the short one."""
+    run(shell, "torch.manual_seed(0)\nshort_net = nn.Sequential(nn.Linear(8, 2))")
+    body = "x, y = batch\nx = x.view(48, 8)\nloss = F.cross_entropy(model(x), y)"
+    err = run(shell, f"%%distrain --model short_net --data bad_ds --batch-size 48 --progress none\n{body}").error_in_exec
+    assert isinstance(err, RankError) and "step 2" in str(err), err
+    assert "[distnb] this step's batch held 32 samples, fewer than --batch-size 48" in str(err), err
+    assert "--drop-last" in str(err) and "(the same error on each)" in str(err)
+    ok = run(shell, f"%%distrain --model short_net --data bad_ds --batch-size 48 --drop-last --progress none\n{body}")
+    assert ok.error_in_exec is None, ok.error_in_exec
+    full = run(shell, "%%distrain --model short_net --data bad_ds --batch-size 48 --progress none\n"
+                      "x, y = batch\nx = x.view(7, 8)\nloss = F.cross_entropy(model(x), y)").error_in_exec
+    assert isinstance(full, RankError) and "[distnb]" not in str(full), full  # a full batch: torch's words alone
