@@ -22,6 +22,19 @@ class Interrupted(KeyboardInterrupt):
         return [f"KeyboardInterrupt: {self}"]
 
 
+def stop_interrupted(what: str, call):
+    """``call()`` (``%dist stop`` or ``restart``); an interrupt while it stops the cluster is one line saying what was
+    done (the cluster's processes are ended anyway, the session is gone) instead of ipyparallel's frames, and that
+    ``%dist start`` (not ``restart``, which then finds no cluster) starts a new one."""
+    try:
+        return call()
+    except Interrupted:  # %dist restart's start interrupted: it says what it stopped
+        raise
+    except KeyboardInterrupt:
+        raise Interrupted(f"{what} interrupted while it stopped the cluster: its engines and controller were ended "
+                          "all the same; %dist start starts a new one") from None
+
+
 class PlanError(DistnbError, ValueError):
     """An option or plan is invalid; raised before anything starts on the ranks.
 

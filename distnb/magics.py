@@ -10,7 +10,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from . import options
-from .errors import ClusterError, PlanError
+from .errors import ClusterError, PlanError, stop_interrupted
 from .plan import ClusterSpec, RunOptions, TrainPlan
 
 
@@ -429,8 +429,9 @@ NEED_CLUSTER = ("stop",)
 #: What each ``%dist`` verb calls: ``(parsed args, the notebook namespace) -> value shown``.
 _VERB_CALLS = {
     "start": lambda args, ns: _start_session(ns, _start_options(args)),
-    "stop": lambda args, ns: _quiet(_current().stop()),
-    "restart": lambda args, ns: _quiet(_session().restart(**_start_options(args))),
+    "stop": lambda args, ns: _quiet(stop_interrupted("%dist stop", _current().stop)),
+    "restart": lambda args, ns: _quiet(stop_interrupted("%dist restart",
+                                                        lambda: _session().restart(**_start_options(args)))),
     "scale": lambda args, ns: _quiet(_session().scale(args.n, keep_global_batch=args.keep_global_batch)),
     "status": lambda args, ns: _session().status(),
     "push": lambda args, ns: _quiet(_session().push(*args.names)),

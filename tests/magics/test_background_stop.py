@@ -8,6 +8,7 @@ import signal
 import time
 
 import psutil
+import pytest
 import torch
 
 from distnb import session as session_mod
@@ -110,6 +111,32 @@ def test_status_during_a_background_run_and_stop_after_a_rank_was_killed(shell, 
         assert session_mod._CURRENT is None
         assert _alive([pids["controller"], *pids["engines"]]) == []
     finally:
+        _start_again(shell)
+
+
+@pytest.mark.parametrize("line", ["%dist restart", "%dist stop"])
+def test_ctrl_c_while_stop_or_restart_stops_the_cluster_is_one_line_saying_what_was_done(shell, monkeypatch, line):
+    """The cluster's processes were ended and the session forgotten, but the interrupt came out as ipyparallel's
+    frames (a KeyboardInterrupt in a thread join), and the restart left no hint that %dist start was what to run."""
+    import ipyparallel
+
+    pids = session_mod.current().cluster.pids
+    stop_cluster = ipyparallel.Cluster.stop_cluster
+
+    async def interrupted_stop(self, *args, **kwargs):  # a Ctrl-C while ipyparallel stops: the real SIGINT, here
+        os.kill(os.getpid(), signal.SIGINT)
+        return await stop_cluster(self, *args, **kwargs)
+
+    monkeypatch.setattr(ipyparallel.Cluster, "stop_cluster", interrupted_stop)
+    try:
+        err = run(shell, line).error_in_exec
+        assert isinstance(err, Interrupted), err
+        assert str(err) == (f"{line} interrupted while it stopped the cluster: its engines and controller were "
+                            "ended all the same; %dist start starts a new one")
+        assert err._render_traceback_() == [f"KeyboardInterrupt: {err}"]  # one line, no ipyparallel frames
+        assert _alive([pids["controller"], *pids["engines"]]) == [] and session_mod._CURRENT is None
+    finally:
+        monkeypatch.undo()
         _start_again(shell)
 
 
