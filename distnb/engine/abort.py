@@ -399,3 +399,17 @@ def consequence(exc: BaseException, rank: int):
         return None
     who = "another rank failed (the group's store on rank 0 is gone)" if by < 0 else f"rank {by} failed"
     return PeerFailed(f"rank {rank} stopped because {who}: its pending collective was ended at once")
+
+
+def printable(exc: BaseException) -> BaseException:
+    """``exc``, or when its ``str()`` raises (a notebook exception class whose ``__str__`` fails) a RuntimeError naming
+    it, with its traceback and ``exc`` as the cause. A failing cell's path formats the error many times (the report,
+    :func:`consequence`, the hints), and a raise there skipped the rest of it: the group's teardown, the failing step
+    (reported as step 0)."""
+    try:
+        str(exc)
+        return exc
+    except Exception as inner:
+        new = RuntimeError(f"the cell raised {type(exc).__name__}, whose str() raised {type(inner).__name__}: {inner}")
+        new.__cause__ = exc
+        return new.with_traceback(exc.__traceback__)

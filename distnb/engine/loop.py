@@ -370,12 +370,9 @@ def _train(ns, plan, code_text, relay):
         seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
         restored = ctx.validator.restore_best() if plan.restore_best and not ctx.interrupted else False
         ctx.final_checkpoint()  # a resume never goes back behind this cell's last step (the restored best, if any)
-    except BaseException as exc:
-        if "find_unused_parameters=True" in str(exc) and not plan.find_unused_parameters and exc.args:
-            exc.args = ("[distnb] some parameters got no gradient: run the cell with --find-unused-parameters "
-                        f"(torch's message follows)\n{exc.args[0]}",) + exc.args[1:]  # the fix first, not after torch's text
-        datasets.explain(exc)  # a DataLoader worker that died, a full /dev/shm
-        stepping.short_batch_note(exc, ns.get("batch"), plan)  # a shape error on an epoch's short last batch
+    except BaseException as caught:
+        exc = abort.printable(caught)  # each step below formats it
+        _annotate(exc, ns, plan)
         status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
         reporter.set_status(status, error=f"{type(exc).__name__}: {exc}"[:300], failed_at=time.time())
         postmortem.keep(exc, ns, "training")  # for %dist debug; mark_broken frees the group the frames hold
@@ -384,6 +381,8 @@ def _train(ns, plan, code_text, relay):
         runtime.mark_broken(ns)
         if stopped is not None:
             raise stopped from None
+        if exc is not caught:
+            raise exc from caught
         raise
     finally:
         stop.__exit__()
@@ -403,6 +402,15 @@ def _train(ns, plan, code_text, relay):
                 resumed=resumed, continued=continued, checkpoints=ctx.checkpoints, skipped_steps=ctx.skipped_steps,
                 iterated_epochs=ctx.iterated_epochs, progress_message=carried,
                 **_step_figures(plan, run, ctx, restored))
+
+
+def _annotate(exc, ns, plan) -> None:
+    """distnb's diagnosis added to a failed cell's error in place, where it knows one."""
+    if "find_unused_parameters=True" in str(exc) and not plan.find_unused_parameters and exc.args:
+        exc.args = ("[distnb] some parameters got no gradient: run the cell with --find-unused-parameters "
+                    f"(torch's message follows)\n{exc.args[0]}",) + exc.args[1:]  # the fix first, not after torch's text
+    datasets.explain(exc)  # a DataLoader worker that died, a full /dev/shm
+    stepping.short_batch_note(exc, ns.get("batch"), plan)  # a shape error on an epoch's short last batch
 
 
 def _last_word(reporter, relay, status: str):

@@ -482,12 +482,15 @@ def run_cell(ns: dict, code: str, targets=None, unchecked=False):
                 value = eval(compile(last, filename, "eval"), ns)
                 return None if value is None else repr(value)
         return None
-    except BaseException as exc:
+    except BaseException as caught:
+        exc = abort.printable(caught)  # formatted below
         postmortem.keep(exc, ns, "%%dist cell")  # its frames stay for %dist debug, until the next cell
         stopped = abort.consequence(exc, STATE.rank)  # another rank failed first: say so, briefly
         mark_broken(ns)
         if stopped is not None:
             raise stopped from None
+        if exc is not caught:
+            raise exc from caught
         raise
     finally:  # no flush here: ipyparallel's apply_request flushes stdout and stderr before it replies
         watchdog.stop()  # (each flush is a round trip to ipykernel's IOPub thread)

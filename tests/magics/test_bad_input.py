@@ -573,3 +573,19 @@ def test_a_shape_error_on_an_epochs_short_last_batch_says_the_batch_was_short(sh
     full = run(shell, "%%distrain --model short_net --data bad_ds --batch-size 48 --progress none\n"
                       "x, y = batch\nx = x.view(7, 8)\nloss = F.cross_entropy(model(x), y)").error_in_exec
     assert isinstance(full, RankError) and "[distnb]" not in str(full), full  # a full batch: torch's words alone
+
+
+def test_an_exception_whose_str_raises_is_named_with_its_rank_and_step(shell, trained):
+    """The failure path formats the error many times; a notebook exception class whose __str__ raises made the first
+    of those raise, which skipped the rest of it: the failing step was reported as step 0 (and the group's teardown
+    on that rank was skipped)."""
+    run(shell, "class BadStr(Exception):\n    def __str__(self):\n        raise RuntimeError('no str')")
+    said = "the cell raised BadStr, whose str() raised RuntimeError: no str"
+    err = run(shell, "%%distrain --model keep_net --data bad_ds --batch-size 32 --progress none\nx, y = batch\n"
+                     "if ctx.rank == 1 and ctx.step == 2:\n    raise BadStr()\n"
+                     "loss = F.cross_entropy(model(x), y)").error_in_exec
+    assert isinstance(err, RankError) and err.rank == 1 and said in str(err), err
+    assert "at epoch" in str(err) and "step 2" in str(err), err
+    err = run(shell, "%%dist\nclass BadStr2(BadStr):\n    pass\nif rank == 1:\n    raise BadStr2()").error_in_exec
+    assert isinstance(err, RankError) and err.rank == 1 and "the cell raised BadStr2, whose str() raised" in str(err)
+    assert session_mod.current().run("rank") == ["0", "1"]
