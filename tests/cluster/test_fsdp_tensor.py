@@ -394,3 +394,53 @@ def test_fsdp_tensor_plan_check_leaves_the_root_units_weights_as_they_were(dist_
     reference(ref, ns["rp_data"], num_shards=1, batch_size=8, epochs=1, seed=3, optimizer=torch.optim.Adam, lr=0.01)
     for (k, v), w in zip(ns["rp_net2"].state_dict().items(), ref.state_dict().values()):
         torch.testing.assert_close(v, w, **TOL, msg=k)
+
+
+OUTSIDE_CELL = """
+import torch, torch.nn as nn
+class TiedHead(nn.Module):  # the output layer is the embedding's weight, used in the model's own forward
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(15, 8)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)) for _ in range(2)])
+    def forward(self, x):
+        h = self.wte(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return h @ self.wte.weight.T
+def make_tied_head():
+    torch.manual_seed(4)
+    return TiedHead()
+"""
+LM_BODY = "x, y = batch\nloss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())"
+
+
+@pytest.mark.parametrize("strategy,options,shards", [("fsdp", {}, 2), ("fsdp+tensor", {"mesh": "1x2"}, 1)])
+def test_a_unit_weight_used_outside_its_forward_names_the_unit_and_the_units_that_work(dist_session, shell, strategy,
+                                                                                       options, shards):
+    """torch only said 'aten.mm.default got mixed torch.Tensor and DTensor' (fsdp+tensor: blamed on the tensor plan)."""
+    shell.run_cell(OUTSIDE_CELL)
+    ns = shell.user_ns
+    toks = torch.randint(0, 15, (48, 5), generator=torch.Generator().manual_seed(0))
+    ns["th_data"], ns["F"] = torch.utils.data.TensorDataset(toks[:, :-1], toks[:, 1:]), F
+    ns["th_net"], ref = ns["make_tied_head"](), ns["make_tied_head"]()
+
+    def train(**kw):
+        return dist_session.train(LM_BODY, model="th_net", data="th_data", epochs=1, batch_size=8, optimizer="sgd",
+                                  lr=0.1, strategy=strategy, progress="none", quiet=True, **options, **kw)
+
+    with pytest.raises(RankError) as info:
+        train()
+    said = str(info.value)
+    assert "uses a parameter of FSDP unit wte (`return h @ self.wte.weight.T`) outside that unit's own forward" \
+        in said and "Fix: --fsdp-units blocks.0,blocks.1 (not wte" in said and "tensor plan" not in said, said
+    train(fsdp_units=("blocks.0", "blocks.1"))  # as it says
+    reference(ref, ns["th_data"], num_shards=shards, batch_size=8, epochs=1, seed=0, optimizer=torch.optim.SGD,
+              lr=0.1, loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))
+    for (k, v), w in zip(ns["th_net"].state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(v, w, **TOL, msg=k)
+    if strategy == "fsdp":  # a pipeline cannot share the weight between its first and last stage, and says so
+        ns["th_net"] = ns["make_tied_head"]()
+        with pytest.raises(RankError, match="a weight tied across stages"):
+            dist_session.train(LM_BODY, model="th_net", data="th_data", batch_size=8, strategy="pipeline",
+                               progress="none", quiet=True)

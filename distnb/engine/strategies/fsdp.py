@@ -79,6 +79,45 @@ def default_units(module, prefix: str = "") -> list[str]:
     return units
 
 
+#: What DTensor says when an op gets a unit's sharded parameter (a DTensor) next to a plain tensor.
+MIXED = "got mixed torch.Tensor and DTensor"
+
+
+def used_outside(exc: BaseException, units) -> StrategyError | None:
+    """The StrategyError for ``exc`` when it is a unit's parameter used outside that unit's forward, else None.
+
+    FSDP2 gathers a unit's parameters only while its forward runs; anywhere else (an output layer
+    tied to an embedding as ``h @ self.wte.weight.T`` in the model's forward) they are this rank's
+    shard, a DTensor, and torch's error names neither the parameter nor the fix. The lines of the
+    notebook's code in the traceback that name a unit (``self.wte``) say which; leaving those out
+    of the units gives their parameters to the root unit, gathered for the whole forward.
+    """
+    import linecache
+    import re
+
+    if not isinstance(exc, RuntimeError) or MIXED not in str(exc):
+        return None
+    units = [u for group in units for u in group.split("+")]
+    lines, tb = [], exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if "site-packages" not in code.co_filename and "/distnb/" not in code.co_filename:
+            lines.append(linecache.getline(code.co_filename, tb.tb_lineno).strip())
+        tb = tb.tb_next
+    named = [u for u in units if any(re.search(rf"\bself\.{re.escape(u)}\b", line) for line in lines)]
+    rest = [u for u in units if u not in named and not any(u.startswith(n + ".") for n in named)]
+    if named:
+        fix = (f"--fsdp-units {','.join(rest)} (not {', '.join(named)}: its parameters then go to the root unit, "
+               "gathered for the whole forward)" if rest else f"--fsdp-units without {', '.join(named)}")
+        what = f"{', '.join(named)} (`{next(line for line in lines if any('self.' + u in line for u in named))}`)"
+    else:
+        fix = "--fsdp-units without the module whose parameter the forward uses directly (it then goes to the root unit)"
+        what = "one of the units " + ", ".join(units)
+    return StrategyError(f"the model's forward uses a parameter of FSDP unit {what} outside that unit's own forward; "
+                         f"FSDP2 gathers a unit's parameters only while its forward runs (elsewhere they are this "
+                         f"rank's shard: torch says '{str(exc).splitlines()[0]}'). Fix: {fix}")
+
+
 class FSDP(Strategy):
     """Each rank holds 1/world_size of every parameter, its gradient and its optimizer state.
 
@@ -126,6 +165,15 @@ class FSDP(Strategy):
                                     f"calls (it uses its elements), so FSDP could not gather its parameters before "
                                     f"they are used; {fix}")
         unit_groups(module, plan.fsdp_units or default_units(module))
+
+    def step(self, ns, code, ctx):
+        try:
+            return super().step(ns, code, ctx)
+        except RuntimeError as exc:
+            error = used_outside(exc, self.units)
+            if error is None:
+                raise
+            raise error from None
 
     def no_sync(self):
         """FSDP2's equivalent of ``no_sync``: no reduce-scatter; unsharded gradients accumulate until

@@ -346,8 +346,11 @@ class Pipeline(Strategy):
                 raise RuntimeError(f"the traced stage holds {name!r}, which is not a tensor of the model")
             if self.owners.get(name) not in (self.rank, None):
                 raise RuntimeError(f"the trace puts {name} in stage {self.rank}, but it belongs to stage "
-                                   f"{self.owners[name]}: the model's forward does not call its blocks in the order "
-                                   "they are registered; give --split names in forward order")
+                                   f"{self.owners[name]}: either the model's forward does not call its blocks in the "
+                                   "order they are registered (give --split names in forward order), or it uses "
+                                   f"{name} in a second stage too, outside its module (as in `h @ "
+                                   "self.wte.weight.T`, a weight tied across stages), which pipeline stages cannot "
+                                   "share (use another --strategy, e.g. fsdp)")
             if real[name].is_meta:
                 raise RuntimeError(f"{name} is used by stage {self.rank} but held by another stage")
             _set_tensor(sub, name, real[name])

@@ -54,6 +54,7 @@ from collections.abc import Mapping
 import torch
 
 from . import StrategyError
+from .fsdp import used_outside
 
 #: (rtol, atol) per output dtype: |split - whole| <= rtol * max|whole| + atol. Splitting changes
 #: only the order of sums (float32: about 1e-7 relative); a non-elementwise op between a pair
@@ -241,7 +242,10 @@ class VerifiedPlan:
                 try:
                     got = leaves(self.module(*args, **kwargs))
                 except RuntimeError as exc:  # the split layers' shapes do not fit the forward (DTensor's propagation
-                    # fails alike on every rank, before any collective): the plan, not the body, is wrong
+                    # fails alike on every rank, before any collective): the plan, not the body, is wrong ...
+                    outside = used_outside(exc, getattr(self, "units", None) or [])
+                    if outside is not None:  # ... or fsdp+tensor's FSDP units (fsdp.py), alike on every rank too
+                        raise outside from None
                     return DIFFERENT, float("inf"), f"the split model cannot run: {str(exc).splitlines()[0][:300].rstrip('.')}", \
                         [0] * len(rows)
         finally:
