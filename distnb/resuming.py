@@ -54,6 +54,17 @@ def newest_start(session, plan, model_obj=None):
     return dataclasses.replace(plan, resume=False) if mine is not None and mine > meta["steps"] else plan
 
 
+def _schedule_clause(plan, saved) -> str:
+    """What a resumed cell's ``--lr-schedule`` does to the checkpoint's live schedule ``saved`` (its record), or ""."""
+    if plan.lr_schedule is None or not saved:
+        return ""
+    at = (saved.get("state") or {}).get("last_epoch")
+    where = f" at step {at} of {saved['total']}" if at is not None else ""
+    return (f"; this cell's --lr-schedule {plan.lr_schedule} starts a new schedule over its own steps in place of the "
+            f"checkpoint's --lr-schedule {saved['name']}{where} (leave --lr-schedule and --warmup-steps out to go on "
+            "with it, as the run before would have)")
+
+
 def start_sentence(plan, resume_steps) -> str:
     """How a model just sent to the ranks starts (``resume_steps``: :func:`newest_start`'s record).
 
@@ -67,7 +78,8 @@ def start_sentence(plan, resume_steps) -> str:
     if not plan.reset and plan.resume and newest_meta(plan.checkpoint_dir) is not None:
         newer = "" if mine is None else f"; the notebook's weights are at step {mine}"
         then = f"it resumes from the newest checkpoint in --checkpoint-dir (step {saved}{newer})"
-        saved_strategy = newest_meta(plan.checkpoint_dir)["plan"]["strategy"]
+        meta = newest_meta(plan.checkpoint_dir)
+        saved_strategy = meta["plan"]["strategy"]
         if not optimizer_state_readable(saved_strategy, plan.strategy):
             then += (f" with a fresh {plan.optimizer or saved_optimizer} optimizer: --strategy {plan.strategy} cannot "
                      f"read the optimizer state --strategy {saved_strategy} saved (its weights and position resume; "
@@ -75,7 +87,7 @@ def start_sentence(plan, resume_steps) -> str:
         elif plan.optimizer not in (None, saved_optimizer):
             then += (f" with a fresh {optimizer} optimizer: the checkpoint's optimizer state is {saved_optimizer}'s "
                      f"(--optimizer {saved_optimizer} resumes it too; --reset starts from the notebook's weights)")
-        return then
+        return then + _schedule_clause(plan, meta.get("scheduler"))
     if not plan.resume:
         return (f"the notebook's weights (step {mine}) are newer than the newest checkpoint in --checkpoint-dir "
                 f"(step {saved}), so training goes on from them with a fresh {optimizer} optimizer")

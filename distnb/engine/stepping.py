@@ -180,6 +180,27 @@ def adopt_optimizer(ns: dict, run, plan, make_optimizer) -> None:
     run.optimizer.load_state_dict(held["optimizer"])
 
 
+def _lr_at_position(scheduler) -> None:
+    """Set the optimizer's lr to what ``scheduler`` gives at the step it has reached, from its (new) ``base_lrs``.
+
+    A cell's ``--lr`` on a live (or resumed) schedule becomes the schedule's base; without this the
+    cell's first optimizer step ran at that base itself (a cosine at 0.0015 stepped once at 0.01)
+    and only the next at the schedule's value. A closed form is needed (``LambdaLR``, the built-in
+    schedules, and torch's schedulers that have one); others keep the lr until their next step.
+    """
+    from torch.optim.lr_scheduler import LambdaLR
+
+    if isinstance(scheduler, LambdaLR):
+        lrs = [base * f(scheduler.last_epoch) for f, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)]
+    elif hasattr(scheduler, "_get_closed_form_lr"):
+        lrs = scheduler._get_closed_form_lr()
+    else:
+        return
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = list(lrs)
+
+
 def prepare_schedule(plan, run, total_steps: int, ns: dict, lr_given: bool) -> str:
     """A new schedule when the cell names one, else the live one (kept); returns a note ("" if none)."""
     if plan.lr_schedule is not None:
@@ -200,6 +221,7 @@ def prepare_schedule(plan, run, total_steps: int, ns: dict, lr_given: bool) -> s
         return ""
     if lr_given:
         run.scheduler.base_lrs = [g["lr"] for g in run.optimizer.param_groups]
+        _lr_at_position(run.scheduler)
     if run.scheduler.last_epoch >= run.schedule_total:
         return (f"the --lr-schedule {run.schedule_name} of an earlier cell has taken the {run.schedule_total} steps "
                 f"it was made for and goes on stepping from there (lr {run.optimizer.param_groups[0]['lr']:.3g}); "

@@ -107,3 +107,33 @@ def test_resume_into_another_strategy(dist_session, shell, tmp_path, saved, resu
         F.cross_entropy(ref_mid(x[idx]), y[idx]).backward()
         opt.step()
     torch.testing.assert_close(params(ns[name]), params(ref_mid), atol=1e-5, rtol=1e-5)
+
+
+def test_a_resumed_schedule_goes_on_exactly_and_a_new_one_is_named(dist_session, shell, tmp_path, capsys):
+    """The cell run again after a lost world (a new object: it resumes from the mid-run checkpoint) with its --lr
+    and without --lr-schedule goes on with the checkpoint's cosine at its step: before, its first optimizer step
+    ran at the --lr itself (0.01 where the cosine was at 0.0015). With --lr-schedule the cell says it starts anew."""
+    import shutil
+
+    ns = shell.user_ns
+    ns["rs_data"], ns["F"] = make_data(), F
+    opts = dict(data="rs_data", batch_size=8, seed=2, optimizer="adam", lr=0.01, strategy="fsdp", accumulate=2,
+                progress="none", quiet=True)
+    ns["rs_whole"] = make_model()
+    whole = dist_session.train(BODY, model="rs_whole", epochs=2, lr_schedule="cosine", warmup_steps=1, **opts)
+    ns["rs_net"] = make_model()
+    dist_session.train(BODY, model="rs_net", epochs=2, lr_schedule="cosine", warmup_steps=1,
+                       checkpoint_dir=str(tmp_path), checkpoint_every=6, **opts)  # 4 micro-steps an epoch
+    for d in sorted(tmp_path.iterdir())[1:]:
+        shutil.rmtree(d)  # the world was lost after step 6: epoch 1, micro-step 2 of 4
+    ns["rs_net"] = make_model()
+    again = dist_session.train(BODY, model="rs_net", epochs=1, checkpoint_dir=str(tmp_path), **opts)
+    assert [lr for _, lr in again.lr_history] == pytest.approx([lr for _, lr in whole.lr_history][3:], rel=1e-9)
+    torch.testing.assert_close(params(ns["rs_net"]), params(ns["rs_whole"]), atol=1e-6, rtol=1e-6)
+    ns["rs_net"] = make_model()
+    capsys.readouterr()
+    dist_session.train(BODY, model="rs_net", epochs=1, checkpoint_dir=str(tmp_path), lr_schedule="cosine",
+                       **dict(opts, quiet=False))
+    said = capsys.readouterr().out  # (the cell before saved its last step: the cosine at its end)
+    assert ("this cell's --lr-schedule cosine starts a new schedule over its own steps in place of the checkpoint's "
+            "--lr-schedule cosine at step 4 of 4 (leave --lr-schedule and --warmup-steps out") in said, said
