@@ -29,11 +29,12 @@ STRATEGIES = {
     "fsdp+tensor": ("FSDP2 across, tensor parallel within the --mesh", True),
     "ps": ("parameter server", True),
 }
-#: How a strategy's checkpoints lay out the optimizer state, where it is not by parameter name (as
-#: ``torch.distributed.checkpoint.state_dict`` has it for ddp, fsdp, tensor and fsdp+tensor): a
+#: How a strategy's checkpoints lay out the optimizer state, where it is not nested by parameter name
+#: (as ``torch.distributed.checkpoint.state_dict`` has it for ddp, fsdp, tensor and fsdp+tensor):
+#: pipeline stages and ps servers each save their own parameters' entries flattened by name. A
 #: strategy reads only its own layout's state, so a resume into another takes the checkpoint's
 #: weights and position with a fresh optimizer (:func:`optimizer_state_readable`).
-OPTIMIZER_LAYOUTS = {"pipeline": "per stage", "ps": "per server"}
+OPTIMIZER_LAYOUTS = {"pipeline": "flat by name", "ps": "flat by name"}
 
 
 def optimizer_state_readable(saved_strategy: str, strategy: str) -> bool:

@@ -58,11 +58,11 @@ SHARDS = {"ddp": 2, "fsdp": 2, "ps": 2, "tensor": 1, "pipeline": 1}
 
 
 @pytest.mark.parametrize("saved,resumed", [("fsdp", "pipeline"), ("pipeline", "fsdp"), ("ps", "tensor"),
-                                           ("fsdp", "tensor")])
+                                           ("fsdp", "tensor"), ("ps", "pipeline")])
 def test_resume_into_another_strategy(dist_session, shell, tmp_path, saved, resumed):
     """A model sent fresh with another --strategy resumes a --checkpoint-dir: the weights and position always;
-    the optimizer state where the two lay it out alike (ddp, fsdp, tensor by name; pipeline per stage and ps
-    per server only their own), else a fresh optimizer of the same kind. Before, pipeline and ps failed to
+    the optimizer state where the two lay it out alike (ddp, fsdp, tensor nested by name; pipeline and ps
+    flattened by name), else a fresh optimizer of the same kind. Before, pipeline and ps failed to
     load the others' checkpoints ("Missing key in checkpoint state_dict"), and a mid-epoch position was kept
     in the saving strategy's steps, not converted to the samples trained."""
     import itertools
@@ -97,8 +97,8 @@ def test_resume_into_another_strategy(dist_session, shell, tmp_path, saved, resu
         opt.zero_grad()
         F.cross_entropy(ref_mid(x[idx]), y[idx]).backward()
         opt.step()
-    same_state = {"pipeline": "stage", "ps": "server"}.get(saved, "name") == \
-        {"pipeline": "stage", "ps": "server"}.get(resumed, "name")
+    same_state = {"pipeline": "flat", "ps": "flat"}.get(saved, "nested") == \
+        {"pipeline": "flat", "ps": "flat"}.get(resumed, "nested")
     if not same_state:
         opt = torch.optim.Adam(ref_mid.parameters(), lr=0.01)
     rest = list(shard.global_batches(len(x), SHARDS[resumed], 2, 0, 8, False))[48 // (8 * SHARDS[resumed]):]
@@ -137,3 +137,22 @@ def test_a_resumed_schedule_goes_on_exactly_and_a_new_one_is_named(dist_session,
     said = capsys.readouterr().out  # (the cell before saved its last step: the cosine at its end)
     assert ("this cell's --lr-schedule cosine starts a new schedule over its own steps in place of the checkpoint's "
             "--lr-schedule cosine at step 4 of 4 (leave --lr-schedule and --warmup-steps out") in said, said
+
+
+def test_a_ps_checkpoint_resumes_with_other_servers(dist_session, shell, tmp_path):
+    """A ps checkpoint keeps each server's optimizer state by parameter name: --servers 2 resumes as --servers 1
+    (and back) with Adam's moments, equal to one uninterrupted process. Before, each server's state was saved by
+    its optimizer's own numbering ('Size mismatch ... for optimizer.server0.state.1.exp_avg')."""
+    from support.reference import reference
+
+    ns = shell.user_ns
+    ns["sv_data"], ns["F"] = make_data(), F
+    ref = make_model()
+    reference(ref, ns["sv_data"], num_shards=2, batch_size=8, epochs=3, seed=2, optimizer=torch.optim.Adam, lr=0.01)
+    for epoch, servers in enumerate((2, 1, 2)):
+        ns["sv_net"] = make_model()  # sent fresh: resumes from the newest checkpoint (none at first)
+        result = dist_session.train(BODY, model="sv_net", data="sv_data", epochs=1, batch_size=8, seed=2,
+                                    optimizer="adam", lr=0.01, strategy="ps", servers=servers,
+                                    checkpoint_dir=str(tmp_path), progress="none", quiet=True)
+        assert result.epochs == [epoch]
+    torch.testing.assert_close(params(ns["sv_net"]), params(ref), atol=1e-5, rtol=1e-5)

@@ -76,7 +76,7 @@ import time
 import torch
 
 from . import Strategy, StrategyError, tensor_bytes
-from .ps_optimizer import ServerOptimizer, clone_tensors, init_optimizer_state
+from .ps_optimizer import ServerOptimizer, clone_tensors, flat_state, init_optimizer_state, load_flat_state
 
 #: Tags of the point-to-point messages on the parameter-server group.
 GRAD_TAG, PARAMS_TAG = 71, 72
@@ -450,7 +450,8 @@ class ParameterServer(Strategy):
         """(model state, optimizer state) for ``torch.distributed.checkpoint``; every rank calls it.
 
         Each server contributes the authoritative values of the parameters it serves (its copy
-        with staleness) and its optimizer's state under ``server<rank>``; buffers and frozen
+        with staleness) and its optimizer's state by parameter name (``ps_optimizer.flat_state``,
+        the pipeline's layout: another --servers or a pipeline reads it); buffers and frozen
         parameters are replicas on every rank (DCP keeps one copy). Tensors are cloned under
         the server lock, so a checkpoint in the middle of an asynchronous cell is a consistent
         snapshot of each server. A fresh optimizer (no state yet) gets its state initialised
@@ -469,9 +470,9 @@ class ParameterServer(Strategy):
                 if id(t) not in trainable:
                     model[name] = t.detach().clone()
             optim = {}
-            if self.is_server:
+            if self.is_server and self.owned[self.rank]:
                 init_optimizer_state(inner)
-                optim[f"server{self.rank}"] = clone_tensors(inner.state_dict())
+                optim = clone_tensors(flat_state(inner, self._served_names()))
         return model, optim
 
     def load_checkpoint_state(self, optimizer, model_state, optimizer_state) -> None:
@@ -485,8 +486,8 @@ class ParameterServer(Strategy):
         with torch.no_grad():
             for name, value in model_state.items():
                 targets[name].copy_(value)
-        if self.is_server and optimizer_state is not None:  # None: the model only
-            inner.load_state_dict(optimizer_state[f"server{self.rank}"])
+        if self.is_server and self.owned[self.rank] and optimizer_state is not None:  # None: the model only
+            load_flat_state(inner, self._served_names(), optimizer_state)
         for s in range(self.num_servers):
             values = self._flat(self.owned[s]) if s == self.rank else \
                 torch.empty(self.numels[s], dtype=self.dtype, device=COMM_DEVICE)
@@ -494,6 +495,10 @@ class ParameterServer(Strategy):
             self._load(values, self.owned[s])
         if self.masters is not None:
             self._load(self._flat(self.owned[self.rank]), self.masters)
+
+    def _served_names(self) -> list[str]:
+        """The names of the parameters this server's optimizer updates, in its order."""
+        return [self._name(p) for p in self.owned[self.rank]]
 
     def _name(self, param) -> str:
         """The parameter's name in ``module.named_parameters()`` (the first one when tied)."""

@@ -84,3 +84,34 @@ def init_optimizer_state(optimizer) -> None:
                 group["lr"] = lr
         for p, g in zip(params, grads):
             p.grad = g
+
+
+def flat_state(optimizer, names) -> dict:
+    """``optimizer``'s state by parameter name: ``state.NAME.KEY`` and ``param_groups.NAME.KEY``.
+
+    The layout ``torch.distributed.checkpoint.state_dict`` flattens an optimizer state into
+    (``flatten_optimizer_state_dict=True``, as the pipeline's checkpoints have it), so a server's
+    entries are its own whatever the assignment of parameters to servers. ``names[i]``: the name
+    of the optimizer's ``i``-th parameter (in ``state_dict()``'s numbering).
+    """
+    sd = optimizer.state_dict()
+    out = {}
+    for i, state in sd["state"].items():
+        for key, value in state.items():
+            out[f"state.{names[i]}.{key}"] = value
+    for group in sd["param_groups"]:
+        for i in group["params"]:
+            out.update({f"param_groups.{names[i]}.{key}": value for key, value in group.items() if key != "params"})
+    return out
+
+
+def load_flat_state(optimizer, names, flat: dict) -> None:
+    """Load :func:`flat_state`'s layout ``flat`` into ``optimizer`` (whose state is initialised: its keys are asked)."""
+    sd = optimizer.state_dict()
+    state = {i: {key: flat[f"state.{names[i]}.{key}"] for key in cur} for i, cur in sd["state"].items()}
+    groups = []
+    for group in sd["param_groups"]:
+        first = names[group["params"][0]] if group["params"] else None
+        groups.append({key: (value if key == "params" or first is None else
+                             flat.get(f"param_groups.{first}.{key}", value)) for key, value in group.items()})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
