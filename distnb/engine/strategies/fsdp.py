@@ -83,7 +83,7 @@ def default_units(module, prefix: str = "") -> list[str]:
 MIXED = "got mixed torch.Tensor and DTensor"
 
 
-def used_outside(exc: BaseException, units) -> StrategyError | None:
+def used_outside(exc: BaseException, units, named_only: bool = False) -> StrategyError | None:
     """The StrategyError for ``exc`` when it is a unit's parameter used outside that unit's forward, else None.
 
     FSDP2 gathers a unit's parameters only while its forward runs; anywhere else (an output layer
@@ -91,6 +91,8 @@ def used_outside(exc: BaseException, units) -> StrategyError | None:
     shard, a DTensor, and torch's error names neither the parameter nor the fix. The lines of the
     notebook's code in the traceback that name a unit (``self.wte``) say which; leaving those out
     of the units gives their parameters to the root unit, gathered for the whole forward.
+    ``named_only``: None unless such a line names a unit (fsdp+tensor, where a tensor plan can mix
+    them too).
     """
     import linecache
     import re
@@ -106,6 +108,8 @@ def used_outside(exc: BaseException, units) -> StrategyError | None:
         tb = tb.tb_next
     named = [u for u in units if any(re.search(rf"\bself\.{re.escape(u)}\b", line) for line in lines)]
     rest = [u for u in units if u not in named and not any(u.startswith(n + ".") for n in named)]
+    if named_only and not named:
+        return None
     if named:
         fix = (f"--fsdp-units {','.join(rest)} (not {', '.join(named)}: its parameters then go to the root unit, "
                "gathered for the whole forward)" if rest else f"--fsdp-units without {', '.join(named)}")

@@ -243,7 +243,7 @@ class VerifiedPlan:
                     got = leaves(self.module(*args, **kwargs))
                 except RuntimeError as exc:  # the split layers' shapes do not fit the forward (DTensor's propagation
                     # fails alike on every rank, before any collective): the plan, not the body, is wrong ...
-                    outside = used_outside(exc, getattr(self, "units", None) or [])
+                    outside = used_outside(exc, getattr(self, "units", None) or [], named_only=True)
                     if outside is not None:  # ... or fsdp+tensor's FSDP units (fsdp.py), alike on every rank too
                         raise outside from None
                     return DIFFERENT, float("inf"), f"the split model cannot run: {str(exc).splitlines()[0][:300].rstrip('.')}", \
