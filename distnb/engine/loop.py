@@ -411,6 +411,7 @@ def _annotate(exc, ns, plan) -> None:
                     f"(torch's message follows)\n{exc.args[0]}",) + exc.args[1:]  # the fix first, not after torch's text
     datasets.explain(exc)  # a DataLoader worker that died, a full /dev/shm
     stepping.short_batch_note(exc, ns.get("batch"), plan)  # a shape error on an epoch's short last batch
+    stepping.dict_batch_note(exc, ns.get("batch"))  # x, y = batch on a dict batch: its keys
 
 
 def _last_word(reporter, relay, status: str):

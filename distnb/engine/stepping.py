@@ -510,3 +510,16 @@ def short_batch_note(exc: BaseException, batch, plan) -> None:
                 f"{plan.batch_size}: the last batch of an epoch is short unless --drop-last. Code written for a "
                 "full batch (x.view(32, -1)) fails only there: use x.shape[0] (or -1), or pass --drop-last to "
                 "train on full batches only",) + tuple(exc.args[1:])
+
+
+def dict_batch_note(exc: BaseException, batch) -> None:
+    """Add to ``exc``'s message, in place, that the batch is a dict when torch got a str where a tensor goes:
+    ``x, y = batch`` on a dict batch (a ``--data`` dict of tensors, a Dataset of dicts) unpacks its keys."""
+    text = str(exc) if exc.args and isinstance(exc.args[0], str) else ""
+    if not isinstance(batch, dict) or not batch or "[distnb]" in text or not ("not str" in text or "'str'" in text):
+        return
+    keys = list(batch)[:4]
+    take = ", ".join(f"batch[{k!r}]" for k in keys[:2])
+    exc.args = (f"{exc.args[0]}\n[distnb] the batch is a dict (keys {', '.join(map(repr, keys))}"
+                f"{', ...' if len(batch) > 4 else ''}), so `x, y = batch` gives its keys, which are strings: "
+                f"take its values by key ({', '.join(['x', 'y'][:len(keys[:2])])} = {take})",) + tuple(exc.args[1:])

@@ -318,6 +318,18 @@ def test_a_graph_carried_from_an_earlier_step_is_named_not_blamed_on_the_body(sh
     assert "`.detach()` it" in str(err) and "ran backward itself" not in str(err) and "step 1" in str(err)
 
 
+def test_a_dict_batch_unpacked_as_a_tuple_names_its_keys(shell, trained):
+    # x, y = batch on a dict gives its keys: torch said only "argument 'input' must be Tensor, not str"
+    run(shell, "torch.manual_seed(0)\ndict_net = nn.Sequential(nn.Linear(8, 2))\nby_key = {'x': X, 'y': Y}")
+    res = run(shell, f"%%distrain --model dict_net --data by_key --progress none\n{BODY}")
+    err = res.error_in_exec
+    assert isinstance(err, RankError) and "the batch is a dict (keys 'x', 'y')" in str(err), err
+    assert "x, y = batch['x'], batch['y']" in str(err)
+    ok = run(shell, "%%distrain --model dict_net --data by_key --progress none\n"
+                    "x, y = batch['x'], batch['y']\nloss = F.cross_entropy(model(x), y)")
+    assert ok.error_in_exec is None, ok.error_in_exec
+
+
 def test_nan_loss_on_one_rank_names_the_rank_and_step(shell, trained):
     run(shell, SETUP.split("torch.manual_seed(0)")[0] + "torch.manual_seed(1)\n"
                "nan_net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))")
