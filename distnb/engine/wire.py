@@ -161,7 +161,31 @@ def loads(payload: bytes, descs, buffers):
 
     ``buffers``: the tensor buffers, or one :class:`ShmRef` to them (see :func:`receive`).
     """
-    return _Unpickler(io.BytesIO(payload), receive(descs, buffers)).load()
+    obj = _Unpickler(io.BytesIO(payload), receive(descs, buffers)).load()
+    if isinstance(obj, torch.nn.Module):
+        hook_ids_after(obj)
+    return obj
+
+
+def hook_ids_after(module) -> None:
+    """Make the hooks registered in this process from now on take keys above every hook key ``module`` came with.
+
+    torch keys a module's hooks by ``torch.utils.hooks.RemovableHandle.next_id``, a counter of the
+    process that registered them. A module unpickled here keeps its keys, while this process's
+    counter starts at 0, so the next hook registered here on the same module (FSDP2's pre-forward
+    hook, distnb's, the user's) took a received hook's key and replaced it: a
+    ``torch.nn.utils.weight_norm`` layer under ``--strategy fsdp`` lost its hook and never trained
+    ``weight_g``/``weight_v``, with no error.
+    """
+    from torch.utils.hooks import RemovableHandle
+
+    top = -1
+    for sub in module.modules():
+        for key, value in vars(sub).items():
+            if "hook" in key and isinstance(value, dict) and value:
+                top = max(top, max((k for k in value if isinstance(k, int)), default=-1))
+    if top >= RemovableHandle.next_id:
+        RemovableHandle.next_id = top + 1
 
 
 def flatten_state(state: dict):
