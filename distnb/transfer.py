@@ -122,19 +122,9 @@ def _dataset_columns(data, name):
         columns, num_samples
 
 
-_MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules", "training"})
-_PLAIN = (int, float, str, bool, bytes, type(None))
-
-
 def _module_settings(module):
-    """Type and plain attributes (numbers, strings, tuples of them) of every submodule."""
-    out = []
-    for name, m in module.named_modules():
-        attrs = tuple(sorted((k, v) for k, v in vars(m).items()
-                             if k not in _MODULE_INTERNALS and not k.startswith("_")
-                             and (isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(isinstance(x, _PLAIN) for x in v)))))
-        out.append((name, id(type(m)), attrs))
-    return hash(tuple(out))
+    """Each submodule's type, own attributes and hooks (:func:`distnb.captured.module_state`)."""
+    return captured.module_state(module)
 
 
 def _leaf(x):
@@ -153,8 +143,9 @@ def _leaf(x):
 def fingerprint(obj):
     """A cheap identity of ``obj``'s current state, to decide whether the ranks hold it already.
 
-    A model: object id, each submodule's type and plain attributes (``net.scale = 0.5``
-    counts), each tensor's version counter, memory address, dtype, shape and device, and which
+    A model: object id, each submodule's type, own attributes and hooks (``net.scale = 0.5``,
+    ``net.act = torch.tanh``, ``register_forward_hook`` count; not tensors kept as plain attributes: a buffer
+    is state), each tensor's version counter, memory address, dtype, shape and device, and which
     parameters require gradients, and the notebook globals its classes' code reads
     (:mod:`distnb.captured`: ``TEMP = 100.0`` after the model was sent counts). Data: object id, length, and per column the same of each tensor,
     or a numpy array's checksum; a tuple, list or dict of tensors or arrays is its columns, not its id
@@ -546,9 +537,9 @@ def model_change(old, new, keys) -> str:
         shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
         parts.append(f"{shown} changed")
     if before[-3] != after[-3]:
-        parts.append("a submodule's settings changed")
+        parts.append(captured.changed_part(before[-3], after[-3]) or "a submodule's attributes changed")
     if before[-2] != after[-2]:
         parts.append("which parameters train changed")
     if before[-1] != after[-1]:
-        parts.append("a notebook global or function its code reads changed")
+        parts.append("a notebook global, function or class attribute its code reads changed")
     return "; ".join(parts) or "its state changed"

@@ -127,10 +127,38 @@ def test_a_notebook_global_the_model_reads_changed_is_sent_to_the_ranks(shell, c
         capsys.readouterr()
         result = run(shell, cell).result
         assert abs(result.final_loss - math.log(2)) < 1e-4, (change, result.final_loss)  # logits near 0: ln 2
-        assert "temp_net changed in the notebook since the last cell (a notebook global or function its code reads " \
+        assert "temp_net changed in the notebook since the last cell (a notebook global, function or class attribute " \
+               "its code reads " \
                "changed): the ranks get it again" in capsys.readouterr().out
         run(shell, "def scaled(z):\n    return z / TEMP\nTEMP = 1.0")
         run(shell, cell)
+
+
+def test_an_attribute_or_hook_changed_in_the_notebook_is_sent_to_the_ranks(shell, capsys):
+    # the ranks kept the model as first sent: an activation held as an attribute, a config dict, a forward hook
+    run(shell, "import torch, torch.nn as nn, torch.nn.functional as F\n"
+               "class Held(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+               "        self.fc = nn.Linear(4, 3)\n        self.act = torch.relu\n        self.cfg = {'scale': 1.0}\n"
+               "    def forward(self, x):\n        return self.act(self.fc(x)) * self.cfg['scale']\n"
+               "torch.manual_seed(0)\nheld_net = Held()\nheld_x, held_y = torch.randn(64, 4), torch.randint(0, 3, (64,))\n"
+               "held_data = torch.utils.data.TensorDataset(held_x, held_y)")
+    cell = "%%distrain --model held_net --data held_data --batch-size 32 --lr 1e-9 --progress none\nx, y = batch\n" \
+           "loss = F.cross_entropy(model(x), y)"
+    run(shell, cell)
+    changes = (("held_net.act = torch.tanh", "the model's attribute act changed"),
+               ("held_net.cfg['scale'] = 3.0", "the model's attribute cfg changed"),
+               ("_h = held_net.fc.register_forward_hook(lambda m, i, o: o * 2)", "a forward hook on fc was added"),
+               ("_h.remove()", "a forward hook on fc was added, removed or replaced"))
+    for change, says in changes:
+        run(shell, change)
+        expected = run(shell, "float(F.cross_entropy(held_net(held_x), held_y).detach())").result
+        capsys.readouterr()
+        result = run(shell, cell).result
+        assert abs(result.final_loss - expected) < 1e-5, (change, result.final_loss, expected)  # the new model's loss
+        assert f"held_net changed in the notebook since the last cell ({says}" in capsys.readouterr().out, change
+    run(shell, "_ = held_net(held_x)")  # an evaluation in the notebook is no change
+    run(shell, cell)
+    assert "changed in the notebook" not in capsys.readouterr().out
 
 
 def test_a_new_object_under_a_trained_name_starts_from_the_defaults(shell, capsys):

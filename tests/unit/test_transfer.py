@@ -231,3 +231,32 @@ def test_the_notebook_globals_a_model_reads_are_in_its_fingerprint():
         fp = fingerprint(net)
     exec("UNUSED = 5", nb.__dict__)  # a global the model's code does not read
     assert fingerprint(net) == fp
+
+
+def test_a_models_attributes_and_hooks_are_in_its_fingerprint():
+    import types
+
+    from distnb.transfer import model_change
+
+    nb = types.ModuleType("__main__")
+    exec("import torch, torch.nn as nn\nclass M(nn.Module):\n    SCALE = 1.0\n    def __init__(self):\n"
+         "        super().__init__()\n        self.fc = nn.Linear(2, 2)\n        self.act = torch.relu\n"
+         "        self.cfg = {'scale': 1.0, 'sizes': [1, 2]}\n"
+         "    def forward(self, x):\n        self.last = x\n        return self.act(self.fc(x)) * self.SCALE\n", nb.__dict__)
+    net = nb.M()
+    keys = list(net.state_dict())
+    fp = fingerprint(net)
+    net(torch.randn(3, 2))  # a forward that caches a tensor in an attribute: no change
+    assert fingerprint(net) == fp
+    for change, says in (("net.act = torch.tanh", "the model's attribute act changed"),
+                         ("net.cfg['sizes'][0] = 5", "the model's attribute cfg changed"),
+                         ("h = net.fc.register_forward_hook(lambda m, i, o: o)", "a forward hook on fc was added"),
+                         ("h.remove()", "a forward hook on fc"),
+                         ("net.register_forward_pre_hook(lambda m, i: None)", "a forward pre-hook on the model"),
+                         ("M.SCALE = 2.0", "class attribute its code reads changed")):
+        exec(change, {"net": net, "torch": torch, "M": nb.M, **globals()}, nb.__dict__)
+        after = fingerprint(net)
+        assert after != fp and says in model_change(fp, after, keys), change
+        fp = after
+    net.eval()  # the mode is the cell's business, not a change
+    assert fingerprint(net) == fp
