@@ -17,7 +17,7 @@ from .errors import PlanError
 from .options import check_path
 from .execute import run_on_ranks
 from .plan import TrainPlan
-from .resuming import unwritable
+from .resuming import push_saved_names, unwritable
 
 
 def save(session, name: str, model_obj, directory: str, quiet: bool = False) -> dict:
@@ -88,6 +88,7 @@ def load(session, name: str, model_obj, directory: str, quiet: bool = False, cha
                                       session.world_size, f"%dist load {directory}: {name}")
     plan = TrainPlan.from_dict(dict(meta["plan"], model=name, reset=True, checkpoint_dir=None, checkpoint_every=None,
                                     **(changes or {})))
+    push_saved_names(session, meta)  # before the model is sent: the load's own error, nothing changed
     training.ensure_model(session, plan, model_obj, quiet=True)
     try:
         run_on_ranks(session, calls.restore, name, meta["path"], changes or None, what=f"loading {name}")

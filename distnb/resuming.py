@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from .plan import optimizer_state_readable
+from .errors import PlanError
+from .plan import DEFAULT_LR, LR_SCHEDULES, optimizer_state_readable
 
 
 def newest_meta(directory: str | None) -> dict | None:
@@ -52,6 +53,36 @@ def newest_start(session, plan, model_obj=None):
     mine = session.holdings.steps_of(plan.model, model_obj)  # None for a new object under the name
     session.holdings.resume_steps = (mine, meta["steps"], meta["optimizer"])
     return dataclasses.replace(plan, resume=False) if mine is not None and mine > meta["steps"] else plan
+
+
+def push_saved_names(session, meta: dict, plan=None) -> None:
+    """Push to the ranks the notebook functions checkpoint ``meta`` was made with, which they rebuild it by.
+
+    Its ``--lr-schedule`` (a notebook ``f(optimizer, total_steps)``; not when ``plan``, the resuming
+    cell, names a schedule of its own) and its ``--optimizer`` (a notebook ``f(params)``), looked up in
+    the notebook by name: ranks started since (``%dist restart``) hold neither, and the resume failed
+    on every rank ("--lr-schedule 'sched' is not a function on this rank").
+
+    Raises
+    ------
+    PlanError
+        The notebook does not define one of them now (or it is not callable): naming it and the fix,
+        before anything is sent.
+    """
+    saved_schedule = (meta.get("scheduler") or {}).get("name")
+    wanted = []
+    if saved_schedule and saved_schedule not in LR_SCHEDULES and (plan is None or plan.lr_schedule is None):
+        wanted.append(("--lr-schedule", saved_schedule, "or give --lr-schedule to start a new schedule instead"))
+    if meta.get("optimizer") and meta["optimizer"] not in DEFAULT_LR:
+        wanted.append(("--optimizer", meta["optimizer"], "or --reset to start from the notebook's weights with a "
+                       "fresh optimizer"))
+    for flag, name, other in wanted:
+        value = session.ns.get(name)
+        if not callable(value):
+            now = "does not define now" if name not in session.ns else f"holds as a {type(value).__name__} now"
+            raise PlanError(f"the checkpoint {meta['path']} goes on with {flag} {name}, a notebook function, which "
+                            f"the notebook {now}: define it again (the same function) to resume with it, {other}")
+        session.push(name)
 
 
 def _schedule_clause(plan, saved) -> str:

@@ -20,7 +20,7 @@ from . import calls, data, export, modelcheck, options, transfer
 from .display import ProgressState, make_view, view_kind
 from .display.tables import count
 from .errors import PlanError, RankError
-from .resuming import check_folders, first_step, newest_start, start_sentence
+from .resuming import check_folders, first_step, newest_meta, newest_start, push_saved_names, start_sentence
 from .execute import run_on_ranks
 from .plan import DISTRIBUTION, LR_SCHEDULES, TrainPlan, carry_over, not_carried, redistribution
 
@@ -367,6 +367,9 @@ def ensure_model(session, plan, model_obj, quiet) -> bool:
         why = _why_sent_again(plan, model_obj, held, fp, last, verdict)
         if why:
             print(f"distnb: {why}")
+    meta = None if plan.reset or not plan.resume else newest_meta(plan.checkpoint_dir)
+    if meta is not None:  # the ranks resume from it: the notebook functions they rebuild it with
+        push_saved_names(session, meta, plan)
     cluster = session.cluster
     from . import resident
 

@@ -491,10 +491,16 @@ def _prepare(ns, plan, run):
     if not (fresh and plan.checkpoint_dir and not plan.reset and plan.resume and checkpoint.latest(plan.checkpoint_dir)):
         return _optimizer(ns, run, plan)[1], None
     meta = checkpoint.read_meta(plan.checkpoint_dir)
-    # the optimizer the checkpoint holds the state of (its lr and schedule come back with it) ...
-    _optimizer(ns, run, dataclasses.replace(plan, optimizer=meta["optimizer"], lr=None, lr_if_new=None))
-    readable = optimizer_state_readable(meta["plan"]["strategy"], plan.strategy)
-    checkpoint.load(run, meta, ns, plan, optimizer_state=readable)
+    position = (run.epoch, run.epoch_step, run.epoch_samples, run.steps, run.optimizer_steps)
+    try:
+        # the optimizer the checkpoint holds the state of (its lr and schedule come back with it) ...
+        _optimizer(ns, run, dataclasses.replace(plan, optimizer=meta["optimizer"], lr=None, lr_if_new=None))
+        readable = optimizer_state_readable(meta["plan"]["strategy"], plan.strategy)
+        checkpoint.load(run, meta, ns, plan, optimizer_state=readable)
+    except BaseException:  # as received again: the next cell resumes anew (it trained on without the schedule)
+        run.optimizer = run.scheduler = run.schedule_name = None
+        run.epoch, run.epoch_step, run.epoch_samples, run.steps, run.optimizer_steps = position
+        raise
     if not readable:  # ... another strategy's layout: the weights and position, a fresh optimizer
         run.optimizer = None  # (its lr: the cell's, else the one the checkpoint's cell trained with)
         lr_if_new = plan.lr_if_new if plan.lr_if_new is not None else meta["plan"].get("lr")

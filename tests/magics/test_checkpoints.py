@@ -315,3 +315,35 @@ def test_another_optimizer_on_resume_takes_the_weights_with_a_fresh_optimizer(di
     s.run("_opt = (type(optimizer).__name__, optimizer.param_groups[0]['lr'])")
     assert s.pull("_opt", rank=0) == ("Adam", 0.02)
     torch.testing.assert_close(params(ns["ck_switch"]), params(ns["ck_ref"]), atol=1e-6, rtol=1e-6)
+
+
+def test_a_notebook_schedule_resumes_after_a_restart_or_its_absence_is_named(dist_session, shell, tmp_path):
+    """The ranks rebuild a checkpoint's schedule by name: a notebook function they never got after %dist restart
+    ("--lr-schedule 'sched' is not a function on this rank"), and the next cell then trained without it, silently."""
+    from distnb.errors import PlanError
+
+    shell.run_cell("from torch.optim.lr_scheduler import CosineAnnealingLR\n"
+                   "def ck_sched(optimizer, total_steps):\n    return CosineAnnealingLR(optimizer, T_max=3 * total_steps)")
+    ns = shell.user_ns
+    ns["ck_data"], ns["F"] = make_data(), F
+    ns["ck_cos"], ns["ck_cos_ref"] = make_model(), make_model()
+    ckdir = str(tmp_path)
+    train(dist_session, "ck_cos", 1, optimizer="adam", lr=0.01, lr_schedule="ck_sched", checkpoint_dir=ckdir)
+    train(dist_session, "ck_cos_ref", 1, optimizer="adam", lr=0.01, lr_schedule="ck_sched")
+    going_on = train(dist_session, "ck_cos_ref", 1).lr_history  # the live schedule's next 6 steps
+    sched = ns.pop("ck_sched")
+    s = _restarted(shell)
+    with pytest.raises(PlanError, match="goes on with --lr-schedule ck_sched, a notebook function, which the notebook "
+                                        "does not define now: define it again"):
+        train(s, "ck_cos", 1, checkpoint_dir=ckdir)
+    ns["ck_sched"] = sched
+    r = train(s, "ck_cos", 1, checkpoint_dir=ckdir)
+    assert r.rows[0]["resumed"] is not None
+    assert r.lr_history == going_on, (r.lr_history, going_on)
+    torch.testing.assert_close(params(ns["ck_cos"]), params(ns["ck_cos_ref"]))
+    s = _restarted(shell)
+    del ns["ck_sched"]
+    with pytest.raises(PlanError, match="goes on with --lr-schedule ck_sched"):  # %dist load: before anything is sent
+        s.load(ckdir, model="ck_cos", quiet=True)
+    ns["ck_sched"] = sched
+    assert s.load(ckdir, model="ck_cos", quiet=True)["scheduler"]["name"] == "ck_sched"
