@@ -226,8 +226,9 @@ class Context:
     def epochs(self):
         """Yield the ``--epochs`` epoch numbers (counted across cells); after each, all-reduce the mean loss.
 
-        Each epoch the body finishes here advances the model's epoch count, runs validation
-        and checkpoints, and honours ``--target-loss`` and ``--patience``. With ``--loop`` this
+        Each epoch the body finishes here advances the model's epoch count, runs checkpoints and
+        honours ``--target-loss`` (validation and ``--patience`` in a step cell; ``--val-data`` is
+        refused with ``--loop``, whose body is not one step). With ``--loop`` this
         is the only place ``--epochs`` acts: a body that never iterates it runs the passes it
         writes itself, and the epoch count stays as it was.
         """
