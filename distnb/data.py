@@ -383,9 +383,10 @@ def describe_loaded(plan, info, world_size) -> str:
     workers = f"{count(plan.workers, 'DataLoader worker')}/rank" if plan.workers else "loaded in each rank (no workers)"
     if info["kind"] == "stream":
         split = f"split across {count(info['num_shards'], 'rank')} x {max(1, plan.workers)} loaders without duplicates"
-        steps = (f"{count(plan.steps_per_epoch, 'step')}/epoch" if plan.steps_per_epoch else
-                 "each epoch until the first rank's stream ends (the ranks agree at every step)")
-        return f"{plan.data}: {info['why']}; {split}; {steps} of {plan.batch_size}; {workers}"
+        steps = (f"{count(plan.steps_per_epoch, 'step')}/epoch of {plan.batch_size}" if plan.steps_per_epoch else
+                 f"batches of {plan.batch_size} each epoch until the first rank's stream ends (the ranks agree at "
+                 "every step)")
+        return f"{plan.data}: {info['why']}; {split}; {steps}; {workers}"
     cut = describe_cut(plan, info, info["num_shards"], world_size).split(": ", 1)[1]
     if info["kind"] == "part":
         cut = f"parts of {count(info['length'], 'sample')} ({cut})"

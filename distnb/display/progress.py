@@ -208,9 +208,12 @@ class ProgressState:
         self.version += 1
 
     def fraction(self, rank: int) -> float:
-        """Share of this cell's steps that ``rank`` has finished, 0 to 1."""
+        """Share of this cell's steps that ``rank`` has finished, 0 to 1 (a stream, whose total is not
+        known: 1 once the rank is done, else 0)."""
         row = self.rows[rank]
-        return min(1.0, row["step"] / row["total"]) if row["total"] else 0.0
+        if not row["total"]:
+            return 1.0 if row["status"] == "done" else 0.0
+        return min(1.0, row["step"] / row["total"])
 
     def cell_epoch(self, rank: int) -> int:
         """Which of this cell's epochs ``rank`` is in, counted from 1 (epoch numbers continue across cells)."""

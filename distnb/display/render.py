@@ -81,11 +81,18 @@ def _rate(row) -> float:
     return row["rate"] if row.get("rate") is not None else (row["samples_per_s"] or 0.0)
 
 
+def steps_done(row) -> str:
+    """``12/40``: a rank's steps of the cell's total; ``12`` where the total is not known (a stream)."""
+    return f"{row['step']}/{row['total']}" if row["total"] else f"{row['step']}"
+
+
 def _bar(row, fraction) -> str:
     pct = 100.0 * fraction
     color = BAR.get(row["status"], BAR["running"])
-    return (f"<div role='progressbar' class='distnb-bar' aria-valuenow='{row['step']}' aria-valuemin='0' "
-            f"aria-valuemax='{row['total']}' title='{pct:.0f}%' style='display:inline-block;vertical-align:middle;"
+    # a stream's total is not known: an indeterminate bar (ARIA: no value), full once the rank is done
+    value = (f"aria-valuenow='{row['step']}' aria-valuemin='0' aria-valuemax='{row['total']}' title='{pct:.0f}%'"
+             if row["total"] else f"title='{row['step']} steps (a stream: the total is not known)'")
+    return (f"<div role='progressbar' class='distnb-bar' {value} style='display:inline-block;vertical-align:middle;"
             f"width:110px;height:10px;background:#e8e8e8;border-radius:3px;overflow:hidden'>"
             f"<div class='distnb-bar-fill' style='width:{pct:.1f}%;height:100%;background:{color}'></div></div>")
 
@@ -140,7 +147,7 @@ def table_html(state, ranks=None) -> str:
                  f"<td style='{_CELL};text-align:left'>{esc(row['device'])}</td>"]
         if stage:
             cells.append(f"<td class='distnb-stage' style='{_CELL}'>{esc(row['stage'])}</td>")
-        cells += [f"<td style='{_CELL}'>{_bar(row, frac)} <span class='distnb-steps'>{row['step']}/{row['total']}"
+        cells += [f"<td style='{_CELL}'>{_bar(row, frac)} <span class='distnb-steps'>{steps_done(row)}"
                   f"</span></td>",
                   f"<td style='{_CELL}'>{esc(epoch)}</td>",
                   f"<td class='distnb-loss-value' style='{_CELL}'>{esc(loss)}</td>",
@@ -399,7 +406,7 @@ def dashboard_text(state) -> str:
     lines = [f"distnb {state.strategy or 'training'} · {state.world_size} ranks · {overall_status(state)}"]
     for r, row in enumerate(state.rows):
         loss = "-" if row["smooth_loss"] is None else f"{row['smooth_loss']:.4f}"
-        line = (f"rank {r}  {row['status']:<11} step {row['step']}/{row['total']}  loss {loss}  "
+        line = (f"rank {r}  {row['status']:<11} step {steps_done(row)}  loss {loss}  "
                 f"{_rate(row):.0f} samples/s  peak {fmt_bytes(row['peak_memory'])}")
         if row["status"] in ("failed", "interrupted") and row.get("error"):
             line += f"  {one_line(row['error'])}"

@@ -88,6 +88,18 @@ def test_table_rows_status_colours_error_and_stage():
     assert "class='distnb-stage'" in render.table_html(st)  # a stage sent by a strategy shows too
 
 
+def test_a_stream_of_unknown_length_shows_its_steps_without_a_total():
+    st = ProgressState(2, total_steps=0, epochs=2, strategy="ddp")  # an IterableDataset: the total is not known
+    running(st, 0, 6, 0.5)
+    st.update(0, dict(status="done"))
+    running(st, 1, 3, 0.7)
+    html = render.table_html(st)
+    assert "/0" not in html and "aria-valuemax" not in html  # it said 6/0, and aria-valuemax='0'
+    assert "<span class='distnb-steps'>6</span>" in html and "a stream: the total is not known" in html
+    assert st.fraction(0) == 1.0 and st.fraction(1) == 0.0  # done: a full bar
+    assert "step 6  loss" in render.dashboard_text(st) and "step 3  loss" in render.dashboard_text(st)
+
+
 def test_loss_chart_has_a_line_per_rank_and_the_mean_thinned():
     st = ProgressState(2, total_steps=1000)
     for step in range(1, 1001):
