@@ -137,3 +137,27 @@ def notebook_name_hint(failures, ns: dict) -> str:
             return (f"{name} is defined in the notebook, not on the ranks: a %%dist cell runs there as written; "
                     f"{fix}")
     return ""
+
+
+_FRAME = re.compile(r"(?:, line \d+|:\d+), in ([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def body_name_hint(failures, ns: dict, body_names) -> str:
+    """The fix when a notebook function failed with NameError for one of the step body's own names, else ''.
+
+    ``body_names``: what a training body has in scope on the ranks (``model``, ``ctx``, ``batch``, ...).
+    A notebook function travels by value with the notebook globals it reads, and those names are not
+    among them: ``ctx.after_backward(halve)`` with ``halve`` reading ``model`` failed with Python's bare
+    "name 'model' is not defined", while the body beside it used ``model``.
+    """
+    for f in failures:
+        m = _UNDEFINED.match(f.get("evalue") or "") if f.get("ename") == "NameError" else None
+        if not m or m.group(1) not in body_names:
+            continue
+        frames = _FRAME.findall(f.get("full_traceback") or f.get("traceback") or "")
+        fn, name = (frames[-1] if frames else None), m.group(1)
+        if fn and isinstance(ns.get(fn), types.FunctionType):
+            return (f"{fn} is a notebook function: the ranks got it by value with the notebook's globals it reads, and "
+                    f"{name} is not one of them ({name} is the step body's, on the ranks); pass it in: "
+                    f"def {fn}({name}, ...) and call {fn}({name}) from the body (ctx.after_backward(lambda: {fn}({name})))")
+    return ""

@@ -56,3 +56,21 @@ def test_a_chained_tracebacks_raising_frame_in_torch_is_kept_before_the_next_sec
              "During handling of the above exception, another exception occurred:"]
     cleaned = clean_traceback("\n\n".join(first + RAISED[2:]))
     assert cleaned.startswith(first[0] + "\n\n" + first[1] + "\n\nKeyError")  # a run of one is not folded
+
+
+def test_a_notebook_function_reading_a_body_name_is_told_to_take_it_as_an_argument():
+    from distnb.tracebacks import body_name_hint
+
+    def halve():
+        pass
+
+    tb = ("NameError                                 Traceback (most recent call last)\n\n"
+          "File <ipython-input-1-837d25b7894c>:6, in halve()\n----> 6     for p in model.parameters():\n\n"
+          "NameError: name 'model' is not defined")
+    failure = dict(ename="NameError", evalue="name 'model' is not defined", traceback=tb)
+    hint = body_name_hint([failure], {"halve": halve}, {"model", "ctx"})
+    assert hint.startswith("halve is a notebook function") and "ctx.after_backward(lambda: halve(model))" in hint
+    assert body_name_hint([failure], {}, {"model"}) == ""  # not a notebook function: Python's words are enough
+    assert body_name_hint([dict(failure, evalue="name 'other' is not defined")], {"halve": halve}, {"model"}) == ""
+    plain = dict(failure, traceback='  File "/tmp/x.py", line 6, in halve\nNameError: name \'model\' is not defined')
+    assert body_name_hint([plain], {"halve": halve}, {"model"}).startswith("halve is")
