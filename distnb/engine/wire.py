@@ -110,7 +110,7 @@ def pack(obj, tensors=None):
 
     import cloudpickle
 
-    from . import sources
+    from . import parametrized, sources
 
     class _TensorPickler(cloudpickle.Pickler):
         dispatch_table = ChainMap({types.CodeType: sources.reduce_code}, cloudpickle.Pickler.dispatch_table)
@@ -118,6 +118,11 @@ def pack(obj, tensors=None):
         def __init__(self, file):
             super().__init__(file, protocol=5)
             self.tensors, self._index = [], {}
+
+        def reducer_override(self, obj):
+            if parametrized.is_parametrized(obj):  # torch refuses to pickle these: their class, then their state
+                return parametrized.reduce(obj)
+            return super().reducer_override(obj)
 
         def persistent_id(self, obj):
             if isinstance(obj, torch.Tensor):

@@ -260,3 +260,22 @@ def test_a_models_attributes_and_hooks_are_in_its_fingerprint():
         fp = after
     net.eval()  # the mode is the cell's business, not a change
     assert fingerprint(net) == fp
+
+
+def test_a_parametrized_model_round_trips_exactly():
+    from torch.nn.utils import parametrizations
+
+    from distnb.engine import wire
+
+    torch.manual_seed(0)
+    net = nn.Sequential(parametrizations.weight_norm(nn.Linear(5, 6)), nn.Tanh(),
+                        parametrizations.spectral_norm(nn.Linear(6, 3)), parametrizations.orthogonal(nn.Linear(3, 3)))
+    net.eval()
+    got = wire.loads(*wire.pack(net))
+    got.eval()
+    x = torch.randn(4, 5)
+    assert torch.equal(got(x), net(x)) and list(got.state_dict()) == list(net.state_dict())
+    assert type(got[0]).__name__ == "ParametrizedLinear"
+    got.train()
+    got(x).sum().backward()
+    assert got[0].parametrizations.weight.original0.grad is not None
