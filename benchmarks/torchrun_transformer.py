@@ -5,6 +5,11 @@ Run under torchrun (gloo, CPU)::
     .venv/bin/torchrun --standalone --nproc-per-node 2 benchmarks/torchrun_transformer.py \\
         --size small --strategy ddp --epochs 3
 
+or on GPUs (nccl, rank r on ``cuda:LOCAL_RANK``); ``--ranks N`` outside torchrun re-runs the script
+under ``torchrun --standalone --nproc-per-node N`` (default: 2 on cpu, the visible GPUs on cuda)::
+
+    python3 benchmarks/torchrun_transformer.py --device cuda --ranks 1 --size large --strategy fsdp
+
 What distnb does for ``%%distrain --strategy S``, written by hand with the same torch APIs:
 
 - ``ddp``: ``DistributedDataParallel(model, gradient_as_bucket_view=True)`` (distnb's ``ddp.py``);
@@ -19,9 +24,16 @@ What distnb does for ``%%distrain --strategy S``, written by hand with the same 
   2 microbatches and ``scale_grads=False``, each microbatch loss weighted by its share of the
   batch; the batch loss is broadcast from the last stage; the same batches on every rank.
 
+On ``--device cuda`` (nccl): each rank calls ``torch.cuda.set_device(LOCAL_RANK)`` before
+``init_process_group("nccl")``; the model is moved to its GPU before the wrapping, DDP gets
+``device_ids``, the meshes are ``init_device_mesh("cuda", ...)``, the pipeline stage is built on the
+GPU, autocast is ``torch.autocast("cuda", ...)``; the data stays in host memory and each batch is
+copied to the GPU (``non_blocking``), as distnb's shards are; ``torch.cuda.synchronize()`` comes
+before each time stamp. The CPU path is unchanged.
+
 Data and order are distnb's (``distnb.engine.shard``: ``assign``, ``epoch_order``,
 ``batches``; one shard for tensor and pipeline; the uneven tail dropped, as ``--drop-last``:
-every batch has 32 samples, so a pipeline stage is traced once); AdamW, one torch thread per rank, the loss
+every batch has 32 samples, so a pipeline stage is traced once); AdamW, one torch thread per rank (on cuda: the cores over the ranks, distnb's default), the loss
 of every step read with ``.item()`` and one all-reduce of the epoch's mean loss, as
 distnb's loop does. ``--precision bf16`` runs forward and loss under
 ``torch.autocast("cpu", bfloat16)``; ``--compile`` applies ``torch.compile`` after the wrapping.
@@ -120,8 +132,9 @@ def step_loss(model, x, y):
 class Trainer:
     """One strategy, built by hand on an initialised process group; :meth:`epoch` trains one epoch."""
 
-    def __init__(self, strategy, size, precision="fp32", compile=False, seed=0):
+    def __init__(self, strategy, size, precision="fp32", compile=False, seed=0, device=None):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = torch.device(device or "cpu")  # a %%dist cell passes distnb's ``device``
         self.strategy = strategy.removeprefix("dist-")  # dist-ddp, dist-fsdp: the same loop in a %%dist cell
         X, Y, vocab = load_text(SIZES[size]["block"])
         self.n = len(X)
@@ -134,6 +147,8 @@ class Trainer:
         self.X, self.Y = X[mine], Y[mine]
         self.dtype = torch.bfloat16 if precision == "bf16" else None
         module = make_model(size, vocab)
+        if self.device.type != "cpu":
+            module.to(self.device)
         build = getattr(self, f"_build_{self.strategy}")
         self.model, params = build(module, size)
         if compile:
@@ -143,13 +158,14 @@ class Trainer:
     def _build_ddp(self, module, size):
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(module, gradient_as_bucket_view=True), module.parameters()
+        ids = None if self.device.type == "cpu" else [self.device]
+        return DistributedDataParallel(module, device_ids=ids, gradient_as_bucket_view=True), module.parameters()
 
     def _build_fsdp(self, module, size):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = init_device_mesh("cpu", (self.world,))
+        mesh = init_device_mesh(self.device.type, (self.world,))
         kw = {} if self.dtype is None else dict(mp_policy=MixedPrecisionPolicy(param_dtype=self.dtype,
                                                                                reduce_dtype=torch.float32))
         for name in ("tok", "pos", "blocks", "ln", "head"):
@@ -164,17 +180,18 @@ class Trainer:
         plan = {}
         for i in range(SIZES[size]["layers"]):
             plan[f"blocks.{i}.mlp.0"], plan[f"blocks.{i}.mlp.2"] = ColwiseParallel(), RowwiseParallel()
-        parallelize_module(module, init_device_mesh("cpu", (self.world,)), plan)
+        parallelize_module(module, init_device_mesh(self.device.type, (self.world,)), plan)
         return module, module.parameters()
 
     def _build_pipeline(self, module, size):
         from torch.distributed.pipelining import ScheduleGPipe, SplitPoint, pipeline
 
         self.microbatches = 2
-        mb = torch.zeros((BATCH_SIZE // self.microbatches, SIZES[size]["block"]), dtype=torch.int64)
+        mb = torch.zeros((BATCH_SIZE // self.microbatches, SIZES[size]["block"]), dtype=torch.int64,
+                         device=self.device)
         split = f"blocks.{SIZES[size]['layers'] // 2}"
         pipe = pipeline(module, mb_args=(mb,), split_spec={split: SplitPoint.BEGINNING})
-        self.stage = pipe.build_stage(self.rank, torch.device("cpu"))
+        self.stage = pipe.build_stage(self.rank, self.device)
         self._schedules, self._losses = {}, []
         self._make_schedule = lambda m: ScheduleGPipe(self.stage, n_microbatches=m, loss_fn=self._mb_loss,
                                                       scale_grads=False)
@@ -194,14 +211,15 @@ class Trainer:
         first, last = self.rank == 0, self.rank == self.world - 1
         with self._autocast():
             self._schedules[size].step(*((x,) if first else ()), target=y if last else None, return_outputs=False)
-        total = torch.stack(self._losses).sum() if last else torch.zeros((), dtype=torch.float64)
+        total = torch.stack(self._losses).sum() if last else torch.zeros((), dtype=torch.float64,
+                                                                          device=self.device)
         dist.broadcast(total, src=self.world - 1)
         return total.item()
 
     def _autocast(self):
         import contextlib
 
-        return contextlib.nullcontext() if self.dtype is None else torch.autocast("cpu", dtype=self.dtype)
+        return contextlib.nullcontext() if self.dtype is None else torch.autocast(self.device.type, dtype=self.dtype)
 
     def epoch(self, epoch: int):
         """Train one epoch; returns (samples, steps, mean loss over all ranks)."""
@@ -210,6 +228,8 @@ class Trainer:
         loss_sum = 0.0
         for idx in self.sharding.batches(order, BATCH_SIZE, True):
             x, y = self.X[idx], self.Y[idx]
+            if self.device.type != "cpu":
+                x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             self.optimizer.zero_grad(set_to_none=True)
             if self.strategy == "pipeline":
                 value = self._pipeline_step(x, y)
@@ -222,7 +242,7 @@ class Trainer:
             loss_sum += value
             samples += len(idx)
             steps += 1
-        t = torch.tensor([loss_sum, steps], dtype=torch.float64)
+        t = torch.tensor([loss_sum, steps], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return samples, steps, float(t[0] / t[1])
 
@@ -238,6 +258,12 @@ def busy_cpu_seconds() -> float:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
+def _synchronize(device) -> None:
+    """Wait for the GPU's queued work before a time stamp (nothing on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def timed_run(trainer, start: int, epochs: int) -> dict:
     """Train epochs ``start`` .. ``start + epochs - 1`` timed; every rank returns the figures (a collective).
 
@@ -245,13 +271,16 @@ def timed_run(trainer, start: int, epochs: int) -> dict:
     first_epoch, cpu_utilisation (CPU s / training s), foreign_cores (CPU others used, cores), rows per rank.
     """
     dist.barrier()
+    _synchronize(trainer.device)
     busy0, c0, t0 = busy_cpu_seconds(), time.process_time(), time.perf_counter()
     done = [trainer.epoch(e) for e in range(start, start + epochs)]
+    _synchronize(trainer.device)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     busy = busy_cpu_seconds() - busy0
     samples = sum(d[0] for d in done)
-    figs = [torch.zeros(3, dtype=torch.float64) for _ in range(trainer.world)]
-    dist.all_gather(figs, torch.tensor([samples, seconds, cpu], dtype=torch.float64))
+    figs = [torch.zeros(3, dtype=torch.float64, device=trainer.device) for _ in range(trainer.world)]
+    dist.all_gather(figs, torch.tensor([samples, seconds, cpu], dtype=torch.float64, device=trainer.device))
+    figs = [f.cpu() for f in figs]
     rows = [dict(rank=r, samples=int(f[0]), seconds=float(f[1]), cpu_seconds=float(f[2])) for r, f in enumerate(figs)]
     return dict(train_seconds=max(r["seconds"] for r in rows),
                 samples_per_s=sum(r["samples"] / r["seconds"] for r in rows),
@@ -260,17 +289,41 @@ def timed_run(trainer, start: int, epochs: int) -> dict:
                 foreign_cores=max(0.0, busy - sum(r["cpu_seconds"] for r in rows)) / seconds, rows=rows)
 
 
-def train_runs(strategy, size, epochs, repeats, first_epoch, warmup_epochs, precision="fp32", compile=False):
-    """One thread per rank; build ``strategy``, train ``warmup_epochs`` untimed, then :func:`timed_run` ``repeats`` times.
+def train_runs(strategy, size, epochs, repeats, first_epoch, warmup_epochs, precision="fp32", compile=False,
+               device="cpu"):
+    """One thread per rank (on cuda: distnb's default, the cores over the ranks); build ``strategy``, train
+    ``warmup_epochs`` untimed, then :func:`timed_run` ``repeats`` times.
 
     Returns (on every rank) a dict: warmup_losses (list of float, per epoch), runs (list of
     :func:`timed_run` dicts), threads.
     """
-    torch.set_num_threads(1)
-    trainer = Trainer(strategy, size, precision, compile)
+    world = dist.get_world_size()
+    torch.set_num_threads(1 if device == "cpu" else max(1, len(os.sched_getaffinity(0)) // world))
+    trainer = Trainer(strategy, size, precision, compile, device=device)
     warm = [trainer.epoch(e)[2] for e in range(first_epoch - warmup_epochs, first_epoch)]
     runs = [timed_run(trainer, first_epoch + rep * epochs, epochs) for rep in range(repeats)]
     return dict(strategy=strategy, size=size, warmup_losses=warm, runs=runs, threads=torch.get_num_threads())
+
+
+def default_ranks(device: str) -> int:
+    """2 on cpu; on cuda the GPUs visible (counted without initialising CUDA here), at least 1."""
+    if device == "cpu":
+        return 2
+    from distnb.net import visible_gpus
+
+    return max(1, len(visible_gpus()))
+
+
+def launch(args, argv) -> int:
+    """Run this script under ``torchrun --standalone --nproc-per-node N``; returns its exit status."""
+    import subprocess
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ranks = args.ranks if args.ranks is not None else default_ranks(args.device)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+           os.path.abspath(__file__), *argv]
+    return subprocess.call(cmd)
 
 
 def main(argv=None):
@@ -283,10 +336,22 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=1, help="timed runs of --epochs each")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: gloo (default); cuda: nccl, rank r on cuda:LOCAL_RANK")
+    p.add_argument("--ranks", type=int, default=None, help="outside torchrun: re-run under torchrun with this many "
+                   "ranks (default 2 on cpu, the visible GPUs on cuda); under torchrun: checked against WORLD_SIZE")
     args = p.parse_args(argv)
-    dist.init_process_group("gloo")
+    if "LOCAL_RANK" not in os.environ:  # not under torchrun: start it, with this command line
+        return launch(args, argv)
+    if args.ranks is not None and args.ranks != int(os.environ["WORLD_SIZE"]):
+        p.error(f"--ranks {args.ranks} but torchrun started {os.environ['WORLD_SIZE']} ranks")
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # before the group: nccl binds this GPU
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
     out = train_runs(args.strategy, args.size, args.epochs, args.repeats, args.first_epoch, args.warmup_epochs,
-                     args.precision, args.compile)
+                     args.precision, args.compile, args.device)
     if dist.get_rank() == 0:
         print(json.dumps(out), flush=True)
     dist.destroy_process_group()
@@ -294,4 +359,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
