@@ -27,10 +27,17 @@ from the same seed-0 model and epoch 0).
 Every run also records the CPU other processes used meanwhile (cores); on a shared machine
 a round where that exceeds ``--max-foreign`` is re-run, at most ``--retries`` times.
 
+On GPUs (``--device cuda``): distnb's side is ``%dist start`` (distnb picks one engine per GPU and
+nccl; checked before the first case; ``--ranks N`` below the GPUs visible adds ``-n N``), its
+``%%distrain`` moves the model and each batch to the rank's GPU itself; the reference runs
+``torchrun --nproc-per-node N`` with ``--device cuda`` (nccl, ``cuda:LOCAL_RANK``). ``--cpu-bind``
+is a CPU option only. ``tests/gpu/device_run.sh`` runs the ddp and fsdp rows this way on a lent GPU.
+
 Usage::
 
     .venv/bin/python benchmarks/transformers.py [--sizes small,large] [--cases ddp,fsdp,tensor,pipeline,
         dist-ddp,dist-fsdp,ddp-bf16,ddp-compile] [--rounds 3] [--epochs 1] [--json PATH]
+        [--device cpu|cuda] [--ranks N]
     .venv/bin/python benchmarks/run.py --transformers ...   # the same
 """
 
@@ -61,11 +68,34 @@ def parse_case(case: str) -> dict:
     return dict(strategy=strategy, precision="bf16" if flag == "bf16" else "fp32", compile=flag == "compile")
 
 
-def prepare(nb, ref, cpu_bind: str = "auto") -> None:
-    """Cells run once: load distnb, 2 ranks, the model classes (the reference's source), the text windows."""
-    nb.cell("%load_ext distnb")
+def start_line(device: str = "cpu", ranks: int = 2, cpu_bind: str = "auto", gpus: int = 0) -> str:
+    """``%dist start``: ``-n ranks`` and ``--cpu-bind`` on cpu; on cuda distnb's own pick (one engine per GPU,
+    nccl), with ``-n`` only when ``ranks`` is fewer than the ``gpus`` visible."""
     # a shared machine can hold a rank back for many seconds: no hang verdict or gloo timeout may end a round
-    nb.cell(f"%dist start -n 2 --timeout 600 --hang-after 300 --cpu-bind {cpu_bind}")
+    if device == "cpu":
+        return f"%dist start -n {ranks} --timeout 600 --hang-after 300 --cpu-bind {cpu_bind}"
+    return "%dist start --timeout 600 --hang-after 300" + ("" if ranks == gpus else f" -n {ranks}")
+
+
+def check_started(device: str, ranks: int) -> str:
+    """What ``%dist start`` started, as one line; RuntimeError unless it is ``ranks`` engines of the
+    expected backend (nccl on cuda, gloo on cpu) on ``device``."""
+    from distnb import session
+
+    spec = session.current().cluster.spec
+    got = (spec.num_engines, spec.backend, spec.device_type)
+    want = (ranks, "nccl" if device == "cuda" else "gloo", device)
+    if got != want:
+        raise RuntimeError(f"%dist start started {got[0]} engines, {got[1]} on {got[2]}; expected {want}")
+    return f"distnb started {got[0]} engines, {got[1]} on {got[2]}"
+
+
+def prepare(nb, ref, cpu_bind: str = "auto", device: str = "cpu", ranks: int = 2, gpus: int = 0) -> None:
+    """Cells run once: load distnb, the ranks, the model classes (the reference's source), the text windows."""
+    nb.cell("%load_ext distnb")
+    nb.cell(start_line(device, ranks, cpu_bind, gpus))
+    if device != "cpu":  # on CPU -n and gloo are given: nothing of distnb's choosing to check
+        print(check_started(device, ranks), flush=True)
     nb.cell("import torch, torch.nn as nn, torch.nn.functional as F")
     nb.cell(inspect.getsource(ref.Block))
     nb.cell(inspect.getsource(ref.CharGPT))
@@ -91,8 +121,9 @@ def distrain_line(name, size, epochs, case, ref) -> str:
 class DistnbSide:
     """One case on the warm engines: :meth:`warm` (untimed, returns its epoch losses), :meth:`run` (timed)."""
 
-    def __init__(self, nb, harness, ref, size, case):
+    def __init__(self, nb, harness, ref, size, case, device="cpu"):
         self.nb, self.harness, self.ref, self.size, self.case = nb, harness, ref, size, case
+        self.device = device
         self.name = f"net_{size}_{case.replace('-', '_')}"
         self.epoch = 0
 
@@ -101,7 +132,8 @@ class DistnbSide:
         nb.cell(f"train_{size} = data[{size!r}]", quiet=True)
         if self.case.startswith("dist-"):
             nb.cell(f"%%dist\nimport sys\nsys.path.insert(0, {HERE!r})\nimport torchrun_transformer as ref\n"
-                    f"trainer = ref.Trainer({self.case!r}, {size!r})\n"
+                    f"trainer = ref.Trainer({self.case!r}, {size!r}"
+                    f"{'' if self.device == 'cpu' else ', device=device'})\n"
                     f"warm_losses = [trainer.epoch(e)[2] for e in range({epochs})]", quiet=True)
             self.epoch = epochs
             return self.nb_pull("warm_losses")[0]
@@ -137,13 +169,19 @@ class DistnbSide:
         return fig
 
 
-def run_torchrun(size, case, epochs, first_epoch, warmup_epochs, timeout=900.0) -> dict:
-    """One torchrun command of the reference; its JSON (rank 0) plus the command's wall time."""
+def torchrun_command(size, case, epochs, first_epoch, warmup_epochs, device="cpu", ranks=2) -> list:
+    """The reference's torchrun command line (on cpu the same as before ``--device`` existed)."""
     c = parse_case(case)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
            os.path.join(HERE, "torchrun_transformer.py"), "--size", size, "--strategy", c["strategy"],
            "--epochs", str(epochs), "--first-epoch", str(first_epoch), "--warmup-epochs", str(warmup_epochs),
            "--precision", c["precision"]] + (["--compile"] if c["compile"] else [])
+    return cmd if device == "cpu" else cmd + ["--device", device]
+
+
+def run_torchrun(size, case, epochs, first_epoch, warmup_epochs, timeout=900.0, device="cpu", ranks=2) -> dict:
+    """One torchrun command of the reference; its JSON (rank 0) plus the command's wall time."""
+    cmd = torchrun_command(size, case, epochs, first_epoch, warmup_epochs, device, ranks)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -164,7 +202,7 @@ def run_torchrun(size, case, epochs, first_epoch, warmup_epochs, timeout=900.0) 
 
 def measure_case(nb, harness, ref, size, case, args, log=print) -> dict:
     """Warm-up, the loss check, then ``args.rounds`` alternated rounds (re-runs for others' load)."""
-    side = DistnbSide(nb, harness, ref, size, case)
+    side = DistnbSide(nb, harness, ref, size, case, args.device)
     warm = side.warm(args.warmup_epochs)
     rounds, retries, k = [], args.retries, 0
     ref_warm = None
@@ -175,7 +213,8 @@ def measure_case(nb, harness, ref, size, case, args, log=print) -> dict:
             if which == "a":
                 a = side.run(args.epochs)
             else:
-                b_cmd = run_torchrun(size, case, args.epochs, e0, args.warmup_epochs)
+                b_cmd = run_torchrun(size, case, args.epochs, e0, args.warmup_epochs, device=args.device,
+                                     ranks=args.ranks)
         b = b_cmd["runs"][0]
         b["cpu_seconds"] = sum(row["cpu_seconds"] for row in b["rows"])
         if ref_warm is None and e0 == args.warmup_epochs:  # its warm-up = distnb's warm-up cell, from epoch 0
@@ -244,6 +283,24 @@ def report(results, harness, load0, load1) -> None:
     print(f"\nload average before {load0}, after {load1}")
 
 
+def check_device_args(p, args) -> int:
+    """Fill ``args.ranks`` and ``args.cpu_bind`` for ``args.device``; returns the GPUs visible (0 on cpu)."""
+    gpus = 0
+    if args.device == "cuda":
+        from distnb.net import visible_gpus  # counts without initialising CUDA in this kernel
+
+        gpus = len(visible_gpus())
+        if not gpus:
+            p.error("--device cuda: no GPU visible")
+        if args.cpu_bind is not None:
+            p.error("--cpu-bind is a CPU option (--device cpu)")
+    args.ranks = args.ranks if args.ranks is not None else (gpus or 2)
+    args.cpu_bind = args.cpu_bind or "auto"
+    if args.ranks < 1 or (gpus and args.ranks > gpus):
+        p.error(f"--ranks {args.ranks}: at least 1" + (f", at most the {gpus} GPUs visible" if gpus else ""))
+    return gpus
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="small,large", help="comma-separated: small, large (default both)")
@@ -256,9 +313,15 @@ def main(argv=None) -> int:
                    "more than this many cores on average (default 0.1)")
     p.add_argument("--retries", type=int, default=0, help="at most this many re-run rounds per case (default 0)")
     p.add_argument("--json", default=None, help="also write every measurement to this file")
-    p.add_argument("--cpu-bind", choices=("auto", "cores", "none"), default="auto",
-                   help="distnb's %%dist start --cpu-bind (default auto, distnb's default; torchrun: unbound)")
+    p.add_argument("--cpu-bind", choices=("auto", "cores", "none"), default=None,
+                   help="distnb's %%dist start --cpu-bind (default auto, distnb's default; torchrun: unbound); "
+                   "cpu only")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: gloo (default); cuda: nccl, one engine (and torchrun rank) per GPU")
+    p.add_argument("--ranks", type=int, default=None,
+                   help="ranks on each side (default 2 on cpu; on cuda the GPUs visible, which may be 1)")
     args = p.parse_args(argv)
+    gpus = check_device_args(p, args)
     sizes = [s for s in args.sizes.split(",") if s]
     cases = [c for c in args.cases.split(",") if c]
     bad = [c for c in cases if c not in CASES] + [s for s in sizes if s not in ("small", "large")]
@@ -271,11 +334,12 @@ def main(argv=None) -> int:
     tmp = harness.isolate_dirs()
     load0 = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"distnb vs torchrun, char-level transformers {sizes}, cases {cases}; {args.rounds} rounds x "
-          f"{args.epochs} epochs, batch {ref.BATCH_SIZE}/rank, AdamW, 2 ranks gloo; load average {load0}", flush=True)
+          f"{args.epochs} epochs, batch {ref.BATCH_SIZE}/rank, AdamW, {args.ranks} ranks "
+          f"{'gloo' if args.device == 'cpu' else 'nccl on cuda'}; load average {load0}", flush=True)
     nb = harness.Notebook()
     results = []
     try:
-        prepare(nb, ref, args.cpu_bind)
+        prepare(nb, ref, args.cpu_bind, args.device, args.ranks, gpus)
         nb.cell("vocab = ref.load_text(32)[2]", quiet=True)
         for size in sizes:
             for case in cases:
