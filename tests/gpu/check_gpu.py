@@ -16,6 +16,11 @@ Checks, printing one line each and exiting non-zero on the first failure:
    batches differ, and the kernel's model keeps plain BatchNorm with rank 0's statistics (GPU only);
 7. ``--compile`` trains (torch.compile after DDP) to a falling loss and reports the compile time;
 8. stop leaves no engine behind.
+
+On a lent GPU machine without ipyparallel or IPython (one command, no network), run it through the kit:
+``bash tests/gpu/wheels.sh`` here, then the device tool's call with command ``bash tests/gpu/device_run.sh``
+and carry ``[".whl"]`` (device_run.sh installs the wheels, then runs this script, start_check.py and the
+transformer rows on nccl; ``device_run.sh --cpu`` runs the same steps here).
 """
 
 from __future__ import annotations

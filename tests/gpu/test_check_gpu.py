@@ -3,6 +3,10 @@
 check_gpu.py stays a script (its name does not match pytest's test_*.py, so it is never collected
 itself) and runs here as one, in a subprocess with this tree's distnb: it parses its own command
 line, starts and stops its own cluster, and exits non-zero on the first failed check.
+
+Where pytest and ipyparallel cannot be installed (a lent GPU machine: one command, no network), the kit
+runs it instead: ``bash tests/gpu/wheels.sh`` here, then ``bash tests/gpu/device_run.sh`` there with
+carry ``[".whl"]`` (see device_run.sh).
 """
 
 import os
