@@ -16,7 +16,8 @@
 #   summary.log         each step's exit status and seconds (also the last lines printed)
 # Steps' exit status: 0 passed; 1 a check failed (transformers.py: also a ratio below its target, its JSON
 # then written); 2 no GPU visible; 124 timed out.
-# Timeouts add up to 6 minutes (the lent time is 15 minutes with the machine's start).
+# On the GPU the timeouts add up to 370 s (50 + 20 + 110 + 50 + 140); the lent time is 15 minutes with the
+# machine's start: call it with timeout_s 480.
 #
 #   bash tests/gpu/device_run.sh --cpu     # here: the same steps on CPU (check_gpu.py --cpu, %dist start -n 2,
 #                                          # transformers --device cpu --sizes small), no wheels installed
@@ -56,7 +57,7 @@ step() {
 }
 
 if [ "$MODE" = gpu ]; then
-    T_SETUP=60 T_CHECK=110 T_START=50 T_TF=140 SIZES=${SIZES:-large} CPUFLAG="" DEVICE=cuda
+    T_SETUP=50 T_CHECK=110 T_START=50 T_TF=140 SIZES=${SIZES:-large} CPUFLAG="" DEVICE=cuda
     if ls .whl/*.whl > /dev/null 2>&1; then
         step 0-setup "$T_SETUP" "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
             --upgrade --target /tmp/site .whl/*.whl
@@ -71,8 +72,11 @@ fi
 
 {
     echo "mode $MODE, python $PY, OUT $OUT"
-    command -v nvidia-smi > /dev/null && nvidia-smi -L
-    timeout 30 "$PY" -c "import sys, torch, distnb, ipyparallel, IPython; print('python', sys.version.split()[0], \
+    if command -v nvidia-smi > /dev/null; then
+        nvidia-smi -L
+        nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
+    fi
+    timeout 20 "$PY" -c "import sys, torch, distnb, ipyparallel, IPython; print('python', sys.version.split()[0], \
 'torch', torch.__version__, 'cuda', torch.version.cuda, 'GPUs', torch.cuda.device_count(), \
 'ipyparallel', ipyparallel.__version__, 'IPython', IPython.__version__)"
 } 2>&1 | tee -a "$OUT/0-setup.log"
@@ -87,6 +91,7 @@ if [ -s "$OUT/transformers.json" ]; then
         | tee -a "$SUMMARY"
 fi
 
-echo "=== all steps: $(elapsed "$START") s; files in $OUT:" | tee -a "$SUMMARY"
-ls "$OUT"
+echo "=== all steps: $(elapsed "$START") s" >> "$SUMMARY"
+echo "files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+echo "=== summary"
 cat "$SUMMARY"
