@@ -355,7 +355,7 @@ def _train(ns, plan, code_text, relay):
         if any(start.values()):  # in every message: the kernel prints it before the epoch lines, whichever it reads first
             reporter.extra["start"] = start
         reporter.set_status("running")
-        t0, c0 = time.perf_counter(), time.process_time()
+        started = _clock()
         watchdog = where.Watchdog(publish_raw, ddp_backward=plan.strategy == "ddp")
         watchdog.start()
         try:
@@ -367,7 +367,7 @@ def _train(ns, plan, code_text, relay):
             watchdog.stop()
             if ctx.logger is not None:
                 ctx.logger.close()
-        seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
+        seconds, cpu_seconds = _clock(started)
         restored = ctx.validator.restore_best() if plan.restore_best and not ctx.interrupted else False
         ctx.final_checkpoint()  # a resume never goes back behind this cell's last step (the restored best, if any)
     except BaseException as caught:
@@ -454,6 +454,16 @@ def _step_figures(plan, run, ctx, restored) -> dict:
                 best_epoch=validator.best[1] if validator and validator.best else None,
                 metric_name=validator.metric_name if validator else None, precision=plan.precision,
                 compiled=plan.compile, eager_step_seconds=run.eager_step_time, **timing)
+
+
+def _clock(since=None) -> tuple:
+    """(wall s, this process's CPU s) now, once the GPU work this rank queued has run (CUDA ranks: the time
+    of a step is the GPU's, not the queueing's); minus ``since``'s when given."""
+    device = runtime.STATE.device
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize()
+    now = (time.perf_counter(), time.process_time())
+    return now if since is None else (now[0] - since[0], now[1] - since[1])
 
 
 def _prepare(ns, plan, run):
