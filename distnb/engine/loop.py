@@ -251,12 +251,17 @@ def _steps(ns, code, ctx):
     stepper = ctx.stepper
     for _ in ctx.epochs():
         for batch in ctx.loader:
-            ns["batch"] = batch
+            ns["batch"] = _STEP["batch"] = batch
             at, batches = ctx.epoch_done, ctx.epoch_batches  # this epoch's micro-step, of how many
             loss, value = stepper.micro_step(ns, code, ctx, at, batches)
             bad = ctx.plan.nan == "skip" and ctx.any_nonfinite(loss, value)
             stepper.finish_micro(at, batches, bad)  # a non-finite loss drops its whole group, on every rank
             ctx.report(loss, value=value, skipped=bad)
+            _STEP["batch"] = None  # a failure loading the next batch is not this one's
+
+
+#: The batch of the step running now (None between steps: while the next batch loads), for the failure notes.
+_STEP: dict = {"batch": None}
 
 
 def _run_body(ns, code, ctx, plan):
@@ -410,8 +415,9 @@ def _annotate(exc, ns, plan) -> None:
         exc.args = ("[distnb] some parameters got no gradient: run the cell with --find-unused-parameters "
                     f"(torch's message follows)\n{exc.args[0]}",) + exc.args[1:]  # the fix first, not after torch's text
     datasets.explain(exc)  # a DataLoader worker that died, a full /dev/shm
-    stepping.short_batch_note(exc, ns.get("batch"), plan)  # a shape error on an epoch's short last batch
-    stepping.dict_batch_note(exc, ns.get("batch"))  # x, y = batch on a dict batch: its keys
+    batch, _STEP["batch"] = _STEP["batch"], None  # the failing step's (not an earlier step's, cell's)
+    stepping.short_batch_note(exc, batch, plan)  # a shape error on an epoch's short last batch
+    stepping.dict_batch_note(exc, batch)  # x, y = batch on a dict batch: its keys
 
 
 def _last_word(reporter, relay, status: str):

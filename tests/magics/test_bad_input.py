@@ -587,6 +587,22 @@ def test_a_shape_error_on_an_epochs_short_last_batch_says_the_batch_was_short(sh
     assert isinstance(full, RankError) and "[distnb]" not in str(full), full  # a full batch: torch's words alone
 
 
+def test_a_batch_that_fails_to_load_is_not_called_short_after_a_short_one(shell, trained):
+    """The short-batch note read the rank's `batch`, which still held the last batch of the previous cell (here
+    short: 20 samples a rank in batches of 8) when the next batch failed to load: a false note sent the user to
+    --drop-last."""
+    run(shell, "class Ragged(torch.utils.data.Dataset):\n    def __init__(self, ragged):\n        self.ragged = ragged\n"
+               "    def __len__(self):\n        return 40\n    def __getitem__(self, i):\n"
+               "        return torch.randn(8 if (i % 3 or not self.ragged) else 7), i % 2\n"
+               "good_rag, bad_rag = Ragged(False), Ragged(True)\nrag_net = nn.Linear(8, 2)")
+    cell = "%%distrain --model rag_net --data {} --batch-size 8 --progress none\nx, y = batch\n" \
+           "loss = F.cross_entropy(model(x), y)"
+    assert run(shell, cell.format("good_rag")).error_in_exec is None
+    err = run(shell, cell.format("bad_rag")).error_in_exec
+    assert isinstance(err, RankError) and "cannot be batched" in str(err), err
+    assert "fewer than --batch-size" not in str(err), err
+
+
 def test_an_exception_whose_str_raises_is_named_with_its_rank_and_step(shell, trained):
     """The failure path formats the error many times; a notebook exception class whose __str__ raises made the first
     of those raise, which skipped the rest of it: the failing step was reported as step 0 (and the group's teardown
