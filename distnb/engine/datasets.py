@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate, get_worker_info
 
+from ..errors import ranks_named
 from . import binding, runtime, shard as sharding, wire
 
 #: Data sets this rank holds for training, by name (the tensor path's are ``loop.SHARDS``).
@@ -308,10 +309,24 @@ class Source:
                 return
             batch = self._next(it, epoch, step, stream=True)
             have.fill_(0.0 if batch is None else 1.0)
+            mine = have.item()
             dist.all_reduce(have, op=dist.ReduceOp.MIN)  # the first stream to end ends the epoch on every rank
             if not have.item():
+                if step == 0:  # no step at all: it ended as a success with 0 steps and a nan loss
+                    self._empty_stream(plan, epoch, mine)
                 return
             yield _count(batch), (batch if device.type == "cpu" else to_device(batch, device))
+
+    def _empty_stream(self, plan, epoch: int, mine: float) -> None:
+        """Raise, on every rank, that the stream gave some ranks no batch in ``epoch`` (a collective)."""
+        flags = [torch.zeros(1) for _ in range(dist.get_world_size())]
+        dist.all_gather(flags, torch.tensor([mine], dtype=torch.float32))
+        empty = [r for r, f in enumerate(flags) if not f.item()]
+        which = "every rank" if len(empty) == len(flags) else ranks_named(empty)
+        raise ValueError(f"the stream {plan.data} gave {which} no sample in epoch {epoch}, so no step could be "
+                         "trained (the first stream to end ends the epoch on every rank). Every rank needs a batch "
+                         "each epoch: check what make(rank, world_size) or iter_part finds for it; an __iter__ over a "
+                         "generator or an open file is empty from its second pass: start over in __iter__")
 
     def _seed_rank(self, plan, epoch: int) -> None:
         """With ``--workers N``, seed this rank's own generators for ``epoch`` (its workers seed theirs).

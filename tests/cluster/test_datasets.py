@@ -320,6 +320,23 @@ def test_a_stream_is_split_across_ranks_and_workers_without_duplicates(dist_sess
     assert "m_never_sent" not in dist_session.holdings.models  # refused before the model was sent
 
 
+def test_a_stream_that_gives_a_rank_no_sample_is_an_error_not_a_success(dist_session, ns):
+    """It ended as a success with 0 steps, a nan loss and the epoch count moved on: here rank 1's part of a make
+    stream is empty, then a stream over a generator is empty from its second pass."""
+    shell_ns = ns
+    exec("def make_half_empty(rank, world_size):\n    return Count(0 if rank == 1 else 40)\n"
+         "class Once(IterableDataset):\n    def __init__(self, n):\n        self.it = iter(range(n))\n"
+         "    def __iter__(self):\n        for i in self.it:\n            yield torch.full((4,), 0.5), i", shell_ns)
+    shell_ns["lin_empty"] = torch.nn.Linear(4, 1)
+    for data, epochs, says in (("make_half_empty", 1, "gave rank 1 no sample in epoch 0"),
+                               ("once", 2, "gave every rank no sample in epoch 1")):
+        shell_ns["once"] = shell_ns["Once"](40)
+        with pytest.raises(RankError, match=says):
+            dist_session.train(RECORD, model="lin_empty", data=data, batch_size=5, epochs=epochs, **QUIET)
+    dist_session.run("_seen = []")
+    assert dist_session.train(RECORD, model="lin_empty", data="count", batch_size=5, **QUIET).rows[0]["steps"] > 0
+
+
 def test_loader_options_with_tensors_are_an_error(dist_session, ns):
     ns["as_tensors"], ns["m_tensors"] = parity_data(), parity_model()
     with pytest.raises(PlanError, match="--workers: for a Dataset loaded on the ranks"):
