@@ -17,6 +17,7 @@ with the ranks that printed them:
 
 from __future__ import annotations
 
+import collections
 import re
 import time
 
@@ -51,7 +52,11 @@ class LineFolder:
     def __init__(self, streams: dict, world_size: int, clock=time.monotonic):
         self.streams, self.world_size, self.clock = streams, world_size, clock
         self._partial = {}  # (rank, stream) -> text after the last newline
-        self._pending = []  # [stream, line, ranks, first seen], in arrival order
+        self._pending = collections.deque()  # [stream, line, ranks, first seen], in arrival order
+        # (stream, line) -> [items of it written already, its pending items in order, {rank: items it is in}]:
+        # a rank's k-th copy of a line joins that line's k-th item, so no line is compared with every pending one
+        # (a rank printing 100,000 lines at once took minutes: each line scanned all those before it)
+        self._by_line = {}
         self._repeats = {}  # (stream, line) -> {rank: times} for stderr lines already shown
         self._frames = {}  # (rank, "stderr") -> C++ backtrace frames left out since its last other line
 
@@ -76,11 +81,16 @@ class LineFolder:
             counts = self._repeats[key]
             counts[rank] = counts.get(rank, 0) + 1
             return
-        for item in self._pending:
-            if item[0] == stream and item[1] == line and rank not in item[2]:
-                item[2].append(rank)
-                return
-        self._pending.append([stream, line, [rank], now])
+        entry = self._by_line.setdefault(key, [0, collections.deque(), {}])
+        written, items, joined = entry
+        position = max(joined.get(rank, 0), written)  # the first of the line's items this rank is not in
+        joined[rank] = position + 1
+        if position - written < len(items):
+            items[position - written][2].append(rank)
+            return
+        item = [stream, line, [rank], now]
+        items.append(item)
+        self._pending.append(item)
 
     def _say_frames(self, rank, stream, now) -> None:
         n = self._frames.pop((rank, stream))
@@ -96,7 +106,12 @@ class LineFolder:
                 self._say_frames(rank, stream, self.clock())
         now = self.clock()
         while self._pending and (final or now - self._pending[0][3] >= WINDOW):
-            stream, line, ranks, _ = self._pending.pop(0)
+            stream, line, ranks, _ = self._pending.popleft()
+            entry = self._by_line[(stream, line)]
+            entry[1].popleft()
+            entry[0] += 1
+            if not entry[1]:
+                del self._by_line[(stream, line)]
             self._write(stream, tag(ranks, self.world_size) + line + "\n")
             if stream == "stderr" and line.strip():
                 self._repeats.setdefault((stream, line), {})

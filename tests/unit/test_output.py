@@ -127,3 +127,37 @@ def test_a_cpp_backtrace_on_stderr_is_left_out_with_one_line_saying_how_many():
     folder.feed(1, "stderr", "frame #0: at the very end\n")  # a backtrace the cell ends in: counted at the end
     folder.flush(final=True)
     assert err.getvalue().endswith("[rank 1] (the 1 line of its C++ backtrace left out)\n")
+
+
+def _folded_as_before(events, world):
+    """The folding as it was first written (each line compared with every pending one), for stdout, in one window."""
+    pending = []
+    for rank, line in events:
+        for item in pending:
+            if item[0] == line and rank not in item[1]:
+                item[1].append(rank)
+                break
+        else:
+            pending.append([line, [rank]])
+    return "".join(tag(ranks, world) + line + "\n" for line, ranks in pending)
+
+
+def test_folding_is_the_same_as_comparing_each_line_with_every_pending_one():
+    # a rank printing 100,000 lines at once took minutes in the kernel: each line was compared with all pending ones
+    from hypothesis import given, settings, strategies as st
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(st.tuples(st.integers(0, 2), st.sampled_from(["a", "b", "c", ""])), max_size=40),
+           st.integers(0, 40))
+    def check(events, flush_after):
+        folder, out, _, clock = _folder(world=3)
+        for k, (rank, line) in enumerate(events):
+            if k == flush_after:  # some lines written before the rest arrive: later copies start new items
+                clock.t += 1.0
+                folder.flush()
+            folder.feed(rank, "stdout", line + "\n")
+        folder.flush(final=True)
+        before, after = events[:flush_after], events[flush_after:]
+        assert out.getvalue() == _folded_as_before(before, 3) + _folded_as_before(after, 3)
+
+    check()
