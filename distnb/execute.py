@@ -80,6 +80,15 @@ def run_on_ranks(session, fn, *args, what: str, state=None, view=None, show_rank
     return Watch(session, session.cluster.apply_all(fn, *args), what, state, view, show_ranks).wait()
 
 
+def restart_world(session, failures, dead) -> None:
+    """``--on-failure restart``: a fresh world of the same spec after ``dead`` ranks died; ``failures`` (their
+    dicts, in place) say so in place of "run %dist restart"."""
+    note = session._restart_in_place()
+    for f in failures:
+        if f["rank"] in dead:
+            f["evalue"] = f["evalue"].split("; run %dist restart")[0] + f"; {note}"
+
+
 class Watch:
     """Wait for one AsyncResult per rank, streaming tagged output and progress.
 
@@ -209,16 +218,17 @@ class Watch:
             # every rank stopped after the same step and returned its figures: what was trained comes back
             stop.results = [ar.get(0) for ar in ars] if clean and not failures else None
             raise stop
-        if self.dead and self.session.auto_restart:
-            note = self.session._restart_in_place()
-            for f in failures:
-                if f["rank"] in self.dead:
-                    f["evalue"] = f["evalue"].split("; run %dist restart")[0] + f"; {note}"
+        # a training cell takes rank 0's weights back first, from this world (training.train_cell restarts then)
+        restart_later = self.dead and self.session.auto_restart and self.what == "training"
+        if self.dead and self.session.auto_restart and not restart_later:
+            restart_world(self.session, failures, self.dead)
         if self.hang is not None:
             self.session.last_error = hangs.error(self, failures)
+            self.session.last_error.restart_dead = set(self.dead) if restart_later else None
             raise self.session.last_error
         if failures:
             self.session.last_error = RankError(failures, context=self.what)  # %dist debug's default rank
+            self.session.last_error.restart_dead = set(self.dead) if restart_later else None
             if self.what == "%%dist cell":
                 from .tracebacks import notebook_name_hint
 

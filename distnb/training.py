@@ -21,7 +21,7 @@ from .display import ProgressState, make_view, view_kind
 from .display.tables import count
 from .errors import PlanError, RankError
 from .resuming import check_folders, first_step, newest_meta, newest_start, push_saved_names, start_sentence
-from .execute import run_on_ranks
+from .execute import restart_world, run_on_ranks
 from .plan import DISTRIBUTION, LR_SCHEDULES, TrainPlan, carry_over, not_carried, redistribution
 from .tracebacks import body_name_hint
 
@@ -529,6 +529,9 @@ def train_cell(session, code, model, data, run, given):
             rows, stopped = exc.results, exc
         except (RankError, KeyboardInterrupt) as exc:
             weights_back(session, plan.model, model_obj, best_effort=True, replicated=plan.strategy == "ddp")
+            if getattr(exc, "restart_dead", None):  # --on-failure restart: once rank 0's weights are back
+                restart_world(session, exc.failures, exc.restart_dead)
+                exc.args = (exc._summary(),)
             if isinstance(exc, RankError) and not exc.hint:
                 held = session.holdings.data.get(plan.data) or {}
                 exc.add_hint(modelcheck.dtype_hint(exc, plan, model_obj, data_obj, held.get("sample") or "")

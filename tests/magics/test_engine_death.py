@@ -116,6 +116,26 @@ def test_exit_in_a_collective_names_the_status_and_auto_restart_brings_back_a_fu
     assert session_mod.current().auto_restart is False
 
 
+def test_auto_restart_keeps_the_steps_every_rank_completed(shell, capsys):
+    """--on-failure restart started the fresh world before rank 0 handed its weights back: the notebook kept the
+    weights from before the cell, and the 6 steps trained were lost without a word."""
+    assert run(shell, SETUP).error_in_exec is None
+    assert run(shell, "%dist start --on-failure restart").error_in_exec is None
+    try:
+        run(shell, "import copy\nauto_net = copy.deepcopy(death_net)\nauto_before = copy.deepcopy(auto_net)")
+        err = run(shell, "%%distrain --model auto_net --data death_ds --epochs 1 --batch-size 8 --optimizer adam "
+                         "--progress none\nx, y = batch\nif rank == 1 and ctx.step == 6:\n    import os\n"
+                         "    os._exit(4)\nloss = F.cross_entropy(model(x), y)").error_in_exec
+        assert isinstance(err, RankError) and "fresh world of 2 ranks (auto restart)" in str(err), err
+        moved = run(shell, "max((a - b).abs().max().item() for a, b in zip(auto_net.parameters(), "
+                           "auto_before.parameters()))").result
+        assert moved > 1e-4, moved  # rank 0's weights after the steps every rank completed
+        assert [r["alive"] for r in run(shell, "%dist status").result] == [True, True]
+        assert run(shell, CELL.replace("death_net", "auto_net")).error_in_exec is None  # goes on from them
+    finally:
+        run(shell, "%dist start --on-failure stop")
+
+
 def test_status_says_how_a_dead_rank_died_and_the_fix(shell, capsys):
     """Between cells: the dead rank's row says how its engine ended (``died``), the title names it and the fix."""
     from distnb.results import StatusTable
