@@ -36,6 +36,25 @@ def save(session, name: str, model_obj, directory: str, quiet: bool = False) -> 
     return meta
 
 
+def trained_model(session, model=None, directory=None) -> tuple:
+    """``(name, object)`` of ``model`` (a notebook name or the object), or of the last training cell's model.
+
+    That model may have been given as the object itself (``train(code, model=MLP())``): it has no
+    notebook name then, and the session keeps it under the name the cell used (``_distnb_model``).
+    ``directory`` is checked first, when given (``save(123)`` names the directory).
+    """
+    if directory is not None:
+        check_path("directory", directory)
+    if model is not None:
+        return session._named(model, "model")
+    if session.last_result is None:
+        raise PlanError("no model has been trained in this session; name one (--model NAME, model= in Python)")
+    name = session.last_result.plan.model
+    if name not in session.ns and name in session._bound:  # the last cell was given the object, not a name
+        return name, session._bound[name]
+    return name, session._lookup(name, "--model")
+
+
 def model_to_load(session, directory: str, model=None) -> tuple:
     """``(name, object)`` of the notebook model that ``%dist load DIRECTORY`` restores into.
 
@@ -52,7 +71,7 @@ def model_to_load(session, directory: str, model=None) -> tuple:
     import torch
 
     if model is not None or session.last_result is not None:
-        return session._trained_model(model)
+        return trained_model(session, model)
     saved = _meta(directory)["plan"].get("model")
     if isinstance(session.ns.get(saved), torch.nn.Module):
         return saved, session.ns[saved]

@@ -162,6 +162,7 @@ class Session:
         self.on_failure = "stop"  # when an engine dies during a cell: stop, restart or shrink (--on-failure)
         self.last_where = {}  # rank -> where the running (or last) cell is on it (distnb.engine.where)
         self.last_error = None  # the last RankError of a cell: %dist debug's rank by default
+        self._bound = {}  # _distnb_model / _distnb_data -> the object last passed itself (train(model=net_object))
 
     # basics --------------------------------------------------------------
     @property
@@ -510,14 +511,6 @@ class Session:
         return shrinking.train_cell(self, code, model, data, run, given)  # training.train_cell; --on-failure
 
     # checkpoints -----------------------------------------------------------
-    def _trained_model(self, model):
-        if model is not None:
-            return self._named(model, "model")
-        if self.last_result is None:
-            raise PlanError("no model has been trained in this session; name one (--model NAME, model= in Python)")
-        name = self.last_result.plan.model
-        return name, self._lookup(name, "--model")
-
     def save(self, directory: str, model=None, quiet=False) -> dict:
         """Checkpoint the ranks' live model, optimizer and position with torch.distributed.checkpoint.
 
@@ -541,7 +534,7 @@ class Session:
             A rank failed to write (e.g. the folder is not writable); nothing is marked complete.
         """
         self._check_running()
-        return checkpoints.save(self, *self._trained_model(model), directory, quiet)
+        return checkpoints.save(self, *checkpoints.trained_model(self, model, directory), directory, quiet)
 
     def load(self, directory: str, model=None, quiet=False) -> dict:
         """Restore a checkpoint into the ranks (and the kernel's model) with its strategy and optimizer.
@@ -589,6 +582,7 @@ class Session:
             if v is value and k.isidentifier() and not k.startswith("_"):
                 return k, value
         name = BOUND_PREFIX + what
+        self._bound[name] = value  # save() and load() of "the last model trained" find it
         return name, value
 
 

@@ -347,3 +347,21 @@ def test_a_notebook_schedule_resumes_after_a_restart_or_its_absence_is_named(dis
         s.load(ckdir, model="ck_cos", quiet=True)
     ns["ck_sched"] = sched
     assert s.load(ckdir, model="ck_cos", quiet=True)["scheduler"]["name"] == "ck_sched"
+
+
+def test_save_after_a_cell_given_the_model_object_itself(dist_session, shell, tmp_path):
+    """train(code, model=<object>) binds no notebook name: save() of the last model trained said "--model
+    '_distnb_model' is not defined in the notebook; define it in a cell first", a name the user never wrote."""
+    from distnb.errors import PlanError
+
+    shell.user_ns["ck_data"], shell.user_ns["F"] = make_data(), F
+    trained = make_model()
+    dist_session.train(BODY, model=trained, data="ck_data", epochs=1, batch_size=8, optimizer="adam", progress="none",
+                       quiet=True)
+    meta = dist_session.save(str(tmp_path), quiet=True)
+    assert os.path.isdir(meta["path"])
+    with pytest.raises(PlanError, match="directory must be"):
+        dist_session.save(123)
+    again = make_model()
+    dist_session.load(str(tmp_path), model=again, quiet=True)
+    torch.testing.assert_close(params(again), params(trained))
