@@ -213,7 +213,9 @@ class _Split(IterableDataset):
             self.dataset.set_epoch(self.epoch)
         part, parts = self.index * workers + worker, self.num_shards * workers
         hook = getattr(self.dataset, "iter_part", None)
-        samples = hook(part, parts) if callable(hook) else itertools.islice(iter(self.dataset), part, None, parts)
+        read = [0]  # samples the stream gave so far (all parts'): the one that raised is the next
+        samples = hook(part, parts) if callable(hook) else \
+            itertools.islice(_counted(iter(self.dataset), read), part, None, parts)
         batch, first = [], part
         for n in itertools.count():
             try:
@@ -221,7 +223,7 @@ class _Split(IterableDataset):
             except StopIteration:
                 break
             except Exception as exc:
-                where = f"sample {part + n * parts}" if not callable(hook) else f"sample {n} of part {part}"
+                where = f"sample {read[0]}" if not callable(hook) else f"sample {n} of part {part}"
                 raise SampleError(f"rank {self.rank}: the stream {self.name} raised {type(exc).__name__}: {exc} "
                                   f"at {where}; fix the IterableDataset's __iter__") from exc
             batch.append(sample)
@@ -230,6 +232,13 @@ class _Split(IterableDataset):
                 batch, first = [], part + (n + 1) * parts
         if batch and not self.drop_last:
             yield self.batcher(batch, f"stream samples from {first}")
+
+
+def _counted(samples, read: list):
+    """``samples``, counting in ``read[0]`` those it gave (a stream's position, for the error naming the sample)."""
+    for sample in samples:
+        read[0] += 1
+        yield sample
 
 
 class Source:

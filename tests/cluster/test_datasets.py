@@ -324,6 +324,7 @@ def test_a_stream_that_gives_a_rank_no_sample_is_an_error_not_a_success(dist_ses
     """It ended as a success with 0 steps, a nan loss and the epoch count moved on: here rank 1's part of a make
     stream is empty, then a stream over a generator is empty from its second pass."""
     shell_ns = ns
+    dist_session.run("_seen = []")
     exec("def make_half_empty(rank, world_size):\n    return Count(0 if rank == 1 else 40)\n"
          "class Once(IterableDataset):\n    def __init__(self, n):\n        self.it = iter(range(n))\n"
          "    def __iter__(self):\n        for i in self.it:\n            yield torch.full((4,), 0.5), i", shell_ns)
@@ -334,7 +335,24 @@ def test_a_stream_that_gives_a_rank_no_sample_is_an_error_not_a_success(dist_ses
         with pytest.raises(RankError, match=says):
             dist_session.train(RECORD, model="lin_empty", data=data, batch_size=5, epochs=epochs, **QUIET)
     dist_session.run("_seen = []")
+    shell_ns["count"] = shell_ns["Count"](103)
     assert dist_session.train(RECORD, model="lin_empty", data="count", batch_size=5, **QUIET).rows[0]["steps"] > 0
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stream_that_raises_is_named_at_the_sample_that_raised(dist_session, ns, workers):
+    """Each rank reads the whole stream and keeps its part: the ranks (and workers) that do not own sample 37 named
+    the next sample of their own part (38, 40)."""
+    exec("class Boom(IterableDataset):\n    def __iter__(self):\n        for i in range(200):\n"
+         "            if i == 37:\n                raise KeyError('broken record 37')\n"
+         "            yield torch.full((4,), 0.5), i", ns)
+    ns["boom"], ns["lin_boom"] = ns["Boom"](), torch.nn.Linear(4, 1)
+    dist_session.run("_seen = []")
+    with pytest.raises(RankError) as err:
+        dist_session.train(RECORD, model="lin_boom", data="boom", batch_size=16, workers=workers, **QUIET)
+    text = str(err.value)
+    assert "broken record 37" in text and "at sample 37" in text, text
+    assert not re.search(r"at sample (?!37\b)\d+", text), text
 
 
 def test_loader_options_with_tensors_are_an_error(dist_session, ns):
