@@ -107,11 +107,18 @@ def _dataset_columns(data, name):
     n = len(data)
     if n == 0:
         raise PlanError(f"{name} is empty (len 0)")
+    items = []
+    for i in range(n):
+        try:
+            items.append(data[i])
+        except Exception as exc:  # the Dataset's own error, not the collation's
+            raise PlanError(f"{name}[{i}] raised {type(exc).__name__}: {exc}; fix the Dataset's __getitem__ for index "
+                            f"{i} (a Dataset taken as tensors is read whole, in the kernel)") from exc
     try:
-        collated = default_collate([data[i] for i in range(n)])
+        collated = default_collate(items)
     except Exception as exc:
-        raise PlanError(f"cannot collate the items of {name} into tensors ({exc}); "
-                        "give tensors or a Dataset whose items are tensors/numbers") from exc
+        raise PlanError(f"cannot collate the items of {name} into tensors ({type(exc).__name__}: {exc}); "
+                        "give tensors or a Dataset whose items are tensors/numbers of one shape each") from exc
     try:
         structure, columns, num_samples = columns_of(collated, name)
     except PlanError as exc:  # a field that collates to no tensor (a list of strings, of None)

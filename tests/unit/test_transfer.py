@@ -279,3 +279,20 @@ def test_a_parametrized_model_round_trips_exactly():
     got.train()
     got(x).sum().backward()
     assert got[0].parametrizations.weight.original0.grad is not None
+
+
+def test_a_dataset_read_whole_names_the_index_whose_getitem_raised():
+    from distnb.errors import PlanError
+
+    class Val(torch.utils.data.Dataset):
+        def __len__(self):
+            return 20
+
+        def __getitem__(self, i):
+            if i == 13:
+                raise ValueError("record 13 is corrupt")
+            return torch.ones(2), i
+
+    with pytest.raises(PlanError, match=r"val\[13\] raised ValueError: record 13 is corrupt; fix the Dataset's "
+                                        r"__getitem__ for index 13"):
+        columns_of(Val(), "val")
