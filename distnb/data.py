@@ -88,6 +88,24 @@ def scatter_line(name: str, info: dict, sizes: list) -> str:
     return f"scattered {name} ({n} samples) as shards of {', '.join(map(str, sizes))}"
 
 
+def gather(session, name: str):
+    """``name`` from every rank: for data :func:`scatter` sent, the shards put back in the original sample order
+    (:func:`reassemble`), else (or when the ranks changed their shards' lengths, which is said) a list by rank."""
+    values = session.pull(name)
+    info = session.holdings.data.get(name)
+    if info is None or "structure" not in info:
+        return values
+    whole = reassemble(values, info)
+    if isinstance(whole, list):  # filtered on the ranks, say: no sample order to restore (it returns no list else)
+        try:
+            held = str(len(values[0]))
+        except TypeError:
+            held = f"a {type(values[0]).__name__}"
+        print(f"distnb: {name} on the ranks no longer has the shards' lengths it was scattered with (rank 0 holds "
+              f"{held} of {len(info['shards'][0])}): gathered as a list by rank")
+    return whole
+
+
 def reassemble(values: list, info: dict):
     """The shards pulled from the ranks (``values``, by rank) put back in the original sample order.
 

@@ -31,7 +31,7 @@ import inspect
 from . import background, calls, checkpoints, debugger, options, scaling, shrinking, training
 from .background import BackgroundRun, check_idle
 from .cluster import Cluster
-from .data import reassemble, scatter as scatter_shards, scatter_line
+from .data import gather as gather_shards, scatter as scatter_shards, scatter_line
 from .defaults import default_spec, user_ns
 from .display.tables import count
 from .errors import ClusterError, PlanError
@@ -458,9 +458,7 @@ class Session:
         For data sent by :meth:`scatter` the shards are put back in the original sample
         order (a tensor, tuple or dict like the original); otherwise a list by rank.
         """
-        values = self.pull(name)
-        info = self.holdings.data.get(name)
-        return values if info is None or "structure" not in info else reassemble(values, info)
+        return gather_shards(self, name)
 
     # training ------------------------------------------------------------
     def train(self, code: str, model, data, **given) -> TrainResult:

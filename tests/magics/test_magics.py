@@ -85,6 +85,15 @@ def test_pull_scatter_gather(shell):
     assert torch.equal(back, original)
 
 
+def test_gather_of_shards_the_ranks_filtered_says_it_returns_them_by_rank(shell, capsys):
+    run(shell, "import torch\nfx = torch.arange(10.)\n%dist scatter fx")
+    run(shell, "%%dist\nfx = fx[fx > 3]")
+    capsys.readouterr()
+    back = run(shell, "%dist gather fx").result
+    assert isinstance(back, list) and sorted(torch.cat(back).tolist()) == [4., 5., 6., 7., 8., 9.]
+    assert "fx on the ranks no longer has the shards' lengths it was scattered with" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("num_shards", [3, 0, -1, "2", True])
 def test_a_num_shards_that_does_not_divide_the_world_is_refused_and_the_shards_stay(shell, num_shards):
     from distnb import session as session_mod
