@@ -30,6 +30,7 @@ import sys
 import sysconfig
 import traceback
 import types
+import weakref
 
 #: Names the training loop binds in the rank namespace; a failure takes them out (they may hold the
 #: wrapper) and the debugging session puts them back while it lasts.
@@ -117,6 +118,8 @@ def free_groups(groups: list) -> int:
 
     changed = 0
     for obj in gc.get_objects():
+        if type(obj) in weakref.ProxyTypes:  # isinstance() reads a proxy's class: ReferenceError once it is dead
+            continue  # (torch.compile leaves such proxies behind; a failing cell then failed with that error)
         if isinstance(obj, DistributedDataParallel) and "reducer" in vars(obj):
             with contextlib.suppress(Exception):
                 obj._remove_autograd_hooks()
@@ -141,7 +144,7 @@ def _handles() -> list:
     found, seen = [], set()
 
     def look(value, depth):
-        if id(value) in seen:
+        if id(value) in seen or type(value) in weakref.ProxyTypes:  # a dead proxy raises at isinstance()
             return
         seen.add(id(value))
         if isinstance(value, Work):

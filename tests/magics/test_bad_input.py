@@ -603,6 +603,18 @@ def test_a_batch_that_fails_to_load_is_not_called_short_after_a_short_one(shell,
     assert "fewer than --batch-size" not in str(err), err
 
 
+def test_a_failing_cell_is_named_when_a_rank_holds_a_dead_weak_proxy(shell, trained):
+    """The failure path walks every object on the rank: a weakref.proxy whose object is gone (torch.compile leaves
+    such behind) raised ReferenceError there, so every failing cell after a --compile'd model said only
+    "weakly-referenced object no longer exists" instead of its own error."""
+    run(shell, "%%dist\nimport weakref\nclass _Gone:\n    pass\n_gone = _Gone()\n_dead_proxy = weakref.proxy(_gone)\n"
+               "del _gone")
+    err = run(shell, "%%distrain --model keep_net --data bad_ds --batch-size 32 --progress none\nx, y = batch\n"
+                     "loss = F.cross_entropy(model(x), y).item()").error_in_exec
+    assert isinstance(err, RankError) and "`loss` must be a scalar tensor, got float" in str(err), err
+    run(shell, "%%dist\ndel _dead_proxy")
+
+
 def test_an_exception_whose_str_raises_is_named_with_its_rank_and_step(shell, trained):
     """The failure path formats the error many times; a notebook exception class whose __str__ raises made the first
     of those raise, which skipped the rest of it: the failing step was reported as step 0 (and the group's teardown
