@@ -40,7 +40,7 @@ _DTYPE_CLASH = re.compile(r"same dtype|expected scalar type|Found dtype|should b
 
 def dtype_hint(exc, plan, model_obj, data_obj, sample: str = "") -> str:
     """The fix when a step failed on a dtype clash between float64 data (numpy's default) and a model of
-    another floating dtype, else ''.
+    another floating dtype, or between float32 data and a model cast to bfloat16/float16, else ''.
 
     ``sample``: how sample 0 of a Dataset sent by value looked (``samples like (float64[5], int)``), whose
     ``__getitem__`` the kernel does not call again.
@@ -60,6 +60,12 @@ def dtype_hint(exc, plan, model_obj, data_obj, sample: str = "") -> str:
                 f"for floats), and {plan.model}'s parameters are {', '.join(sorted(params))}: return float32 from "
                 "__getitem__ (x.astype(np.float32), torch.as_tensor(x, dtype=torch.float32)), or convert the batch in "
                 "the step (x = x.float())")
+    low = params & {"bfloat16", "float16"}
+    if not double and low and any(str(getattr(p, "dtype", "")) in ("torch.float32", "float32") for p in parts):
+        return (f"{plan.model}'s parameters are {', '.join(sorted(params))} and --data {plan.data} holds float32: to "
+                f"train in {min(low)}, keep the model float32 and pass --precision {'bf16' if 'bfloat16' in low else 'fp16'}"
+                " (autocast: the parameters, the optimizer state and the weights that come back stay float32), or "
+                f"convert the batch in the step (x = x.to(torch.{min(low)}))")
     if not double:
         return ""
     held, fix = (("float64 arrays (numpy's default for floats)", "X.astype(np.float32)")

@@ -266,6 +266,15 @@ def test_a_dataset_of_float64_arrays_for_a_float32_model_names_the_fix(shell, tr
                       "x, y = batch\nloss = F.cross_entropy(model(x.float()), y)").error_in_exec is None
 
 
+def test_a_model_cast_to_bf16_with_float32_data_names_precision(shell, trained):
+    """net.to(torch.bfloat16) to train in bf16 got torch's 'mat1 and mat2 must have the same dtype' alone."""
+    run(shell, "torch.manual_seed(0)\nbf_net = nn.Sequential(nn.Linear(8, 2)).to(torch.bfloat16)")
+    err = run(shell, f"%%distrain --model bf_net --data bad_ds --progress none\n{BODY}").error_in_exec
+    assert isinstance(err, RankError) and "same dtype" in str(err), err
+    assert "bf_net's parameters are bfloat16 and --data bad_ds holds float32: to train in bfloat16, keep the model " \
+           "float32 and pass --precision bf16" in str(err), str(err)
+
+
 @pytest.mark.parametrize("data", ["(X[:3], Y[:3])", "list(zip(X[:3], Y[:3]))"])
 def test_drop_last_with_no_full_batch_says_only_the_error(shell, trained, capsys, data):
     """It printed the cut first ('drop: each rank uses 0 of its 1-2 samples ...; 0 steps/epoch of 1 per rank'),
