@@ -525,6 +525,7 @@ class DistMagics(Magics):
     @line_cell_magic
     def dist(self, line, cell=None):
         _load_modules()
+        line = options.uncommented(line)
         from . import session
 
         try:
@@ -562,6 +563,7 @@ class DistMagics(Magics):
     @line_cell_magic
     def distrain(self, line, cell=None):
         _load_modules()
+        line = options.uncommented(line)
         if _asks_help(line) or (cell is None and not line.strip()):  # also `%distrain`: IPython points an empty
             return print(DistMagics.distrain.__doc__)  # `%%distrain --help` cell here
         if cell is None:

@@ -26,6 +26,7 @@ import difflib
 import inspect
 import math
 import os
+import re
 import textwrap
 from dataclasses import dataclass
 
@@ -362,3 +363,9 @@ def check_fields(obj) -> None:
         what = f"{labels[0]} is a --strategy {owner} option" if len(labels) == 1 else \
             f"{', '.join(labels[:-1])} and {labels[-1]} are --strategy {owner} options"
         raise PlanError(f"{what} (this cell uses --strategy {strategy})")
+
+
+def uncommented(line: str) -> str:
+    """A magic's ``line`` without its trailing ``# comment``: IPython hands a line magic the whole line, comment
+    included (``%dist start  # 2 ranks`` was "unrecognized arguments: # 2 ranks"). A ``#`` inside a word stays."""
+    return re.split(r"(?:^|\s)#", line, maxsplit=1)[0]
