@@ -16,7 +16,18 @@ class DistnbError(Exception):
 
 
 class Interrupted(KeyboardInterrupt):
-    """A cell stopped by the interrupt button; the message says where each rank stopped."""
+    """A cell stopped by the interrupt button; the message says where each rank stopped.
+
+    Attributes
+    ----------
+    result : distnb.results.TrainResult or None
+        A training cell whose ranks all stopped after the same step: the result of what was trained
+        (marked ``interrupted``; also bound by ``-o NAME`` and kept as the session's last result).
+    """
+
+    def __init__(self, *args, result=None):
+        super().__init__(*args)
+        self.result = result
 
     def _render_traceback_(self):
         return [f"KeyboardInterrupt: {self}"]

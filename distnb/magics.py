@@ -10,7 +10,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from . import options
-from .errors import ClusterError, PlanError, stop_interrupted
+from .errors import ClusterError, Interrupted, PlanError, stop_interrupted
 from .plan import ClusterSpec, RunOptions, TrainPlan
 
 
@@ -578,6 +578,10 @@ class DistMagics(Magics):
             result = _session().train(cell, **given)
         except PlanError as exc:
             raise UsageError(str(exc)) from None
+        except Interrupted as exc:  # the interrupt button: -o gets what was trained, and Run All stops here
+            if args.output and exc.result is not None:
+                self.shell.user_ns[args.output] = exc.result
+            raise
         if args.background:
             if args.output:
                 result.on_result.append(lambda r, ns=self.shell.user_ns, name=args.output: ns.__setitem__(name, r))

@@ -493,6 +493,9 @@ class Session:
         RankError
             A rank raised; the weights of the last completed step are still loaded back
             and the process group is re-formed.
+        Interrupted
+            The interrupt (Ctrl-C) stopped every rank after the same step: ``.result`` is the
+            TrainResult of what was trained (marked ``interrupted``), whose weights are back.
         """
         options.refuse_unknown(given, TRAIN_OPTIONS | RUN_OPTIONS, "training")
         run = RunOptions(**{k: given.pop(k) for k in RUN_OPTIONS if k in given})

@@ -544,6 +544,11 @@ def train_cell(session, code, model, data, run, given):
                         started_shown=state.start_shown)
     session.last_result = result
     export.remember(cell, result, model_obj)
+    background = session._background
+    if stopped is not None and not (background is not None and background.current_thread_is_runner()):
+        # the interrupt stops what runs after the cell too (Jupyter's queued cells, a script's next statement)
+        raise Interrupted(f"{stopped}; {plan.model} holds what was trained, and the TrainResult is this error's "
+                          ".result (and -o NAME's)", result=result)
     return result
 
 
@@ -553,7 +558,8 @@ def finish(session, plan, model_obj, rows, wall_seconds, num_shards, run, stoppe
     ``started_shown``: the progress printed the notes on the cell's start already (before its epoch lines).
 
     A run stopped by the interrupt button or ``%dist stop-training`` (every rank after the same
-    step) still gives the result of what was trained, marked ``interrupted``.
+    step) still gives the result of what was trained, marked ``interrupted`` (the interrupt button's:
+    :func:`train_cell` raises it as the Interrupted's ``.result``).
     """
     from . import loopcell, results
 
@@ -567,9 +573,6 @@ def finish(session, plan, model_obj, rows, wall_seconds, num_shards, run, stoppe
     if not run.quiet:  # run: the cell's RunOptions
         for note in loopcell.notes(rows[0], plan, given, started=not started_shown):
             print(f"distnb: {note}")
-        background = session._background
-        if stopped is not None and not (background is not None and background.current_thread_is_runner()):
-            print(f"distnb: {stopped}; the result holds what was trained")
     session.holdings.trained_steps[plan.model] = rows[0]["global_steps"]
     session.holdings.remember(plan, model_obj)  # what the ranks accepted carries over to the model's next cell
     return result

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from distnb.errors import PlanError, RankError
 from support.data import digits_split, mlp, parity_data as make_data, parity_model as make_model
+from support.cells import interrupted
 from support.reference import reference
 
 BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
@@ -218,7 +219,7 @@ def test_interrupt_drains_the_async_exchange(dist_session, shell):
     timer = threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT))
     timer.start()
     try:
-        stopped = dist_session.train(BODY, epochs=10_000, **options)
+        stopped = interrupted(dist_session.train, BODY, epochs=10_000, **options).result
     finally:
         timer.cancel()
     assert stopped.interrupted and "every rank stopped after the same step" in stopped.interrupted_message

@@ -6,6 +6,7 @@ import torch
 
 from distnb import session as session_mod
 from distnb.errors import PlanError, RankError
+from support.cells import interrupted
 
 
 def run(shell, code):
@@ -363,9 +364,9 @@ def test_interrupt_stops_every_rank_after_the_same_step(shell, dist_session):
     timer = threading.Timer(3.0, lambda: os.kill(os.getpid(), signal.SIGINT))
     t0 = time.monotonic()
     timer.start()
-    try:  # the interrupted cell still returns the TrainResult of what was trained, marked interrupted
-        result = dist_session.train(BODY, model="inet", data="train_ds", epochs=10_000, batch_size=4,
-                                    progress="none", quiet=True)
+    try:  # the interrupted cell raises, with the TrainResult of what was trained, marked interrupted
+        result = interrupted(dist_session.train, BODY, model="inet", data="train_ds", epochs=10_000, batch_size=4,
+                             progress="none", quiet=True).result
     finally:
         timer.cancel()
     import re
@@ -385,6 +386,29 @@ def test_interrupt_stops_every_rank_after_the_same_step(shell, dist_session):
     assert ok.rows[0]["steps"] > 0
 
 
+def test_an_interrupted_cell_binds_its_result_and_ends_as_interrupted(shell, dist_session):
+    """The interrupted cell ended as a success, so Jupyter ran the cells queued after it (Run All) and a script's
+    Ctrl-C only skipped to its next statement; -o still gets what was trained."""
+    import os
+    import signal
+    import threading
+
+    from distnb.errors import Interrupted
+
+    run(shell, TRAIN_SETUP.replace("mnet", "onet"))
+    timer = threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        res = run(shell, "%%distrain --model onet --data train_ds --epochs 10000 --batch-size 4 --progress none "
+                         f"-o onet_res\n{BODY}")
+    finally:
+        timer.cancel()
+    assert isinstance(res.error_in_exec, Interrupted), res.error_in_exec  # an error: the queue stops here
+    assert "every rank stopped after the same step" in str(res.error_in_exec)
+    bound = shell.user_ns["onet_res"]
+    assert bound is res.error_in_exec.result and bound.interrupted and bound.rows[0]["steps"] > 0
+
+
 def test_a_cell_that_finished_no_epoch_reports_the_mean_loss_of_its_steps_not_nan(shell, dist_session):
     """Interrupted in its first epoch (rank 0's own SIGINT, as the kernel sends it), and a --loop body that never
     iterates ctx.epochs(): final_loss was NaN although every step reported a loss."""
@@ -394,7 +418,7 @@ def test_a_cell_that_finished_no_epoch_reports_the_mean_loss_of_its_steps_not_na
     body = ("import os, signal, time\ntime.sleep(0.02)\nif ctx.rank == 0 and ctx.step == 2:\n"
             "    os.kill(os.getpid(), signal.SIGINT)\n" + BODY)
     result = dist_session.train(body, model="fnet", data="train_ds", epochs=3, batch_size=4, progress="none",
-                                quiet=True)
+                                quiet=True)  # the rank's own SIGINT, not the kernel's: the cell returns
     steps = result.rows[0]["steps"]
     assert result.interrupted and result.epoch_losses == [] and 2 < steps < result.rows[0]["steps_per_epoch"]
     points = [loss for history in result.loss_history.values() for _, loss in history]

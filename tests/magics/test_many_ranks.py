@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from distnb import zygote
 from distnb.cluster import Cluster
 from distnb.defaults import default_spec
+from support.cells import interrupted
 from distnb.errors import RankError
 from distnb.session import Session
 from support.data import parity_data, parity_model
@@ -122,8 +123,8 @@ def test_an_interrupt_stops_all_16_ranks_after_the_same_step(many, tmp_path):
     watcher.start()
     body = f"if rank == 0 and ctx.step == 5:\n    open({str(mark)!r}, 'w').close()\n" + BODY
     try:
-        result = many.train(body, model="net16", data="data16", epochs=10_000, batch_size=4, progress="none",
-                            quiet=True)
+        result = interrupted(many.train, body, model="net16", data="data16", epochs=10_000, batch_size=4,
+                             progress="none", quiet=True).result
     finally:
         done.set()
         watcher.join(5)

@@ -1,4 +1,4 @@
-"""Notebook cells shared by the tests of ``%dist debug`` (tests/magics and tests/jupyter)."""
+"""Notebook cells and calls shared by the tests (``%dist debug``'s failing cell; a training the interrupt stops)."""
 
 
 def failing_cell(result: str) -> str:
@@ -13,3 +13,16 @@ def step(scale):
 {result} = step(2.0)
 dist.all_reduce(torch.ones(1))
 """
+
+
+def interrupted(train, *args, **kwargs):
+    """``train(*args, **kwargs)`` (a ``Session.train``) that the kernel's interrupt stops: the Interrupted it raises,
+    whose ``.result`` holds what was trained (the interrupt stops what comes after the cell too)."""
+    import pytest
+
+    from distnb.errors import Interrupted
+
+    with pytest.raises(Interrupted) as stop:
+        train(*args, **kwargs)
+    assert stop.value.result is not None, stop.value  # every rank stopped after the same step
+    return stop.value
