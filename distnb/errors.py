@@ -91,6 +91,8 @@ def ranks_named(ranks) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_list(ranks)}"
 
 
+#: A terminal colour code (IPython colours the ranks' tracebacks).
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 #: The line :func:`distnb.tracebacks.fold_frames` puts in place of torch's frames.
 _FOLDED_LINE = re.compile(r"\.\.\. \d+ frames in torch \(")
 
@@ -138,6 +140,8 @@ class RankError(DistnbError, RuntimeError):
         self.ranks = [f.get("rank") for f in self.failures]
         self.hint = module_hint(first)
         super().__init__(self._summary())
+        # outside IPython (a script) Python prints notes after the message: the ranks' tracebacks, where the bug is
+        self.__notes__ = [_ANSI.sub("", "\n".join(self._render_traceback_()[1:])).strip()]
 
     def add_hint(self, hint: str) -> None:
         """Append ``hint`` (a sentence: the likely cause and its fix, known in the kernel) to the message."""

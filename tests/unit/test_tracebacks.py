@@ -74,3 +74,18 @@ def test_a_notebook_function_reading_a_body_name_is_told_to_take_it_as_an_argume
     assert body_name_hint([dict(failure, evalue="name 'other' is not defined")], {"halve": halve}, {"model"}) == ""
     plain = dict(failure, traceback='  File "/tmp/x.py", line 6, in halve\nNameError: name \'model\' is not defined')
     assert body_name_hint([plain], {"halve": halve}, {"model"}).startswith("halve is")
+
+
+def test_a_rank_error_carries_the_ranks_traceback_as_a_note_for_scripts():
+    """Outside IPython (a plain script) a RankError printed distnb's kernel frames and one line: the line that failed
+    on the rank was nowhere. Python prints __notes__ after the message; IPython uses _render_traceback_."""
+    import traceback
+
+    from distnb.errors import RankError
+
+    tb = "\x1b[0;31mValueError\x1b[0m Traceback\nFile <distrain-cell-1>:3\n----> 3 raise ValueError('bad')\n"
+    err = RankError([dict(rank=1, host="h", ename="ValueError", evalue="bad", traceback=tb)], context="training")
+    printed = "".join(traceback.format_exception(err))
+    assert "--- traceback from rank 1 on h ---" in printed and "----> 3 raise ValueError('bad')" in printed
+    assert "\x1b[" not in printed  # no terminal colour codes in a log
+    assert err._render_traceback_()[0].startswith("RankError: training failed on rank 1")
