@@ -172,7 +172,7 @@ class Cluster(Engines):
             self.job_id = launchers.batch_job_id(self._ipp)
             launchers._restrict_security_files(self._ipp.profile_dir)
             self._procs.update(launchers.engine_processes(self._ipp))
-            self.client = self._ipp.connect_client_sync()
+            self.client = launchers.connect_client(self._ipp)  # without ipyparallel's %px magics in the notebook
             # engines register within engine_timeout; a batch job may first wait in the queue
             self._wait_for_engines(max(engine_timeout, spec.timeout,
                                        BATCH_QUEUE_WAIT if self.launcher in BATCH_LAUNCHERS else 0))

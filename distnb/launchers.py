@@ -545,3 +545,29 @@ def registration_port(cluster):
             return json.load(f)["registration"]
     except Exception:
         return "?"
+
+
+def connect_client(ipp_cluster):
+    """The cluster's ``ipyparallel.Client``, without the parallel magics it registers in the notebook.
+
+    A Client made in an IPython kernel that has no ``%px`` yet registers ``%px``, ``%%px``, ``%autopx``,
+    ``%pxresult`` (``%result``) and ``%pxconfig`` for itself. distnb's engines are its ranks, driven by
+    ``%dist``/``%%dist``; with IPython's automagic, a bare undefined ``result`` (the README's ``-o result``)
+    then ran ``%pxresult`` ("recalls last %px result, which has not yet been used") instead of a NameError,
+    and ``autopx`` sent every later cell, ``%dist stop`` included, to the engines as code. Magics the notebook
+    had before (a Client of the user's own) stay.
+    """
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    except ImportError:
+        shell = None
+    before = {kind: dict(table) for kind, table in shell.magics_manager.magics.items()} if shell is not None else {}
+    client = ipp_cluster.connect_client_sync()
+    for kind, table in before.items():
+        now = shell.magics_manager.magics[kind]
+        for name in [n for n in now if n not in table and type(getattr(now[n], "__self__", None)).__name__
+                     == "ParallelMagics"]:
+            del now[name]
+    return client

@@ -276,3 +276,12 @@ def test_lr_zero_is_taken_and_leaves_the_weights_as_they_were(shell):
     assert res.error_in_exec is None
     assert shell.user_ns["lz_res"].rows[0]["steps"] > 0 and shell.user_ns["lz_res"].plan.lr == 0
     assert all(torch.equal(a, b) for a, b in zip(before, shell.user_ns["lz_net"].parameters()))
+
+
+def test_ipyparallels_own_magics_are_not_left_in_the_notebook(shell):
+    """ipyparallel's Client registered %px, %autopx and %pxresult (%result): with automagic a bare undefined `result`
+    (the README's -o result) ran %pxresult instead of raising NameError, and `autopx` sent later cells to the ranks."""
+    lines = shell.magics_manager.magics["line"]
+    assert not {"px", "autopx", "pxresult", "result", "pxconfig"} & set(lines), sorted(lines)
+    assert "px" not in shell.magics_manager.magics["cell"]
+    assert isinstance(run(shell, "never_bound_result_name").error_in_exec, NameError)
