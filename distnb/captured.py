@@ -43,6 +43,11 @@ def digest(classes) -> int:
     return hash(tuple(_of_class(c, seen, DEPTH) for c in classes if by_value(c)))
 
 
+def of_value(value):
+    """A hashable digest of ``value`` as the ranks would get it by value (see the module docstring)."""
+    return _of_value(value, set(), DEPTH)
+
+
 def _of_class(cls, seen, depth) -> tuple:
     if id(cls) in seen or depth < 0:
         return ()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import types
 
 from . import calls, captured
 from .errors import PlanError
@@ -175,6 +176,8 @@ def fingerprint(obj):
         leaves = [_leaf(x) for x in obj]
     elif isinstance(obj, dict):
         leaves = [(k, _leaf(v)) for k, v in obj.items()]
+    elif isinstance(obj, (types.FunctionType, type)) and captured.by_value(obj):  # with the globals its code reads
+        leaves = [captured.of_value(obj)]
     else:
         leaves = [_leaf(obj)]
     length = len(obj) if hasattr(obj, "__len__") else None

@@ -161,6 +161,19 @@ def test_an_attribute_or_hook_changed_in_the_notebook_is_sent_to_the_ranks(shell
     assert "changed in the notebook" not in capsys.readouterr().out
 
 
+def test_a_body_helper_reads_the_notebook_global_as_it_is_now(shell):
+    """A notebook function the body calls was pushed by identity: a global it reads changed in the notebook (K = 0)
+    left the ranks computing with the old value."""
+    run(shell, "import torch, torch.nn as nn, torch.nn.functional as F\nHELP_K = 1.0\n"
+               "def helped(z):\n    return z * HELP_K\ntorch.manual_seed(0)\nhelp_net = nn.Linear(4, 2)\n"
+               "help_data = torch.utils.data.TensorDataset(torch.randn(64, 4) * 20, torch.randint(0, 2, (64,)))")
+    cell = "%%distrain --model help_net --data help_data --batch-size 32 --lr 1e-9 --progress none\nx, y = batch\n" \
+           "loss = F.cross_entropy(helped(model(x)), y)"
+    assert abs(run(shell, cell).result.final_loss - math.log(2)) > 0.05
+    run(shell, "HELP_K = 0.0")
+    assert abs(run(shell, cell).result.final_loss - math.log(2)) < 1e-6  # logits 0: ln 2
+
+
 def test_a_new_object_under_a_trained_name_starts_from_the_defaults(shell, capsys):
     make = small_net(shell, "new")
     cell = "%%distrain --model new_net --data new_data --progress none{} -o new_res\nx, y = batch\n" \
