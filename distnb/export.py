@@ -27,6 +27,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from . import jobfiles
 from .errors import PlanError
 
 #: The last training cell of this kernel that returned a result (None before the first).
@@ -62,6 +63,7 @@ class Cell:
     model_since: str = "the training cell ran"  # what model_fp was taken after, for the "changed" error
     epoch_losses: list = field(default_factory=list)
     not_kept: str = ""  # why a model sent fresh had its starting weights left uncopied (too large)
+    names_fp: dict = field(default_factory=dict)  # each name's fingerprint at the cell (its globals, for a function)
 
 
 def _names_read(session, plan, code, exclude, reserved) -> dict:
@@ -121,14 +123,30 @@ def _capture(session, plan, code, model_obj, data_obj, reserved, fresh) -> Cell:
     path = "ranks" if plan.data_on_ranks else path_of(plan, data_obj)[0]
     cluster = session.cluster
     threads = sorted({r.get("num_threads", cluster.spec.num_threads) for r in cluster.ranks})
+    names = _names_read(session, plan, code, (model_obj, data_obj, val_obj), reserved)
+    val_fp = held.get(plan.val_data, {}).get("fingerprint") if plan.val_data else None
+    if plan.val_data and _collated(val_obj):  # a Dataset collated in the kernel: as packed now (its attributes)
+        try:
+            val_fp = ("packed", jobfiles.packed_fp(plan.val_data, val_obj))
+        except PlanError:  # it cannot be pickled (it trains all the same: collated here): not checked
+            pass
     return Cell(plan=plan, code=code, model_class=type(model_obj), model_repr=repr(model_obj),
                 classes=notebook_classes(model_obj), model_packed=packed, model_obj=model_obj, data_obj=data_obj,
-                data_path=path, data_fp=held.get(plan.data, {}).get("fingerprint"), val_obj=val_obj,
-                val_fp=held.get(plan.val_data, {}).get("fingerprint") if plan.val_data else None,
-                names=_names_read(session, plan, code, (model_obj, data_obj, val_obj), reserved), ns=session.ns,
+                data_path=path, data_fp=held.get(plan.data, {}).get("fingerprint"), val_obj=val_obj, val_fp=val_fp,
+                names=names, names_fp={n: jobfiles.name_digest(v) for n, v in names.items()}, ns=session.ns,
                 cluster=dict(world_size=session.world_size, num_nodes=cluster.num_nodes,
                              device=cluster.spec.device_type, backend=cluster.spec.backend, threads=threads[-1],
                              timeout=cluster.spec.timeout), problem=problem, not_kept=not_kept)
+
+
+def _collated(obj) -> bool:
+    """Whether a data set is a Dataset (or list of samples) the kernel collates, not a tensor container."""
+    import torch
+
+    from .transfer import is_columns, is_sample_list
+
+    return is_sample_list(obj) or (isinstance(obj, torch.utils.data.Dataset)
+                                   and not isinstance(obj, torch.utils.data.TensorDataset)) and not is_columns(obj)
 
 
 def remember(cell: Cell, result, model_obj) -> None:
@@ -396,56 +414,6 @@ def _quote(path: str) -> str:
     return shlex.quote(path)
 
 
-def _changed(name, what, since="the training cell ran") -> PlanError:
-    return PlanError(f"{what} {name} changed in the notebook since {since}, so the job would not train "
-                     "on what the cell trained on: run the cell again (or export right after it), then %dist export")
-
-
-def _tensor_file(name, obj, fp, what) -> bytes:
-    """``data.pt``/``val.pt``: a tensor data set as its columns (the job cuts the shards as the kernel did)."""
-    import torch
-
-    from .transfer import columns_of, fingerprint
-
-    if fp is not None and fingerprint(obj) != fp:
-        raise _changed(name, what)
-    structure, columns, _ = columns_of(obj, name)
-    buf = io.BytesIO()
-    torch.save({"structure": list(structure), "columns": [c.contiguous() for c in columns]}, buf)
-    return buf.getvalue()
-
-
-def _data_file(cell) -> tuple:
-    """(file name, bytes) of ``--data``; PlanError when the kernel never held it or it changed."""
-    from .data import _fingerprint
-    from .transfer import pack_named
-
-    name, path = cell.plan.data, cell.data_path
-    if path == "ranks":
-        raise PlanError(f"--data {name} was made on the ranks by a %%dist cell (--data-on-ranks): the kernel never "
-                        "held it, so it cannot be written to the job's folder. Define it in the notebook (a Dataset, "
-                        "or a function make(rank, world_size) -> Dataset that builds it on each rank), train the cell "
-                        f"with --data {name} without --data-on-ranks, then %dist export")
-    if path == "tensors":
-        return "data.pt", _tensor_file(name, cell.data_obj, cell.data_fp, "--data")
-    tensors = []
-    packed = pack_named(name, cell.data_obj, " (the exported job loads it from data.pkl)", tensors)
-    if cell.data_fp is not None and (path, _fingerprint(*packed, tensors), id(cell.data_obj)) != cell.data_fp:
-        raise _changed(name, "--data")
-    return "data.pkl", pickle.dumps(packed, protocol=5)
-
-
-def _model_packed(cell) -> tuple:
-    """The model the job starts from: as sent at the cell's start, or the notebook's after a cell that went on."""
-    from .transfer import fingerprint, pack_named
-
-    if cell.model_packed is not None:
-        return cell.model_packed
-    if fingerprint(cell.model_obj) != cell.model_fp:
-        raise _changed(cell.plan.model, "--model", cell.model_since)
-    return pack_named(cell.plan.model, cell.model_obj, " (the exported job loads it from model.pkl)")
-
-
 def _placement(cell, nodes, per_node) -> tuple:
     world = cell.cluster["world_size"]
     for flag, value in (("--nodes", nodes), ("--nproc-per-node", per_node)):
@@ -467,16 +435,21 @@ def contents(cell: Cell, directory: str, nodes=None, per_node=None) -> dict:
         launch = (f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d --rdzv-endpoint "
                   "FIRST_NODE:29500 train.py   # on every node")
     files = {}
-    data_name, files_data = _data_file(cell)
+    data_name, files_data = jobfiles.data_file(cell)
     files[data_name] = files_data
     data = dict(name=cell.plan.data, path=cell.data_path, file=data_name)
     val = None
     if cell.plan.val_data:
-        files["val.pt"] = _tensor_file(cell.plan.val_data, cell.val_obj, cell.val_fp, "--val-data")
+        packed = isinstance(cell.val_fp, tuple) and cell.val_fp[:1] == ("packed",)
+        if packed and jobfiles.packed_fp(cell.plan.val_data, cell.val_obj) != cell.val_fp[1]:
+            raise jobfiles.changed(cell.plan.val_data, "--val-data")
+        files["val.pt"] = jobfiles.tensor_file(cell.plan.val_data, cell.val_obj, None if packed else cell.val_fp,
+                                               "--val-data")
         val = dict(name=cell.plan.val_data, path="tensors", file="val.pt")
+    jobfiles.names_unchanged(cell)
     if cell.names:
         files["names.pkl"] = pickle.dumps(pack_named("the names the training body reads", cell.names), protocol=5)
-    files["model.pkl"] = pickle.dumps(_model_packed(cell), protocol=5)
+    files["model.pkl"] = pickle.dumps(jobfiles.model_packed(cell), protocol=5)
     files["model.py"] = model_source(cell).encode()
     options = dict(exported=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), cell_ran=cell.when,
                    plan=dict(plan, checkpoint_dir=None, report_interval=1.0), data=data, val_data=val,
