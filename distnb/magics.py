@@ -31,7 +31,7 @@ def declared_arguments(*classes, only_given=False):
             for f, opt in reversed(options.declared(cls)):
                 if not opt.cli:
                     continue
-                kw = dict(dest=opt.keyword or f.name, help=opt.help)
+                kw = dict(dest=opt.keyword or f.name, help=opt.help.replace("%", "%%"))  # argparse's % format
                 if f.default is dataclasses.MISSING and opt.given is options.FIELD_DEFAULT:
                     kw["required"] = True
                 else:

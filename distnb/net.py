@@ -164,7 +164,8 @@ def check_port_free(port: int, host: str = "127.0.0.1", option: str = "--master-
 
         for conn in psutil.net_connections(kind="inet"):
             if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
-                holder = f" by pid {conn.pid} ({psutil.Process(conn.pid).name()})"
+                words = psutil.Process(conn.pid).cmdline() or [psutil.Process(conn.pid).name()]  # name(): 15 chars
+                holder = f" by pid {conn.pid} ({' '.join(words)[:100]})"
                 break
     except (psutil.Error, OSError):
         pass

@@ -182,7 +182,7 @@ class TrainPlan:
                                   "None: TP is the largest divisor of world_size not above its square root.")
     checkpoint_dir: str | None = option(None, "path", "save model, optimizer and position there "
                                         "(torch.distributed.checkpoint); a model sent fresh to the ranks (e.g. after "
-                                        "%%dist restart) resumes from the newest checkpoint there")
+                                        "%dist restart) resumes from the newest checkpoint there")
     checkpoint_every: int | None = option(None, "int", "save every N steps (default: at the end of every epoch)",
                                           minimum=1)
     servers: int = option(1, "int", "ps: ranks holding the parameters and optimizer (default 1)", minimum=1,
@@ -384,7 +384,7 @@ class RunOptions:
                            choices=PROGRESS_MODES)
     all_output: bool = option(False, "flag", "show every rank's printed output")
     background: bool = option(False, "flag", "return at once and keep the kernel free while the dashboard updates; "
-                              "%%dist wait returns the result (and the weights), %%dist stop-training stops the run")
+                              "%dist wait returns the result (and the weights), %dist stop-training stops the run")
     quiet: bool = option(False, "flag", "print nothing but errors", cli=False)
 
     def __post_init__(self):
@@ -522,7 +522,7 @@ class ClusterSpec:
                                 "size at once (default off; on a running cluster this only switches the setting)",
                                 given=None)
     on_failure: str = option("stop", "choice", "when an engine dies during a cell: stop (default; the cell fails, "
-                             "%%dist restart), restart (a fresh world at once, like --auto-restart) or shrink (the "
+                             "%dist restart), restart (a fresh world at once, like --auto-restart) or shrink (the "
                              "cell goes on on the survivors at the smaller world: ddp from the last completed step, "
                              "fsdp/tensor from the newest --checkpoint-dir checkpoint), e.g. --on-failure shrink",
                              choices=FAILURE_POLICIES, given=None)
