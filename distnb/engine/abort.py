@@ -58,7 +58,7 @@ class _Armed:
 
 ARMED = _Armed()
 #: Held while gloo's sockets are shut down or forgotten (never while the group is being destroyed).
-_LOCK = threading.Lock()
+LOCK = threading.Lock()
 #: Futures :func:`ddp_allreduce_hook` handed to DDP that no collective has settled yet (whoever removes one
 #: from the set, the all-reduce's callback or :func:`end_pending`, settles it).
 _PENDING: set = set()
@@ -141,7 +141,7 @@ def tracking():
             port = getattr(ARMED.server, "port", None)
             new = {fd: link for fd, link in socket_fds().items()
                    if before.get(fd) != link and _gloo_socket(fd, port)}
-            with _LOCK:
+            with LOCK:
                 if ARMED.store is not None and ARMED.by is None:
                     ARMED.sockets.update(new)
 
@@ -179,7 +179,7 @@ def disarm() -> None:
 
     A shutdown going on in the watchdog thread finishes first.
     """
-    with _LOCK:
+    with LOCK:
         ARMED.sockets, ARMED.store, ARMED.by = {}, None, None
 
 
@@ -305,7 +305,7 @@ def poll() -> bool:
     by = _failed_rank()
     if by is None:
         return False
-    with _LOCK:
+    with LOCK:
         if not ARMED.sockets:  # disarmed meanwhile: this rank's own failure path destroys the group
             return False
         ARMED.by = by
@@ -327,7 +327,7 @@ def _failed_rank():
 def shut_sockets() -> None:
     """``shutdown(SHUT_RDWR)`` each of gloo's connections still open (listening sockets left alone).
 
-    Call it holding ``_LOCK``.
+    Call it holding ``LOCK``.
     """
     sockets, ARMED.sockets = ARMED.sockets, {}
     for fd, link in sockets.items():

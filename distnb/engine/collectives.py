@@ -220,14 +220,37 @@ def checked(only=None, off=False):
         return
     import torch
 
-    _ORIGINALS.update({op: getattr(dist, op) for op in _OPS})
+    _ORIGINALS.update({op: getattr(dist, op) for op in (*_OPS, "new_group")})
     SUBSET.update(ranks=only, unchecked=off, off=off and only is None)
     try:
         for op in _OPS:
             setattr(dist, op, _wrapped(dist, torch, op, _ORIGINALS[op]))
+        dist.new_group = _tracked_group(_ORIGINALS["new_group"])
         yield
     finally:
         for op, fn in _ORIGINALS.items():
             setattr(dist, op, fn)
         _ORIGINALS.clear()
         SUBSET.clear()
+
+
+def _tracked_group(new_group):
+    """``dist.new_group`` as a cell calls it: its gloo connections armed with the world's, and ``--timeout`` for its
+    collectives unless the cell gives one (torch's default is 30 minutes).
+
+    A rank waiting in such a group's collective for a rank that never came waited out that timeout, since
+    ending the hang (or a failure) closed the world's connections only; the cell could not be interrupted and
+    the next one hung too (:func:`distnb.engine.abort.tracking`).
+    """
+    import datetime
+
+    from . import abort, runtime
+
+    @functools.wraps(new_group)
+    def made(*args, **kwargs):
+        if "timeout" not in kwargs and len(args) < 2 and runtime.STATE.timeout:
+            kwargs["timeout"] = datetime.timedelta(seconds=runtime.STATE.timeout)
+        with abort.tracking():
+            return new_group(*args, **kwargs)
+
+    return made

@@ -360,6 +360,8 @@ def mark_broken(ns: dict | None = None, announce: bool = True) -> None:
     sys.last_type = sys.last_value = sys.last_traceback = None
     if hasattr(sys, "last_exc"):
         sys.last_exc = None
+    with abort.LOCK:  # this rank's own connections too: a group a cell made and still references (g =
+        abort.shut_sockets()  # dist.new_group(...)) stays open at the destroy, and a peer waiting in it waited on
     abort.disarm()  # before the destroy: the watchdog thread must not shut sockets that are being closed
     backends = abort.hold_backends()  # the last references, let go in a thread: a gloo worker may still wait
     if dist.is_initialized():

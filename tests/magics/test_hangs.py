@@ -62,6 +62,22 @@ def test_a_collective_on_rank_0_only_is_named_within_hang_after(shell):
     _works(shell)
 
 
+def test_a_collective_on_a_group_the_cell_made_is_named_and_the_next_cell_works(shell):
+    """A group from dist.new_group kept its gloo connections open when the hang was ended (the finished rank dropped
+    the world's only, and the cell held the group as `g`): rank 0 waited in it for torch's 30 minutes, the interrupt
+    could not end it, and the next cell hung too."""
+    with hang_after(HANG):
+        t0 = time.monotonic()
+        res = run(shell, "%%dist\nimport torch, torch.distributed as dist\nsub_g = dist.new_group([0, 1])\n"
+                         "t = torch.ones(3)\nif rank == 0:\n    dist.all_reduce(t, group=sub_g)\n")
+        took = time.monotonic() - t0
+    err = res.error_in_exec
+    assert isinstance(err, HangError), err
+    assert took < HANG + 15, took
+    assert "rank 0 waited" in str(err) and "all_reduce of [3]" in str(err) and "rank 1 never arrived" in str(err)
+    _works(shell)
+
+
 def test_an_unchecked_cell_says_only_what_distnb_knows_of_the_rank_that_finished(shell):
     # rank 1's all_reduce returned (it matched rank 0's first); rank 0 waits in its second. --unchecked counts no
     # calls, so "finished the cell without calling it" (or "never arrived") would be a claim distnb cannot make
