@@ -62,7 +62,9 @@ def check(watch):
     if not missing and (len({w.get("op") for w in waiting.values()}) < 2
                         or min(_waited(w) for w in waiting.values()) < limit):
         return None
-    hang = dict(waiting=dict(waiting), missing={r: (None if ars[r].ready() else wheres.get(r)) for r in missing},
+    now = time.time()  # a rank still in its cell: where it last said it was, and when (see _spot)
+    hang = dict(waiting=dict(waiting), missing={r: (None if ars[r].ready() else dict(wheres.get(r) or {}, seen=now))
+                                                for r in missing},
                 limit=limit, signalled=time.monotonic(), again=False, stuck=not missing,
                 unchecked=any(w.get("unchecked") for w in waiting.values()))
     if not missing:  # every rank waits, in different collectives: nothing here can interrupt gloo's wait
@@ -100,17 +102,33 @@ def _call(where, step) -> str:
     return f"{op}{shape} ({at})"
 
 
+#: Seconds without a position from a rank still in its cell after which its last one is said to be old: its
+#: watchdog thread says where it is every ``where.INTERVAL`` (0.25 s), unless native code holds the GIL.
+STALE = 2.0
+_SILENT = ("native code holding the GIL, such as a regular expression or a C extension's loop, keeps a rank from "
+           "saying where it is")
+
+
 def _spot(where, unchecked: bool = False) -> str:
     """Where a rank that is not waiting is. ``unchecked`` (an ``--unchecked`` cell): its collective calls are not
-    counted, so a rank that finished may well have called the collective (a call without a match can return)."""
+    counted, so a rank that finished may well have called the collective (a call without a match can return).
+    ``where`` None: it finished the cell; without a position (``sent``), or an old one: it is still in its cell
+    but has not said where lately (:data:`STALE`)."""
     if where is None:
         return "it finished the cell" if unchecked else "it finished the cell without calling it"
+    if "sent" not in where:
+        return f"it is still in its cell but has not said where ({_SILENT})"
     if where.get("note"):
-        return f"it is {where['note']}"
-    if where.get("cell_line"):
-        return f"it is at cell line {where['cell_line']}: `{where['cell_code']}`"
-    top = (where.get("stack") or [("?", 0, "?", "")])[-1]
-    return f"it is in {top[2]} ({top[0]}:{top[1]})"
+        spot = where["note"]
+    elif where.get("cell_line"):
+        spot = f"at cell line {where['cell_line']}: `{where['cell_code']}`"
+    else:
+        top = (where.get("stack") or [("?", 0, "?", "")])[-1]
+        spot = f"in {top[2]} ({top[0]}:{top[1]})"
+    old = where.get("seen", where["sent"]) - where["sent"]
+    if old > STALE:
+        return f"it was {spot} {old:.0f} s before and has not said where since ({_SILENT})"
+    return f"it is {spot}"
 
 
 def _missing(rank: int, where, unchecked: bool) -> str:
@@ -127,6 +145,8 @@ def _stack_text(where) -> str:
     """The rank's stack from its cell's code inward (the engine's own frames above it left out)."""
     if where is None:
         return "(finished the cell)"
+    if "sent" not in where:
+        return "(no position reported)"
     stack = where.get("stack") or []
     first = next((i for i, f in enumerate(stack) if f[0].startswith("<dist")), None)
     stack = stack[first:] if first is not None else stack[-4:]

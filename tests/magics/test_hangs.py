@@ -78,6 +78,20 @@ def test_a_collective_on_a_group_the_cell_made_is_named_and_the_next_cell_works(
     _works(shell)
 
 
+def test_a_rank_in_native_code_holding_the_gil_is_not_said_to_have_finished(shell):
+    """A rank in a regular expression that never returns (native code holding the GIL) cannot publish where it is:
+    the HangError said it "finished the cell without calling it", or named a line it had left seconds before."""
+    for pause, says in (("", "it is still in its cell but has not said where (native code holding the GIL"),
+                        ("    time.sleep(1.0)\n", "it was at cell line 4: `time.sleep(1.0)` ")):
+        with hang_after(HANG):
+            res = run(shell, "%%dist\nimport torch, torch.distributed as dist, re, time\nt = torch.ones(4)\n"
+                             f"if rank == 1:\n{pause}    re.match(r'(a+)+$', 'a' * 40 + 'b')\ndist.all_reduce(t)")
+        err = res.error_in_exec
+        assert isinstance(err, HangError) and says in str(err), err
+        assert "finished the cell" not in str(err)
+    _works(shell)
+
+
 def test_an_unchecked_cell_says_only_what_distnb_knows_of_the_rank_that_finished(shell):
     # rank 1's all_reduce returned (it matched rank 0's first); rank 0 waits in its second. --unchecked counts no
     # calls, so "finished the cell without calling it" (or "never arrived") would be a claim distnb cannot make
