@@ -203,7 +203,7 @@ SUBSET: dict = {}
 
 
 @contextlib.contextmanager
-def checked(only=None, off=False):
+def checked(only=None, off=False, timeout=None):
     """While active, collectives called from cell code check their tensors across ranks first.
 
     ``only``: the ranks running the cell when not all of them (``%%dist --targets``); a
@@ -212,7 +212,8 @@ def checked(only=None, off=False):
     the latency of the call it guards; a loop of small all-reduces took 1.6-1.7x as long checked);
     with ``only``, a collective on a group beyond those ranks is still an error. The checked
     versions stand in ``torch.distributed`` then too, passing each call straight on, so that a name
-    the cell binds to one (``ar = dist.all_reduce``) is checked when a later cell calls it.
+    the cell binds to one (``ar = dist.all_reduce``) is checked when a later cell calls it. ``timeout``
+    (seconds): the world's, which groups the cell makes take unless it gives one (:func:`_tracked_group`).
     """
     dist = sys.modules.get("torch.distributed")
     if dist is None or _ORIGINALS:  # nothing to check, or already active
@@ -225,7 +226,7 @@ def checked(only=None, off=False):
     try:
         for op in _OPS:
             setattr(dist, op, _wrapped(dist, torch, op, _ORIGINALS[op]))
-        dist.new_group = _tracked_group(_ORIGINALS["new_group"])
+        dist.new_group = _tracked_group(_ORIGINALS["new_group"], timeout)
         yield
     finally:
         for op, fn in _ORIGINALS.items():
@@ -234,7 +235,7 @@ def checked(only=None, off=False):
         SUBSET.clear()
 
 
-def _tracked_group(new_group):
+def _tracked_group(new_group, timeout=None):
     """``dist.new_group`` as a cell calls it: its gloo connections armed with the world's, and ``--timeout`` for its
     collectives unless the cell gives one (torch's default is 30 minutes).
 
@@ -244,12 +245,12 @@ def _tracked_group(new_group):
     """
     import datetime
 
-    from . import abort, runtime
+    from . import abort
 
     @functools.wraps(new_group)
     def made(*args, **kwargs):
-        if "timeout" not in kwargs and len(args) < 2 and runtime.STATE.timeout:
-            kwargs["timeout"] = datetime.timedelta(seconds=runtime.STATE.timeout)
+        if "timeout" not in kwargs and len(args) < 2 and timeout:
+            kwargs["timeout"] = datetime.timedelta(seconds=timeout)
         with abort.tracking():
             return new_group(*args, **kwargs)
 

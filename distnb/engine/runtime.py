@@ -478,7 +478,7 @@ def run_cell(ns: dict, code: str, targets=None, unchecked=False):
     watchdog.start()
     before = {k: id(v) for k, v in ns.items()}
     try:
-        with checked(only=targets, off=unchecked):  # mismatched tensors in a user collective: an error, not an abort
+        with checked(only=targets, off=unchecked, timeout=STATE.timeout):  # mismatched tensors: an error, not an abort
             exec(compile(tree, filename, "exec"), ns)
             if last is not None:
                 value = eval(compile(last, filename, "eval"), ns)
