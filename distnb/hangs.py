@@ -118,8 +118,12 @@ def _spot(where, unchecked: bool = False) -> str:
         return "it finished the cell" if unchecked else "it finished the cell without calling it"
     if "sent" not in where:
         return f"it is still in its cell but has not said where ({_SILENT})"
+    stack = where.get("stack") or []
     if where.get("note"):
         spot = where["note"]
+    elif any(f[0].replace("\\", "/").endswith("torch/utils/data/dataloader.py") for f in stack[-8:]):
+        spot = ("waiting for a batch from its DataLoader workers (a worker's __getitem__ is slow or stuck: the "
+                "Dataset, or a longer --hang-after for a slow one)")
     elif where.get("cell_line"):
         spot = f"at cell line {where['cell_line']}: `{where['cell_code']}`"
     else:

@@ -89,3 +89,18 @@ def test_a_rank_error_carries_the_ranks_traceback_as_a_note_for_scripts():
     assert "--- traceback from rank 1 on h ---" in printed and "----> 3 raise ValueError('bad')" in printed
     assert "\x1b[" not in printed  # no terminal colour codes in a log
     assert err._render_traceback_()[0].startswith("RankError: training failed on rank 1")
+
+
+def test_a_hang_names_where_a_missing_rank_is_from_its_stack_and_how_old_that_is():
+    """A rank waiting for its DataLoader workers was 'in select (selectors.py:415)'; one whose watchdog could not run
+    (native code holding the GIL) was said to have finished the cell, or to be at a line it had long left."""
+    from distnb.hangs import _spot
+
+    loader = [("/x/torch/utils/data/dataloader.py", 1, "_try_get_data", ""), ("/py/queues.py", 2, "get", ""),
+              ("/py/selectors.py", 415, "select", "")]
+    assert "waiting for a batch from its DataLoader workers" in _spot(dict(sent=10.0, seen=10.5, stack=loader))
+    assert _spot(None) == "it finished the cell without calling it"
+    assert _spot(dict(seen=10.0)).startswith("it is still in its cell but has not said where (native code holding")
+    old = _spot(dict(sent=10.0, seen=16.0, cell_line=4, cell_code="time.sleep(1)"))
+    assert old.startswith("it was at cell line 4: `time.sleep(1)` 6 s before and has not said where since")
+    assert _spot(dict(sent=10.0, seen=10.3, cell_line=4, cell_code="x = 1")) == "it is at cell line 4: `x = 1`"
