@@ -245,13 +245,15 @@ def _tracked_group(new_group, timeout=None):
     """
     import datetime
 
-    from . import abort
+    from . import abort, binding
 
     @functools.wraps(new_group)
     def made(*args, **kwargs):
         if "timeout" not in kwargs and len(args) < 2 and timeout:
             kwargs["timeout"] = datetime.timedelta(seconds=timeout)
         with abort.tracking():
-            return new_group(*args, **kwargs)
+            group = new_group(*args, **kwargs)
+        binding.float_gloo()  # its gloo threads, as the world's (engine/binding.py)
+        return group
 
     return made

@@ -18,7 +18,7 @@ import torch
 
 from ..plan import DEFAULT_LR, STRATEGIES, TrainPlan, optimizer_state_readable, redistribution
 from . import batchnorm, checkpoint, collectives, datasets, postmortem, runtime, shard as sharding, stepping, wire
-from . import abort, report, where
+from . import abort, binding, report, where
 from .report import LINGER as RELAY_LINGER, Reporter, host_relay, publish_raw
 from . import strategies
 from .context import Context, StopRequest, _Stopped, agree_on_steps  # noqa: F401 - the cell's ctx and its stop
@@ -494,6 +494,7 @@ def _prepare(ns, plan, run):
             run.strategy.close()
         run.module = batchnorm.convert(run.module, plan.sync_bn)
         run.strategy = strategies.build(run.module, plan, st.device, ns)
+        binding.float_gloo()  # a mesh's new groups start gloo threads of their own (engine/binding.py)
         if run.strategy.wraps_model:
             run.strategy.model.register_forward_pre_hook(run.count_forward)
         if run.optimizer is not None and run.strategy_key is not None and run.strategy_key != key and \

@@ -112,6 +112,7 @@ def _init_group(master_addr: str, master_port: int, generation: int = 0) -> None
         **kwargs,
     )
     abort.arm(base, prefix, before, STATE.backend)  # one rank's failure ends every rank's collective (engine/abort.py)
+    binding.float_gloo()  # gloo's threads on every core the rank may use, the rest of the rank on its share
     STATE.modules_at_init = modules  # skipped by drop_captured_group (a preload thread may import meanwhile)
     STATE.generation += 1
     STATE.broken = False
@@ -220,7 +221,7 @@ def setup(ns: dict, rank: int, world_size: int, local_rank: int, backend: str, d
     import torch  # torch._dynamo (DDP needs it) loads meanwhile in the engine's preload thread (ipengine)
 
     torch.set_num_threads(num_threads)
-    binding.bind(local_rank, bind_among)  # before the group: gloo's threads inherit the share
+    binding.bind(local_rank, bind_among)  # before the group; gloo's threads are given every core once it formed
     STATE.rank, STATE.world_size, STATE.local_rank = rank, world_size, local_rank
     STATE.backend, STATE.timeout = backend, float(timeout)
     if device_type == "cuda":
