@@ -119,17 +119,20 @@ def _reference(args) -> None:
         dist.all_reduce(rate)
         runs.append(float(rate))
     if rank == 0:
-        print(json.dumps(dict(samples_per_s=runs)))
+        print(json.dumps(dict(samples_per_s=runs)), flush=True)
     dist.destroy_process_group()
+    os._exit(0)  # gloo processes sometimes abort at interpreter exit (FIELD-NOTES pitfall 1)
 
 
 def run_torchrun(args, workers) -> list:
     """samples/s of ``args.repeats`` runs of the reference under torchrun (after its own warm-up)."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--nproc-per-node", "2", os.path.abspath(__file__), "--reference", "--workers", str(workers),
-           "--epochs", str(args.epochs), "--repeats", str(args.repeats), "--samples", str(args.samples),
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", os.path.abspath(__file__), "--reference", "--workers",
+           str(workers), "--epochs", str(args.epochs), "--repeats", str(args.repeats), "--samples", str(args.samples),
            "--batch-size", str(args.batch_size), "--warmup-epochs", "1"]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if out.returncode != 0:
+        raise RuntimeError(f"the torchrun reference failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])["samples_per_s"]
 
 
