@@ -163,18 +163,24 @@ def _module_internals(torch) -> tuple:
     return _INTERNALS[0]
 
 
-def changed_part(before: tuple, after: tuple) -> str:
-    """The first submodule attribute or hook that differs between two :func:`module_state`, in words ('' if none)."""
+def changed_part(before: tuple, after: tuple, most: int = 4) -> str:
+    """The submodule attributes and hooks that differ between two :func:`module_state`, in words ('' if none;
+    the first ``most``, then how many more)."""
+    if len(before) != len(after):
+        return "its submodules changed"
+    said = []
     for (name, kind, attrs), (name2, kind2, attrs2) in zip(before, after):
         where = name or "the model"
         if (name, kind) != (name2, kind2):
-            return f"{where} is another module"
+            said.append(f"{where} is another module")
+            continue
         old, new = dict(attrs), dict(attrs2)
-        for key in sorted(set(old) | set(new)):
-            if old.get(key) != new.get(key):
-                if "hook" in key:
-                    kind = next(k for k in ("backward", "load_state_dict", "state_dict", "forward") if k in key)
-                    hook = "pre-hook" if "pre_hook" in key else "hook"
-                    return f"a {kind.replace('_', ' ')} {hook} on {where} was added, removed or replaced"
-                return f"{where}'s attribute {key} changed" if name else f"the model's attribute {key} changed"
-    return "its submodules changed" if len(before) != len(after) else ""
+        for key in sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k)):
+            if "hook" in key:
+                kind = next(k for k in ("backward", "load_state_dict", "state_dict", "forward") if k in key)
+                hook = "pre-hook" if "pre_hook" in key else "hook"
+                said.append(f"a {kind.replace('_', ' ')} {hook} on {where} was added, removed or replaced")
+            else:
+                said.append(f"{where}'s attribute {key} changed" if name else f"the model's attribute {key} changed")
+    more = f" and {len(said) - most} more" if len(said) > most else ""
+    return ", ".join(said[:most]) + more

@@ -296,3 +296,14 @@ def test_a_dataset_read_whole_names_the_index_whose_getitem_raised():
     with pytest.raises(PlanError, match=r"val\[13\] raised ValueError: record 13 is corrupt; fix the Dataset's "
                                         r"__getitem__ for index 13"):
         columns_of(Val(), "val")
+
+
+def test_every_attribute_that_changed_is_named_up_to_four():
+    from distnb.transfer import model_change
+
+    net = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
+    net.cfg, net[1].mode = {"scale": 1.0}, "a"
+    keys, before = list(net.state_dict()), fingerprint(net)
+    net.cfg["scale"], net[1].mode = 3.0, "b"  # it named only the first
+    assert model_change(before, fingerprint(net), keys) == "the model's attribute cfg changed, 1's attribute mode changed"
+
