@@ -49,7 +49,7 @@ def scatter(session, name: str, obj, seed: int, num_shards: int) -> list:
         not divide world_size (before the ranks drop what they held under ``name``).
     """
     from .engine import shard as sharding
-    from .transfer import columns_of, fingerprint, outgoing_rows
+    from .transfer import columns_of, outgoing_rows
 
     cluster = session.cluster
     world = cluster.world_size
@@ -71,7 +71,7 @@ def scatter(session, name: str, obj, seed: int, num_shards: int) -> list:
                 ars.append(cluster.apply(rank, calls.install_shard, name, n, num_shards, seed, index, structure,
                                          descs, *sent))
         sizes = cluster.wait_all(ars, timeout=cluster.spec.timeout, what=f"scatter {name}")
-    session.holdings.data[name] = dict(fingerprint=fingerprint(obj), seed=seed, num_samples=n, shards=shards,
+    session.holdings.data[name] = dict(fingerprint=held_fingerprint(obj), seed=seed, num_samples=n, shards=shards,
                                        structure=structure, num_shards=num_shards)
     return sizes
 
@@ -275,6 +275,22 @@ def _fingerprint(payload: bytes, descs, buffers, tensors) -> tuple:
     where = tuple(b.__array_interface__["data"][0] for b in buffers)
     versions = tuple(t._version for t in tensors)
     return hashlib.blake2b(payload, digest_size=16).hexdigest(), tuple(map(tuple, descs)), where, versions
+
+
+def held_fingerprint(obj):
+    """What the ranks' copy of a data set taken as tensors is compared by: a Dataset collated in the kernel by what
+    it packs to (its attributes too: ``val.shift = 5.0`` after a cell is a change), anything else by
+    :func:`distnb.transfer.fingerprint` (whose identity of a Dataset missed that)."""
+    from .engine.wire import pack
+    from .transfer import collated, fingerprint
+
+    if collated(obj):
+        tensors = []
+        try:
+            return "collated", _fingerprint(*pack(obj, tensors), tensors)
+        except Exception:  # it cannot be pickled (it is collated here, never sent): by identity
+            pass
+    return fingerprint(obj)
 
 
 def _pack(name, obj, path, tensors=None):

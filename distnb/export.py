@@ -19,7 +19,6 @@ Nothing here touches the ranks or the notebook's objects.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import pickle
@@ -125,11 +124,6 @@ def _capture(session, plan, code, model_obj, data_obj, reserved, fresh) -> Cell:
     threads = sorted({r.get("num_threads", cluster.spec.num_threads) for r in cluster.ranks})
     names = _names_read(session, plan, code, (model_obj, data_obj, val_obj), reserved)
     val_fp = held.get(plan.val_data, {}).get("fingerprint") if plan.val_data else None
-    if plan.val_data and _collated(val_obj):  # a Dataset collated in the kernel: as packed now (its attributes)
-        try:
-            val_fp = ("packed", jobfiles.packed_fp(plan.val_data, val_obj))
-        except PlanError:  # it cannot be pickled (it trains all the same: collated here): not checked
-            pass
     return Cell(plan=plan, code=code, model_class=type(model_obj), model_repr=repr(model_obj),
                 classes=notebook_classes(model_obj), model_packed=packed, model_obj=model_obj, data_obj=data_obj,
                 data_path=path, data_fp=held.get(plan.data, {}).get("fingerprint"), val_obj=val_obj, val_fp=val_fp,
@@ -137,16 +131,6 @@ def _capture(session, plan, code, model_obj, data_obj, reserved, fresh) -> Cell:
                 cluster=dict(world_size=session.world_size, num_nodes=cluster.num_nodes,
                              device=cluster.spec.device_type, backend=cluster.spec.backend, threads=threads[-1],
                              timeout=cluster.spec.timeout), problem=problem, not_kept=not_kept)
-
-
-def _collated(obj) -> bool:
-    """Whether a data set is a Dataset (or list of samples) the kernel collates, not a tensor container."""
-    import torch
-
-    from .transfer import is_columns, is_sample_list
-
-    return is_sample_list(obj) or (isinstance(obj, torch.utils.data.Dataset)
-                                   and not isinstance(obj, torch.utils.data.TensorDataset)) and not is_columns(obj)
 
 
 def remember(cell: Cell, result, model_obj) -> None:
@@ -440,11 +424,7 @@ def contents(cell: Cell, directory: str, nodes=None, per_node=None) -> dict:
     data = dict(name=cell.plan.data, path=cell.data_path, file=data_name)
     val = None
     if cell.plan.val_data:
-        packed = isinstance(cell.val_fp, tuple) and cell.val_fp[:1] == ("packed",)
-        if packed and jobfiles.packed_fp(cell.plan.val_data, cell.val_obj) != cell.val_fp[1]:
-            raise jobfiles.changed(cell.plan.val_data, "--val-data")
-        files["val.pt"] = jobfiles.tensor_file(cell.plan.val_data, cell.val_obj, None if packed else cell.val_fp,
-                                               "--val-data")
+        files["val.pt"] = jobfiles.tensor_file(cell.plan.val_data, cell.val_obj, cell.val_fp, "--val-data")
         val = dict(name=cell.plan.val_data, path="tensors", file="val.pt")
     jobfiles.names_unchanged(cell)
     if cell.names:

@@ -15,15 +15,6 @@ import pickle
 from .errors import PlanError
 
 
-def packed_fp(name, obj) -> tuple:
-    """The identity of ``obj`` as packed (its pickle's hash, its tensors' places and versions): a Dataset's attributes."""
-    from .data import _fingerprint
-    from .transfer import pack_named
-
-    tensors = []
-    return _fingerprint(*pack_named(name, obj, "", tensors), tensors)
-
-
 def name_digest(value):
     """What a notebook name the body reads is, to tell a change: plain values and containers of them by value, a
     function by the globals its code reads (:func:`distnb.captured.of_value`), anything else by its fingerprint
@@ -53,9 +44,10 @@ def tensor_file(name, obj, fp, what) -> bytes:
     """``data.pt``/``val.pt``: a tensor data set as its columns (the job cuts the shards as the kernel did)."""
     import torch
 
-    from .transfer import columns_of, fingerprint
+    from .data import held_fingerprint
+    from .transfer import columns_of
 
-    if fp is not None and fingerprint(obj) != fp:
+    if fp is not None and held_fingerprint(obj) != fp:
         raise changed(name, what)
     structure, columns, _ = columns_of(obj, name)
     buf = io.BytesIO()

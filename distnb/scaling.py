@@ -459,13 +459,12 @@ def _reassign_data(session, old: int, n: int) -> list:
     forgotten, so the next training cell sends or loads them on every rank. Returns the names
     dealt again.
     """
-    from .transfer import fingerprint
 
     held = session.holdings
     dealt = []
     for name, info in list(held.data.items()):
         obj = session.ns.get(name)
-        if "structure" not in info or obj is None or fingerprint(obj) != info["fingerprint"]:
+        if "structure" not in info or obj is None or data.held_fingerprint(obj) != info["fingerprint"]:
             held.data.pop(name)
             continue
         num_shards = n if info["num_shards"] == old else info["num_shards"]

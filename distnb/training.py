@@ -12,7 +12,6 @@ weights into the kernel's model when it ends.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -413,8 +412,6 @@ def ensure_data(session, plan, data_obj, quiet, num_shards, silent=False, name=N
     """Scatter ``data_obj`` (tensors: ``plan.data``, or the validation set ``name``), or have the ranks load
     it (a Dataset, ``make``, ``--data-on-ranks``: :func:`distnb.data.ensure_dataset`), unless the ranks
     hold it cut this way; say which path and how batches are cut when that changes (unless ``silent``)."""
-    from .transfer import fingerprint
-
     name = name or plan.data
     path, why = data.path_of(plan, data_obj) if name == plan.data else ("tensors", "the validation set")
     info = session.holdings.data.get(name)
@@ -426,7 +423,7 @@ def ensure_data(session, plan, data_obj, quiet, num_shards, silent=False, name=N
             print(f"distnb: {data.describe_loaded(plan, info, session.world_size)}")
         info["layout"] = layout
         return
-    if info is None or "structure" not in info or info["fingerprint"] != fingerprint(data_obj) or \
+    if info is None or "structure" not in info or info["fingerprint"] != data.held_fingerprint(data_obj) or \
             info["seed"] != plan.seed or info["num_shards"] != num_shards:
         try:
             data.scatter(session, name, data_obj, plan.seed, num_shards)

@@ -34,6 +34,15 @@ def is_columns(obj) -> bool:
     return bool(items) and all(isinstance(x, (torch.Tensor, np.ndarray)) for x in items)
 
 
+def collated(obj) -> bool:
+    """Whether a data set taken as tensors is collated from its items (:func:`columns_of`): a map-style Dataset
+    other than a TensorDataset, or a list of samples."""
+    from torch.utils.data import Dataset, TensorDataset
+
+    return is_sample_list(obj) or (isinstance(obj, Dataset) and not isinstance(obj, TensorDataset)
+                                   and hasattr(obj, "__len__"))
+
+
 def columns_of(data, name="data"):
     """Normalise a data set held in the kernel into columns of equal length.
 
@@ -58,7 +67,7 @@ def columns_of(data, name="data"):
     """
     import numpy as np
     import torch
-    from torch.utils.data import Dataset, TensorDataset
+    from torch.utils.data import TensorDataset
 
     def as_tensor(x, where):
         if isinstance(x, torch.Tensor):
@@ -82,7 +91,7 @@ def columns_of(data, name="data"):
     elif isinstance(data, dict):
         structure = ("dict", tuple(data))
         columns = [as_tensor(v, f"{name}[{k!r}]") for k, v in data.items()]
-    elif (isinstance(data, Dataset) and hasattr(data, "__len__")) or is_sample_list(data):
+    elif collated(data):
         return _dataset_columns(data, name)
     else:
         raise PlanError(f"{name} is a {type(data).__name__}; --data takes a torch Dataset, a TensorDataset, "

@@ -133,6 +133,25 @@ def test_a_body_that_fails_on_a_validation_batch_says_it_was_one(dist_session, s
     assert "on a --val-data val_2d batch (validation after epoch 0); the training batches ran" in text, text
 
 
+def test_a_validation_dataset_changed_in_the_notebook_is_collated_and_sent_again(dist_session, shell):
+    """Its holdings kept the Dataset's identity: after `val.shift = 50.0` the ranks validated on the set as it was."""
+    setup(shell, "val_shift")
+    shell.run_cell("import torch\nclass ValShifted(torch.utils.data.Dataset):\n    def __init__(self, x, y):\n"
+                   "        self.x, self.y, self.shift = x, y, 0.0\n    def __len__(self):\n        return len(self.x)\n"
+                   "    def __getitem__(self, i):\n        return self.x[i] + self.shift, self.y[i]")
+    x, y = parity_data(n=16, seed=4).tensors
+    ns = shell.user_ns
+    ns["val_shifted"] = ns["ValShifted"](x, y)
+    opts = dict(model="val_shift", data="val_train", val_data="val_shifted", epochs=1, batch_size=16, lr=1e-9,
+                progress="none", quiet=True)
+    before = dist_session.train(BODY, **opts).val_loss
+    ns["val_shifted"].shift = 50.0
+    after = dist_session.train(BODY, **opts).val_loss
+    with torch.no_grad():
+        expected = float(F.cross_entropy(ns["val_shift"](x + 50.0), y))
+    assert after == pytest.approx(expected, rel=1e-4) and abs(after - before) > 0.1, (before, after, expected)
+
+
 def test_bad_validation_options_are_plan_errors_before_anything_is_sent(dist_session, shell):
     setup(shell, "val_bad")
     shell.user_ns["not_data"] = "a string"
