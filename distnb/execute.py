@@ -222,14 +222,11 @@ class Watch:
         restart_later = self.dead and self.session.auto_restart and self.what == "training"
         if self.dead and self.session.auto_restart and not restart_later:
             restart_world(self.session, failures, self.dead)
-        if self.hang is not None:
-            self.session.last_error = hangs.error(self, failures)
-            self.session.last_error.restart_dead = set(self.dead) if restart_later else None
-            raise self.session.last_error
-        if failures:
-            self.session.last_error = RankError(failures, context=self.what)  # %dist debug's default rank
-            self.session.last_error.restart_dead = set(self.dead) if restart_later else None
-            if self.what == "%%dist cell":
+        if self.hang is not None or failures:  # the error is %dist debug's default rank
+            error = hangs.error(self, failures) if self.hang is not None else RankError(failures, context=self.what)
+            error.restart_dead = set(self.dead) if restart_later else None
+            self.session.last_error = error
+            if self.hang is None and self.what == "%%dist cell":
                 from .tracebacks import notebook_name_hint
 
                 self.session.last_error.add_hint(notebook_name_hint(failures, self.session.ns))

@@ -317,8 +317,8 @@ class Source:
             if plan.steps_per_epoch is not None and step >= plan.steps_per_epoch:
                 return
             batch = self._next(it, epoch, step, stream=True)
-            have.fill_(0.0 if batch is None else 1.0)
-            mine = have.item()
+            mine = 0.0 if batch is None else 1.0  # (read from the tensor, it was a GPU sync a step)
+            have.fill_(mine)
             dist.all_reduce(have, op=dist.ReduceOp.MIN)  # the first stream to end ends the epoch on every rank
             if not have.item():
                 if step == 0:  # no step at all: it ended as a success with 0 steps and a nan loss
