@@ -473,6 +473,41 @@ def test_the_interrupt_pressed_twice_stops_the_ranks_where_they_are_in_one_messa
     assert torch.equal(w[0], w[1])
 
 
+def test_the_interrupt_pressed_again_while_distnb_signals_the_ranks_is_distnbs_message(shell, dist_session):
+    """A double press 0.1 s apart landed while the kernel was still sending the ranks their interrupt (in zmq's send,
+    or a thread's is_alive): the cell ended with a bare KeyboardInterrupt and those library frames. Here the
+    second press comes right after the first signal is sent, every time."""
+    import os
+    import signal
+    import threading
+
+    from distnb.errors import Interrupted
+
+    run(shell, TRAIN_SETUP.replace("mnet", "i3net"))
+    cluster = dist_session.cluster
+    send, sent = cluster.signal, []
+
+    def signal_then_pressed_again(sig, ranks):
+        send(sig, ranks)
+        if not sent:
+            sent.append(ranks)
+            os.kill(os.getpid(), signal.SIGINT)  # the button, again, while distnb is still stopping the ranks
+
+    cluster.signal = signal_then_pressed_again
+    timer = threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(Interrupted, match="training interrupted"):
+            dist_session.train(BODY, model="i3net", data="train_ds", epochs=10_000, batch_size=4, progress="none",
+                               quiet=True)
+    finally:
+        timer.cancel()
+        del cluster.signal
+    assert sent
+    assert dist_session.train(BODY, model="i3net", data="train_ds", epochs=1, progress="none",
+                              quiet=True).rows[0]["steps"] > 0
+
+
 def test_a_stop_after_an_epochs_last_step_continues_with_the_next_epoch(shell, dist_session):
     """Interrupted after the last batch of an epoch but before its end: the next cell trains the next epoch.
 
