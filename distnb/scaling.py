@@ -40,7 +40,7 @@ import dataclasses
 import os
 import time
 
-from . import calls, data, meshes, startup
+from . import calls, data, meshes, midepoch, startup
 from .display.tables import count
 from .errors import ClusterError, Interrupted, PlanError, RankError
 from .recovery import dead_rank_fix
@@ -473,6 +473,7 @@ def _reassign_data(session, old: int, n: int) -> list:
         if layout is not None:
             held.data[name]["layout"] = layout
         dealt.append(name)
+    midepoch.send(session, dealt)  # an epoch left in the middle: each rank the rows of its part of the rest
     return dealt
 
 
