@@ -18,9 +18,11 @@ shards (the same seeded assignment, :mod:`distnb.engine.shard`); data sets loade
 ranks, and pipeline and ps models, are sent again by the next training cell, which says so.
 
 The global batch (``data-parallel ranks x --batch-size x --accumulate``) changes with the
-world unless ``keep_global_batch``: then the batch options of the following cells are read
-as written for the world before the scale, and each cell trains the per-rank batch (or
-accumulation) that keeps that global batch, and says so (:func:`batch_for_world`).
+world unless ``keep_global_batch``: then the batch options of the following cells of the models
+live at the scale are read as written for the world before it, and each such cell trains the
+per-rank batch (or accumulation) that keeps that global batch, and says so (:func:`batch_for_world`);
+a later scale without the flag (the same size too) ends it. An epoch left in the middle goes on with
+exactly the samples it has not trained (:mod:`distnb.engine.epochrest`, :mod:`distnb.midepoch`).
 
 Faults: a world with a dead rank that would stay is refused before any engine starts (naming
 the rank, how it died, and ``%dist restart -n N`` or a scale that drops it); an engine that does
@@ -39,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+import weakref
 
 from . import calls, data, meshes, midepoch, startup
 from .display.tables import count
@@ -59,9 +62,10 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
         CPU engines: 16 per core; GPU engines: one per visible GPU; ssh: per host
         ``--engines-per-node``, else 16 per core or one per GPU of that host).
     keep_global_batch : bool
-        Keep the global batch (samples per optimizer step over all ranks): the following cells'
-        ``--batch-size`` (or ``--accumulate``) is scaled for the new world, and the cell says so.
-        Without it the per-rank batch stays and the global batch changes (the cell says so too).
+        Keep the global batch (samples per optimizer step over all ranks) of the models live now: their
+        following cells' ``--batch-size`` (or ``--accumulate``) is scaled for the new world, and each
+        cell it changes says so; a model made later trains its batch as written. Without it the per-rank
+        batch stays and the global batch changes (the scale says so), and an earlier keeping ends.
     quiet : bool
         Print nothing.
 
@@ -97,8 +101,9 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
     old = cluster.world_size
     _check(cluster, n)  # and that no rank it keeps is dead (before any engine starts or stops; the same size too)
     if n == old:
+        ended = [] if keep_global_batch else _end_keep(session)  # a scale without the flag ends it, as documented
         if not quiet:
-            print(f"distnb: the world already has {count(n, 'rank')}; nothing changed")
+            print(f"distnb: the world already has {count(n, 'rank')}; nothing changed" + _ended(ended))
         return dict(world_size=(old, n), seconds=0.0, added=[], removed=[], models=[], names=[], defined=[],
                     unpicklable={}, bytes=0, resharded=[], global_batch=None, meshes={}, binding="")
     batches = _global_batches(session, old, n, keep_global_batch)
@@ -115,10 +120,7 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
         held.generation += 1
         resharded = _load_sharded(session, saved)
         meshes.carry(held, old, session.world_size)  # fsdp+tensor: the tensor-parallel size kept, DP = N / TP
-    if keep_global_batch:
-        held.batch_world = held.batch_world or old
-    else:
-        held.batch_world = None
+    ended = _keep_batches(session, old, keep_global_batch)
     dealt = _reassign_data(session, old, n)
     out = dict(world_size=(old, n), seconds=time.perf_counter() - t0, added=list(range(old, n)),
                removed=list(range(n, old)), models=shared.get("models", []), names=shared.get("names", []),
@@ -128,6 +130,8 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
                unconfirmed=shared.get("unconfirmed", []), binding=startup.rebinding_note(session.cluster, was_bound))
     if not quiet:
         _say(session, out, dealt, batches, keep_global_batch)
+        if ended:
+            print(f"distnb: {_ended(ended).strip('; ')}")
     return out
 
 
@@ -215,19 +219,60 @@ def _product(dp: int, plan, batch=None, accumulate=None) -> str:
     return f"{dp} x {batch} per rank" + (f" x {accumulate} micro-steps" if accumulate > 1 else "")
 
 
+def _keep_batches(session, old: int, keep: bool) -> list:
+    """After a scale from ``old`` ranks: with ``keep``, the models live now keep their global batch (a model kept
+    from an earlier scale keeps its world); without, the keeping ends. Returns the models whose keeping ended."""
+    held = session.holdings
+    if not keep:
+        return _end_keep(session)
+    kept = {}
+    for name in held.models:
+        obj = session.ns.get(name)
+        if obj is None:
+            continue
+        was = held.batch_world.get(name)
+        kept[name] = was if was is not None and was[1]() is obj else (old, weakref.ref(obj))
+    held.batch_world = kept
+    return []
+
+
+def _end_keep(session) -> list:
+    """End ``--keep-global-batch``; the models it applied to."""
+    ended = sorted(k for k in session.holdings.batch_world if k is not None)
+    session.holdings.batch_world = {}
+    return ended
+
+
+def _ended(models: list) -> str:
+    return (f"; --keep-global-batch ended for {', '.join(models)}: the next cells' --batch-size and --accumulate "
+            "are per rank as written") if models else ""
+
+
+def kept_models(session) -> list:
+    """The models whose cells ``--keep-global-batch`` rewrites (live at the scale, the same notebook object)."""
+    return sorted(k for k, (_, obj) in session.holdings.batch_world.items()
+                  if k is not None and obj() is not None and obj() is session.ns.get(k))
+
+
 def batch_for_world(session, given: dict, model: str | None = None) -> dict:
     """A cell's options with ``--batch-size``/``--accumulate`` scaled after ``%dist scale --keep-global-batch``.
 
-    The cell's values are read as written for ``session.holdings.batch_world`` ranks; the
-    returned ones give the same global batch on the running world (and the cell says so).
-    ``model``: the cell's ``--model`` name, whose carried ``--strategy``/``--mesh`` count when the
-    cell does not give them (an fsdp+tensor mesh keeps its tensor-parallel size: DP = ranks / TP).
+    Only for a model live when the world was scaled (the same notebook object, :func:`kept_models`):
+    its cell's values are read as written for the world it had then; the returned ones give the
+    same global batch on the running world, and the cell says so (a brand-new model's are as
+    written). ``model``: the cell's ``--model`` name, whose carried ``--strategy``/``--mesh`` count
+    when the cell does not give them (an fsdp+tensor mesh keeps its tensor-parallel size: DP = ranks / TP).
+    A rewrite is also left under ``holdings.batch_world[None]`` for ``%dist export`` to say.
 
     Raises PlanError when that global batch cannot be split evenly over this world.
     """
-    ref = session.holdings.batch_world
+    held = session.holdings
+    held.batch_world.pop(None, None)
+    if model not in kept_models(session):
+        return given
+    ref = held.batch_world[model][0]
     world = session.world_size
-    if ref is None or ref == world:
+    if ref == world:
         return given
     from .plan import TrainPlan
 
@@ -244,10 +289,13 @@ def batch_for_world(session, given: dict, model: str | None = None) -> dict:
                         f"{count(world, 'rank')}; pick a --batch-size that can, or %dist scale {world} again "
                         "without --keep-global-batch")
     if fitted != (batch, accumulate):
-        print(f"distnb: --keep-global-batch (from %dist scale): global batch {total} kept on {count(world, 'rank')} "
-              f"as --batch-size {fitted[0]}" + (f" --accumulate {fitted[1]}" if fitted[1] > 1 else "")
-              + f" (this cell's --batch-size {batch}" + (f" --accumulate {accumulate}" if accumulate > 1 else "")
-              + f" is for {count(ref, 'rank')})")
+        said = (f"--keep-global-batch (from %dist scale): global batch {total} kept on {count(world, 'rank')} "
+                f"as --batch-size {fitted[0]}" + (f" --accumulate {fitted[1]}" if fitted[1] > 1 else "")
+                + f" (this cell's --batch-size {batch}" + (f" --accumulate {accumulate}" if accumulate > 1 else "")
+                + f" is for {count(ref, 'rank')})")
+        print(f"distnb: {said}")
+        held.batch_world[None] = dict(model=model, written=[batch, accumulate], trained=list(fitted), world=world,
+                                      written_for=ref, global_batch=total, note=said)
     return dict(given, batch_size=fitted[0], accumulate=fitted[1])
 
 
@@ -525,8 +573,10 @@ def _say(session, out: dict, dealt: list, batches, keep: bool) -> None:
         plan = meshes.plan_at(session.last_result.plan, old, n)
         if keep:
             kept = _product(_dp(plan, n), plan, batch, accumulate)
-            print(f"distnb: --keep-global-batch: the global batch stays {total} ({kept}): the next cells' "
-                  "--batch-size and --accumulate are scaled to keep it")
+            models = kept_models(session)
+            print(f"distnb: --keep-global-batch: the global batch stays {total} ({kept}): the next cells of "
+                  f"{', '.join(models) or 'the live models'} have their --batch-size and --accumulate scaled to keep "
+                  "it (a new model's are as written; %dist scale without the flag ends it)")
         elif after == total:  # the data-parallel size did not change (pipeline, tensor): nothing to keep
             print(f"distnb: the global batch stays {total} ({_product(_dp(plan, n), plan)}): under --strategy "
                   f"{plan.strategy} the data-parallel size does not change with the world")
