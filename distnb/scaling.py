@@ -43,7 +43,7 @@ import os
 import time
 import weakref
 
-from . import calls, data, meshes, midepoch, startup
+from . import calls, data, lostshards, meshes, midepoch, startup
 from .display.tables import count
 from .errors import ClusterError, Interrupted, PlanError, RankError
 from .recovery import dead_rank_fix
@@ -79,6 +79,8 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
         (fsdp+tensor model -> its ``--mesh`` on the new world: the tensor-parallel size kept, ``DP = N / TP``,
         :mod:`distnb.meshes`), ``global_batch`` (before, after) or None when no model has been trained,
         ``unconfirmed`` (removed ssh engines whose exit their host did not confirm; normally empty),
+        ``resumed`` (sharded model -> the checkpoint it resumed from, its shards on a dead rank lost:
+        :mod:`distnb.lostshards`),
         ``binding`` (``--cpu-bind``: what changed, ``""``: nothing).
 
     Raises
@@ -90,7 +92,8 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
     BusyError
         A background training run is going on.
     ClusterError
-        A rank the new world (its own size too) keeps is dead (nothing changed, no engine started), the added engines
+        A rank the new world (its own size too) keeps is dead (nothing changed, no engine started), a dead rank held
+        shards of a live sharded model that has no checkpoint to resume from (nothing changed), the added engines
         did not start (over ssh: naming the host) or form the group (the old world is formed again
         and usable), or a rank died while the group re-formed (then run ``%dist restart``).
     Interrupted
@@ -105,12 +108,14 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
         if not quiet:
             print(f"distnb: the world already has {count(n, 'rank')}; nothing changed" + _ended(ended))
         return dict(world_size=(old, n), seconds=0.0, added=[], removed=[], models=[], names=[], defined=[],
-                    unpicklable={}, bytes=0, resharded=[], global_batch=None, meshes={}, binding="")
+                    unpicklable={}, bytes=0, resharded=[], global_batch=None, meshes={}, binding="", resumed={})
     batches = _global_batches(session, old, n, keep_global_batch)
     t0 = time.perf_counter()
     held = session.holdings
     mesh_before = _meshes(held)
-    saved, was_bound = _save_sharded(session, n), startup.bound_here(session.cluster)  # sharded: a DCP checkpoint
+    points = lostshards.resume_points(session, n)  # a dead rank's shards: its newest checkpoint, or refused
+    saved = dict(points) if session.cluster.dead_ranks() else _save_sharded(session, n)  # sharded: a DCP checkpoint
+    was_bound = startup.bound_here(session.cluster)
     try:
         if n > old:
             shared = _grow(session, n)
@@ -127,9 +132,11 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
                defined=shared.get("defined", []), unpicklable=shared.get("unpicklable", {}),
                bytes=shared.get("bytes", 0), resharded=resharded, global_batch=batches and batches[:2],
                meshes={m: v for m, v in _meshes(held).items() if v != mesh_before.get(m)},
-               unconfirmed=shared.get("unconfirmed", []), binding=startup.rebinding_note(session.cluster, was_bound))
+               unconfirmed=shared.get("unconfirmed", []), binding=startup.rebinding_note(session.cluster, was_bound),
+               resumed={m: points[m][1]["path"] for m in resharded if m in points})
     if not quiet:
         _say(session, out, dealt, batches, keep_global_batch)
+        lostshards.say(session, out, points)
         if ended:
             print(f"distnb: {_ended(ended).strip('; ')}")
     return out
@@ -480,7 +487,7 @@ def _load_sharded(session, saved: dict) -> list:
     folder = saved.pop("_folder", None)
     loaded = []
     try:
-        if folder is None or not session.running:
+        if not saved or not session.running:  # (saved: its own DCP checkpoints, or a lost rank's newest ones)
             return loaded
         n = session.world_size
         for name, (obj, meta) in saved.items():
@@ -556,8 +563,9 @@ def _say(session, out: dict, dealt: list, batches, keep: bool) -> None:
         print(f"distnb: {out['binding']}")
     from .plan import STRATEGIES
 
-    if out["resharded"]:
-        print(f"distnb: {', '.join(out['resharded'])} resharded onto {count(n, 'rank')} through a "
+    resharded = [m for m in out["resharded"] if m not in out["resumed"]]  # (resumed: said by lostshards.say)
+    if resharded:
+        print(f"distnb: {', '.join(resharded)} resharded onto {count(n, 'rank')} through a "
               "torch.distributed.checkpoint (DCP) written by the old world (model, optimizer, lr schedule, epoch "
               "and sampler position)")
     for model, mesh in out["meshes"].items():

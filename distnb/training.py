@@ -79,6 +79,7 @@ class Holdings:
     objects: dict = field(default_factory=dict)
     names: set = field(default_factory=set)
     batch_world: dict = field(default_factory=dict)
+    last_plans: dict = field(default_factory=dict)  # model -> (its last cell's plan, whether it failed): lostshards.py
     resume_steps: tuple = (None, None, None)  # the notebook's and the newest checkpoint's steps, its optimizer
     generation: int = 0
 

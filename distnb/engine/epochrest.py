@@ -174,7 +174,7 @@ def note(run, data, plan) -> str:
                 "since), so its rest goes on by the count of samples trained (some may repeat or be missed)")
     left = sum(max(0, len(p) - run.epoch_samples) for p in layout(data.num_samples, trail, data.num_shards))
     return (f"epoch {run.epoch} was left in the middle on {worlds} data-parallel ranks: it goes on with exactly the "
-            f"{left} samples it has not trained yet, dealt over {data.num_shards} (engine/epochrest.py)")
+            f"{left} samples it has not trained yet, dealt over {data.num_shards}")
 
 
 def batches(data, plan, epoch: int, rest, device):
