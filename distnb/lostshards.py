@@ -84,6 +84,6 @@ def say(session, out: dict, points: dict) -> None:
         if name not in out["resharded"]:
             continue
         print(f"distnb: {name} ({meta['plan'].get('strategy')}): the lost rank's shards existed only in the checkpoint "
-              f"{meta['path']}, so {name} resumed from it onto {count(n, 'rank')} (model, optimizer, lr schedule, epoch "
-              f"{meta['epoch']} and sampler position, step {meta['epoch_step']} of it); what was trained after it "
-              "(global step {0}) is trained again".format(meta["steps"]))
+              f"{meta['path']}, so {name} resumed from it onto {count(n, 'rank')} (model, optimizer, lr schedule, "
+              f"epoch {meta['epoch']} and sampler position, step {meta['epoch_step']} of it); what was trained after "
+              f"its global step {meta['steps']} is trained again")

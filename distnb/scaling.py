@@ -41,9 +41,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-import weakref
 
-from . import calls, data, lostshards, meshes, midepoch, startup
+from . import calls, data, keepbatch, lostshards, meshes, midepoch, startup
 from .display.tables import count
 from .errors import ClusterError, Interrupted, PlanError, RankError
 from .recovery import dead_rank_fix
@@ -78,9 +77,8 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
         ``resharded`` (fsdp, tensor and fsdp+tensor models resharded through a DCP checkpoint), ``meshes``
         (fsdp+tensor model -> its ``--mesh`` on the new world: the tensor-parallel size kept, ``DP = N / TP``,
         :mod:`distnb.meshes`), ``global_batch`` (before, after) or None when no model has been trained,
-        ``unconfirmed`` (removed ssh engines whose exit their host did not confirm; normally empty),
-        ``resumed`` (sharded model -> the checkpoint it resumed from, its shards on a dead rank lost:
-        :mod:`distnb.lostshards`),
+        ``unconfirmed`` (removed ssh engines whose exit their host did not confirm; normally empty), ``resumed``
+        (sharded model -> the checkpoint it resumed from, its shards on a dead rank lost: :mod:`distnb.lostshards`),
         ``binding`` (``--cpu-bind``: what changed, ``""``: nothing).
 
     Raises
@@ -104,18 +102,14 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
     old = cluster.world_size
     _check(cluster, n)  # and that no rank it keeps is dead (before any engine starts or stops; the same size too)
     if n == old:
-        ended = [] if keep_global_batch else _end_keep(session)  # a scale without the flag ends it, as documented
-        if not quiet:
-            print(f"distnb: the world already has {count(n, 'rank')}; nothing changed" + _ended(ended))
-        return dict(world_size=(old, n), seconds=0.0, added=[], removed=[], models=[], names=[], defined=[],
-                    unpicklable={}, bytes=0, resharded=[], global_batch=None, meshes={}, binding="", resumed={})
+        return _same_size(session, n, keep_global_batch, quiet)
     batches = _global_batches(session, old, n, keep_global_batch)
     t0 = time.perf_counter()
     held = session.holdings
     mesh_before = _meshes(held)
     points = lostshards.resume_points(session, n)  # a dead rank's shards: its newest checkpoint, or refused
-    saved = dict(points) if session.cluster.dead_ranks() else _save_sharded(session, n)  # sharded: a DCP checkpoint
-    was_bound = startup.bound_here(session.cluster)
+    saved = dict(points) if cluster.dead_ranks() else _save_sharded(session, n)  # sharded: a DCP checkpoint
+    was_bound = startup.bound_here(cluster)
     try:
         if n > old:
             shared = _grow(session, n)
@@ -125,7 +119,7 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
         held.generation += 1
         resharded = _load_sharded(session, saved)
         meshes.carry(held, old, session.world_size)  # fsdp+tensor: the tensor-parallel size kept, DP = N / TP
-    ended = _keep_batches(session, old, keep_global_batch)
+    ended = keepbatch.after_scale(session, old, keep_global_batch)
     dealt = _reassign_data(session, old, n)
     out = dict(world_size=(old, n), seconds=time.perf_counter() - t0, added=list(range(old, n)),
                removed=list(range(n, old)), models=shared.get("models", []), names=shared.get("names", []),
@@ -135,11 +129,17 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
                unconfirmed=shared.get("unconfirmed", []), binding=startup.rebinding_note(session.cluster, was_bound),
                resumed={m: points[m][1]["path"] for m in resharded if m in points})
     if not quiet:
-        _say(session, out, dealt, batches, keep_global_batch)
-        lostshards.say(session, out, points)
-        if ended:
-            print(f"distnb: {_ended(ended).strip('; ')}")
+        _say(session, out, dealt, batches, keep_global_batch, points, ended)
     return out
+
+
+def _same_size(session, n: int, keep: bool, quiet: bool) -> dict:
+    """``%dist scale N`` at the world's own size: nothing changes, but without the flag ``--keep-global-batch`` ends."""
+    ended = [] if keep else keepbatch.end(session)  # a scale without the flag ends it, as documented
+    if not quiet:
+        print(f"distnb: the world already has {count(n, 'rank')}; nothing changed" + keepbatch.ended_note(ended))
+    return dict(world_size=(n, n), seconds=0.0, added=[], removed=[], models=[], names=[], defined=[],
+                unpicklable={}, bytes=0, resharded=[], global_batch=None, meshes={}, binding="", resumed={})
 
 
 def _check(cluster, n) -> None:
@@ -226,45 +226,10 @@ def _product(dp: int, plan, batch=None, accumulate=None) -> str:
     return f"{dp} x {batch} per rank" + (f" x {accumulate} micro-steps" if accumulate > 1 else "")
 
 
-def _keep_batches(session, old: int, keep: bool) -> list:
-    """After a scale from ``old`` ranks: with ``keep``, the models live now keep their global batch (a model kept
-    from an earlier scale keeps its world); without, the keeping ends. Returns the models whose keeping ended."""
-    held = session.holdings
-    if not keep:
-        return _end_keep(session)
-    kept = {}
-    for name in held.models:
-        obj = session.ns.get(name)
-        if obj is None:
-            continue
-        was = held.batch_world.get(name)
-        kept[name] = was if was is not None and was[1]() is obj else (old, weakref.ref(obj))
-    held.batch_world = kept
-    return []
-
-
-def _end_keep(session) -> list:
-    """End ``--keep-global-batch``; the models it applied to."""
-    ended = sorted(k for k in session.holdings.batch_world if k is not None)
-    session.holdings.batch_world = {}
-    return ended
-
-
-def _ended(models: list) -> str:
-    return (f"; --keep-global-batch ended for {', '.join(models)}: the next cells' --batch-size and --accumulate "
-            "are per rank as written") if models else ""
-
-
-def kept_models(session) -> list:
-    """The models whose cells ``--keep-global-batch`` rewrites (live at the scale, the same notebook object)."""
-    return sorted(k for k, (_, obj) in session.holdings.batch_world.items()
-                  if k is not None and obj() is not None and obj() is session.ns.get(k))
-
-
 def batch_for_world(session, given: dict, model: str | None = None) -> dict:
     """A cell's options with ``--batch-size``/``--accumulate`` scaled after ``%dist scale --keep-global-batch``.
 
-    Only for a model live when the world was scaled (the same notebook object, :func:`kept_models`):
+    Only for a model live when the world was scaled (the same notebook object, :mod:`distnb.keepbatch`):
     its cell's values are read as written for the world it had then; the returned ones give the
     same global batch on the running world, and the cell says so (a brand-new model's are as
     written). ``model``: the cell's ``--model`` name, whose carried ``--strategy``/``--mesh`` count
@@ -275,7 +240,7 @@ def batch_for_world(session, given: dict, model: str | None = None) -> dict:
     """
     held = session.holdings
     held.batch_world.pop(None, None)
-    if model not in kept_models(session):
+    if model not in keepbatch.kept_models(session):
         return given
     ref = held.batch_world[model][0]
     world = session.world_size
@@ -536,7 +501,15 @@ def _listed(names: list, most: int = 8) -> str:
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
-def _say(session, out: dict, dealt: list, batches, keep: bool) -> None:
+def _say(session, out: dict, dealt: list, batches, keep: bool, points: dict, ended: list) -> None:
+    """What the scale did; ``points``: the lost shards' checkpoints (lostshards.py), ``ended``: a keeping ended."""
+    _say_scaled(session, out, dealt, batches, keep)
+    lostshards.say(session, out, points)
+    if ended:
+        print(f"distnb: {keepbatch.ended_note(ended).strip('; ')}")
+
+
+def _say_scaled(session, out: dict, dealt: list, batches, keep: bool) -> None:
     old, n = out["world_size"]
     grew = n > old
     gone = f"rank {n}" if n == old - 1 else f"ranks {n}-{old - 1}"
@@ -581,7 +554,7 @@ def _say(session, out: dict, dealt: list, batches, keep: bool) -> None:
         plan = meshes.plan_at(session.last_result.plan, old, n)
         if keep:
             kept = _product(_dp(plan, n), plan, batch, accumulate)
-            models = kept_models(session)
+            models = keepbatch.kept_models(session)
             print(f"distnb: --keep-global-batch: the global batch stays {total} ({kept}): the next cells of "
                   f"{', '.join(models) or 'the live models'} have their --batch-size and --accumulate scaled to keep "
                   "it (a new model's are as written; %dist scale without the flag ends it)")

@@ -81,7 +81,7 @@ def convert_position(run, old_world: int, new_world: int) -> None:
         before = strategies.data_parallel_size(TrainPlan.from_dict(plan), old_world)
     except Exception:  # a plan this version cannot read (or none): ranks are the data shards
         before = old_world
-    after = 1 if before == 1 else before * new_world // old_world  # 1 stays 1 (tensor, pipeline); a mesh keeps its tensor-parallel size
+    after = 1 if before == 1 else before * new_world // old_world  # (tensor, pipeline: 1; a mesh keeps its TP size)
     source = datasets.SOURCES.get((run.epoch_data or (None,))[0])
     epochrest.carry(run, before, after, exact=epochrest.exact_for(source) if source is not None else True)
 
