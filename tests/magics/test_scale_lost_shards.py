@@ -11,7 +11,7 @@ import pytest
 import torch.nn.functional as F
 
 from distnb.errors import ClusterError, RankError
-from support.data import parity_data, parity_model
+from support.data import mlp, parity_data, parity_model
 from support.worlds import back_to_two_ranks
 
 BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
@@ -83,3 +83,18 @@ def test_a_lost_fsdp_rank_without_a_checkpoint_is_refused_with_the_reason_and_no
     assert "shards (weights and optimizer state) were lost with its engine and exist in no checkpoint" in said
     assert "nothing changed" in said and "%dist restart -n 2" in said and "--checkpoint-dir" in said
     assert dist_session.world_size == 3 and dist_session.cluster.engine_ids == ids
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "pipeline"])
+def test_other_sharded_strategies_are_refused_the_same_way_without_a_checkpoint(shell, dist_session, strategy):
+    ns = shell.user_ns
+    name = f"lt_{strategy}"
+    model = mlp(12, 24, 3, seed=1) if strategy == "tensor" else mlp(12, 24, 24, 3, seed=1)  # 24 splits over 3; 3 stages
+    ns.update({name: model, "lt_data": parity_data(), "F": F, "LS_KILL": 1})
+    _lose_rank_2(shell, dist_session, f"%%distrain --model {name} --data lt_data --strategy {strategy} --epochs 1 "
+                 "--batch-size 15 --progress none\n" + KILL_RANK_2)
+    with pytest.raises(ClusterError) as err:
+        dist_session.scale(2)
+    assert f"{name} (--strategy {strategy}; its last cell had no --checkpoint-dir) was sharded over the ranks" in \
+        str(err.value), err.value
+    assert dist_session.world_size == 3
