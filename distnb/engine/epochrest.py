@@ -19,10 +19,11 @@ the next epoch is laid out for the new world as usual.
 
 Tensor data the kernel scattered hold only their own shard's rows, so the kernel sends each rank
 the rows of its part of the rest (:func:`install_rest`, :mod:`distnb.midepoch`); a map-style
-Dataset indexes them itself. What cannot be laid out by sample index (a stream, a set made by
+Dataset indexes them itself. What cannot be laid out by sample index (a set made by
 ``make(rank, world_size)``, tensor rows the ranks lack) keeps the count, converted by samples
 trained (``s`` positions on each of ``W`` shards: ``floor(s * W / N)`` on each of ``N``), and the
-cell says so.
+cell says so. A stream has no index either: an epoch interrupted in it counts as done (as without
+a resize; ``loop._settle_position``), and the next cell starts a new pass.
 
 Idea: the sampler state of a resumable loader carries what each rank consumed, not a count
 (torchdata's ``StatefulDataLoader``; MosaicML Streaming resumes an epoch on another number of
@@ -130,7 +131,7 @@ def carry(run, before: int, after: int, exact: bool = True, plan: dict | None = 
         run.epoch_samples = 0
     elif trail is not None and trail["segments"] and trail["segments"][-1][0] == after:
         run.epoch_samples = trail["segments"].pop()[1]  # nothing trained since: the position as it was
-    run.epoch_trail = trail
+    run.epoch_trail = trail if trail is not None and trail["segments"] else None
 
 
 def for_epoch(run, data, plan, skip: int):
