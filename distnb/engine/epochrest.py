@@ -171,7 +171,7 @@ def note(run, data, plan) -> str:
     worlds = " -> ".join(str(w) for w, _ in trail["segments"])
     if for_epoch(run, data, plan, run.epoch_samples)[1] is None:
         return (f"epoch {run.epoch} was left in the middle on {worlds} data-parallel ranks; {plan.data} cannot be "
-                "laid out by sample index here (a stream, a make(rank, world_size) set, or data sent again "
+                "laid out by sample index here (a make(rank, world_size) set, or tensor data sent again "
                 "since), so its rest goes on by the count of samples trained (some may repeat or be missed)")
     left = sum(max(0, len(p) - run.epoch_samples) for p in layout(data.num_samples, trail, data.num_shards))
     return (f"epoch {run.epoch} was left in the middle on {worlds} data-parallel ranks: it goes on with exactly the "
