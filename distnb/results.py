@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from . import compiled
 from .display.aggregate import SCALE_THRESHOLD
 from .display.tables import Table, count
 
@@ -94,8 +95,13 @@ class TrainResult(Table):
         The cell was interrupted (the interrupt button, ``%dist stop-training``): every rank
         stopped after the same step, and this is what was trained until then.
     compile_seconds : float or None
-        With --compile: the first step's extra time (compiling); ``speedup``: eager step time of an
-        earlier cell / compiled step time, when known.
+        With --compile: the first step's extra time (compiling), seconds, only when dynamo compiled graphs
+        this cell (None when nothing compiled); ``speedup``: eager step time of an earlier cell / compiled step
+        time, when known and something compiled.
+    dynamo : dict
+        With --compile, ``{rank: figures}`` of what dynamo did this cell: ``graphs``, ``graphs_since_compile``
+        (0: nothing ever compiled for the model), ``graph_breaks``, ``break_reasons``, ``recompiles``,
+        ``recompile_reasons`` (:func:`distnb.engine.compiling.report`); empty without it.
     """
 
     columns = ("rank", "steps", "samples", "seconds", "samples_per_s", "final_loss", "param_bytes")
@@ -138,9 +144,9 @@ class TrainResult(Table):
             last = next((v for v in reversed(self.val_history) if v.get("epoch") == self.best_epoch), last)
         self.val_loss, self.val_metric = last.get("loss"), last.get("metric")
         self.metric_name = first.get("metric_name")
-        self.compile_seconds = self.speedup = None
-        if first.get("compiled") and first.get("first_step_seconds") is not None:
-            self.compile_seconds = max(0.0, first["first_step_seconds"] - first["step_seconds"])
+        self.compile_seconds, self.speedup = compiled.compile_seconds(first), None
+        self.dynamo = {r["rank"]: r["dynamo"] for r in rows if r.get("dynamo") is not None}
+        if compiled.compiled_anything(first) and first.get("first_step_seconds") is not None:
             if first.get("eager_step_seconds") and first["step_seconds"] > 0:
                 self.speedup = first["eager_step_seconds"] / first["step_seconds"]
 
@@ -215,13 +221,9 @@ def training_notes(first: dict, started: bool = True) -> list:
                      "(--nan skip): no update was applied for them")
     if first.get("restored_best"):
         notes.append(f"loaded the weights of the best validation loss back (epoch {first['best_epoch']})")
-    if first.get("compiled") and first.get("first_step_seconds") is not None:
-        extra = max(0.0, first["first_step_seconds"] - first["step_seconds"])
-        speed = ""
-        if first.get("eager_step_seconds") and first["step_seconds"] > 0:
-            speed = f", {first['eager_step_seconds'] / first['step_seconds']:.2f}x the eager steps of an earlier cell"
-        notes.append(f"torch.compile: the first step took {first['first_step_seconds']:.1f} s ({extra:.1f} s "
-                     f"compiling); later steps {first['step_seconds'] * 1000:.1f} ms{speed}")
+    said = compiled.note(first)
+    if said:
+        notes.append(said)
     return notes
 
 

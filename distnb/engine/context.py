@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, collectives, runtime, stepping
+from . import checkpoint, collectives, compiling, runtime, stepping
 
 
 class _Stopped(BaseException):
@@ -182,6 +182,7 @@ class Context:
         self.stop_reason = None  # "target", "patience" or None (epochs ran out, or interrupted)
         self._save_pending = False
         self._step_times = []  # wall seconds of the first steps (--compile: the first one compiles)
+        self._dynamo = compiling.snapshot() if plan.compile else None  # what dynamo did is counted from here
         self.epoch_batches, self.epoch_done = self.steps_per_epoch, 0  # batches of this epoch, and done
         self.epoch_samples = None  # the samples of those batches (None: a stream's, not known ahead)
         self._t_step = time.perf_counter()
@@ -350,12 +351,16 @@ class Context:
             self._t_step = now
 
     def step_timing(self) -> dict:
-        """``first_step_seconds`` and ``step_seconds`` (median of the next ones), for --compile's note."""
+        """``first_step_seconds`` and ``step_seconds`` (median of the next ones), for --compile's note, and
+        with --compile ``dynamo``: what dynamo did this cell (:func:`distnb.engine.compiling.report`)."""
         times = self._step_times
+        dynamo = {} if self._dynamo is None else \
+            dict(dynamo=compiling.report(self._dynamo, self._run.strategy.compiled_since))
         if not times:
-            return {}
+            return dynamo
         later = sorted(times[1:])
-        return dict(first_step_seconds=times[0], step_seconds=later[len(later) // 2] if later else times[0])
+        return dict(first_step_seconds=times[0], step_seconds=later[len(later) // 2] if later else times[0],
+                    **dynamo)
 
     def save_checkpoint(self):
         """Save model, optimizer and position under --checkpoint-dir (a collective)."""

@@ -43,6 +43,7 @@ and the errors of ``--fsdp-units`` and ``--tp-plan`` (see :mod:`.fsdp`, :mod:`.t
 from __future__ import annotations
 
 from ...plan import mesh_shape
+from .. import compiling
 from . import Strategy, gathered_state, tensor_bytes
 from .fsdp import FSDP, make_mesh, optimizer_state_bytes, release_group, shard
 from .tensor import DefaultPlanHint, check_default, check_plan, default_pairs, describe, plan_label, resolve_plan
@@ -172,6 +173,8 @@ class FsdpTensor(VerifiedPlan, DefaultPlanHint, FSDP):
         """
         self._disarm()
         release_group(None, self.module, meshes=False)
+        for unit in getattr(self, "_compiled", ()):
+            compiling.uncompile(unit)
         self.model = None
         self.mesh = None
         self._optimizer = None
