@@ -182,6 +182,7 @@ class Context:
         self.stop_reason = None  # "target", "patience" or None (epochs ran out, or interrupted)
         self._save_pending = False
         self._step_times = []  # wall seconds of the first steps (--compile: the first one compiles)
+        self.loss_dtype = None  # "bfloat16"/"float16": the body's loss was of that dtype, upcast to fp32 to report
         self._dynamo = compiling.snapshot() if plan.compile else None  # what dynamo did is counted from here
         self.epoch_batches, self.epoch_done = self.steps_per_epoch, 0  # batches of this epoch, and done
         self.epoch_samples = None  # the samples of those batches (None: a stream's, not known ahead)
@@ -299,7 +300,9 @@ class Context:
         self._forwards_seen = self._run.forwards
         if self.plan.loop:  # the body's step: the rank moved on (distnb.engine.where; the stepper says so otherwise)
             collectives.PROGRESS[0] += 1
-        detached = loss.detach()
+        detached = stepping.upcast(loss.detach())  # bf16/fp16: reduced and logged as fp32, said once (loss_dtype)
+        if detached.dtype != loss.dtype and self.loss_dtype is None:
+            self.loss_dtype = self._reporter.extra["loss_dtype"] = str(loss.dtype).replace("torch.", "")
         if skipped:
             self.skipped_steps += 1
         else:  # a float when the step already read it (CPU); a tensor otherwise, summed per epoch (no GPU sync)
