@@ -45,14 +45,37 @@ def fresh() -> None:
     torch._dynamo.reset()
 
 
-def compile_in_place(module) -> None:
-    """``module.forward`` becomes ``torch.compile(module.forward)``: calls keep the module's identity, its
-    ``state_dict`` keys, its hooks and any wrapper already holding it (DDP)."""
-    import torch
+class CompiledForward:
+    """A module's ``forward`` compiled (``torch.compile``), set on the module as its ``forward``.
 
+    It pickles as the eager forward it replaced: a module sent on from a rank (``%dist pull``, a rank added
+    by ``%dist scale``) arrives eager, never with dynamo's state (which does not pickle).
+    """
+
+    def __init__(self, module):
+        import torch
+
+        self.replaced = module.__dict__.get("forward")  # None: the class's own forward
+        self.eager = module.forward
+        self.compiled = torch.compile(self.eager)
+
+    def __call__(self, *args, **kwargs):
+        return self.compiled(*args, **kwargs)
+
+    def __reduce__(self):
+        return _same, (self.eager,)
+
+
+def _same(value):
+    return value
+
+
+def compile_in_place(module) -> None:
+    """``module.forward`` becomes its :class:`CompiledForward`: calls keep the module's identity, its
+    ``state_dict`` keys, its hooks and any wrapper already holding it (DDP)."""
     set_cache_dir()
     uncompile(module)
-    module.forward = torch.compile(module.forward)
+    module.forward = CompiledForward(module)
 
 
 def innermost(modules) -> list:
@@ -63,8 +86,12 @@ def innermost(modules) -> list:
 
 def uncompile(module) -> None:
     """Undo :func:`compile_in_place` (the module is called eagerly again)."""
-    if module is not None and hasattr(module.__dict__.get("forward"), "_torchdynamo_orig_callable"):
-        del module.forward
+    held = None if module is None else module.__dict__.get("forward")
+    if isinstance(held, CompiledForward):
+        if held.replaced is None:
+            del module.forward
+        else:
+            module.forward = held.replaced
 
 
 def snapshot() -> dict:

@@ -52,9 +52,11 @@ def test_compile_trains_to_a_loss_bound_and_shows_the_compile_time(dist_session,
     out = capsys.readouterr().out
     assert f"torch.compile on rank 0: {result.dynamo[0]['graphs']} graph" in out and "the first step took" in out
     assert all(p.dtype == torch.float32 for p in ns["cc_net"].parameters())
-    dist_session.run("_kind = type(ctx.model).__name__\n_fwd = hasattr(ctx.model.module.forward, "
-                     "'_torchdynamo_orig_callable')")
-    assert dist_session.pull("_kind") == ["DistributedDataParallel"] * 2 and dist_session.pull("_fwd") == [True] * 2
+    dist_session.run("_kind = type(ctx.model).__name__\n_fwd = type(ctx.model.module.forward).__name__")
+    assert dist_session.pull("_kind") == ["DistributedDataParallel"] * 2
+    assert dist_session.pull("_fwd") == ["CompiledForward"] * 2
+    pulled = dist_session.pull("cc_net", rank=1)  # the rank's module pickles with its eager forward
+    assert "forward" not in vars(pulled) or type(vars(pulled)["forward"]).__name__ == "method"
     dist_session.run("import torch\n_w = torch.cat([p.detach().flatten() for p in cc_net.parameters()])")
     w = dist_session.pull("_w")
     assert torch.equal(w[0], w[1])
