@@ -54,6 +54,43 @@ def digest(classes) -> tuple:
     return tuple((c.__qualname__, _of_class(c, seen, DEPTH)) for c in ordered)
 
 
+def patched_library_members(classes) -> list:
+    """Members of importable (library) classes among ``classes`` and their bases that the notebook replaced with
+    its own code (``nn.Linear.forward = my_forward``), as ``"torch.nn.Linear.forward"``.
+
+    cloudpickle sends such a class by reference: a rank imports torch's own ``nn.Linear`` and never sees the
+    notebook's replacement, so the ranks would compute something else than the kernel's model.
+    """
+    found = []
+    for cls in classes:
+        for klass in cls.__mro__:
+            if klass is object or by_value(klass):
+                continue
+            for name, member in vars(klass).items():
+                fn = getattr(member, "__func__", getattr(member, "fget", member))
+                fn = getattr(fn, "__wrapped__", fn)
+                if isinstance(fn, types.FunctionType) and by_value(fn):
+                    where = f"{klass.__module__.split('.modules.')[0]}.{klass.__qualname__}.{name}"
+                    if where not in found:
+                        found.append(where)
+    return found
+
+
+def library_patches(model) -> list:
+    """:func:`patched_library_members` of the classes of ``model``'s modules."""
+    return patched_library_members({type(m) for m in model.modules()})
+
+
+def library_patch_warning(name: str, model) -> str:
+    """The sentence that says the ranks compute ``model`` (notebook name ``name``) without the notebook's
+    replacements in its library classes (:func:`library_patches`), and what to do."""
+    patched = library_patches(model)
+    return (f"{', '.join(patched)} {'was' if len(patched) == 1 else 'were'} replaced in the notebook, but {name}'s "
+            "library classes reach the ranks by reference (imported there, as their library defines them), so "
+            "the ranks compute without the replacement: subclass the class in the notebook (a notebook class "
+            "travels by value), or make the same change on the ranks in a %%dist cell")
+
+
 def changed_members(before: tuple, after: tuple) -> list:
     """The class members (``"MLP.forward"``) whose own definition differs between two :func:`digest`: its code,
     defaults, closure or decorators, not only a global it reads."""

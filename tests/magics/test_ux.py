@@ -164,6 +164,13 @@ def test_a_method_replaced_on_the_class_is_sent_to_the_ranks_and_a_rerun_cell_is
     capsys.readouterr()   # model's forward reads: the ranks keep model and optimizer
     assert abs(run(shell, cell).result.final_loss - first) < 1e-3
     assert "sent again" not in capsys.readouterr().out
+    try:  # a library class's method replaced: it cannot reach the ranks (by reference), and the cell says so
+        run(shell, "_linear_forward = nn.Linear.forward\nnn.Linear.forward = lambda self, x: x @ self.weight.T")
+        run(shell, cell)
+        assert "distnb: warning: torch.nn.Linear.forward was replaced in the notebook, but swap_net's library " \
+               "classes reach the ranks by reference" in capsys.readouterr().out
+    finally:
+        run(shell, "nn.Linear.forward = _linear_forward")
 
 
 def test_an_attribute_or_hook_changed_in_the_notebook_is_sent_to_the_ranks(shell, capsys):

@@ -388,3 +388,21 @@ def test_a_function_option_or_body_function_changed_in_place_is_a_change():
         exec(change, nb.__dict__)
         assert fingerprint(nb.__dict__[name]) != before or name == "part", change
         assert name_digest(nb.__dict__[name]) != named, change
+
+
+def test_notebook_code_put_into_a_library_class_is_named():
+    # nn.Linear travels by reference: the ranks import torch's own and never see the notebook's replacement
+    from distnb import captured
+
+    nb = _notebook(NB_MODEL + "def doubled(self, x):\n    return torch.nn.functional.linear(x, self.weight) * 2\n")
+    net = nb.Net()
+    assert captured.library_patches(net) == []
+    original = nn.Linear.forward
+    try:
+        nn.Linear.forward = nb.doubled
+        assert captured.library_patches(net) == ["torch.nn.Linear.forward"]
+        assert "the ranks compute without the replacement: subclass the class in the notebook" in \
+            captured.library_patch_warning("net", net)
+    finally:
+        nn.Linear.forward = original
+    assert captured.library_patches(net) == []
