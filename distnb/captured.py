@@ -156,7 +156,7 @@ _CLASS_BOOKKEEPING = frozenset({"__module__", "__dict__", "__weakref__", "__doc_
 def _is_code(member) -> bool:
     """Whether ``member`` of a class is a function or wraps one (a method, property, decorator's result)."""
     return isinstance(member, (types.FunctionType, staticmethod, classmethod, property, functools.partialmethod,
-                               functools.partial, functools.cached_property)) or hasattr(member, "__wrapped__")
+                               functools.partial, functools.cached_property)) or _wraps(member)
 
 
 def _of_function(fn, seen, depth) -> tuple:
@@ -215,10 +215,19 @@ def _of_callable(value, seen, depth):
         return ("cached_property", _of_value(value.func, seen, depth))
     if isinstance(value, types.MethodType):  # a bound method: its function and the object it is bound to
         return ("method", _of_value(value.__func__, seen, depth), _of_value(value.__self__, seen, depth))
-    if not isinstance(value, type) and hasattr(value, "__wrapped__") and not _is_tensor(value):
+    if not isinstance(value, type) and _wraps(value) and not _is_tensor(value):
         # a decorator's callable object (functools.lru_cache, a library wrapper): its type and what it wraps
         return ("wrapper", id(type(value)), _of_value(value.__wrapped__, seen, depth))
     return None
+
+
+def _wraps(value) -> bool:
+    """Whether ``value`` has ``__wrapped__`` (a decorator's result); False for an object whose attribute lookup
+    raises (a proxy's ``__getattr__``): a fingerprint never fails on the model's code."""
+    try:
+        return hasattr(value, "__wrapped__")
+    except Exception:
+        return False
 
 
 def _is_tensor(value) -> bool:

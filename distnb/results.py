@@ -149,6 +149,7 @@ class TrainResult(Table):
         self.val_loss, self.val_metric = last.get("loss"), last.get("metric")
         self.metric_name = first.get("metric_name")
         self.loss_dtype = next((r["loss_dtype"] for r in rows if r.get("loss_dtype")), None)
+        first["loss_dtype"] = self.loss_dtype  # the notes read rank 0's row (pipeline: the last stage computes it)
         self.compile_seconds, self.speedup = compiled.compile_seconds(first), None
         self.dynamo = {r["rank"]: r["dynamo"] for r in rows if r.get("dynamo") is not None}
         if compiled.compiled_anything(first) and first.get("first_step_seconds") is not None:

@@ -281,6 +281,11 @@ class Context:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
+    def note_loss_dtype(self, loss) -> None:
+        """Remember that the body's ``loss`` is a low-precision tensor (bf16, fp16) that distnb upcasts to report."""
+        if self.loss_dtype is None and stepping.is_low_precision(loss):
+            self.loss_dtype = self._reporter.extra["loss_dtype"] = str(loss.dtype).replace("torch.", "")
+
     def report(self, loss, num_samples=None, value=None, skipped=False):
         """Record one finished step (loss: scalar tensor; num_samples: default the last batch size).
 
@@ -301,8 +306,7 @@ class Context:
         if self.plan.loop:  # the body's step: the rank moved on (distnb.engine.where; the stepper says so otherwise)
             collectives.PROGRESS[0] += 1
         detached = stepping.upcast(loss.detach())  # bf16/fp16: reduced and logged as fp32, said once (loss_dtype)
-        if detached.dtype != loss.dtype and self.loss_dtype is None:
-            self.loss_dtype = self._reporter.extra["loss_dtype"] = str(loss.dtype).replace("torch.", "")
+        self.note_loss_dtype(loss)
         if skipped:
             self.skipped_steps += 1
         else:  # a float when the step already read it (CPU); a tensor otherwise, summed per epoch (no GPU sync)

@@ -46,9 +46,12 @@ HISTORY_POINTS = 1000
 def upcast(value):
     """``value`` as fp32 when it is a floating tensor of fewer bits (bf16, fp16), else unchanged: the figures
     distnb reduces and logs (losses, their means and histories) are fp32 or wider."""
-    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.element_size() < 4:
-        return value.float()
-    return value
+    return value.float() if is_low_precision(value) else value
+
+
+def is_low_precision(value) -> bool:
+    """Whether ``value`` is a floating tensor of fewer than 32 bits (bf16, fp16)."""
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.element_size() < 4
 
 
 class History:

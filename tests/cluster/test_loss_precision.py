@@ -31,3 +31,14 @@ def test_a_bf16_loss_is_reduced_in_fp32_and_the_upcast_is_said_once(dist_session
     fp32 = dist_session.train("x, y = batch\nloss = F.cross_entropy(model(x), y)", model="lp_net", data="lp_data",
                               epochs=1, batch_size=16, optimizer="sgd", lr=0.1, progress="none")
     assert fp32.loss_dtype is None and "upcast" not in capsys.readouterr().out
+
+
+def test_a_bf16_loss_under_pipeline_is_said_too(dist_session, shell, capsys):
+    # the last stage computes the loss and sums the microbatches' in fp64; rank 0's notes said nothing of it
+    ns = shell.user_ns
+    ns["lp_pipe"], ns["lp_data"], ns["F"] = parity_model(), parity_data(n=96), F
+    capsys.readouterr()
+    result = dist_session.train(BF16_BODY, model="lp_pipe", data="lp_data", epochs=1, batch_size=16, optimizer="sgd",
+                                lr=0.1, strategy="pipeline", microbatches=2, progress="none")
+    assert result.loss_dtype == "bfloat16"
+    assert capsys.readouterr().out.count("the body's loss is a bfloat16 tensor: distnb upcast it to float32") == 1
