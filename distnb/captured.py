@@ -67,8 +67,11 @@ def patched_library_members(classes) -> list:
             if klass is object or by_value(klass):
                 continue
             for name, member in vars(klass).items():
-                fn = getattr(member, "__func__", getattr(member, "fget", member))
-                fn = getattr(fn, "__wrapped__", fn)
+                try:
+                    fn = getattr(member, "__func__", getattr(member, "fget", member))
+                    fn = getattr(fn, "__wrapped__", fn)
+                except Exception:  # a descriptor whose attribute lookup raises: not notebook code
+                    continue
                 if isinstance(fn, types.FunctionType) and by_value(fn):
                     where = f"{klass.__module__.split('.modules.')[0]}.{klass.__qualname__}.{name}"
                     if where not in found:
@@ -102,7 +105,7 @@ def changed_members(before: tuple, after: tuple) -> list:
         for member in sorted(set(old) | set(new)):
             a, b = old.get(member), new.get(member)
             if a != b and (_is_code_digest(a) or _is_code_digest(b)) and _strip_globals(a) != _strip_globals(b):
-                said.append(f"{cls}.{member}")
+                said.append(member if "." in member else f"{cls}.{member}")  # a base's: Base.forward
     return said
 
 
@@ -133,7 +136,7 @@ def _of_class(cls, seen, depth) -> tuple:
         return (("seen", cls.__qualname__),)
     seen.add(id(cls))
     out = []
-    for klass in cls.__mro__:  # notebook base classes too; library ones by name
+    for klass in cls.__mro__:  # notebook base classes too (their members as Base.name); library ones by name
         if klass is object:
             continue
         if not by_value(klass):
@@ -143,7 +146,7 @@ def _of_class(cls, seen, depth) -> tuple:
             if name in _CLASS_BOOKKEEPING:
                 continue
             if _is_code(member) or not (name.startswith("__") and name.endswith("__")):  # SCALE = 1.0 too
-                out.append((name, _of_value(member, seen, depth)))
+                out.append((name if klass is cls else f"{klass.__qualname__}.{name}", _of_value(member, seen, depth)))
     return tuple(out)
 
 

@@ -406,3 +406,15 @@ def test_notebook_code_put_into_a_library_class_is_named():
     finally:
         nn.Linear.forward = original
     assert captured.library_patches(net) == []
+
+
+def test_a_base_class_method_replaced_is_named_as_the_base_s():
+    from distnb.transfer import model_change
+
+    nb = _notebook("import torch.nn as nn\nclass Base(nn.Module):\n    def forward(self, x):\n        return self.fc(x)\n"
+                   "class Child(Base):\n    def __init__(self):\n        super().__init__()\n"
+                   "        self.fc = nn.Linear(2, 2)\n    def forward(self, x):\n        return super().forward(x)\n")
+    net = nb.Child()
+    before = fingerprint(net)
+    exec("Base.forward = lambda self, x: self.fc(x) * 2", nb.__dict__)
+    assert "the code of Base.forward changed" in model_change(before, fingerprint(net), list(net.state_dict()))
