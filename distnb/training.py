@@ -506,7 +506,8 @@ def train_cell(session, code, model, data, run, given):
     cell = export.capture(session, plan, code, model_obj, data_obj, RESERVED_NAMES, sent)  # for %dist export
     state = ProgressState(session.world_size, steps * plan.epochs, plan.epochs,
                           hosts=[r["host"] for r in session.cluster.ranks],
-                          devices=[r["device"] for r in session.cluster.ranks], strategy=plan.strategy)
+                          devices=[r["device"] for r in session.cluster.ranks], strategy=plan.strategy,
+                          ranks_per_shard=session.world_size // (num_shards or session.world_size))
     view = make_view(state, run.progress)
     view.show()
     show = tuple(range(session.world_size)) if run.all_output else (0,)
