@@ -80,6 +80,9 @@ class ProgressState:
         Per rank, for display.
     strategy : str, optional
         The plan's strategy; ``"pipeline"`` shows each rank's stage.
+    settings : str, optional
+        The cell's words on options carried from the model's last cell (:func:`distnb.carried.cell_sentence`),
+        shown in the dashboard's header.
     ranks_per_shard : int, optional
         Ranks that train on the same batch (tensor or pipeline parallel groups); the total samples/s
         counts each batch once, as :attr:`distnb.results.TrainResult.samples_per_s` does. Default 1.
@@ -88,12 +91,13 @@ class ProgressState:
     """
 
     def __init__(self, world_size, total_steps=0, epochs=1, hosts=None, devices=None, strategy=None,
-                 ranks_per_shard=1, clock=time.time):
+                 ranks_per_shard=1, settings="", clock=time.time):
         self.world_size = world_size
         self.total_steps = total_steps
         self.epochs = epochs
         self.strategy = strategy
         self.ranks_per_shard = max(1, int(ranks_per_shard))
+        self.settings = settings
         self.rows = [dict(rank=r, host=(hosts or [""] * world_size)[r], device=(devices or [""] * world_size)[r],
                           status="waiting", epoch=None, step=0, total=total_steps, loss=None, epoch_loss=None,
                           samples_per_s=0.0, step_time=0.0, busy_time=None, error=None, stage=None,

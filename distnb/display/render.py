@@ -345,7 +345,9 @@ def header_html(state, title="") -> str:
         parts.append(f"{total:.0f} samples/s")
     if title:
         parts.append(esc(title))
-    return f"<div class='distnb-header' style='{_FONT};margin-bottom:2px'>{' · '.join(parts)}</div>"
+    settings = (f"<div class='distnb-settings' style='color:#6a1b9a'>{esc(state.settings)}</div>"
+                if getattr(state, "settings", "") else "")
+    return f"<div class='distnb-header' style='{_FONT};margin-bottom:2px'>{' · '.join(parts)}{settings}</div>"
 
 
 def step_parts(state) -> list:

@@ -461,3 +461,9 @@ def test_ended_ranks_show_the_cells_samples_per_second_counting_each_batch_once(
     assert [render.rank_rate(r) for r in st.rows] == [pytest.approx(500.0)] * 2
     assert st.total_rate() == pytest.approx(500.0)
     assert "500 samples/s" in render.header_html(st)
+
+
+def test_the_header_names_the_options_a_cell_carried():
+    st = ProgressState(2, total_steps=10, settings="carried from net's last cell: --optimizer adam, --precision bf16")
+    assert "carried from net&#x27;s last cell: --optimizer adam, --precision bf16" in render.header_html(st)
+    assert "distnb-settings" not in render.header_html(ProgressState(2, total_steps=10))
