@@ -46,20 +46,14 @@ def _digest(t: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _norm_buffer(module_of: dict, name: str) -> bool:
-    """Whether buffer ``name`` belongs to a normalisation layer (its running statistics follow each rank's batches)."""
-    owner = module_of.get(name.rsplit(".", 1)[0] if "." in name else "")
-    return isinstance(owner, torch.nn.modules.batchnorm._NormBase)
-
-
 def replicated(strategy) -> list:
     """``(group, [(name, local tensor), ...])`` for every set of copies that ``strategy``'s ranks must hold equal.
 
     DTensor parameters: one entry per ``Replicate`` dimension of their mesh (its process group).
-    Plain parameters and buffers: the world, where the strategy keeps them whole on every rank
-    (:attr:`~distnb.engine.strategies.Strategy.replicas`); under ddp the buffers of normalisation
-    layers are left out (DDP broadcasts them from rank 0 before each forward, and each rank's
-    forward then updates them from its own batch).
+    Plain parameters: the world, where the strategy keeps them whole on every rank
+    (:attr:`~distnb.engine.strategies.Strategy.replicas`); their buffers too, except under ddp, which
+    broadcasts the buffers from rank 0 before each forward by design (a forward may then update them
+    from its own rank's batch: a BatchNorm's running statistics, an observer's range).
     """
     from torch.distributed.tensor import DTensor, Replicate  # torch's DTensor: imported once a group exists
 
@@ -73,11 +67,8 @@ def replicated(strategy) -> list:
                     by_group.setdefault(group, []).append((name, p.to_local()))
         elif getattr(strategy, "replicas", False):
             plain.append((name, p))
-    if getattr(strategy, "replicas", False):
-        module_of = dict(module.named_modules())
-        skip_norm = getattr(strategy, "replicated_grads", False)
-        plain += [(name, b) for name, b in module.named_buffers()
-                  if b is not None and not isinstance(b, DTensor) and not (skip_norm and _norm_buffer(module_of, name))]
+    if getattr(strategy, "replicas", False) and not getattr(strategy, "replicated_grads", False):
+        plain += [(name, b) for name, b in module.named_buffers() if b is not None and not isinstance(b, DTensor)]
     out = [(group, tensors) for group, tensors in by_group.items()]
     if plain and dist.get_world_size() > 1:
         out.insert(0, (None, plain))
