@@ -212,8 +212,8 @@ class TrainPlan:
                                  "each epoch's end), step (after every optimizer step) or off; a drift is an error "
                                  "naming the tensor, the ranks and the largest difference", choices=("off", "epoch", "step"),
                                  doc="Replicas checked for silent drift (``distnb/engine/replicas.py``): each rank "
-                                     "digests its copies with ``torch.hash_tensor`` and two all-reduces of one int64 "
-                                     "per tensor compare them. E.g. ``--check-replicas step`` while hunting a "
+                                     "digests its copies with ``torch.hash_tensor`` and one all-reduce of two int64 "
+                                     "per tensor compares them. E.g. ``--check-replicas step`` while hunting a "
                                      "divergence.")
     clip_grad_norm: float | None = option(None, "float", "clip the gradients' total norm (over the whole model, every "
                                           "rank's part) to this before each optimizer step")
