@@ -63,7 +63,7 @@ def test_compile_trains_to_a_loss_bound_and_shows_the_compile_time(dist_session,
     assert torch.equal(w[0], torch.cat([p.detach().flatten() for p in ns["cc_net"].parameters()]))
 
 
-@pytest.mark.parametrize("strategy", ["fsdp"])  # fully_shard, then torch.compile (tensor: the same path)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])  # the module DDP wraps; FSDP2 units (tensor: the module)
 def test_compile_after_sharding_trains_like_eager(dist_session, shell, strategy):
     ns = shell.user_ns
     ns[f"cc_{strategy}"], ns["cc_data"], ns["F"] = parity_model(), parity_data(n=192), F
