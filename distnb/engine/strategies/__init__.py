@@ -33,6 +33,7 @@ import math
 import torch
 
 from ...plan import STRATEGIES
+from .. import compile_workers
 
 
 class StrategyError(ValueError):
@@ -135,6 +136,7 @@ class Strategy:
 
         The ranks of one host share inductor's cache folder (``TORCHINDUCTOR_CACHE_DIR``, default
         ``<tmp>/torchinductor_<user>``): the second rank, and later cells, reuse compiled kernels.
+        Each rank compiles with its share of the host's cores (:mod:`distnb.engine.compile_workers`).
         """
         import getpass
         import os
@@ -142,6 +144,7 @@ class Strategy:
 
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
                               os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
+        compile_workers.limit()  # this rank's share of the host's cores, not min(32, cores) per rank
         self.model = torch.compile(self.model)
 
     def eval_model(self):
@@ -233,10 +236,22 @@ def is_container(module) -> bool:
 
 
 def check_loss(loss, ctx):
-    """Validate the body's ``loss``; returns ``float(loss)`` on CPU (None on GPU: no sync per step)."""
+    """Validate the body's ``loss``; returns ``float(loss)``, read on every device.
+
+    ``--nan stop`` (the default) stops *before* the update, so the value must be known before
+    ``optimizer.step()``: on a GPU rank this read is one host synchronisation per step (the same
+    one ``torch.amp.GradScaler`` makes for fp16). The value then serves the progress report and
+    the epoch mean, which read nothing more. It once returned None for a non-CPU loss, and NaN
+    losses trained on silently on GPUs (GPU review, finding 4).
+
+    Raises
+    ------
+    FloatingPointError
+        ``--nan stop`` and a NaN or infinite loss, naming the rank, epoch and step.
+    ValueError
+        No ``loss``, not a scalar tensor, or one that does not require grad.
+    """
     if isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1:
-        if loss.device.type != "cpu":
-            return None
         value = loss.item()
         if ctx.plan.nan == "stop" and not math.isfinite(value):
             raise FloatingPointError(f"the loss is {value} at rank {ctx.rank}, epoch {ctx.epoch}, step {ctx.step}; "
