@@ -296,17 +296,17 @@ def clip_(params, max_norm: float, norm) -> None:
 
     ``norm`` is :func:`total_norm`'s tensor: the coefficient ``min(1, max_norm / (norm + 1e-6))``
     (1 for a non-finite norm: the gradients are left as they are) is computed on its device and
-    multiplied in with ``torch._foreach_mul_`` per device, as torch's own clipping does, without a
+    multiplied in with ``torch._foreach_mul_`` per device and mesh, as torch's own clipping does, without a
     host read (GPU review, finding 8). A coefficient of 1 multiplies exactly.
     """
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
-    by_device = {}
+    groups = {}  # one foreach per device and DTensor mesh (a foreach over several meshes is refused)
     for p in params:
         if p.grad is not None:
-            by_device.setdefault(p.grad.device, []).append(p.grad)
+            groups.setdefault((p.grad.device, getattr(p.grad, "device_mesh", None)), []).append(p.grad)
     with torch.no_grad():
-        for device, grads in by_device.items():
+        for (device, _), grads in groups.items():
             torch._foreach_mul_(grads, coef.to(device))
 
 
