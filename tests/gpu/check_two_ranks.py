@@ -7,7 +7,7 @@ NCCL refuses two ranks on one GPU, but gloo stages CUDA tensors through the host
 distnb's CUDA-tensor paths across ranks (the weights back, the grow's broadcast, a peer's failure
 with distnb's gloo machinery), not NCCL. Each check writes ``$OUT/checks/gpu2.<name>.json``:
 
-1. ``start``: two ranks, both ``cuda:0``, gloo.
+1. ``start``: two ranks on the one GPU, gloo (each rank's device and ``CUDA_VISIBLE_DEVICES``).
 2. ``ddp_matches_reference``: a ddp cell equals one process on the global batches (1e-4 on a GPU).
 3. ``fsdp``: fsdp trains (gloo's reduce-scatter of CUDA tensors, what FSDP2 needs, is tried here).
 4. ``scale``: ``%dist scale 1`` then ``%dist scale 2`` carry the model (a grow's broadcast), and it trains on.
@@ -68,12 +68,12 @@ def main() -> int:
 
 
 def start(fig, s, seconds, cpu):
-    s.run("_where = (str(device), torch.distributed.get_backend(), os.environ.get('CUDA_VISIBLE_DEVICES'))"
-          if False else "import os, torch\n_where = (str(device), torch.distributed.get_backend(), "
-          "os.environ.get('CUDA_VISIBLE_DEVICES'))")
+    s.run("import os, torch\n_where = (str(device), torch.distributed.get_backend(), "
+          "os.environ.get('CUDA_VISIBLE_DEVICES'), os.environ.get('LOCAL_RANK'))")
     fig.update(start_seconds=round(seconds, 2), ranks=s.pull("_where"))
-    want = "cpu" if cpu else "cuda:0"
-    expect([r[:2] for r in fig["ranks"]] == [(want, "gloo")] * 2, f"expected two ranks on {want} with gloo")
+    want = "cpu" if cpu else "cuda"
+    expect(all(r[0].split(":")[0] == want and r[1] == "gloo" for r in fig["ranks"]) and len(fig["ranks"]) == 2,
+           f"expected two ranks on {want} with gloo")
 
 
 def ddp_matches_reference(fig, s, cpu):

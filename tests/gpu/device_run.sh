@@ -22,7 +22,7 @@
 #   summary.log      each step's exit status and seconds
 # Exit status of a step: 0 every check passed (or was skipped, saying why); 1 a check failed (its JSON
 # says which and why); 2 no GPU visible; 124 timed out.
-# On the GPU the limits add up to 410 s (40 + 240 + 130), in about 200 s of checks when they pass: call
+# On the GPU the limits add up to 440 s (40 + 250 + 150), in about 200 s of checks when they pass: call
 # it with timeout_s 480 (the lent time is 15 minutes with the machine's start).
 #
 #   bash tests/gpu/device_run.sh --cpu     # here: the same scripts with --cpu (one and two CPU ranks, gloo)
@@ -62,7 +62,7 @@ step() {
 }
 
 if [ "$MODE" = gpu ]; then
-    T_SETUP=40 T_ONE=240 T_TWO=130 CPUFLAG=""
+    T_SETUP=40 T_ONE=250 T_TWO=150 CPUFLAG=""
     if ls .whl/*.whl > /dev/null 2>&1; then
         step 0-setup "$T_SETUP" "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
             --upgrade --target /tmp/site .whl/*.whl

@@ -266,15 +266,22 @@ def data_syncs(fig, sh, cpu):
 
 
 def where_and_interrupt(fig, sh, cpu):
-    """A step in a long CUDA kernel: what %dist where says; an interrupt 2 s in, and when the cell ends."""
+    """A step in a long CUDA kernel: what %dist where says; an interrupt 2 s in, and when the cell ends.
+
+    On a CPU rank (``--cpu``) the long kernel is a 6 s ``time.sleep`` (which a SIGINT does interrupt).
+    """
     s = _session()
     s.ns["wi_net"] = s.ns["make_net"](8)
-    rate = _rank(s, "import time, torch\n_t = time.perf_counter()\ntorch.cuda._sleep(100_000_000)\n"
-                    "torch.cuda.synchronize()\n_rate = 1e8 / (time.perf_counter() - _t)", "_rate")
-    fig["gpu_cycles_per_s"] = round(rate)
+    if cpu:
+        long, sync = "time.sleep(6)", ""
+        s.run("import time")
+    else:
+        rate = _rank(s, "import time, torch\n_t = time.perf_counter()\ntorch.cuda._sleep(100_000_000)\n"
+                        "torch.cuda.synchronize()\n_rate = 1e8 / (time.perf_counter() - _t)", "_rate")
+        fig["gpu_cycles_per_s"] = round(rate)
+        long, sync = "torch.cuda._sleep(int(_rate * 6))", "torch.cuda.synchronize()"
     kit.cell(sh, "%%distrain --model wi_net --data kit_data --epochs 1 --batch-size 128 --background "
-                 "--progress none\nx, y = batch\nif ctx.step == 2:\n    torch.cuda._sleep(int(_rate * 6))\n"
-                 "loss = F.cross_entropy(model(x), y)")
+                 f"--progress none\nx, y = batch\nif ctx.step == 2:\n    {long}\nloss = F.cross_entropy(model(x), y)")
     time.sleep(3)
     table = _session().where()
     fig["where_background"] = [{k: row.get(k) for k in ("state", "seconds", "code", "at")} for row in table.rows]
@@ -282,7 +289,7 @@ def where_and_interrupt(fig, sh, cpu):
     timer = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT))
     t0 = time.perf_counter()
     timer.start()
-    error = kit.cell(sh, "%%dist\ntorch.cuda._sleep(int(_rate * 6))\ntorch.cuda.synchronize()", expect_error=True)
+    error = kit.cell(sh, f"%%dist\n{long}\n{sync}", expect_error=True)
     fig["interrupt_cell_seconds"] = round(time.perf_counter() - t0, 2)
     fig["interrupt_error"] = f"{type(error).__name__}: {error}"[:300]
     fig["usable_after"] = _session().run("1 + 1", all_output=True)
@@ -336,13 +343,13 @@ def offload(fig, sh, gib: float = 2.0):
     layers = [nn.Linear(64, width)] + [m for _ in range(int(gib * 4)) for m in (nn.ReLU(), nn.Linear(width, width))]
     s.ns["big_net"] = nn.Sequential(*layers, nn.ReLU(), nn.Linear(width, 10))
     params = sum(p.numel() * 4 for p in s.ns["big_net"].parameters())
-    total = _rank(s, "_total = torch.cuda.get_device_properties(0).total_memory", "_total")
+    total = _rank(s, "_total = torch.cuda.get_device_properties(device).total_memory", "_total")
     cap = params // 2
     fig.update(param_bytes=params, cap_bytes=cap, gpu_bytes=total)
     s.run(f"torch.cuda.set_per_process_memory_fraction({cap / total!r})")
     try:
-        r = s.train(BODY, model="big_net", epochs=1, strategy="fsdp", offload="cpu",
-                    **{**OPTS, "optimizer": "sgd", "lr": 1e-3, "batch_size": 256})
+        r = s.train(BODY, model="big_net", epochs=1, strategy="fsdp", offload="cpu",  # 2 steps of 256 samples
+                    **{**OPTS, "data": "kit_val", "optimizer": "sgd", "lr": 1e-3, "batch_size": 256})
         fig.update(losses=r.epoch_losses, wall_seconds=round(r.wall_seconds, 2))
         s.run("_peak = torch.cuda.max_memory_allocated()")
         fig["rank_peak_bytes"] = s.pull("_peak")[0]
