@@ -189,10 +189,10 @@ def peak_per_cell(fig, sh, s):
             "_res = torch.cuda.max_memory_reserved() if device.type == 'cuda' else 0")
     peaks = []
     for held in (big, 0):
-        body = (f"x, y = batch\n_big = torch.ones({held // 4}, device=x.device) if ctx.step == 0 else None\n"
-                if held else "x, y = batch\n") + "loss = F.cross_entropy(model(x), y)"
+        body = (f"import torch\nx, y = batch\n_big = torch.ones({held // 4}, device=x.device) if ctx.step == 0 "
+                "else None\n" if held else "x, y = batch\n") + "loss = F.cross_entropy(model(x), y)"
         s.train(body, model="peak_net", epochs=1, **OPTS)
-        s.run("_big = None\n" + read)
+        s.run("import torch\n_big = None\n" + read)
         peaks.append(dict(held=held, peak=s.pull("_peak")[0], max_reserved=s.pull("_res")[0],
                           nvidia_smi=kit.gpu_memory().get("used_mib")))
     fig["cells"] = peaks
@@ -309,7 +309,7 @@ def no_cuda_outside(fig, sh, cpu):
     if isinstance(pids, list):
         expect(set(pids) <= engines, f"CUDA processes {pids} are not the engines {sorted(engines)}")
     expect(not torch.cuda.is_initialized(), "the kernel holds a CUDA context")
-    s.run("_on_gpu = torch.ones(3, device=device)")
+    s.run("import torch\n_on_gpu = torch.ones(3, device=device)")
     back = s.pull("_on_gpu")[0]
     fig.update(pulled=f"{type(back).__name__} on {getattr(back, 'device', '?')}",
                kernel_cuda_after_pull=torch.cuda.is_initialized())
@@ -343,17 +343,17 @@ def offload(fig, sh, gib: float = 2.0):
     layers = [nn.Linear(64, width)] + [m for _ in range(int(gib * 4)) for m in (nn.ReLU(), nn.Linear(width, width))]
     s.ns["big_net"] = nn.Sequential(*layers, nn.ReLU(), nn.Linear(width, 10))
     params = sum(p.numel() * 4 for p in s.ns["big_net"].parameters())
-    total = _rank(s, "_total = torch.cuda.get_device_properties(device).total_memory", "_total")
+    total = _rank(s, "import torch\n_total = torch.cuda.get_device_properties(device).total_memory", "_total")
     cap = params // 2
     fig.update(param_bytes=params, cap_bytes=cap, gpu_bytes=total)
-    s.run(f"torch.cuda.set_per_process_memory_fraction({cap / total!r})")
+    s.run(f"import torch\ntorch.cuda.set_per_process_memory_fraction({cap / total!r})")
     try:
         r = s.train(BODY, model="big_net", epochs=1, strategy="fsdp", offload="cpu",  # 2 steps of 256 samples
                     **{**OPTS, "data": "kit_val", "optimizer": "sgd", "lr": 1e-3, "batch_size": 256})
         fig.update(losses=r.epoch_losses, wall_seconds=round(r.wall_seconds, 2))
-        s.run("_peak = torch.cuda.max_memory_allocated()")
+        s.run("import torch\n_peak = torch.cuda.max_memory_allocated()")
         fig["rank_peak_bytes"] = s.pull("_peak")[0]
         expect(fig["rank_peak_bytes"] <= cap, "the rank's peak exceeded the cap")
     finally:
-        _session().run("torch.cuda.set_per_process_memory_fraction(1.0)\nbig_net = None")
+        _session().run("import torch\ntorch.cuda.set_per_process_memory_fraction(1.0)\nbig_net = None")
         s.ns.pop("big_net", None)
