@@ -1,7 +1,7 @@
 """The GPU review's findings 8, 10 and 14 on the real 2-rank gloo cluster (tests/gpu/REVIEW-ANSWERS.md).
 
 - 8: a step reads its loss once (``check_loss``: ``--nan stop`` needs it before the update); the
-  progress report and the epoch mean read nothing more. Counted on the ranks with a tensor
+  progress report, the epoch mean and validation (its sums stay on the device) read nothing more. Counted on the ranks with a tensor
   subclass whose every host read (``item``, ``float``, ``tolist``, ...) is recorded.
 - 10: a rank's peak memory is the cell's, not the process's lifetime.
 - 14: a whole cycle (start was done by the fixture, then train, pull, validate) never asks for CUDA in
@@ -31,10 +31,11 @@ def test_a_step_reads_its_loss_once(shell, dist_session):
     s = dist_session
     ns = shell.user_ns
     ns["reads_net"], ns["reads_data"], ns["F"] = parity_model(), parity_data(n=128), F
+    ns["reads_val"] = parity_data(n=64, seed=3)
     s.run(COUNTED)
     body = "x, y = batch\nloss = F.cross_entropy(model(x), y).as_subclass(Counted)"
-    r = s.train(body, model="reads_net", data="reads_data", epochs=2, batch_size=16, optimizer="sgd", lr=0.05,
-                progress="none", quiet=True)
+    r = s.train(body, model="reads_net", data="reads_data", val_data="reads_val", epochs=2, batch_size=16,
+                optimizer="sgd", lr=0.05, progress="none", quiet=True)  # validation sums on the device: no read
     steps = r.rows[0]["steps"]
     reads = s.pull("_reads")
     assert steps == 8 and all(len(x) == steps for x in reads), (steps, [sorted(set(x)) for x in reads], reads)
