@@ -9,12 +9,15 @@ check writes ``$OUT/checks/gpu1.<name>.json`` (:mod:`kit`) and prints one line; 
 does not stop the next. The exit status is 1 when any check failed. The checks:
 
 1. ``start``: ``%dist start`` timed; the rank's device and backend, the ``TORCH_NCCL_*`` and
-   ``NCCL_*`` variables it sees; no CUDA context in the kernel (``torch.cuda.is_initialized``).
+   ``NCCL_*`` variables it sees; ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and
+   ``torch.cuda.current_device()`` (finding 5); no CUDA context in the kernel.
 2. ``cpu_tensors_on_nccl`` (finding 2): after a ddp cell, ``calls.share`` (what a grow runs)
-   broadcasts the model's state over the group.
+   broadcasts the model's state over the group; a stream empty on the only rank ends with
+   distnb's error, not "No backend type associated with device type cpu".
 3. ``failure_cycles`` (findings 1 and 7, the world-of-one half): three failing ``%%dist`` cells
-   and a ``%%distrain`` raising at step 3, each timed, ``torch.cuda.mem_get_info`` after each
-   (free memory must not fall), then a cell that trains.
+   and a ``%%distrain`` raising at step 3, each timed, with ``torch.cuda.mem_get_info`` and the
+   group's generation after each (free memory must not fall; a kept group keeps its
+   generation), then a cell that trains.
 4. ``nan_stop`` (finding 4): a loss that is NaN at step 3 ends the cell with the FloatingPointError
    naming step 3, and the notebook's weights stay finite.
 5. ``strategies``: ddp and fsdp with bf16 and fp16, tensor, fsdp+tensor ``--mesh 1x1``: the loss

@@ -88,6 +88,7 @@ fi
 print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, \
 'ipyparallel', ipyparallel.__version__, 'IPython', IPython.__version__); print('visible_gpus()', visible_gpus()); \
 print('torch.cuda.device_count()', torch.cuda.device_count())"
+    timeout 30 "$PY" -c "from distnb import gpus; print('distnb.gpus.discover()', gpus.discover())" 2>&1 | tail -1
     df -h /dev/shm | tail -1 | awk '{print "/dev/shm: " $2 " total, " $4 " free"}'
 } 2>&1 | tee -a "$OUT/0-setup.log"
 if [ "$MODE" = gpu ] && command -v nvidia-smi > /dev/null && nvidia-smi -L | grep -q '^GPU' \

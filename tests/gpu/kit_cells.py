@@ -34,6 +34,11 @@ class KitSet(torch.utils.data.Dataset):
     def __getitem__(self, i):
         return self.x[i], self.y[i]
 
+class EmptyStream(torch.utils.data.IterableDataset):
+    """A stream with no sample (distnb's error path for a dry stream)."""
+    def __iter__(self):
+        return iter(())
+
 class KitStream(torch.utils.data.IterableDataset):
     """An endless stream of kit_data's samples, in order."""
     def __init__(self, x, y):
@@ -94,6 +99,13 @@ def start(fig, s, start_s, torch):
     fig["rank_env"] = _rank(s, "import os\n_env = {k: v for k, v in os.environ.items() if k.startswith(("
                                "'TORCH_NCCL', 'NCCL_', 'CUDA_VISIBLE', 'LOCAL_', 'TORCHINDUCTOR', 'OMP_NUM'))}\n"
                                "_env['device'] = str(device)", "_env")
+    # finding 5 (h39a): LOCAL_RANK names the rank's device, as under torchrun
+    fig["local_rank"] = _rank(s, "import os, torch\n_lr = dict(LOCAL_RANK=os.environ.get('LOCAL_RANK'), "
+                                 "LOCAL_WORLD_SIZE=os.environ.get('LOCAL_WORLD_SIZE'), device=str(device), "
+                                 "current=torch.cuda.current_device() if device.type == 'cuda' else None)", "_lr")
+    if spec.device_type == "cuda":
+        expect(fig["local_rank"]["current"] == int(fig["local_rank"]["LOCAL_RANK"]),
+               "torch.cuda.current_device() is not LOCAL_RANK")
     fig["kernel_cuda_initialized"] = torch.cuda.is_initialized()
     fig["nvidia_smi"] = kit.gpu_memory()
     expect(not fig["kernel_cuda_initialized"], "the kernel made a CUDA context")
@@ -107,11 +119,28 @@ def cpu_tensors_on_group(fig, s):
     s.train(BODY, model="share_net", epochs=1, **OPTS)
     got = s.cluster.wait_all(s.cluster.apply_all(calls.share, [], 1), timeout=60, what="share")
     fig["shared"] = {k: v for k, v in got[0].items() if k != "positions"}
+    # the datasets error path (h39a's list): a stream empty on the only rank raises distnb's ValueError
+    exec(DATASETS, s.ns)  # (classes made in the notebook travel by value)
+    s.ns["empty_stream"] = s.ns["EmptyStream"]()
+    try:
+        s.train(BODY, model="share_net", epochs=1, **{**OPTS, "data": "empty_stream"})
+        fig["empty_stream"] = "trained (no error)"
+    except Exception as exc:
+        fig["empty_stream"] = f"{type(exc).__name__}: {exc}"[:300]
+    expect("No backend type" not in fig["empty_stream"] and fig["empty_stream"] != "trained (no error)",
+           "an empty stream did not end with distnb's error")
 
 
 def failure_cycles(fig, sh, s):
     """Three failing %%dist cells, a %%distrain failing at step 3, then a cell that trains; memory after each."""
+    from distnb import calls
+
     s.ns["fc_net"] = s.ns["make_net"](2)
+
+    def generation():  # finding 7 (h39a): a failed %%dist cell keeps a healthy group (the generation stays)
+        c = _session().cluster
+        return c.wait_all(c.apply_all(calls.info), timeout=30, what="info")[0].get("generation")
+
     cycles = []
     cells = ["%%dist\n1/0"] * 3 + ["%%distrain --model fc_net --data kit_data --epochs 1 --batch-size 128 "
                                    "--progress none\nx, y = batch\nif ctx.step == 3:\n    raise ValueError('kit: "
@@ -123,7 +152,8 @@ def failure_cycles(fig, sh, s):
         s = _session()
         s.run(FREE)
         cycles.append(dict(cell=source.split("\n")[0][:20], seconds=round(seconds, 2), error=str(error)[:160],
-                           free_bytes=s.pull("_free")[0], reserved_bytes=s.pull("_reserved")[0]))
+                           free_bytes=s.pull("_free")[0], reserved_bytes=s.pull("_reserved")[0],
+                           generation=generation()))
         expect(error is not None, f"{source!r} did not fail")
     fig["cycles"] = cycles
     r = s.train(BODY, model="fc_net", epochs=2, **OPTS)
