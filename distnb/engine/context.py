@@ -281,8 +281,10 @@ class Context:
 
     def any_nonfinite(self, loss, value) -> bool:
         """True on every rank when the loss of this step is NaN or infinite on any rank."""
-        bad = (not math.isfinite(value)) if value is not None else bool((~torch.isfinite(loss.detach())).item())
-        flag = torch.tensor([1.0 if bad else 0.0], device=self.device)
+        if value is not None:
+            flag = torch.tensor([0.0 if math.isfinite(value) else 1.0], device=self.device)
+        else:  # the flag is made where the loss is: one read (after the all-reduce), not two
+            flag = (~torch.isfinite(loss.detach().float())).float().reshape(1).to(self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -327,7 +329,8 @@ class Context:
         stepper, extra = self.stepper, self._reporter.extra
         extra.update(micro_step=self.step, opt_step=stepper.optimizer_steps, lr=stepper.lr,
                      grad_norm=stepper.last_norm)
-        self._reporter.record(detached, self._batch_samples if num_samples is None else num_samples)
+        self._reporter.record(detached if value is None else value,  # a value read already: no second read
+                              self._batch_samples if num_samples is None else num_samples)
         if self.logger is not None:
             self.logger.micro_step(detached if value is None else value)
         every = self.plan.checkpoint_every
