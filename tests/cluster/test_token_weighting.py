@@ -12,38 +12,12 @@ import math
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 from support.reference import reference
+from support.tokens import MEANS, SUMMED, padded_tokens, token_mean, token_model
 
-VOCAB, LENGTH = 11, 10
-SUMMED = ("x, y = batch\n"
-          "logits = model(x)\n"
-          "loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction='sum')\n"
-          "ctx.num_items = (y != -100).sum()\n")
-MEANS = ("x, y = batch\n"
-         "loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)\n")
 TOL = dict(atol=1e-6, rtol=1e-6)
-
-
-def token_model(seed=3):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, VOCAB))
-
-
-def padded_tokens(n=96, seed=0):
-    """``n`` sequences of LENGTH tokens, the first 1..LENGTH of each valid; targets -100 on the padding."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, VOCAB, (n, LENGTH), generator=g)
-    y = torch.roll(x, -1, dims=1)
-    lengths = torch.randint(1, LENGTH + 1, (n,), generator=g)
-    y[torch.arange(LENGTH)[None, :] >= lengths[:, None]] = -100
-    return torch.utils.data.TensorDataset(x, y)
-
-
-def token_mean(out, y):
-    return F.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=-100)
 
 
 def fresh(shell, name):
