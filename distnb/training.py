@@ -567,8 +567,11 @@ def finish(session, plan, model_obj, rows, wall_seconds, num_shards, run, stoppe
     if not run.quiet:  # run: the cell's RunOptions
         for note in loopcell.notes(rows[0], plan, given, started=not started_shown) + result.step_notes:
             print(f"distnb: {note}")
-        if result.loss_convention and not getattr(session, "loss_convention_said", False):
-            session.loss_convention_said = True  # stated once per session: the first cell that averages
+        # stated once per session, by the first foreground cell that averages (a background run's end prints
+        # with %dist wait or stop, whose own words come first)
+        background = session._background is not None and session._background.current_thread_is_runner()
+        if result.loss_convention and not background and not getattr(session, "loss_convention_said", False):
+            session.loss_convention_said = True
             print(f"distnb: {result.loss_convention}")
     session.holdings.trained_steps[plan.model] = rows[0]["global_steps"]
     session.holdings.remember(plan, model_obj)  # what the ranks accepted carries over to the model's next cell

@@ -31,14 +31,16 @@ def max_diff(model, ref):
 
 
 @pytest.mark.parametrize("strategy,num_shards,batch_size,accumulate", [
-    ("ddp", 2, 4, 2), ("ddp", 2, 8, 1), ("fsdp", 2, 4, 2), ("tensor", 1, 4, 4)])
+    ("ddp", 2, 4, 2), ("ddp", 2, 8, 1), ("fsdp", 2, 4, 2), ("tensor", 1, 4, 4), ("fsdp+tensor:2x1", 2, 4, 2),
+    ("fsdp+tensor:1x2", 1, 4, 4)])
 def test_token_weighted_loss_equals_one_process_on_the_whole_batch(dist_session, shell, strategy, num_shards,
                                                                    batch_size, accumulate):
-    name = f"tok_{strategy}_{batch_size}_{accumulate}"
+    strategy, _, mesh = strategy.partition(":")
+    name = f"tok_{strategy}_{mesh}_{batch_size}_{accumulate}".replace("+", "_")
     ref = fresh(shell, name)
     result = dist_session.train(SUMMED, model=name, data="tokens", epochs=2, batch_size=batch_size,
                                 accumulate=accumulate, optimizer="sgd", lr=0.5, seed=4, strategy=strategy,
-                                progress="none", quiet=True)
+                                progress="none", quiet=True, **({"mesh": mesh} if mesh else {}))
     reference(ref, shell.user_ns["tokens"], num_shards=num_shards, batch_size=batch_size, epochs=2, seed=4,
               optimizer=torch.optim.SGD, lr=0.5, accumulate=accumulate, loss_fn=token_mean)
     for (pname, p), q in zip(shell.user_ns[name].named_parameters(), ref.parameters()):
@@ -58,16 +60,20 @@ def test_the_mean_of_micro_batch_means_is_measurably_off_and_says_its_convention
     assert "mean per micro-batch, then averaged over micro-steps and ranks" in result.loss_convention
 
 
-def test_the_logged_loss_is_the_token_weighted_mean(dist_session, shell):
+def test_the_logged_loss_and_the_validation_loss_are_token_weighted_means(dist_session, shell):
     fresh(shell, "tok_logged")
+    shell.user_ns["tokens_val"] = val = padded_tokens(n=37, seed=5)
     model, data = token_model(), shell.user_ns["tokens"]
     with torch.no_grad():
         want = float(token_mean(model(data.tensors[0]), data.tensors[1]))  # lr 0: the weights never move
+        want_val = float(token_mean(model(val.tensors[0]), val.tensors[1]))
         per_batch = float(token_mean(model(data.tensors[0][:4]), data.tensors[1][:4]))
-    result = dist_session.train(SUMMED, model="tok_logged", data="tokens", epochs=1, batch_size=4, accumulate=2,
-                                optimizer="sgd", lr=0.0, seed=4, progress="none", quiet=True)
+    result = dist_session.train(SUMMED, model="tok_logged", data="tokens", val_data="tokens_val", epochs=1,
+                                batch_size=4, accumulate=2, optimizer="sgd", lr=0.0, seed=4, progress="none",
+                                quiet=True)
     assert result.epoch_losses[0] == pytest.approx(want, rel=1e-6)
     assert result.final_loss == pytest.approx(want, rel=1e-6)
+    assert result.val_loss == pytest.approx(want_val, rel=1e-6)
     first_step = [v for _, v in result.loss_history[0]][0]  # a step's figure: its own sum over its own count
     assert math.isfinite(first_step) and 0 < first_step < 10 and per_batch > 0
 
@@ -101,3 +107,16 @@ def test_num_items_is_refused_in_a_loop_body(dist_session, shell):
     with pytest.raises(Exception, match="with --loop the body runs backward itself"):
         dist_session.train(body, model="tok_loop", data="tokens", epochs=1, batch_size=4, loop=True,
                            optimizer="sgd", lr=0.1, seed=4, progress="none", quiet=True)
+
+
+def test_the_convention_is_stated_once_per_session_and_a_weighted_cell_says_what_it_did(dist_session, shell, capsys):
+    fresh(shell, "tok_said")
+    dist_session.loss_convention_said = False  # as in a new session
+    for _ in range(2):
+        dist_session.train(MEANS, model="tok_said", data="tokens", epochs=1, batch_size=8, seed=4, progress="none")
+    out = capsys.readouterr().out
+    assert out.count("distnb: loss: the body's loss is taken as a mean per micro-batch, then averaged over "
+                     "micro-steps and ranks") == 1
+    dist_session.train(SUMMED, model="tok_said", data="tokens", epochs=1, batch_size=8, seed=4, progress="none")
+    out = capsys.readouterr().out
+    assert "mean per micro-batch" not in out and "distnb: loss: token-weighted (ctx.num_items)" in out
