@@ -184,7 +184,8 @@ class TrainResult(Table):
 
     def _make_title(self) -> None:
         how = {"target": "reached --target-loss", "patience": "converged (--patience)", "interrupted": "interrupted",
-               "requested": "stopped on request (ctx.request_stop)"}.get(self.stop_reason, count(len(self.epochs), "epoch"))
+               "requested": "stopped on request (ctx.request_stop)"}.get(self.stop_reason,
+                                                                         count(len(self.epochs), "epoch"))
         parts = [self.plan.strategy, count(len(self.rows), "rank"), how, self._loss_text()]
         if self.val_loss is not None:
             metric = f", {self.metric_name} {self.val_metric:.4f}" if self.val_metric is not None else ""

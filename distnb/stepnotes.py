@@ -45,19 +45,24 @@ def short_group(plan, rows) -> str:
     last = steps - (groups - 1) * plan.accumulate
     if last == plan.accumulate:
         return ""
-    return (f"{count(groups, 'optimizer step')} per epoch, the last of {last} micro-batch{'' if last == 1 else 'es'} "
-            f"(--accumulate {plan.accumulate} over {steps} micro-batch{'' if steps == 1 else 'es'} per rank; its gradient is the "
-            "mean over the samples it holds)")
+    return (f"{count(groups, 'optimizer step')} per epoch, the last of {_batches(last)} (--accumulate "
+            f"{plan.accumulate} over {_batches(steps)} per rank; its gradient is the mean over the samples it holds)")
+
+
+def _batches(n: int) -> str:
+    return f"{n} micro-batch" if n == 1 else f"{n} micro-batches"
 
 
 def _skips(rows) -> str:
+    """The steps ``--nan skip`` dropped, each with its micro-steps and the ranks where the loss was inf/NaN."""
     skipped = rows[0].get("skipped") or []
     if not skipped:
         return ""
-    named = [f"optimizer step {s['step']} of the cell (micro-steps {s['micro_steps'][0]}-{s['micro_steps'][1]}"
-             if s["micro_steps"][0] != s["micro_steps"][1] else
-             f"optimizer step {s['step']} of the cell (micro-step {s['micro_steps'][0]}" for s in skipped[:NAMED_SKIPS]]
-    named = [f"{text}: on {ranks_named(s['ranks'])})" for text, s in zip(named, skipped)]
+    named = []
+    for s in skipped[:NAMED_SKIPS]:
+        first, last = s["micro_steps"]
+        micro = f"micro-step {last}" if first == last else f"micro-steps {first}-{last}"
+        named.append(f"optimizer step {s['step']} of the cell ({micro}: on {ranks_named(s['ranks'])})")
     more = f", and {len(skipped) - NAMED_SKIPS} more" if len(skipped) > NAMED_SKIPS else ""
     return (f"--nan skip dropped {count(len(skipped), 'optimizer step')} whose loss was inf/NaN: "
             f"{'; '.join(named)}{more}; no update was applied for them")

@@ -273,7 +273,7 @@ class Context:
         self._num_items = value
 
     def request_stop(self, reason: str = "") -> None:
-        """Ask every rank to stop: all stop after the same optimizer step, and the result names this rank and ``reason``.
+        """Ask every rank to stop: all stop after the same optimizer step; the result names this rank and ``reason``.
 
         The request travels with distnb's stop check (one small all-reduce about every
         :data:`STOP_CHECK_SECONDS` of training, at an optimizer-step boundary every rank shares),
@@ -323,7 +323,8 @@ class Context:
             step0 = self.micro_steps
             yield epoch
             if self._agree_at_epoch_end:
-                agree_on_steps(self.micro_steps - step0, f"at the end of epoch {epoch}")  # before any collective of distnb's
+                # before any collective of distnb's
+                agree_on_steps(self.micro_steps - step0, f"at the end of epoch {epoch}")
             mean = self._epoch_mean()
             self.epoch_losses.append(mean)
             self._run.epoch, self._run.epoch_step, self._run.epoch_samples = epoch + 1, 0, 0

@@ -14,9 +14,9 @@ be shorter: an epoch always ends with an optimizer step). :class:`Stepper` runs 
   ``set_requires_gradient_sync(False)``); the last one reduces the sum.
 - **precision**: the body's forward and loss run under ``torch.autocast`` (bf16/fp16);
   fp16 scales the loss with ``torch.amp.GradScaler`` (``"cuda"`` or ``"cpu"``), unscaled before
-  clipping; the ranks skip a step and back off the scale together (ddp's gradients are the same on
-  every rank; sharded ones agree on the overflow with an all-reduce). bf16 runs without loss
-  scaling (it has fp32's exponent range).
+  clipping; the ranks skip a step and back off the scale together (an all-reduce of the found-inf
+  flags, so the scale stays the same on every rank). bf16 runs without loss scaling (it has
+  fp32's exponent range).
   Parameters and optimizer state stay fp32.
 - **hooks**: callables the body registered with ``ctx.after_backward(fn)`` during the group's
   last micro-step run once the gradients are complete (reduced and unscaled), before clipping.
@@ -482,8 +482,7 @@ class Stepper:
             self.strategy.check_grads()
         if scaler is not None:
             scaler.unscale_(opt)
-            if not self.strategy.replicated_grads:
-                self._agree_on_inf()
+            self._agree_on_inf()  # one tiny all-reduce: the scale stays the same on every rank, whatever the strategy
         self.items.finish_group([p for p in self.strategy.module.parameters() if p.requires_grad],
                                 dist.get_world_size() if dist.is_initialized() else 1)
         for fn in self._after:
@@ -511,7 +510,14 @@ class Stepper:
         self.run.optimizer_steps += 1
 
     def _agree_on_inf(self) -> None:
-        """fp16 with sharded gradients: every rank skips the step if any rank's shard overflowed."""
+        """fp16: every rank skips the step (and backs off the scale) if any rank's gradients overflowed.
+
+        Sharded gradients (fsdp, tensor) overflow on some ranks only; ddp's are the same on every rank
+        after its all-reduce, and the flag keeps that a fact rather than an assumption. One all-reduce
+        (max) of the scaler's found-inf flags per optimizer step, no host sync.
+        """
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
         state = self.scaler._per_optimizer_states[id(self.optimizer)]
         for found in state["found_inf_per_device"].values():
             dist.all_reduce(found, op=dist.ReduceOp.MAX)

@@ -153,3 +153,14 @@ def test_fp16_on_cpu_with_a_grad_scaler_matches_one_process(dist_session, shell,
         torch.testing.assert_close(p.detach(), q.detach(), atol=1e-3, rtol=1e-3)
     assert any("fp16 with a GradScaler: loss scale 32768 now; it skipped 1 optimizer step" in n
                for n in result.step_notes)
+
+
+def test_fp16_ranks_agree_on_a_skip_when_one_ranks_gradients_overflow(dist_session, shell):
+    """tensor: every rank back-propagates its own copy of the loss; rank 1's alone overflows, and both skip."""
+    fresh(shell, "ctx_fp16_tp")
+    body = BODY + "if ctx.rank == 1 and ctx.global_step == 1:\n    loss = loss * 1e30\n"
+    result = dist_session.train(body, model="ctx_fp16_tp", data="ctx_data", epochs=1, batch_size=32,
+                                precision="fp16", optimizer="sgd", lr=0.1, seed=4, strategy="tensor",
+                                progress="none", quiet=True)
+    assert [r["scaler_skips"] for r in result.rows] == [1, 1]
+    assert [r["loss_scale"] for r in result.rows] == [2.0 ** 15] * 2
