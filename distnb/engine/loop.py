@@ -268,7 +268,7 @@ def _run_body(ns, code, ctx, plan):
     if plan.loop:
         with LoopWatch(ctx):  # the body's own optimizer steps; the epoch count only through ctx.epochs()
             exec(code, ns)
-        agree_on_steps(ctx.micro_steps, "at the end of the --loop body")  # a body that left ctx.epochs() early on some ranks only
+        agree_on_steps(ctx.micro_steps, "at the end of the --loop body")  # ranks that left ctx.epochs() early
         if ctx.micro_steps == 0:
             raise ValueError("the --loop body ran no step: drive it with `for epoch in ctx.epochs():` / "
                              "`for batch in ctx.loader:` and call `ctx.report(loss)` after each step")
