@@ -118,8 +118,9 @@ class ItemCount:
             if not self.weighted:
                 self._reset()
                 return None
-        total = flags[0]
-        factor = (world_size / total.clamp_min(torch.finfo(torch.float64).tiny))
+        total = flags[0]  # no item anywhere (all padding): no gradient, not a blown-up one
+        factor = torch.where(total > 0, world_size / total.clamp_min(torch.finfo(torch.float64).tiny),
+                             torch.zeros_like(total))
         with torch.no_grad():
             for p in params:
                 if p.grad is not None:
