@@ -213,7 +213,7 @@ class Context:
         self.epoch_batches, self.epoch_done = self.steps_per_epoch, 0  # batches of this epoch, and done
         self.epoch_samples = None  # the samples of those batches (None: a stream's, not known ahead)
         self._t_step = time.perf_counter()
-        self._num_items = None  # the body's ctx.num_items of the running micro-step
+        self._num_items = self._count = None  # ctx.num_items as set, and as a count
         self._stop_reason_local = None  # (reason, global step) of this rank's ctx.request_stop
         self.stop_request = None  # agreed: dict(ranks, reason, step) once the ranks stopped on a request
 
@@ -223,7 +223,7 @@ class Context:
         return self.stepper.autocast()
 
     def backward(self, loss):
-        self.stepper.backward(loss, self._num_items)
+        self.stepper.backward(loss, self._count)
 
     def scale_loss(self, loss):
         return self.stepper.scale_loss(loss)
@@ -267,10 +267,15 @@ class Context:
 
     @num_items.setter
     def num_items(self, value):
+        count = None
         if value is not None:
             weighting.check_allowed(self.plan)
-            weighting.as_count(value, self.device)  # a bad value fails here, in the body's line
-        self._num_items = value
+            count = weighting.as_count(value, self.device)  # a bad value fails here, in the body's line
+        self._num_items, self._count = value, count
+
+    def _clear_items(self) -> None:
+        """A new micro-step (or validation batch): the body sets ``ctx.num_items`` anew."""
+        self._num_items = self._count = None
 
     def request_stop(self, reason: str = "") -> None:
         """Ask every rank to stop: all stop after the same optimizer step; the result names this rank and ``reason``.
@@ -393,8 +398,8 @@ class Context:
         else:  # a float when the step already read it (CPU); a tensor otherwise, summed per epoch (no GPU sync)
             self._losses.append(detached if value is None else value)  # a summed loss with ctx.num_items
             self._loss_count += 1
-            self._loss_weight += 1.0 if self._num_items is None else self._item_weight()
-        if self._num_items is not None:  # the step's own figures: its sum over its count
+            self._loss_weight += 1.0 if self._count is None else self._item_weight()
+        if self._count is not None:  # the step's own figures: its sum over its count
             detached, value = self._per_item(detached, value)
         self.micro_steps += 1
         self._run.steps += 1
@@ -434,12 +439,12 @@ class Context:
 
     def _item_weight(self):
         """This micro-step's ``ctx.num_items`` as the weight of its loss in the epoch's mean (a float on CPU)."""
-        count = weighting.as_count(self._num_items, self.device)
+        count = self._count
         return float(count) if count.device.type == "cpu" else count
 
     def _per_item(self, detached, value):
         """(loss tensor, float or None) of a summed loss divided by this micro-step's ``ctx.num_items`` (at least 1)."""
-        count = weighting.as_count(self._num_items, detached.device).clamp_min(1.0)
+        count = self._count.to(detached.device).clamp_min(1.0)
         mean = (detached.double() / count).to(detached.dtype)
         return mean, (None if value is None else value / float(count))
 

@@ -355,6 +355,7 @@ class Stepper:
         self._group_bad = False
         self.scale = 1.0  # the loss scale of the micro-step in progress (its share of the group's samples)
         self._first = False  # the micro-step in progress opens its group (its gradients were set to None)
+        self._last = False  # ... and closes it
         self._nulled = None  # the parameters whose gradients the group's zero_grad set to None (found once)
 
     @staticmethod
@@ -396,9 +397,9 @@ class Stepper:
     def backward(self, loss, num_items=None) -> None:
         """Back-propagate this micro-step's share of the loss (scaled for accumulation and fp16).
 
-        ``num_items``: the body's ``ctx.num_items`` (its loss is a sum over that many items): the
-        sum is back-propagated unscaled, and the group's end divides the gradients by the global
-        count (:class:`distnb.engine.weighting.ItemCount`).
+        ``num_items``: the body's ``ctx.num_items`` as a float64 0-d tensor (its loss is a sum over
+        that many items): the sum is back-propagated unscaled, and the group's end divides the
+        gradients by the global count (:class:`distnb.engine.weighting.ItemCount`).
 
         A body that ran backward itself (``loss.backward()``) is an error naming the fix: torch's own
         error says nothing of distnb, and with ``retain_graph=True`` the gradients were silently doubled.
@@ -406,7 +407,9 @@ class Stepper:
         if self._first and self._nulled and any(p.grad is not None for p in self._nulled):
             raise RuntimeError(BODY_BACKWARD)
         if num_items is not None:
-            self.items.add(weighting.as_count(num_items, self.device))
+            self.items.add(num_items)
+            if self._last:  # the group's count is complete on this rank: its all-reduce overlaps the backward
+                self.items.start(dist.get_world_size() if dist.is_initialized() else 1)
             scaled = loss
         else:
             self.items.missing()
@@ -444,10 +447,10 @@ class Stepper:
                 # server copies, which its exchange thread gives gradients at any time)
                 params = list(self.strategy.module.parameters())
                 self._nulled = [p for p in params if p.requires_grad] if all(p.grad is None for p in params) else []
-        self._first = first
+        self._first, self._last = first, last
         self.scale = self.share(index, batches, getattr(ctx, "epoch_samples", None))
         self._after = []
-        ctx._num_items = None  # the body sets it anew on every micro-step
+        ctx._clear_items()  # the body sets ctx.num_items anew on every micro-step
         sync = contextlib.nullcontext() if last else self.strategy.no_sync()
         with sync:
             return self.strategy.step(ns, code, ctx)

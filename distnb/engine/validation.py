@@ -186,11 +186,11 @@ class Validator:
         ns = self.ns
         ns.update(batch=batch, model=capture)
         ns.pop("loss", None)
-        ctx._num_items = None
+        ctx._clear_items()
         with ctx.autocast():
             exec(code, ns)
-        loss, items = ns.get("loss"), ctx._num_items
-        ctx._num_items = None
+        loss, items = ns.get("loss"), ctx._count
+        ctx._clear_items()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("the body left no scalar `loss` on a validation batch")
         out = torch.zeros(5, dtype=torch.float64)

@@ -75,6 +75,7 @@ class ItemCount:
     def _reset(self) -> None:
         self.items = torch.zeros((), dtype=torch.float64, device=self.device)
         self.set, self.unset = 0, 0
+        self._pending = None  # (work, flags): the group's count all-reduce, started before its last backward
 
     def add(self, items) -> None:
         """A micro-step that set ``ctx.num_items`` (``items``: as :func:`as_count` gives it)."""
@@ -91,8 +92,26 @@ class ItemCount:
                              "would be a sum with nothing to divide it by; set it on every micro-step of the cell")
         self.unset += 1
 
+    def start(self, world_size: int) -> None:
+        """The group's last micro-step, before its backward: start the count's all-reduce (a weighted cell only).
+
+        It runs while backward does (ahead of DDP's gradient buckets in the group's queue, on every
+        rank alike), so :meth:`finish_group` finds it done rather than paying a round trip.
+        """
+        if self.weighted and self._pending is None and dist.is_initialized() and world_size > 1:
+            flags = self._flags()
+            self._pending = (dist.all_reduce(flags, async_op=True), flags)
+
+    def _flags(self) -> torch.Tensor:
+        def scalar(n):
+            return torch.tensor(float(n), dtype=torch.float64, device=self.device)
+
+        return torch.stack([self.items, scalar(self.set), scalar(self.unset)])
+
     def drop_group(self) -> None:
-        """The group was skipped (``--nan skip``): its counts go."""
+        """The group was skipped (``--nan skip``): its counts go (a count all-reduce in flight is finished first)."""
+        if self._pending is not None:
+            self._pending[0].wait()
         self._reset()
 
     def finish_group(self, params, world_size: int):
@@ -104,10 +123,13 @@ class ItemCount:
         if self.weighted is False:
             self._reset()
             return None
-        flags = torch.stack([self.items, torch.tensor(float(self.set), dtype=torch.float64, device=self.device),
-                             torch.tensor(float(self.unset), dtype=torch.float64, device=self.device)])
-        if dist.is_initialized() and world_size > 1:
-            dist.all_reduce(flags)
+        if self._pending is not None:
+            work, flags = self._pending
+            work.wait()
+        else:
+            flags = self._flags()
+            if dist.is_initialized() and world_size > 1:
+                dist.all_reduce(flags)
         if self.weighted is None:
             was_set, was_unset = flags[1:].tolist()  # once per cell: read on the host
             if was_set and was_unset:

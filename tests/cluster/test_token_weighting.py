@@ -120,3 +120,14 @@ def test_the_convention_is_stated_once_per_session_and_a_weighted_cell_says_what
     dist_session.train(SUMMED, model="tok_said", data="tokens", epochs=1, batch_size=8, seed=4, progress="none")
     out = capsys.readouterr().out
     assert "mean per micro-batch" not in out and "distnb: loss: token-weighted (ctx.num_items)" in out
+
+
+def test_a_weighted_group_dropped_by_nan_skip_leaves_the_counts_of_the_next_ones_alone(dist_session, shell):
+    """The dropped group's count all-reduce (started before its last backward) is finished and discarded."""
+    ref = fresh(shell, "tok_nan")
+    body = SUMMED + "if ctx.rank == 1 and ctx.step == 2 and ctx.micro_step == 1:\n    loss = loss * float('nan')\n"
+    result = dist_session.train(body, model="tok_nan", data="tokens", epochs=1, batch_size=4, accumulate=2,
+                                nan="skip", optimizer="sgd", lr=0.0, seed=4, progress="none", quiet=True)
+    assert result.skipped == [dict(step=3, micro_steps=[5, 6], ranks=[1])]
+    assert result.optimizer_steps == 96 // 16 - 1 and result.token_weighted
+    assert max_diff(shell.user_ns["tok_nan"], ref) == 0.0  # lr 0: nothing moved, nothing went NaN
