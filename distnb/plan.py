@@ -207,7 +207,9 @@ class TrainPlan:
                                             "gradients (each loss scaled by its batch's share of the group's samples: "
                                             "1/N for full batches) before one optimizer step; ddp skips "
                                             "the all-reduce on the first N-1 (``no_sync``), fsdp its reduce-scatter "
-                                            "(``set_requires_gradient_sync``).")
+                                            "(``set_requires_gradient_sync``). A body whose loss is a sum over "
+                                            "tokens sets ``ctx.num_items``: the group is then normalised by the "
+                                            "count over its micro-steps and the ranks (token-weighted).")
     clip_grad_norm: float | None = option(None, "float", "clip the gradients' total norm (over the whole model, every "
                                           "rank's part) to this before each optimizer step")
     lr_schedule: str | None = option(None, "text", "cosine, linear, constant, or a notebook name f(optimizer, "
