@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, collectives, runtime, stepping, weighting
+from . import checkpoint, collectives, replicas, runtime, stepping, weighting
 
 
 class _Stopped(BaseException):
@@ -216,6 +216,8 @@ class Context:
         self._num_items = self._count = None  # ctx.num_items as set, and as a count
         self._stop_reason_local = None  # (reason, global step) of this rank's ctx.request_stop
         self.stop_request = None  # agreed: dict(ranks, reason, step) once the ranks stopped on a request
+        if plan.check_replicas != "off":  # what a resume, a resize or a %%dist cell left on the ranks
+            replicas.check(self.strategy, "before the cell's first step")
 
     # what the strategies' steps and the body use --------------------------------------
     def autocast(self):
@@ -331,6 +333,8 @@ class Context:
                 # before any collective of distnb's
                 agree_on_steps(self.micro_steps - step0, f"at the end of epoch {epoch}")
             mean = self._epoch_mean()
+            if self.plan.check_replicas != "off":
+                replicas.check(self.strategy, f"at the end of epoch {epoch}")
             self.epoch_losses.append(mean)
             self._run.epoch, self._run.epoch_step, self._run.epoch_samples = epoch + 1, 0, 0
             judged = mean
@@ -421,6 +425,8 @@ class Context:
             self._run.scheduler.step()  # (the step itself was counted by loopwatch's optimizer hook)
         if not stepper.at_boundary(self.epoch_done, self.epoch_batches):
             return  # in the middle of an --accumulate group: stop checks and saves wait for its end
+        if self.plan.check_replicas == "step":
+            replicas.check(self.strategy, f"after optimizer step {self._run.optimizer_steps}")
         if self.logger is not None and stepper.optimizer_steps:
             self.logger.optimizer_step(self._run.optimizer_steps, stepper.lrs.values[-1] if stepper.lrs.values
                                        else stepper.lr, stepper.last_norm)
