@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, collectives, replicas, runtime, stepping, weighting
+from . import checkpoint, collectives, compiling, replicas, runtime, stepping, weighting
 
 
 class _Stopped(BaseException):
@@ -210,6 +210,8 @@ class Context:
         self.stop_reason = None  # "target", "patience" or None (epochs ran out, or interrupted)
         self._save_pending = False
         self._step_times = []  # wall seconds of the first steps (--compile: the first one compiles)
+        self.loss_dtype = None  # "bfloat16"/"float16": the body's loss was of that dtype, upcast to fp32 to report
+        self._dynamo = compiling.snapshot() if plan.compile else None  # what dynamo did is counted from here
         self.epoch_batches, self.epoch_done = self.steps_per_epoch, 0  # batches of this epoch, and done
         self.epoch_samples = None  # the samples of those batches (None: a stream's, not known ahead)
         self._t_step = time.perf_counter()
@@ -260,8 +262,7 @@ class Context:
 
     @property
     def grad_norm(self):
-        norm = self.stepper.last_norm
-        return None if norm is None else float(norm)
+        return self.stepper._norm_reading.now()  # exact: a GPU rank waits for it here, only when the body asks
 
     @property
     def num_items(self):
@@ -368,14 +369,20 @@ class Context:
     def any_nonfinite(self, loss, value) -> list:
         """The ranks (ascending) on which the loss of this step is NaN or infinite, the same list on every rank.
 
-        Empty (false) when it is finite everywhere. One all-reduce of ``world_size`` flags.
+        Empty (false) when it is finite everywhere. One all-reduce of ``world_size`` flags, read once.
         """
-        bad = (not math.isfinite(value)) if value is not None else bool((~torch.isfinite(loss.detach())).item())
         flags = torch.zeros(self.world_size, device=self.device)
-        if bad:
-            flags[self.rank] = 1.0
+        if value is not None:
+            flags[self.rank] = 0.0 if math.isfinite(value) else 1.0
+        else:  # the flag is made where the loss is: one read (after the all-reduce), not two
+            flags[self.rank] = (~torch.isfinite(loss.detach().float())).float().reshape(()).to(self.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return [r for r, flag in enumerate(flags.tolist()) if flag]
+
+    def note_loss_dtype(self, loss) -> None:
+        """Remember that the body's ``loss`` is a low-precision tensor (bf16, fp16) that distnb upcasts to report."""
+        if self.loss_dtype is None and stepping.is_low_precision(loss):
+            self.loss_dtype = self._reporter.extra["loss_dtype"] = str(loss.dtype).replace("torch.", "")
 
     def report(self, loss, num_samples=None, value=None, skipped=False):
         """Record one finished step (loss: scalar tensor; num_samples: default the last batch size).
@@ -396,7 +403,8 @@ class Context:
         self._forwards_seen = self._run.forwards
         if self.plan.loop:  # the body's step: the rank moved on (distnb.engine.where; the stepper says so otherwise)
             collectives.PROGRESS[0] += 1
-        detached = loss.detach()
+        detached = stepping.upcast(loss.detach())  # bf16/fp16: reduced and logged as fp32, said once (loss_dtype)
+        self.note_loss_dtype(loss)
         if skipped:
             self.skipped_steps += 1
         else:  # a float when the step already read it (CPU); a tensor otherwise, summed per epoch (no GPU sync)
@@ -415,7 +423,8 @@ class Context:
         stepper, extra = self.stepper, self._reporter.extra
         extra.update(micro_step=self.micro_steps, opt_step=stepper.optimizer_steps, lr=stepper.lr,
                      grad_norm=stepper.last_norm)
-        self._reporter.record(detached, self._batch_samples if num_samples is None else num_samples)
+        self._reporter.record(detached if value is None else value,  # a value read already: no second read
+                              self._batch_samples if num_samples is None else num_samples)
         if self.logger is not None:
             self.logger.micro_step(detached if value is None else value)
         every = self.plan.checkpoint_every
@@ -471,12 +480,16 @@ class Context:
             self._t_step = now
 
     def step_timing(self) -> dict:
-        """``first_step_seconds`` and ``step_seconds`` (median of the next ones), for --compile's note."""
+        """``first_step_seconds`` and ``step_seconds`` (median of the next ones), for --compile's note, and
+        with --compile ``dynamo``: what dynamo did this cell (:func:`distnb.engine.compiling.report`)."""
         times = self._step_times
+        dynamo = {} if self._dynamo is None else \
+            dict(dynamo=compiling.report(self._dynamo, self._run.strategy.compiled_since))
         if not times:
-            return {}
+            return dynamo
         later = sorted(times[1:])
-        return dict(first_step_seconds=times[0], step_seconds=later[len(later) // 2] if later else times[0])
+        return dict(first_step_seconds=times[0], step_seconds=later[len(later) // 2] if later else times[0],
+                    **dynamo)
 
     def save_checkpoint(self):
         """Save model, optimizer and position under --checkpoint-dir (a collective)."""
