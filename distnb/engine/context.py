@@ -574,7 +574,7 @@ class Context:
         if not self._loss_count:
             return math.nan, 0
         total = acc[2] if acc[3] is None else acc[3] + acc[2]
-        return total / self._loss_count, self._loss_count
+        return total / self._loss_weight, self._loss_count  # the weight: steps, or ctx.num_items summed
 
     def steps_mean(self) -> tuple:
         """``(mean, steps)``: this rank's mean loss over the steps it trained since the last epoch end (no collective).
