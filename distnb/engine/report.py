@@ -128,6 +128,7 @@ class Reporter:
         self._epoch_start = None  # (perf_counter, samples) when this epoch's training began
         self._last_loss = None  # a float, or a tensor (a --loop body's ctx.report(loss)) read by _loss_reading
         self._loss_reading = lazyread.Latest()
+        self._epoch_loss_reading = lazyread.Latest()
         self._t_last = time.perf_counter()
         self._win_samples = 0
         self._win_steps = 0
@@ -142,7 +143,7 @@ class Reporter:
         self._win_cpu0 = self._cpu_time()
         self._unsent_epochs = 0  # epoch ends since the last message (they shorten the gap to EPOCH_GAP)
         #: ``() -> (mean, steps)``: this rank's mean loss over its current epoch so far (the training
-        #: context's ``steps_mean``); sent as ``epoch_loss``, the dashboard's loss column
+        #: context's ``running_mean``: a float or a tensor read without waiting); sent as ``epoch_loss``
         self.running_loss = None
 
     def _cpu_time(self) -> float:
@@ -223,7 +224,8 @@ class Reporter:
         if self.running_loss is not None:
             try:
                 mean, steps = self.running_loss()
-                epoch_loss = float(mean) if steps else None
+                reading = self._epoch_loss_reading  # no GPU sync: a value at most a few steps old, exact at the end
+                epoch_loss = (reading.offer(mean) if publish else reading.now(mean)) if steps else None
             except Exception:  # progress must never break training
                 epoch_loss = None
         self._t_last = now
