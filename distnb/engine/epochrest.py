@@ -178,6 +178,26 @@ def note(run, data, plan) -> str:
             f"{left} samples it has not trained yet, dealt over {data.num_shards}")
 
 
+def epoch_batches(run, data, plan, epoch: int, skip: int, device, steps_per_epoch: int):
+    """(batches, samples, iterator) of this rank's ``epoch`` in a cell, ``skip`` positions in.
+
+    ``batches``: how many (the same on every rank); ``samples``: what they hold (None for a stream,
+    whose batches are at most ``steps_per_epoch``); ``iterator`` yields ``(samples, batch)``: the
+    rest of an epoch a resize left (:func:`for_epoch`), else the data's usual epoch.
+    """
+    skip, rest = for_epoch(run, data, plan, skip)
+    if rest is not None:
+        return len(rest[0]), sum(len(b) for b in rest[0]), batches(data, plan, epoch, rest, device)
+    length, size = data.epoch_length(plan), plan.batch_size
+    if length is None:  # a stream: at most --steps-per-epoch, fewer if the streams end first
+        count, samples = steps_per_epoch, None
+    else:
+        left = max(0, length - skip)
+        count = left // size if plan.drop_last else -(-left // size)
+        samples = min(left, count * size)
+    return count, samples, data.epoch(plan, epoch, skip, device)
+
+
 def batches(data, plan, epoch: int, rest, device):
     """Yield ``(samples, batch)`` for the ``rest`` of :func:`for_epoch` on ``data``."""
     positions, part, rows = rest
