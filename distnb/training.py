@@ -15,7 +15,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
-from . import calls, data, export, modelcheck, options, transfer
+from . import calls, data, export, modelcheck, options, presses, transfer
 from .display import ProgressState, make_view, view_kind
 from .display.tables import count
 from .errors import PlanError, RankError
@@ -513,7 +513,7 @@ def train_cell(session, code, model, data, run, given):
     stopped = None
     from .transfer import Offer
 
-    with Offer(session.cluster, model_obj) as outbox:  # a kernel segment for rank 0's trained state (resident)
+    with Offer(session.cluster, model_obj) as outbox, presses.held():  # rank 0's state (resident); presses counted
         try:
             rows = run_on_ranks(session, calls.train, plan.to_dict(), code, outbox, what="training", state=state,
                                 view=view, show_ranks=show)
