@@ -21,6 +21,9 @@ import threading
 
 #: Open :func:`held` scopes, innermost last: each the handlers to restore when it ends.
 _SCOPES: list = []
+#: Set while no :func:`held` scope of the main thread is open (a kernel shutdown waits on it: :func:`stop_cell`).
+IDLE = threading.Event()
+IDLE.set()
 
 
 @contextlib.contextmanager
@@ -31,12 +34,27 @@ def held():
     """
     scope: list = []
     _SCOPES.append(scope)
+    main = threading.current_thread() is threading.main_thread()
+    if main:
+        IDLE.clear()
     try:
         yield
     finally:
         _SCOPES.remove(scope)
         for restore in reversed(scope):
             restore()
+        if main and not _SCOPES:
+            IDLE.set()
+
+
+def stop_cell() -> bool:
+    """From another thread (the kernel's control thread): stop the main thread's running cell as the interrupt
+    button does (:func:`held`); whether one was running. The ranks stop after the same step, and the cell's
+    conclusion (its checkpoint, the weights back) runs as for the button: wait for :data:`IDLE`."""
+    if IDLE.is_set() or threading.current_thread() is threading.main_thread():
+        return False
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+    return True
 
 
 def absorb(on_press):
