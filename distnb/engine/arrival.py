@@ -42,7 +42,7 @@ def available() -> bool:
     return abort.ARMED.store is not None
 
 
-def arrive(dist, group, ranks: list, fingerprint: list, op: str) -> list:
+def arrive(dist, group, ranks: list, fingerprint: list, op: str, timeout: float | None = None) -> list:
     """Write this rank's ``fingerprint`` for the next call on ``group``; every rank's, once all arrived.
 
     Parameters
@@ -57,6 +57,9 @@ def arrive(dist, group, ranks: list, fingerprint: list, op: str) -> list:
         This rank's call (:func:`distnb.engine.collectives._fingerprint`).
     op : str
         The collective's name, for where this rank is said to wait.
+    timeout : float, optional
+        Seconds to wait at most (the world's ``--timeout``): a wait the kernel's hang check cannot name (every
+        rank waiting here, at calls on different groups) ends then, naming the ranks that never came.
 
     Returns
     -------
@@ -67,6 +70,8 @@ def arrive(dist, group, ranks: list, fingerprint: list, op: str) -> list:
     ------
     KeyboardInterrupt
         When the kernel interrupts the wait (a rank never arrived: :mod:`distnb.hangs`).
+    TimeoutError
+        After ``timeout`` seconds, naming the ranks of the group that never called it.
     """
     store = abort.ARMED.store
     if _COUNTS.get("store") is not store:  # a new group (the world re-formed): counted from 0 on every rank alike
@@ -80,9 +85,14 @@ def arrive(dist, group, ranks: list, fingerprint: list, op: str) -> list:
     keys = [f"{prefix}{seq}/{r}" for r in ranks]
     WAITING["text"] = (f"waiting at its dist.{op} for the other ranks of its group to call it too (every rank "
                           "must call the same collectives in a step, in the same order)")
-    delay = POLL_FIRST
+    delay, deadline = POLL_FIRST, None if not timeout else time.monotonic() + timeout
     try:  # polled, not store.wait: the store's C++ logs a warning line (into the cell) at each wait's timeout
         while not store.check(keys):
+            if deadline is not None and time.monotonic() > deadline:
+                absent = [r for r, k in zip(ranks, keys) if not store.check([k])]
+                raise TimeoutError(f"rank {me} waited {timeout:g} s (--timeout) at its dist.{op} for rank(s) "
+                                   f"{', '.join(map(str, absent))} of its group, which never called it: every rank "
+                                   "must call the same collectives in a step, in the same order")
             time.sleep(delay)
             delay = min(POLL_SECONDS, 2 * delay)
     finally:

@@ -166,7 +166,7 @@ def _checked_call(dist, torch, op, original, args, kwargs, arguments, group, wor
     fingerprint = _fingerprint(torch, op, tensor, arguments)
     ranks = (dist.get_process_group_ranks(group) if group is not None else list(range(world)))
     if SUBSET.get("arrival") and arrival.available():  # a training body: agreed through the store, outside gloo
-        rows = arrival.arrive(dist, group, ranks, fingerprint, op)
+        rows = arrival.arrive(dist, group, ranks, fingerprint, op, SUBSET.get("timeout"))
         if all(row == rows[0] for row in rows):
             return original(*args, **kwargs)
         _mismatch(torch, rows, ranks)
@@ -235,7 +235,7 @@ def checked(only=None, off=False, timeout=None, training=False):
     import torch
 
     _ORIGINALS.update({op: getattr(dist, op) for op in (*_OPS, "new_group")})
-    SUBSET.update(ranks=only, unchecked=off, off=off and only is None, arrival=training)
+    SUBSET.update(ranks=only, unchecked=off, off=off and only is None, arrival=training, timeout=timeout)
     try:
         for op in _OPS:
             setattr(dist, op, _wrapped(dist, torch, op, _ORIGINALS[op]))
