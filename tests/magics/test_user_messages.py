@@ -31,7 +31,7 @@ def test_a_loss_turned_into_a_number_is_told_to_drop_item(shell, loss, kind):
     err = run(shell, TRAIN + f"loss = {loss}").error_in_exec
     assert isinstance(err, RankError), err
     text = str(err)
-    assert f"`loss` is a Python {kind}, not a tensor" in text and "drop `.item()`" in text, text
+    assert f"`loss` is a Python {kind}, not a scalar tensor" in text and "drop `.item()`" in text, text
     assert ".mean()" not in text
     assert run(shell, TRAIN + "loss = F.cross_entropy(model(x), y)").error_in_exec is None
 

@@ -253,9 +253,9 @@ def check_loss(loss, ctx):
                          "like `loss = F.cross_entropy(model(x), y)`")
     if isinstance(loss, numbers.Number) or (hasattr(loss, "dtype") and not isinstance(loss, torch.Tensor)
                                              and getattr(loss, "ndim", None) == 0):  # a float, a numpy scalar
-        raise ValueError(f"`loss` is a Python {type(loss).__name__}, not a tensor ({where}): `.item()` (or float()) "
-                         "turns it into a number that backward cannot run through; drop `.item()` and leave the tensor, "
-                         "e.g. `loss = F.cross_entropy(model(x), y)` (distnb logs its value)")
+        raise ValueError(f"`loss` is a Python {type(loss).__name__}, not a scalar tensor ({where}): `.item()` (or "
+                         "float()) turns the loss into a number that backward cannot run through; drop `.item()` and "
+                         "leave the tensor, e.g. `loss = F.cross_entropy(model(x), y)` (distnb logs its value)")
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ValueError(f"`loss` must be a scalar tensor, got {shape} ({where}); reduce it, e.g. `.mean()`")
