@@ -236,7 +236,8 @@ class TrainPlan:
                               minimum=0.0)
     restore_best: bool = option(False, "flag", "at the end, load the weights of the best validation loss back "
                                 "(needs --val-data)")
-    compile: bool = option(False, "flag", "torch.compile the model on every rank (after DDP/FSDP wrapping)",
+    compile: bool = option(False, "flag", "torch.compile the model's forward on every rank (ddp: the module DDP wraps; "
+                           "fsdp: each innermost unit); the cell reports dynamo's graphs, breaks and recompiles",
                            distribution=True)
     sync_bn: bool = option(False, "flag", "BatchNorm becomes SyncBatchNorm on the ranks (GPU ranks only); the "
                            "notebook's model keeps plain BatchNorm", distribution=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from . import options
 from .display.tables import count
 from .errors import PlanError
+from .gpuhost import kernel_cuda_note
 from .plan import FAILURE_POLICIES, ClusterSpec, hang_seconds
 
 #: start()'s keyword options (Python keyword -> ClusterSpec field), from ClusterSpec's declarations.
@@ -48,9 +49,9 @@ def say_ready(cluster) -> None:
           f"{cluster.start_seconds:.1f} s")
     if cluster.note:
         print(f"distnb: {cluster.note}")
-    note = binding_note(cluster)
-    if note:
-        print(f"distnb: {note}")
+    for note in (binding_note(cluster), kernel_cuda_note(spec.device_type)):
+        if note:
+            print(f"distnb: {note}")
 
 
 def binding_note(cluster) -> str:

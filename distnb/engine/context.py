@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, collectives, replicas, runtime, stepping
+from . import checkpoint, collectives, compiling, replicas, runtime, stepping
 
 
 class _Stopped(BaseException):
@@ -152,7 +152,8 @@ class Context:
         self.plan, self.model, self.module, self.optimizer = plan, run.strategy.model, run.module, run.optimizer
         self.strategy = run.strategy
         self._run, self._data, self._reporter = run, data, reporter
-        reporter.running_loss = self.steps_mean  # the dashboard's loss column: the epoch's mean so far
+        reporter.running_loss = self.running_mean  # the dashboard's loss column: the epoch's mean so far
+        self._running = [None, 0, 0.0, None]  # running_mean's sums: (the list summed, entries in it, floats, tensors)
         self.steps_per_epoch = data.steps_per_epoch(plan)
         self.epoch = reporter.epoch = run.epoch  # (a --loop body may never iterate ctx.epochs(), which sets it)
         self.step = 0
@@ -183,6 +184,8 @@ class Context:
         self.stop_reason = None  # "target", "patience" or None (epochs ran out, or interrupted)
         self._save_pending = False
         self._step_times = []  # wall seconds of the first steps (--compile: the first one compiles)
+        self.loss_dtype = None  # "bfloat16"/"float16": the body's loss was of that dtype, upcast to fp32 to report
+        self._dynamo = compiling.snapshot() if plan.compile else None  # what dynamo did is counted from here
         self.epoch_batches, self.epoch_done = self.steps_per_epoch, 0  # batches of this epoch, and done
         self.epoch_samples = None  # the samples of those batches (None: a stream's, not known ahead)
         self._t_step = time.perf_counter()
@@ -279,10 +282,17 @@ class Context:
 
     def any_nonfinite(self, loss, value) -> bool:
         """True on every rank when the loss of this step is NaN or infinite on any rank."""
-        bad = (not math.isfinite(value)) if value is not None else bool((~torch.isfinite(loss.detach())).item())
-        flag = torch.tensor([1.0 if bad else 0.0], device=self.device)
+        if value is not None:
+            flag = torch.tensor([0.0 if math.isfinite(value) else 1.0], device=self.device)
+        else:  # the flag is made where the loss is: one read (after the all-reduce), not two
+            flag = (~torch.isfinite(loss.detach().float())).float().reshape(1).to(self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+    def note_loss_dtype(self, loss) -> None:
+        """Remember that the body's ``loss`` is a low-precision tensor (bf16, fp16) that distnb upcasts to report."""
+        if self.loss_dtype is None and stepping.is_low_precision(loss):
+            self.loss_dtype = self._reporter.extra["loss_dtype"] = str(loss.dtype).replace("torch.", "")
 
     def report(self, loss, num_samples=None, value=None, skipped=False):
         """Record one finished step (loss: scalar tensor; num_samples: default the last batch size).
@@ -303,7 +313,8 @@ class Context:
         self._forwards_seen = self._run.forwards
         if self.plan.loop:  # the body's step: the rank moved on (distnb.engine.where; the stepper says so otherwise)
             collectives.PROGRESS[0] += 1
-        detached = loss.detach()
+        detached = stepping.upcast(loss.detach())  # bf16/fp16: reduced and logged as fp32, said once (loss_dtype)
+        self.note_loss_dtype(loss)
         if skipped:
             self.skipped_steps += 1
         else:  # a float when the step already read it (CPU); a tensor otherwise, summed per epoch (no GPU sync)
@@ -319,7 +330,8 @@ class Context:
         stepper, extra = self.stepper, self._reporter.extra
         extra.update(micro_step=self.step, opt_step=stepper.optimizer_steps, lr=stepper.lr,
                      grad_norm=stepper.last_norm)
-        self._reporter.record(detached, self._batch_samples if num_samples is None else num_samples)
+        self._reporter.record(detached if value is None else value,  # a value read already: no second read
+                              self._batch_samples if num_samples is None else num_samples)
         if self.logger is not None:
             self.logger.micro_step(detached if value is None else value)
         every = self.plan.checkpoint_every
@@ -357,12 +369,16 @@ class Context:
             self._t_step = now
 
     def step_timing(self) -> dict:
-        """``first_step_seconds`` and ``step_seconds`` (median of the next ones), for --compile's note."""
+        """``first_step_seconds`` and ``step_seconds`` (median of the next ones), for --compile's note, and
+        with --compile ``dynamo``: what dynamo did this cell (:func:`distnb.engine.compiling.report`)."""
         times = self._step_times
+        dynamo = {} if self._dynamo is None else \
+            dict(dynamo=compiling.report(self._dynamo, self._run.strategy.compiled_since))
         if not times:
-            return {}
+            return dynamo
         later = sorted(times[1:])
-        return dict(first_step_seconds=times[0], step_seconds=later[len(later) // 2] if later else times[0])
+        return dict(first_step_seconds=times[0], step_seconds=later[len(later) // 2] if later else times[0],
+                    **dynamo)
 
     def save_checkpoint(self):
         """Save model, optimizer and position under --checkpoint-dir (a collective)."""
@@ -420,6 +436,24 @@ class Context:
         floats = [v for v in self._losses if isinstance(v, float)]
         tensors = [v for v in self._losses if not isinstance(v, float)]
         return math.fsum(floats) + (float(torch.stack(tensors).double().sum()) if tensors else 0.0)
+
+    def running_mean(self) -> tuple:
+        """``(mean, steps)`` of this rank's step losses since the epoch began, for the dashboard: the mean is a float,
+        or a 0-d tensor on the rank's device not read yet (the reporter reads it without waiting for the GPU,
+        :mod:`distnb.engine.lazyread`). Only the losses reported since the last call are added (no re-summing)."""
+        acc = self._running
+        if acc[0] is not self._losses:  # a new epoch's list
+            acc[:] = [self._losses, 0, 0.0, None]
+        for v in self._losses[acc[1]:]:
+            if isinstance(v, float):
+                acc[2] += v
+            else:
+                acc[3] = v.double() if acc[3] is None else acc[3] + v.double()
+        acc[1] = len(self._losses)
+        if not self._loss_count:
+            return math.nan, 0
+        total = acc[2] if acc[3] is None else acc[3] + acc[2]
+        return total / self._loss_count, self._loss_count
 
     def steps_mean(self) -> tuple:
         """``(mean, steps)``: this rank's mean loss over the steps it trained since the last epoch end (no collective).
