@@ -61,7 +61,7 @@ CPU_BINDS = ("auto", "cores", "none")
 MAX_TIMEOUT = 7 * 24 * 3600
 #: Progress views of a training cell (auto: widgets in Jupyter, text elsewhere).
 PROGRESS_MODES = ("auto", "widgets", "text", "none")
-#: Autocast precisions of ``--precision`` (fp16 needs GPU ranks: it scales the loss with a GradScaler).
+#: Autocast precisions of ``--precision`` (fp16 scales the loss with a GradScaler, on CUDA or CPU ranks).
 PRECISIONS = ("fp32", "bf16", "fp16")
 #: Built-in learning-rate schedules of ``--lr-schedule`` (after ``--warmup-steps`` of linear warm-up).
 LR_SCHEDULES = ("cosine", "linear", "constant")
@@ -195,10 +195,11 @@ class TrainPlan:
                          "model for fresh ones) with a fresh optimizer and epoch count")
     target_loss: float | None = option(None, "float", "stop after an epoch whose mean loss (with --val-data: "
                                                 "the validation loss) is <= this", signed=True)
-    precision: str = option("fp32", "choice", "fp32 (default), bf16 or fp16 (GPU only: with a GradScaler) autocast in "
+    precision: str = option("fp32", "choice", "fp32 (default), bf16 (no loss scaling) or fp16 (with a GradScaler) autocast in "
                             "the forward and the loss; weights stay fp32; not with --strategy pipeline", choices=PRECISIONS, distribution=True,
                             doc="Autocast dtype of the forward pass and the loss (``torch.autocast``). ``fp16`` "
-                                "scales the loss with ``torch.amp.GradScaler`` and needs GPU ranks; fsdp also gets "
+                                "scales the loss with ``torch.amp.GradScaler`` (CUDA or CPU ranks; the ranks skip a step "
+                                "and back off the scale together); bf16 runs without loss scaling; fsdp also gets "
                                 "a ``MixedPrecisionPolicy``. Master weights, optimizer state and the weights that "
                                 "come back to the notebook stay fp32.")
     accumulate: int = option(1, "int", "micro-steps whose gradients are summed before one optimizer step (default 1)",
@@ -206,7 +207,9 @@ class TrainPlan:
                                             "gradients (each loss scaled by its batch's share of the group's samples: "
                                             "1/N for full batches) before one optimizer step; ddp skips "
                                             "the all-reduce on the first N-1 (``no_sync``), fsdp its reduce-scatter "
-                                            "(``set_requires_gradient_sync``).")
+                                            "(``set_requires_gradient_sync``). A body whose loss is a sum over "
+                                            "tokens sets ``ctx.num_items``: the group is then normalised by the "
+                                            "count over its micro-steps and the ranks (token-weighted).")
     check_replicas: str = option("epoch", "choice", "compare the copies of the parameters that ranks must hold equal "
                                  "(ddp; tensor parallelism's unsharded ones): epoch (default: at each cell's start and "
                                  "each epoch's end), step (after every optimizer step) or off; a drift is an error "

@@ -7,6 +7,7 @@ import math
 from . import carried, compiled
 from .display.aggregate import SCALE_THRESHOLD
 from .display.tables import Table, count
+from .stepnotes import convention_note, notes as step_notes, stop_request
 
 
 class StatusTable(Table):
@@ -67,7 +68,22 @@ class TrainResult(Table):
         Distinct samples trained per second: the sum over ranks for data parallelism,
         divided by the ranks that share each batch for model parallelism.
     stopped_early : bool
-        True when --target-loss was reached or --patience ran out.
+        True when --target-loss was reached, --patience ran out or a rank asked to stop.
+    stop_request : dict or None
+        A stop a rank asked for with ``ctx.request_stop(reason)``: ``ranks`` (the ranks that asked),
+        ``reason`` (the lowest one's), ``asked_at`` and ``step`` (the global optimizer step it was
+        asked at, and the one every rank stopped after).
+    skipped : list of dict
+        Each optimizer step ``--nan skip`` dropped: ``step`` (of the cell, from 1), ``micro_steps``
+        (first and last, the model's count) and ``ranks`` (where the loss was inf/NaN).
+    token_weighted : bool
+        The body set ``ctx.num_items``: gradients and logged losses are token-weighted over the
+        whole global batch. Otherwise ``loss_convention`` states the convention: the mean per
+        micro-batch, then over micro-steps and ranks.
+    loss_scale : float or None
+        ``--precision fp16``: the GradScaler's scale at the end of the cell.
+    step_notes : list of str
+        What the cell says of how its steps were done (:mod:`distnb.stepnotes`).
     optimizer_steps : int
         Optimizer steps of this cell (micro-steps / --accumulate, rounded up per epoch); with
         ``--loop``, the ``step()`` calls the body made on a ``torch.optim.Optimizer``.
@@ -89,8 +105,8 @@ class TrainResult(Table):
         The epoch of the best validation loss; ``restored_best``: its weights were loaded back.
     converged : bool
         True when the run stopped on --target-loss or --patience; False when it used up its epochs
-        (or was interrupted). ``stop_reason``: ``"target"``, ``"patience"``, ``"epochs"`` or
-        ``"interrupted"``.
+        (or was interrupted). ``stop_reason``: ``"target"``, ``"patience"``, ``"epochs"``,
+        ``"requested"`` (``ctx.request_stop``) or ``"interrupted"``.
     interrupted : bool
         The cell was interrupted (the interrupt button, ``%dist stop-training``): every rank
         stopped after the same step, and this is what was trained until then.
@@ -127,6 +143,12 @@ class TrainResult(Table):
         self.interrupted = any(r.get("interrupted") for r in rows)
         self.interrupted_message = "training interrupted" if self.interrupted else ""
         self.stop_reason = "interrupted" if self.interrupted else first.get("stop_reason") or "epochs"
+        self.stop_request = stop_request(rows)
+        self.skipped = list(first.get("skipped") or [])
+        self.token_weighted = bool(first.get("token_weighted"))
+        self.loss_scale = first.get("loss_scale")
+        self.loss_convention = convention_note(rows) or None
+        self.step_notes = step_notes(rows, plan)
         self.converged = self.stop_reason in ("target", "patience")
         self._make_title()
 
@@ -172,8 +194,9 @@ class TrainResult(Table):
         return "no epoch finished, no step loss reported"
 
     def _make_title(self) -> None:
-        how = {"target": "reached --target-loss", "patience": "converged (--patience)",
-               "interrupted": "interrupted"}.get(self.stop_reason, count(len(self.epochs), "epoch"))
+        how = {"target": "reached --target-loss", "patience": "converged (--patience)", "interrupted": "interrupted",
+               "requested": "stopped on request (ctx.request_stop)"}.get(self.stop_reason,
+                                                                         count(len(self.epochs), "epoch"))
         parts = [self.plan.strategy, count(len(self.rows), "rank"), how, self._loss_text()]
         if self.val_loss is not None:
             metric = f", {self.metric_name} {self.val_metric:.4f}" if self.val_metric is not None else ""
@@ -232,9 +255,6 @@ def training_notes(first: dict, started: bool = True) -> list:
     notes = start_notes(first) if started else []
     if first.get("loss_dtype"):
         notes.append(loss_dtype_note(first["loss_dtype"]))
-    if first.get("skipped_steps"):
-        notes.append(f"skipped {count(first['skipped_steps'], 'step')} whose loss was not finite on some rank "
-                     "(--nan skip): no update was applied for them")
     if first.get("restored_best"):
         notes.append(f"loaded the weights of the best validation loss back (epoch {first['best_epoch']})")
     said = compiled.note(first)

@@ -236,9 +236,6 @@ def check_step_options(session, plan, model_obj) -> None:
     from .engine import batchnorm
 
     on_cpu = session.cluster.spec.device_type != "cuda"
-    if plan.precision == "fp16" and on_cpu:
-        raise PlanError("--precision fp16 needs GPU ranks (its torch.amp.GradScaler scales CUDA gradients); these "
-                        "ranks compute on CPU: use --precision bf16")
     if on_cpu and (plan.sync_bn or batchnorm.holds_sync_batchnorm(model_obj)):
         what = "--sync-bn" if plan.sync_bn else f"--model {plan.model} holds torch.nn.SyncBatchNorm layers, which"
         raise PlanError(f"{what} needs GPU ranks: torch's SyncBatchNorm runs on CUDA only, and these ranks compute "
@@ -564,8 +561,14 @@ def finish(session, plan, model_obj, rows, wall_seconds, num_shards, run, stoppe
     if stopped is not None:
         result.mark_interrupted(str(stopped))
     if not run.quiet:  # run: the cell's RunOptions
-        for note in loopcell.notes(rows[0], plan, given, started=not started_shown):
+        for note in loopcell.notes(rows[0], plan, given, started=not started_shown) + result.step_notes:
             print(f"distnb: {note}")
+        # stated once per session, by the first foreground cell that averages (a background run's end prints
+        # with %dist wait or stop, whose own words come first)
+        background = session._background is not None and session._background.current_thread_is_runner()
+        if result.loss_convention and not background and not getattr(session, "loss_convention_said", False):
+            session.loss_convention_said = True
+            print(f"distnb: {result.loss_convention}")
     session.holdings.trained_steps[plan.model] = rows[0]["global_steps"]
     session.holdings.remember(plan, model_obj)  # what the ranks accepted carries over to the model's next cell
     return result

@@ -265,8 +265,8 @@ def _run_body(ns, code, ctx, plan):
     if plan.loop:
         with LoopWatch(ctx):  # the body's own optimizer steps; the epoch count only through ctx.epochs()
             exec(code, ns)
-        agree_on_steps(ctx.step, "at the end of the --loop body")  # a body that left ctx.epochs() early on some ranks only
-        if ctx.step == 0:
+        agree_on_steps(ctx.micro_steps, "at the end of the --loop body")  # ranks that left ctx.epochs() early
+        if ctx.micro_steps == 0:
             raise ValueError("the --loop body ran no step: drive it with `for epoch in ctx.epochs():` / "
                              "`for batch in ctx.loader:` and call `ctx.report(loss)` after each step")
     else:
@@ -395,7 +395,7 @@ def _train(ns, plan, code_text, relay):
     state = run.strategy.full_state()  # a collective for sharded strategies: every rank calls it
     # the mean over the cell's last epoch; with none finished, over the steps trained (its loss_steps; 0: an epoch's)
     last, loss_steps = (ctx.local_losses[-1], 0) if ctx.local_losses else ctx.steps_mean()
-    return dict(rank=st.rank, steps=ctx.step, samples=reporter.samples, seconds=seconds, cpu_seconds=cpu_seconds,
+    return dict(rank=st.rank, steps=ctx.micro_steps, samples=reporter.samples, seconds=seconds, cpu_seconds=cpu_seconds,
                 samples_per_s=reporter.samples / seconds if seconds > 0 else 0.0,
                 final_loss=last, final_loss_steps=loss_steps, epoch_losses=list(ctx.epoch_losses),
                 first_epoch=run.epoch - len(ctx.epoch_losses), next_epoch=run.epoch,
@@ -458,7 +458,7 @@ def _step_figures(plan, run, ctx, restored) -> dict:
                 val_history=list(validator.history) if validator else [], restored_best=restored,
                 best_epoch=validator.best[1] if validator and validator.best else None,
                 metric_name=validator.metric_name if validator else None, precision=plan.precision,
-                compiled=plan.compile, eager_step_seconds=run.eager_step_time, **timing)
+                compiled=plan.compile, eager_step_seconds=run.eager_step_time, **ctx.said(), **timing)
 
 
 def _clock(since=None) -> tuple:

@@ -191,13 +191,17 @@ class Validator:
         ns = self.ns
         ns.update(batch=batch, model=capture)
         ns.pop("loss", None)
+        ctx._clear_items()
         with ctx.autocast():
             exec(code, ns)
-        loss = ns.get("loss")
+        loss, items = ns.get("loss"), ctx._count
+        ctx._clear_items()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("the body left no scalar `loss` on a validation batch")
         out = torch.zeros(5, dtype=torch.float64, device=loss.device)
-        if k:
+        if k and items is not None:  # a loss summed over ctx.num_items items: the loss is their mean
+            out[0], out[1] = loss.detach().double(), items.to(loss.device)
+        elif k:
             out[0], out[1] = loss.detach().double() * k, k
         found = self._metric_sums(ctx, capture.outputs[-1] if capture.outputs else None, _target(batch), k)
         if found is not None:
