@@ -228,7 +228,7 @@ def ddp_allreduce_hook(group, bucket):
     tensor = bucket.buffer()
     group = group if group is not None else dist.group.WORLD
     tensor.div_(group.size())
-    work = group.allreduce([tensor])
+    work = group.allreduce([tensor])  # group device: DDP's bucket, on the model's (the rank's) device
     _PENDING.add(mine)
 
     def settle(fut):

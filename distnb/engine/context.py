@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint, collectives, runtime, stepping
+from .collectives import group_device
 
 
 class _Stopped(BaseException):
@@ -275,7 +276,7 @@ class Context:
     def any_nonfinite(self, loss, value) -> bool:
         """True on every rank when the loss of this step is NaN or infinite on any rank."""
         bad = (not math.isfinite(value)) if value is not None else bool((~torch.isfinite(loss.detach())).item())
-        flag = torch.tensor([1.0 if bad else 0.0], device=self.device)
+        flag = torch.tensor([1.0 if bad else 0.0], device=group_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -379,7 +380,7 @@ class Context:
         now = time.perf_counter()
         per_step = (now - self._check_t0) / max(1, self.step - self._check_step0)
         flags = torch.tensor([1.0 if self._stop.requested else 0.0, per_step], dtype=torch.float64,
-                             device=self.device)
+                             device=group_device())
         pending = self._stop_work
         self._stop_work = (dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True), flags)
         if pending is None:  # the first check since the last epoch end: read its answer at the next step
@@ -426,7 +427,7 @@ class Context:
         return self._loss_sum() / self._loss_count, self._loss_count
 
     def _epoch_mean(self):
-        local = torch.zeros(2, dtype=torch.float64, device=self.device)
+        local = torch.zeros(2, dtype=torch.float64, device=group_device())
         if self._loss_count:
             local[0] = self._loss_sum()
             local[1] = self._loss_count

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from ..plan import STRATEGIES
 from . import binding, datasets, loop, runtime, wire
+from .collectives import group_device, on_group
 
 #: Names distnb binds in every rank's namespace (the rank's identity, a training cell's objects): never the user's.
 BOUND = frozenset({"rank", "world_size", "local_rank", "node_rank", "device", "model", "optimizer", "ctx", "loss",
@@ -143,18 +144,18 @@ def share(ns: dict, names: list, old_world: int, defined: bool = True) -> dict:
         payload, descs, buffers = wire.pack(state)
         head = [(payload, descs, [len(b) for b in buffers], sorted(state["runs"]), sorted(state["names"]),
                  sorted(own), unpicklable)]
-        flat = torch.from_numpy(_concat(buffers))
+        flat = on_group(torch.from_numpy(_concat(buffers)))  # nccl's group has no backend for a CPU tensor
     dist.broadcast_object_list(head, src=0)
     payload, descs, sizes, models, carried_names, carried_defined, unpicklable = head[0]
     if st.rank != 0:
-        flat = torch.empty(sum(sizes), dtype=torch.uint8)
+        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=group_device())
     if sizes:
         dist.broadcast(flat, src=0)
     if st.rank >= old_world:
         offsets = [0]
         for n in sizes:
             offsets.append(offsets[-1] + n)
-        raw = flat.numpy()
+        raw = flat.cpu().numpy()
         _adopt(ns, wire.loads(payload, descs, [raw[a:b] for a, b in zip(offsets, offsets[1:])]))
     positions = {k: (r.epoch, r.epoch_samples, r.steps, r.cell_first_epoch) for k, r in loop.RUNS.items()}
     return dict(models=models, names=carried_names, defined=carried_defined, unpicklable=unpicklable,

@@ -287,7 +287,7 @@ def total_norm(params, partitioned: bool, device) -> float:
         else:
             once += g.detach().double().pow(2).sum().to(device)
     if any_sharded and dist.is_initialized():
-        dist.all_reduce(summed)
+        dist.all_reduce(summed)  # group device: `device`, the rank's (the gradients')
     return float((summed + once).sqrt())
 
 
@@ -481,7 +481,7 @@ class Stepper:
         """fp16 with sharded gradients: every rank skips the step if any rank's shard overflowed."""
         state = self.scaler._per_optimizer_states[id(self.optimizer)]
         for found in state["found_inf_per_device"].values():
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)  # group device: GradScaler's, the gradients' device
 
     @property
     def lr(self) -> float:

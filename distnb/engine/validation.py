@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ..plan import BOUND_PREFIX
 from . import shard as sharding
+from .collectives import on_group
 
 
 class _Capture:
@@ -148,7 +149,7 @@ class Validator:
             module.train()
             ns.update(saved)
         if self.data.num_shards > 1:  # ranks with different shards: exact totals over all of them
-            sums = sums.to(self.device)
+            sums = on_group(sums)
             dist.all_reduce(sums)
             sums = sums.cpu()
             copies = dist.get_world_size() // self.data.num_shards
