@@ -16,8 +16,9 @@ import sys
 import time
 import traceback
 
+from .. import gpus
 from ..net import interface_of, is_loopback, loopback_interface, route_address
-from . import abort, binding
+from . import abort, binding, ncclfail
 
 
 class _State:
@@ -96,7 +97,7 @@ def _init_group(master_addr: str, master_port: int, generation: int = 0) -> None
     if STATE.backend == "nccl":
         import torch
 
-        kwargs["device_id"] = torch.device("cuda", 0)
+        kwargs["device_id"] = STATE.device
     _pin_interface(master_addr)
     timeout = datetime.timedelta(seconds=STATE.timeout)
     base = _group_base(master_addr, master_port, timeout, reuse=generation > 0)
@@ -190,11 +191,15 @@ def _probe_rendezvous(master_addr: str, master_port: int, timeout: float) -> Non
 def setup(ns: dict, rank: int, world_size: int, local_rank: int, backend: str, device_type: str,
           gpu: str | None, num_threads: int, master_addr: str, master_port: int,
           timeout: float, node_rank: int = 0, host: str | None = None, interface: str | None = None,
-          bind_among: int | None = None) -> dict:
+          bind_among: int | None = None, local_world_size: int | None = None) -> dict:
     """Make this engine rank ``rank``: env vars, device, threads, CPU binding, process group.
 
-    Sets RANK, WORLD_SIZE, LOCAL_RANK, NODE_RANK, MASTER_ADDR, MASTER_PORT (and for GPU
-    engines CUDA_VISIBLE_DEVICES=gpu, before torch is imported, so the engine sees one GPU),
+    Sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (``local_world_size``: the ranks on this
+    host), NODE_RANK, MASTER_ADDR, MASTER_PORT (and for GPU engines, before CUDA is initialised,
+    CUDA_VISIBLE_DEVICES with ``gpu`` at position ``local_rank``, :func:`distnb.gpus.layout`: the
+    device is ``cuda:<local_rank>``, as under torchrun, so ``set_device(int(os.environ["LOCAL_RANK"]))``
+    works; an engine its launcher gave one GPU sees it as ``cuda:0``), plus the nccl variables of
+    :data:`distnb.engine.ncclfail.ENV`,
     GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME (``interface``, else the interface that reaches
     ``master_addr``; unless set by the user), and defines ``rank``, ``world_size``,
     ``local_rank``, ``node_rank`` and ``device`` in the engine namespace ``ns``. ``host``
@@ -215,9 +220,14 @@ def setup(ns: dict, rank: int, world_size: int, local_rank: int, backend: str, d
     STATE.node_rank, STATE.interface = node_rank, interface
     STATE.host = host or socket.gethostname()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
-                      NODE_RANK=str(node_rank), OMP_NUM_THREADS=str(num_threads))
+                      LOCAL_WORLD_SIZE=str(local_world_size or 1), NODE_RANK=str(node_rank),
+                      OMP_NUM_THREADS=str(num_threads))
+    index = 0
     if device_type == "cuda" and gpu is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        order, index = gpus.layout(gpus.discover()["gpus"], gpu, local_rank)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(order)
+    if backend == "nccl":
+        ncclfail.set_env(os.environ)
     import torch  # torch._dynamo (DDP needs it) loads meanwhile in the engine's preload thread (ipengine)
 
     torch.set_num_threads(num_threads)
@@ -225,8 +235,8 @@ def setup(ns: dict, rank: int, world_size: int, local_rank: int, backend: str, d
     STATE.rank, STATE.world_size, STATE.local_rank = rank, world_size, local_rank
     STATE.backend, STATE.timeout = backend, float(timeout)
     if device_type == "cuda":
-        torch.cuda.set_device(0)
-        STATE.device = torch.device("cuda", 0)
+        torch.cuda.set_device(index)
+        STATE.device = torch.device("cuda", index)
     else:
         STATE.device = torch.device("cpu")
     try:
@@ -368,10 +378,13 @@ def mark_broken(ns: dict | None = None, announce: bool = True) -> None:
     if dist.is_initialized():
         groups = postmortem.live_groups()  # frames kept for %dist debug: their objects must let go of the group
         drop_captured_group(dist.group.WORLD)
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
+        if STATE.backend == "nccl":  # destroy would finalise: a flush that hangs while a peer is gone or stuck
+            ncclfail.abort_groups()
+        else:
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
         postmortem.free_groups(groups)
     gc.collect()
     abort.bury(backends)
