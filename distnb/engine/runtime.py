@@ -18,7 +18,7 @@ import traceback
 
 from .. import gpus
 from ..net import interface_of, is_loopback, loopback_interface, route_address
-from . import abort, binding, ncclfail
+from . import abort, binding, health, ncclfail
 
 
 class _State:
@@ -30,6 +30,7 @@ class _State:
     timeout = 60.0
     generation = 0  # bumps every time a process group is formed
     broken = False  # a collective failed; the group must be re-formed before use
+    kept = False  # the last %%dist cell failed in its own code and the group was kept (engine/health.py)
     interface = None  # --interface: the network interface rendezvous and gloo use
     node_rank = 0
     host = None  # how errors name this rank's host
@@ -390,13 +391,17 @@ def mark_broken(ns: dict | None = None, announce: bool = True) -> None:
     abort.bury(backends)
 
 
-def release(ns: dict, drop_store: bool = False) -> None:
+def release(ns: dict, drop_store: bool = False, failed_cell: bool = False) -> None:
     """Called by the kernel on a failed rank: drop what still holds the broken group.
 
     ``drop_store``: rank 0 stops serving the old group's store too (its port is free again, for a
     re-form on the same ``--master-port``); otherwise it serves it until the next group forms, so that
-    ranks still running read which rank failed (:mod:`distnb.engine.abort`).
+    ranks still running read which rank failed (:mod:`distnb.engine.abort`). ``failed_cell``: the
+    kernel saw this rank's cell fail; nothing is done when the rank kept its group (every rank had
+    finished that cell with no collective half-done: :mod:`distnb.engine.health`).
     """
+    if failed_cell and STATE.kept and not STATE.broken:
+        return
     mark_broken(ns)
     if drop_store:
         _forget_store()
@@ -476,7 +481,9 @@ def run_cell(ns: dict, code: str, targets=None, unchecked=False):
 
     postmortem.drop(ns)  # the next cell releases the frames the last failure kept
     own_names(ns)  # a training body's `rank = ...`: this cell reads this rank's again
+    STATE.kept = False
     if targets is not None and STATE.rank not in targets:
+        health.cell_ended()  # this rank's part of the cell is done: a failing target may keep the group
         return None
     filename = cell_filename(code, "dist")
     tree = ast.parse(code, filename=filename, mode="exec")
@@ -496,13 +503,18 @@ def run_cell(ns: dict, code: str, targets=None, unchecked=False):
             exec(compile(tree, filename, "exec"), ns)
             if last is not None:
                 value = eval(compile(last, filename, "eval"), ns)
-                return None if value is None else repr(value)
-        return None
+                value = None if value is None else repr(value)
+            else:
+                value = None
+        health.cell_ended()
+        return value
     except BaseException as caught:
         exc = abort.printable(caught)  # formatted below
         postmortem.keep(exc, ns, "%%dist cell")  # its frames stay for %dist debug, until the next cell
         stopped = abort.consequence(exc, STATE.rank)  # another rank failed first: say so, briefly
-        mark_broken(ns)
+        STATE.kept = health.cell_ended(exc)  # every rank finished the cell with no collective half-done
+        if not STATE.kept:
+            mark_broken(ns)
         if stopped is not None:
             raise stopped from None
         if exc is not caught:
