@@ -76,6 +76,11 @@ def discover(env=None, proc: str = "/proc/driver/nvidia/gpus", dev: str = "/dev"
     return dict(gpus=[], how="none")
 
 
+def driver_present(dev: str = "/dev", smi: str | None = "nvidia-smi") -> bool:
+    """Whether this machine shows an NVIDIA driver (``/dev/nvidiactl``, or ``nvidia-smi`` on the PATH)."""
+    return os.path.exists(os.path.join(dev, "nvidiactl")) or bool(smi and shutil.which(smi))
+
+
 def describe(found: dict) -> str:
     """``4 GPUs (found by nvidia-smi -L)``, or what was looked at when none was found."""
     n = len(found["gpus"])

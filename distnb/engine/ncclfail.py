@@ -21,7 +21,7 @@ every engine dies with it. What is done instead:
   ``destroy_process_group`` finalises the communicators, a flush that waits for the peers and hangs
   when one is gone (pytorch#141510, #132696).
 
-torch APIs used (all in torch 2.11 and 2.13): ``distributed_c10d._abort_process_group`` (since 2.3),
+torch APIs used (all in torch 2.11 and 2.13): ``distributed_c10d._abort_process_group`` (since 2.5, pytorch#132291),
 ``torch._C._distributed_c10d._dump_nccl_trace`` (CUDA builds, since 2.4; looked up, never assumed).
 Nothing here can run without a GPU; tests/gpu/REVIEW-ANSWERS.md lists what a 2-GPU machine must show.
 """

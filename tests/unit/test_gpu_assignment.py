@@ -156,3 +156,14 @@ def test_flight_recorder_rows_name_the_oldest_pending_collective():
     assert [r["seq"] for r in rows] == [8, 9] and rows[0]["group"] == "default_pg"
     assert ncclfail.describe(rows[0]) == "nccl:all_reduce #8 (started, waiting for the peers)"
     assert ncclfail.pending() == []  # a CPU build of torch has no flight recorder: nothing, no error
+
+
+def test_the_start_says_what_discovery_found():
+    from distnb.startup import gpu_note
+
+    assert gpu_note("cuda", dict(gpus=["0", "1"], how="nvidia-smi -L"), True) == \
+        "GPUs: 2 GPUs (found by nvidia-smi -L)"
+    silent = gpu_note("cpu", dict(gpus=[], how="none"), True)  # a sandbox: a driver, no GPU found
+    assert silent.startswith("no GPU found (looked at /proc/driver/nvidia/gpus, nvidia-smi -L") and \
+        "CUDA_VISIBLE_DEVICES" in silent
+    assert gpu_note("cpu", dict(gpus=[], how="none"), False) == ""  # a CPU machine: nothing to say
