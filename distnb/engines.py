@@ -296,6 +296,9 @@ class Engines:
         spec = self.spec
         keep = min(old, n)
         self._check_joining(self.engine_ids[keep:n])  # before the running ranks leave their group
+        local_gpus = visible_gpus() if spec.device_type == "cuda" and not self.remote else None
+        gpus = placement.rank_gpus(self.placement[:n], self.where, spec.device_type, local_gpus)
+        placement.check_gpus(self.placement[:n], self.where, gpus, spec.backend)  # two ranks on one GPU: refused
         pinned = spec.master_port is not None  # rank 0 lets the old store go: the pinned port must be free again
         self.wait_all([self.apply(r, calls.release, pinned) for r in range(keep)], timeout=spec.timeout,
                       what="leaving the old process group")
@@ -307,9 +310,6 @@ class Engines:
         threads = self._rank_threads(old, n)
         among = placement.bind_among(self.placement[:n], spec, self.foreign_cores)  # the new world's shares
         local_sizes = placement.local_world_sizes(self.placement[:n])
-        local_gpus = visible_gpus() if spec.device_type == "cuda" and not self.remote else None
-        gpus = placement.rank_gpus(self.placement[:n], self.where, spec.device_type, local_gpus)
-        placement.check_gpus(self.placement[:n], self.where, gpus, spec.backend)
         ars = [self.apply(r, calls.resize, r, n, threads[r], self.master_addr, self.master_port,
                           self.placement[r]["local_rank"], among[r], local_sizes[r]) for r in range(keep)]
         for rank in range(keep, n):
