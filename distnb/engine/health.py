@@ -26,7 +26,7 @@ import json
 import os
 import traceback
 
-from . import abort, runtime
+from . import abort
 
 #: Seconds a failing rank waits for every rank's end-of-cell key before it tears the group down.
 WAIT_SECONDS = 2.0
@@ -55,8 +55,9 @@ def _key(cell: int, rank: int) -> str:
     return f"distnb/cell-end/{cell}/{rank}"
 
 
-def cell_ended(exc: BaseException | None = None) -> bool:
-    """Record that this rank finished a ``%%dist`` cell; with ``exc`` (it failed), whether the group is healthy.
+def cell_ended(rank: int, world_size: int, exc: BaseException | None = None) -> bool:
+    """Record that this rank (``rank`` of ``world_size``) finished a ``%%dist`` cell; with ``exc`` (it failed),
+    whether the group is healthy.
 
     Called by every rank at the end of every ``%%dist`` cell (``exc`` None: it succeeded or did not
     run it, ``--targets``). Returns True for a success; for a failure, True only when the group may be
@@ -68,22 +69,22 @@ def cell_ended(exc: BaseException | None = None) -> bool:
     if _COUNT.get("store") is not store:  # a new group: counted from 0 on every rank alike
         _COUNT.update(store=store, cells=0)
     _COUNT["cells"] += 1
-    cell, st = _COUNT["cells"], runtime.STATE
+    cell = _COUNT["cells"]
     mine = sequence_numbers()
     try:
-        store.set(_key(cell, st.rank), json.dumps(mine))
+        store.set(_key(cell, rank), json.dumps(mine))
     except Exception:
         return exc is None
     if exc is None:
         return True
-    if not _own_error(exc) or st.world_size is None:
+    if not _own_error(exc, rank) or world_size is None:
         return False
-    return _all_alike(store, cell, st.world_size, mine)
+    return _all_alike(store, cell, world_size, mine)
 
 
-def _own_error(exc: BaseException) -> bool:
+def _own_error(exc: BaseException, rank: int) -> bool:
     """Whether ``exc`` is the cell's own ``Exception``, raised outside ``torch.distributed`` (a typo, a bad value)."""
-    if not isinstance(exc, Exception) or abort.consequence(exc, runtime.STATE.rank) is not None:
+    if not isinstance(exc, Exception) or abort.consequence(exc, rank) is not None:
         return False
     return not any(_TORCH_DIST in frame.filename for frame in traceback.extract_tb(exc.__traceback__))
 
