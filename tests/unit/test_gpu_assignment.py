@@ -34,7 +34,8 @@ def test_discovery_says_which_source_answered(tmp_path):
 def test_discovery_without_proc_driver_nvidia_asks_nvidia_smi_then_dev_nodes(tmp_path):
     """A sandbox (gVisor) without /proc/driver/nvidia: nvidia-smi -L, then /dev/nvidia<N>; never silently none."""
     empty = tmp_path / "none"
-    smi = _fake_smi(tmp_path, "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-aaaa)\nGPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-bbbb)")
+    smi = _fake_smi(tmp_path, "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-aaaa)\n"
+                              "GPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-bbbb)")
     assert gpus.discover({}, str(empty), str(empty), smi) == dict(gpus=["0", "1"], how="nvidia-smi -L")
     dev = tmp_path / "dev"
     dev.mkdir()
@@ -146,8 +147,8 @@ def test_nccl_environment_keeps_what_the_user_set():
 
 def test_flight_recorder_rows_name_the_oldest_pending_collective():
     trace = {"version": "2.5", "entries": [
-        dict(profiling_name="nccl:all_reduce", collective_seq_id=7, state="completed", process_group=("0", "default_pg"),
-             input_sizes=[[4]]),
+        dict(profiling_name="nccl:all_reduce", collective_seq_id=7, state="completed",
+             process_group=("0", "default_pg"), input_sizes=[[4]]),
         dict(profiling_name="nccl:broadcast", collective_seq_id=9, state="scheduled", process_group=("0", "default_pg"),
              input_sizes=[[2]]),
         dict(profiling_name="nccl:all_reduce", collective_seq_id=8, state="started", process_group=("0", "default_pg"),
