@@ -153,6 +153,7 @@ class Context:
         self.plan, self.model, self.module, self.optimizer = plan, run.strategy.model, run.module, run.optimizer
         self.strategy = run.strategy
         self._run, self._data, self._reporter = run, data, reporter
+        reporter.running_loss = self.steps_mean  # the dashboard's loss column: the epoch's mean so far
         self.steps_per_epoch = data.steps_per_epoch(plan)
         self.epoch = reporter.epoch = run.epoch  # (a --loop body may never iterate ctx.epochs(), which sets it)
         self.step = 0
