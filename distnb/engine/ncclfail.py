@@ -29,9 +29,12 @@ Nothing here can run without a GPU; tests/gpu/REVIEW-ANSWERS.md lists what a 2-G
 from __future__ import annotations
 
 import pickle
+import threading
 
 #: The environment of an nccl engine (set before its group forms, unless the user set it).
 ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"}
+#: One abort at a time: the watchdog thread's (a peer's failure) and the cell's own (mark_broken) may meet.
+_LOCK = threading.Lock()
 
 
 def set_env(environ) -> dict:
@@ -51,17 +54,18 @@ def abort_groups() -> bool:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    if not dist.is_initialized():
-        return False
-    aborter = getattr(c10d, "_abort_process_group", None)
-    try:
-        if aborter is not None:
-            aborter()
-        else:  # a torch without it: shut the communicators down as destroy does
-            dist.destroy_process_group()
-    except Exception:
-        return False
-    return True
+    with _LOCK:
+        if not dist.is_initialized():
+            return False
+        aborter = getattr(c10d, "_abort_process_group", None)
+        try:
+            if aborter is not None:
+                aborter()
+            else:  # a torch without it: shut the communicators down as destroy does
+                dist.destroy_process_group()
+        except Exception:
+            return False
+        return True
 
 
 def pending(limit: int = 1) -> list:
