@@ -483,7 +483,7 @@ def run_cell(ns: dict, code: str, targets=None, unchecked=False):
     own_names(ns)  # a training body's `rank = ...`: this cell reads this rank's again
     STATE.kept = False
     if targets is not None and STATE.rank not in targets:
-        health.cell_ended(STATE.rank, STATE.world_size)  # this rank's part of the cell is done: a failing target may keep the group
+        health.cell_ended(STATE.rank, STATE.world_size)  # its part is done: a failing target may keep the group
         return None
     filename = cell_filename(code, "dist")
     tree = ast.parse(code, filename=filename, mode="exec")
@@ -512,7 +512,8 @@ def run_cell(ns: dict, code: str, targets=None, unchecked=False):
         exc = abort.printable(caught)  # formatted below
         postmortem.keep(exc, ns, "%%dist cell")  # its frames stay for %dist debug, until the next cell
         stopped = abort.consequence(exc, STATE.rank)  # another rank failed first: say so, briefly
-        STATE.kept = health.cell_ended(STATE.rank, STATE.world_size, exc)  # every rank finished the cell with no collective half-done
+        # every rank finished the cell with no collective half-done: the group is kept (engine/health.py)
+        STATE.kept = health.cell_ended(STATE.rank, STATE.world_size, exc)
         if not STATE.kept:
             mark_broken(ns)
         if stopped is not None:

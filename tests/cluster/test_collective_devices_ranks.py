@@ -66,6 +66,7 @@ def test_distnb_collectives_get_tensors_on_the_group_device(dist_session, shell)
         assert shared[0]["bytes"] > 0 and "dev_net" in shared[0]["models"]  # a tensor really was broadcast
     finally:
         outcomes = [eval(x) for x in dist_session.run(REMOVE)]
+        dist_session.holdings.carried.pop("dev_net", None)  # later tests' %dist status lists no model of ours
     for seen, wrong in outcomes:
         assert wrong == []
         assert {"all_reduce", "broadcast"} <= set(seen)  # the checker saw distnb's own calls

@@ -32,6 +32,13 @@ def test_a_typo_keeps_the_group_and_the_sharded_model_state(dist_session, shell)
     kwargs = dict(model="kept_net", data="kept_data", epochs=1, batch_size=16, optimizer="adam", lr=0.01,
                   strategy="fsdp", progress="none", quiet=True)
     body = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
+    try:
+        _typo_then_training(dist_session, body, kwargs)
+    finally:  # the shared session's %dist status would list this model's carried options in later tests
+        dist_session.holdings.carried.pop("kept_net", None)
+
+
+def _typo_then_training(dist_session, body, kwargs):
     dist_session.train(body, **kwargs)
     before, steps = _generations(dist_session), _optimizer_steps(dist_session, "kept_net")
     assert steps[0] > 0
