@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from . import carried
+from . import carried, compiled
 from .display.aggregate import SCALE_THRESHOLD
 from .display.tables import Table, count
 
@@ -94,9 +94,18 @@ class TrainResult(Table):
     interrupted : bool
         The cell was interrupted (the interrupt button, ``%dist stop-training``): every rank
         stopped after the same step, and this is what was trained until then.
+    loss_dtype : str or None
+        ``"bfloat16"`` or ``"float16"`` when the body's loss was a tensor of that dtype: every figure here was
+        reduced from it upcast to float32 (each step's value still carries that dtype's rounding); None for a
+        float32 or wider loss.
     compile_seconds : float or None
-        With --compile: the first step's extra time (compiling); ``speedup``: eager step time of an
-        earlier cell / compiled step time, when known.
+        With --compile: the first step's extra time (compiling), seconds, only when dynamo compiled graphs
+        this cell (None when nothing compiled); ``speedup``: eager step time of an earlier cell / compiled step
+        time, when known and something compiled.
+    dynamo : dict
+        With --compile, ``{rank: figures}`` of what dynamo did this cell: ``graphs``, ``graphs_since_compile``
+        (0: nothing ever compiled for the model), ``graph_breaks``, ``break_reasons``, ``recompiles``,
+        ``recompile_reasons`` (:func:`distnb.engine.compiling.report`); empty without it.
     """
 
     columns = ("rank", "steps", "samples", "seconds", "samples_per_s", "final_loss", "param_bytes")
@@ -139,9 +148,11 @@ class TrainResult(Table):
             last = next((v for v in reversed(self.val_history) if v.get("epoch") == self.best_epoch), last)
         self.val_loss, self.val_metric = last.get("loss"), last.get("metric")
         self.metric_name = first.get("metric_name")
-        self.compile_seconds = self.speedup = None
-        if first.get("compiled") and first.get("first_step_seconds") is not None:
-            self.compile_seconds = max(0.0, first["first_step_seconds"] - first["step_seconds"])
+        self.loss_dtype = next((r["loss_dtype"] for r in rows if r.get("loss_dtype")), None)
+        first["loss_dtype"] = self.loss_dtype  # the notes read rank 0's row (pipeline: the last stage computes it)
+        self.compile_seconds, self.speedup = compiled.compile_seconds(first), None
+        self.dynamo = {r["rank"]: r["dynamo"] for r in rows if r.get("dynamo") is not None}
+        if compiled.compiled_anything(first) and first.get("first_step_seconds") is not None:
             if first.get("eager_step_seconds") and first["step_seconds"] > 0:
                 self.speedup = first["eager_step_seconds"] / first["step_seconds"]
 
@@ -205,24 +216,30 @@ def start_notes(first: dict) -> list:
     return notes
 
 
+def loss_dtype_note(dtype: str) -> str:
+    """The sentence said once when the body's loss was a low-precision tensor (``dtype``: ``"bfloat16"``)."""
+    return (f"the body's loss is a {dtype} tensor: distnb upcast it to float32 to reduce and log it (step losses, "
+            f"epoch means, validation, the result); each step's value still carries {dtype}'s rounding (about 3 "
+            "significant digits for bfloat16): compute the loss in float32 for exact figures, e.g. "
+            "`loss = F.mse_loss(out.float(), y.float())`")
+
+
 def training_notes(first: dict, started: bool = True) -> list:
     """The sentences a finished training cell prints, from rank 0's row (``first``).
 
     ``started``: with the :func:`start_notes` first (False: the progress printed them already).
     """
     notes = start_notes(first) if started else []
+    if first.get("loss_dtype"):
+        notes.append(loss_dtype_note(first["loss_dtype"]))
     if first.get("skipped_steps"):
         notes.append(f"skipped {count(first['skipped_steps'], 'step')} whose loss was not finite on some rank "
                      "(--nan skip): no update was applied for them")
     if first.get("restored_best"):
         notes.append(f"loaded the weights of the best validation loss back (epoch {first['best_epoch']})")
-    if first.get("compiled") and first.get("first_step_seconds") is not None:
-        extra = max(0.0, first["first_step_seconds"] - first["step_seconds"])
-        speed = ""
-        if first.get("eager_step_seconds") and first["step_seconds"] > 0:
-            speed = f", {first['eager_step_seconds'] / first['step_seconds']:.2f}x the eager steps of an earlier cell"
-        notes.append(f"torch.compile: the first step took {first['first_step_seconds']:.1f} s ({extra:.1f} s "
-                     f"compiling); later steps {first['step_seconds'] * 1000:.1f} ms{speed}")
+    said = compiled.note(first)
+    if said:
+        notes.append(said)
     return notes
 
 

@@ -15,7 +15,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
-from . import calls, carried, data, export, modelcheck, options, transfer
+from . import calls, captured, carried, data, export, modelcheck, options, transfer
 from .display import ProgressState, make_view, view_kind
 from .display.tables import count
 from .errors import PlanError, RankError
@@ -345,6 +345,8 @@ def ensure_model(session, plan, model_obj, quiet) -> bool:
     from .transfer import _pool as transfer_pool, fingerprint, outgoing, pack_named
 
     held = session.holdings
+    if captured.library_patches(model_obj):  # notebook code in a library class: the ranks never get it
+        print(f"distnb: warning: {captured.library_patch_warning(plan.model, model_obj)}")
     fp = fingerprint(model_obj)
     key = plan.strategy_key()
     last = held.distributed.get(plan.model)

@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, collectives, runtime, stepping
+from . import checkpoint, collectives, compiling, replicas, runtime, stepping
 from .collectives import group_device
 
 
@@ -184,9 +184,13 @@ class Context:
         self.stop_reason = None  # "target", "patience" or None (epochs ran out, or interrupted)
         self._save_pending = False
         self._step_times = []  # wall seconds of the first steps (--compile: the first one compiles)
+        self.loss_dtype = None  # "bfloat16"/"float16": the body's loss was of that dtype, upcast to fp32 to report
+        self._dynamo = compiling.snapshot() if plan.compile else None  # what dynamo did is counted from here
         self.epoch_batches, self.epoch_done = self.steps_per_epoch, 0  # batches of this epoch, and done
         self.epoch_samples = None  # the samples of those batches (None: a stream's, not known ahead)
         self._t_step = time.perf_counter()
+        if plan.check_replicas != "off":  # what a resume, a resize or a %%dist cell left on the ranks
+            replicas.check(self.strategy, "before the cell's first step")
 
     # what the strategies' steps and the body use --------------------------------------
     def autocast(self):
@@ -244,6 +248,8 @@ class Context:
             if self._agree_at_epoch_end:
                 agree_on_steps(self.step - step0, f"at the end of epoch {epoch}")  # before any collective of distnb's
             mean = self._epoch_mean()
+            if self.plan.check_replicas != "off":
+                replicas.check(self.strategy, f"at the end of epoch {epoch}")
             self.epoch_losses.append(mean)
             self._run.epoch, self._run.epoch_step, self._run.epoch_samples = epoch + 1, 0, 0
             judged = mean
@@ -281,6 +287,11 @@ class Context:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
+    def note_loss_dtype(self, loss) -> None:
+        """Remember that the body's ``loss`` is a low-precision tensor (bf16, fp16) that distnb upcasts to report."""
+        if self.loss_dtype is None and stepping.is_low_precision(loss):
+            self.loss_dtype = self._reporter.extra["loss_dtype"] = str(loss.dtype).replace("torch.", "")
+
     def report(self, loss, num_samples=None, value=None, skipped=False):
         """Record one finished step (loss: scalar tensor; num_samples: default the last batch size).
 
@@ -300,7 +311,8 @@ class Context:
         self._forwards_seen = self._run.forwards
         if self.plan.loop:  # the body's step: the rank moved on (distnb.engine.where; the stepper says so otherwise)
             collectives.PROGRESS[0] += 1
-        detached = loss.detach()
+        detached = stepping.upcast(loss.detach())  # bf16/fp16: reduced and logged as fp32, said once (loss_dtype)
+        self.note_loss_dtype(loss)
         if skipped:
             self.skipped_steps += 1
         else:  # a float when the step already read it (CPU); a tensor otherwise, summed per epoch (no GPU sync)
@@ -326,6 +338,8 @@ class Context:
             self._run.scheduler.step()  # (the step itself was counted by loopwatch's optimizer hook)
         if not stepper.at_boundary(self.epoch_done, self.epoch_batches):
             return  # in the middle of an --accumulate group: stop checks and saves wait for its end
+        if self.plan.check_replicas == "step":
+            replicas.check(self.strategy, f"after optimizer step {self._run.optimizer_steps}")
         if self.logger is not None and stepper.optimizer_steps:
             self.logger.optimizer_step(self._run.optimizer_steps, stepper.lrs.values[-1] if stepper.lrs.values
                                        else stepper.lr, stepper.last_norm)
@@ -352,12 +366,16 @@ class Context:
             self._t_step = now
 
     def step_timing(self) -> dict:
-        """``first_step_seconds`` and ``step_seconds`` (median of the next ones), for --compile's note."""
+        """``first_step_seconds`` and ``step_seconds`` (median of the next ones), for --compile's note, and
+        with --compile ``dynamo``: what dynamo did this cell (:func:`distnb.engine.compiling.report`)."""
         times = self._step_times
+        dynamo = {} if self._dynamo is None else \
+            dict(dynamo=compiling.report(self._dynamo, self._run.strategy.compiled_since))
         if not times:
-            return {}
+            return dynamo
         later = sorted(times[1:])
-        return dict(first_step_seconds=times[0], step_seconds=later[len(later) // 2] if later else times[0])
+        return dict(first_step_seconds=times[0], step_seconds=later[len(later) // 2] if later else times[0],
+                    **dynamo)
 
     def save_checkpoint(self):
         """Save model, optimizer and position under --checkpoint-dir (a collective)."""

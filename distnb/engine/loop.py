@@ -456,7 +456,7 @@ def _step_figures(plan, run, ctx, restored) -> dict:
         run.eager_step_time = timing["step_seconds"]
     return dict(optimizer_steps=stepper.optimizer_steps, loss_history=ctx.loss_history.points(),
                 lr_history=stepper.lrs.points(), grad_norm_history=stepper.grad_norms.points(),
-                grad_norm=stepper.last_norm, lr=stepper.lr, stop_reason=ctx.stop_reason,
+                grad_norm=stepper.last_norm, lr=stepper.lr, stop_reason=ctx.stop_reason, loss_dtype=ctx.loss_dtype,
                 val_history=list(validator.history) if validator else [], restored_best=restored,
                 best_epoch=validator.best[1] if validator and validator.best else None,
                 metric_name=validator.metric_name if validator else None, precision=plan.precision,

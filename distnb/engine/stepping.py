@@ -43,10 +43,22 @@ from . import collectives
 HISTORY_POINTS = 1000
 
 
+def upcast(value):
+    """``value`` as fp32 when it is a floating tensor of fewer bits (bf16, fp16), else unchanged: the figures
+    distnb reduces and logs (losses, their means and histories) are fp32 or wider."""
+    return value.float() if is_low_precision(value) else value
+
+
+def is_low_precision(value) -> bool:
+    """Whether ``value`` is a floating tensor of fewer than 32 bits (bf16, fp16)."""
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.element_size() < 4
+
+
 class History:
     """(step, value) points, at most ``2 * cap``: past that, consecutive pairs are averaged.
 
-    ``values`` may be floats or 0-d tensors (a GPU loss is read only at the end, in :meth:`points`).
+    ``values`` may be floats or 0-d tensors (a GPU loss is read only at the end, in :meth:`points`); a tensor of a
+    low-precision dtype (bf16, fp16) is kept and averaged as fp32, never summed in its own precision.
     """
 
     def __init__(self, cap=HISTORY_POINTS):
@@ -56,6 +68,7 @@ class History:
         self._pending = None  # (step, sum, count) of the pair being formed at stride > 1
 
     def add(self, step, value) -> None:
+        value = upcast(value)
         if self.stride > 1:
             if self._pending is None:
                 self._pending = (step, value, 1)

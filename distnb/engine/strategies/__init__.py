@@ -10,7 +10,8 @@ Each module defines a :class:`Strategy` subclass; :func:`build` picks it by
   scaled for accumulation and fp16) on ``ns["batch"]``, returning the loss;
 - ``no_sync()``: a context in which backward skips the gradient reduction (the first
   micro-steps of ``--accumulate``);
-- ``compile()``: ``torch.compile`` what the body calls, after the wrapping (``--compile``);
+- ``compile()``: ``torch.compile`` what the body calls, after the wrapping (``--compile``; DDP: the module it
+  wraps, in place, as torch advises: see :mod:`distnb.engine.compiling`);
 - ``full_state()``: the whole model's state dict, assembled on rank 0 (a collective: called
   on every rank);
 - ``checkpoint_state(opt)`` / ``load_checkpoint_state(...)``: what torch.distributed.checkpoint
@@ -33,6 +34,7 @@ import math
 import torch
 
 from ...plan import STRATEGIES
+from .. import compiling
 
 
 class StrategyError(ValueError):
@@ -70,9 +72,14 @@ class Strategy:
     wraps_model = False
     #: True: after backward every rank holds the same whole gradients (ddp): no rank can overflow alone.
     replicated_grads = False
+    #: True: plain (non-DTensor) parameters and buffers are whole on every rank and must stay equal there
+    #: (ddp; tensor parallelism's unsharded ones): ``--check-replicas`` compares them (engine/replicas.py).
+    replicas = False
     #: True: plain (non-DTensor) gradients of different ranks belong to different parameters
     #: (pipeline stages): the total gradient norm adds them over the ranks.
     grads_partitioned = False
+    #: With --compile: dynamo's figures when the model was compiled (:func:`distnb.engine.compiling.snapshot`).
+    compiled_since = None
 
     def __init__(self, module, plan, device, ns):
         self.module, self.plan, self.device = module, plan, device
@@ -131,18 +138,13 @@ class Strategy:
         return contextlib.nullcontext()
 
     def compile(self) -> None:
-        """``--compile``: what the body calls becomes ``torch.compile(model)`` (after any wrapping).
+        """``--compile``: the forward of what the body calls is compiled in place, after any wrapping
+        (:func:`distnb.engine.compiling.compile_in_place`; ``close`` undoes it).
 
-        The ranks of one host share inductor's cache folder (``TORCHINDUCTOR_CACHE_DIR``, default
-        ``<tmp>/torchinductor_<user>``): the second rank, and later cells, reuse compiled kernels.
+        The ranks of one host share inductor's cache folder (:func:`distnb.engine.compiling.set_cache_dir`).
+        What dynamo made of it is reported per cell (:func:`distnb.engine.compiling.report`).
         """
-        import getpass
-        import os
-        import tempfile
-
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
-                              os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
-        self.model = torch.compile(self.model)
+        compiling.compile_in_place(self.model)
 
     def eval_model(self):
         """What validation calls: the model in this rank's distributed form (``model`` by default)."""
@@ -214,7 +216,9 @@ class Strategy:
         return dict(param_bytes=sum(tensor_bytes(p) for p in self.module.parameters()))
 
     def close(self) -> None:
-        """Drop references to the process group (called before it is re-formed)."""
+        """Drop references to the process group (called before it is re-formed); undo --compile."""
+        compiling.uncompile(self.model)
+        compiling.uncompile(self.module)
         self.model = None
 
 
@@ -285,6 +289,8 @@ def build(module, plan, device, ns) -> Strategy:
     """Distribute ``module`` (already on ``device``) for ``plan.strategy`` on this rank (then compile it)."""
     strategy = strategy_class(plan.strategy)(module, plan, device, ns)
     if getattr(plan, "compile", False):
+        compiling.fresh()
+        strategy.compiled_since = compiling.snapshot()  # what dynamo did for this model is counted from here
         strategy.compile()
     return strategy
 
