@@ -5,6 +5,7 @@ from __future__ import annotations
 from . import gpus, options
 from .display.tables import count
 from .errors import PlanError
+from .gpuhost import kernel_cuda_note
 from .plan import FAILURE_POLICIES, ClusterSpec
 
 #: start()'s keyword options (Python keyword -> ClusterSpec field), from ClusterSpec's declarations.
@@ -41,9 +42,9 @@ def say_ready(cluster) -> None:
         said = gpu_note(spec.device_type, gpus.discover(), gpus.driver_present())
         if said:
             print(f"distnb: {said}")
-    note = binding_note(cluster)
-    if note:
-        print(f"distnb: {note}")
+    for note in (binding_note(cluster), kernel_cuda_note(spec.device_type)):
+        if note:
+            print(f"distnb: {note}")
 
 
 def gpu_note(device_type: str, found: dict, driver: bool) -> str:

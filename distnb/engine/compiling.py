@@ -27,6 +27,8 @@ import getpass
 import os
 import tempfile
 
+from . import compile_workers
+
 #: How many distinct graph-break reasons a report keeps (the most frequent first).
 REASONS = 2
 
@@ -74,6 +76,7 @@ def compile_in_place(module) -> None:
     """``module.forward`` becomes its :class:`CompiledForward`: calls keep the module's identity, its
     ``state_dict`` keys, its hooks and any wrapper already holding it (DDP)."""
     set_cache_dir()
+    compile_workers.limit()  # this rank's share of the host's cores, not min(32, cores) per rank
     uncompile(module)
     module.forward = CompiledForward(module)
 

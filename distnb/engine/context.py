@@ -153,7 +153,8 @@ class Context:
         self.plan, self.model, self.module, self.optimizer = plan, run.strategy.model, run.module, run.optimizer
         self.strategy = run.strategy
         self._run, self._data, self._reporter = run, data, reporter
-        reporter.running_loss = self.steps_mean  # the dashboard's loss column: the epoch's mean so far
+        reporter.running_loss = self.running_mean  # the dashboard's loss column: the epoch's mean so far
+        self._running = [None, 0, 0.0, None]  # running_mean's sums: (the list summed, entries in it, floats, tensors)
         self.steps_per_epoch = data.steps_per_epoch(plan)
         self.epoch = reporter.epoch = run.epoch  # (a --loop body may never iterate ctx.epochs(), which sets it)
         self.step = 0
@@ -282,8 +283,10 @@ class Context:
 
     def any_nonfinite(self, loss, value) -> bool:
         """True on every rank when the loss of this step is NaN or infinite on any rank."""
-        bad = (not math.isfinite(value)) if value is not None else bool((~torch.isfinite(loss.detach())).item())
-        flag = torch.tensor([1.0 if bad else 0.0], device=group_device())
+        if value is not None:
+            flag = torch.tensor([0.0 if math.isfinite(value) else 1.0], device=group_device())
+        else:  # the flag is made where the loss is: one read (after the all-reduce), not two
+            flag = (~torch.isfinite(loss.detach().float())).float().reshape(1).to(group_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
@@ -328,7 +331,8 @@ class Context:
         stepper, extra = self.stepper, self._reporter.extra
         extra.update(micro_step=self.step, opt_step=stepper.optimizer_steps, lr=stepper.lr,
                      grad_norm=stepper.last_norm)
-        self._reporter.record(detached, self._batch_samples if num_samples is None else num_samples)
+        self._reporter.record(detached if value is None else value,  # a value read already: no second read
+                              self._batch_samples if num_samples is None else num_samples)
         if self.logger is not None:
             self.logger.micro_step(detached if value is None else value)
         every = self.plan.checkpoint_every
@@ -433,6 +437,24 @@ class Context:
         floats = [v for v in self._losses if isinstance(v, float)]
         tensors = [v for v in self._losses if not isinstance(v, float)]
         return math.fsum(floats) + (float(torch.stack(tensors).double().sum()) if tensors else 0.0)
+
+    def running_mean(self) -> tuple:
+        """``(mean, steps)`` of this rank's step losses since the epoch began, for the dashboard: the mean is a float,
+        or a 0-d tensor on the rank's device not read yet (the reporter reads it without waiting for the GPU,
+        :mod:`distnb.engine.lazyread`). Only the losses reported since the last call are added (no re-summing)."""
+        acc = self._running
+        if acc[0] is not self._losses:  # a new epoch's list
+            acc[:] = [self._losses, 0, 0.0, None]
+        for v in self._losses[acc[1]:]:
+            if isinstance(v, float):
+                acc[2] += v
+            else:
+                acc[3] = v.double() if acc[3] is None else acc[3] + v.double()
+        acc[1] = len(self._losses)
+        if not self._loss_count:
+            return math.nan, 0
+        total = acc[2] if acc[3] is None else acc[3] + acc[2]
+        return total / self._loss_count, self._loss_count
 
     def steps_mean(self) -> tuple:
         """``(mean, steps)``: this rank's mean loss over the steps it trained since the last epoch end (no collective).

@@ -18,7 +18,7 @@ import torch
 
 from ..plan import DEFAULT_LR, STRATEGIES, TrainPlan, optimizer_state_readable, redistribution
 from . import batchnorm, checkpoint, collectives, datasets, postmortem, runtime, shard as sharding, stepping, wire
-from . import abort, binding, report, where
+from . import abort, binding, hostcopy, precision_check, report, where
 from .report import LINGER as RELAY_LINGER, Reporter, host_relay, publish_raw
 from . import strategies
 from .context import Context, StopRequest, _Stopped, agree_on_steps  # noqa: F401 - the cell's ctx and its stop
@@ -52,10 +52,7 @@ class Shard:
         return len(self.columns[0])
 
     def batch(self, idx, device):
-        if device.type == "cpu":
-            cols = [c[idx] for c in self.columns]
-        else:
-            cols = [c[idx].to(device, non_blocking=True) for c in self.columns]
+        cols = [hostcopy.rows(c, idx, device) for c in self.columns]  # pinned, non-blocking on a GPU
         kind = self.structure[0]
         if kind == "tensor":
             return cols[0]
@@ -438,7 +435,8 @@ def _cell_extras(ns, plan, run, ctx, code, steps) -> str:
     first = max(1, steps - math.ceil(ctx.skip / plan.batch_size))  # an epoch resumed in the middle: its rest
     total = Stepper.groups_per_epoch(first, plan.accumulate) + \
         (plan.epochs - 1) * Stepper.groups_per_epoch(steps, plan.accumulate)
-    note = stepping.prepare_schedule(plan, run, max(1, total), ns, lr_given=plan.lr is not None)
+    note = " ".join(x for x in (stepping.prepare_schedule(plan, run, max(1, total), ns, lr_given=plan.lr is not None),
+                                precision_check.precision_note(plan.precision, runtime.STATE.device)) if x)
     if plan.val_data is not None:
         ctx.validator = Validator(plan, run, SHARDS[plan.val_data], ns, runtime.STATE.device)
     if plan.log_dir is not None:

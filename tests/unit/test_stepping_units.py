@@ -50,7 +50,7 @@ def test_total_norm_equals_torch_clip_grad_norm_on_one_process():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 2))
     net(torch.randn(3, 5)).sum().backward()
-    mine = stepping.total_norm(list(net.parameters()), False, torch.device("cpu"))
+    mine = float(stepping.total_norm(list(net.parameters()), False, torch.device("cpu")))
     assert mine == pytest.approx(float(torch.nn.utils.clip_grad_norm_(net.parameters(), 1e9)), rel=1e-6)
 
 

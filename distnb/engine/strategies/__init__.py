@@ -237,10 +237,22 @@ def is_container(module) -> bool:
 
 
 def check_loss(loss, ctx):
-    """Validate the body's ``loss``; returns ``float(loss)`` on CPU (None on GPU: no sync per step)."""
+    """Validate the body's ``loss``; returns ``float(loss)``, read on every device.
+
+    ``--nan stop`` (the default) stops *before* the update, so the value must be known before
+    ``optimizer.step()``: on a GPU rank this read is one host synchronisation per step (the same
+    one ``torch.amp.GradScaler`` makes for fp16). The value then serves the progress report and
+    the epoch mean, which read nothing more. It once returned None for a non-CPU loss, and NaN
+    losses trained on silently on GPUs (GPU review, finding 4).
+
+    Raises
+    ------
+    FloatingPointError
+        ``--nan stop`` and a NaN or infinite loss, naming the rank, epoch and step.
+    ValueError
+        No ``loss``, not a scalar tensor, or one that does not require grad.
+    """
     if isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1:
-        if loss.device.type != "cpu":
-            return None
         value = loss.item()
         if ctx.plan.nan == "stop" and not math.isfinite(value):
             raise FloatingPointError(f"the loss is {value} at rank {ctx.rank}, epoch {ctx.epoch}, step {ctx.step}; "
