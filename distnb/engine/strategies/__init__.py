@@ -169,7 +169,7 @@ class Strategy:
             return
         for buf in self.module.buffers():
             if buf.device.type != "meta" and not hasattr(buf, "to_local"):  # a DTensor buffer is the mesh's
-                dist.broadcast(buf, src=0)
+                dist.broadcast(buf, src=0)  # group device: the module's buffers, on the rank's device
 
     def full_state(self):
         """The whole model's state as :func:`wire.flatten_state` on rank 0, None elsewhere.
