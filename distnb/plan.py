@@ -225,8 +225,10 @@ class TrainPlan:
                                      "live one, none for a new optimizer)")
     warmup_steps: int = option(0, "int", "optimizer steps of linear warm-up before --lr-schedule (default 0)",
                                minimum=0)
-    val_data: str | None = option(None, "name", "notebook name of a validation set, sharded like --data; evaluated "
-                                  "after every --val-every epochs with model.eval() and no_grad")
+    val_data: str | None = option(None, "name", "notebook name of a validation set, sharded like --data (tensors, a "
+                                  "Dataset or IterableDataset, or make(rank, world_size) run on each rank; fewer samples "
+                                  "than ranks is fine); evaluated after every --val-every epochs with model.eval() and "
+                                  "no_grad, e.g. --val-data val_set")
     val_every: int = option(1, "int", "epochs between validations (default 1; the cell's last epoch always is one)",
                             minimum=1)
     metric: str | None = option(None, "name", "notebook function metric(output, target) -> per-sample scores (or a "

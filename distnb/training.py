@@ -15,7 +15,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
-from . import calls, captured, carried, data, export, modelcheck, options, transfer
+from . import calls, captured, carried, data, export, modelcheck, options, presses, transfer, valsets
 from .display import ProgressState, make_view, view_kind
 from .display.tables import count
 from .errors import PlanError, RankError
@@ -247,9 +247,9 @@ def check_step_options(session, plan, model_obj) -> None:
     if plan.val_data is not None:
         if plan.val_data not in ns:
             raise PlanError(f"--val-data {plan.val_data!r} is not defined in the notebook; define it in a cell first")
-        if not _is_data_set(ns[plan.val_data]):
+        if not _is_data_set(ns[plan.val_data]) and not valsets.accepted(ns[plan.val_data]):
             raise PlanError(f"--val-data {plan.val_data} is a {type(ns[plan.val_data]).__name__}, not a data set "
-                            "(a tensor, a tuple or dict of tensors, a TensorDataset or a torch Dataset)")
+                            f"({valsets.WHAT})")
     for flag, name in (("--metric", plan.metric), ("--lr-schedule", None if plan.lr_schedule in LR_SCHEDULES
                                                    else plan.lr_schedule)):
         if name is None:
@@ -299,9 +299,12 @@ def prepare(session, plan, code, model_obj, data_obj, quiet) -> tuple:
     if not plan.data_on_ranks:
         data.path_of(plan, data_obj)  # a --data that cannot be sent fails here, before the model is sent
     autopush(session, code, exclude=(model_obj, data_obj, val_obj))
-    if val_obj is not None:  # the same scatter as the training set (seeded, disjoint, covering shards); one that
+    if val_obj is not None and valsets.is_made_on_ranks(val_obj):  # make(rank, world_size): each rank its part
+        valsets.build_on_ranks(session, plan, val_obj, num_shards, quiet)
+    elif val_obj is not None:  # the same scatter as the training set (seeded, disjoint, covering shards); one that
         # cannot be cut into tensors fails here, before the model is sent
-        ensure_data(session, plan, val_obj, quiet, num_shards, silent=quiet, name=plan.val_data)
+        ensure_data(session, plan, valsets.kernel_form(plan.val_data, val_obj), quiet, num_shards, silent=quiet,
+                    name=plan.val_data)
     sent = ensure_model(session, plan, model_obj, quiet)
     ensure_data(session, plan, data_obj, quiet or not sent, num_shards, silent=quiet)
     return num_shards, data.steps_of(plan, session.holdings.data[plan.data], num_shards), sent
@@ -417,7 +420,7 @@ def ensure_data(session, plan, data_obj, quiet, num_shards, silent=False, name=N
     if info is None or "structure" not in info or info["fingerprint"] != data.held_fingerprint(data_obj) or \
             info["seed"] != plan.seed or info["num_shards"] != num_shards:
         try:
-            data.scatter(session, name, data_obj, plan.seed, num_shards)
+            data.scatter(session, name, data_obj, plan.seed, num_shards, allow_empty=name != plan.data)
         except PlanError as exc:
             if name == plan.data:
                 raise
@@ -506,7 +509,7 @@ def train_cell(session, code, model, data, run, given):
     stopped = None
     from .transfer import Offer
 
-    with Offer(session.cluster, model_obj) as outbox:  # a kernel segment for rank 0's trained state (resident)
+    with Offer(session.cluster, model_obj) as outbox, presses.held():  # rank 0's state (resident); presses counted
         try:
             rows = run_on_ranks(session, calls.train, plan.to_dict(), code, outbox, what="training", state=state,
                                 view=view, show_ranks=show)

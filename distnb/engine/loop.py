@@ -361,7 +361,7 @@ def _train(ns, plan, code_text, relay):
         watchdog = where.Watchdog(publish_raw, ddp_backward=plan.strategy == "ddp")
         watchdog.start()
         try:
-            with collectives.checked(off=plan.unchecked, timeout=st.timeout):  # a mismatch: an error, not a hang
+            with collectives.checked(off=plan.unchecked, timeout=st.timeout, training=True):  # a skipped call: a hang, not an abort
                 _run_body(ns, code, ctx, plan)
         except _Stopped:
             pass

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ..plan import BOUND_PREFIX
 from . import shard as sharding
+from .collectives import on_group
 
 
 class _Capture:
@@ -107,7 +108,8 @@ class Validator:
         self.best_state = None
         self.bad_evaluations = 0
         self.metric_name = self._metric_label()
-        longest = sharding.shard_length(data.num_samples, data.num_shards, 0)
+        # the longest shard (a part each rank built with make(rank, world_size) says its own: engine/valparts.py)
+        longest = getattr(data, "longest", None) or sharding.shard_length(data.num_samples, data.num_shards, 0)
         self.num_batches = max(1, -(-longest // plan.batch_size))
 
     def _metric_label(self):
@@ -154,6 +156,7 @@ class Validator:
             module.train()
             ns.update(saved)
         if self.data.num_shards > 1:  # ranks with different shards: exact totals over all of them
+            sums = on_group(sums)  # already there unless the rank's device is not the group's
             dist.all_reduce(sums)
             copies = dist.get_world_size() // self.data.num_shards
             if copies > 1:  # the ranks of one shard (a tensor-parallel group) evaluated the same samples
@@ -182,7 +185,7 @@ class Validator:
             raise type(exc)(f"--metric {self.plan.metric or 'accuracy'} raised on rank {ctx.rank}: {exc}") from exc
 
     def _batch(self, ctx, code, idx, k, strategy):
-        batch = self.data.batch(idx, self.device)
+        batch = self.data.batch(idx, self.device) if len(self.data) else self._pad(self.data)
         own = getattr(strategy, "validation_sums", None)  # pipeline: through the stages
         if own is not None:
             return own(self.ns, code, ctx, batch, k, lambda out, target, n: _floats(self._metric_sums(ctx, out, target, n)))
@@ -208,6 +211,12 @@ class Validator:
             if k:
                 out[2], out[3] = found
         return out
+
+    def _pad(self, data):
+        """A batch of one zero sample shaped as ``data``'s (an empty shard: fewer samples than ranks), counted in no
+        sum: the rank still runs every forward the others run (FSDP gathers, DDP buffers need it)."""
+        zeros = [torch.zeros((1, *c.shape[1:]), dtype=c.dtype) for c in data.columns]
+        return type(data)(1, 1, data.seed, 0, data.structure, zeros).batch(slice(None), self.device)
 
     def _track_best(self, entry) -> None:
         loss = entry["loss"]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import numbers
 
 import torch
 
@@ -168,7 +169,7 @@ class Strategy:
             return
         for buf in self.module.buffers():
             if buf.device.type != "meta" and not hasattr(buf, "to_local"):  # a DTensor buffer is the mesh's
-                dist.broadcast(buf, src=0)
+                dist.broadcast(buf, src=0)  # group device: the module's buffers, on the rank's device
 
     def full_state(self):
         """The whole model's state as :func:`wire.flatten_state` on rank 0, None elsewhere.
@@ -263,10 +264,16 @@ def check_loss(loss, ctx):
     if loss is None:
         raise ValueError(f"the %%distrain body left no `loss` ({where}); its last line should be "
                          "like `loss = F.cross_entropy(model(x), y)`")
+    if isinstance(loss, numbers.Number) or (hasattr(loss, "dtype") and not isinstance(loss, torch.Tensor)
+                                             and getattr(loss, "ndim", None) == 0):  # a float, a numpy scalar
+        raise ValueError(f"`loss` is a Python {type(loss).__name__}, not a scalar tensor ({where}): `.item()` (or "
+                         "float()) turns the loss into a number that backward cannot run through; drop `.item()` and "
+                         "leave the tensor, e.g. `loss = F.cross_entropy(model(x), y)` (distnb logs its value)")
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ValueError(f"`loss` must be a scalar tensor, got {shape} ({where}); reduce it, e.g. `.mean()`")
-    raise ValueError(f"`loss` does not require grad ({where}); compute it from `model(...)` outputs")
+    raise ValueError(f"`loss` does not require grad ({where}); compute it from `model(...)` outputs (a `.item()`, "
+                     "`.detach()` or `torch.tensor(...)` on the way cuts it from the graph: drop it)")
 
 
 def gathered_state(module):
