@@ -29,6 +29,7 @@ DATASETS = "distnb.engine.datasets"
 NET = "distnb.net"
 POSTMORTEM = "distnb.engine.postmortem"
 ELASTIC = "distnb.engine.elastic"
+MATERIALIZE = "distnb.engine.materialize"
 
 
 @dataclass(frozen=True)
@@ -164,8 +165,16 @@ def lookup(name): ...
 
 
 # engine/loop.py: training ------------------------------------------------------------
-@_on_rank(LOOP, with_ns=True)
+@_on_rank(MATERIALIZE, with_ns=True)
 def install_model(name, payload, descs, steps, *buffers): ...
+
+
+@_on_rank(MATERIALIZE, with_ns=True)
+def place_model(name, plan_dict, steps, payload, descs, rng, *buffers): ...
+
+
+@_on_rank(MATERIALIZE)
+def capacity(): ...
 
 
 @_on_rank(LOOP, with_ns=True)

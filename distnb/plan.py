@@ -191,6 +191,15 @@ class TrainPlan:
                             "synchronous)", minimum=0, strategy="ps",
                             doc="0 synchronous; K > 0 lets workers run up to K steps ahead of the last update they "
                                 "have received (bounded asynchrony, Ho et al. 2013, \"Stale Synchronous Parallel\").")
+    init: str | None = option(None, "name", "a model built on the meta device: notebook function f(module) that "
+                              "initialises the tensors a module holds itself, called for each such module in "
+                              "named_modules() order in place of its reset_parameters() (e.g. --init init_weights)",
+                              doc="For a model the notebook built on the meta device (``with torch.device('meta'):``): "
+                                  "the ranks materialise only the part they hold and initialise it module by module "
+                                  "from the notebook's torch generator state, calling ``f(module)`` for each module "
+                                  "that holds parameters or buffers of its own, instead of its "
+                                  "``reset_parameters()``. The weights equal those of a one-process build that does "
+                                  "the same after the same ``torch.manual_seed``.")
     reset: bool = option(False, "flag", "re-send the kernel's model as it is now (its trained weights; build a new "
                          "model for fresh ones) with a fresh optimizer and epoch count")
     target_loss: float | None = option(None, "float", "stop after an epoch whose mean loss (with --val-data: "

@@ -225,6 +225,7 @@ class Tensor(VerifiedPlan, DefaultPlanHint, Strategy):
     """
 
     name = "tensor"
+    shards_first = True  # split on the meta device, then this rank materialises its part
     data_parallel = False
     wraps_model = False  # parallelize_module changes the module in place
 

@@ -189,6 +189,18 @@ class VerifiedPlan:
         self._probe = [skeleton(module), None]
         self._words = (label, plan_text, {row: col for col, row in pairs})
 
+    def placed(self) -> None:
+        """The module was split on the meta device: the copy takes the buffers outside the state dict now placed."""
+        if self._probe is None:
+            return
+        whole = self._probe[0]
+        for name, mod in whole.named_modules():
+            for key in mod._non_persistent_buffers_set:
+                if mod._buffers.get(key) is not None and mod._buffers[key].is_meta and _has(self.module, name):
+                    live = self.module.get_submodule(name)._buffers.get(key)
+                    if live is not None and not live.is_meta:
+                        mod._buffers[key] = live.detach().clone()
+
     def watch(self) -> None:
         """Put the check on the first call of ``self.model`` (again after ``--compile`` replaced it)."""
         if self._probe is None:
