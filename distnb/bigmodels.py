@@ -141,8 +141,8 @@ def send_calls(cluster, plan, model, steps, payload, descs, sent):
     """The calls that send ``model`` (packed as ``payload``/``descs``, bytes in ``sent``) to every rank.
 
     A strategy that shards first, or a meta model, goes as its structure: the ranks distribute it
-    before they materialise their part (:func:`distnb.engine.materialize.place_model`); otherwise
-    every rank receives the whole model (:func:`distnb.engine.materialize.install_model`).
+    before they materialise their part (:func:`distnb.engine.install.place_model`); otherwise
+    every rank receives the whole model (:func:`distnb.engine.install.install_model`).
     """
     from .engine import strategies
 

@@ -30,6 +30,7 @@ NET = "distnb.net"
 POSTMORTEM = "distnb.engine.postmortem"
 ELASTIC = "distnb.engine.elastic"
 MATERIALIZE = "distnb.engine.materialize"
+INSTALL = "distnb.engine.install"
 
 
 @dataclass(frozen=True)
@@ -165,11 +166,11 @@ def lookup(name): ...
 
 
 # engine/loop.py: training ------------------------------------------------------------
-@_on_rank(MATERIALIZE, with_ns=True)
+@_on_rank(INSTALL, with_ns=True)
 def install_model(name, payload, descs, steps, *buffers): ...
 
 
-@_on_rank(MATERIALIZE, with_ns=True)
+@_on_rank(INSTALL, with_ns=True)
 def place_model(name, plan_dict, steps, payload, descs, rng, *buffers): ...
 
 

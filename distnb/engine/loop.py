@@ -575,7 +575,7 @@ def save_checkpoint(ns, name, directory):
 def restore(ns, name, directory, changes=None):
     """``%dist load``: rebuild the strategy and optimizer the checkpoint was saved with and load it.
 
-    The model must have been sent (materialize.install_model) just before. ``changes`` (dict of TrainPlan
+    The model must have been sent (install.install_model) just before. ``changes`` (dict of TrainPlan
     fields) alters the saved plan for this world: ``{"mesh": "2x2"}`` for an fsdp+tensor model
     saved on ``1x2`` (:func:`distnb.meshes.refit`). Returns the checkpoint metadata.
     """

@@ -33,6 +33,7 @@ import math
 import torch
 
 from ...plan import STRATEGIES
+from .. import materialize
 
 
 class StrategyError(ValueError):
@@ -298,8 +299,6 @@ def build(module, plan, device, ns, pending=None) -> Strategy:
     structure on the meta device: a strategy that shards (:attr:`Strategy.shards_first`) then splits
     it as it is and only this rank's part is materialised; the others get the whole model first.
     """
-    from .. import materialize
-
     cls = strategy_class(plan.strategy)
     init = materialize.init_function(ns, plan) if pending is not None else None
     if pending is not None and not cls.shards_first:
