@@ -75,7 +75,8 @@ def rank_need(model, plan, world_size: int) -> tuple[int, str]:
 
         units = plan.fsdp_units or default_units(model)
         largest = max((model_bytes(model.get_submodule(u)) for u in units), default=0)
-        return share + largest, f"1/{world_size} of the model ({_gib(share)}) plus its largest FSDP unit ({_gib(largest)})"
+        return share + largest, (f"1/{world_size} of the model ({_gib(share)}) plus its largest FSDP unit "
+                                 f"({_gib(largest)})")
     return share, f"1/{world_size} of the model"
 
 
@@ -116,6 +117,11 @@ def rng_state() -> bytes:
     import torch
 
     return torch.random.get_rng_state().numpy().tobytes()
+
+
+def sent_note(model) -> str:
+    """What the line saying a model was sent adds for a meta model ("" for others)."""
+    return "; on the meta device: each rank initialises the part it holds" if on_meta(model) else ""
 
 
 def stays_note(name: str) -> str:

@@ -301,7 +301,8 @@ def prepare(session, plan, code, model_obj, data_obj, quiet) -> tuple:
         session.push(plan.optimizer)
     num_shards = strategies.data_parallel_size(plan, session.world_size)
     schedule = None if plan.lr_schedule in LR_SCHEDULES else plan.lr_schedule
-    for option, flag in ((plan.loss, "--loss"), (plan.tp_plan, "--tp-plan"), (plan.metric, "--metric"), (plan.init, "--init"),
+    for option, flag in ((plan.loss, "--loss"), (plan.tp_plan, "--tp-plan"), (plan.metric, "--metric"),
+                         (plan.init, "--init"),
                          (schedule, "--lr-schedule"), (plan.collate, "--collate")):
         if option is not None:
             session._lookup(option, flag)
@@ -383,7 +384,8 @@ def ensure_model(session, plan, model_obj, quiet) -> bool:
     del buffers, keep
     held.models[plan.model] = fingerprint(model_obj)  # the same state (a move keeps version counters)
     if not quiet:
-        print(f"distnb: sent {plan.model} ({type(model_obj).__name__}, {counts[0]:,} parameters) to "
+        what = f"{type(model_obj).__name__}, {counts[0]:,} parameters{bigmodels.sent_note(model_obj)}"
+        print(f"distnb: sent {plan.model} ({what}) to "
               f"{count(session.world_size, 'rank')}; {start_sentence(plan, held.resume_steps)}")
     return True
 

@@ -301,7 +301,8 @@ def _cgroup_room():
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if "memory" in controllers.split(","):
-            files = (f"/sys/fs/cgroup/memory{path}/memory.limit_in_bytes", f"/sys/fs/cgroup/memory{path}/memory.usage_in_bytes")
+            base = f"/sys/fs/cgroup/memory{path}"
+            files = (f"{base}/memory.limit_in_bytes", f"{base}/memory.usage_in_bytes")
         elif controllers == "":
             files = (f"/sys/fs/cgroup{path}/memory.max", f"/sys/fs/cgroup{path}/memory.current")
         else:

@@ -155,7 +155,8 @@ def test_init_function_initialises_every_module_as_one_process(dist_session, she
 
 
 @pytest.mark.parametrize("strategy,need", [("ddp", r"each rank would need 4\d\.\d\d GiB for the whole model"),
-                                           ("fsdp", r"each rank would need 66\.\d\d GiB for 1/2 of the model \(22\.\d\d GiB\) "
+                                           ("fsdp", r"each rank would need 66\.\d\d GiB for 1/2 of the model "
+                                                    r"\(22\.\d\d GiB\) "
                                                     r"plus its largest FSDP unit \(44\.\d\d GiB\)")])
 def test_a_meta_model_too_big_for_the_ranks_is_refused_before_anything_is_sent(dist_session, shell, strategy, need):
     ns = shell.user_ns
