@@ -167,3 +167,19 @@ def test_a_meta_model_too_big_for_the_ranks_is_refused_before_anything_is_sent(d
         dist_session.train(BODY, model="meta_huge", data="meta_data", epochs=1, batch_size=16, strategy=strategy,
                            progress="none", quiet=True)
     assert "meta_huge" not in dist_session.holdings.models
+
+
+def test_a_big_tensor_parallel_meta_model_trains_without_the_whole_model_check(dist_session, shell, capsys):
+    ns = shell.user_ns
+    ns["F"] = F
+    ns["big_tp_data"] = torch.utils.data.TensorDataset(torch.randn(8, 4096))
+    torch.manual_seed(0)
+    with torch.device("meta"):  # 256 MiB and a bit: the plan check would hold all of it on every rank
+        ns["big_tp"] = nn.Sequential(nn.Linear(4096, 8192), nn.ReLU(), nn.Linear(8192, 4096))
+    r = dist_session.train("loss = model(batch[0]).pow(2).mean()", model="big_tp", data="big_tp_data", epochs=1,
+                           batch_size=4, optimizer="sgd", lr=1e-3, strategy="tensor", progress="none", quiet=True)
+    out = capsys.readouterr().out
+    assert "tensor plan is not verified against the whole model (256 MiB" in out
+    assert [row["steps"] for row in r.rows] == [2, 2]
+    half = (4096 * 8192 * 2 * 4 + 8192 * 4) // 2  # each rank: half of both weights and of the first bias
+    assert [row["sharded_param_bytes"] for row in r.rows] == [half, half]
