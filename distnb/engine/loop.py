@@ -377,6 +377,7 @@ def _train(ns, plan, code_text, relay):
         stop.__exit__()
         data.close()  # DataLoader workers end with the cell, however it ends
         sys.stdout.flush()
+    reporter.extra["train_seconds"] = seconds  # the dashboard's final samples/s is the TrainResult's
     carried = _last_word(reporter, relay, "interrupted" if ctx.interrupted else "done")
     state = None if run.weights_stay else run.strategy.full_state()  # a collective for sharded strategies
     # the mean over the cell's last epoch; with none finished, over the steps trained (its loss_steps; 0: an epoch's)
