@@ -209,8 +209,10 @@ def materialize(pending: Pending, module, device, keep=None, init=None) -> None:
     by_index: dict[int, list] = {}
     for name, live in placed.items():
         index = pending.names.get(name)
-        if index is not None:
-            by_index.setdefault(index, []).append(live)
+        if index is None:  # not in what was received: it would be left as uninitialised memory
+            raise RuntimeError(f"rank {runtime.STATE.rank}: {name} is on the meta device after distributing the "
+                               "model but was not among the tensors received; it has no value to take")
+        by_index.setdefault(index, []).append(live)
     for index, lives in by_index.items():
         if pending.source.has_data(index):
             with pending.source.full(index) as full:
@@ -219,6 +221,11 @@ def materialize(pending: Pending, module, device, keep=None, init=None) -> None:
                 del full
     if pending.needs_init:
         initialize(pending, by_index, init)
+
+
+def _without_data(pending: Pending, name: str) -> bool:
+    index = pending.names.get(name)
+    return index is not None and not pending.source.has_data(index)
 
 
 def _module_label(name: str, mod) -> str:
@@ -245,8 +252,7 @@ def initialize(pending: Pending, by_index: dict, init=None) -> None:
             torch.random.set_rng_state(pending.rng)
         for mod_name, mod in pending.shadow.named_modules():
             own = [(table, key, t) for table in (mod._parameters, mod._buffers) for key, t in table.items()
-                   if t is not None and t.is_meta
-                   and not pending.source.has_data(pending.names.get(f"{mod_name}.{key}" if mod_name else key, 0))]
+                   if t is not None and t.is_meta and _without_data(pending, f"{mod_name}.{key}" if mod_name else key)]
             if not own:
                 continue
             fn = init if init is not None else getattr(mod, "reset_parameters", None)
