@@ -124,6 +124,12 @@ def sent_note(model) -> str:
     return "; on the meta device: each rank initialises the part it holds" if on_meta(model) else ""
 
 
+def reinit_note(name: str) -> str:
+    """What a cell says when a meta model the ranks held (and trained) is sent again: it starts from a new init."""
+    return (f"{name} is on the meta device in the notebook, so sending it again initialises it afresh on the ranks: "
+            f"the weights they trained are not carried over (%dist save DIR before, then %dist load DIR, keeps them)")
+
+
 def stays_note(name: str) -> str:
     """What the cell says about a meta model's weights."""
     return (f"{name} is on the meta device in the notebook, so its weights stay on the ranks (each holds its part) "

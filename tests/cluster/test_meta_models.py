@@ -183,3 +183,15 @@ def test_a_big_tensor_parallel_meta_model_trains_without_the_whole_model_check(d
     assert [row["steps"] for row in r.rows] == [2, 2]
     half = (4096 * 8192 * 2 * 4 + 8192 * 4) // 2  # each rank: half of both weights and of the first bias
     assert [row["sharded_param_bytes"] for row in r.rows] == [half, half]
+
+
+def test_a_meta_model_sent_again_says_its_trained_weights_are_not_carried(dist_session, shell, capsys):
+    ns = shell.user_ns
+    ns["meta_data"], ns["F"] = parity_data(), F
+    ns["meta_again"] = built(meta=True)
+    opts = dict(data="meta_data", epochs=1, batch_size=16, optimizer="sgd", lr=0.1, seed=4, progress="none")
+    dist_session.train(BODY, model="meta_again", strategy="fsdp", **opts)
+    capsys.readouterr()
+    dist_session.train(BODY, model="meta_again", strategy="ddp", **opts)  # another strategy: sent again
+    out = capsys.readouterr().out
+    assert "meta_again is on the meta device in the notebook, so sending it again initialises it afresh" in out
