@@ -31,6 +31,7 @@ POSTMORTEM = "distnb.engine.postmortem"
 ELASTIC = "distnb.engine.elastic"
 MATERIALIZE = "distnb.engine.materialize"
 INSTALL = "distnb.engine.install"
+VALPARTS = "distnb.engine.valparts"
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def _on_rank(module: str, with_ns: bool = False):
 # engine/runtime.py: process group and cells ------------------------------------------
 @_on_rank(RUNTIME, with_ns=True)
 def setup(rank, world_size, local_rank, backend, device_type, gpu, num_threads, master_addr, master_port,
-          timeout, node_rank=0, host=None, interface=None, bind_among=None): ...
+          timeout, node_rank=0, host=None, interface=None, bind_among=None, local_world_size=None): ...
 
 
 @_on_rank(RUNTIME)
@@ -85,7 +86,7 @@ def info(**extra): ...
 
 
 @_on_rank(RUNTIME, with_ns=True)
-def release(drop_store=False): ...
+def release(drop_store=False, failed_cell=False): ...
 
 
 @_on_rank(RUNTIME, with_ns=True)
@@ -106,7 +107,8 @@ def run_cell(code, targets=None, unchecked=False): ...
 
 # engine/elastic.py: %dist scale, the world re-formed at a new size --------------------------
 @_on_rank(ELASTIC, with_ns=True)
-def resize(rank, world_size, num_threads, master_addr, master_port, local_rank=None, bind_among=None): ...
+def resize(rank, world_size, num_threads, master_addr, master_port, local_rank=None, bind_among=None,
+           local_world_size=None): ...
 
 
 @_on_rank(ELASTIC, with_ns=True)
@@ -193,6 +195,11 @@ def install_dataset(name, kind, num_shards, payload, descs, *buffers): ...
 
 @_on_rank(DATASETS, with_ns=True)
 def adopt_dataset(name, num_shards): ...
+
+
+# engine/valparts.py: a validation set each rank builds (--val-data make) ------------------
+@_on_rank(VALPARTS, with_ns=True)
+def build_val_part(name, num_shards, seed): ...
 
 
 @_on_rank(LOOP)

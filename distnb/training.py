@@ -15,7 +15,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
-from . import bigmodels, calls, carried, data, export, modelcheck, options, transfer
+from . import bigmodels, calls, captured, carried, data, export, modelcheck, options, presses, transfer, valsets
 from .display import ProgressState, make_view, view_kind
 from .display.tables import count
 from .errors import PlanError, RankError
@@ -236,9 +236,6 @@ def check_step_options(session, plan, model_obj) -> None:
     from .engine import batchnorm
 
     on_cpu = session.cluster.spec.device_type != "cuda"
-    if plan.precision == "fp16" and on_cpu:
-        raise PlanError("--precision fp16 needs GPU ranks (its torch.amp.GradScaler scales CUDA gradients); these "
-                        "ranks compute on CPU: use --precision bf16")
     if on_cpu and (plan.sync_bn or batchnorm.holds_sync_batchnorm(model_obj)):
         what = "--sync-bn" if plan.sync_bn else f"--model {plan.model} holds torch.nn.SyncBatchNorm layers, which"
         raise PlanError(f"{what} needs GPU ranks: torch's SyncBatchNorm runs on CUDA only, and these ranks compute "
@@ -247,9 +244,9 @@ def check_step_options(session, plan, model_obj) -> None:
     if plan.val_data is not None:
         if plan.val_data not in ns:
             raise PlanError(f"--val-data {plan.val_data!r} is not defined in the notebook; define it in a cell first")
-        if not _is_data_set(ns[plan.val_data]):
+        if not _is_data_set(ns[plan.val_data]) and not valsets.accepted(ns[plan.val_data]):
             raise PlanError(f"--val-data {plan.val_data} is a {type(ns[plan.val_data]).__name__}, not a data set "
-                            "(a tensor, a tuple or dict of tensors, a TensorDataset or a torch Dataset)")
+                            f"({valsets.WHAT})")
     for flag, name in (("--metric", plan.metric), ("--lr-schedule", None if plan.lr_schedule in LR_SCHEDULES
                                                    else plan.lr_schedule)):
         if name is None:
@@ -300,9 +297,12 @@ def prepare(session, plan, code, model_obj, data_obj, quiet) -> tuple:
     if not plan.data_on_ranks:
         data.path_of(plan, data_obj)  # a --data that cannot be sent fails here, before the model is sent
     autopush(session, code, exclude=(model_obj, data_obj, val_obj))
-    if val_obj is not None:  # the same scatter as the training set (seeded, disjoint, covering shards); one that
+    if val_obj is not None and valsets.is_made_on_ranks(val_obj):  # make(rank, world_size): each rank its part
+        valsets.build_on_ranks(session, plan, val_obj, num_shards, quiet)
+    elif val_obj is not None:  # the same scatter as the training set (seeded, disjoint, covering shards); one that
         # cannot be cut into tensors fails here, before the model is sent
-        ensure_data(session, plan, val_obj, quiet, num_shards, silent=quiet, name=plan.val_data)
+        ensure_data(session, plan, valsets.kernel_form(plan.val_data, val_obj), quiet, num_shards, silent=quiet,
+                    name=plan.val_data)
     sent = ensure_model(session, plan, model_obj, quiet)
     ensure_data(session, plan, data_obj, quiet or not sent, num_shards, silent=quiet)
     return num_shards, data.steps_of(plan, session.holdings.data[plan.data], num_shards), sent
@@ -346,6 +346,8 @@ def ensure_model(session, plan, model_obj, quiet) -> bool:
     from .transfer import _pool as transfer_pool, fingerprint, outgoing, pack_named
 
     held = session.holdings
+    if captured.library_patches(model_obj):  # notebook code in a library class: the ranks never get it
+        print(f"distnb: warning: {captured.library_patch_warning(plan.model, model_obj)}")
     fp = fingerprint(model_obj)
     key = plan.strategy_key()
     last = held.distributed.get(plan.model)
@@ -421,7 +423,7 @@ def ensure_data(session, plan, data_obj, quiet, num_shards, silent=False, name=N
     if info is None or "structure" not in info or info["fingerprint"] != data.held_fingerprint(data_obj) or \
             info["seed"] != plan.seed or info["num_shards"] != num_shards:
         try:
-            data.scatter(session, name, data_obj, plan.seed, num_shards)
+            data.scatter(session, name, data_obj, plan.seed, num_shards, allow_empty=name != plan.data)
         except PlanError as exc:
             if name == plan.data:
                 raise
@@ -512,7 +514,7 @@ def train_cell(session, code, model, data, run, given):
     stopped = None
     from .transfer import Offer
 
-    with Offer(session.cluster, model_obj) as outbox:  # a kernel segment for rank 0's trained state (resident)
+    with Offer(session.cluster, model_obj) as outbox, presses.held():  # rank 0's state (resident); presses counted
         try:
             rows = run_on_ranks(session, calls.train, plan.to_dict(), code, outbox, what="training", state=state,
                                 view=view, show_ranks=show)
@@ -569,8 +571,14 @@ def finish(session, plan, model_obj, rows, wall_seconds, num_shards, run, stoppe
     if stopped is not None:
         result.mark_interrupted(str(stopped))
     if not run.quiet:  # run: the cell's RunOptions
-        for note in loopcell.notes(rows[0], plan, given, started=not started_shown):
+        for note in loopcell.notes(rows[0], plan, given, started=not started_shown) + result.step_notes:
             print(f"distnb: {note}")
+        # stated once per session, by the first foreground cell that averages (a background run's end prints
+        # with %dist wait or stop, whose own words come first)
+        background = session._background is not None and session._background.current_thread_is_runner()
+        if result.loss_convention and not background and not getattr(session, "loss_convention_said", False):
+            session.loss_convention_said = True
+            print(f"distnb: {result.loss_convention}")
     session.holdings.trained_steps[plan.model] = rows[0]["global_steps"]
     session.holdings.remember(plan, model_obj)  # what the ranks accepted carries over to the model's next cell
     return result

@@ -82,6 +82,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..collectives import group_device, on_group
 from . import Strategy, StrategyError, check_loss, tensor_bytes
 from .pipeline_split import is_plain_sequential, num_microbatches, split_points, tensor_owners
 from .pipeline_trace import check_first_stage_inputs, meta_copy, output_structure, plain_tensors, restructure
@@ -403,6 +404,7 @@ class Pipeline(Strategy):
         lenient = types.SimpleNamespace(plan=types.SimpleNamespace(nan="skip"), rank=mb.ctx.rank,
                                         epoch=mb.ctx.epoch, step=mb.ctx.step)
         check_loss(loss, lenient)  # the non-finite check runs on every rank after the step
+        mb.ctx.note_loss_dtype(loss)  # summed in fp64 below; a bf16 loss is said once
         mb.losses.append(loss.detach().double() * weight)
         return mb.ctx.scale_loss(loss * weight)  # --accumulate and fp16 scale what the stage back-propagates
 
@@ -430,9 +432,9 @@ class Pipeline(Strategy):
             raise
         finally:
             ns["batch"], ns["model"] = batch, self.model
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        total = torch.zeros((), dtype=torch.float64, device=group_device())
         if last:
-            total = torch.stack(self._mb.losses).sum().to(self.device)
+            total = on_group(torch.stack(self._mb.losses).sum().double())
         self._mb = None
         dist.broadcast(total, src=self.world_size - 1)
         value = total.item()
@@ -480,7 +482,7 @@ class Pipeline(Strategy):
             self._mb = None
             ns.update(saved)
             ns["model"] = self.model
-        sums = sums.to(self.device)
+        sums = on_group(sums)
         dist.broadcast(sums, src=self.world_size - 1)
         return sums.cpu()
 

@@ -53,6 +53,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ..collectives import group_device
 from . import StrategyError
 from .fsdp import used_outside
 
@@ -168,7 +169,7 @@ def agree(verdict: int, worst: float, rows: list[int], device) -> tuple[int, flo
     """Every rank's largest verdict, difference and per-row-layer flags (one all_reduce MAX)."""
     import torch.distributed as dist
 
-    flags = torch.tensor([float(verdict), worst, *map(float, rows)], dtype=torch.float64, device=device)
+    flags = torch.tensor([float(verdict), worst, *map(float, rows)], dtype=torch.float64, device=group_device())
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     values = flags.cpu().tolist()
     return int(values[0]), values[1], [int(v) for v in values[2:]]
