@@ -30,6 +30,8 @@ NET = "distnb.net"
 POSTMORTEM = "distnb.engine.postmortem"
 ELASTIC = "distnb.engine.elastic"
 RESTROWS = "distnb.engine.restrows"
+MATERIALIZE = "distnb.engine.materialize"
+INSTALL = "distnb.engine.install"
 VALPARTS = "distnb.engine.valparts"
 
 
@@ -176,8 +178,16 @@ def lookup(name): ...
 
 
 # engine/loop.py: training ------------------------------------------------------------
-@_on_rank(LOOP, with_ns=True)
+@_on_rank(INSTALL, with_ns=True)
 def install_model(name, payload, descs, steps, *buffers): ...
+
+
+@_on_rank(INSTALL, with_ns=True)
+def place_model(name, plan_dict, steps, payload, descs, rng, *buffers): ...
+
+
+@_on_rank(MATERIALIZE)
+def capacity(): ...
 
 
 @_on_rank(LOOP, with_ns=True)

@@ -371,7 +371,7 @@ class Offer:
 
         if 0 not in shm_ranks(self.cluster):
             return None
-        sizes = [t.numel() * t.element_size() for t in self.model.state_dict().values()]
+        sizes = [t.numel() * t.element_size() for t in self.model.state_dict().values() if not t.is_meta]  # meta: none back
         self.seg = _acquire(self.cluster, wire.layout(sizes)[1]) if sizes else None
         return None if self.seg is None else (self.seg.path, self.seg.size)
 

@@ -181,6 +181,7 @@ class Pipeline(Strategy):
     data_parallel = False
     supports_loop = False
     grads_partitioned = True
+    shards_first = True  # split on the meta device, then this rank materialises its part
 
     # kernel side ---------------------------------------------------------------------
     @classmethod
@@ -237,6 +238,13 @@ class Pipeline(Strategy):
         # this stage's parameters, and those held directly by modules spanning stages (they go to
         # whichever stage the trace puts them in; elsewhere they get no gradient and stay unchanged)
         self._params = [p for name, p in module.named_parameters() if self.owners.get(name) in (self.rank, None)]
+
+    def keeps(self, name: str) -> bool:
+        """This stage's tensors and those of modules spanning stages (every rank holds those)."""
+        return self.owners.get(name) in (self.rank, None)
+
+    def placed(self) -> None:
+        self._params = [p for name, p in self.module.named_parameters() if self.owners.get(name) in (self.rank, None)]
 
     def parameters(self):
         return iter(self._params)
