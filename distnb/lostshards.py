@@ -48,6 +48,8 @@ def resume_points(session, n: int) -> dict:
     for name, (strategy, obj) in _live(session).items():
         if not STRATEGIES[strategy][1]:
             continue  # replicated: every survivor holds it whole
+        if held.distributed[name][1] != held.generation:
+            continue  # sharded over an earlier world (re-formed since): the ranks hold none of it, its next cell resends it
         plan, failed = held.last_plans.get(name, (None, False))
         directory = getattr(plan, "checkpoint_dir", None)
         meta = newest_meta(directory)
