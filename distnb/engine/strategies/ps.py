@@ -436,14 +436,14 @@ class ParameterServer(Strategy):
         """Drain the asynchronous exchange (every rank), then rank 0's state: the servers' values."""
         import torch.distributed as dist
 
-        from .. import wire
+        from .. import stateout
 
         self._new_cell()
         if self.staleness:
             self._drain()
         if dist.get_rank() != 0:
             return None
-        return wire.flatten_state(self.module.state_dict())
+        return stateout.flatten_state(self.module.state_dict())
 
     # checkpoints ------------------------------------------------------------------------------
     def checkpoint_state(self, optimizer):
