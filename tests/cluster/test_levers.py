@@ -15,8 +15,8 @@ from support.reference import reference
 
 BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
 #: bf16 keeps 8 bits of mantissa (a relative step of 2**-8 = 0.4 %): after 7 SGD steps at lr 0.1 on the
-#: parity model the weights differ from fp32's by about 1e-3; the test allows 1e-2.
-BF16_ATOL = 1e-2
+#: parity model the weights differ from fp32's by 1.6e-4 (measured); the test allows 2e-3.
+BF16_ATOL = 2e-3
 
 
 def _train_and_reference(dist_session, shell, name, **levers):
