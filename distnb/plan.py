@@ -217,6 +217,14 @@ class TrainPlan:
                                             "1/N for full batches) before one optimizer step; ddp skips "
                                             "the all-reduce on the first N-1 (``no_sync``), fsdp its reduce-scatter "
                                             "(``set_requires_gradient_sync``).")
+    check_replicas: str = option("epoch", "choice", "compare the copies of the parameters that ranks must hold equal "
+                                 "(ddp; tensor parallelism's unsharded ones): epoch (default: at each cell's start and "
+                                 "each epoch's end), step (after every optimizer step) or off; a drift is an error "
+                                 "naming the tensor, the ranks and the largest difference", choices=("off", "epoch", "step"),
+                                 doc="Replicas checked for silent drift (``distnb/engine/replicas.py``): each rank "
+                                     "digests its copies with ``torch.hash_tensor`` and one all-reduce of two int64 "
+                                     "per tensor compares them. E.g. ``--check-replicas step`` while hunting a "
+                                     "divergence.")
     clip_grad_norm: float | None = option(None, "float", "clip the gradients' total norm (over the whole model, every "
                                           "rank's part) to this before each optimizer step")
     lr_schedule: str | None = option(None, "text", "cosine, linear, constant, or a notebook name f(optimizer, "

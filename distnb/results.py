@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from . import carried
 from .display.aggregate import SCALE_THRESHOLD
 from .display.tables import Table, count
 
@@ -292,6 +293,7 @@ def status_table(session, timeout: float, busy: bool = False) -> StatusTable:
     table.title += _unregistered_note(cluster, unregistered, dead, fix=not busy)
     if gone:
         table.title += f" · {hub.controller_message(cluster, gone)} (alive is whether each engine process runs)"
+    table.notes = carried.status_notes(session.holdings.carried)  # what each model's next cell takes unasked
     silent = [rank for rank, row in enumerate(rows) if not row["alive"] and rank not in dead and not busy]
     if silent:
         table.title += (f" · {ranks_named(silent)} did not answer within {timeout:g} s (the engine process "

@@ -14,13 +14,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from . import calls, data, export, kernel_memory, modelcheck, options, transfer
+from . import calls, carried, data, export, kernel_memory, modelcheck, options, transfer
 from .display import ProgressState, make_view, view_kind
 from .display.tables import count
 from .errors import PlanError, RankError
 from .resuming import check_folders, first_step, newest_meta, newest_start, push_saved_names, start_sentence
 from .execute import restart_world, run_on_ranks
-from .plan import DISTRIBUTION, LR_SCHEDULES, TrainPlan, carry_over, not_carried, redistribution
+from .plan import LR_SCHEDULES, TrainPlan, carry_over, not_carried, redistribution
 from .tracebacks import body_name_hint
 
 #: How often ranks report for each progress view (seconds): the dashboard redraws live,
@@ -76,6 +76,7 @@ class Holdings:
     objects: dict = field(default_factory=dict)
     names: set = field(default_factory=set)
     batch_world: int | None = None
+    settings: dict = field(default_factory=dict)  # model name -> its last cell's words on carried options (carried.py)
     resume_steps: tuple = (None, None, None)  # the notebook's and the newest checkpoint's steps, its optimizer
     generation: int = 0
 
@@ -149,11 +150,11 @@ def make_plan(session, model_name, model_obj, data_name, given: dict, quiet=Fals
     dropped = carry_over(held.replaced(model_name, model_obj), given)
     if dropped and not quiet:
         print(f"distnb: {model_name} is a new object: the options its old object's cells carried "
-              f"({_carried_flags(dropped)}) start from their defaults")
+              f"({carried.flags(dropped)}) start from their defaults")
     kept = carry_over(held.carried.get(model_name), given)
     refused = not_carried(held.carried.get(model_name), given)
     if refused and not quiet:
-        print(f"distnb: --strategy {given['strategy']} cannot take {_carried_flags(refused)} from {model_name}'s last "
+        print(f"distnb: --strategy {given['strategy']} cannot take {carried.flags(refused)} from {model_name}'s last "
               f"cell: this cell uses {_defaults_of(refused)}")
     if "optimizer" in kept and given.get("lr") is None:
         # the ranks keep their live optimizer anyway; one made new (the model sent again after a
@@ -162,12 +163,13 @@ def make_plan(session, model_name, model_obj, data_name, given: dict, quiet=Fals
     try:
         plan = TrainPlan(model=model_name, data=data_name, **dict(given, **kept))
     except PlanError as exc:
-        involved = {k: v for k, v in kept.items() if _carried_flags({k: v}).split(" ")[0] in str(exc)
+        involved = {k: v for k, v in kept.items() if carried.flags({k: v}).split(" ")[0] in str(exc)
                     or (k == "strategy" and f"--strategy {v}" in str(exc))}
         if not involved:
             raise
-        raise PlanError(f"{exc}; {_carried_flags(involved)} carried over from {model_name}'s last cell: "
+        raise PlanError(f"{exc}; {carried.flags(involved)} carried over from {model_name}'s last cell: "
                         "give the options this cell needs") from None
+    held.settings[model_name] = carried.cell_sentence(model_name, kept, dropped)  # the dashboard's header says it
     if not quiet:
         _say_carried(model_name, kept)
     if not isinstance(model_obj, torch.nn.Module):
@@ -193,19 +195,6 @@ def make_plan(session, model_name, model_obj, data_name, given: dict, quiet=Fals
     return newest_start(session, plan, model_obj)
 
 
-def _carried_flags(kept, only=None) -> str:
-    """``--strategy fsdp, --compile`` for the carried options ``kept`` (those in ``only``, if given)."""
-    from . import options
-
-    flags = {f.name: options.flags_of(f, opt)[0] for f, opt in options.declared(TrainPlan)}
-    shown = []
-    for name, value in kept.items():
-        if only is None or name in only:
-            value = "" if value is True else ",".join(value) if isinstance(value, tuple) else str(value)
-            shown.append(f"{flags[name]} {value}".strip())
-    return ", ".join(shown)
-
-
 def _defaults_of(names) -> str:
     """``--precision fp32, --no-compile``: the defaults of the options ``names``, as a cell would give them."""
     from . import options
@@ -219,8 +208,8 @@ def _defaults_of(names) -> str:
 
 
 def _say_carried(model_name, kept) -> None:
-    """One line naming the distribution options a cell kept from the model's last cell."""
-    shown = _carried_flags(kept, only=DISTRIBUTION)
+    """One line naming the options a cell kept from the model's last cell (those not at their default)."""
+    shown = carried.flags(carried.non_default(kept))
     if shown:
         print(f"distnb: {shown}, as in {model_name}'s last cell (name another to change it)")
 
@@ -503,7 +492,9 @@ def train_cell(session, code, model, data, run, given):
     cell = export.capture(session, plan, code, model_obj, data_obj, RESERVED_NAMES, sent)  # for %dist export
     state = ProgressState(session.world_size, steps * plan.epochs, plan.epochs,
                           hosts=[r["host"] for r in session.cluster.ranks],
-                          devices=[r["device"] for r in session.cluster.ranks], strategy=plan.strategy)
+                          devices=[r["device"] for r in session.cluster.ranks], strategy=plan.strategy,
+                          ranks_per_shard=session.world_size // (num_shards or session.world_size),
+                          settings=session.holdings.settings.get(plan.model, ""))
     view = make_view(state, run.progress)
     view.show()
     show = tuple(range(session.world_size)) if run.all_output else (0,)

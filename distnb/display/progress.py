@@ -10,8 +10,6 @@ import time
 STATUSES = ("waiting", "running", "done", "failed", "interrupted")
 #: A rank whose time per step is more than this fraction above the median is a straggler.
 STRAGGLER_THRESHOLD = 0.20
-#: Weight of the newest loss point in the smoothed (exponential moving average) loss.
-SMOOTHING = 0.2
 #: Seconds of rank messages a rank's samples/s is measured over (cumulative samples / rank clock).
 RATE_WINDOW = 1.0
 #: Seconds a rank must stay at one spot before the dashboard says where it is.
@@ -20,7 +18,10 @@ STALL_SECONDS = 2.0
 WHERE_FRAMES = 6
 #: Fields of a rank message copied into the rank's row when present.
 ROW_FIELDS = ("status", "epoch", "step", "total", "loss", "samples_per_s", "step_time", "busy_time", "error",
-              "stage", "peak_memory", "memory_kind", "samples", "opt_step", "lr", "grad_norm")
+              "stage", "peak_memory", "memory_kind", "samples", "opt_step", "lr", "grad_norm", "epoch_loss",
+              "train_seconds")
+#: Statuses of a rank that has ended its cell (its samples/s is then the cell's, as in the TrainResult).
+ENDED = ("done", "interrupted")
 
 
 class Series:
@@ -53,6 +54,19 @@ class Series:
 
 
 
+def rank_rate(row) -> float:
+    """A rank's samples/s: the cell's (samples over its training time) once it ended, else over the last
+    second when known, else its last message's window."""
+    return row["rate"] if row.get("rate") is not None else (row["samples_per_s"] or 0.0)
+
+
+def loss_text(row) -> str:
+    """A rank's loss figure: its mean loss over its current epoch so far (its last epoch's once it ended),
+    else its newest step loss, else ``-``."""
+    value = row["epoch_loss"] if row.get("epoch_loss") is not None else row["loss"]
+    return "-" if value is None else f"{value:.4f}"
+
+
 class ProgressState:
     """Latest figures per rank plus the loss and throughput history, as the kernel knows them.
 
@@ -66,21 +80,29 @@ class ProgressState:
         Per rank, for display.
     strategy : str, optional
         The plan's strategy; ``"pipeline"`` shows each rank's stage.
+    settings : str, optional
+        The cell's words on options carried from the model's last cell (:func:`distnb.carried.cell_sentence`),
+        shown in the dashboard's header.
+    ranks_per_shard : int, optional
+        Ranks that train on the same batch (tensor or pipeline parallel groups); the total samples/s
+        counts each batch once, as :attr:`distnb.results.TrainResult.samples_per_s` does. Default 1.
     clock : callable, optional
         Seconds, for messages that carry no ``time`` of their own; default ``time.time``.
     """
 
     def __init__(self, world_size, total_steps=0, epochs=1, hosts=None, devices=None, strategy=None,
-                 clock=time.time):
+                 ranks_per_shard=1, settings="", clock=time.time):
         self.world_size = world_size
         self.total_steps = total_steps
         self.epochs = epochs
         self.strategy = strategy
+        self.ranks_per_shard = max(1, int(ranks_per_shard))
+        self.settings = settings
         self.rows = [dict(rank=r, host=(hosts or [""] * world_size)[r], device=(devices or [""] * world_size)[r],
-                          status="waiting", epoch=None, step=0, total=total_steps, loss=None, smooth_loss=None,
+                          status="waiting", epoch=None, step=0, total=total_steps, loss=None, epoch_loss=None,
                           samples_per_s=0.0, step_time=0.0, busy_time=None, error=None, stage=None,
                           peak_memory=None, memory_kind=None, samples=0, rate=None, where=None, opt_step=None,
-                          lr=None, grad_norm=None)
+                          lr=None, grad_norm=None, train_seconds=None, first_epoch=None)
                      for r in range(world_size)]
         self.curves = [Series() for _ in range(world_size)]  # per rank: (step, loss)
         self.epoch_means = {}  # epoch -> mean loss over all ranks
@@ -116,9 +138,10 @@ class ProgressState:
         last = curve.last_x  # a message repeats its rank's newest points: convert only those not seen yet
         fresh = [(int(s), float(v)) for s, v in msg.get("points", ()) if last is None or s > last]
         new_points = [(step, value) for step, value in sorted(fresh) if curve.add(step, value)]
-        for step, value in new_points:
-            ema = row["smooth_loss"]
-            row["smooth_loss"] = value if ema is None else ema + SMOOTHING * (value - ema)
+        if row["first_epoch"] is None and row["epoch"] is not None and row["step"]:
+            row["first_epoch"] = row["epoch"]  # at its first step the rank is in the cell's first epoch
+        if row["status"] in ENDED and row["train_seconds"]:  # the cell's figure, the TrainResult's
+            row["rate"] = row["samples"] / row["train_seconds"]
         n_means, n_val, n_rates = len(self.epoch_means), len(self.validation), len(self.epoch_rates[rank])
         for epoch, mean in msg.get("epoch_losses", ()):
             if self.epoch_means.get(epoch) != mean:
@@ -159,7 +182,7 @@ class ProgressState:
         part = row["rate"] if row["rate"] is not None else (row["samples_per_s"] or 0.0)
         self._rate_total += part - self._rate_parts[rank]  # the sum over ranks, kept as ranks change: O(1)
         self._rate_parts[rank] = part
-        total = self._rate_total
+        total = self._rate_total / self.ranks_per_shard  # each batch once (tensor/pipeline groups share one)
         t = now - self._t0
         points = self.throughput.points
         if points and t - points[-1][0] < 0.05:  # coalesce ranks reporting together
@@ -216,11 +239,23 @@ class ProgressState:
         return min(1.0, row["step"] / row["total"])
 
     def cell_epoch(self, rank: int) -> int:
-        """Which of this cell's epochs ``rank`` is in, counted from 1 (epoch numbers continue across cells)."""
+        """Which of this cell's epochs ``rank`` is in, counted from 1 (epoch numbers continue across cells).
+
+        From the epoch numbers the rank reports (a cell stopped early at an epoch's end is in that
+        epoch, not the next); before its first step, from its share of the cell's steps.
+        """
         row = self.rows[rank]
-        if not row["total"] or not self.epochs:
+        if not self.epochs:
             return 0
-        return min(self.epochs, row["step"] * self.epochs // row["total"] + 1)
+        if row["epoch"] is not None and row["first_epoch"] is not None:
+            return max(1, min(self.epochs, row["epoch"] - row["first_epoch"] + 1))
+        if not row["total"]:
+            return 0
+        return min(self.epochs, max(0, row["step"] - 1) * self.epochs // row["total"] + 1)
+
+    def total_rate(self) -> float:
+        """Samples/s of the whole world: each rank's (:func:`rank_rate`), each batch counted once."""
+        return sum(rank_rate(row) for row in self.rows) / self.ranks_per_shard
 
     def mean_curve(self, steps=None) -> list:
         """(step, mean loss over ranks), each rank's latest loss at or before that step.

@@ -21,7 +21,7 @@ import html
 import math
 import statistics
 
-from .progress import STRAGGLER_THRESHOLD
+from .progress import STRAGGLER_THRESHOLD, loss_text, rank_rate
 
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
 #: Row background and bar colour by status.
@@ -76,11 +76,6 @@ def thin(points, limit=MAX_POINTS) -> list:
 
 
 # --- the per-rank table ------------------------------------------------------------------------
-def _rate(row) -> float:
-    """A rank's samples/s: over the last second when known, else its last message's window."""
-    return row["rate"] if row.get("rate") is not None else (row["samples_per_s"] or 0.0)
-
-
 def steps_done(row) -> str:
     """``12/40``: a rank's steps of the cell's total; ``12`` where the total is not known (a stream)."""
     return f"{row['step']}/{row['total']}" if row["total"] else f"{row['step']}"
@@ -117,7 +112,7 @@ def table_html(state, ranks=None) -> str:
     times, basis = state.time_per_step()
     stage = state.show_stage
     head = ["rank", "host", "device"] + (["stage"] if stage else []) + [
-        "progress", "epoch", "loss (ema)", "samples/s", "step time",
+        "progress", "epoch", "epoch loss", "samples/s", "step time",
         "busy/step" if basis == "busy" else "skew", "peak memory", "status"]
     ths = "".join(f"<th style='{_CELL};text-align:{'left' if h in ('host', 'device', 'status') else 'right'};"
                   f"border-bottom:1px solid #ccc'>{esc(h)}</th>" for h in head)
@@ -128,9 +123,7 @@ def table_html(state, ranks=None) -> str:
         bg = ROW_BG.get(status, "")
         frac = state.fraction(r)
         epoch = "-" if row["epoch"] is None else f"{row['epoch']} ({state.cell_epoch(r)}/{state.epochs})"
-        loss = "-" if row["smooth_loss"] is None else f"{row['smooth_loss']:.4f}"
-        if row["smooth_loss"] is None and row["loss"] is not None:
-            loss = f"{row['loss']:.4f}"
+        loss = loss_text(row)
         skew = skews[r]
         busy = "-" if times[r] is None else fmt_seconds(times[r])
         if skew is not None and state.world_size > 1:
@@ -151,7 +144,7 @@ def table_html(state, ranks=None) -> str:
                   f"</span></td>",
                   f"<td style='{_CELL}'>{esc(epoch)}</td>",
                   f"<td class='distnb-loss-value' style='{_CELL}'>{esc(loss)}</td>",
-                  f"<td style='{_CELL}'>{_rate(row):.0f}</td>",
+                  f"<td style='{_CELL}'>{rank_rate(row):.0f}</td>",
                   f"<td style='{_CELL}'>{esc(fmt_seconds(row['step_time']))}</td>",
                   f"<td class='distnb-skew' style='{_CELL};{busy_style}'>{esc(busy)}</td>",
                   f"<td style='{_CELL}'>{esc(mem)}</td>",
@@ -347,12 +340,14 @@ def header_html(state, title="") -> str:
         last = max(state.epoch_means)
         parts.append(f"epoch {last} mean loss {state.epoch_means[last]:.4f}")
     parts += step_parts(state)
-    total = sum(_rate(r) for r in state.rows)
+    total = state.total_rate()
     if total:
         parts.append(f"{total:.0f} samples/s")
     if title:
         parts.append(esc(title))
-    return f"<div class='distnb-header' style='{_FONT};margin-bottom:2px'>{' · '.join(parts)}</div>"
+    settings = (f"<div class='distnb-settings' style='color:#6a1b9a'>{esc(state.settings)}</div>"
+                if getattr(state, "settings", "") else "")
+    return f"<div class='distnb-header' style='{_FONT};margin-bottom:2px'>{' · '.join(parts)}{settings}</div>"
 
 
 def step_parts(state) -> list:
@@ -405,9 +400,9 @@ def dashboard_text(state) -> str:
     """
     lines = [f"distnb {state.strategy or 'training'} · {state.world_size} ranks · {overall_status(state)}"]
     for r, row in enumerate(state.rows):
-        loss = "-" if row["smooth_loss"] is None else f"{row['smooth_loss']:.4f}"
+        loss = loss_text(row)
         line = (f"rank {r}  {row['status']:<11} step {steps_done(row)}  loss {loss}  "
-                f"{_rate(row):.0f} samples/s  peak {fmt_bytes(row['peak_memory'])}")
+                f"{rank_rate(row):.0f} samples/s  peak {fmt_bytes(row['peak_memory'])}")
         if row["status"] in ("failed", "interrupted") and row.get("error"):
             line += f"  {one_line(row['error'])}"
         lines.append(line)

@@ -21,6 +21,7 @@ class Table:
         if columns is not None:
             self.columns = tuple(columns)
         self.title = title
+        self.notes = []  # lines shown under the table
 
     def __len__(self):
         return len(self.rows)
@@ -37,7 +38,7 @@ class Table:
         line = lambda vals: "  ".join(v.rjust(w) for v, w in zip(vals, widths))  # noqa: E731
         out = [self.title] if self.title else []
         out += [line(self.columns), line(["-" * w for w in widths])] + [line(r) for r in cells]
-        return "\n".join(out)
+        return "\n".join(out + list(self.notes))
 
     def __repr__(self):
         return self.text()
@@ -47,7 +48,8 @@ class Table:
         body = "".join("<tr>" + "".join(f"<td>{html.escape(_cell(r.get(c)))}</td>" for c in self.columns) + "</tr>"
                        for r in self.rows)
         title = f"<b>{html.escape(self.title)}</b>" if self.title else ""
-        return f"{title}<table class='distnb-table'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+        notes = "".join(f"<div class='distnb-note'>{html.escape(n)}</div>" for n in self.notes)
+        return f"{title}<table class='distnb-table'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>{notes}"
 
 
 def count(n: int, word: str) -> str:

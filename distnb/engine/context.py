@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, collectives, runtime, stepping
+from . import checkpoint, collectives, replicas, runtime, stepping
 
 
 class _Stopped(BaseException):
@@ -152,6 +152,7 @@ class Context:
         self.plan, self.model, self.module, self.optimizer = plan, run.strategy.model, run.module, run.optimizer
         self.strategy = run.strategy
         self._run, self._data, self._reporter = run, data, reporter
+        reporter.running_loss = self.steps_mean  # the dashboard's loss column: the epoch's mean so far
         self.steps_per_epoch = data.steps_per_epoch(plan)
         self.epoch = reporter.epoch = run.epoch  # (a --loop body may never iterate ctx.epochs(), which sets it)
         self.step = 0
@@ -185,6 +186,8 @@ class Context:
         self.epoch_batches, self.epoch_done = self.steps_per_epoch, 0  # batches of this epoch, and done
         self.epoch_samples = None  # the samples of those batches (None: a stream's, not known ahead)
         self._t_step = time.perf_counter()
+        if plan.check_replicas != "off":  # what a resume, a resize or a %%dist cell left on the ranks
+            replicas.check(self.strategy, "before the cell's first step")
 
     # what the strategies' steps and the body use --------------------------------------
     def autocast(self):
@@ -242,6 +245,8 @@ class Context:
             if self._agree_at_epoch_end:
                 agree_on_steps(self.step - step0, f"at the end of epoch {epoch}")  # before any collective of distnb's
             mean = self._epoch_mean()
+            if self.plan.check_replicas != "off":
+                replicas.check(self.strategy, f"at the end of epoch {epoch}")
             self.epoch_losses.append(mean)
             self._run.epoch, self._run.epoch_step, self._run.epoch_samples = epoch + 1, 0, 0
             judged = mean
@@ -324,6 +329,8 @@ class Context:
             self._run.scheduler.step()  # (the step itself was counted by loopwatch's optimizer hook)
         if not stepper.at_boundary(self.epoch_done, self.epoch_batches):
             return  # in the middle of an --accumulate group: stop checks and saves wait for its end
+        if self.plan.check_replicas == "step":
+            replicas.check(self.strategy, f"after optimizer step {self._run.optimizer_steps}")
         if self.logger is not None and stepper.optimizer_steps:
             self.logger.optimizer_step(self._run.optimizer_steps, stepper.lrs.values[-1] if stepper.lrs.values
                                        else stepper.lr, stepper.last_norm)

@@ -393,6 +393,7 @@ def _train(ns, plan, code_text, relay):
         stop.__exit__()
         data.close()  # DataLoader workers end with the cell, however it ends
         sys.stdout.flush()
+    reporter.extra["train_seconds"] = seconds  # the dashboard's final samples/s is the TrainResult's
     carried = _last_word(reporter, relay, "interrupted" if ctx.interrupted else "done")
     state = run.strategy.full_state()  # a collective for sharded strategies: every rank calls it
     # the mean over the cell's last epoch; with none finished, over the steps trained (its loss_steps; 0: an epoch's)
@@ -406,8 +407,7 @@ def _train(ns, plan, code_text, relay):
                 where=_where(run, plan, data), holdings=run.strategy.holdings(), state=state,
                 resumed=resumed, continued=continued, checkpoints=ctx.checkpoints, skipped_steps=ctx.skipped_steps,
                 iterated_epochs=ctx.iterated_epochs, progress_message=carried,
-                **_step_figures(plan, run, ctx, restored),
-                **dict(zip(("peak_memory", "memory_kind"), report.peak_memory(st.device))))  # this rank's peak
+                **_step_figures(plan, run, ctx, restored), **report.peak_row(st.device))
 
 
 def _annotate(exc, ns, plan) -> None:

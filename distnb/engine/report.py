@@ -100,6 +100,12 @@ def peak_memory(device=None) -> tuple:
     return int(peak if sys.platform == "darwin" else peak * 1024), "rss"
 
 
+def peak_row(device=None) -> dict:
+    """This rank's :func:`peak_memory` as a TrainResult row's ``peak_memory`` (bytes) and ``memory_kind``."""
+    memory, kind = peak_memory(device)
+    return dict(peak_memory=memory, memory_kind=kind)
+
+
 def _engine_device():
     """The rank's device when running in an engine (None in plain processes and tests)."""
     runtime = sys.modules.get(__package__ + ".runtime") if __package__ else None
@@ -153,6 +159,9 @@ class Reporter:
         self.busy_time = None  # CPU seconds of the training thread per step (CPU devices only)
         self._win_cpu0 = self._cpu_time()
         self._unsent_epochs = 0  # epoch ends since the last message (they shorten the gap to EPOCH_GAP)
+        #: ``() -> (mean, steps)``: this rank's mean loss over its current epoch so far (the training
+        #: context's ``steps_mean``); sent as ``epoch_loss``, the dashboard's loss column
+        self.running_loss = None
 
     def _cpu_time(self) -> float:
         """CPU seconds of the training thread so far (``busy_time`` is its growth per step)."""
@@ -223,11 +232,18 @@ class Reporter:
             if not self.points or self.points[-1][0] != self.step:
                 self.points.append((self.step, loss))
                 del self.points[:-TAIL]
+        epoch_loss = None
+        if self.running_loss is not None:
+            try:
+                mean, steps = self.running_loss()
+                epoch_loss = float(mean) if steps else None
+            except Exception:  # progress must never break training
+                epoch_loss = None
         self._t_last = now
         self._unsent_epochs = 0
         self.messages += publish
         msg = dict(rank=self.rank, status=self.status, epoch=self.epoch, epochs=self.epochs,
-                   step=self.step, total=self.total, samples=self.samples, loss=loss,
+                   step=self.step, total=self.total, samples=self.samples, loss=loss, epoch_loss=epoch_loss,
                    samples_per_s=self.samples_per_s, step_time=self.step_time, busy_time=self.busy_time,
                    peak_memory=memory, memory_kind=memory_kind, points=self.points[-TAIL:],
                    epoch_losses=self.epoch_losses[-TAIL:], epoch_rates=self.epoch_rates[-TAIL:], time=time.time())

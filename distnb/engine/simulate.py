@@ -42,6 +42,17 @@ class SimulatedReporter(Reporter):
     def __init__(self, rank, total_steps, epochs, publish, busy_per_step, memory, interval=0.1):
         self.busy_per_step, self.memory = busy_per_step, memory
         super().__init__(rank, total_steps, epochs, interval=interval, publish=publish, device="cpu")
+        self._epoch_sum = [0.0, 0]  # this epoch's loss sum and steps: the dashboard's epoch loss, as a real rank's
+        self.running_loss = lambda: (self._epoch_sum[0] / max(1, self._epoch_sum[1]), self._epoch_sum[1])
+
+    def record(self, loss, num_samples: int) -> None:
+        self._epoch_sum[0] += float(loss)
+        self._epoch_sum[1] += 1
+        super().record(loss, num_samples)
+
+    def end_epoch(self, epoch: int, mean_loss: float) -> None:
+        super().end_epoch(epoch, mean_loss)
+        self._epoch_sum[:] = [0.0, 0]
 
     def _cpu_time(self) -> float:
         return self.step * self.busy_per_step

@@ -108,6 +108,16 @@ def test_one_failing_rank_of_16_is_named_within_seconds(many):
     assert float(many.pull("t", rank=0)) == N
 
 
+def test_one_rank_of_16_whose_copy_drifts_is_named_against_the_majority(many):
+    """--check-replicas: with a majority of equal copies the rank that changed is the one named."""
+    many.ns["drift16"], many.ns["data"] = parity_model(), parity_data()
+    noisy = ("if ctx.rank == 5 and ctx.step == 2:\n    import torch\n    with torch.no_grad():\n"
+             "        model.module[0].bias.add_(0.25)\n") + BODY
+    with pytest.raises(RankError, match=r"replicas drifted apart at the end of epoch 0: 0\.bias: rank 5's copy "
+                                        r"differs from rank 0's \(and 14 more\), largest difference 0\.2"):
+        many.train(noisy, model="drift16", data="data", epochs=1, batch_size=4, lr=0.1, progress="none", quiet=True)
+
+
 def test_an_interrupt_stops_all_16_ranks_after_the_same_step(many, tmp_path):
     mark, done = tmp_path / "training", threading.Event()
 

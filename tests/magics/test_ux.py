@@ -194,6 +194,27 @@ def test_a_new_object_under_a_trained_name_starts_from_the_defaults(shell, capsy
     assert "new object" not in capsys.readouterr().out
 
 
+def test_carried_settings_are_said_in_the_dashboard_header_and_under_dist_status(shell, capsys):
+    """--precision bf16 stuck to a model unannounced, and a re-run model cell fell back from adam to sgd with one
+    line among many: the dashboard's header and %dist status now say what a model's next cell carries."""
+    make = small_net(shell, "said")
+    cell = "%%distrain --model said_net --data said_data --progress none{} -o said_res\nx, y = batch\n" \
+           "loss = F.cross_entropy(model(x), y)"
+    assert run(shell, cell.format(" --optimizer adam --precision bf16")).error_in_exec is None
+    capsys.readouterr()
+    assert run(shell, cell.format("")).error_in_exec is None
+    assert "distnb: --optimizer adam, --precision bf16, as in said_net's last cell" in capsys.readouterr().out
+    held = session_mod.current().holdings
+    assert held.settings["said_net"] == "carried from said_net's last cell: --optimizer adam, --precision bf16"
+    notes = "\n".join(run(shell, "%dist status").result.notes)
+    assert "said_net's next cell carries --optimizer adam, --precision bf16" in notes
+    run(shell, make)  # the model cell run again: a new object, back to the defaults (sgd, fp32)
+    assert run(shell, cell.format("")).error_in_exec is None
+    assert held.settings["said_net"] == "said_net is a new object: --optimizer adam, --precision bf16 not carried " \
+        "(defaults used)"
+    assert "said_net's next cell" not in "\n".join(run(shell, "%dist status").result.notes)
+
+
 def test_state_carries_over_between_cells_and_settings_do_not(shell, capsys):
     small_net(shell, "carry")
     cell = "%%distrain --model carry_net --data carry_data --progress none{} -o carry_res\nx, y = batch\n" \
@@ -205,7 +226,7 @@ def test_state_carries_over_between_cells_and_settings_do_not(shell, capsys):
     out = capsys.readouterr().out
     plan = shell.user_ns["carry_res"].plan
     assert (plan.strategy, plan.fsdp_units, plan.optimizer, plan.batch_size) == ("fsdp", ("0", "2"), "adam", 32)
-    assert "distnb: --strategy fsdp, --fsdp-units 0,2, as in carry_net's last cell" in out
+    assert "distnb: --optimizer adam, --strategy fsdp, --fsdp-units 0,2, as in carry_net's last cell" in out
     assert "sent again" not in out  # the ranks keep the sharded model and its optimizer state
     err = run(shell, cell.format(" --split 1")).error_in_exec  # a pipeline option, the strategy carried: fsdp
     assert isinstance(err, UsageError) and "--split is a --strategy pipeline option (this cell uses --strategy " \

@@ -28,12 +28,14 @@ def running(state, rank, step, loss, **extra):
     return state.update(rank, msg)
 
 
-def test_smoothed_loss_and_throughput_history():
+def test_loss_column_is_the_epoch_mean_so_far_and_throughput_history():
     clock = Clock()
     st = ProgressState(2, total_steps=10, epochs=1, clock=clock)
     running(st, 0, 1, 1.0)
-    running(st, 0, 2, 0.0)
-    assert st.rows[0]["smooth_loss"] == pytest.approx(0.8)  # EMA, weight 0.2 on the newest point
+    assert render.loss_text(st.rows[0]) == "1.0000"  # before a rank says its epoch mean: its newest loss
+    running(st, 0, 2, 0.0, epoch_loss=0.5)
+    assert render.loss_text(st.rows[0]) == "0.5000"  # the rank's mean over the epoch so far, not a lagging EMA
+    assert "epoch loss" in render.table_html(st) and "loss (ema)" not in render.table_html(st)
     assert not st.update(0, dict(points=[(2, 0.0)]))  # an old point changes nothing
     clock.t = 1.0
     running(st, 1, 1, 1.0, samples_per_s=300.0)
@@ -420,3 +422,48 @@ def test_a_rank_that_passes_the_same_line_step_after_step_is_not_at_one_spot():
     assert max(watch(moving=False)) > 0.6  # the same line and no progress: the time there adds up
     waited = watch(moving=True)
     assert len(waited) >= 3 and max(waited) < 0.2  # a new visit at every look
+
+
+def test_reporter_sends_the_epoch_mean_its_training_context_keeps():
+    sent = []
+    rep = Reporter(0, 4, 1, interval=0.0, publish=sent.append, device="cpu")
+    losses = []
+    rep.running_loss = lambda: (sum(losses) / max(1, len(losses)), len(losses))
+    for value in (3.0, 1.0, 2.0):
+        losses.append(value)
+        rep.record(value, 8)
+    assert sent[-1]["epoch_loss"] == pytest.approx(2.0)
+    losses.clear()  # a new epoch: no step yet, no figure (the row keeps showing the newest loss)
+    rep.set_status("running")
+    assert sent[-1]["epoch_loss"] is None
+
+
+def test_epoch_column_after_a_stop_at_an_epoch_end_names_that_epoch():
+    st = ProgressState(1, total_steps=30, epochs=3)  # 10 steps an epoch; epochs 4-6 (continued from an earlier cell)
+    running(st, 0, 1, 1.0, epoch=4)
+    assert st.cell_epoch(0) == 1
+    running(st, 0, 10, 0.5, epoch=4)
+    st.update(0, dict(status="done", epoch=4, step=10))  # stopped early (--target-loss) at the end of epoch 4
+    assert st.cell_epoch(0) == 1  # it was 2 (the step count's next epoch) though no step of epoch 5 ran
+    assert "4 (1/3)" in render.table_html(st)
+    running(st, 0, 25, 0.5, epoch=6)
+    assert st.cell_epoch(0) == 3
+
+
+def test_ended_ranks_show_the_cells_samples_per_second_counting_each_batch_once():
+    clock = Clock()
+    st = ProgressState(2, total_steps=10, epochs=1, ranks_per_shard=2, clock=clock)  # a tensor-parallel pair
+    for rank in (0, 1):
+        running(st, rank, 5, 1.0, samples=500, samples_per_s=900.0, time=1.0)
+    assert st.total_rate() == pytest.approx(900.0)  # both ranks train the same batches: counted once
+    for rank in (0, 1):  # the final message: the rank's training time over the cell (the TrainResult's figure)
+        st.update(rank, dict(status="done", step=10, samples=1000, train_seconds=2.0, samples_per_s=1200.0, time=2.0))
+    assert [render.rank_rate(r) for r in st.rows] == [pytest.approx(500.0)] * 2
+    assert st.total_rate() == pytest.approx(500.0)
+    assert "500 samples/s" in render.header_html(st)
+
+
+def test_the_header_names_the_options_a_cell_carried():
+    st = ProgressState(2, total_steps=10, settings="carried from net's last cell: --optimizer adam, --precision bf16")
+    assert "carried from net&#x27;s last cell: --optimizer adam, --precision bf16" in render.header_html(st)
+    assert "distnb-settings" not in render.header_html(ProgressState(2, total_steps=10))

@@ -70,6 +70,9 @@ class Strategy:
     wraps_model = False
     #: True: after backward every rank holds the same whole gradients (ddp): no rank can overflow alone.
     replicated_grads = False
+    #: True: plain (non-DTensor) parameters and buffers are whole on every rank and must stay equal there
+    #: (ddp; tensor parallelism's unsharded ones): ``--check-replicas`` compares them (engine/replicas.py).
+    replicas = False
     #: True: plain (non-DTensor) gradients of different ranks belong to different parameters
     #: (pipeline stages): the total gradient norm adds them over the ranks.
     grads_partitioned = False

@@ -19,6 +19,7 @@ class DDP(Strategy):
     name = "ddp"
     wraps_model = True
     replicated_grads = True
+    replicas = True
 
     def __init__(self, module, plan, device, ns):
         super().__init__(module, plan, device, ns)

@@ -226,6 +226,7 @@ class Tensor(VerifiedPlan, DefaultPlanHint, Strategy):
 
     name = "tensor"
     data_parallel = False
+    replicas = True  # the layers it leaves whole (and Replicate parameters) are copies every rank must keep equal
     wraps_model = False  # parallelize_module changes the module in place
 
     def __init__(self, module, plan, device, ns):
