@@ -98,8 +98,9 @@ DISTNB = COMMON + textwrap.dedent('''
             out.update(refused=f"{type(exc).__name__}: {str(exc)[:300]}")
         else:
             out.update(kernel_peak=status("VmHWM") - kernel_idle, kernel_after=rss() - kernel_idle,
-                       kernel_cell_peak=(r.kernel_peak_memory or 0) - kernel_idle,
-                       ranks=[row["peak_memory"] - idle for row, idle in zip(r.rows, rank_idle)])
+                       kernel_cell_peak=(getattr(r, "kernel_peak_memory", None) or 0) - kernel_idle,
+                       ranks=[row["peak_memory"] - idle for row, idle in zip(r.rows, rank_idle)]
+                       if "peak_memory" in r.rows[0] else None)  # an older distnb (a before/after run)
     finally:
         s.stop(quiet=True)
     print("RESULT " + json.dumps(out))
@@ -208,7 +209,9 @@ def report(rows) -> str:
         t, d = row["torchrun"], row["distnb"]
         tr = t.get("ranks") or []
         dr = d.get("ranks") or []
-        ratio = max((a / b for a, b in zip(dr, tr) if b), default=None)
+        if "kernel_peak" in d and not dr:
+            dr = [None] * len(tr)
+        ratio = max((a / b for a, b in zip(dr, tr) if a is not None and b), default=None)
         if "refused" in d or "error" in d:
             why = d.get("refused") or (d.get("error", "").strip().splitlines() or ["?"])[-1]
             distnb_cells = [f"not run: {why[:200]}", "-", "-", "-", "-"]

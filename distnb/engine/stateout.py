@@ -29,11 +29,6 @@ import torch
 from . import segments, wire
 
 
-def describe_full(t: torch.Tensor) -> tuple:
-    """:func:`wire.describe` of the full tensor ``t`` stands for (a DTensor: its global shape)."""
-    return wire.describe(t)
-
-
 def _full(t: torch.Tensor) -> torch.Tensor:
     """``t`` whole: a DTensor's ``full_tensor()`` (a collective: every rank calls it in the same order)."""
     full = getattr(t, "full_tensor", None)
@@ -80,7 +75,7 @@ def write_state(entries, writer: bool = True):
         :func:`distnb.weights_back.load_into` read it: ``bytes`` is a :class:`~distnb.engine.wire.ShmRef`
         into this rank's outbox segment, or one flat uint8 numpy array (offsets: :func:`wire.layout`).
     """
-    entries = [e if len(e) == 3 else (e[0], describe_full(e[1]), e[1]) for e in entries]
+    entries = [e if len(e) == 3 else (e[0], wire.describe(e[1]), e[1]) for e in entries]  # a DTensor: its full shape
     keys = [e[0] for e in entries]
     descs = [e[1] for e in entries]
     sizes = [int(torch.Size(d[1]).numel()) * torch.empty(0, dtype=getattr(torch, d[0])).element_size() for d in descs]
