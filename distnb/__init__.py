@@ -35,10 +35,11 @@ def load_ipython_extension(ipython):
     ``%dist start`` can fork CPU engines instead of importing all of it in each of them.
     ``DISTNB_ZYGOTE=0`` turns it off.
     """
-    from . import zygote
+    from . import kernelstop, zygote
     from .magics import DistMagics
 
     ipython.register_magics(DistMagics)
+    kernelstop.install(ipython)  # a kernel restart stops a running training cell as the interrupt does
     if help_cell not in ipython.input_transformers_cleanup:
         ipython.input_transformers_cleanup.append(help_cell)
     zygote.warm()

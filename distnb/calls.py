@@ -30,6 +30,7 @@ NET = "distnb.net"
 POSTMORTEM = "distnb.engine.postmortem"
 ELASTIC = "distnb.engine.elastic"
 PULLTENSOR = "distnb.engine.pulltensor"
+VALPARTS = "distnb.engine.valparts"
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,11 @@ def install_dataset(name, kind, num_shards, payload, descs, *buffers): ...
 
 @_on_rank(DATASETS, with_ns=True)
 def adopt_dataset(name, num_shards): ...
+
+
+# engine/valparts.py: a validation set each rank builds (--val-data make) ------------------
+@_on_rank(VALPARTS, with_ns=True)
+def build_val_part(name, num_shards, seed): ...
 
 
 @_on_rank(LOOP)

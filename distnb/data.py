@@ -31,7 +31,7 @@ from .errors import PlanError
 from .transfer import is_sample_list
 
 
-def scatter(session, name: str, obj, seed: int, num_shards: int) -> list:
+def scatter(session, name: str, obj, seed: int, num_shards: int, allow_empty: bool = False) -> list:
     """Send each rank its shard of ``obj`` under ``name`` (rank ``r`` gets shard ``shard_index(r, ...)``).
 
     With fewer shards than ranks, the ranks of one shard are consecutive
@@ -45,8 +45,9 @@ def scatter(session, name: str, obj, seed: int, num_shards: int) -> list:
     Raises
     ------
     PlanError
-        If ``obj`` is not a data set, or has fewer samples than ``num_shards``, or ``num_shards`` does
-        not divide world_size (before the ranks drop what they held under ``name``).
+        If ``obj`` is not a data set, or has fewer samples than ``num_shards`` (unless ``allow_empty``: a
+        validation set, whose empty shards count nothing), or ``num_shards`` does not divide world_size
+        (before the ranks drop what they held under ``name``).
     """
     from .engine import shard as sharding
     from .transfer import columns_of, outgoing_rows
@@ -58,7 +59,7 @@ def scatter(session, name: str, obj, seed: int, num_shards: int) -> list:
         raise PlanError(f"num_shards must divide world_size={world} (ranks go in equal blocks, one shard a block): "
                         f"one of {fits}, got {num_shards!r}")
     structure, columns, n = columns_of(obj, name)
-    if n < num_shards:
+    if n < num_shards and not allow_empty:
         raise PlanError(f"{name} has {n} samples, fewer than world_size={cluster.world_size}")
     shards = sharding.assign(n, num_shards, seed)
     session.holdings.data.pop(name, None)  # the ranks drop what they held under name first

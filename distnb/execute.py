@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 
-from . import calls, hangs, hub
+from . import calls, hangs, hub, presses
 from .errors import ClusterError, Interrupted, PlanError, RankError
 from .output import LineFolder
 
@@ -40,6 +40,11 @@ OUTPUT_WAIT = 2.0
 STOP_WAIT = 3.0
 #: Seconds to wait for ranks to stop after the second (hard) SIGINT.
 INTERRUPT_WAIT = 10.0
+#: Seconds the ranks still have to stop at a step boundary once the interrupt is pressed again (each press
+#: shortens the first stop's :data:`STOP_WAIT` to this from that press; then they are stopped where they are).
+AGAIN_GRACE = 1.0
+#: Seconds between two looks at the stopping ranks (a press again is noticed at the next).
+STOP_POLL = 0.02
 
 
 def targets_of(targets, world_size: int):
@@ -115,6 +120,7 @@ class Watch:
         self.wheres = session.last_where = {}  # rank -> where its cell is (engine/where.py), for %dist where
         self.released, self.interrupted = set(), set()
         self.pressed_again = False  # the interrupt pressed while the ranks were being stopped
+        self.again_at = None  # time.monotonic() of the last such press
         self.failed_since = None
         self.next_liveness = time.monotonic() + LIVENESS_SECONDS
         self.hang = None  # set when ranks wait in a collective others never reached (see hangs.py)
@@ -130,16 +136,25 @@ class Watch:
             bg.started.set()
             if hasattr(self.view, "attach_stop"):
                 self.view.attach_stop(bg.request_stop)
-        user_interrupt = False
         try:
             while not self._tick(bg):
                 pass
         except (KeyboardInterrupt, RuntimeError) as exc:
             if not _is_interrupt(exc):
                 raise
-            user_interrupt = True
+        else:
+            return self._conclude(False)
+        release = presses.absorb(self._pressed)  # from the first press on, another only hurries the stop
+        try:
             self._after_interrupt()
-        return self._conclude(user_interrupt)
+            return self._conclude(True)
+        finally:
+            release()
+
+    def _pressed(self) -> None:
+        """The interrupt pressed again while the ranks stop (a SIGINT handler: :mod:`distnb.presses`)."""
+        self.pressed_again = True
+        self.again_at = time.monotonic()
 
     def _after_interrupt(self) -> None:
         """Stop the ranks (:meth:`_interrupt_ranks`), then read what they sent. The interrupt pressed again
@@ -153,7 +168,7 @@ class Watch:
             except (KeyboardInterrupt, RuntimeError) as again:
                 if not _is_interrupt(again):
                     raise
-                self.pressed_again = True
+                self._pressed()
 
     def _tick(self, bg) -> bool:
         """One round of checks; True when every rank has finished (or died)."""
@@ -337,16 +352,20 @@ class Watch:
 
     def _wait_stopped(self, ranks, seconds: float) -> list:
         """Wait up to ``seconds`` for ``ranks`` to finish; those still running. The interrupt pressed
-        meanwhile ends the wait at once (it means: stop them now), it does not escape as a traceback."""
+        meanwhile (:meth:`_pressed`) leaves them :data:`AGAIN_GRACE` seconds from that press: ranks about to stop
+        at a step boundary still do, with their state (a hard stop mid-step lost the optimizer's)."""
         deadline = time.monotonic() + seconds
-        try:
-            for r in ranks:
-                self.ars[r].wait(max(0.0, deadline - time.monotonic()))
-        except (KeyboardInterrupt, RuntimeError) as exc:
-            if not _is_interrupt(exc):
-                raise
-            self.pressed_again = True
-        return [r for r in ranks if not self.ars[r].ready()]
+        while True:
+            end = deadline if self.again_at is None else min(deadline, self.again_at + AGAIN_GRACE)
+            pending = [r for r in ranks if not self.ars[r].ready()]
+            if not pending or time.monotonic() >= end:
+                return pending
+            try:
+                self.ars[pending[-1]].wait(min(STOP_POLL, max(0.0, end - time.monotonic())))
+            except (KeyboardInterrupt, RuntimeError) as exc:  # a press before distnb's handler was in place
+                if not _is_interrupt(exc):
+                    raise
+                self._pressed()
 
 
 def _is_interrupt(exc: BaseException) -> bool:

@@ -27,7 +27,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
-from . import jobfiles
+from . import jobfiles, valsets
 from .errors import PlanError
 
 #: The last training cell of this kernel that returned a result (None before the first).
@@ -430,7 +430,11 @@ def contents(cell: Cell, directory: str, nodes=None, per_node=None) -> dict:
     data = dict(name=cell.plan.data, path=cell.data_path, file=data_name)
     val = None
     if cell.plan.val_data:
-        files["val.pt"] = jobfiles.tensor_file(cell.plan.val_data, cell.val_obj, cell.val_fp, "--val-data")
+        if valsets.is_made_on_ranks(cell.val_obj):
+            raise PlanError(f"--val-data {cell.plan.val_data} is a function the ranks call (make(rank, world_size)): "
+                            "export writes a validation set of tensors or a Dataset; give the cell one, then export")
+        val_obj = valsets.kernel_form(cell.plan.val_data, cell.val_obj)  # an IterableDataset as the ranks got it
+        files["val.pt"] = jobfiles.tensor_file(cell.plan.val_data, val_obj, cell.val_fp, "--val-data")
         val = dict(name=cell.plan.val_data, path="tensors", file="val.pt")
     jobfiles.names_unchanged(cell)
     if cell.names:

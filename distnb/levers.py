@@ -23,6 +23,18 @@ FIELDS = ("activation_checkpointing", "offload", "param_dtype")
 PARAM_DTYPES = ("fp32", "bf16")
 #: ``--offload`` values.
 OFFLOADS = ("cpu",)
+#: The strategies ``--offload`` and ``--param-dtype`` belong to (FSDP2's policies).
+FSDP = ("fsdp", "fsdp+tensor")
+#: Each lever's help (the magic's, and the Python keyword's docstring line), with an example.
+HELP = {
+    "activation_checkpointing": "recompute each FSDP unit's (ddp, tensor, ps: each block's, the children with "
+                                "parameters) activations in the backward instead of keeping them "
+                                "(torch.utils.checkpoint), e.g. --activation-checkpointing",
+    "offload": "fsdp: keep parameter shards, gradients and optimizer state in host memory (FSDP2 "
+               "CPUOffloadPolicy), e.g. --offload cpu",
+    "param_dtype": "fsdp: dtype the gathered parameters compute in, gradients reduced in fp32, weights kept fp32 "
+                   "(FSDP2 MixedPrecisionPolicy), e.g. --param-dtype bf16",
+}
 
 
 def check(plan) -> None:

@@ -9,10 +9,9 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from . import options
+from . import magic_values, options
 from .errors import ClusterError, Interrupted, PlanError, stop_interrupted
 from .plan import ClusterSpec, RunOptions, TrainPlan
-
 
 _PARSE = {"int": int, "float": float}
 
@@ -478,6 +477,7 @@ def _parse(magic, line: str):
     """``parse_argstring(magic, line)``; an unknown option's UsageError names the options it may have meant."""
     import difflib
 
+    magic_values.refuse_expressions(line)
     try:
         args = parse_argstring(magic, line)
     except UsageError as exc:

@@ -61,7 +61,7 @@ CPU_BINDS = ("auto", "cores", "none")
 MAX_TIMEOUT = 7 * 24 * 3600
 #: Progress views of a training cell (auto: widgets in Jupyter, text elsewhere).
 PROGRESS_MODES = ("auto", "widgets", "text", "none")
-#: Autocast precisions of ``--precision`` (fp16 needs GPU ranks: it scales the loss with a GradScaler).
+#: Autocast precisions of ``--precision`` (fp16 scales the loss with a GradScaler, on CUDA or CPU ranks).
 PRECISIONS = ("fp32", "bf16", "fp16")
 #: Built-in learning-rate schedules of ``--lr-schedule`` (after ``--warmup-steps`` of linear warm-up).
 LR_SCHEDULES = ("cosine", "linear", "constant")
@@ -195,28 +195,25 @@ class TrainPlan:
                          "model for fresh ones) with a fresh optimizer and epoch count")
     target_loss: float | None = option(None, "float", "stop after an epoch whose mean loss (with --val-data: "
                                                 "the validation loss) is <= this", signed=True)
-    precision: str = option("fp32", "choice", "fp32 (default), bf16 or fp16 (GPU only: with a GradScaler) autocast in "
+    precision: str = option("fp32", "choice", "fp32 (default), bf16 (no loss scaling) or fp16 (with a GradScaler) autocast in "
                             "the forward and the loss; weights stay fp32; not with --strategy pipeline", choices=PRECISIONS, distribution=True,
                             doc="Autocast dtype of the forward pass and the loss (``torch.autocast``). ``fp16`` "
-                                "scales the loss with ``torch.amp.GradScaler`` and needs GPU ranks; fsdp also gets "
+                                "scales the loss with ``torch.amp.GradScaler`` (CUDA or CPU ranks; the ranks skip a step "
+                                "and back off the scale together); bf16 runs without loss scaling; fsdp also gets "
                                 "a ``MixedPrecisionPolicy``. Master weights, optimizer state and the weights that "
                                 "come back to the notebook stay fp32.")
-    activation_checkpointing: bool = option(False, "flag", "recompute each FSDP unit's (ddp, tensor, ps: each block's, "
-                                            "the children with parameters) activations in the backward instead of "
-                                            "keeping them (torch.utils.checkpoint), e.g. --activation-checkpointing",
-                                            distribution=True)
-    offload: str | None = option(None, "choice", "fsdp: keep parameter shards, gradients and optimizer state in host "
-                                 "memory (FSDP2 CPUOffloadPolicy), e.g. --offload cpu", choices=levers.OFFLOADS,
-                                 strategy=("fsdp", "fsdp+tensor"))
-    param_dtype: str = option("fp32", "choice", "fsdp: dtype the gathered parameters compute in, gradients reduced "
-                              "in fp32, weights kept fp32 (FSDP2 MixedPrecisionPolicy), e.g. --param-dtype bf16",
-                              choices=levers.PARAM_DTYPES, strategy=("fsdp", "fsdp+tensor"))
+    activation_checkpointing: bool = option(False, "flag", levers.HELP["activation_checkpointing"], distribution=True)
+    offload: str | None = option(None, "choice", levers.HELP["offload"], choices=levers.OFFLOADS, strategy=levers.FSDP)
+    param_dtype: str = option("fp32", "choice", levers.HELP["param_dtype"], choices=levers.PARAM_DTYPES,
+                              strategy=levers.FSDP)
     accumulate: int = option(1, "int", "micro-steps whose gradients are summed before one optimizer step (default 1)",
                              minimum=1, doc="Gradient accumulation: N consecutive micro-steps (batches) add up their "
                                             "gradients (each loss scaled by its batch's share of the group's samples: "
                                             "1/N for full batches) before one optimizer step; ddp skips "
                                             "the all-reduce on the first N-1 (``no_sync``), fsdp its reduce-scatter "
-                                            "(``set_requires_gradient_sync``).")
+                                            "(``set_requires_gradient_sync``). A body whose loss is a sum over "
+                                            "tokens sets ``ctx.num_items``: the group is then normalised by the "
+                                            "count over its micro-steps and the ranks (token-weighted).")
     check_replicas: str = option("epoch", "choice", "compare the copies of the parameters that ranks must hold equal "
                                  "(ddp; tensor parallelism's unsharded ones): epoch (default: at each cell's start and "
                                  "each epoch's end), step (after every optimizer step) or off; a drift is an error "
@@ -232,8 +229,10 @@ class TrainPlan:
                                      "live one, none for a new optimizer)")
     warmup_steps: int = option(0, "int", "optimizer steps of linear warm-up before --lr-schedule (default 0)",
                                minimum=0)
-    val_data: str | None = option(None, "name", "notebook name of a validation set, sharded like --data; evaluated "
-                                  "after every --val-every epochs with model.eval() and no_grad")
+    val_data: str | None = option(None, "name", "notebook name of a validation set, sharded like --data (tensors, a "
+                                  "Dataset or IterableDataset, or make(rank, world_size) run on each rank; fewer samples "
+                                  "than ranks is fine); evaluated after every --val-every epochs with model.eval() and "
+                                  "no_grad, e.g. --val-data val_set")
     val_every: int = option(1, "int", "epochs between validations (default 1; the cell's last epoch always is one)",
                             minimum=1)
     metric: str | None = option(None, "name", "notebook function metric(output, target) -> per-sample scores (or a "
@@ -244,7 +243,8 @@ class TrainPlan:
                               minimum=0.0)
     restore_best: bool = option(False, "flag", "at the end, load the weights of the best validation loss back "
                                 "(needs --val-data)")
-    compile: bool = option(False, "flag", "torch.compile the model on every rank (after DDP/FSDP wrapping)",
+    compile: bool = option(False, "flag", "torch.compile the model's forward on every rank (ddp: the module DDP wraps; "
+                           "fsdp: each innermost unit); the cell reports dynamo's graphs, breaks and recompiles",
                            distribution=True)
     sync_bn: bool = option(False, "flag", "BatchNorm becomes SyncBatchNorm on the ranks (GPU ranks only); the "
                            "notebook's model keeps plain BatchNorm", distribution=True)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 
-from . import carried
+from . import carried, compiled
 from .display.aggregate import SCALE_THRESHOLD
 from .display.tables import Table, count
+from .stepnotes import convention_note, notes as step_notes, stop_request
 
 
 class StatusTable(Table):
@@ -74,7 +75,22 @@ class TrainResult(Table):
         Distinct samples trained per second: the sum over ranks for data parallelism,
         divided by the ranks that share each batch for model parallelism.
     stopped_early : bool
-        True when --target-loss was reached or --patience ran out.
+        True when --target-loss was reached, --patience ran out or a rank asked to stop.
+    stop_request : dict or None
+        A stop a rank asked for with ``ctx.request_stop(reason)``: ``ranks`` (the ranks that asked),
+        ``reason`` (the lowest one's), ``asked_at`` and ``step`` (the global optimizer step it was
+        asked at, and the one every rank stopped after).
+    skipped : list of dict
+        Each optimizer step ``--nan skip`` dropped: ``step`` (of the cell, from 1), ``micro_steps``
+        (first and last, the model's count) and ``ranks`` (where the loss was inf/NaN).
+    token_weighted : bool
+        The body set ``ctx.num_items``: gradients and logged losses are token-weighted over the
+        whole global batch. Otherwise ``loss_convention`` states the convention: the mean per
+        micro-batch, then over micro-steps and ranks.
+    loss_scale : float or None
+        ``--precision fp16``: the GradScaler's scale at the end of the cell.
+    step_notes : list of str
+        What the cell says of how its steps were done (:mod:`distnb.stepnotes`).
     optimizer_steps : int
         Optimizer steps of this cell (micro-steps / --accumulate, rounded up per epoch); with
         ``--loop``, the ``step()`` calls the body made on a ``torch.optim.Optimizer``.
@@ -96,14 +112,23 @@ class TrainResult(Table):
         The epoch of the best validation loss; ``restored_best``: its weights were loaded back.
     converged : bool
         True when the run stopped on --target-loss or --patience; False when it used up its epochs
-        (or was interrupted). ``stop_reason``: ``"target"``, ``"patience"``, ``"epochs"`` or
-        ``"interrupted"``.
+        (or was interrupted). ``stop_reason``: ``"target"``, ``"patience"``, ``"epochs"``,
+        ``"requested"`` (``ctx.request_stop``) or ``"interrupted"``.
     interrupted : bool
         The cell was interrupted (the interrupt button, ``%dist stop-training``): every rank
         stopped after the same step, and this is what was trained until then.
+    loss_dtype : str or None
+        ``"bfloat16"`` or ``"float16"`` when the body's loss was a tensor of that dtype: every figure here was
+        reduced from it upcast to float32 (each step's value still carries that dtype's rounding); None for a
+        float32 or wider loss.
     compile_seconds : float or None
-        With --compile: the first step's extra time (compiling); ``speedup``: eager step time of an
-        earlier cell / compiled step time, when known.
+        With --compile: the first step's extra time (compiling), seconds, only when dynamo compiled graphs
+        this cell (None when nothing compiled); ``speedup``: eager step time of an earlier cell / compiled step
+        time, when known and something compiled.
+    dynamo : dict
+        With --compile, ``{rank: figures}`` of what dynamo did this cell: ``graphs``, ``graphs_since_compile``
+        (0: nothing ever compiled for the model), ``graph_breaks``, ``break_reasons``, ``recompiles``,
+        ``recompile_reasons`` (:func:`distnb.engine.compiling.report`); empty without it.
     """
 
     columns = ("rank", "steps", "samples", "seconds", "samples_per_s", "final_loss", "param_bytes")
@@ -125,6 +150,12 @@ class TrainResult(Table):
         self.interrupted = any(r.get("interrupted") for r in rows)
         self.interrupted_message = "training interrupted" if self.interrupted else ""
         self.stop_reason = "interrupted" if self.interrupted else first.get("stop_reason") or "epochs"
+        self.stop_request = stop_request(rows)
+        self.skipped = list(first.get("skipped") or [])
+        self.token_weighted = bool(first.get("token_weighted"))
+        self.loss_scale = first.get("loss_scale")
+        self.loss_convention = convention_note(rows) or None
+        self.step_notes = step_notes(rows, plan)
         self.converged = self.stop_reason in ("target", "patience")
         self.kernel_peak_memory = self.kernel_memory_kind = None  # set by distnb.training.finish
         self._make_title()
@@ -147,9 +178,11 @@ class TrainResult(Table):
             last = next((v for v in reversed(self.val_history) if v.get("epoch") == self.best_epoch), last)
         self.val_loss, self.val_metric = last.get("loss"), last.get("metric")
         self.metric_name = first.get("metric_name")
-        self.compile_seconds = self.speedup = None
-        if first.get("compiled") and first.get("first_step_seconds") is not None:
-            self.compile_seconds = max(0.0, first["first_step_seconds"] - first["step_seconds"])
+        self.loss_dtype = next((r["loss_dtype"] for r in rows if r.get("loss_dtype")), None)
+        first["loss_dtype"] = self.loss_dtype  # the notes read rank 0's row (pipeline: the last stage computes it)
+        self.compile_seconds, self.speedup = compiled.compile_seconds(first), None
+        self.dynamo = {r["rank"]: r["dynamo"] for r in rows if r.get("dynamo") is not None}
+        if compiled.compiled_anything(first) and first.get("first_step_seconds") is not None:
             if first.get("eager_step_seconds") and first["step_seconds"] > 0:
                 self.speedup = first["eager_step_seconds"] / first["step_seconds"]
 
@@ -169,8 +202,9 @@ class TrainResult(Table):
         return "no epoch finished, no step loss reported"
 
     def _make_title(self) -> None:
-        how = {"target": "reached --target-loss", "patience": "converged (--patience)",
-               "interrupted": "interrupted"}.get(self.stop_reason, count(len(self.epochs), "epoch"))
+        how = {"target": "reached --target-loss", "patience": "converged (--patience)", "interrupted": "interrupted",
+               "requested": "stopped on request (ctx.request_stop)"}.get(self.stop_reason,
+                                                                         count(len(self.epochs), "epoch"))
         parts = [self.plan.strategy, count(len(self.rows), "rank"), how, self._loss_text()]
         if self.val_loss is not None:
             metric = f", {self.metric_name} {self.val_metric:.4f}" if self.val_metric is not None else ""
@@ -213,24 +247,27 @@ def start_notes(first: dict) -> list:
     return notes
 
 
+def loss_dtype_note(dtype: str) -> str:
+    """The sentence said once when the body's loss was a low-precision tensor (``dtype``: ``"bfloat16"``)."""
+    return (f"the body's loss is a {dtype} tensor: distnb upcast it to float32 to reduce and log it (step losses, "
+            f"epoch means, validation, the result); each step's value still carries {dtype}'s rounding (about 3 "
+            "significant digits for bfloat16): compute the loss in float32 for exact figures, e.g. "
+            "`loss = F.mse_loss(out.float(), y.float())`")
+
+
 def training_notes(first: dict, started: bool = True) -> list:
     """The sentences a finished training cell prints, from rank 0's row (``first``).
 
     ``started``: with the :func:`start_notes` first (False: the progress printed them already).
     """
     notes = start_notes(first) if started else []
-    if first.get("skipped_steps"):
-        notes.append(f"skipped {count(first['skipped_steps'], 'step')} whose loss was not finite on some rank "
-                     "(--nan skip): no update was applied for them")
+    if first.get("loss_dtype"):
+        notes.append(loss_dtype_note(first["loss_dtype"]))
     if first.get("restored_best"):
         notes.append(f"loaded the weights of the best validation loss back (epoch {first['best_epoch']})")
-    if first.get("compiled") and first.get("first_step_seconds") is not None:
-        extra = max(0.0, first["first_step_seconds"] - first["step_seconds"])
-        speed = ""
-        if first.get("eager_step_seconds") and first["step_seconds"] > 0:
-            speed = f", {first['eager_step_seconds'] / first['step_seconds']:.2f}x the eager steps of an earlier cell"
-        notes.append(f"torch.compile: the first step took {first['first_step_seconds']:.1f} s ({extra:.1f} s "
-                     f"compiling); later steps {first['step_seconds'] * 1000:.1f} ms{speed}")
+    said = compiled.note(first)
+    if said:
+        notes.append(said)
     return notes
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from . import options
 from .display.tables import count
 from .errors import PlanError
-from .plan import FAILURE_POLICIES, ClusterSpec
+from .gpuhost import kernel_cuda_note
+from .plan import FAILURE_POLICIES, ClusterSpec, hang_seconds
 
 #: start()'s keyword options (Python keyword -> ClusterSpec field), from ClusterSpec's declarations.
 START_OPTIONS = options.keywords(ClusterSpec)
@@ -19,12 +20,23 @@ def differences(explicit: dict, asked: ClusterSpec, running: ClusterSpec) -> str
         if getattr(asked, name) != getattr(running, name):
             f, opt = next((f, o) for f, o in options.declared(ClusterSpec) if f.name == name)
             show = ",".join(value) if isinstance(value, (tuple, list)) else value
-            changed.append((options.flags_of(f, opt)[0], show, getattr(running, name)))
+            changed.append((options.flags_of(f, opt)[0], show, _running_value(running, name)))
     if not changed:
         return "(%dist restart starts a fresh one)"
     said = ", ".join(f"{flag} {value} (running: {now})" for flag, value, now in changed)
     return (f"and not these options, which differ from it: {said}; apply them with %dist restart "
             + " ".join(f"{flag} {value}" for flag, value, _ in changed))
+
+
+def _running_value(running: ClusterSpec, name: str) -> str:
+    """A running cluster's setting as the user would give it: a default that is None said as what applies
+    (``--hang-after``'s "running: None" meant 10 s, or half a short --timeout)."""
+    value = getattr(running, name)
+    if value is not None:
+        return ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
+    if name == "hang_after":
+        return f"{hang_seconds(running):g} s, the default"
+    return "not set, the default"
 
 
 def say_ready(cluster) -> None:
@@ -37,9 +49,9 @@ def say_ready(cluster) -> None:
           f"{cluster.start_seconds:.1f} s")
     if cluster.note:
         print(f"distnb: {cluster.note}")
-    note = binding_note(cluster)
-    if note:
-        print(f"distnb: {note}")
+    for note in (binding_note(cluster), kernel_cuda_note(spec.device_type)):
+        if note:
+            print(f"distnb: {note}")
 
 
 def binding_note(cluster) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from . import calls, carried, data, export, kernel_memory, modelcheck, options, transfer
+from . import calls, captured, carried, data, export, kernel_memory, modelcheck, options, presses, transfer, valsets
 from .display import ProgressState, make_view, view_kind
 from .display.tables import count
 from .errors import PlanError, RankError
@@ -235,9 +235,6 @@ def check_step_options(session, plan, model_obj) -> None:
     from .engine import batchnorm
 
     on_cpu = session.cluster.spec.device_type != "cuda"
-    if plan.precision == "fp16" and on_cpu:
-        raise PlanError("--precision fp16 needs GPU ranks (its torch.amp.GradScaler scales CUDA gradients); these "
-                        "ranks compute on CPU: use --precision bf16")
     if on_cpu and (plan.sync_bn or batchnorm.holds_sync_batchnorm(model_obj)):
         what = "--sync-bn" if plan.sync_bn else f"--model {plan.model} holds torch.nn.SyncBatchNorm layers, which"
         raise PlanError(f"{what} needs GPU ranks: torch's SyncBatchNorm runs on CUDA only, and these ranks compute "
@@ -246,9 +243,9 @@ def check_step_options(session, plan, model_obj) -> None:
     if plan.val_data is not None:
         if plan.val_data not in ns:
             raise PlanError(f"--val-data {plan.val_data!r} is not defined in the notebook; define it in a cell first")
-        if not _is_data_set(ns[plan.val_data]):
+        if not _is_data_set(ns[plan.val_data]) and not valsets.accepted(ns[plan.val_data]):
             raise PlanError(f"--val-data {plan.val_data} is a {type(ns[plan.val_data]).__name__}, not a data set "
-                            "(a tensor, a tuple or dict of tensors, a TensorDataset or a torch Dataset)")
+                            f"({valsets.WHAT})")
     for flag, name in (("--metric", plan.metric), ("--lr-schedule", None if plan.lr_schedule in LR_SCHEDULES
                                                    else plan.lr_schedule)):
         if name is None:
@@ -298,9 +295,12 @@ def prepare(session, plan, code, model_obj, data_obj, quiet) -> tuple:
     if not plan.data_on_ranks:
         data.path_of(plan, data_obj)  # a --data that cannot be sent fails here, before the model is sent
     autopush(session, code, exclude=(model_obj, data_obj, val_obj))
-    if val_obj is not None:  # the same scatter as the training set (seeded, disjoint, covering shards); one that
+    if val_obj is not None and valsets.is_made_on_ranks(val_obj):  # make(rank, world_size): each rank its part
+        valsets.build_on_ranks(session, plan, val_obj, num_shards, quiet)
+    elif val_obj is not None:  # the same scatter as the training set (seeded, disjoint, covering shards); one that
         # cannot be cut into tensors fails here, before the model is sent
-        ensure_data(session, plan, val_obj, quiet, num_shards, silent=quiet, name=plan.val_data)
+        ensure_data(session, plan, valsets.kernel_form(plan.val_data, val_obj), quiet, num_shards, silent=quiet,
+                    name=plan.val_data)
     sent = ensure_model(session, plan, model_obj, quiet)
     ensure_data(session, plan, data_obj, quiet or not sent, num_shards, silent=quiet)
     return num_shards, data.steps_of(plan, session.holdings.data[plan.data], num_shards), sent
@@ -344,6 +344,8 @@ def ensure_model(session, plan, model_obj, quiet) -> bool:
     from .transfer import _pool as transfer_pool, fingerprint, outgoing, pack_named
 
     held = session.holdings
+    if captured.library_patches(model_obj):  # notebook code in a library class: the ranks never get it
+        print(f"distnb: warning: {captured.library_patch_warning(plan.model, model_obj)}")
     fp = fingerprint(model_obj)
     key = plan.strategy_key()
     last = held.distributed.get(plan.model)
@@ -414,7 +416,7 @@ def ensure_data(session, plan, data_obj, quiet, num_shards, silent=False, name=N
     if info is None or "structure" not in info or info["fingerprint"] != data.held_fingerprint(data_obj) or \
             info["seed"] != plan.seed or info["num_shards"] != num_shards:
         try:
-            data.scatter(session, name, data_obj, plan.seed, num_shards)
+            data.scatter(session, name, data_obj, plan.seed, num_shards, allow_empty=name != plan.data)
         except PlanError as exc:
             if name == plan.data:
                 raise
@@ -500,31 +502,32 @@ def train_cell(session, code, model, data, run, given):
     show = tuple(range(session.world_size)) if run.all_output else (0,)
     stopped = None
     # rank 0 writes the trained state into its own outbox; distnb.weights_back reads it into model_obj in place
-    try:
-        rows = run_on_ranks(session, calls.train, plan.to_dict(), code, None, what="training", state=state,
-                            view=view, show_ranks=show)
-    except Interrupted as exc:  # every rank stopped after the same step: the result of what was trained
-        if getattr(exc, "results", None) is None:  # stopped where they were: the replicas may be steps apart
-            weights_back(session, plan.model, model_obj, best_effort=True)
-            session.holdings.models.pop(plan.model, None)  # so the next cell sends rank 0's weights to all
-            raise Interrupted(f"{exc}; the next cell sends {plan.model} to every rank again from rank 0's weights "
-                              "(now the notebook's), with a fresh optimizer") from None
-        rows, stopped = exc.results, exc
-    except (RankError, KeyboardInterrupt) as exc:
-        weights_back(session, plan.model, model_obj, best_effort=True, replicated=plan.strategy == "ddp")
-        if getattr(exc, "restart_dead", None):  # --on-failure restart: once rank 0's weights are back
-            restart_world(session, exc.failures, exc.restart_dead)
-            exc.args = (exc._summary(),)
-        if isinstance(exc, RankError) and not exc.hint:
-            held = session.holdings.data.get(plan.data) or {}
-            exc.add_hint(modelcheck.dtype_hint(exc, plan, model_obj, data_obj, held.get("sample") or "")
-                         or body_name_hint(exc.failures, session.ns, RESERVED_NAMES))
-        if plan.builtin_optimizer:  # a built-in optimizer was not what failed (a dead engine, the body, ...)
-            session.holdings.remember(plan, model_obj)
-        exc.plan = plan  # what --on-failure shrink goes on with (distnb.shrinking)
-        raise
-    result = finish(session, plan, model_obj, rows, time.perf_counter() - t0, num_shards, run, stopped, given,
-                    started_shown=state.start_shown, peak_since_start=peak_since_start)
+    with presses.held():  # presses counted
+        try:
+            rows = run_on_ranks(session, calls.train, plan.to_dict(), code, None, what="training", state=state,
+                                view=view, show_ranks=show)
+        except Interrupted as exc:  # every rank stopped after the same step: the result of what was trained
+            if getattr(exc, "results", None) is None:  # stopped where they were: the replicas may be steps apart
+                weights_back(session, plan.model, model_obj, best_effort=True)
+                session.holdings.models.pop(plan.model, None)  # so the next cell sends rank 0's weights to all
+                raise Interrupted(f"{exc}; the next cell sends {plan.model} to every rank again from rank 0's weights "
+                                  "(now the notebook's), with a fresh optimizer") from None
+            rows, stopped = exc.results, exc
+        except (RankError, KeyboardInterrupt) as exc:
+            weights_back(session, plan.model, model_obj, best_effort=True, replicated=plan.strategy == "ddp")
+            if getattr(exc, "restart_dead", None):  # --on-failure restart: once rank 0's weights are back
+                restart_world(session, exc.failures, exc.restart_dead)
+                exc.args = (exc._summary(),)
+            if isinstance(exc, RankError) and not exc.hint:
+                held = session.holdings.data.get(plan.data) or {}
+                exc.add_hint(modelcheck.dtype_hint(exc, plan, model_obj, data_obj, held.get("sample") or "")
+                             or body_name_hint(exc.failures, session.ns, RESERVED_NAMES))
+            if plan.builtin_optimizer:  # a built-in optimizer was not what failed (a dead engine, the body, ...)
+                session.holdings.remember(plan, model_obj)
+            exc.plan = plan  # what --on-failure shrink goes on with (distnb.shrinking)
+            raise
+        result = finish(session, plan, model_obj, rows, time.perf_counter() - t0, num_shards, run, stopped, given,
+                        started_shown=state.start_shown, peak_since_start=peak_since_start)
     session.last_result = result
     export.remember(cell, result, model_obj)
     background = session._background
@@ -557,8 +560,14 @@ def finish(session, plan, model_obj, rows, wall_seconds, num_shards, run, stoppe
     if stopped is not None:
         result.mark_interrupted(str(stopped))
     if not run.quiet:  # run: the cell's RunOptions
-        for note in loopcell.notes(rows[0], plan, given, started=not started_shown):
+        for note in loopcell.notes(rows[0], plan, given, started=not started_shown) + result.step_notes:
             print(f"distnb: {note}")
+        # stated once per session, by the first foreground cell that averages (a background run's end prints
+        # with %dist wait or stop, whose own words come first)
+        background = session._background is not None and session._background.current_thread_is_runner()
+        if result.loss_convention and not background and not getattr(session, "loss_convention_said", False):
+            session.loss_convention_said = True
+            print(f"distnb: {result.loss_convention}")
     session.holdings.trained_steps[plan.model] = rows[0]["global_steps"]
     session.holdings.remember(plan, model_obj)  # what the ranks accepted carries over to the model's next cell
     return result

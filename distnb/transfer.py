@@ -163,8 +163,10 @@ def fingerprint(obj):
     A model: object id, each submodule's type, own attributes and hooks (``net.scale = 0.5``,
     ``net.act = torch.tanh``, ``register_forward_hook`` count; not tensors kept as plain attributes: a buffer
     is state), each tensor's version counter, memory address, dtype, shape and device, and which
-    parameters require gradients, and the notebook globals its classes' code reads
-    (:mod:`distnb.captured`: ``TEMP = 100.0`` after the model was sent counts). Data: object id, length, and per column the same of each tensor,
+    parameters require gradients, and its classes' code and the notebook globals it reads
+    (:mod:`distnb.captured`: ``M.forward = ...`` or ``TEMP = 100.0`` after the model was sent counts; the class's
+    cell run again from the same source does not). A notebook function: its code, defaults, closure and the
+    globals it reads, not its identity. Data: object id, length, and per column the same of each tensor,
     or a numpy array's checksum; a tuple, list or dict of tensors or arrays is its columns, not its id
     (a new ``(X, y)`` of the same tensors, as ``train(data=(X, y))`` makes at every call, is the data
     the ranks hold). In-place changes through autograd-visible ops
@@ -178,19 +180,22 @@ def fingerprint(obj):
     if isinstance(obj, torch.nn.Module):
         leaves = [_leaf(t) for t in obj.state_dict(keep_vars=True).values()] + [_module_settings(obj)]
         leaves.append(tuple(p.requires_grad for p in obj.parameters()))  # a frozen layer is a change too
-        leaves.append(captured.digest({type(m) for m in obj.modules()}))  # the notebook globals its code reads
+        leaves.append(captured.digest({type(m) for m in obj.modules()}))  # its classes' code, the globals it reads
     elif isinstance(obj, torch.utils.data.TensorDataset):
         leaves = [_leaf(t) for t in obj.tensors]
     elif isinstance(obj, (tuple, list)):
         leaves = [_leaf(x) for x in obj]
     elif isinstance(obj, dict):
         leaves = [(k, _leaf(v)) for k, v in obj.items()]
-    elif isinstance(obj, (types.FunctionType, type)) and captured.by_value(obj):  # with the globals its code reads
+    elif isinstance(obj, (types.FunctionType, type)) and captured.by_value(obj):  # its code, the globals it reads
         leaves = [captured.of_value(obj)]
     else:
         leaves = [_leaf(obj)]
     length = len(obj) if hasattr(obj, "__len__") else None
-    return (0 if is_columns(obj) else id(obj), type(obj), length, tuple(leaves))
+    # a notebook function is what its code does (a cell run again from the same source is the same function);
+    # a class keeps its identity too, as isinstance on the ranks follows it
+    same = is_columns(obj) or (isinstance(obj, types.FunctionType) and captured.by_value(obj))
+    return (0 if same else id(obj), type(obj), length, tuple(leaves))
 
 
 def load_state_into(model, keys, descs, sizes, flat) -> None:
@@ -495,5 +500,10 @@ def model_change(old, new, keys) -> str:
     if before[-2] != after[-2]:
         parts.append("which parameters train changed")
     if before[-1] != after[-1]:
-        parts.append("a notebook global, function or class attribute its code reads changed")
+        members = captured.changed_members(before[-1], after[-1])
+        if members:
+            shown = ", ".join(members[:4]) + (f" and {len(members) - 4} more" if len(members) > 4 else "")
+            parts.append(f"the code of {shown} changed (a method replaced, or its defaults, closure or decorators)")
+        else:
+            parts.append("a notebook global, function or class attribute its code reads changed")
     return "; ".join(parts) or "its state changed"

@@ -31,6 +31,7 @@ import sys
 import warnings
 
 from ..errors import CollectiveMismatchError, ranks_named
+from . import arrival
 
 #: Collective -> name of the argument holding the tensor that must match across ranks.
 CHECKED = {"all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor", "all_gather": "tensor",
@@ -163,6 +164,12 @@ def _checked_call(dist, torch, op, original, args, kwargs, arguments, group, wor
     took half the time of the twelve all-gathered (245-469 us against 447-834 us on 2 gloo ranks).
     """
     fingerprint = _fingerprint(torch, op, tensor, arguments)
+    ranks = (dist.get_process_group_ranks(group) if group is not None else list(range(world)))
+    if SUBSET.get("arrival") and arrival.available():  # a training body: agreed through the store, outside gloo
+        rows = arrival.arrive(dist, group, ranks, fingerprint, op, SUBSET.get("timeout"))
+        if all(row == rows[0] for row in rows):
+            return original(*args, **kwargs)
+        _mismatch(torch, rows, ranks)
     digest = int.from_bytes(hashlib.blake2b(repr(fingerprint).encode(), digest_size=7).digest(), "little")
     bounds = torch.tensor([digest, -digest], dtype=torch.int64, device=tensor.device)
     with warnings.catch_warnings():  # torch's deprecation notice is about its API, not the user's cell
@@ -175,8 +182,11 @@ def _checked_call(dist, torch, op, original, args, kwargs, arguments, group, wor
             _ORIGINALS["all_gather_into_tensor"](every, mine, group=group)
     if highest == -lowest:
         return original(*args, **kwargs)  # the user's own call, with the warnings it gives
-    rows = every.view(world, -1).cpu().tolist()
-    ranks = (dist.get_process_group_ranks(group) if group is not None else list(range(world)))
+    _mismatch(torch, every.view(world, -1).cpu().tolist(), ranks)
+
+
+def _mismatch(torch, rows, ranks):
+    """Raise the error for ranks whose fingerprints ``rows`` (in ``ranks`` order) differ: the same text on every rank."""
     ops = sorted({_OPS[row[0]] for row in rows})  # the same text on every rank: one error, not several
     # one collective named with different roots or reduce ops: those are shown (different collectives differ anyway)
     roots, reduce_ops = (len(ops) == 1 and len({row[i] for row in rows}) > 1 for i in (4 + _DIMS, 5 + _DIMS))
@@ -203,7 +213,7 @@ SUBSET: dict = {}
 
 
 @contextlib.contextmanager
-def checked(only=None, off=False, timeout=None):
+def checked(only=None, off=False, timeout=None, training=False):
     """While active, collectives called from cell code check their tensors across ranks first.
 
     ``only``: the ranks running the cell when not all of them (``%%dist --targets``); a
@@ -214,6 +224,9 @@ def checked(only=None, off=False, timeout=None):
     versions stand in ``torch.distributed`` then too, passing each call straight on, so that a name
     the cell binds to one (``ar = dist.all_reduce``) is checked when a later cell calls it. ``timeout``
     (seconds): the world's, which groups the cell makes take unless it gives one (:func:`_tracked_group`).
+    ``training``: a ``%%distrain`` body, whose ranks meet DDP's (or FSDP's, or distnb's) collectives
+    between their own: each checked call first waits in the store for every rank of its group
+    (:mod:`distnb.engine.arrival`), so a call some ranks skip is a hang the kernel names, not gloo's abort.
     """
     dist = sys.modules.get("torch.distributed")
     if dist is None or _ORIGINALS:  # nothing to check, or already active
@@ -222,7 +235,7 @@ def checked(only=None, off=False, timeout=None):
     import torch
 
     _ORIGINALS.update({op: getattr(dist, op) for op in (*_OPS, "new_group")})
-    SUBSET.update(ranks=only, unchecked=off, off=off and only is None)
+    SUBSET.update(ranks=only, unchecked=off, off=off and only is None, arrival=training, timeout=timeout)
     try:
         for op in _OPS:
             setattr(dist, op, _wrapped(dist, torch, op, _ORIGINALS[op]))

@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, collectives, replicas, runtime, stepping
+from . import checkpoint, collectives, compiling, replicas, runtime, stepping, weighting
 
 
 class _Stopped(BaseException):
@@ -137,7 +137,33 @@ class Context:
     epoch : int
         Current epoch number (counts across cells).
     step : int
-        Steps finished in this cell.
+        Optimizer steps finished in this cell (0 during the first): an ``--accumulate N`` group of
+        micro-steps is one, a group dropped by ``--nan skip`` counts too; with ``--loop``, the
+        ``step()`` calls of the body's optimizer. Read-only.
+    global_step : int
+        Optimizer steps the model has taken, across cells (what checkpoints count). Read-only.
+    micro_step : int
+        The index of the running micro-step within its accumulation group, ``0 .. --accumulate - 1``
+        (always 0 without ``--accumulate``). Read-only.
+    micro_steps : int
+        Micro-steps (batches) finished in this cell.
+    lr : float
+        The learning rate of the optimizer's first parameter group now (after ``--lr-schedule``).
+    loss_scale : float or None
+        ``--precision fp16``: the ``torch.amp.GradScaler`` scale the next backward multiplies the
+        loss by (the same on every rank); None otherwise (fp32 and bf16 run without loss scaling).
+    grad_norm : float or None
+        The total 2-norm of the whole model's gradients at the last optimizer step, before
+        clipping and after unscaling (fp16) and ``ctx.num_items`` normalisation; computed only
+        with ``--clip-grad-norm`` (one pass over the gradients, and for sharded strategies one
+        all-reduce; a bound no norm reaches, ``--clip-grad-norm 1e9``, measures without clipping),
+        None before the first optimizer step or without it.
+    num_items : int, float, 0-d tensor or None
+        Set by the body when its ``loss`` is a *sum* over valid items (tokens, padding masked):
+        ``ctx.num_items = mask.sum()``. distnb then divides the gradients by the count summed
+        over the accumulation group's micro-steps and the ranks (token-weighted, as one process
+        on the whole batch; :mod:`distnb.engine.weighting`), and logs the token-weighted mean loss.
+        Set it on every micro-step or on none. Not with ``--loop``, pipeline or ps (ValueError).
     steps_per_epoch : int
     loader : iterable
         Batches of this rank's shard for the current epoch (used with ``--loop``).
@@ -152,16 +178,18 @@ class Context:
         self.plan, self.model, self.module, self.optimizer = plan, run.strategy.model, run.module, run.optimizer
         self.strategy = run.strategy
         self._run, self._data, self._reporter = run, data, reporter
-        reporter.running_loss = self.steps_mean  # the dashboard's loss column: the epoch's mean so far
+        reporter.running_loss = self.running_mean  # the dashboard's loss column: the epoch's mean so far
+        self._running = [None, 0, 0.0, None]  # running_mean's sums: (the list summed, entries in it, floats, tensors)
         self.steps_per_epoch = data.steps_per_epoch(plan)
         self.epoch = reporter.epoch = run.epoch  # (a --loop body may never iterate ctx.epochs(), which sets it)
-        self.step = 0
+        self.micro_steps = 0
         self.epoch_losses = []
         self.local_losses = []
         self.stopped_early = False
         self.iterated_epochs = False
         self._losses = []
         self._loss_count = 0
+        self._loss_weight = 0.0  # what the epoch's losses are divided by: steps, or ctx.num_items summed
         self._batch_samples = 0
         self._forwards_seen = run.forwards
         # a step body over data of known length takes the same steps on every rank (distnb's loop runs them
@@ -183,9 +211,14 @@ class Context:
         self.stop_reason = None  # "target", "patience" or None (epochs ran out, or interrupted)
         self._save_pending = False
         self._step_times = []  # wall seconds of the first steps (--compile: the first one compiles)
+        self.loss_dtype = None  # "bfloat16"/"float16": the body's loss was of that dtype, upcast to fp32 to report
+        self._dynamo = compiling.snapshot() if plan.compile else None  # what dynamo did is counted from here
         self.epoch_batches, self.epoch_done = self.steps_per_epoch, 0  # batches of this epoch, and done
         self.epoch_samples = None  # the samples of those batches (None: a stream's, not known ahead)
         self._t_step = time.perf_counter()
+        self._num_items = self._count = None  # ctx.num_items as set, and as a count
+        self._stop_reason_local = None  # (reason, global step) of this rank's ctx.request_stop
+        self.stop_request = None  # agreed: dict(ranks, reason, step) once the ranks stopped on a request
         if plan.check_replicas != "off":  # what a resume, a resize or a %%dist cell left on the ranks
             replicas.check(self.strategy, "before the cell's first step")
 
@@ -195,7 +228,7 @@ class Context:
         return self.stepper.autocast()
 
     def backward(self, loss):
-        self.stepper.backward(loss)
+        self.stepper.backward(loss, self._count)
 
     def scale_loss(self, loss):
         return self.stepper.scale_loss(loss)
@@ -210,6 +243,62 @@ class Context:
     @property
     def lr(self) -> float:
         return self.stepper.lr
+
+    @property
+    def step(self) -> int:
+        return self.stepper.optimizer_steps if self.plan.loop else self.stepper.groups_done
+
+    @property
+    def global_step(self) -> int:
+        return self._run.optimizer_steps
+
+    @property
+    def micro_step(self) -> int:
+        return self.epoch_done % self.plan.accumulate
+
+    @property
+    def loss_scale(self):
+        scaler = self.stepper.scaler
+        return None if scaler is None else float(scaler.get_scale())
+
+    @property
+    def grad_norm(self):
+        return self.stepper._norm_reading.now()  # exact: a GPU rank waits for it here, only when the body asks
+
+    @property
+    def num_items(self):
+        return self._num_items
+
+    @num_items.setter
+    def num_items(self, value):
+        count = None
+        if value is not None:
+            weighting.check_allowed(self.plan)
+            count = weighting.as_count(value, self.device)  # a bad value fails here, in the body's line
+        self._num_items, self._count = value, count
+
+    def _clear_items(self) -> None:
+        """A new micro-step (or validation batch): the body sets ``ctx.num_items`` anew."""
+        self._num_items = self._count = None
+
+    def request_stop(self, reason: str = "") -> None:
+        """Ask every rank to stop: all stop after the same optimizer step; the result names this rank and ``reason``.
+
+        The request travels with distnb's stop check (one small all-reduce about every
+        :data:`STOP_CHECK_SECONDS` of training, at an optimizer-step boundary every rank shares),
+        so the ranks stop at the first check after the request: the step it was made in or a few
+        later, never in the middle of an accumulation group. The trained weights come back and the
+        position is kept, as after an interrupt; ``TrainResult.stop_request`` is ``{"ranks": [...],
+        "reason": str, "step": int}`` (the lowest requesting rank's reason) and ``stop_reason``
+        ``"requested"``. In a ``--loop`` body the check runs in :meth:`report`: call it after each step.
+
+        Parameters
+        ----------
+        reason : str
+            Why, in words (``"loss diverged"``); shown in the cell's result.
+        """
+        if self._stop_reason_local is None:
+            self._stop_reason_local = (str(reason), self.global_step)
 
     @property
     def loader(self):
@@ -239,11 +328,12 @@ class Context:
         first = self._run.epoch
         for epoch in range(first, first + self.plan.epochs):
             self.epoch = self._reporter.epoch = epoch
-            self._losses, self._loss_count = [], 0
-            step0 = self.step
+            self._losses, self._loss_count, self._loss_weight = [], 0, 0.0
+            step0 = self.micro_steps
             yield epoch
             if self._agree_at_epoch_end:
-                agree_on_steps(self.step - step0, f"at the end of epoch {epoch}")  # before any collective of distnb's
+                # before any collective of distnb's
+                agree_on_steps(self.micro_steps - step0, f"at the end of epoch {epoch}")
             mean = self._epoch_mean()
             if self.plan.check_replicas != "off":
                 replicas.check(self.strategy, f"at the end of epoch {epoch}")
@@ -269,7 +359,7 @@ class Context:
     def _validate(self, epoch):
         """One validation pass (every rank, same epoch); returns the validation loss."""
         entry = self.validator.evaluate(self, self._code, epoch)
-        entry["step"] = self.step
+        entry["step"] = self.micro_steps
         self._reporter.extra["val_points"] = [(e["step"], e["loss"], e["metric"])
                                               for e in self.validator.history[-16:]]
         self._reporter.extra["metric_name"] = self.validator.metric_name
@@ -277,12 +367,23 @@ class Context:
             self.logger.validation(entry)
         return entry["loss"]
 
-    def any_nonfinite(self, loss, value) -> bool:
-        """True on every rank when the loss of this step is NaN or infinite on any rank."""
-        bad = (not math.isfinite(value)) if value is not None else bool((~torch.isfinite(loss.detach())).item())
-        flag = torch.tensor([1.0 if bad else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    def any_nonfinite(self, loss, value) -> list:
+        """The ranks (ascending) on which the loss of this step is NaN or infinite, the same list on every rank.
+
+        Empty (false) when it is finite everywhere. One all-reduce of ``world_size`` flags, read once.
+        """
+        flags = torch.zeros(self.world_size, device=self.device)
+        if value is not None:
+            flags[self.rank] = 0.0 if math.isfinite(value) else 1.0
+        else:  # the flag is made where the loss is: one read (after the all-reduce), not two
+            flags[self.rank] = (~torch.isfinite(loss.detach().float())).float().reshape(()).to(self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return [r for r, flag in enumerate(flags.tolist()) if flag]
+
+    def note_loss_dtype(self, loss) -> None:
+        """Remember that the body's ``loss`` is a low-precision tensor (bf16, fp16) that distnb upcasts to report."""
+        if self.loss_dtype is None and stepping.is_low_precision(loss):
+            self.loss_dtype = self._reporter.extra["loss_dtype"] = str(loss.dtype).replace("torch.", "")
 
     def report(self, loss, num_samples=None, value=None, skipped=False):
         """Record one finished step (loss: scalar tensor; num_samples: default the last batch size).
@@ -297,19 +398,23 @@ class Context:
         """
         if self.strategy.wraps_model and self._run.forwards == self._forwards_seen:
             raise RuntimeError(
-                f"rank {self.rank}, epoch {self.epoch}, step {self.step}: the step never called `model`, "
+                f"rank {self.rank}, epoch {self.epoch}, step {self.micro_steps}: the step never called `model`, "
                 "the DistributedDataParallel-wrapped model; calling the notebook's model directly (e.g. "
                 "`net(x)`) skips the gradient all-reduce and the ranks diverge. Use `model(x)` in the body")
         self._forwards_seen = self._run.forwards
         if self.plan.loop:  # the body's step: the rank moved on (distnb.engine.where; the stepper says so otherwise)
             collectives.PROGRESS[0] += 1
-        detached = loss.detach()
+        detached = stepping.upcast(loss.detach())  # bf16/fp16: reduced and logged as fp32, said once (loss_dtype)
+        self.note_loss_dtype(loss)
         if skipped:
             self.skipped_steps += 1
         else:  # a float when the step already read it (CPU); a tensor otherwise, summed per epoch (no GPU sync)
-            self._losses.append(detached if value is None else value)
+            self._losses.append(detached if value is None else value)  # a summed loss with ctx.num_items
             self._loss_count += 1
-        self.step += 1
+            self._loss_weight += 1.0 if self._count is None else self._item_weight()
+        if self._count is not None:  # the step's own figures: its sum over its count
+            detached, value = self._per_item(detached, value)
+        self.micro_steps += 1
         self._run.steps += 1
         self._run.epoch_step += 1
         self._run.epoch_samples += self._batch_samples
@@ -317,9 +422,10 @@ class Context:
         self.loss_history.add(self._run.steps, detached if value is None else value)
         self._time_step()
         stepper, extra = self.stepper, self._reporter.extra
-        extra.update(micro_step=self.step, opt_step=stepper.optimizer_steps, lr=stepper.lr,
+        extra.update(micro_step=self.micro_steps, opt_step=stepper.optimizer_steps, lr=stepper.lr,
                      grad_norm=stepper.last_norm)
-        self._reporter.record(detached, self._batch_samples if num_samples is None else num_samples)
+        self._reporter.record(detached if value is None else value,  # a value read already: no second read
+                              self._batch_samples if num_samples is None else num_samples)
         if self.logger is not None:
             self.logger.micro_step(detached if value is None else value)
         every = self.plan.checkpoint_every
@@ -337,8 +443,26 @@ class Context:
         if self._save_pending:
             self._save_pending = False
             self.save_checkpoint()
-        if self.step >= self._check_at and not self._ends_epoch():
+        if self.micro_steps >= self._check_at and not self._ends_epoch():
             self._agree_on_stop()
+
+    def said(self) -> dict:
+        """What the result says of how this rank's steps were done (results.training_notes)."""
+        stepper = self.stepper
+        return dict(stop_request=self.stop_request, stop_asked=self._stop_reason_local,
+                    skipped=list(stepper.skipped), token_weighted=stepper.items.weighted,
+                    loss_scale=self.loss_scale, scaler_skips=int(stepper.scaler_skips))
+
+    def _item_weight(self):
+        """This micro-step's ``ctx.num_items`` as the weight of its loss in the epoch's mean (a float on CPU)."""
+        count = self._count
+        return float(count) if count.device.type == "cpu" else count
+
+    def _per_item(self, detached, value):
+        """(loss tensor, float or None) of a summed loss divided by this micro-step's ``ctx.num_items`` (at least 1)."""
+        count = self._count.to(detached.device).clamp_min(1.0)
+        mean = (detached.double() / count).to(detached.dtype)
+        return mean, (None if value is None else value / float(count))
 
     def _ends_epoch(self) -> bool:
         """Whether this step is the last of an epoch that :meth:`epochs` ends next on every rank alike.
@@ -357,12 +481,16 @@ class Context:
             self._t_step = now
 
     def step_timing(self) -> dict:
-        """``first_step_seconds`` and ``step_seconds`` (median of the next ones), for --compile's note."""
+        """``first_step_seconds`` and ``step_seconds`` (median of the next ones), for --compile's note, and
+        with --compile ``dynamo``: what dynamo did this cell (:func:`distnb.engine.compiling.report`)."""
         times = self._step_times
+        dynamo = {} if self._dynamo is None else \
+            dict(dynamo=compiling.report(self._dynamo, self._run.strategy.compiled_since))
         if not times:
-            return {}
+            return dynamo
         later = sorted(times[1:])
-        return dict(first_step_seconds=times[0], step_seconds=later[len(later) // 2] if later else times[0])
+        return dict(first_step_seconds=times[0], step_seconds=later[len(later) // 2] if later else times[0],
+                    **dynamo)
 
     def save_checkpoint(self):
         """Save model, optimizer and position under --checkpoint-dir (a collective)."""
@@ -384,28 +512,37 @@ class Context:
         of its own (a synchronous check cost a model with 50-ms steps several per cent).
         """
         now = time.perf_counter()
-        per_step = (now - self._check_t0) / max(1, self.step - self._check_step0)
-        flags = torch.tensor([1.0 if self._stop.requested else 0.0, per_step], dtype=torch.float64,
-                             device=self.device)
+        per_step = (now - self._check_t0) / max(1, self.micro_steps - self._check_step0)
+        asked = self._stop_reason_local is not None  # ctx.request_stop: a flag in this rank's slot names it
+        flags = torch.tensor([1.0 if self._stop.requested else 0.0, per_step] +
+                             [1.0 if asked and r == self.rank else 0.0 for r in range(self.world_size)],
+                             dtype=torch.float64, device=self.device)
         pending = self._stop_work
         self._stop_work = (dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True), flags)
         if pending is None:  # the first check since the last epoch end: read its answer at the next step
-            self._check_at = self.step + 1
+            self._check_at = self.micro_steps + 1
         else:
             stop, slowest = self._stop_answer(pending)
-            self._check_at = self.step + max(1, min(10_000, math.ceil(STOP_CHECK_SECONDS / max(slowest, 1e-6))))
-        self._check_t0, self._check_step0 = time.perf_counter(), self.step
+            self._check_at = self.micro_steps + max(1, min(10_000, math.ceil(STOP_CHECK_SECONDS / max(slowest, 1e-6))))
+        self._check_t0, self._check_step0 = time.perf_counter(), self.micro_steps
 
     def _stop_answer(self, pending):
         """(stop, slowest step time) of a finished check; stops every rank here if one asked to."""
         work, flags = pending
         work.wait()
-        stop, slowest = flags.tolist()
-        if stop:
+        stop, slowest, *asked = flags.tolist()
+        ranks = [r for r, flag in enumerate(asked) if flag]
+        if stop or ranks:
             if self._stop_work is not None and self._stop_work is not pending:
                 self._stop_work[0].wait()  # the check just started: finished on every rank before leaving
             self._stop_work = None
-            self.interrupted = True
+            if stop:
+                self.interrupted = True
+            else:  # ctx.request_stop on some rank(s): the same ranks read here on every rank
+                self.stopped_early, self.stop_reason = True, "requested"
+                mine = self._stop_reason_local
+                self.stop_request = dict(ranks=ranks, reason=mine[0] if mine else None,
+                                         asked_at=mine[1] if mine else None, step=self.global_step)
             raise _Stopped()
         return stop, slowest
 
@@ -421,6 +558,24 @@ class Context:
         tensors = [v for v in self._losses if not isinstance(v, float)]
         return math.fsum(floats) + (float(torch.stack(tensors).double().sum()) if tensors else 0.0)
 
+    def running_mean(self) -> tuple:
+        """``(mean, steps)`` of this rank's step losses since the epoch began, for the dashboard: the mean is a float,
+        or a 0-d tensor on the rank's device not read yet (the reporter reads it without waiting for the GPU,
+        :mod:`distnb.engine.lazyread`). Only the losses reported since the last call are added (no re-summing)."""
+        acc = self._running
+        if acc[0] is not self._losses:  # a new epoch's list
+            acc[:] = [self._losses, 0, 0.0, None]
+        for v in self._losses[acc[1]:]:
+            if isinstance(v, float):
+                acc[2] += v
+            else:
+                acc[3] = v.double() if acc[3] is None else acc[3] + v.double()
+        acc[1] = len(self._losses)
+        if not self._loss_count:
+            return math.nan, 0
+        total = acc[2] if acc[3] is None else acc[3] + acc[2]
+        return total / self._loss_weight, self._loss_count  # the weight: steps, or ctx.num_items summed
+
     def steps_mean(self) -> tuple:
         """``(mean, steps)``: this rank's mean loss over the steps it trained since the last epoch end (no collective).
 
@@ -430,13 +585,13 @@ class Context:
         """
         if not self._loss_count:
             return math.nan, 0
-        return self._loss_sum() / self._loss_count, self._loss_count
+        return self._loss_sum() / float(self._loss_weight), self._loss_count
 
     def _epoch_mean(self):
         local = torch.zeros(2, dtype=torch.float64, device=self.device)
         if self._loss_count:
             local[0] = self._loss_sum()
-            local[1] = self._loss_count
+            local[1] = self._loss_weight
         self.local_losses.append(float(local[0] / local[1]) if local[1] > 0 else math.nan)
         dist.all_reduce(local)
         return float(local[0] / local[1]) if local[1] > 0 else math.nan

@@ -18,7 +18,7 @@ import torch
 
 from ..plan import DEFAULT_LR, STRATEGIES, TrainPlan, optimizer_state_readable, redistribution
 from . import batchnorm, checkpoint, collectives, datasets, postmortem, runtime, shard as sharding, stepping, wire
-from . import abort, binding, report, stateout, where
+from . import abort, binding, hostcopy, precision_check, report, stateout, where
 from .report import LINGER as RELAY_LINGER, Reporter, host_relay, publish_raw
 from . import strategies
 from .context import Context, StopRequest, _Stopped, agree_on_steps  # noqa: F401 - the cell's ctx and its stop
@@ -52,10 +52,7 @@ class Shard:
         return len(self.columns[0])
 
     def batch(self, idx, device):
-        if device.type == "cpu":
-            cols = [c[idx] for c in self.columns]
-        else:
-            cols = [c[idx].to(device, non_blocking=True) for c in self.columns]
+        cols = [hostcopy.rows(c, idx, device) for c in self.columns]  # pinned, non-blocking on a GPU
         kind = self.structure[0]
         if kind == "tensor":
             return cols[0]
@@ -268,8 +265,8 @@ def _run_body(ns, code, ctx, plan):
     if plan.loop:
         with LoopWatch(ctx):  # the body's own optimizer steps; the epoch count only through ctx.epochs()
             exec(code, ns)
-        agree_on_steps(ctx.step, "at the end of the --loop body")  # a body that left ctx.epochs() early on some ranks only
-        if ctx.step == 0:
+        agree_on_steps(ctx.micro_steps, "at the end of the --loop body")  # ranks that left ctx.epochs() early
+        if ctx.micro_steps == 0:
             raise ValueError("the --loop body ran no step: drive it with `for epoch in ctx.epochs():` / "
                              "`for batch in ctx.loader:` and call `ctx.report(loss)` after each step")
     else:
@@ -364,7 +361,7 @@ def _train(ns, plan, code_text, relay):
         watchdog = where.Watchdog(publish_raw, ddp_backward=plan.strategy == "ddp")
         watchdog.start()
         try:
-            with collectives.checked(off=plan.unchecked, timeout=st.timeout):  # a mismatch: an error, not a hang
+            with collectives.checked(off=plan.unchecked, timeout=st.timeout, training=True):  # a skipped call: a hang, not an abort
                 _run_body(ns, code, ctx, plan)
         except _Stopped:
             pass
@@ -398,7 +395,7 @@ def _train(ns, plan, code_text, relay):
     state = run.strategy.full_state()  # a collective for sharded strategies: every rank calls it
     # the mean over the cell's last epoch; with none finished, over the steps trained (its loss_steps; 0: an epoch's)
     last, loss_steps = (ctx.local_losses[-1], 0) if ctx.local_losses else ctx.steps_mean()
-    return dict(rank=st.rank, steps=ctx.step, samples=reporter.samples, seconds=seconds, cpu_seconds=cpu_seconds,
+    return dict(rank=st.rank, steps=ctx.micro_steps, samples=reporter.samples, seconds=seconds, cpu_seconds=cpu_seconds,
                 samples_per_s=reporter.samples / seconds if seconds > 0 else 0.0,
                 final_loss=last, final_loss_steps=loss_steps, epoch_losses=list(ctx.epoch_losses),
                 first_epoch=run.epoch - len(ctx.epoch_losses), next_epoch=run.epoch,
@@ -438,7 +435,8 @@ def _cell_extras(ns, plan, run, ctx, code, steps) -> str:
     first = max(1, steps - math.ceil(ctx.skip / plan.batch_size))  # an epoch resumed in the middle: its rest
     total = Stepper.groups_per_epoch(first, plan.accumulate) + \
         (plan.epochs - 1) * Stepper.groups_per_epoch(steps, plan.accumulate)
-    note = stepping.prepare_schedule(plan, run, max(1, total), ns, lr_given=plan.lr is not None)
+    note = " ".join(x for x in (stepping.prepare_schedule(plan, run, max(1, total), ns, lr_given=plan.lr is not None),
+                                precision_check.precision_note(plan.precision, runtime.STATE.device)) if x)
     if plan.val_data is not None:
         ctx.validator = Validator(plan, run, SHARDS[plan.val_data], ns, runtime.STATE.device)
     if plan.log_dir is not None:
@@ -456,11 +454,11 @@ def _step_figures(plan, run, ctx, restored) -> dict:
         run.eager_step_time = timing["step_seconds"]
     return dict(optimizer_steps=stepper.optimizer_steps, loss_history=ctx.loss_history.points(),
                 lr_history=stepper.lrs.points(), grad_norm_history=stepper.grad_norms.points(),
-                grad_norm=stepper.last_norm, lr=stepper.lr, stop_reason=ctx.stop_reason,
+                grad_norm=stepper.last_norm, lr=stepper.lr, stop_reason=ctx.stop_reason, loss_dtype=ctx.loss_dtype,
                 val_history=list(validator.history) if validator else [], restored_best=restored,
                 best_epoch=validator.best[1] if validator and validator.best else None,
                 metric_name=validator.metric_name if validator else None, precision=plan.precision,
-                compiled=plan.compile, eager_step_seconds=run.eager_step_time, **timing)
+                compiled=plan.compile, eager_step_seconds=run.eager_step_time, **ctx.said(), **timing)
 
 
 def _clock(since=None) -> tuple:

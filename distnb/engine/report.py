@@ -10,8 +10,9 @@ only when a message goes out, so reporting never forces a GPU sync per step.
 Besides progress, each message carries what the kernel's dashboard shows per rank:
 ``busy_time`` (CPU seconds of the training thread per step, on CPU devices: time not spent
 waiting for peers, so a straggler stands out even when collectives equalise the wall
-``step_time``), ``peak_memory`` (bytes: the process's peak resident set on CPU, or
-``torch.cuda.max_memory_allocated`` on a GPU; ``memory_kind`` says which) and, when a
+``step_time``), ``peak_memory`` (bytes since the cell began, :mod:`distnb.engine.peaks`: the
+process's peak resident set on CPU, or ``torch.cuda.max_memory_allocated`` on a GPU;
+``memory_kind`` says which) and, when a
 strategy sets it, ``stage`` (the pipeline stage this rank runs).
 
 A message goes to the kernel under the key ``"distnb"`` (the rank of the engine that sends it) or
@@ -26,11 +27,12 @@ from __future__ import annotations
 
 import os
 import pickle
-import resource
 import socket
 import sys
 import threading
 import time
+
+from . import lazyread, peaks
 
 
 #: Loss points and epoch means a message repeats (the newest), so the kernel loses none when it reads
@@ -80,24 +82,8 @@ def rank_key(rank: int) -> str:
 
 
 def peak_memory(device=None) -> tuple:
-    """Peak memory of this process so far: ``(bytes, kind)``.
-
-    Parameters
-    ----------
-    device : torch.device or str, optional
-        A CUDA device: ``torch.cuda.max_memory_allocated`` (kind ``"cuda"``). Otherwise the
-        peak resident set size of the process (kind ``"rss"``).
-
-    Returns
-    -------
-    tuple of (int, str)
-    """
-    if device is not None and getattr(device, "type", str(device).split(":")[0]) == "cuda":
-        import torch
-
-        return int(torch.cuda.max_memory_allocated(device)), "cuda"
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return int(peak if sys.platform == "darwin" else peak * 1024), "rss"
+    """Peak memory of this process since its cell began: ``(bytes, kind)`` (:func:`distnb.engine.peaks.peak_memory`)."""
+    return peaks.peak_memory(device)
 
 
 def peak_row(device=None) -> dict:
@@ -146,7 +132,9 @@ class Reporter:
         self.epoch_losses = []
         self.epoch_rates = []  # (epoch, this rank's samples/s over that epoch)
         self._epoch_start = None  # (perf_counter, samples) when this epoch's training began
-        self._last_loss = None
+        self._last_loss = None  # a float, or a tensor (a --loop body's ctx.report(loss)) read by _loss_reading
+        self._loss_reading = lazyread.Latest()
+        self._epoch_loss_reading = lazyread.Latest()
         self._t_last = time.perf_counter()
         self._win_samples = 0
         self._win_steps = 0
@@ -156,11 +144,12 @@ class Reporter:
         self.extra = {} if stage is None else {"stage": stage}
         self.messages = 0
         self.device = device if device is not None else _engine_device()
+        peaks.start_cell(self.device)  # one Reporter per cell: its peak memory is the cell's (GPU review, 10)
         self.busy_time = None  # CPU seconds of the training thread per step (CPU devices only)
         self._win_cpu0 = self._cpu_time()
         self._unsent_epochs = 0  # epoch ends since the last message (they shorten the gap to EPOCH_GAP)
         #: ``() -> (mean, steps)``: this rank's mean loss over its current epoch so far (the training
-        #: context's ``steps_mean``); sent as ``epoch_loss``, the dashboard's loss column
+        #: context's ``running_mean``: a float or a tensor read without waiting); sent as ``epoch_loss``
         self.running_loss = None
 
     def _cpu_time(self) -> float:
@@ -227,8 +216,13 @@ class Reporter:
         except Exception:  # progress must never break training
             memory, memory_kind = None, None
         loss = None
-        if self._last_loss is not None:
-            loss = float(self._last_loss)
+        if self._last_loss is not None:  # a GPU loss is read without waiting; a rank's last message exactly
+            try:
+                reading = self._loss_reading
+                loss = reading.offer(self._last_loss) if publish else reading.now(self._last_loss)
+            except Exception:  # a failed device: the failure is the message, not this figure
+                loss = None
+        if loss is not None:
             if not self.points or self.points[-1][0] != self.step:
                 self.points.append((self.step, loss))
                 del self.points[:-TAIL]
@@ -236,7 +230,8 @@ class Reporter:
         if self.running_loss is not None:
             try:
                 mean, steps = self.running_loss()
-                epoch_loss = float(mean) if steps else None
+                reading = self._epoch_loss_reading  # no GPU sync: a value at most a few steps old, exact at the end
+                epoch_loss = (reading.offer(mean) if publish else reading.now(mean)) if steps else None
             except Exception:  # progress must never break training
                 epoch_loss = None
         self._t_last = now

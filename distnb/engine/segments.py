@@ -32,6 +32,7 @@ the cluster stops (:meth:`Pool.close`, :func:`sweep_shm`).
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import uuid
@@ -44,6 +45,11 @@ import torch
 SHM_DIR = os.environ.get("DISTNB_SHM_DIR", "/dev/shm")
 #: Unused bytes a pool (or a rank's arenas) keeps for the next transfer; more is given back.
 IDLE_BYTES = int(os.environ.get("DISTNB_SHM_IDLE_BYTES", 2 << 30))
+#: Bytes of ``SHM_DIR`` distnb leaves free for others (``DISTNB_SHM_HEADROOM``): NCCL's shared-memory
+#: transport makes its segments there (about 10 MB per peer and channel set), and Docker's default
+#: ``/dev/shm`` is 64 MB ("failed to extend /dev/shm/nccl-...", NVIDIA/nccl#290). A transfer that
+#: would leave less uses ipyparallel's messages instead, and idle segments are given back.
+HEADROOM = int(os.environ.get("DISTNB_SHM_HEADROOM", 256 << 20))
 #: Mappings are made with their page tables filled at once (``MAP_POPULATE``): one call instead of a
 #: page fault per 4 KiB page on first use, which costs several times the copy on a busy machine.
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
@@ -83,6 +89,24 @@ def _plenty() -> bool:
         return info["MemAvailable"] > info["MemTotal"] // 4
     except (OSError, KeyError, ValueError, IndexError):
         return True
+
+
+def shm_room(path: str | None = None) -> int | None:
+    """Free bytes in ``path`` (default :data:`SHM_DIR`), None when it cannot be read."""
+    try:
+        st = os.statvfs(path or SHM_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _check_room(size: int) -> None:
+    """Raise OSError (ENOSPC) when a new ``size``-byte segment would leave less than :data:`HEADROOM` free."""
+    room = shm_room()
+    if room is not None and room - size < HEADROOM:
+        raise OSError(errno.ENOSPC, f"{SHM_DIR} has {room >> 20} MiB free: a {size >> 20} MiB segment would "
+                      f"leave less than the {HEADROOM >> 20} MiB kept for NCCL and others (DISTNB_SHM_HEADROOM); "
+                      "give the container more (docker run --shm-size=2g)")
 
 
 def _round(nbytes: int) -> int:
@@ -185,7 +209,8 @@ class Pool:
         ``avoid``: a path not to hand out now (a rank's last weights, which the kernel may
         still be reading). A free segment whose file is gone is dropped (the kernel sweeps every
         file of its pid when it stops a cluster, which can be another one than the ranks' own).
-        Raises OSError when ``/dev/shm`` has no room.
+        Raises OSError when ``/dev/shm`` has no room, or a new segment would leave it less than
+        :data:`HEADROOM` free.
         """
         for gone in [s for s in self.free if not os.path.exists(s.path)]:  # swept: another session stopped
             self.free.remove(gone)
@@ -195,6 +220,7 @@ class Pool:
             seg = min(fits, key=lambda s: s.size)
             self.free.remove(seg)
         else:
+            _check_room(_round(nbytes))  # NCCL needs room there too: the transfer then goes as messages
             seg = Segment(shm_path(self.owner_pid, self.tag), _round(nbytes), sparse=sparse)
         self.busy[seg.path] = seg
         return seg
@@ -255,8 +281,10 @@ class Pool:
         self.free.sort(key=lambda s: s.size, reverse=True)
         kept, total = [], 0
         plenty = _plenty() if self.free else True
+        room = shm_room() if self.free else None  # idle segments never eat into the headroom
+        budget = IDLE_BYTES if room is None else min(IDLE_BYTES, room + sum(s.size for s in self.free) - HEADROOM)
         for seg in self.free:
-            if plenty and total + seg.size <= IDLE_BYTES:
+            if plenty and total + seg.size <= budget:
                 kept.append(seg)
                 total += seg.size
             else:

@@ -13,7 +13,10 @@ be shorter: an epoch always ends with an optimizer step). :class:`Stepper` runs 
   gradient reduction (``Strategy.no_sync``: DDP's ``no_sync()``, FSDP2's
   ``set_requires_gradient_sync(False)``); the last one reduces the sum.
 - **precision**: the body's forward and loss run under ``torch.autocast`` (bf16/fp16);
-  fp16 scales the loss with ``torch.amp.GradScaler`` (GPU only), unscaled before clipping.
+  fp16 scales the loss with ``torch.amp.GradScaler`` (``"cuda"`` or ``"cpu"``), unscaled before
+  clipping; the ranks skip a step and back off the scale together (an all-reduce of the found-inf
+  flags, so the scale stays the same on every rank). bf16 runs without loss scaling (it has
+  fp32's exponent range).
   Parameters and optimizer state stay fp32.
 - **hooks**: callables the body registered with ``ctx.after_backward(fn)`` during the group's
   last micro-step run once the gradients are complete (reduced and unscaled), before clipping.
@@ -37,16 +40,28 @@ import math
 import torch
 import torch.distributed as dist
 
-from . import collectives
+from . import collectives, lazyread, weighting
 
 #: Points a history keeps at most before halving (pairs averaged): long runs cost the same.
 HISTORY_POINTS = 1000
 
 
+def upcast(value):
+    """``value`` as fp32 when it is a floating tensor of fewer bits (bf16, fp16), else unchanged: the figures
+    distnb reduces and logs (losses, their means and histories) are fp32 or wider."""
+    return value.float() if is_low_precision(value) else value
+
+
+def is_low_precision(value) -> bool:
+    """Whether ``value`` is a floating tensor of fewer than 32 bits (bf16, fp16)."""
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.element_size() < 4
+
+
 class History:
     """(step, value) points, at most ``2 * cap``: past that, consecutive pairs are averaged.
 
-    ``values`` may be floats or 0-d tensors (a GPU loss is read only at the end, in :meth:`points`).
+    ``values`` may be floats or 0-d tensors (a GPU loss is read only at the end, in :meth:`points`); a tensor of a
+    low-precision dtype (bf16, fp16) is kept and averaged as fp32, never summed in its own precision.
     """
 
     def __init__(self, cap=HISTORY_POINTS):
@@ -56,6 +71,7 @@ class History:
         self._pending = None  # (step, sum, count) of the pair being formed at stride > 1
 
     def add(self, step, value) -> None:
+        value = upcast(value)
         if self.stride > 1:
             if self._pending is None:
                 self._pending = (step, value, 1)
@@ -288,18 +304,26 @@ def total_norm(params, partitioned: bool, device) -> float:
             once += g.detach().double().pow(2).sum().to(device)
     if any_sharded and dist.is_initialized():
         dist.all_reduce(summed)
-    return float((summed + once).sqrt())
+    return (summed + once).sqrt()  # a float64 0-d tensor on ``device``: not read here (no GPU sync)
 
 
-def clip_(params, max_norm: float, norm: float) -> None:
-    """Scale the gradients by ``torch.nn.utils.clip_grad_norm_``'s clamped coefficient."""
-    coef = max_norm / (norm + 1e-6)
-    if coef >= 1.0 or not math.isfinite(norm):
-        return
+def clip_(params, max_norm: float, norm) -> None:
+    """Scale the gradients by ``torch.nn.utils.clip_grad_norm_``'s clamped coefficient.
+
+    ``norm`` is :func:`total_norm`'s tensor: the coefficient ``min(1, max_norm / (norm + 1e-6))``
+    (1 for a non-finite norm: the gradients are left as they are) is computed on its device and
+    multiplied in with ``torch._foreach_mul_`` per device and mesh, as torch's own clipping does, without a
+    host read (GPU review, finding 8). A coefficient of 1 multiplies exactly.
+    """
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
+    groups = {}  # one foreach per device and DTensor mesh (a foreach over several meshes is refused)
+    for p in params:
+        if p.grad is not None:
+            groups.setdefault((p.grad.device, getattr(p.grad, "device_mesh", None)), []).append(p.grad)
     with torch.no_grad():
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
+        for (device, _), grads in groups.items():
+            torch._foreach_mul_(grads, coef.to(device))
 
 
 #: A step body that ran backward itself (the same on every rank: the RankError names the ranks)
@@ -339,12 +363,20 @@ class Stepper:
             self.scaler = run.scaler
         self.optimizer_steps = 0
         self.lrs, self.grad_norms = History(), History()
-        self.last_norm = None
+        self._norm_reading = lazyread.Latest()  # --clip-grad-norm's norm, read without a sync per step
         self.skipped_groups = 0
+        self.scaler_skips = 0  # fp16: optimizer steps the GradScaler skipped (inf/NaN gradients), its scale halved
+        self.groups_done = 0  # optimizer steps of this cell, applied or dropped by --nan skip (ctx.step)
+        self.skipped = []  # per group dropped by --nan skip: dict(step, micro_steps, ranks)
+        self._bad_ranks = set()  # the ranks whose loss was not finite in the group in progress
+        self.items = weighting.ItemCount(device)  # ctx.num_items: the token-weighted normalisation
+        if plan.strategy in weighting.UNSUPPORTED:  # refused there (ctx.num_items's setter): no agreement to make
+            self.items.weighted = False
         self._after = []  # hooks the body registered in this micro-step
         self._group_bad = False
         self.scale = 1.0  # the loss scale of the micro-step in progress (its share of the group's samples)
         self._first = False  # the micro-step in progress opens its group (its gradients were set to None)
+        self._last = False  # ... and closes it
         self._nulled = None  # the parameters whose gradients the group's zero_grad set to None (found once)
 
     @staticmethod
@@ -383,15 +415,26 @@ class Stepper:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
-    def backward(self, loss) -> None:
+    def backward(self, loss, num_items=None) -> None:
         """Back-propagate this micro-step's share of the loss (scaled for accumulation and fp16).
+
+        ``num_items``: the body's ``ctx.num_items`` as a float64 0-d tensor (its loss is a sum over
+        that many items): the sum is back-propagated unscaled, and the group's end divides the
+        gradients by the global count (:class:`distnb.engine.weighting.ItemCount`).
 
         A body that ran backward itself (``loss.backward()``) is an error naming the fix: torch's own
         error says nothing of distnb, and with ``retain_graph=True`` the gradients were silently doubled.
         """
         if self._first and self._nulled and any(p.grad is not None for p in self._nulled):
             raise RuntimeError(BODY_BACKWARD)
-        scaled = loss * self.scale if self.scale != 1.0 else loss
+        if num_items is not None:
+            self.items.add(num_items)
+            if self._last:  # the group's count is complete on this rank: its all-reduce overlaps the backward
+                self.items.start(dist.get_world_size() if dist.is_initialized() else 1)
+            scaled = loss
+        else:
+            self.items.missing()
+            scaled = loss * self.scale if self.scale != 1.0 else loss
         if self.scaler is not None:
             scaled = self.scaler.scale(scaled)
         try:
@@ -425,9 +468,10 @@ class Stepper:
                 # server copies, which its exchange thread gives gradients at any time)
                 params = list(self.strategy.module.parameters())
                 self._nulled = [p for p in params if p.requires_grad] if all(p.grad is None for p in params) else []
-        self._first = first
+        self._first, self._last = first, last
         self.scale = self.share(index, batches, getattr(ctx, "epoch_samples", None))
         self._after = []
+        ctx._clear_items()  # the body sets ctx.num_items anew on every micro-step
         sync = contextlib.nullcontext() if last else self.strategy.no_sync()
         with sync:
             return self.strategy.step(ns, code, ctx)
@@ -438,13 +482,20 @@ class Stepper:
         ``bad``: its loss was not finite on some rank (``--nan skip``): the whole group is
         dropped on every rank. Returns True when an optimizer step was applied.
         """
-        self._group_bad |= bad
-        _, last, _ = self.position(index, batches)
+        self._group_bad |= bool(bad)
+        self._bad_ranks.update(bad or ())
+        _, last, size = self.position(index, batches)
         if not last:
             return False
+        self.groups_done += 1
         if self._group_bad:
             self.optimizer.zero_grad(set_to_none=True)
+            self.items.drop_group()
             self.skipped_groups += 1
+            micro = self.run.steps + 1  # this micro-step's number (the model's count; ctx.report adds it next)
+            self.skipped.append(dict(step=self.groups_done, micro_steps=[micro - size + 1, micro],
+                                     ranks=sorted(self._bad_ranks)))
+            self._bad_ranks = set()
             return False
         self.optimizer_step()
         return True
@@ -455,8 +506,9 @@ class Stepper:
             self.strategy.check_grads()
         if scaler is not None:
             scaler.unscale_(opt)
-            if not self.strategy.replicated_grads:
-                self._agree_on_inf()
+            self._agree_on_inf()  # one tiny all-reduce: the scale stays the same on every rank, whatever the strategy
+        self.items.finish_group([p for p in self.strategy.module.parameters() if p.requires_grad],
+                                dist.get_world_size() if dist.is_initialized() else 1)
         for fn in self._after:
             fn()
         self._after = []
@@ -464,12 +516,16 @@ class Stepper:
             params = [p for p in self.strategy.module.parameters() if p.requires_grad]  # this rank's part
             norm = total_norm(params, self.strategy.grads_partitioned, self.device)
             clip_(params, self.plan.clip_grad_norm, norm)
-            self.last_norm = norm
-            self.grad_norms.add(self.run.optimizer_steps + 1, norm)
+            self._norm_reading.offer(norm)  # read without waiting: last_norm
+            self.grad_norms.add(self.run.optimizer_steps + 1, norm)  # read at the cell's end (History.points)
         self.lrs.add(self.run.optimizer_steps + 1, float(opt.param_groups[0]["lr"]))
         if scaler is not None:
-            scaler.step(opt)
+            before = getattr(scaler, "_scale", None)  # the scale tensor (read as a tensor: no GPU sync per step)
+            before = before.clone() if isinstance(before, torch.Tensor) else None
+            scaler.step(opt)  # skipped (on every rank alike) when a gradient is inf/NaN: the scale then backs off
             scaler.update()
+            if before is not None:
+                self.scaler_skips = self.scaler_skips + (scaler._scale < before).int().sum()
         else:
             opt.step()
         if self.run.scheduler is not None:
@@ -478,10 +534,26 @@ class Stepper:
         self.run.optimizer_steps += 1
 
     def _agree_on_inf(self) -> None:
-        """fp16 with sharded gradients: every rank skips the step if any rank's shard overflowed."""
+        """fp16: every rank skips the step (and backs off the scale) if any rank's gradients overflowed.
+
+        Sharded gradients (fsdp, tensor) overflow on some ranks only; ddp's are the same on every rank
+        after its all-reduce, and the flag keeps that a fact rather than an assumption. One all-reduce
+        (max) of the scaler's found-inf flags per optimizer step, no host sync.
+        """
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
         state = self.scaler._per_optimizer_states[id(self.optimizer)]
         for found in state["found_inf_per_device"].values():
             dist.all_reduce(found, op=dist.ReduceOp.MAX)
+
+    @property
+    def last_norm(self) -> float | None:
+        """The pre-clip gradient norm of the newest optimizer step read so far (None: no clipping yet).
+
+        On a GPU rank it may be a few steps old while the cell runs (it is read without waiting);
+        exact once the GPU's queue ran (the cell's end synchronises it).
+        """
+        return self._norm_reading.poll()
 
     @property
     def lr(self) -> float:

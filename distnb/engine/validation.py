@@ -77,9 +77,14 @@ def _metric_sums(fn, output, target, k: int) -> tuple:
     if not isinstance(value, torch.Tensor):
         value = torch.tensor(float(value))
     value = value.detach().double()
-    if value.dim() == 0:
-        return float(value) * k, float(k)
-    return float(value.sum()), float(value.numel())
+    if value.dim() == 0:  # sums stay tensors where the metric is (no GPU sync per batch)
+        return value * k, float(k)
+    return value.sum(), float(value.numel())
+
+
+def _floats(found):
+    """``(sum, count)`` as floats, or None (a pipeline's stage adds them into its own CPU sums)."""
+    return None if found is None else (float(found[0]), float(found[1]))
 
 
 class Validator:
@@ -102,7 +107,8 @@ class Validator:
         self.best_state = None
         self.bad_evaluations = 0
         self.metric_name = self._metric_label()
-        longest = sharding.shard_length(data.num_samples, data.num_shards, 0)
+        # the longest shard (a part each rank built with make(rank, world_size) says its own: engine/valparts.py)
+        longest = getattr(data, "longest", None) or sharding.shard_length(data.num_samples, data.num_shards, 0)
         self.num_batches = max(1, -(-longest // plan.batch_size))
 
     def _metric_label(self):
@@ -127,7 +133,8 @@ class Validator:
         """One validation pass (every rank): dict(epoch, loss, metric, metric_name, samples)."""
         strategy, module = self.run.strategy, self.run.module
         n_local = len(self.data)
-        sums = torch.zeros(5, dtype=torch.float64)  # loss sum, samples, metric sum, metric count, has metric
+        # loss sum, samples, metric sum, metric count, has metric: summed on the device, read once per pass
+        sums = torch.zeros(5, dtype=torch.float64, device=self.device)
         ns = self.ns
         saved = {k: ns.get(k) for k in ("batch", "model", "loss")}
         strategy.sync_buffers()  # the BatchNorm statistics the notebook gets (rank 0's), on every rank
@@ -138,7 +145,7 @@ class Validator:
                     lo, hi = j * self.plan.batch_size, min((j + 1) * self.plan.batch_size, n_local)
                     k = max(0, hi - lo)
                     idx = torch.arange(lo, hi) if k else torch.zeros(1, dtype=torch.long)  # masked pad sample
-                    sums += self._batch(ctx, code, idx, k, strategy)
+                    sums += self._batch(ctx, code, idx, k, strategy).to(self.device)
         except Exception as exc:  # the body ran on the training batches: say this one was a validation batch
             if exc.args and isinstance(exc.args[0], str):
                 exc.args = (f"{exc.args[0]}\n[distnb] rank {ctx.rank} raised this on a --val-data {self.plan.val_data} "
@@ -148,9 +155,7 @@ class Validator:
             module.train()
             ns.update(saved)
         if self.data.num_shards > 1:  # ranks with different shards: exact totals over all of them
-            sums = sums.to(self.device)
             dist.all_reduce(sums)
-            sums = sums.cpu()
             copies = dist.get_world_size() // self.data.num_shards
             if copies > 1:  # the ranks of one shard (a tensor-parallel group) evaluated the same samples
                 sums /= copies
@@ -178,28 +183,38 @@ class Validator:
             raise type(exc)(f"--metric {self.plan.metric or 'accuracy'} raised on rank {ctx.rank}: {exc}") from exc
 
     def _batch(self, ctx, code, idx, k, strategy):
-        batch = self.data.batch(idx, self.device)
+        batch = self.data.batch(idx, self.device) if len(self.data) else self._pad(self.data)
         own = getattr(strategy, "validation_sums", None)  # pipeline: through the stages
         if own is not None:
-            return own(self.ns, code, ctx, batch, k, lambda out, target, n: self._metric_sums(ctx, out, target, n))
+            return own(self.ns, code, ctx, batch, k, lambda out, target, n: _floats(self._metric_sums(ctx, out, target, n)))
         capture = _Capture(strategy.eval_model())
         ns = self.ns
         ns.update(batch=batch, model=capture)
         ns.pop("loss", None)
+        ctx._clear_items()
         with ctx.autocast():
             exec(code, ns)
-        loss = ns.get("loss")
+        loss, items = ns.get("loss"), ctx._count
+        ctx._clear_items()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("the body left no scalar `loss` on a validation batch")
-        out = torch.zeros(5, dtype=torch.float64)
-        if k:
-            out[0], out[1] = float(loss.detach().double()) * k, k
+        out = torch.zeros(5, dtype=torch.float64, device=loss.device)
+        if k and items is not None:  # a loss summed over ctx.num_items items: the loss is their mean
+            out[0], out[1] = loss.detach().double(), items.to(loss.device)
+        elif k:
+            out[0], out[1] = loss.detach().double() * k, k
         found = self._metric_sums(ctx, capture.outputs[-1] if capture.outputs else None, _target(batch), k)
         if found is not None:
             out[4] = 1.0
             if k:
                 out[2], out[3] = found
         return out
+
+    def _pad(self, data):
+        """A batch of one zero sample shaped as ``data``'s (an empty shard: fewer samples than ranks), counted in no
+        sum: the rank still runs every forward the others run (FSDP gathers, DDP buffers need it)."""
+        zeros = [torch.zeros((1, *c.shape[1:]), dtype=c.dtype) for c in data.columns]
+        return type(data)(1, 1, data.seed, 0, data.structure, zeros).batch(slice(None), self.device)
 
     def _track_best(self, entry) -> None:
         loss = entry["loss"]

@@ -50,7 +50,7 @@ NOTE: dict = {}
 
 def _summary(frame, ddp_backward: bool) -> dict:
     """What :mod:`distnb.execute` needs to know about a stack whose innermost frame is ``frame``."""
-    from . import collectives
+    from . import arrival, collectives
 
     stack = traceback.extract_stack(frame)
     cell = next((f for f in reversed(stack) if f.filename.startswith(_CELLS)), None)
@@ -67,7 +67,7 @@ def _summary(frame, ddp_backward: bool) -> dict:
     shape = None
     if op is not None and current is not None:
         op, shape = current
-    return dict(state="collective" if op is not None else "running", op=op, shape=shape, note=NOTE.get("text"),
+    return dict(state="collective" if op is not None else "running", op=op, shape=shape, note=NOTE.get("text") or arrival.WAITING.get("text"),
                 unchecked=bool(collectives.SUBSET.get("unchecked")), cell_line=cell.lineno if cell else None, cell_code=(cell.line or "").strip() if cell else None,
                 stack=[(f.filename, f.lineno, f.name, (f.line or "").strip()) for f in stack[-STACK_FRAMES:]])
 

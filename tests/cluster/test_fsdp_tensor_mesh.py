@@ -288,3 +288,27 @@ def test_a_failing_rank_stops_the_others_fast_and_the_notebook_keeps_the_last_we
     assert result.epochs == [0]
     reference(ref, ns["mesh_data"], num_shards=2, batch_size=16, epochs=1, seed=4, optimizer=torch.optim.SGD, lr=0.1)
     assert_params_close(ns["mesh_fail"], ref)
+
+
+INPLACE = ("import torch, torch.nn as nn\nclass AddsInPlace(nn.Module):\n    def __init__(self):\n"
+           "        super().__init__()\n        torch.manual_seed(3)\n        self.fc1 = nn.Linear(12, 16)\n"
+           "        self.fc2 = nn.Linear(16, 8)\n        self.head = nn.Linear(8, 3)\n"
+           "    def forward(self, x):\n        h = self.fc1(x)\n        h += 0.5  # in place, on a unit's output\n"
+           "        return self.head(self.fc2(torch.tanh(h)))\n")
+
+
+def test_split_layers_give_fsdp_no_view_so_no_warning_and_in_place_ops_train_right(mesh_session, shell, capsys):
+    # a tensor-parallel layer's output is a view (DTensor.to_local): FSDP2 warned on a correct model that backward
+    # "can fail or produce wrong gradients", and an in-place op on it dropped FSDP2's pre-backward all-gather
+    s, ns = mesh_session, shell.user_ns
+    assert shell.run_cell(INPLACE + "inplace_net = AddsInPlace()\nref_inplace = AddsInPlace()").error_in_exec is None
+    ns["mesh_data"] = make_data()
+    capsys.readouterr()
+    train(s, "inplace_net", "mesh_data", optimizer="sgd", lr=0.1, mesh="2x2", quiet=False)
+    out, err = capsys.readouterr()
+    assert "'fc1' column-wise, 'fc2' row-wise" in out
+    assert "wrong gradients" not in out + err and "returned a view tensor" not in out + err
+    ref = ns["ref_inplace"]
+    reference(ref, ns["mesh_data"], num_shards=2, batch_size=16, epochs=1, seed=4,
+              optimizer=torch.optim.SGD(ref.parameters(), lr=0.1))
+    assert_params_close(ns["inplace_net"], ref)

@@ -45,25 +45,50 @@ def test_compile_trains_to_a_loss_bound_and_shows_the_compile_time(dist_session,
     dist_session.train(BODY, epochs=1, **opts)  # an eager cell first: its step time is the speedup's base
     result = dist_session.train(BODY, epochs=6, compile=True, **opts)
     assert result.final_loss < 0.5
+    # torch.compile(DDP(net)) made no graph (DDP's forward graph-breaks) and a compile time was reported anyway:
+    # the module DDP wraps is compiled, and what dynamo did is said
+    assert sorted(result.dynamo) == [0, 1] and all(d["graphs"] >= 1 for d in result.dynamo.values()), result.dynamo
     assert result.compile_seconds is not None and result.compile_seconds > 0 and result.speedup is not None
-    assert "torch.compile: the first step took" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"torch.compile on rank 0: {result.dynamo[0]['graphs']} graph" in out and "the first step took" in out
     assert all(p.dtype == torch.float32 for p in ns["cc_net"].parameters())
-    dist_session.run("_kind = type(ctx.model).__name__")
-    assert dist_session.pull("_kind") == ["OptimizedModule", "OptimizedModule"]
+    dist_session.run("_kind = type(ctx.model).__name__\n_fwd = type(ctx.model.module.forward).__name__")
+    assert dist_session.pull("_kind") == ["DistributedDataParallel"] * 2
+    assert dist_session.pull("_fwd") == ["CompiledForward"] * 2
+    pulled = dist_session.pull("cc_net", rank=1)  # the rank's module pickles with its eager forward
+    assert "forward" not in vars(pulled) or type(vars(pulled)["forward"]).__name__ == "method"
     dist_session.run("import torch\n_w = torch.cat([p.detach().flatten() for p in cc_net.parameters()])")
     w = dist_session.pull("_w")
     assert torch.equal(w[0], w[1])
     assert torch.equal(w[0], torch.cat([p.detach().flatten() for p in ns["cc_net"].parameters()]))
 
 
-@pytest.mark.parametrize("strategy", ["fsdp"])  # fully_shard, then torch.compile (tensor: the same path)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])  # the module DDP wraps; FSDP2 units (tensor: the module)
 def test_compile_after_sharding_trains_like_eager(dist_session, shell, strategy):
     ns = shell.user_ns
     ns[f"cc_{strategy}"], ns["cc_data"], ns["F"] = parity_model(), parity_data(n=192), F
     ns[f"ref_{strategy}"] = parity_model()
     opts = dict(data="cc_data", epochs=2, batch_size=16, optimizer="sgd", lr=0.1, seed=4, strategy=strategy,
                 progress="none", quiet=True)
-    dist_session.train(BODY, model=f"cc_{strategy}", compile=True, **opts)
+    result = dist_session.train(BODY, model=f"cc_{strategy}", compile=True, **opts)
+    assert all(d["graphs"] >= 1 for d in result.dynamo.values()), result.dynamo  # FSDP2 units compile
     dist_session.train(BODY, model=f"ref_{strategy}", **opts)
     for a, b in zip(ns[f"cc_{strategy}"].parameters(), ns[f"ref_{strategy}"].parameters()):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_a_compile_that_makes_no_graph_says_so_and_states_no_compile_time(dist_session, shell, capsys):
+    # a forward dynamo must not trace: 0 graphs on every rank; the cell said "0.4 s compiling" for such a run
+    ns = shell.user_ns
+    assert shell.run_cell("import torch, torch.nn as nn\nclass NotTraced(nn.Module):\n    def __init__(self):\n"
+                          "        super().__init__()\n        self.fc = nn.Linear(12, 3)\n"
+                          "    @torch.compiler.disable\n    def forward(self, x):\n        return self.fc(x)\n"
+                          "nt_net = NotTraced()").error_in_exec is None
+    ns["nt_data"], ns["F"] = parity_data(n=64), F
+    capsys.readouterr()
+    result = dist_session.train(BODY, model="nt_net", data="nt_data", epochs=2, batch_size=16, compile=True,
+                                progress="none")
+    assert [d["graphs_since_compile"] for d in result.dynamo.values()] == [0, 0]
+    assert result.compile_seconds is None and result.speedup is None
+    out = capsys.readouterr().out
+    assert "torch.compile compiled nothing on rank 0: dynamo made 0 graphs" in out and "compiling" not in out

@@ -1,26 +1,42 @@
-"""One short GPU check for a machine that has one (run by hand, or by pytest through test_check_gpu.py,
-which skips where no GPU is visible; this file itself is not a test module).
+"""The GPU kit's checks for a world of one nccl rank (one GPU), in the GPU review's priority order.
 
-    python tests/gpu/check_gpu.py            # on a GPU machine: nccl, one engine per GPU
-    python tests/gpu/check_gpu.py --cpu      # the same checks on CPU/gloo (to test this script)
+    python tests/gpu/check_gpu.py            # on a GPU machine: %dist start (one engine, nccl, cuda:0)
+    python tests/gpu/check_gpu.py --cpu      # the same cells on one CPU/gloo rank (to test this script)
 
-Checks, printing one line each and exiting non-zero on the first failure:
-1. counting GPUs did not initialise CUDA in this process;
-2. ``distnb.start()`` picks nccl and one engine per GPU, each engine seeing only its own GPU;
-3. a DDP training cell on digits matches a single-process reference on the global batch
-   (1e-4 on GPU: cuDNN/cuBLAS reductions differ slightly from the CPU);
-4. the weights back in this process equal rank 0's;
-5. ``--precision fp16`` trains with a ``torch.amp.GradScaler`` on every rank (GPU only), the loss falls and
-   the weights back are fp32;
-6. ``--sync-bn``: the ranks' BatchNorm is SyncBatchNorm, so their running statistics agree although their
-   batches differ, and the kernel's model keeps plain BatchNorm with rank 0's statistics (GPU only);
-7. ``--compile`` trains (torch.compile after DDP) to a falling loss and reports the compile time;
-8. stop leaves no engine behind.
+NCCL needs a distinct GPU per rank, so one GPU is a world of one rank: its collectives complete
+locally, no peer can fail or lag (tests/gpu/REVIEW-ANSWERS.md lists what needs 2 GPUs). Each
+check writes ``$OUT/checks/gpu1.<name>.json`` (:mod:`kit`) and prints one line; a failed check
+does not stop the next. The exit status is 1 when any check failed. The checks:
 
-On a lent GPU machine without ipyparallel or IPython (one command, no network), run it through the kit:
-``bash tests/gpu/wheels.sh`` here, then the device tool's call with command ``bash tests/gpu/device_run.sh``
-and carry ``[".whl"]`` (device_run.sh installs the wheels, then runs this script, start_check.py and the
-transformer rows on nccl; ``device_run.sh --cpu`` runs the same steps here).
+1. ``start``: ``%dist start`` timed; the rank's device and backend, the ``TORCH_NCCL_*`` and
+   ``NCCL_*`` variables it sees; ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and
+   ``torch.cuda.current_device()`` (finding 5); no CUDA context in the kernel.
+2. ``cpu_tensors_on_nccl`` (finding 2): after a ddp cell, ``calls.share`` (what a grow runs)
+   broadcasts the model's state over the group; a stream empty on the only rank ends with
+   distnb's error, not "No backend type associated with device type cpu".
+3. ``failure_cycles`` (findings 1 and 7, the world-of-one half): three failing ``%%dist`` cells
+   and a ``%%distrain`` raising at step 3, each timed, with ``torch.cuda.mem_get_info`` and the
+   group's generation after each (free memory must not fall; a kept group keeps its
+   generation), then a cell that trains.
+4. ``nan_stop`` (finding 4): a loss that is NaN at step 3 ends the cell with the FloatingPointError
+   naming step 3, and the notebook's weights stay finite.
+5. ``strategies``: ddp and fsdp with bf16 and fp16, tensor, fsdp+tensor ``--mesh 1x1``: the loss
+   falls, the weights back are fp32 on the CPU; the cell's start note (bf16 emulation).
+6. ``peak_per_cell`` (finding 10): a cell that holds about 2 GiB, then a small one: the second's
+   peak is small; ``max_memory_reserved`` and nvidia-smi beside it.
+7. ``checkpoints``: ``--checkpoint-dir`` then ``%dist restart`` and a resume equal an unbroken
+   run; ``%dist save`` then ``%dist load`` restores the weights.
+8. ``data_syncs`` (finding 8): samples/s of the tensor path, a Dataset with ``--workers 2``,
+   ``--clip-grad-norm``, ``--nan skip``, a stream; host syncs per step counted with
+   ``torch.cuda.set_sync_debug_mode("warn")`` (each sync is a warning naming its line).
+9. ``where_and_interrupt``: a ``%%distrain --background`` step in a long CUDA kernel, what
+   ``%dist where`` says; an interrupt 2 s into a ``%%dist`` cell running a long kernel, and when
+   the cell ends.
+10. ``offload_cpu`` (issue 34): the GPU capped below a 2 GiB model with
+    ``torch.cuda.set_per_process_memory_fraction``, fsdp ``--offload cpu`` trains it (skipped,
+    saying so, while the option does not exist).
+11. ``no_cuda_outside``: nvidia-smi's compute processes are the engine's only; then a CUDA
+    tensor pulled into the kernel (does that make a context there?), last since it may.
 """
 
 from __future__ import annotations
@@ -28,129 +44,58 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kit  # noqa: E402
+import kit_cells  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cpu", action="store_true", help="run the checks on CPU with gloo")
+    ap.add_argument("--cpu", action="store_true", help="one CPU rank with gloo instead of one GPU rank with nccl")
     args = ap.parse_args()
-    os.environ.setdefault("IPYTHONDIR", tempfile.mkdtemp(prefix="distnb-gpu-check-"))
-    if args.cpu:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-
+    kit.prepare(args.cpu)
     import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
-    from sklearn.datasets import load_digits
 
-    import distnb
+    from distnb import session
     from distnb.net import visible_gpus
-    from distnb.engine import shard
-
-    def check(ok, what):
-        print(("ok   " if ok else "FAIL ") + what, flush=True)
-        if not ok:
-            raise SystemExit(1)
 
     gpus = visible_gpus()
-    check(not torch.cuda.is_initialized(), f"counting {len(gpus)} GPUs left CUDA uninitialised in the kernel")
     if not args.cpu and not gpus:
         print("no GPU visible: run with --cpu to check the script itself")
         return 2
-
-    X, y = load_digits(return_X_y=True)
-    data = torch.utils.data.TensorDataset(torch.tensor(X, dtype=torch.float32) / 16, torch.tensor(y))
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
-    ref = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
-    ref.load_state_dict(net.state_dict())
-    ns = {"net": net, "data": data, "F": F}
-
-    t0 = time.perf_counter()
-    s = distnb.start(ns=ns, n=None if gpus else 2)
+    checks = kit.Checks("gpu1", args.cpu)
+    sh = kit.shell()
     try:
-        expect = ("nccl", "cuda", len(gpus)) if gpus else ("gloo", "cpu", 2)
-        spec = s.cluster.spec
-        check((spec.backend, spec.device_type, spec.num_engines) == expect,
-              f"started {spec.num_engines} engines, {spec.backend} on {spec.device_type}, "
-              f"in {time.perf_counter() - t0:.1f} s")
-        seen = s.run("import os, torch\n(os.environ.get('CUDA_VISIBLE_DEVICES'), torch.cuda.device_count())",
-                     all_output=True)
-        if gpus:
-            check(all(v == repr((gpus[r], 1)) for r, v in enumerate(seen)), f"each rank sees only its GPU: {seen}")
-        epochs, batch, lr = 2, 32, 0.05
-        r = s.train("x, y = batch\nloss = F.cross_entropy(model(x), y)", model="net", data="data", epochs=epochs,
-                    batch_size=batch, optimizer="sgd", lr=lr, progress="text")
-        opt = torch.optim.SGD(ref.parameters(), lr=lr)
-        x_all, y_all = data.tensors
-        for epoch in range(epochs):
-            for idx in shard.global_batches(len(data), s.world_size, 0, epoch, batch, False):
-                opt.zero_grad()
-                F.cross_entropy(ref(x_all[idx]), y_all[idx]).backward()
-                opt.step()
-        diff = max((a - b).abs().max().item() for a, b in zip(net.parameters(), ref.parameters()))
-        tol = 1e-4 if gpus else 1e-5
-        check(diff < tol, f"{r.rows[0]['steps']} steps/rank match the single-process reference (max diff {diff:.2e})")
-        s.run("import torch\n_w = torch.cat([p.detach().float().cpu().flatten() for p in net.parameters()])")
-        w0 = s.pull("_w", rank=0)
-        check(torch.equal(w0, torch.cat([p.detach().flatten() for p in net.parameters()])),
-              "weights back in the kernel equal rank 0's")
-        step_checks(s, ns, data, gpus, check)
-        pids = s.cluster.pids["engines"]
+        t0 = time.perf_counter()
+        kit.cell(sh, "%dist start -n 1 --timeout 60")
+        start_s = time.perf_counter() - t0
+        s = session.current()
+        ns = sh.user_ns
+        ns.update(kit_cells.namespace(1024 if args.cpu else 4096))
+        checks.run("start", kit_cells.start, s, start_s, torch)
+        checks.run("cpu_tensors_on_nccl", kit_cells.cpu_tensors_on_group, s)
+        checks.run("failure_cycles", kit_cells.failure_cycles, sh, s)
+        checks.run("nan_stop", kit_cells.nan_stop, sh, s)
+        for strategy, precision in (("ddp", "bf16"), ("ddp", "fp16"), ("fsdp", "bf16"), ("fsdp", "fp16"),
+                                    ("tensor", "fp32"), ("fsdp+tensor", "fp32")):
+            checks.run(f"strategy_{strategy.replace('+', '_')}_{precision}", kit_cells.strategy, sh, s, strategy,
+                       precision, cuda=precision == "fp16")
+        checks.run("peak_per_cell", kit_cells.peak_per_cell, sh, s)
+        checks.run("checkpoints", kit_cells.checkpoints, sh)
+        checks.run("data_syncs", kit_cells.data_syncs, sh, args.cpu)
+        checks.run("where_and_interrupt", kit_cells.where_and_interrupt, sh, args.cpu)
+        checks.run("offload_cpu", kit_cells.offload, sh, cuda=True)
+        checks.run("no_cuda_outside", kit_cells.no_cuda_outside, sh, args.cpu)
     finally:
-        s.stop(quiet=True)
-    import psutil
+        pids = session._CURRENT.cluster.pids["engines"] if session._CURRENT is not None else []
+        kit.cell(sh, "%dist stop", expect_error=True)
+        from distnb import zygote
 
-    time.sleep(1)
-    left = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    check(not left, "stop left no engine behind")
-    return 0
-
-
-BN_NET = """
-import torch.nn as nn
-torch.manual_seed(0)
-bn_net = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10))
-"""
-
-
-def step_checks(s, ns, data, gpus, check) -> None:
-    """Issue 15's GPU checks: fp16 with its GradScaler, --sync-bn, --compile on nccl."""
-    import torch
-    import torch.nn as nn
-
-    body = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
-    opts = dict(data="data", batch_size=32, optimizer="adam", lr=1e-2, progress="none", quiet=True)
-    if gpus:
-        torch.manual_seed(0)
-        ns["net16"] = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
-        r = s.train(body, model="net16", epochs=3, precision="fp16", **opts)
-        s.run("from distnb.engine.loop import RUNS\n_scale = float(RUNS['net16'].scaler.get_scale())")
-        scales = s.pull("_scale")
-        check(r.epoch_losses[-1] < r.epoch_losses[0] and all(x > 0 for x in scales),
-              f"fp16 with GradScaler (scales {scales}): mean loss {r.epoch_losses[0]:.3f} -> {r.epoch_losses[-1]:.3f}")
-        check(all(p.dtype == torch.float32 for p in ns["net16"].parameters()), "fp16: the weights back are fp32")
-        exec(BN_NET, ns)
-        s.train(body, model="bn_net", epochs=2, sync_bn=True, **opts)
-        s.run("import torch\n_kinds = sorted({type(m).__name__ for m in bn_net.modules()})\n"
-              "_rm = bn_net[1].running_mean.detach().float().cpu().clone()")
-        kinds, means = s.pull("_kinds"), s.pull("_rm")
-        check(all("SyncBatchNorm" in k for k in kinds), f"--sync-bn: the ranks hold SyncBatchNorm ({kinds[0]})")
-        agree = max((m - means[0]).abs().max().item() for m in means)
-        check(agree < 1e-5, f"--sync-bn: the ranks' running statistics agree (max diff {agree:.1e})")
-        back = ns["bn_net"][1]
-        check(type(back) is nn.BatchNorm1d and torch.allclose(back.running_mean, means[0]),
-              "--sync-bn: the kernel's model keeps plain BatchNorm1d with rank 0's statistics")
-    else:
-        print("skip fp16 and --sync-bn: they need GPU ranks", flush=True)
-    torch.manual_seed(0)
-    ns["cnet"] = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
-    r = s.train(body, model="cnet", epochs=3, compile=True, **opts)
-    check(r.epoch_losses[-1] < r.epoch_losses[0] and r.compile_seconds is not None,
-          f"--compile: mean loss {r.epoch_losses[0]:.3f} -> {r.epoch_losses[-1]:.3f}, compiling took "
-          f"{r.compile_seconds:.1f} s")
+        zygote.stop()
+    checks.run("stop", kit_cells.nothing_left, pids)
+    return checks.exit_code()
 
 
 if __name__ == "__main__":

@@ -1,38 +1,43 @@
 #!/usr/bin/env bash
-# The GPU check kit's one command (issue 17, GPU): run ON a lent GPU machine, in a copy of this tree.
+# The GPU check kit's one command, for a machine with ONE GPU (issue 39; the GPU review's checks).
 #
 # Two commands in all:
 #   1. here, with the network:   bash tests/gpu/wheels.sh      (fills .whl/, prints its size)
 #   2. the device tool's call:   command "bash tests/gpu/device_run.sh", carry [".whl"], timeout_s 480
-# The machine (python3 3.12, torch 2.11 with CUDA) lacks ipyparallel, ipykernel, IPython, pyzmq, ...:
-# step 0 installs the carried wheels into /tmp/site (no network, no dependencies resolved). Then, each
-# under its own `timeout` (SIGINT first, so a script stops its cluster; SIGKILL 10 s later), each step's
-# output tee'd into its own file under $OUT; a step that fails does not stop the next:
-#   0-setup.log         wheels installed, nvidia-smi -L, torch's version and GPU count
-#   1-check_gpu.log     tests/gpu/check_gpu.py: nccl, DDP against a reference, fp16, --sync-bn, --compile
-#   2-start.log         tests/gpu/start_check.py: %dist start timed, each rank's device and backend
-#   3-transformers.log  benchmarks/transformers.py --device cuda --sizes large --cases ddp,fsdp --rounds 2
-#   transformers.json   its measurements
-#   summary.log         each step's exit status and seconds (also the last lines printed)
-# Steps' exit status: 0 passed; 1 a check failed (transformers.py: also a ratio below its target, its JSON
-# then written); 2 no GPU visible; 124 timed out.
-# On the GPU the timeouts add up to 370 s (50 + 20 + 110 + 50 + 140); the lent time is 15 minutes with the
-# machine's start: call it with timeout_s 480.
+# The machine (python3 3.12, torch with CUDA) lacks ipyparallel, ipykernel, IPython, pyzmq, ...: step 0
+# installs the carried wheels into /tmp/site (no network, no dependencies resolved). Then, each under its
+# own `timeout` (SIGINT first, so a script stops its cluster; SIGKILL 10 s later), each step's output tee'd
+# into its own file under $OUT; a step that fails does not stop the next:
+#   0-setup.log      wheels installed; GPU discovery side by side (finding 13): /proc/driver/nvidia/gpus,
+#                    nvidia-smi -L, distnb's visible_gpus(), torch.cuda.device_count() in a subprocess
+#                    (CUDA_VISIBLE_DEVICES=0 exported when nvidia-smi sees a GPU that visible_gpus() misses)
+#   1-gpu1.log       tests/gpu/check_gpu.py: a world of ONE nccl rank (NCCL needs a GPU per rank): CPU tensors
+#                    on the group, failure/re-form cycles with the GPU memory after each, --nan stop, every
+#                    strategy with bf16/fp16, the per-cell peak, checkpoints, the data path's syncs, %dist where
+#                    and an interrupt in a long kernel, --offload cpu under a memory cap, no CUDA outside
+#   2-gpu2.log       tests/gpu/check_two_ranks.py: two ranks on the one GPU over gloo (CUDA_VISIBLE_DEVICES=0,0
+#                    --backend gloo): parity, fsdp, scale 1 -> 2, a rank failing, --compile's workers
+#   checks.json      every check's figures, {"gpu1.<check>": {...}, "gpu2.<check>": {...}} (each check wrote
+#                    $OUT/checks/<name>.json; merged here: the device call brings back 8 files at most)
+#   summary.log      each step's exit status and seconds
+# Exit status of a step: 0 every check passed (or was skipped, saying why); 1 a check failed (its JSON
+# says which and why); 2 no GPU visible; 124 timed out.
+# On the GPU the limits add up to 440 s (40 + 250 + 150), in about 200 s of checks when they pass: call
+# it with timeout_s 480 (the lent time is 15 minutes with the machine's start).
 #
-#   bash tests/gpu/device_run.sh --cpu     # here: the same steps on CPU (check_gpu.py --cpu, %dist start -n 2,
-#                                          # transformers --device cpu --sizes small), no wheels installed
-# PYTHON chooses the interpreter (default python3), e.g. PYTHON=/tmp/t211/bin/python for torch 2.11 here;
-# OUT defaults to a new temporary folder; SIZES overrides the transformer sizes (gpu: large, cpu: small).
+#   bash tests/gpu/device_run.sh --cpu     # here: the same scripts with --cpu (one and two CPU ranks, gloo)
+# PYTHON chooses the interpreter (default python3); OUT defaults to a new temporary folder.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 MODE=gpu
 [ "${1:-}" = "--cpu" ] && MODE=cpu
 PY=${PYTHON:-python3}
 OUT=${OUT:-$(mktemp -d -t distnb-gpu-out.XXXXXX)}
-mkdir -p "$OUT"
+export OUT CHECKS_DIR="$OUT/checks"
+mkdir -p "$OUT" "$CHECKS_DIR"
 DIRS=$(mktemp -d -t distnb-dirs.XXXXXX)  # ipyparallel and Jupyter write profiles and runtime files (pitfall 6)
 export IPYTHONDIR=$DIRS/ipython JUPYTER_CONFIG_DIR=$DIRS/config JUPYTER_RUNTIME_DIR=$DIRS/runtime \
-    JUPYTER_DATA_DIR=$DIRS/data PYTHONUNBUFFERED=1
+    JUPYTER_DATA_DIR=$DIRS/data PYTHONUNBUFFERED=1 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 mkdir -p "$IPYTHONDIR" "$JUPYTER_CONFIG_DIR" "$JUPYTER_RUNTIME_DIR" "$JUPYTER_DATA_DIR"
 START=$(date +%s.%N)
 SUMMARY="$OUT/summary.log"
@@ -57,7 +62,7 @@ step() {
 }
 
 if [ "$MODE" = gpu ]; then
-    T_SETUP=50 T_CHECK=110 T_START=50 T_TF=140 SIZES=${SIZES:-large} CPUFLAG="" DEVICE=cuda
+    T_SETUP=40 T_ONE=250 T_TWO=150 CPUFLAG=""
     if ls .whl/*.whl > /dev/null 2>&1; then
         step 0-setup "$T_SETUP" "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
             --upgrade --target /tmp/site .whl/*.whl
@@ -66,31 +71,50 @@ if [ "$MODE" = gpu ]; then
     fi
     export PYTHONPATH=/tmp/site:$PWD
 else  # this machine's CPU, this python: nothing to install; longer limits (2 shared cores)
-    T_SETUP=60 T_CHECK=300 T_START=120 T_TF=600 SIZES=${SIZES:-small} CPUFLAG=--cpu DEVICE=cpu
+    T_SETUP=60 T_ONE=900 T_TWO=600 CPUFLAG=--cpu
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 
 {
-    echo "mode $MODE, python $PY, OUT $OUT"
+    echo "mode $MODE, python $PY, OUT $OUT, cores $(nproc)"
+    echo "/proc/driver/nvidia/gpus: $(ls /proc/driver/nvidia/gpus 2>&1 | tr '\n' ' ')"
     if command -v nvidia-smi > /dev/null; then
         nvidia-smi -L
-        nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv,noheader
+        nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,compute_mode --format=csv,noheader
+    else
+        echo "nvidia-smi: not found"
     fi
-    timeout 20 "$PY" -c "import sys, torch, distnb, ipyparallel, IPython; print('python', sys.version.split()[0], \
-'torch', torch.__version__, 'cuda', torch.version.cuda, 'GPUs', torch.cuda.device_count(), \
-'ipyparallel', ipyparallel.__version__, 'IPython', IPython.__version__)"
+    timeout 60 "$PY" -c "import sys, torch, distnb, ipyparallel, IPython; from distnb.net import visible_gpus; \
+print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, \
+'ipyparallel', ipyparallel.__version__, 'IPython', IPython.__version__); print('visible_gpus()', visible_gpus()); \
+print('torch.cuda.device_count()', torch.cuda.device_count())"
+    timeout 30 "$PY" -c "from distnb import gpus; print('distnb.gpus.discover()', gpus.discover())" 2>&1 | tail -1
+    df -h /dev/shm | tail -1 | awk '{print "/dev/shm: " $2 " total, " $4 " free"}'
 } 2>&1 | tee -a "$OUT/0-setup.log"
-
-step 1-check_gpu "$T_CHECK" "$PY" tests/gpu/check_gpu.py $CPUFLAG
-step 2-start "$T_START" "$PY" tests/gpu/start_check.py $CPUFLAG
-step 3-transformers "$T_TF" "$PY" benchmarks/transformers.py --device "$DEVICE" --sizes "$SIZES" \
-    --cases ddp,fsdp --rounds 2 --epochs 1 --json "$OUT/transformers.json"
-# transformers.py exits 1 also when it ran but a ratio is below its target: the JSON says it ran to the end
-if [ -s "$OUT/transformers.json" ]; then
-    echo "=== 3-transformers: ran to the end (transformers.json written; exit 1 = a ratio below its target)" \
-        | tee -a "$SUMMARY"
+if [ "$MODE" = gpu ] && command -v nvidia-smi > /dev/null && nvidia-smi -L | grep -q '^GPU' \
+        && [ "$("$PY" -c 'from distnb.net import visible_gpus; print(len(visible_gpus()))' 2>/dev/null)" = 0 ]; then
+    echo "visible_gpus() finds none but nvidia-smi does (finding 13): CUDA_VISIBLE_DEVICES=0" | tee -a "$OUT/0-setup.log"
+    export CUDA_VISIBLE_DEVICES=0
 fi
 
+step 1-gpu1 "$T_ONE" "$PY" tests/gpu/check_gpu.py $CPUFLAG
+step 2-gpu2 "$T_TWO" "$PY" tests/gpu/check_two_ranks.py $CPUFLAG
+
+"$PY" - "$CHECKS_DIR" "$OUT/checks.json" <<'PY'
+import json, os, sys
+folder, target = sys.argv[1:]
+merged = {}
+for name in sorted(os.listdir(folder)):
+    with open(os.path.join(folder, name)) as f:
+        merged[name[:-len(".json")]] = json.load(f)
+with open(target, "w") as f:
+    json.dump(merged, f, indent=1)
+ok = sum(v.get("ok") is True for v in merged.values())
+bad = [k for k, v in merged.items() if v.get("ok") is False]
+skipped = [k for k, v in merged.items() if v.get("ok") is None]
+print(f"checks.json: {len(merged)} checks, {ok} passed, {len(bad)} failed {bad or ''}, skipped {skipped or 'none'}")
+PY
+rm -rf "$CHECKS_DIR"
 echo "=== all steps: $(elapsed "$START") s" >> "$SUMMARY"
 echo "files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 echo "=== summary"

@@ -620,7 +620,7 @@ def test_a_failing_cell_is_named_when_a_rank_holds_a_dead_weak_proxy(shell, trai
                "del _gone")
     err = run(shell, "%%distrain --model keep_net --data bad_ds --batch-size 32 --progress none\nx, y = batch\n"
                      "loss = F.cross_entropy(model(x), y).item()").error_in_exec
-    assert isinstance(err, RankError) and "`loss` must be a scalar tensor, got float" in str(err), err
+    assert isinstance(err, RankError) and "`loss` is a Python float, not a scalar tensor" in str(err), err
     run(shell, "%%dist\ndel _dead_proxy")
 
 

@@ -241,8 +241,8 @@ def test_names_and_a_validation_dataset_changed_since_the_cell_are_refused(expor
     """names.pkl and val.pt were written from the notebook as it is at export: a global the --lr-schedule function
     reads, a dict the body reads, or a --val-data Dataset's attribute changed after the cell gave a job that trained
     (or validated) otherwise, while export said it gives the cell's losses."""
-    shell.run_cell("EX_STEP = 3\ndef ex_sched(optimizer, total_steps):\n"
-                   "    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=EX_STEP, gamma=0.5)\n"
+    shell.run_cell("EX_STEP = 3\ndef ex_sched(optimizer, total_steps, gamma=0.5):\n"
+                   "    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=EX_STEP, gamma=gamma)\n"
                    "ex_cfg = {'scale': 1.0}\n"
                    "class ExShifted(torch.utils.data.Dataset):\n    def __init__(self, x, y):\n"
                    "        self.x, self.y, self.shift = x, y, 0.0\n    def __len__(self):\n        return len(self.x)\n"
@@ -253,10 +253,11 @@ def test_names_and_a_validation_dataset_changed_since_the_cell_are_refused(expor
     ns["ex_val"] = ns["ExShifted"](vx, vy)
     body = "x, y = batch\nloss = F.cross_entropy(model(x), y) * ex_cfg['scale']"
     cases = (("EX_STEP = 100", "the notebook function ex_sched changed"),
+             ("ex_sched.__defaults__ = (0.9,)", "the notebook function ex_sched changed"),  # in place: same object
              ("ex_cfg['scale'] = 3.0", "the notebook name ex_cfg changed"),
              ("ex_val.shift = 5.0", "--val-data ex_val changed"))
     for change, says in cases:
-        shell.run_cell("EX_STEP = 3\nex_cfg['scale'] = 1.0\nex_val.shift = 0.0")
+        shell.run_cell("EX_STEP = 3\nex_cfg['scale'] = 1.0\nex_val.shift = 0.0\nex_sched.__defaults__ = (0.5,)")
         ns["ex_n"] = ns["ExportNet"]()
         shell.run_cell_magic("distrain", "--model ex_n --data ex_n_data --val-data ex_val --epochs 1 --batch-size 8 "
                                          "--lr-schedule ex_sched --progress none", body)
@@ -264,7 +265,7 @@ def test_names_and_a_validation_dataset_changed_since_the_cell_are_refused(expor
         with pytest.raises(UsageError, match=f"{says} in the notebook since the training cell ran"):
             shell.run_line_magic("dist", f"export {tmp_path / 'job'}")
         assert not (tmp_path / "job").exists()
-    shell.run_cell("EX_STEP = 3\nex_cfg['scale'] = 1.0\nex_val.shift = 0.0")  # equal to what the cell read
+    shell.run_cell("EX_STEP = 3\nex_cfg['scale'] = 1.0\nex_val.shift = 0.0\nex_sched.__defaults__ = (0.5,)")  # as read
     shell.run_line_magic("dist", f"export {tmp_path / 'job'}")
     assert (tmp_path / "job" / "names.pkl").exists()
 

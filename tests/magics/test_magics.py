@@ -440,8 +440,9 @@ def test_a_cell_that_finished_no_epoch_reports_the_mean_loss_of_its_steps_not_na
 
 
 def test_the_interrupt_pressed_twice_stops_the_ranks_where_they_are_in_one_message(shell, dist_session, capsys):
-    """The second press lands while the ranks are still finishing their step: it stops them at once, and the
-    cell ends with distnb's one line, not the kernel-side KeyboardInterrupt tracebacks of the stop itself."""
+    """The second press lands while the ranks are still in a step that ends long after it: they are stopped where they
+    are once execute.AGAIN_GRACE has passed (a step that ends sooner is waited for, test_interrupt_presses.py), and
+    the cell ends with distnb's one line, not the kernel-side KeyboardInterrupt tracebacks of the stop itself."""
     import os
     import signal
     import threading
@@ -450,7 +451,7 @@ def test_the_interrupt_pressed_twice_stops_the_ranks_where_they_are_in_one_messa
     from distnb.errors import Interrupted
 
     run(shell, TRAIN_SETUP.replace("mnet", "i2net"))
-    slow = "import time\ntime.sleep(1.5)\n" + BODY  # the first press waits for a step that takes 1.5 s
+    slow = "import time\ntime.sleep(4.0)\n" + BODY  # the first press waits for a step that takes 4 s
     timers = [threading.Timer(t, lambda: os.kill(os.getpid(), signal.SIGINT)) for t in (2.0, 2.3)]
     for timer in timers:
         timer.start()

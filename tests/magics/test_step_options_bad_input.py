@@ -23,7 +23,7 @@ BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
 CASES = [
     ("--accumulate 0", "--accumulate must be at least 1"),
     ("--clip-grad-norm -1", "--clip-grad-norm must be positive"),
-    ("--precision fp16", "use --precision bf16"),
+    ("--strategy ps --precision fp16", "--precision fp16 is not available with --strategy ps"),
     ("--val-data a_word", "--val-data a_word is a str, not a data set"),
     ("--val-data nowhere", "--val-data 'nowhere' is not defined"),
     ("--patience 3", "--patience needs validation"),

@@ -134,6 +134,45 @@ def test_a_notebook_global_the_model_reads_changed_is_sent_to_the_ranks(shell, c
         run(shell, cell)
 
 
+def test_a_method_replaced_on_the_class_is_sent_to_the_ranks_and_a_rerun_cell_is_not(shell, capsys):
+    # forward replaced with code that reads the same globals: the ranks kept the old forward and said nothing
+    defining = ("import math, torch, torch.nn as nn, torch.nn.functional as F\n"
+                "def head(z):\n    return z\n"
+                "class Swapped(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                "        self.fc = nn.Linear(4, 2)\n    def forward(self, x):\n        return head(self.fc(x))\n")
+    run(shell, defining + "torch.manual_seed(0)\nswap_net = Swapped()\n"
+               "swap_data = torch.utils.data.TensorDataset(torch.randn(64, 4) * 20, torch.randint(0, 2, (64,)))")
+    cell = "%%distrain --model swap_net --data swap_data --batch-size 64 --lr 1e-9 --progress none\nx, y = batch\n" \
+           "loss = F.cross_entropy(model(x), y)"
+    first = run(shell, cell).result.final_loss
+    assert abs(first - math.log(2)) > 0.05
+    for change in ("Swapped.forward = lambda self, x: head(self.fc(x)) * 1e-6",
+                   "def forward(self, x, k=1e-6):\n    return head(self.fc(x)) * k\nSwapped.forward = forward"):
+        run(shell, "Swapped.forward = lambda self, x: head(self.fc(x))")
+        run(shell, cell)
+        run(shell, change)
+        capsys.readouterr()
+        result = run(shell, cell).result
+        assert abs(result.final_loss - math.log(2)) < 1e-4, (change, result.final_loss)  # logits near 0: ln 2
+        assert "swap_net changed in the notebook since the last cell (the code of Swapped.forward changed" \
+            in capsys.readouterr().out
+    run(shell, "forward.__defaults__ = (1.0,)")  # a default of the method the class holds
+    capsys.readouterr()
+    assert abs(run(shell, cell).result.final_loss - first) < 1e-3
+    assert "the code of Swapped.forward changed" in capsys.readouterr().out
+    run(shell, defining)  # the cell run again from the same source: a new head() of the same code, which the
+    capsys.readouterr()   # model's forward reads: the ranks keep model and optimizer
+    assert abs(run(shell, cell).result.final_loss - first) < 1e-3
+    assert "sent again" not in capsys.readouterr().out
+    try:  # a library class's method replaced: it cannot reach the ranks (by reference), and the cell says so
+        run(shell, "_linear_forward = nn.Linear.forward\nnn.Linear.forward = lambda self, x: x @ self.weight.T")
+        run(shell, cell)
+        assert "distnb: warning: torch.nn.Linear.forward was replaced in the notebook, but swap_net's library " \
+               "classes reach the ranks by reference" in capsys.readouterr().out
+    finally:
+        run(shell, "nn.Linear.forward = _linear_forward")
+
+
 def test_an_attribute_or_hook_changed_in_the_notebook_is_sent_to_the_ranks(shell, capsys):
     # the ranks kept the model as first sent: an activation held as an attribute, a config dict, a forward hook
     run(shell, "import torch, torch.nn as nn, torch.nn.functional as F\n"

@@ -22,6 +22,18 @@ def test_history_is_bounded_and_keeps_the_mean():
     assert pts[0][0] == 1 or pts[0][0] < 100
 
 
+def test_a_low_precision_loss_history_is_averaged_in_fp32():
+    # a GPU rank's bf16 losses were kept as bf16 tensors and their pairs averaged in bf16 (36.875 became 36.75)
+    history = stepping.History(cap=1)
+    for step, value in enumerate((36.75, 37.0, 36.75, 36.75, 37.0)):
+        history.add(step, torch.tensor(value, dtype=torch.bfloat16))
+    assert [v for _, v in history.points()] == [36.875, 36.875]  # pairs averaged: both 36.75 in bf16
+    assert all(v.dtype == torch.float32 for v in history.values)
+    assert stepping.upcast(torch.tensor(1.0, dtype=torch.float16)).dtype == torch.float32
+    assert stepping.upcast(torch.tensor(1.0, dtype=torch.float64)).dtype == torch.float64
+    assert stepping.upcast(2.5) == 2.5
+
+
 @pytest.mark.parametrize("kind", ["cosine", "linear", "constant"])
 def test_schedules_warm_up_then_follow_their_shape(kind):
     lrs = stepping.lr_sequence(kind, 1.0, 4, 20)
@@ -38,7 +50,7 @@ def test_total_norm_equals_torch_clip_grad_norm_on_one_process():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 2))
     net(torch.randn(3, 5)).sum().backward()
-    mine = stepping.total_norm(list(net.parameters()), False, torch.device("cpu"))
+    mine = float(stepping.total_norm(list(net.parameters()), False, torch.device("cpu")))
     assert mine == pytest.approx(float(torch.nn.utils.clip_grad_norm_(net.parameters(), 1e9)), rel=1e-6)
 
 

@@ -307,3 +307,114 @@ def test_every_attribute_that_changed_is_named_up_to_four():
     net.cfg["scale"], net[1].mode = 3.0, "b"  # it named only the first
     assert model_change(before, fingerprint(net), keys) == "the model's attribute cfg changed, 1's attribute mode changed"
 
+
+
+NB_MODEL = ("import functools, torch, torch.nn as nn\nTEMP = 1.0\n"
+            "def helper(z, k=2.0):\n    return z / TEMP * k\n"
+            "def scaled(factor):\n    def deco(f):\n        @functools.wraps(f)\n        def wrapper(*a):\n"
+            "            return f(*a) * factor\n        return wrapper\n    return deco\n"
+            "class Net(nn.Module):\n    def __init__(self):\n        super().__init__()\n        self.fc = nn.Linear(2, 2)\n"
+            "    @scaled(1.0)\n    def forward(self, x):\n        return self.act(helper(self.fc(x)))\n"
+            "    @staticmethod\n    def act(z):\n        return torch.relu(z)\n"
+            "    @property\n    def width(self):\n        return 2\n"
+            "    @torch.no_grad()\n    def probe(self, x):\n        return self.fc(x)\n")
+
+
+def _notebook(source):
+    import types
+
+    nb = types.ModuleType("__main__")  # a notebook's namespace: its classes and functions go by value
+    exec(source, nb.__dict__)
+    return nb
+
+
+@pytest.mark.parametrize("change, says", [
+    ("Net.forward = lambda self, x: self.act(helper(self.fc(x)))", "Net.forward"),  # same globals, new code
+    ("def forward(self, x):\n    return self.act(helper(self.fc(x))) * 2\nNet.forward = forward", "Net.forward"),
+    ("Net.forward = scaled(2.0)(Net.forward.__wrapped__)", "Net.forward"),  # the decorator's closure
+    ("Net.forward = Net.forward.__wrapped__", "Net.forward"),  # the decorator removed
+    ("Net.forward.__wrapped__.__code__ = (lambda self, x: self.fc(x)).__code__", "Net.forward"),  # wrapped code
+    ("Net.act = staticmethod(lambda z: torch.tanh(z))", "Net.act"),
+    ("Net.act = classmethod(lambda cls, z: torch.relu(z))", "Net.act"),
+    ("Net.width = property(lambda self: 3)", "Net.width"),
+    ("Net.probe = torch.no_grad()(lambda self, x: self.fc(x) * 2)", "Net.probe"),
+    ("Net.probe = torch.enable_grad()(Net.probe.__wrapped__)", "Net.probe"),
+    ("helper.__defaults__ = (3.0,)", "a notebook global, function or class attribute its code reads changed"),
+    ("def helper(z, k=2.0):\n    return z * TEMP * k", "a notebook global, function or class attribute"),
+    ("helper.__code__ = (lambda z, k=2.0: z - TEMP).__code__", "a notebook global, function or class attribute"),
+])
+def test_a_method_replaced_on_a_notebook_class_changes_the_fingerprint(change, says):
+    from distnb.transfer import model_change
+
+    nb = _notebook(NB_MODEL)
+    net = nb.Net()
+    keys = list(net.state_dict())
+    before = fingerprint(net)
+    exec(change, nb.__dict__)
+    after = fingerprint(net)
+    assert after != before, change
+    assert says in model_change(before, after, keys), (change, model_change(before, after, keys))
+
+
+def test_a_cell_run_again_from_the_same_source_is_no_change():
+    # re-running the defining cell makes new function and class objects of the same code: the ranks' copies are
+    # what the kernel's are, so the model (and its optimizer state) is not sent again
+    from distnb import captured
+
+    nb = _notebook(NB_MODEL)
+    net = nb.Net()
+    before, helper_fp = fingerprint(net), fingerprint(nb.helper)
+    old = nb.Net
+    exec(NB_MODEL, nb.__dict__)
+    assert nb.Net is not old and fingerprint(net) == before
+    assert captured.digest([nb.Net]) == captured.digest([old])
+    assert fingerprint(nb.helper) == helper_fp  # a function the body calls: not pushed again either
+    nb.helper.__defaults__ = (5.0,)  # ... but changed in place, it is
+    assert fingerprint(nb.helper) != helper_fp
+
+
+def test_a_function_option_or_body_function_changed_in_place_is_a_change():
+    # --lr-schedule/--metric style functions and the functions a body calls: code, closure cells, defaults,
+    # a partial's arguments and a settings object they read count; export's name check sees the same
+    from distnb.jobfiles import name_digest
+
+    nb = _notebook("import functools, types\nCFG = types.SimpleNamespace(warm=10)\n"
+                   "def make(k):\n    def sched(opt, total, lo=0.1):\n        return (k, lo, CFG.warm, total)\n"
+                   "    return sched\nsched = make(2)\npart = functools.partial(make(1), lo=0.2)\n")
+    for name, change in (("sched", "sched.__defaults__ = (0.5,)"), ("sched", "sched.__closure__[0].cell_contents = 3"),
+                         ("sched", "CFG.warm = 20"), ("part", "part = functools.partial(part.func, lo=0.3)"),
+                         ("sched", "sched.__code__ = sched.__code__.replace(co_names=('CFG', 'cold'))")):
+        before, named = fingerprint(nb.__dict__[name]), name_digest(nb.__dict__[name])
+        exec(change, nb.__dict__)
+        assert fingerprint(nb.__dict__[name]) != before or name == "part", change
+        assert name_digest(nb.__dict__[name]) != named, change
+
+
+def test_notebook_code_put_into_a_library_class_is_named():
+    # nn.Linear travels by reference: the ranks import torch's own and never see the notebook's replacement
+    from distnb import captured
+
+    nb = _notebook(NB_MODEL + "def doubled(self, x):\n    return torch.nn.functional.linear(x, self.weight) * 2\n")
+    net = nb.Net()
+    assert captured.library_patches(net) == []
+    original = nn.Linear.forward
+    try:
+        nn.Linear.forward = nb.doubled
+        assert captured.library_patches(net) == ["torch.nn.Linear.forward"]
+        assert "the ranks compute without the replacement: subclass the class in the notebook" in \
+            captured.library_patch_warning("net", net)
+    finally:
+        nn.Linear.forward = original
+    assert captured.library_patches(net) == []
+
+
+def test_a_base_class_method_replaced_is_named_as_the_base_s():
+    from distnb.transfer import model_change
+
+    nb = _notebook("import torch.nn as nn\nclass Base(nn.Module):\n    def forward(self, x):\n        return self.fc(x)\n"
+                   "class Child(Base):\n    def __init__(self):\n        super().__init__()\n"
+                   "        self.fc = nn.Linear(2, 2)\n    def forward(self, x):\n        return super().forward(x)\n")
+    net = nb.Child()
+    before = fingerprint(net)
+    exec("Base.forward = lambda self, x: self.fc(x) * 2", nb.__dict__)
+    assert "the code of Base.forward changed" in model_change(before, fingerprint(net), list(net.state_dict()))

@@ -10,7 +10,8 @@ Each module defines a :class:`Strategy` subclass; :func:`build` picks it by
   scaled for accumulation and fp16) on ``ns["batch"]``, returning the loss;
 - ``no_sync()``: a context in which backward skips the gradient reduction (the first
   micro-steps of ``--accumulate``);
-- ``compile()``: ``torch.compile`` what the body calls, after the wrapping (``--compile``);
+- ``compile()``: ``torch.compile`` what the body calls, after the wrapping (``--compile``; DDP: the module it
+  wraps, in place, as torch advises: see :mod:`distnb.engine.compiling`);
 - ``full_state()``: the whole model's state dict, assembled on rank 0 (a collective: called
   on every rank);
 - ``checkpoint_state(opt)`` / ``load_checkpoint_state(...)``: what torch.distributed.checkpoint
@@ -29,10 +30,12 @@ from __future__ import annotations
 
 import importlib
 import math
+import numbers
 
 import torch
 
 from ...plan import STRATEGIES
+from .. import compiling
 
 
 class StrategyError(ValueError):
@@ -76,6 +79,8 @@ class Strategy:
     #: True: plain (non-DTensor) gradients of different ranks belong to different parameters
     #: (pipeline stages): the total gradient norm adds them over the ranks.
     grads_partitioned = False
+    #: With --compile: dynamo's figures when the model was compiled (:func:`distnb.engine.compiling.snapshot`).
+    compiled_since = None
 
     def __init__(self, module, plan, device, ns):
         self.module, self.plan, self.device = module, plan, device
@@ -134,18 +139,13 @@ class Strategy:
         return contextlib.nullcontext()
 
     def compile(self) -> None:
-        """``--compile``: what the body calls becomes ``torch.compile(model)`` (after any wrapping).
+        """``--compile``: the forward of what the body calls is compiled in place, after any wrapping
+        (:func:`distnb.engine.compiling.compile_in_place`; ``close`` undoes it).
 
-        The ranks of one host share inductor's cache folder (``TORCHINDUCTOR_CACHE_DIR``, default
-        ``<tmp>/torchinductor_<user>``): the second rank, and later cells, reuse compiled kernels.
+        The ranks of one host share inductor's cache folder (:func:`distnb.engine.compiling.set_cache_dir`).
+        What dynamo made of it is reported per cell (:func:`distnb.engine.compiling.report`).
         """
-        import getpass
-        import os
-        import tempfile
-
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
-                              os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
-        self.model = torch.compile(self.model)
+        compiling.compile_in_place(self.model)
 
     def eval_model(self):
         """What validation calls: the model in this rank's distributed form (``model`` by default)."""
@@ -217,7 +217,9 @@ class Strategy:
         return dict(param_bytes=sum(tensor_bytes(p) for p in self.module.parameters()))
 
     def close(self) -> None:
-        """Drop references to the process group (called before it is re-formed)."""
+        """Drop references to the process group (called before it is re-formed); undo --compile."""
+        compiling.uncompile(self.model)
+        compiling.uncompile(self.module)
         self.model = None
 
 
@@ -236,10 +238,22 @@ def is_container(module) -> bool:
 
 
 def check_loss(loss, ctx):
-    """Validate the body's ``loss``; returns ``float(loss)`` on CPU (None on GPU: no sync per step)."""
+    """Validate the body's ``loss``; returns ``float(loss)``, read on every device.
+
+    ``--nan stop`` (the default) stops *before* the update, so the value must be known before
+    ``optimizer.step()``: on a GPU rank this read is one host synchronisation per step (the same
+    one ``torch.amp.GradScaler`` makes for fp16). The value then serves the progress report and
+    the epoch mean, which read nothing more. It once returned None for a non-CPU loss, and NaN
+    losses trained on silently on GPUs (GPU review, finding 4).
+
+    Raises
+    ------
+    FloatingPointError
+        ``--nan stop`` and a NaN or infinite loss, naming the rank, epoch and step.
+    ValueError
+        No ``loss``, not a scalar tensor, or one that does not require grad.
+    """
     if isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1:
-        if loss.device.type != "cpu":
-            return None
         value = loss.item()
         if ctx.plan.nan == "stop" and not math.isfinite(value):
             raise FloatingPointError(f"the loss is {value} at rank {ctx.rank}, epoch {ctx.epoch}, step {ctx.step}; "
@@ -250,10 +264,16 @@ def check_loss(loss, ctx):
     if loss is None:
         raise ValueError(f"the %%distrain body left no `loss` ({where}); its last line should be "
                          "like `loss = F.cross_entropy(model(x), y)`")
+    if isinstance(loss, numbers.Number) or (hasattr(loss, "dtype") and not isinstance(loss, torch.Tensor)
+                                             and getattr(loss, "ndim", None) == 0):  # a float, a numpy scalar
+        raise ValueError(f"`loss` is a Python {type(loss).__name__}, not a scalar tensor ({where}): `.item()` (or "
+                         "float()) turns the loss into a number that backward cannot run through; drop `.item()` and "
+                         "leave the tensor, e.g. `loss = F.cross_entropy(model(x), y)` (distnb logs its value)")
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
         raise ValueError(f"`loss` must be a scalar tensor, got {shape} ({where}); reduce it, e.g. `.mean()`")
-    raise ValueError(f"`loss` does not require grad ({where}); compute it from `model(...)` outputs")
+    raise ValueError(f"`loss` does not require grad ({where}); compute it from `model(...)` outputs (a `.item()`, "
+                     "`.detach()` or `torch.tensor(...)` on the way cuts it from the graph: drop it)")
 
 
 def gathered_state(module):
@@ -288,6 +308,8 @@ def build(module, plan, device, ns) -> Strategy:
     """Distribute ``module`` (already on ``device``) for ``plan.strategy`` on this rank (then compile it)."""
     strategy = strategy_class(plan.strategy)(module, plan, device, ns)
     if getattr(plan, "compile", False):
+        compiling.fresh()
+        strategy.compiled_since = compiling.snapshot()  # what dynamo did for this model is counted from here
         strategy.compile()
     return strategy
 

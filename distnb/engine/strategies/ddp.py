@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from torch.nn.parallel import DistributedDataParallel
 
+from .. import compiling
 from . import Strategy, levers
 
 
@@ -39,9 +40,10 @@ class DDP(Strategy):
         return self.ddp.no_sync()
 
     def compile(self) -> None:
-        """Compile the DDP wrapper (DDP first, then ``torch.compile``: dynamo's DDPOptimizer splits the
-        graph at the gradient buckets so the all-reduce still overlaps backward)."""
-        super().compile()
+        """Compile the module DDP wraps, in place (torch's advice, :mod:`distnb.engine.compiling`): compiled
+        from outside, DDP's forward graph-breaks and dynamo makes no graph at all. ``model`` stays the DDP
+        wrapper, whose reducer hooks on the parameters' gradients all-reduce what the compiled backward gives."""
+        compiling.compile_in_place(self.module)
 
     def check_grads(self) -> None:
         """Every trainable parameter got a gradient, else a RuntimeError naming those that did not.
@@ -81,7 +83,7 @@ class DDP(Strategy):
             except Exception:  # a torch without it: dropping the wrapper is all we can do
                 pass
         self.ddp = None
-        super().close()
+        super().close()  # a rebuild without --compile calls the module eagerly again
 
 
 STRATEGY = DDP

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import weakref
 
-from .. import runtime
+from .. import compiling, runtime
 from . import Strategy, StrategyError, gathered_state, is_container, levers, tensor_bytes
 
 #: Device meshes made by the fsdp and tensor strategies on this rank, by id (meshes of one
@@ -198,6 +198,20 @@ class FSDP(Strategy):
         """Gather the full (unsharded) state dict on rank 0, on CPU; a collective."""
         return gathered_state(self.module)
 
+    def compile(self) -> None:
+        """Compile the forward of each innermost FSDP unit, in place (the root's when it is the only unit).
+
+        As torchtitan does (blocks compiled, each its own FSDP unit): a unit's all-gather and reshard are
+        FSDP2's module hooks, which dynamo does not trace (a graph break); a forward that calls another unit
+        breaks at that call (inside ``nn.Sequential``'s loop, dynamo then gives up on the whole frame:
+        measured, 0 graphs). The code between units (the root's own, an activation between two units) runs
+        eagerly. What compiled is reported per cell (:mod:`distnb.engine.compiling`).
+        """
+        units = [self.module.get_submodule(name) for group in self.units for name in group.split("+")]
+        self._compiled = compiling.innermost(units) or [self.module]
+        for unit in self._compiled:
+            compiling.compile_in_place(unit)
+
     def holdings(self) -> dict:
         """Bytes of this rank's parameter shards and of its optimizer state (0 before a step)."""
         return dict(param_bytes=sum(tensor_bytes(p) for p in self.module.parameters()),
@@ -205,6 +219,8 @@ class FSDP(Strategy):
 
     def close(self) -> None:
         release_group(self.mesh, self.module)
+        for unit in getattr(self, "_compiled", ()):
+            compiling.uncompile(unit)
         self.model = None
         self.mesh = None
         self._optimizer = None

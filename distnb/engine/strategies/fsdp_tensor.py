@@ -43,8 +43,10 @@ and the errors of ``--fsdp-units`` and ``--tp-plan`` (see :mod:`.fsdp`, :mod:`.t
 from __future__ import annotations
 
 from ...plan import mesh_shape
+from .. import compiling
 from . import Strategy, gathered_state, tensor_bytes
-from .fsdp import FSDP, make_mesh, optimizer_state_bytes, release_group, shard
+from .fsdp import FSDP, default_units, make_mesh, optimizer_state_bytes, release_group, shard, unit_groups
+from .fsdp_tp_views import copy_view_outputs
 from .tensor import DefaultPlanHint, check_default, check_plan, default_pairs, describe, plan_label, resolve_plan
 from .tensor_check import VerifiedPlan
 
@@ -94,6 +96,8 @@ class FsdpTensor(VerifiedPlan, DefaultPlanHint, FSDP):
         self.arm(module, plan_label(plan), describe(self.tp_plan), default_pairs(module)[0] if plan.tp_plan is None
                  else ())  # the whole model, to verify the plan on the first forward (tensor_check.py)
         parallelize_module(module, self.mesh["tp"], self.tp_plan)  # tensor parallel first, then FSDP
+        self._view_hooks = copy_view_outputs(module, self.tp_plan,  # FSDP2 is given no view (fsdp_tp_views.py)
+                                             unit_groups(module, plan.fsdp_units or default_units(module)))
         self.units = shard(module, plan, self.mesh["dp"])
         self.watch()
         if dist.get_rank() == 0:
@@ -172,6 +176,10 @@ class FsdpTensor(VerifiedPlan, DefaultPlanHint, FSDP):
         """
         self._disarm()
         release_group(None, self.module, meshes=False)
+        for unit in getattr(self, "_compiled", ()):
+            compiling.uncompile(unit)
+        for handle in getattr(self, "_view_hooks", ()):
+            handle.remove()
         self.model = None
         self.mesh = None
         self._optimizer = None

@@ -397,6 +397,7 @@ class Pipeline(Strategy):
         lenient = types.SimpleNamespace(plan=types.SimpleNamespace(nan="skip"), rank=mb.ctx.rank,
                                         epoch=mb.ctx.epoch, step=mb.ctx.step)
         check_loss(loss, lenient)  # the non-finite check runs on every rank after the step
+        mb.ctx.note_loss_dtype(loss)  # summed in fp64 below; a bf16 loss is said once
         mb.losses.append(loss.detach().double() * weight)
         return mb.ctx.scale_loss(loss * weight)  # --accumulate and fp16 scale what the stage back-propagates
 

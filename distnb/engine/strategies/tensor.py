@@ -48,6 +48,7 @@ from fnmatch import fnmatch
 
 import torch.nn as nn
 
+from .. import compiling
 from . import Strategy, StrategyError, gathered_state, levers, tensor_bytes
 from .fsdp import make_mesh, module_names, optimizer_state_bytes, release_group
 from .tensor_check import VerifiedPlan
@@ -278,6 +279,7 @@ class Tensor(VerifiedPlan, DefaultPlanHint, Strategy):
     def close(self) -> None:
         self._disarm()
         release_group(self.mesh, None)  # the mesh outlives us in DTensor's caches: drop its group
+        compiling.uncompile(self.module)
         self.model = None
         self.mesh = None
         self._optimizer = None
