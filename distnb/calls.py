@@ -30,6 +30,8 @@ NET = "distnb.net"
 POSTMORTEM = "distnb.engine.postmortem"
 ELASTIC = "distnb.engine.elastic"
 PULLTENSOR = "distnb.engine.pulltensor"
+MATERIALIZE = "distnb.engine.materialize"
+INSTALL = "distnb.engine.install"
 VALPARTS = "distnb.engine.valparts"
 
 
@@ -77,7 +79,7 @@ def _on_rank(module: str, with_ns: bool = False):
 # engine/runtime.py: process group and cells ------------------------------------------
 @_on_rank(RUNTIME, with_ns=True)
 def setup(rank, world_size, local_rank, backend, device_type, gpu, num_threads, master_addr, master_port,
-          timeout, node_rank=0, host=None, interface=None, bind_among=None): ...
+          timeout, node_rank=0, host=None, interface=None, bind_among=None, local_world_size=None): ...
 
 
 @_on_rank(RUNTIME)
@@ -85,7 +87,7 @@ def info(**extra): ...
 
 
 @_on_rank(RUNTIME, with_ns=True)
-def release(drop_store=False): ...
+def release(drop_store=False, failed_cell=False): ...
 
 
 @_on_rank(RUNTIME, with_ns=True)
@@ -106,7 +108,8 @@ def run_cell(code, targets=None, unchecked=False): ...
 
 # engine/elastic.py: %dist scale, the world re-formed at a new size --------------------------
 @_on_rank(ELASTIC, with_ns=True)
-def resize(rank, world_size, num_threads, master_addr, master_port, local_rank=None, bind_among=None): ...
+def resize(rank, world_size, num_threads, master_addr, master_port, local_rank=None, bind_among=None,
+           local_world_size=None): ...
 
 
 @_on_rank(ELASTIC, with_ns=True)
@@ -166,8 +169,16 @@ def lookup(name): ...
 
 
 # engine/loop.py: training ------------------------------------------------------------
-@_on_rank(LOOP, with_ns=True)
+@_on_rank(INSTALL, with_ns=True)
 def install_model(name, payload, descs, steps, *buffers): ...
+
+
+@_on_rank(INSTALL, with_ns=True)
+def place_model(name, plan_dict, steps, payload, descs, rng, *buffers): ...
+
+
+@_on_rank(MATERIALIZE)
+def capacity(): ...
 
 
 @_on_rank(LOOP, with_ns=True)

@@ -321,11 +321,13 @@ class Cluster(Engines):
         self.master_port = spec.master_port or self._free_port()
         local_gpus = None if self.remote or spec.device_type != "cuda" else visible_gpus()
         gpus = placement.rank_gpus(self.placement, self.where, spec.device_type, local_gpus)
+        placement.check_gpus(self.placement, self.where, gpus, spec.backend)  # before any rank waits for the group
         self.foreign_cores = cpuload.foreign_cores() if (spec.cpu_bind, spec.device_type) == ("auto", "cpu") else 0.0
         among = placement.bind_among(self.placement, spec, self.foreign_cores)
+        local_sizes = placement.local_world_sizes(self.placement)
         ars = [self.apply(rank, calls.setup, rank, spec.num_engines, p["local_rank"], spec.backend, spec.device_type,
                           gpu, p.get("num_threads", spec.num_threads), self.master_addr, self.master_port, spec.timeout,
-                          p["node_rank"], p["node"], spec.interface, among[rank])
+                          p["node_rank"], p["node"], spec.interface, among[rank], local_sizes[rank])
                for rank, (p, gpu) in enumerate(zip(self.placement, gpus))]
         infos = self.wait_all(ars, timeout=spec.timeout + 60, what="forming the process group")
         self.ranks = [dict(info, engine_id=p["engine_id"], local=p["local"], address=self.where[p["engine_id"]][

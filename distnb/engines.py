@@ -215,7 +215,8 @@ class Engines:
         for r in keep:
             p = self.placement[r]
             seen[p["node"]] = seen.get(p["node"], -1) + 1
-            places.append(dict(p, local_rank=seen[p["node"]]))
+            # a GPU rank keeps its local rank: its engine's CUDA_VISIBLE_DEVICES and LOCAL_RANK name its GPU by it
+            places.append(p if self.spec.device_type == "cuda" else dict(p, local_rank=seen[p["node"]]))
         self.placement, self.ranks = places, [self.ranks[r] for r in keep if r < len(self.ranks)]
         self.engine_ids = [p["engine_id"] for p in places]
         return left
@@ -295,6 +296,9 @@ class Engines:
         spec = self.spec
         keep = min(old, n)
         self._check_joining(self.engine_ids[keep:n])  # before the running ranks leave their group
+        local_gpus = visible_gpus() if spec.device_type == "cuda" and not self.remote else None
+        gpus = placement.rank_gpus(self.placement[:n], self.where, spec.device_type, local_gpus)
+        placement.check_gpus(self.placement[:n], self.where, gpus, spec.backend)  # two ranks on one GPU: refused
         pinned = spec.master_port is not None  # rank 0 lets the old store go: the pinned port must be free again
         self.wait_all([self.apply(r, calls.release, pinned) for r in range(keep)], timeout=spec.timeout,
                       what="leaving the old process group")
@@ -305,15 +309,14 @@ class Engines:
         self.master_port = spec.master_port or self._free_port()
         threads = self._rank_threads(old, n)
         among = placement.bind_among(self.placement[:n], spec, self.foreign_cores)  # the new world's shares
+        local_sizes = placement.local_world_sizes(self.placement[:n])
         ars = [self.apply(r, calls.resize, r, n, threads[r], self.master_addr, self.master_port,
-                          self.placement[r]["local_rank"], among[r]) for r in range(keep)]
-        local_gpus = visible_gpus() if spec.device_type == "cuda" and not self.remote else None
-        gpus = placement.rank_gpus(self.placement, self.where, spec.device_type, local_gpus)
+                          self.placement[r]["local_rank"], among[r], local_sizes[r]) for r in range(keep)]
         for rank in range(keep, n):
             p = self.placement[rank]
             ars.append(self.apply(rank, calls.setup, rank, n, p["local_rank"], spec.backend, spec.device_type,
                                   gpus[rank], threads[rank], self.master_addr, self.master_port, spec.timeout,
-                                  p["node_rank"], p["node"], spec.interface, among[rank]))
+                                  p["node_rank"], p["node"], spec.interface, among[rank], local_sizes[rank]))
         infos = self.wait_all(ars, timeout=spec.timeout + 60, what=f"forming the process group of {n} ranks")
         self.ranks = [dict(info, engine_id=p["engine_id"], local=p["local"], address=self.where[p["engine_id"]]
                            ["address"]) for info, p in zip(infos, self.placement)]

@@ -193,7 +193,7 @@ class Watch:
         for r in failed - self.released:  # let peers blocked in a collective fail at once
             self.released.add(r)
             try:
-                self.cluster.apply(r, calls.release)
+                self.cluster.apply(r, calls.release, False, True)  # a rank that kept its group ignores it
             except ClusterError:  # its engine died: the liveness check reports it
                 pass
         if failed and self.failed_since is None:
@@ -235,7 +235,7 @@ class Watch:
         self._mark_failures(failures)
         if self.view is not None:
             self.view.close()
-        if (failures or not clean) and not self.dead:
+        if (failures or not clean) and not self.dead and not group_kept(self):
             recover(self.session)
         if user_interrupt:
             stop = Interrupted(self._interrupted_message(clean))
@@ -438,6 +438,20 @@ def take_progress(state, rank: int, data: dict, progress: dict, raw: dict | None
         state.update(r, msg)
         new.append((r, msg))
     return new
+
+
+def group_kept(watch) -> bool:
+    """Whether every rank kept its process group after a failed ``%%dist`` cell (:mod:`distnb.engine.health`: each
+    failure was the cell's own code, and every rank had finished the cell with no collective half-done). Then the
+    group is not re-formed, and what the ranks hold (sharded models, their optimizers) stays."""
+    if watch.what != "%%dist cell" or watch.hang is not None or watch.interrupted:
+        return False
+    try:
+        infos = watch.cluster.wait_all(watch.cluster.apply_all(calls.info), timeout=watch.cluster.spec.timeout,
+                                       what="asking the ranks whether their group is whole")
+    except (ClusterError, RankError):
+        return False
+    return all(not info.get("broken", True) for info in infos)
 
 
 def recover(session) -> None:

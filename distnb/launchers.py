@@ -199,7 +199,9 @@ class _EngineLauncher(_Forkable, LocalEngineLauncher):
 #: Set in every engine's environment unless the kernel's environment sets them. INFO makes DDP's
 #: "parameters that were not used in producing loss" error name the parameters (not only their
 #: indices); unlike DETAIL it adds no collective checks to training.
-ENGINE_ENV = {"TORCH_DISTRIBUTED_DEBUG": "INFO"}
+ENGINE_ENV = {"TORCH_DISTRIBUTED_DEBUG": "INFO",
+              # CUDA numbers GPUs fastest first, nvidia-smi and /proc/driver/nvidia by PCI bus: one order for both
+              "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
 
 class _EngineSetLauncher(LocalEngineSetLauncher):

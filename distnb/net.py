@@ -13,21 +13,17 @@ import os
 import socket
 import time
 
+from . import gpus
 from .errors import ClusterError
 
 
 def visible_gpus() -> list[str]:
     """GPU ids this process may use, found without initialising CUDA (or importing torch).
 
-    ``CUDA_VISIBLE_DEVICES`` when set, else one entry per ``/proc/driver/nvidia/gpus/*``.
+    ``CUDA_VISIBLE_DEVICES`` when set, else ``/proc/driver/nvidia/gpus``, ``nvidia-smi -L``, the
+    ``/dev/nvidia<N>`` nodes (:func:`distnb.gpus.discover`).
     """
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        return [g.strip() for g in env.split(",") if g.strip() and g.strip() != "-1"]
-    try:
-        return [str(i) for i in range(len(os.listdir("/proc/driver/nvidia/gpus")))]
-    except OSError:
-        return []
+    return gpus.discover()["gpus"]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -100,7 +96,8 @@ def whereami(controller_ip: str) -> dict:
     dict
         pid; host (hostname); address (the local address that reaches the controller,
         which tells apart hosts that share a hostname); boot_id (Linux boot id); cores;
-        gpus (visible GPU ids); launch_rank, launch_local_rank (the rank MPI or Slurm gave
+        gpus (visible GPU ids), gpus_how (how they were found: :func:`distnb.gpus.discover`);
+        launch_rank, launch_local_rank (the rank MPI or Slurm gave
         the process, if launched by one; else None).
     """
     env = os.environ
@@ -110,8 +107,9 @@ def whereami(controller_ip: str) -> dict:
                 return int(env[name])
         return None
 
+    found = gpus.discover()
     return dict(pid=os.getpid(), host=socket.gethostname(), address=route_address(controller_ip),
-                boot_id=boot_id(), cores=len(os.sched_getaffinity(0)), gpus=visible_gpus(),
+                boot_id=boot_id(), cores=len(os.sched_getaffinity(0)), gpus=found["gpus"], gpus_how=found["how"],
                 launch_rank=first("OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID"),
                 launch_local_rank=first("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"))
 

@@ -29,6 +29,7 @@ from traitlets.config import Config
 
 from .net import boot_id as this_boot, check_port_free, ipv4_of as interface_address, is_loopback, route_address
 from .errors import ClusterError, PlanError
+from .gpus import duplicates, duplicates_message
 from .plan import BATCH_LAUNCHERS
 
 #: Launchers whose engines run on other hosts (ssh even to this host: its engines reach the
@@ -365,7 +366,8 @@ def extend_ranks(places: list, where: dict, engine_ids, hosts: tuple = ()) -> li
     """``places`` (the running ranks, unchanged) followed by the engines ``engine_ids``, ranked after them.
 
     Each added engine (in ascending engine id) gets its host's node_rank (a host new to the world:
-    the next one), the next local_rank on its host, and the node label and ``local`` flag
+    the next one), the smallest local_rank no rank of its host has (GPU ranks keep theirs when others
+    leave, :meth:`distnb.engines.Engines.remove_ranks`: the freed one names the freed GPU), and the node label and ``local`` flag
     :func:`assign_ranks` gives it among all of ``where``'s engines. ``%dist scale`` uses this so
     that growing never renumbers a running rank (ranks of one host are then not always contiguous).
     """
@@ -373,16 +375,18 @@ def extend_ranks(places: list, where: dict, engine_ids, hosts: tuple = ()) -> li
     full = {p["engine_id"]: p for p in assign_ranks({e: where[e] for e in [*running, *engine_ids]}, hosts)}
     out = [dict(p) for p in places]
     node_ranks = {p["node"]: p["node_rank"] for p in out}
-    local = {}
+    taken = {}
     for p in out:
-        local[p["node"]] = max(local.get(p["node"], -1), p["local_rank"])
+        taken.setdefault(p["node"], set()).add(p["local_rank"])
     for eid in sorted(engine_ids):
         p = dict(full[eid])
         node = p["node"]
         if node not in node_ranks:
             node_ranks[node] = max(node_ranks.values(), default=-1) + 1
-        local[node] = local.get(node, -1) + 1
-        out.append(dict(p, node_rank=node_ranks[node], local_rank=local[node]))
+        used = taken.setdefault(node, set())
+        local = next(i for i in range(len(used) + 1) if i not in used)  # a GPU rank's freed slot: its GPU is free
+        used.add(local)
+        out.append(dict(p, node_rank=node_ranks[node], local_rank=local))
     return out
 
 
@@ -475,6 +479,25 @@ def rank_gpus(places: list, where: dict, device_type: str, local_gpus=None) -> l
             for p in places]
 
 
+def local_world_sizes(places: list) -> list:
+    """Per rank of ``places``: how many ranks its host runs (``LOCAL_WORLD_SIZE``, as torchrun sets it)."""
+    per_node = collections.Counter(p["node"] for p in places)
+    return [per_node[p["node"]] for p in places]
+
+
+def gpu_duplicates(places: list, where: dict, gpus: list) -> list:
+    """Ranks of ``places`` given one GPU of one host (:func:`distnb.gpus.duplicates`); ``gpus``: :func:`rank_gpus`."""
+    return duplicates(places, gpus, [where.get(p["engine_id"], {}) for p in places])
+
+
+def check_gpus(places: list, where: dict, gpus: list, backend: str) -> None:
+    """Before a group forms: a ClusterError when ``backend`` is nccl and two ranks would share a GPU (NCCL refuses
+    it only at its communicator's init, "Duplicate GPU detected", after every rank waited for it)."""
+    shared = gpu_duplicates(places, where, gpus) if backend == "nccl" else []
+    if shared:
+        raise ClusterError(duplicates_message(shared, backend))
+
+
 def bind_among(places: list, spec, foreign_cores: float = 0.0) -> list:
     """Per rank of ``places``: how many ranks share its host's cores, each bound to its share; None where the
     rank is not bound. Not with ``--cpu-bind none`` nor GPU engines; with ``auto``, ranks on this host only
@@ -502,14 +525,17 @@ def fit_to_hosts(places: list, where: dict, spec, auto_device: bool = False):
     for p in places:
         p["num_threads"] = max(1, where[p["engine_id"]]["cores"] // per_node[p["node_rank"]])
     gpus = rank_gpus(places, where, "cuda")
+    shared = gpu_duplicates(places, where, gpus)
+    if spec.backend == "nccl" and shared:
+        raise ClusterError(duplicates_message(shared, "nccl"))
     if spec.backend == "nccl" and not all(gpus):
         short = next(p for p, gpu in zip(places, gpus) if not gpu)
         raise ClusterError(f"--backend nccl needs a GPU for every rank, and host {short['node']} has none "
                            f"for local rank {short['local_rank']} (it sees "
                            f"{len(where[short['engine_id']]['gpus'])} GPUs); use --backend gloo, "
                            "or fewer --engines-per-node")
-    if auto_device:  # no --backend: nccl when every rank's host has a GPU for it
-        device, backend = ("cuda", "nccl") if all(gpus) else ("cpu", "gloo")
+    if auto_device:  # no --backend: nccl when every rank's host has a GPU of its own for it
+        device, backend = ("cuda", "nccl") if all(gpus) and not shared else ("cpu", "gloo")
         return dataclasses.replace(spec, device_type=device, backend=backend)
     return spec
 

@@ -191,6 +191,9 @@ class TrainPlan:
                             "synchronous)", minimum=0, strategy="ps",
                             doc="0 synchronous; K > 0 lets workers run up to K steps ahead of the last update they "
                                 "have received (bounded asynchrony, Ho et al. 2013, \"Stale Synchronous Parallel\").")
+    init: str | None = option(None, "name", "a model built on the meta device: notebook function f(module) called on "
+                              "the ranks for each module holding tensors itself, in named_modules() order, instead of "
+                              "its reset_parameters(), from the notebook's torch generator (e.g. --init init_weights)")
     reset: bool = option(False, "flag", "re-send the kernel's model as it is now (its trained weights; build a new "
                          "model for fresh ones) with a fresh optimizer and epoch count")
     target_loss: float | None = option(None, "float", "stop after an epoch whose mean loss (with --val-data: "
@@ -204,8 +207,7 @@ class TrainPlan:
                                 "come back to the notebook stay fp32.")
     activation_checkpointing: bool = option(False, "flag", levers.HELP["activation_checkpointing"], distribution=True)
     offload: str | None = option(None, "choice", levers.HELP["offload"], choices=levers.OFFLOADS, strategy=levers.FSDP)
-    param_dtype: str = option("fp32", "choice", levers.HELP["param_dtype"], choices=levers.PARAM_DTYPES,
-                              strategy=levers.FSDP)
+    param_dtype: str = option("fp32", "choice", levers.HELP["param_dtype"], choices=levers.PARAM_DTYPES, strategy=levers.FSDP)
     accumulate: int = option(1, "int", "micro-steps whose gradients are summed before one optimizer step (default 1)",
                              minimum=1, doc="Gradient accumulation: N consecutive micro-steps (batches) add up their "
                                             "gradients (each loss scaled by its batch's share of the group's samples: "

@@ -43,7 +43,7 @@ def newest_start(session, plan, model_obj=None):
 
     A model the ranks receive fresh (after ``%dist restart``, say) resumes from
     ``--checkpoint-dir``'s newest checkpoint unless the weights the notebook holds are further
-    on (in global steps, which go on from the kernel's count: :func:`distnb.engine.loop.install_model`);
+    on (in global steps, which go on from the kernel's count: :func:`distnb.engine.install.install_model`);
     at the same step the checkpoint wins, as it also holds the optimizer, the schedule and the
     sampler position. Records ``session.holdings.resume_steps`` for :func:`start_sentence`.
     """

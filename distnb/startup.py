@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import options
+from . import gpus, options
 from .display.tables import count
 from .errors import PlanError
 from .gpuhost import kernel_cuda_note
@@ -49,9 +49,26 @@ def say_ready(cluster) -> None:
           f"{cluster.start_seconds:.1f} s")
     if cluster.note:
         print(f"distnb: {cluster.note}")
+    if not getattr(cluster, "remote", True):
+        said = gpu_note(spec.device_type, gpus.discover(), gpus.driver_present())
+        if said:
+            print(f"distnb: {said}")
     for note in (binding_note(cluster), kernel_cuda_note(spec.device_type)):
         if note:
             print(f"distnb: {note}")
+
+
+def gpu_note(device_type: str, found: dict, driver: bool) -> str:
+    """What GPU discovery found and how (``""``: nothing worth a line: CPU ranks on a machine with no GPU driver).
+
+    A machine whose GPUs distnb could not find (a sandbox without ``/proc/driver/nvidia``) started CPU ranks
+    without a word; now the start says what was looked at (:func:`distnb.gpus.discover`)."""
+    if device_type == "cuda":
+        return f"GPUs: {gpus.describe(found)}"
+    if driver and not found["gpus"]:
+        return (f"{gpus.describe(found)} although an NVIDIA driver is installed: the ranks run on the CPU; set "
+                "CUDA_VISIBLE_DEVICES=0,1,... before %dist start to name the GPUs")
+    return ""
 
 
 def binding_note(cluster) -> str:

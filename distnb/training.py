@@ -14,7 +14,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from . import calls, captured, carried, data, export, kernel_memory, modelcheck, options, presses, transfer, valsets
+from . import bigmodels, calls, captured, carried, data, export, kernel_memory, modelcheck, options, presses, transfer
+from . import valsets
 from .display import ProgressState, make_view, view_kind
 from .display.tables import count
 from .errors import PlanError, RankError
@@ -287,6 +288,7 @@ def prepare(session, plan, code, model_obj, data_obj, quiet) -> tuple:
     num_shards = strategies.data_parallel_size(plan, session.world_size)
     schedule = None if plan.lr_schedule in LR_SCHEDULES else plan.lr_schedule
     for option, flag in ((plan.loss, "--loss"), (plan.tp_plan, "--tp-plan"), (plan.metric, "--metric"),
+                         (plan.init, "--init"),
                          (schedule, "--lr-schedule"), (plan.collate, "--collate")):
         if option is not None:
             session._lookup(option, flag)
@@ -357,22 +359,27 @@ def ensure_model(session, plan, model_obj, quiet) -> bool:
         why = _why_sent_again(plan, model_obj, held, fp, last, verdict)
         if why:
             print(f"distnb: {why}")
+    if bigmodels.on_meta(model_obj) and not plan.reset and plan.model in {**held.models, **held.trained_steps}:
+        # the ranks' weights were all there was of it
+        print(f"distnb: {bigmodels.reinit_note(plan.model)}")
     meta = None if plan.reset or not plan.resume else newest_meta(plan.checkpoint_dir)
     if meta is not None:  # the ranks resume from it: the notebook functions they rebuild it with
         push_saved_names(session, meta, plan)
     cluster = session.cluster
+    bigmodels.check_before_sending(session, plan, model_obj)
     from . import resident
 
     keep = resident.movable(model_obj.state_dict(keep_vars=True).values(), transfer_pool())  # before packing
     payload, descs, buffers = pack_named(plan.model, model_obj, " as --model")
     with outgoing(cluster, buffers, keep=keep) as sent:  # shared memory on one host, else zero-copy frames
         steps = first_step(plan, held.steps_of(plan.model, model_obj) or 0)  # the ranks count on from there
-        ars = cluster.apply_all(calls.install_model, plan.model, payload, descs, steps, *sent)
+        ars = bigmodels.send_calls(cluster, plan, model_obj, steps, payload, descs, sent)
         counts = cluster.wait_all(ars, timeout=cluster.spec.timeout + 60, what=f"sending {plan.model}")
     del buffers, keep
     held.models[plan.model] = fingerprint(model_obj)  # the same state (a move keeps version counters)
     if not quiet:
-        print(f"distnb: sent {plan.model} ({type(model_obj).__name__}, {counts[0]:,} parameters) to "
+        what = f"{type(model_obj).__name__}, {counts[0]:,} parameters{bigmodels.sent_note(model_obj)}"
+        print(f"distnb: sent {plan.model} ({what}) to "
               f"{count(session.world_size, 'rank')}; {start_sentence(plan, held.resume_steps)}")
     return True
 
@@ -446,6 +453,8 @@ def weights_back(session, name, model_obj, best_effort=False, packed=None, repli
     from .transfer import fingerprint, load_state_into
 
     cluster = session.cluster
+    if bigmodels.on_meta(model_obj):  # built on meta in the notebook: its weights stay on the ranks
+        return
     try:
         dead = cluster.dead_ranks() if packed is None and replicated else {}
         if dead and 0 not in dead:
@@ -552,6 +561,8 @@ def finish(session, plan, model_obj, rows, wall_seconds, num_shards, run, stoppe
     from . import loopcell, results
 
     weights_back(session, plan.model, model_obj, packed=rows[0].pop("state"))
+    if bigmodels.on_meta(model_obj) and not run.quiet:
+        print(f"distnb: {bigmodels.stays_note(plan.model)}")
     for row in rows:
         row.pop("state", None)
         row.update(row.pop("holdings", {}))

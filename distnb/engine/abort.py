@@ -28,7 +28,9 @@ watchdog fails at once (:func:`end_pending`), and a failed rank lets its old gro
 a thread of their own (:func:`bury`), not in the cell. A group a strategy forms itself (the ps
 group) is armed with the world's (:func:`tracking`).
 
-Stdlib and torch only; gloo only (nccl has ``abort`` of its own, not done here).
+Stdlib and torch only. On nccl there are no gloo sockets: the store is armed all the same (the
+failure is announced and read, and :func:`distnb.engine.context.agree_on_steps` has its store), and
+:func:`poll` aborts the communicators instead (:mod:`distnb.engine.ncclfail`).
 """
 
 from __future__ import annotations
@@ -40,10 +42,14 @@ import socket
 import sys
 import threading
 
+from . import ncclfail
+
 #: The key a failing rank sets in its process group's store.
 KEY = "distnb/failed"
 #: What a collective ended by :func:`shut_sockets` (here or on a peer) raises with.
-SYMPTOMS = ("Connection closed by peer", "Connection reset", "Broken pipe", "Socket closed")
+SYMPTOMS = ("Connection closed by peer", "Connection reset", "Broken pipe", "Socket closed",
+            # nccl, its communicators aborted (ncclfail.abort_groups, or NCCL's watchdog) or a peer gone
+            "aborted", "ncclRemoteError", "ncclSystemError")
 #: Seconds a store call here may wait (a store that does not answer must not hold a failure up).
 STORE_SECONDS = 2.0
 
@@ -54,6 +60,7 @@ class _Armed:
     server = None  # the group's store itself, kept while the peers may still read the key (see forget_store)
     sockets: dict = {}  # fd -> "socket:[inode]" of gloo's connections to its peers
     by = None  # the rank whose failure ended this rank's collective, once seen (-1: the store was gone)
+    backend = None  # the armed group's backend: gloo (sockets shut) or another (communicators aborted)
 
 
 ARMED = _Armed()
@@ -94,17 +101,18 @@ def arm(store, prefix: str, before: dict, backend: str) -> None:
     before : dict
         :func:`socket_fds` just before the group formed.
     backend : str
-        Only ``gloo`` is armed.
+        ``gloo``: its sockets are recorded too; another (nccl): the store only (:func:`poll` aborts its
+        communicators).
     """
     import torch.distributed as dist
 
     disarm()
     ARMED.server = store  # rank 0's serves the key: it must outlive this rank's destroy_process_group
-    if backend != "gloo":
-        return
-    port = getattr(store, "port", None)
-    ARMED.sockets = {fd: link for fd, link in socket_fds().items()
-                     if before.get(fd) != link and _gloo_socket(fd, port)}
+    ARMED.backend = backend
+    if backend == "gloo":
+        port = getattr(store, "port", None)
+        ARMED.sockets = {fd: link for fd, link in socket_fds().items()
+                         if before.get(fd) != link and _gloo_socket(fd, port)}
     try:
         if ARMED.clone is None or ARMED.clone[0] is not store or not answers(ARMED.clone[1], ARMED.clone[2], -1):
             clone = store.clone()
@@ -180,7 +188,7 @@ def disarm() -> None:
     A shutdown going on in the watchdog thread finishes first.
     """
     with LOCK:
-        ARMED.sockets, ARMED.store, ARMED.by = {}, None, None
+        ARMED.sockets, ARMED.store, ARMED.by, ARMED.backend = {}, None, None, None
 
 
 def forget_store() -> None:
@@ -228,7 +236,7 @@ def ddp_allreduce_hook(group, bucket):
     tensor = bucket.buffer()
     group = group if group is not None else dist.group.WORLD
     tensor.div_(group.size())
-    work = group.allreduce([tensor])
+    work = group.allreduce([tensor])  # group device: DDP's bucket, on the model's (the rank's) device
     _PENDING.add(mine)
 
     def settle(fut):
@@ -300,11 +308,19 @@ def poll() -> bool:
     Called from a rank's watchdog thread while a cell runs. True once this rank's gloo
     connections were shut down (``ARMED.by`` names the rank that failed, -1 if the store was gone).
     """
-    if ARMED.store is None or not ARMED.sockets:
+    if ARMED.store is None or (ARMED.backend == "gloo" and not ARMED.sockets) or ARMED.by is not None:
         return False
     by = _failed_rank()
     if by is None:
         return False
+    if ARMED.backend != "gloo":  # nccl: the main thread may be blocked in CUDA; abort its communicators
+        with LOCK:
+            if ARMED.store is None or ARMED.by is not None:  # disarmed meanwhile, or already done
+                return False
+            ARMED.by = by
+        ncclfail.abort_groups()
+        end_pending()
+        return True
     with LOCK:
         if not ARMED.sockets:  # disarmed meanwhile: this rank's own failure path destroys the group
             return False

@@ -150,9 +150,42 @@ def _wrap(dist, torch, op, original):
 
 def _group_tensor(dist, torch, group):
     """An empty tensor on the device ``group``'s backend works on (a CUDA device for nccl), for a barrier's check."""
-    if dist.get_backend(group) == "nccl":
-        return torch.empty(0, device=torch.device("cuda", torch.cuda.current_device()))
-    return torch.empty(0)
+    return torch.empty(0, device=group_device(group))
+
+
+def group_device(group=None):
+    """The device a collective on ``group`` (None: the world) takes its tensors on.
+
+    A group formed for nccl alone has no backend for CPU tensors: a collective given one raises
+    ``RuntimeError: No backend type associated with device type cpu`` (even in a world of one rank).
+    So every tensor distnb hands a collective is made on this device (or moved there with
+    :func:`on_group`): the current CUDA device for such a group, the CPU for gloo or a group with a CPU
+    backend besides (``"cpu:gloo,cuda:nccl"``). The rule is torch's own for its object collectives
+    (``distributed_c10d._get_object_coll_device``).
+
+    Returns
+    -------
+    torch.device
+    """
+    import torch
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        kind = c10d._get_object_coll_device(group)
+    except (AttributeError, ValueError):  # a torch without the helper: by the backend's name
+        kind = "cuda" if c10d.get_backend(group) == "nccl" else "cpu"
+    if kind == "cpu":
+        return torch.device("cpu")
+    return torch.device(kind, getattr(torch, kind).current_device())
+
+
+def on_group(tensor, group=None):
+    """``tensor`` on :func:`group_device` of ``group`` (the same tensor when it is there already).
+
+    A collective that writes into its tensor (broadcast, all_gather's outputs) writes into the
+    returned one: read the result from it, not from ``tensor``.
+    """
+    return tensor.to(group_device(group))
 
 
 def _checked_call(dist, torch, op, original, args, kwargs, arguments, group, world, tensor):

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint, collectives, compiling, replicas, runtime, stepping, weighting
+from .collectives import group_device
 
 
 class _Stopped(BaseException):
@@ -372,11 +373,11 @@ class Context:
 
         Empty (false) when it is finite everywhere. One all-reduce of ``world_size`` flags, read once.
         """
-        flags = torch.zeros(self.world_size, device=self.device)
+        flags = torch.zeros(self.world_size, device=group_device())
         if value is not None:
             flags[self.rank] = 0.0 if math.isfinite(value) else 1.0
         else:  # the flag is made where the loss is: one read (after the all-reduce), not two
-            flags[self.rank] = (~torch.isfinite(loss.detach().float())).float().reshape(()).to(self.device)
+            flags[self.rank] = (~torch.isfinite(loss.detach().float())).float().reshape(()).to(group_device())
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return [r for r, flag in enumerate(flags.tolist()) if flag]
 
@@ -516,7 +517,7 @@ class Context:
         asked = self._stop_reason_local is not None  # ctx.request_stop: a flag in this rank's slot names it
         flags = torch.tensor([1.0 if self._stop.requested else 0.0, per_step] +
                              [1.0 if asked and r == self.rank else 0.0 for r in range(self.world_size)],
-                             dtype=torch.float64, device=self.device)
+                             dtype=torch.float64, device=group_device())
         pending = self._stop_work
         self._stop_work = (dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True), flags)
         if pending is None:  # the first check since the last epoch end: read its answer at the next step
@@ -588,7 +589,7 @@ class Context:
         return self._loss_sum() / float(self._loss_weight), self._loss_count
 
     def _epoch_mean(self):
-        local = torch.zeros(2, dtype=torch.float64, device=self.device)
+        local = torch.zeros(2, dtype=torch.float64, device=group_device())
         if self._loss_count:
             local[0] = self._loss_sum()
             local[1] = self._loss_weight

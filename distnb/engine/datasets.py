@@ -51,6 +51,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 
 from ..errors import ranks_named
 from . import binding, runtime, shard as sharding, wire
+from .collectives import group_device
 
 #: Data sets this rank holds for training, by name (the tensor path's are ``loop.SHARDS``).
 SOURCES: dict = {}
@@ -312,7 +313,7 @@ class Source:
         with _workers_share_cores():
             it = iter(loader)
         self._seed_rank(plan, epoch)
-        have = torch.ones(1, device=device)
+        have = torch.ones(1, device=group_device())
         for step in itertools.count():
             if plan.steps_per_epoch is not None and step >= plan.steps_per_epoch:
                 return
@@ -328,8 +329,9 @@ class Source:
 
     def _empty_stream(self, plan, epoch: int, mine: float) -> None:
         """Raise, on every rank, that the stream gave some ranks no batch in ``epoch`` (a collective)."""
-        flags = [torch.zeros(1) for _ in range(dist.get_world_size())]
-        dist.all_gather(flags, torch.tensor([mine], dtype=torch.float32))
+        # on the group's device: nccl's group refuses a CPU tensor ("No backend type associated with device type cpu")
+        flags = [torch.zeros(1, device=group_device()) for _ in range(dist.get_world_size())]
+        dist.all_gather(flags, torch.tensor([mine], dtype=torch.float32, device=group_device()))
         empty = [r for r, f in enumerate(flags) if not f.item()]
         which = "every rank" if len(empty) == len(flags) else ranks_named(empty)
         raise ValueError(f"the stream {plan.data} gave {which} no sample in epoch {epoch}, so no step could be "

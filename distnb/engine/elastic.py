@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from ..plan import STRATEGIES
 from . import binding, datasets, loop, runtime, wire
+from .collectives import group_device, on_group
 
 #: Names distnb binds in every rank's namespace (the rank's identity, a training cell's objects): never the user's.
 BOUND = frozenset({"rank", "world_size", "local_rank", "node_rank", "device", "model", "optimizer", "ctx", "loss",
@@ -41,7 +42,7 @@ BOUND = frozenset({"rank", "world_size", "local_rank", "node_rank", "device", "m
 
 
 def resize(ns: dict, rank: int, world_size: int, num_threads: int, master_addr: str, master_port: int,
-           local_rank: int | None = None, bind_among: int | None = None) -> dict:
+           local_rank: int | None = None, bind_among: int | None = None, local_world_size: int | None = None) -> dict:
     """This (surviving) rank joins the world of ``world_size`` ranks formed on ``master_port`` as ``rank``.
 
     What holds the old group (strategy wrappers) is dropped first, the sampler positions are
@@ -49,7 +50,9 @@ def resize(ns: dict, rank: int, world_size: int, num_threads: int, master_addr: 
     host) and ``rank``/``world_size``/``local_rank`` in the namespace updated and ``num_threads``
     torch threads set. ``rank`` differs from this rank's old one only when a lower rank is gone
     (``--on-failure shrink``); ``local_rank`` (this rank's index on its host; default ``rank``,
-    right on one host) only then too. ``bind_among``: the ranks now sharing this host's cores (see
+    right on one host) only then too, and never for a GPU rank: it names the rank's device,
+    ``cuda:<local_rank>``, fixed when CUDA started (the kernel keeps it). ``local_world_size``: the ranks
+    now on this host (``LOCAL_WORLD_SIZE``). ``bind_among``: the ranks now sharing this host's cores (see
     :func:`distnb.engine.runtime.setup`; more ranks than cores unbinds). Every rank of the new world calls
     this (or ``setup``, for the added ones) at once: the rendezvous waits for all of them.
 
@@ -67,6 +70,8 @@ def resize(ns: dict, rank: int, world_size: int, num_threads: int, master_addr: 
     st.rank, st.world_size, st.local_rank = rank, world_size, local_rank
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
                       OMP_NUM_THREADS=str(num_threads))
+    if local_world_size:
+        os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
     torch.set_num_threads(num_threads)
     binding.bind(local_rank, bind_among)
     runtime._init_group(master_addr, master_port)
@@ -143,18 +148,18 @@ def share(ns: dict, names: list, old_world: int, defined: bool = True) -> dict:
         payload, descs, buffers = wire.pack(state)
         head = [(payload, descs, [len(b) for b in buffers], sorted(state["runs"]), sorted(state["names"]),
                  sorted(own), unpicklable)]
-        flat = torch.from_numpy(_concat(buffers))
+        flat = on_group(torch.from_numpy(_concat(buffers)))  # nccl's group has no backend for a CPU tensor
     dist.broadcast_object_list(head, src=0)
     payload, descs, sizes, models, carried_names, carried_defined, unpicklable = head[0]
     if st.rank != 0:
-        flat = torch.empty(sum(sizes), dtype=torch.uint8)
+        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=group_device())
     if sizes:
         dist.broadcast(flat, src=0)
     if st.rank >= old_world:
         offsets = [0]
         for n in sizes:
             offsets.append(offsets[-1] + n)
-        raw = flat.numpy()
+        raw = flat.cpu().numpy()
         _adopt(ns, wire.loads(payload, descs, [raw[a:b] for a, b in zip(offsets, offsets[1:])]))
     positions = {k: (r.epoch, r.epoch_samples, r.steps, r.cell_first_epoch) for k, r in loop.RUNS.items()}
     return dict(models=models, names=carried_names, defined=carried_defined, unpicklable=unpicklable,

@@ -4,7 +4,7 @@
 DIR and a ``train.py`` that calls :func:`main` here. Each process torchrun starts becomes a rank
 as an engine does (:func:`join`: rank, world size and local rank from torchrun's environment,
 the device, the threads, the process group), receives the model, the data and the names the
-way an engine receives them from the kernel (``loop.install_model``, ``loop.install_shard`` with
+way an engine receives them from the kernel (``install.install_model``, ``loop.install_shard`` with
 the shard the kernel would deal it, ``datasets.install_dataset``), and runs ``loop.train``: the
 same loop, seeds, sharding and strategies as a ``%%distrain`` cell. Rank 0 prints each epoch's
 loss (the mean over all ranks) and writes them to ``losses.json``; the trained state is saved
@@ -180,10 +180,10 @@ def _epoch_printer(rank):
 
 def _install(ns, directory, spec, plan) -> None:
     """Model (as the ranks received it at the cell's start), names and data on this rank."""
-    from . import checkpoint, loop, runtime, strategies, wire
+    from . import checkpoint, install, loop, runtime, strategies, wire
 
     payload, descs, buffers = _load_pickle(directory, MODEL)
-    loop.install_model(ns, plan.model, payload, descs, 0, *buffers)
+    install.install_model(ns, plan.model, payload, descs, 0, *buffers)
     if os.path.exists(os.path.join(directory, NAMES)):
         ns.update(wire.loads(*_load_pickle(directory, NAMES)))
     num_shards = strategies.data_parallel_size(plan, runtime.STATE.world_size)

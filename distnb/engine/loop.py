@@ -112,6 +112,8 @@ class Run:
         self.eager_step_time = None  # seconds per step of the last cell without --compile
         self.inherited = None  # a rank added by %dist scale: rank 0's optimizer state, until its next cell
         self.cell_first_epoch = 0  # the epoch the last cell started at (--on-failure shrink counts from it)
+        self.weights_stay = False  # built on meta in the notebook: no weights go back (engine/materialize.py)
+        self.said = ""  # what building its strategy printed before the cell (engine/materialize.py)
 
     def count_forward(self, module, args):
         self.forwards += 1
@@ -148,24 +150,6 @@ def _mesh_info() -> dict:
 
 
 runtime.INFO_HOOKS.append(_mesh_info)
-
-
-def install_model(ns, name, payload, descs, steps, *buffers):
-    """Receive a model from the kernel; start a new Run (fresh optimizer, epoch 0).
-
-    ``steps``: the global step count the kernel's weights have had (0 for new ones); the Run's
-    count goes on from it, so the checkpoints of this training sort after the older ones.
-    """
-    module = wire.loads(payload, descs, buffers)
-    if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"{name} is a {type(module).__name__}, not a torch.nn.Module")
-    module.to(runtime.STATE.device)
-    old = RUNS.get(name)
-    if old is not None and old.strategy is not None:
-        old.strategy.close()  # the replaced model must not keep the process group referenced
-    RUNS[name] = Run(module, steps)
-    ns[name] = module
-    return sum(p.numel() for p in module.parameters())
 
 
 def install_shard(ns, name, num_samples, num_shards, seed, index, structure, descs, *buffers):
@@ -392,7 +376,7 @@ def _train(ns, plan, code_text, relay):
         sys.stdout.flush()
     reporter.extra["train_seconds"] = seconds  # the dashboard's final samples/s is the TrainResult's
     carried = _last_word(reporter, relay, "interrupted" if ctx.interrupted else "done")
-    state = run.strategy.full_state()  # a collective for sharded strategies: every rank calls it
+    state = None if run.weights_stay else run.strategy.full_state()  # a collective for sharded strategies
     # the mean over the cell's last epoch; with none finished, over the steps trained (its loss_steps; 0: an epoch's)
     last, loss_steps = (ctx.local_losses[-1], 0) if ctx.local_losses else ctx.steps_mean()
     return dict(rank=st.rank, steps=ctx.micro_steps, samples=reporter.samples, seconds=seconds, cpu_seconds=cpu_seconds,
@@ -489,19 +473,9 @@ def _prepare(ns, plan, run):
         raise RuntimeError(f"rank {st.rank}: {plan.model} was distributed for --strategy "
                            f"{run.strategy_key[0]}; the kernel must send it again (--reset)")
     if verdict == "rebuild" or run.strategy is None:
-        if run.strategy is not None:
-            run.strategy.close()
-        run.module = batchnorm.convert(run.module, plan.sync_bn)
-        run.strategy = strategies.build(run.module, plan, st.device, ns)
-        binding.float_gloo()  # a mesh's new groups start gloo threads of their own (engine/binding.py)
-        if run.strategy.wraps_model:
-            run.strategy.model.register_forward_pre_hook(run.count_forward)
-        if run.optimizer is not None and run.strategy_key is not None and run.strategy_key != key and \
-                _param_ids(run.optimizer) != {id(p) for p in run.strategy.parameters()}:
-            run.optimizer = None  # its parameters belong to the old distribution
-            run.scheduler = run.schedule_name = None
-        run.generation, run.strategy_key = st.generation, key
-        _agree_with_rank0(run)  # every rank built it (DDP broadcast rank 0's weights): the same position too
+        build_strategy(ns, plan, run)
+    print(run.said, end="", flush=True)
+    run.said = ""
     if run.inherited is not None:  # a rank added by %dist scale: the optimizer and schedule rank 0 had
         stepping.adopt_optimizer(ns, run, plan, _optimizer)
     if not (fresh and plan.checkpoint_dir and not plan.reset and plan.resume and checkpoint.latest(plan.checkpoint_dir)):
@@ -526,6 +500,24 @@ def _prepare(ns, plan, run):
         _optimizer(ns, run, plan)  # (the kernel said so when it sent the model: no note here)
         return "", meta["path"]
     return _given_lr(run.optimizer, plan.lr), meta["path"]  # ... and a cell's --lr applies on top, as live
+
+
+def build_strategy(ns, plan, run, pending=None) -> None:
+    """Distribute ``run.module`` for ``plan`` (``pending``: a structure to materialise, engine/materialize.py)."""
+    st, key = runtime.STATE, plan.strategy_key()
+    if run.strategy is not None:
+        run.strategy.close()
+    run.module = batchnorm.convert(run.module, plan.sync_bn)
+    run.strategy = strategies.build(run.module, plan, st.device, ns, pending)
+    binding.float_gloo()  # a mesh's new groups start gloo threads of their own (engine/binding.py)
+    if run.strategy.wraps_model:
+        run.strategy.model.register_forward_pre_hook(run.count_forward)
+    if run.optimizer is not None and run.strategy_key is not None and run.strategy_key != key and \
+            _param_ids(run.optimizer) != {id(p) for p in run.strategy.parameters()}:
+        run.optimizer = None  # its parameters belong to the old distribution
+        run.scheduler = run.schedule_name = None
+    run.generation, run.strategy_key = st.generation, key
+    _agree_with_rank0(run)  # every rank built it (DDP broadcast rank 0's weights): the same position too
 
 
 def _agree_with_rank0(run) -> None:
@@ -582,7 +574,7 @@ def save_checkpoint(ns, name, directory):
 def restore(ns, name, directory, changes=None):
     """``%dist load``: rebuild the strategy and optimizer the checkpoint was saved with and load it.
 
-    The model must have been sent (install_model) just before. ``changes`` (dict of TrainPlan
+    The model must have been sent (install.install_model) just before. ``changes`` (dict of TrainPlan
     fields) alters the saved plan for this world: ``{"mesh": "2x2"}`` for an fsdp+tensor model
     saved on ``1x2`` (:func:`distnb.meshes.refit`). Returns the checkpoint metadata.
     """

@@ -97,7 +97,7 @@ def check(strategy, when: str) -> None:
         device = tensors[0][1].device
         digests = torch.stack([_digest(t) for _, t in tensors]).to(device)
         both = torch.cat([digests, ~digests])  # max(~d) = ~min(d): the min and the max in one all-reduce
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)  # group device: the parameters' (the rank's)
         high, low = both[:len(tensors)], ~both[len(tensors):]
         differ = (low != high).nonzero().flatten().tolist()
         if differ:
@@ -109,7 +109,7 @@ def _describe(group, name, local, digest, num_differ, when) -> str:
     """The error for tensor ``name``: which ranks' copies differ from the majority's, and by how much (collectives)."""
     members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     gathered = [torch.empty_like(digest.reshape(1)) for _ in members]
-    dist.all_gather(gathered, digest.reshape(1), group=group)
+    dist.all_gather(gathered, digest.reshape(1), group=group)  # group device: the parameters' (the rank's)
     copies = {}
     for rank, d in zip(members, gathered):
         copies.setdefault(int(d.item()), []).append(rank)
@@ -119,11 +119,11 @@ def _describe(group, name, local, digest, num_differ, when) -> str:
     majority = 2 * len(reference) > len(members)
     source = torch.empty_like(local)
     source.copy_(local)
-    dist.broadcast(source, src=min(reference), group=group)
+    dist.broadcast(source, src=min(reference), group=group)  # group device: the parameter's own
     diff = (local.detach().double() - source.double()).abs().max().reshape(1) if local.numel() else \
         torch.zeros(1, dtype=torch.float64, device=local.device)
     diffs = [torch.empty_like(diff) for _ in members]
-    dist.all_gather(diffs, diff, group=group)
+    dist.all_gather(diffs, diff, group=group)  # group device: the parameter's own
     largest = max(float(d.item()) for d in diffs)
     odd = sorted(r for ranks in copies.values() if ranks is not reference for r in ranks)
     who = (f"rank {odd[0]}'s copy differs" if len(odd) == 1 else

@@ -16,8 +16,9 @@ import sys
 import time
 import traceback
 
+from .. import gpus
 from ..net import interface_of, is_loopback, loopback_interface, route_address
-from . import abort, binding
+from . import abort, binding, health, ncclfail
 
 
 class _State:
@@ -29,6 +30,7 @@ class _State:
     timeout = 60.0
     generation = 0  # bumps every time a process group is formed
     broken = False  # a collective failed; the group must be re-formed before use
+    kept = False  # the last %%dist cell failed in its own code and the group was kept (engine/health.py)
     interface = None  # --interface: the network interface rendezvous and gloo use
     node_rank = 0
     host = None  # how errors name this rank's host
@@ -96,7 +98,7 @@ def _init_group(master_addr: str, master_port: int, generation: int = 0) -> None
     if STATE.backend == "nccl":
         import torch
 
-        kwargs["device_id"] = torch.device("cuda", 0)
+        kwargs["device_id"] = STATE.device
     _pin_interface(master_addr)
     timeout = datetime.timedelta(seconds=STATE.timeout)
     base = _group_base(master_addr, master_port, timeout, reuse=generation > 0)
@@ -190,11 +192,15 @@ def _probe_rendezvous(master_addr: str, master_port: int, timeout: float) -> Non
 def setup(ns: dict, rank: int, world_size: int, local_rank: int, backend: str, device_type: str,
           gpu: str | None, num_threads: int, master_addr: str, master_port: int,
           timeout: float, node_rank: int = 0, host: str | None = None, interface: str | None = None,
-          bind_among: int | None = None) -> dict:
+          bind_among: int | None = None, local_world_size: int | None = None) -> dict:
     """Make this engine rank ``rank``: env vars, device, threads, CPU binding, process group.
 
-    Sets RANK, WORLD_SIZE, LOCAL_RANK, NODE_RANK, MASTER_ADDR, MASTER_PORT (and for GPU
-    engines CUDA_VISIBLE_DEVICES=gpu, before torch is imported, so the engine sees one GPU),
+    Sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (``local_world_size``: the ranks on this
+    host), NODE_RANK, MASTER_ADDR, MASTER_PORT (and for GPU engines, before CUDA is initialised,
+    CUDA_VISIBLE_DEVICES with ``gpu`` at position ``local_rank``, :func:`distnb.gpus.layout`: the
+    device is ``cuda:<local_rank>``, as under torchrun, so ``set_device(int(os.environ["LOCAL_RANK"]))``
+    works; an engine its launcher gave one GPU sees it as ``cuda:0``), plus the nccl variables of
+    :data:`distnb.engine.ncclfail.ENV`,
     GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME (``interface``, else the interface that reaches
     ``master_addr``; unless set by the user), and defines ``rank``, ``world_size``,
     ``local_rank``, ``node_rank`` and ``device`` in the engine namespace ``ns``. ``host``
@@ -215,9 +221,14 @@ def setup(ns: dict, rank: int, world_size: int, local_rank: int, backend: str, d
     STATE.node_rank, STATE.interface = node_rank, interface
     STATE.host = host or socket.gethostname()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
-                      NODE_RANK=str(node_rank), OMP_NUM_THREADS=str(num_threads))
+                      LOCAL_WORLD_SIZE=str(local_world_size or 1), NODE_RANK=str(node_rank),
+                      OMP_NUM_THREADS=str(num_threads))
+    index = 0
     if device_type == "cuda" and gpu is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        order, index = gpus.layout(gpus.discover()["gpus"], gpu, local_rank)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(order)
+    if backend == "nccl":
+        ncclfail.set_env(os.environ)
     import torch  # torch._dynamo (DDP needs it) loads meanwhile in the engine's preload thread (ipengine)
 
     torch.set_num_threads(num_threads)
@@ -225,8 +236,8 @@ def setup(ns: dict, rank: int, world_size: int, local_rank: int, backend: str, d
     STATE.rank, STATE.world_size, STATE.local_rank = rank, world_size, local_rank
     STATE.backend, STATE.timeout = backend, float(timeout)
     if device_type == "cuda":
-        torch.cuda.set_device(0)
-        STATE.device = torch.device("cuda", 0)
+        torch.cuda.set_device(index)
+        STATE.device = torch.device("cuda", index)
     else:
         STATE.device = torch.device("cpu")
     try:
@@ -368,22 +379,29 @@ def mark_broken(ns: dict | None = None, announce: bool = True) -> None:
     if dist.is_initialized():
         groups = postmortem.live_groups()  # frames kept for %dist debug: their objects must let go of the group
         drop_captured_group(dist.group.WORLD)
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
+        if STATE.backend == "nccl":  # destroy would finalise: a flush that hangs while a peer is gone or stuck
+            ncclfail.abort_groups()
+        else:
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
         postmortem.free_groups(groups)
     gc.collect()
     abort.bury(backends)
 
 
-def release(ns: dict, drop_store: bool = False) -> None:
+def release(ns: dict, drop_store: bool = False, failed_cell: bool = False) -> None:
     """Called by the kernel on a failed rank: drop what still holds the broken group.
 
     ``drop_store``: rank 0 stops serving the old group's store too (its port is free again, for a
     re-form on the same ``--master-port``); otherwise it serves it until the next group forms, so that
-    ranks still running read which rank failed (:mod:`distnb.engine.abort`).
+    ranks still running read which rank failed (:mod:`distnb.engine.abort`). ``failed_cell``: the
+    kernel saw this rank's cell fail; nothing is done when the rank kept its group (every rank had
+    finished that cell with no collective half-done: :mod:`distnb.engine.health`).
     """
+    if failed_cell and STATE.kept and not STATE.broken:
+        return
     mark_broken(ns)
     if drop_store:
         _forget_store()
@@ -463,7 +481,9 @@ def run_cell(ns: dict, code: str, targets=None, unchecked=False):
 
     postmortem.drop(ns)  # the next cell releases the frames the last failure kept
     own_names(ns)  # a training body's `rank = ...`: this cell reads this rank's again
+    STATE.kept = False
     if targets is not None and STATE.rank not in targets:
+        health.cell_ended(STATE.rank, STATE.world_size)  # its part is done: a failing target may keep the group
         return None
     filename = cell_filename(code, "dist")
     tree = ast.parse(code, filename=filename, mode="exec")
@@ -483,13 +503,19 @@ def run_cell(ns: dict, code: str, targets=None, unchecked=False):
             exec(compile(tree, filename, "exec"), ns)
             if last is not None:
                 value = eval(compile(last, filename, "eval"), ns)
-                return None if value is None else repr(value)
-        return None
+                value = None if value is None else repr(value)
+            else:
+                value = None
+        health.cell_ended(STATE.rank, STATE.world_size)
+        return value
     except BaseException as caught:
         exc = abort.printable(caught)  # formatted below
         postmortem.keep(exc, ns, "%%dist cell")  # its frames stay for %dist debug, until the next cell
         stopped = abort.consequence(exc, STATE.rank)  # another rank failed first: say so, briefly
-        mark_broken(ns)
+        # every rank finished the cell with no collective half-done: the group is kept (engine/health.py)
+        STATE.kept = health.cell_ended(STATE.rank, STATE.world_size, exc)
+        if not STATE.kept:
+            mark_broken(ns)
         if stopped is not None:
             raise stopped from None
         if exc is not caught:

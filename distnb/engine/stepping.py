@@ -303,7 +303,7 @@ def total_norm(params, partitioned: bool, device) -> float:
         else:
             once += g.detach().double().pow(2).sum().to(device)
     if any_sharded and dist.is_initialized():
-        dist.all_reduce(summed)
+        dist.all_reduce(summed)  # group device: `device`, the rank's (the gradients')
     return (summed + once).sqrt()  # a float64 0-d tensor on ``device``: not read here (no GPU sync)
 
 
@@ -544,7 +544,7 @@ class Stepper:
             return
         state = self.scaler._per_optimizer_states[id(self.optimizer)]
         for found in state["found_inf_per_device"].values():
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)  # group device: GradScaler's, the gradients' device
 
     @property
     def last_norm(self) -> float | None:

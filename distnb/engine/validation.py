@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ..plan import BOUND_PREFIX
 from . import shard as sharding
+from .collectives import on_group
 
 
 class _Capture:
@@ -155,6 +156,7 @@ class Validator:
             module.train()
             ns.update(saved)
         if self.data.num_shards > 1:  # ranks with different shards: exact totals over all of them
+            sums = on_group(sums)  # already there unless the rank's device is not the group's
             dist.all_reduce(sums)
             copies = dist.get_world_size() // self.data.num_shards
             if copies > 1:  # the ranks of one shard (a tensor-parallel group) evaluated the same samples

@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .collectives import on_group
+
 #: Strategies whose gradients distnb cannot normalise after the fact, and why (``ctx.num_items`` is refused there).
 UNSUPPORTED = {
     "pipeline": "the pipeline schedule runs the body per microbatch on the last stage only, inside torch's schedule, "
@@ -100,13 +102,14 @@ class ItemCount:
         """
         if self.weighted and self._pending is None and dist.is_initialized() and world_size > 1:
             flags = self._flags()
-            self._pending = (dist.all_reduce(flags, async_op=True), flags)
+            self._pending = (dist.all_reduce(flags, async_op=True), flags)  # group device: _flags() puts them there
 
     def _flags(self) -> torch.Tensor:
         def scalar(n):
             return torch.tensor(float(n), dtype=torch.float64, device=self.device)
 
-        return torch.stack([self.items, scalar(self.set), scalar(self.unset)])
+        flags = torch.stack([self.items, scalar(self.set), scalar(self.unset)])
+        return on_group(flags) if dist.is_initialized() else flags  # gloo on a GPU rank: the CPU
 
     def drop_group(self) -> None:
         """The group was skipped (``--nan skip``): its counts go (a count all-reduce in flight is finished first)."""
@@ -129,7 +132,7 @@ class ItemCount:
         else:
             flags = self._flags()
             if dist.is_initialized() and world_size > 1:
-                dist.all_reduce(flags)
+                dist.all_reduce(flags)  # group device: _flags() puts them there
         if self.weighted is None:
             was_set, was_unset = flags[1:].tolist()  # once per cell: read on the host
             if was_set and was_unset:

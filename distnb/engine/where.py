@@ -32,6 +32,8 @@ import threading
 import time
 import traceback
 
+from . import ncclfail
+
 #: Seconds between two looks at the cell's thread.
 INTERVAL = 0.25
 #: Seconds one look may take before the next watchdog gets a new looker thread (see _Looker).
@@ -67,9 +69,19 @@ def _summary(frame, ddp_backward: bool) -> dict:
     shape = None
     if op is not None and current is not None:
         op, shape = current
+    if op is None and _nccl():  # blocked in a CUDA sync (loss.item()) behind a collective the peers never joined
+        rows = ncclfail.pending()
+        if rows:
+            op = ncclfail.describe(rows[0])
     return dict(state="collective" if op is not None else "running", op=op, shape=shape, note=NOTE.get("text") or arrival.WAITING.get("text"),
                 unchecked=bool(collectives.SUBSET.get("unchecked")), cell_line=cell.lineno if cell else None, cell_code=(cell.line or "").strip() if cell else None,
                 stack=[(f.filename, f.lineno, f.name, (f.line or "").strip()) for f in stack[-STACK_FRAMES:]])
+
+
+def _nccl() -> bool:
+    """Whether this rank's group is nccl's (its collectives run on in the GPU after the Python call returned)."""
+    runtime = sys.modules.get("distnb.engine.runtime")
+    return runtime is not None and runtime.STATE.backend == "nccl"
 
 
 class Watchdog:

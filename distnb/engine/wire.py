@@ -49,13 +49,24 @@ _ARENAS = segments.Arenas()
 
 
 def describe(t: torch.Tensor) -> tuple:
-    """The description of a tensor: (dtype name, shape tuple, requires_grad, is_param)."""
-    return (str(t.dtype).removeprefix("torch."), tuple(t.shape), bool(t.requires_grad),
+    """The description of a tensor: (dtype name, shape tuple, requires_grad, is_param), plus ``True`` for a
+    tensor on the meta device (its shape only travels: :func:`to_buffer` gives no bytes)."""
+    desc = (str(t.dtype).removeprefix("torch."), tuple(t.shape), bool(t.requires_grad),
             isinstance(t, torch.nn.Parameter))
+    return desc + (True,) if t.is_meta else desc
+
+
+def is_meta_desc(desc) -> bool:
+    """Whether :func:`describe` said the tensor was on the meta device (no data travels)."""
+    return len(desc) > 4 and bool(desc[4])
 
 
 def to_buffer(t: torch.Tensor):
-    """A flat uint8 numpy view of ``t``'s bytes (a copy only if t is on a GPU or not contiguous)."""
+    """A flat uint8 numpy view of ``t``'s bytes (a copy only if t is on a GPU or not contiguous; none for meta)."""
+    if t.is_meta:
+        import numpy as np
+
+        return np.empty(0, dtype=np.uint8)
     flat = t.detach().to("cpu").contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy()
 
@@ -77,6 +88,8 @@ def from_buffer(desc: tuple, buf, copy: bool = True) -> torch.Tensor:
     use that for tensors that are read, never written.
     """
     dtype, shape = getattr(torch, desc[0]), desc[1]
+    if is_meta_desc(desc):
+        return _finish(torch.empty(shape, dtype=dtype, device="meta"), desc)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only zmq buffers
         raw = torch.frombuffer(buf, dtype=torch.uint8) if len(memoryview(buf).cast("B")) else torch.empty(0, dtype=torch.uint8)
@@ -331,13 +344,18 @@ def read_shm(ref: ShmRef, descs, mapped: bool = False) -> list:
     total = ref.extent
     if mapped:
         owner = segments.borrow(ref.path, total).numpy()
-        return [_finish(_own(owner, off, d), d) for d, off in zip(descs, ref.offsets)]
+        return [_meta(d) if is_meta_desc(d) else _finish(_own(owner, off, d), d) for d, off in zip(descs, ref.offsets)]
     src, dst = segments_view(ref), _ARENAS.take(total)
     for off, n in zip(ref.offsets, ref.sizes):
         if n:
             dst[off:off + n].copy_(src[off:off + n])
     owner = dst.numpy()
-    return [_finish(_own(owner, off, d), d) for d, off in zip(descs, ref.offsets)]
+    return [_meta(d) if is_meta_desc(d) else _finish(_own(owner, off, d), d) for d, off in zip(descs, ref.offsets)]
+
+
+def _meta(desc):
+    """The meta tensor ``desc`` describes (:func:`is_meta_desc`)."""
+    return from_buffer(desc, b"")
 
 
 def offer(outbox) -> None:

@@ -157,7 +157,8 @@ def test_status_says_how_a_dead_rank_died_and_the_fix(shell, capsys):
     assert f"rank 1 died (its engine process, pid {pid}): killed by SIGKILL" in table.title
     assert "Run %dist restart -n 2 (session.restart(n=2)) for a fresh world of 2 ranks" in table.title
     assert "%dist scale 1 (session.scale(1)) to go on without it" in table.title
-    assert "killed by SIGKILL" in table.text().splitlines()[-1] and "<th>died</th>" in table._repr_html_()
+    last_row = table.text().splitlines()[-1 - len(table.notes)]  # the notes (carried settings) follow the rows
+    assert "killed by SIGKILL" in last_row and "<th>died</th>" in table._repr_html_()
     capsys.readouterr()
     nxt = run(shell, CELL.replace("--batch-size 8", "--batch-size 16"))  # a new layout: said when a cell starts
     assert isinstance(nxt.error_in_exec, ClusterError) and "killed by SIGKILL" in str(nxt.error_in_exec)

@@ -35,7 +35,7 @@ import numbers
 import torch
 
 from ...plan import STRATEGIES
-from .. import compiling
+from .. import compiling, materialize
 
 
 class StrategyError(ValueError):
@@ -79,6 +79,9 @@ class Strategy:
     #: True: plain (non-DTensor) gradients of different ranks belong to different parameters
     #: (pipeline stages): the total gradient norm adds them over the ranks.
     grads_partitioned = False
+    #: True: the strategy can split a meta-device module, and this rank then materialises only its part
+    #: (:mod:`distnb.engine.materialize`); False: every rank holds the whole model (ddp, ps).
+    shards_first = False
     #: With --compile: dynamo's figures when the model was compiled (:func:`distnb.engine.compiling.snapshot`).
     compiled_since = None
 
@@ -113,6 +116,13 @@ class Strategy:
         return world_size if cls.data_parallel else 1
 
     # rank side -------------------------------------------------------------------
+    def keeps(self, name: str) -> bool:
+        """Whether this rank holds (part of) the parameter or buffer ``name`` (all of them by default)."""
+        return True
+
+    def placed(self) -> None:
+        """Called once a module split on the meta device has this rank's tensors (materialised in place)."""
+
     def parameters(self):
         """The parameters this rank's optimizer updates."""
         return self.module.parameters()
@@ -169,7 +179,7 @@ class Strategy:
             return
         for buf in self.module.buffers():
             if buf.device.type != "meta" and not hasattr(buf, "to_local"):  # a DTensor buffer is the mesh's
-                dist.broadcast(buf, src=0)
+                dist.broadcast(buf, src=0)  # group device: the module's buffers, on the rank's device
 
     def full_state(self):
         """The whole model's state as :func:`~distnb.engine.stateout.flatten_state` on rank 0, None elsewhere.
@@ -304,9 +314,22 @@ def strategy_class(name: str) -> type:
     return module.STRATEGY
 
 
-def build(module, plan, device, ns) -> Strategy:
-    """Distribute ``module`` (already on ``device``) for ``plan.strategy`` on this rank (then compile it)."""
-    strategy = strategy_class(plan.strategy)(module, plan, device, ns)
+def build(module, plan, device, ns, pending=None) -> Strategy:
+    """Distribute ``module`` for ``plan.strategy`` on this rank (then compile it).
+
+    ``module`` is on ``device``, or, with ``pending`` (:class:`distnb.engine.materialize.Pending`), its
+    structure on the meta device: a strategy that shards (:attr:`Strategy.shards_first`) then splits
+    it as it is and only this rank's part is materialised; the others get the whole model first.
+    """
+    cls = strategy_class(plan.strategy)
+    init = materialize.init_function(ns, plan) if pending is not None else None
+    if pending is not None and not cls.shards_first:
+        materialize.materialize(pending, module, device, None, init)
+        pending = None
+    strategy = cls(module, plan, device, ns)
+    if pending is not None:
+        materialize.materialize(pending, module, device, strategy.keeps, init)
+        strategy.placed()
     if getattr(plan, "compile", False):
         compiling.fresh()
         strategy.compiled_since = compiling.snapshot()  # what dynamo did for this model is counted from here

@@ -137,6 +137,7 @@ class FSDP(Strategy):
     name = "fsdp"
     data_parallel = True
     wraps_model = False  # fully_shard changes the module in place: calling it directly is right
+    shards_first = True  # split on the meta device, then this rank materialises its part
 
     def __init__(self, module, plan, device, ns):
         import torch.distributed as dist

@@ -84,6 +84,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import wire
+from ..collectives import group_device, on_group
 from . import Strategy, StrategyError, check_loss, tensor_bytes
 from .pipeline_split import is_plain_sequential, num_microbatches, split_points, tensor_owners
 from .pipeline_trace import check_first_stage_inputs, meta_copy, output_structure, plain_tensors, restructure
@@ -182,6 +183,7 @@ class Pipeline(Strategy):
     data_parallel = False
     supports_loop = False
     grads_partitioned = True
+    shards_first = True  # split on the meta device, then this rank materialises its part
 
     # kernel side ---------------------------------------------------------------------
     @classmethod
@@ -238,6 +240,13 @@ class Pipeline(Strategy):
         # this stage's parameters, and those held directly by modules spanning stages (they go to
         # whichever stage the trace puts them in; elsewhere they get no gradient and stay unchanged)
         self._params = [p for name, p in module.named_parameters() if self.owners.get(name) in (self.rank, None)]
+
+    def keeps(self, name: str) -> bool:
+        """This stage's tensors and those of modules spanning stages (every rank holds those)."""
+        return self.owners.get(name) in (self.rank, None)
+
+    def placed(self) -> None:
+        self._params = [p for name, p in self.module.named_parameters() if self.owners.get(name) in (self.rank, None)]
 
     def parameters(self):
         return iter(self._params)
@@ -425,9 +434,9 @@ class Pipeline(Strategy):
             raise
         finally:
             ns["batch"], ns["model"] = batch, self.model
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        total = torch.zeros((), dtype=torch.float64, device=group_device())
         if last:
-            total = torch.stack(self._mb.losses).sum().to(self.device)
+            total = on_group(torch.stack(self._mb.losses).sum().double())
         self._mb = None
         dist.broadcast(total, src=self.world_size - 1)
         value = total.item()
@@ -475,7 +484,7 @@ class Pipeline(Strategy):
             self._mb = None
             ns.update(saved)
             ns["model"] = self.model
-        sums = sums.to(self.device)
+        sums = on_group(sums)
         dist.broadcast(sums, src=self.world_size - 1)
         return sums.cpu()
 

@@ -302,6 +302,7 @@ class ParameterServer(Strategy):
         k, group = self.num_servers, self.group
         t0 = time.perf_counter()
         bufs = [self._pack(s, header=False) for s in range(k)]
+        # group device: _pack's buffers are on COMM_DEVICE, the CPU of ps's gloo group
         for work in [dist.reduce(bufs[s], dst=s, op=dist.ReduceOp.SUM, group=group, async_op=True)
                      for s in range(k)]:
             work.wait()
@@ -362,7 +363,7 @@ class ParameterServer(Strategy):
                         for m in self.masters:
                             m.grad = None
                     values = self._flat(self.masters)
-                group.send([values], worker, PARAMS_TAG).wait()
+                group.send([values], worker, PARAMS_TAG).wait()  # group device: COMM_DEVICE (_flat)
         except BaseException as exc:  # the group failed: a peer's process group was torn down
             self._thread_errors.append(_without_frames(exc))
 
@@ -381,7 +382,7 @@ class ParameterServer(Strategy):
                 continue
             buf = self._pack(s, header=True)
             reply = torch.empty(self.numels[s], dtype=self.dtype, device=COMM_DEVICE)
-            send = dist.isend(buf, dst=s, group=self.group, tag=GRAD_TAG)
+            send = dist.isend(buf, dst=s, group=self.group, tag=GRAD_TAG)  # group device: COMM_DEVICE (_pack)
             recv = dist.irecv(reply, src=s, group=self.group, tag=PARAMS_TAG)
             self._pending[s].append((buf, send, reply, recv))
         t0 = time.perf_counter()

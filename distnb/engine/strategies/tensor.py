@@ -226,6 +226,7 @@ class Tensor(VerifiedPlan, DefaultPlanHint, Strategy):
     """
 
     name = "tensor"
+    shards_first = True  # split on the meta device, then this rank materialises its part
     data_parallel = False
     replicas = True  # the layers it leaves whole (and Replicate parameters) are copies every rank must keep equal
     wraps_model = False  # parallelize_module changes the module in place

@@ -53,12 +53,16 @@ from collections.abc import Mapping
 
 import torch
 
+from ..collectives import group_device
 from . import StrategyError
 from .fsdp import used_outside
 
 #: (rtol, atol) per output dtype: |split - whole| <= rtol * max|whole| + atol. Splitting changes
 #: only the order of sums (float32: about 1e-7 relative); a non-elementwise op between a pair
 #: changes the output by about 1e-2 relative or more.
+#: Above this many bytes of parameters and buffers a tensor plan is not verified (the check holds the whole
+#: model on every rank once, and a model split because it is big may not fit whole).
+VERIFY_MAX_BYTES = 256 << 20
 RTOL = {torch.float64: (1e-7, 1e-12), torch.float32: (1e-3, 1e-6), torch.bfloat16: (2e-2, 1e-3),
         torch.float16: (2e-2, 1e-3)}
 #: Verdicts, ordered by severity (the ranks agree on the largest).
@@ -165,7 +169,7 @@ def agree(verdict: int, worst: float, rows: list[int], device) -> tuple[int, flo
     """Every rank's largest verdict, difference and per-row-layer flags (one all_reduce MAX)."""
     import torch.distributed as dist
 
-    flags = torch.tensor([float(verdict), worst, *map(float, rows)], dtype=torch.float64, device=device)
+    flags = torch.tensor([float(verdict), worst, *map(float, rows)], dtype=torch.float64, device=group_device())
     dist.all_reduce(flags, op=dist.ReduceOp.MAX)
     values = flags.cpu().tolist()
     return int(values[0]), values[1], [int(v) for v in values[2:]]
@@ -185,9 +189,33 @@ class VerifiedPlan:
 
         ``label``: how errors name the plan (``--tp-plan NAME``, ``tensor plan``); ``plan_text``:
         what it splits (one line); ``pairs``: the default plan's (column-wise, row-wise) names.
+
+        A model above :data:`VERIFY_MAX_BYTES` is not checked (the check holds it whole on every
+        rank, which a model split because it is big may not afford); rank 0 says so.
         """
+        size = sum(t.numel() * t.element_size() for t in module.state_dict().values())
+        if size > VERIFY_MAX_BYTES:
+            import torch.distributed as dist
+
+            if dist.get_rank() == 0:
+                print(f"distnb: {label} is not verified against the whole model ({size / 2**20:.0f} MiB: the check "
+                      f"would hold all of it on every rank, more than {VERIFY_MAX_BYTES >> 20} MiB); verify it on a "
+                      "smaller configuration of the same model", flush=True)
+            return
         self._probe = [skeleton(module), None]
         self._words = (label, plan_text, {row: col for col, row in pairs})
+
+    def placed(self) -> None:
+        """The module was split on the meta device: the copy takes the buffers outside the state dict now placed."""
+        if self._probe is None:
+            return
+        whole = self._probe[0]
+        for name, mod in whole.named_modules():
+            for key in mod._non_persistent_buffers_set:
+                if mod._buffers.get(key) is not None and mod._buffers[key].is_meta and _has(self.module, name):
+                    live = self.module.get_submodule(name)._buffers.get(key)
+                    if live is not None and not live.is_meta:
+                        mod._buffers[key] = live.detach().clone()
 
     def watch(self) -> None:
         """Put the check on the first call of ``self.model`` (again after ``--compile`` replaced it)."""

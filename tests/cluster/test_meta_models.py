@@ -1,0 +1,197 @@
+"""Models built on the meta device in the notebook, on the real 2-rank cluster (engine/materialize.py).
+
+The ranks receive the structure only, materialise what they hold and initialise it module by module
+from the notebook's generator state: the weights must equal a one-process build after the same
+``torch.manual_seed`` (to 1e-6), and training must then equal one process trained on the same batches.
+"""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distnb.errors import PlanError
+from support.data import parity_data
+from support.reference import reference
+
+BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
+SEED = 7
+
+
+def make():
+    return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def built(meta: bool):
+    torch.manual_seed(SEED)
+    if not meta:
+        return make()
+    with torch.device("meta"):
+        return make()
+
+
+# every rank: its tensors as full ones (a collective for DTensors), leaving out those it does not hold
+PULL = """
+import torch
+from torch.distributed.tensor import DTensor
+_held = {{n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+          for n, t in {name}.state_dict(keep_vars=True).items()}}
+_held = {{n: t for n, t in _held.items() if not t.is_meta}}
+"""
+
+
+def ranks_weights(dist_session, name):
+    """The model's full weights as the ranks hold them (a pipeline stage gives its own)."""
+    dist_session.run(PULL.format(name=name))
+    merged = {}
+    for held in dist_session.pull("_held"):
+        for key, t in held.items():
+            if key in merged:
+                assert torch.equal(merged[key], t), f"{key} differs between ranks"
+            merged[key] = t
+    return merged
+
+
+def assert_weights(got, ref, atol=1e-6):
+    want = ref.state_dict()
+    assert set(got) == set(want)
+    for key, t in want.items():
+        torch.testing.assert_close(got[key], t, atol=atol, rtol=0, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "tensor", "pipeline", "ddp", "fsdp+tensor"])
+def test_meta_model_is_initialised_as_one_process_builds_it(dist_session, shell, capsys, strategy):
+    ns = shell.user_ns
+    name = f"meta_{strategy.replace('+', '_')}"
+    ns["meta_data"], ns["F"] = parity_data(), F
+    ref = built(meta=False)
+    ns[name] = built(meta=True)
+    opts = dict(mesh="1x2") if strategy == "fsdp+tensor" else {}
+    dist_session.train(BODY, model=name, data="meta_data", epochs=1, batch_size=16, optimizer="sgd", lr=0.0, seed=4,
+                       strategy=strategy, progress="none", **opts)
+    out = capsys.readouterr().out
+    assert f"{name} is on the meta device in the notebook, so its weights stay on the ranks" in out
+    assert all(p.is_meta for p in ns[name].parameters())  # the notebook's model stays on meta
+    assert_weights(ranks_weights(dist_session, name), ref)
+
+
+def test_meta_model_trains_under_fsdp_as_one_process(dist_session, shell):
+    ns = shell.user_ns
+    ns["meta_data"], ns["F"] = parity_data(), F
+    ref = built(meta=False)
+    ns["meta_train"] = built(meta=True)
+    dist_session.train(BODY, model="meta_train", data="meta_data", epochs=2, batch_size=16, optimizer="sgd", lr=0.1,
+                       seed=4, strategy="fsdp", progress="none", quiet=True)
+    reference(ref, ns["meta_data"], num_shards=2, batch_size=16, epochs=2, seed=4, optimizer=torch.optim.SGD, lr=0.1)
+    assert_weights(ranks_weights(dist_session, "meta_train"), ref, atol=1e-5)
+    # the next cell goes on with the live model: nothing is sent again, training continues
+    r = dist_session.train(BODY, model="meta_train", data="meta_data", epochs=1, batch_size=16, seed=4,
+                           strategy="fsdp", progress="none", quiet=True)
+    assert r.epochs == [2]
+    reference(ref, ns["meta_data"], num_shards=2, batch_size=16, epochs=1, seed=4, optimizer=torch.optim.SGD, lr=0.1,
+              first_epoch=2)
+    assert_weights(ranks_weights(dist_session, "meta_train"), ref, atol=1e-5)
+
+
+# defined in the notebook (__main__), so that they travel to the ranks by value
+NOTEBOOK = """
+import torch
+import torch.nn as nn
+
+class Scale(nn.Module):
+    \"\"\"A module holding a parameter of its own, without reset_parameters.\"\"\"
+
+    def __init__(self, n):
+        super().__init__()
+        self.gain = nn.Parameter(torch.empty(n))
+
+    def forward(self, x):
+        return x * self.gain
+
+def init_weights(module):
+    \"\"\"An --init function: every module's own tensors.\"\"\"
+    if isinstance(module, nn.Linear):
+        nn.init.normal_(module.weight, std=0.1)
+        nn.init.zeros_(module.bias)
+    elif isinstance(module, Scale):
+        nn.init.uniform_(module.gain, 0.5, 1.5)
+"""
+
+
+def notebook_defs(shell):
+    assert shell.run_cell(NOTEBOOK).success
+    return shell.user_ns["Scale"], shell.user_ns["init_weights"]
+
+
+def test_a_module_without_reset_parameters_is_named_before_anything_is_sent(dist_session, shell):
+    ns = shell.user_ns
+    ns["meta_data"], ns["F"] = parity_data(), F
+    Scale, _ = notebook_defs(shell)
+    with torch.device("meta"):
+        ns["meta_noreset"] = nn.Sequential(nn.Linear(12, 8), Scale(8), nn.Linear(8, 3))
+    with pytest.raises(PlanError, match=r"its module 1 \(Scale\) has no reset_parameters\(\).*--init FN"):
+        dist_session.train(BODY, model="meta_noreset", data="meta_data", epochs=1, batch_size=16,
+                           strategy="fsdp", progress="none", quiet=True)
+    assert "meta_noreset" not in dist_session.holdings.models
+
+
+def test_init_function_initialises_every_module_as_one_process(dist_session, shell):
+    ns = shell.user_ns
+    ns["meta_data"], ns["F"] = parity_data(), F
+    Scale, init_weights = notebook_defs(shell)
+    torch.manual_seed(SEED)
+    with torch.device("meta"):
+        ref = nn.Sequential(nn.Linear(12, 8), Scale(8), nn.Linear(8, 3))
+    ref.to_empty(device="cpu")
+    for module in ref.modules():  # what --init does: each module holding tensors itself, in named_modules() order
+        if list(module.parameters(recurse=False)) or list(module.buffers(recurse=False)):
+            init_weights(module)
+    torch.manual_seed(SEED)  # the ranks start from the generator's state when the cell sends the model
+    with torch.device("meta"):
+        ns["meta_init"] = nn.Sequential(nn.Linear(12, 8), Scale(8), nn.Linear(8, 3))
+    dist_session.train(BODY, model="meta_init", data="meta_data", epochs=1, batch_size=16, optimizer="sgd", lr=0.0,
+                       seed=4, strategy="fsdp", init="init_weights", progress="none", quiet=True)
+    assert_weights(ranks_weights(dist_session, "meta_init"), ref)
+
+
+@pytest.mark.parametrize("strategy,need", [("ddp", r"each rank would need 4\d\.\d\d GiB for the whole model"),
+                                           ("fsdp", r"each rank would need 66\.\d\d GiB for 1/2 of the model "
+                                                    r"\(22\.\d\d GiB\) "
+                                                    r"plus its largest FSDP unit \(44\.\d\d GiB\)")])
+def test_a_meta_model_too_big_for_the_ranks_is_refused_before_anything_is_sent(dist_session, shell, strategy, need):
+    ns = shell.user_ns
+    ns["meta_data"], ns["F"] = parity_data(), F
+    with torch.device("meta"):  # 44 GiB of fp32: more than this machine has, held by no one
+        ns["meta_huge"] = nn.Sequential(nn.Linear(12, 109_000), nn.Linear(109_000, 109_000), nn.Linear(109_000, 3))
+    with pytest.raises(PlanError, match=rf"--strategy {strategy} cannot fit meta_huge .*{need}.*rank 0 has"):
+        dist_session.train(BODY, model="meta_huge", data="meta_data", epochs=1, batch_size=16, strategy=strategy,
+                           progress="none", quiet=True)
+    assert "meta_huge" not in dist_session.holdings.models
+
+
+def test_a_big_tensor_parallel_meta_model_trains_without_the_whole_model_check(dist_session, shell, capsys):
+    ns = shell.user_ns
+    ns["F"] = F
+    ns["big_tp_data"] = torch.utils.data.TensorDataset(torch.randn(8, 4096))
+    torch.manual_seed(0)
+    with torch.device("meta"):  # 256 MiB and a bit: the plan check would hold all of it on every rank
+        ns["big_tp"] = nn.Sequential(nn.Linear(4096, 8192), nn.ReLU(), nn.Linear(8192, 4096))
+    r = dist_session.train("loss = model(batch[0]).pow(2).mean()", model="big_tp", data="big_tp_data", epochs=1,
+                           batch_size=4, optimizer="sgd", lr=1e-3, strategy="tensor", progress="none", quiet=True)
+    out = capsys.readouterr().out
+    assert "tensor plan is not verified against the whole model (256 MiB" in out
+    assert [row["steps"] for row in r.rows] == [2, 2]
+    half = (4096 * 8192 * 2 * 4 + 8192 * 4) // 2  # each rank: half of both weights and of the first bias
+    assert [row["sharded_param_bytes"] for row in r.rows] == [half, half]
+
+
+def test_a_meta_model_sent_again_says_its_trained_weights_are_not_carried(dist_session, shell, capsys):
+    ns = shell.user_ns
+    ns["meta_data"], ns["F"] = parity_data(), F
+    ns["meta_again"] = built(meta=True)
+    opts = dict(data="meta_data", epochs=1, batch_size=16, optimizer="sgd", lr=0.1, seed=4, progress="none")
+    dist_session.train(BODY, model="meta_again", strategy="fsdp", **opts)
+    capsys.readouterr()
+    dist_session.train(BODY, model="meta_again", strategy="ddp", **opts)  # another strategy: sent again
+    out = capsys.readouterr().out
+    assert "meta_again is on the meta device in the notebook, so sending it again initialises it afresh" in out
