@@ -510,7 +510,8 @@ class Pipeline(Strategy):
         if self.rank != 0:
             for key, src in plan[0]:
                 if src == self.rank:
-                    dist.send(mine[key].detach().contiguous(), dst=0)
+                    tensor = on_group(mine[key].detach().contiguous())
+                    dist.send(tensor, dst=0)
             return None
         reference = self.module.state_dict(keep_vars=True)
         entries = []
@@ -539,11 +540,12 @@ class Pipeline(Strategy):
         return plan
 
     def _receive(self, src: int, dst: torch.Tensor) -> None:
-        """Rank 0: receive a tensor from rank ``src`` into ``dst`` (CPU, in the outbox); through the device on nccl."""
-        if self.device.type == "cpu":
-            dist.recv(dst, src=src)
+        """Rank 0: receive a tensor from rank ``src`` into ``dst`` (CPU, in the outbox); through the group's
+        device when that is not the CPU (nccl)."""
+        if group_device().type == "cpu":
+            dist.recv(dst, src=src)  # group device: the CPU (gloo), checked on the line above
             return
-        staging = torch.empty(dst.shape, dtype=dst.dtype, device=self.device)
+        staging = torch.empty(dst.shape, dtype=dst.dtype, device=group_device())
         dist.recv(staging, src=src)
         dst.copy_(staging)
 
