@@ -30,6 +30,7 @@ NET = "distnb.net"
 POSTMORTEM = "distnb.engine.postmortem"
 ELASTIC = "distnb.engine.elastic"
 PULLTENSOR = "distnb.engine.pulltensor"
+RESTROWS = "distnb.engine.restrows"
 MATERIALIZE = "distnb.engine.materialize"
 INSTALL = "distnb.engine.install"
 VALPARTS = "distnb.engine.valparts"
@@ -114,6 +115,15 @@ def resize(rank, world_size, num_threads, master_addr, master_port, local_rank=N
 
 @_on_rank(ELASTIC, with_ns=True)
 def share(names, old_world, defined=True): ...
+
+
+# engine/restrows.py: the rest of an epoch a resize left in the middle ---------------------------
+@_on_rank(RESTROWS)
+def trails(): ...
+
+
+@_on_rank(RESTROWS)
+def install_rest(name, key, descs, *buffers): ...
 
 
 # engine/postmortem.py: %dist debug, pdb on a failed rank's kept traceback --------------------

@@ -61,6 +61,7 @@ class Cell:
     model_ref: object = None  # weakref to the notebook's model (a cell that went on with the ranks' live one exports it)
     model_fp: object = None  # its fingerprint when that cell ended (or %dist load put a checkpoint into it)
     model_since: str = "the training cell ran"  # what model_fp was taken after, for the "changed" error
+    batch_rewrite: dict | None = None  # %dist scale --keep-global-batch's rewrite of the cell's batch options
     epoch_losses: list = field(default_factory=list)
     not_kept: str = ""  # why a model sent fresh had its starting weights left uncopied (too large)
     names_fp: dict = field(default_factory=dict)  # each name's fingerprint at the cell (its globals, for a function)
@@ -100,7 +101,9 @@ def capture(session, plan, code, model_obj, data_obj, reserved=(), fresh=True) -
     Never raises: a cell that cannot be captured trains as usual, and exporting it says why not.
     """
     try:
-        return _capture(session, plan, code, model_obj, data_obj, reserved, fresh)
+        cell = _capture(session, plan, code, model_obj, data_obj, reserved, fresh)
+        cell.batch_rewrite = getattr(session.holdings, "batch_world", {}).get(None)  # what the ranks got, and why
+        return cell
     except Exception as exc:  # noqa: BLE001 - export is a by-product of the cell: it must not stop it
         return Cell(plan=plan, code=code, model_class=type(model_obj), model_packed=None, model_repr="",
                     classes=[], data_obj=None, data_path="", data_fp=None, val_obj=None, val_fp=None, names={},
@@ -444,6 +447,7 @@ def contents(cell: Cell, directory: str, nodes=None, per_node=None) -> dict:
     options = dict(exported=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), cell_ran=cell.when,
                    plan=dict(plan, checkpoint_dir=None, report_interval=1.0), data=data, val_data=val,
                    names=sorted(cell.names), start=cell.start, cell=dict(cell.cluster, epoch_losses=cell.epoch_losses),
+                   keep_global_batch=cell.batch_rewrite,
                    launch=dict(nodes=nodes, nproc_per_node=per_node, command=launch))
     files["options.json"] = (json.dumps(options, indent=1) + "\n").encode()
     files["train.py"] = train_script(cell, cli_line(plan), launch).encode()
@@ -492,6 +496,13 @@ def write(directory: str, force: bool = False, nodes=None, nproc_per_node=None, 
         print(f"distnb: exported the %%distrain cell of {cell.when} (--model {plan.model} --data {plan.data}, "
               f"{plan.strategy} on {count(cell.cluster['world_size'], 'rank')}, {count(plan.epochs, 'epoch')}) to "
               f"{directory}: {', '.join(sorted(files))}. Run it there: {launch}, or sbatch job.sbatch{_on_path()}")
+        if cell.batch_rewrite:
+            b = cell.batch_rewrite
+            print(f"distnb: the job trains --batch-size {b['trained'][0]} --accumulate {b['trained'][1]} per rank on "
+                  f"{count(b['world'], 'rank')}, as the cell did, not the cell's own --batch-size {b['written'][0]} "
+                  f"--accumulate {b['written'][1]}: those were written for {count(b['written_for'], 'rank')}, and "
+                  f"%dist scale --keep-global-batch kept their global batch {b['global_batch']} (options.json: "
+                  "keep_global_batch)")
         print("distnb: " + ("it starts from the weights the cell started from with a fresh optimizer, as the cell "
                             "did, so it gives the cell's per-epoch losses" if cell.start["exact"] else
                             cell.start["why"]))

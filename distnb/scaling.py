@@ -18,9 +18,11 @@ shards (the same seeded assignment, :mod:`distnb.engine.shard`); data sets loade
 ranks, and pipeline and ps models, are sent again by the next training cell, which says so.
 
 The global batch (``data-parallel ranks x --batch-size x --accumulate``) changes with the
-world unless ``keep_global_batch``: then the batch options of the following cells are read
-as written for the world before the scale, and each cell trains the per-rank batch (or
-accumulation) that keeps that global batch, and says so (:func:`batch_for_world`).
+world unless ``keep_global_batch``: then the batch options of the following cells of the models
+live at the scale are read as written for the world before it, and each such cell trains the
+per-rank batch (or accumulation) that keeps that global batch, and says so (:func:`batch_for_world`);
+a later scale without the flag (the same size too) ends it. An epoch left in the middle goes on with
+exactly the samples it has not trained (:mod:`distnb.engine.epochrest`, :mod:`distnb.midepoch`).
 
 Faults: a world with a dead rank that would stay is refused before any engine starts (naming
 the rank, how it died, and ``%dist restart -n N`` or a scale that drops it); an engine that does
@@ -40,7 +42,7 @@ import dataclasses
 import os
 import time
 
-from . import calls, data, meshes, startup
+from . import calls, data, keepbatch, lostshards, meshes, midepoch, startup
 from .display.tables import count
 from .errors import ClusterError, Interrupted, PlanError, RankError
 from .recovery import dead_rank_fix
@@ -59,9 +61,10 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
         CPU engines: 16 per core; GPU engines: one per visible GPU; ssh: per host
         ``--engines-per-node``, else 16 per core or one per GPU of that host).
     keep_global_batch : bool
-        Keep the global batch (samples per optimizer step over all ranks): the following cells'
-        ``--batch-size`` (or ``--accumulate``) is scaled for the new world, and the cell says so.
-        Without it the per-rank batch stays and the global batch changes (the cell says so too).
+        Keep the global batch (samples per optimizer step over all ranks) of the models live now: their
+        following cells' ``--batch-size`` (or ``--accumulate``) is scaled for the new world, and each
+        cell it changes says so; a model made later trains its batch as written. Without it the per-rank
+        batch stays and the global batch changes (the scale says so), and an earlier keeping ends.
     quiet : bool
         Print nothing.
 
@@ -74,7 +77,8 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
         ``resharded`` (fsdp, tensor and fsdp+tensor models resharded through a DCP checkpoint), ``meshes``
         (fsdp+tensor model -> its ``--mesh`` on the new world: the tensor-parallel size kept, ``DP = N / TP``,
         :mod:`distnb.meshes`), ``global_batch`` (before, after) or None when no model has been trained,
-        ``unconfirmed`` (removed ssh engines whose exit their host did not confirm; normally empty),
+        ``unconfirmed`` (removed ssh engines whose exit their host did not confirm; normally empty), ``resumed``
+        (sharded model -> the checkpoint it resumed from, its shards on a dead rank lost: :mod:`distnb.lostshards`),
         ``binding`` (``--cpu-bind``: what changed, ``""``: nothing).
 
     Raises
@@ -86,7 +90,8 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
     BusyError
         A background training run is going on.
     ClusterError
-        A rank the new world (its own size too) keeps is dead (nothing changed, no engine started), the added engines
+        A rank the new world (its own size too) keeps is dead (nothing changed, no engine started), a dead rank held
+        shards of a live sharded model that has no checkpoint to resume from (nothing changed), the added engines
         did not start (over ssh: naming the host) or form the group (the old world is formed again
         and usable), or a rank died while the group re-formed (then run ``%dist restart``).
     Interrupted
@@ -97,15 +102,14 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
     old = cluster.world_size
     _check(cluster, n)  # and that no rank it keeps is dead (before any engine starts or stops; the same size too)
     if n == old:
-        if not quiet:
-            print(f"distnb: the world already has {count(n, 'rank')}; nothing changed")
-        return dict(world_size=(old, n), seconds=0.0, added=[], removed=[], models=[], names=[], defined=[],
-                    unpicklable={}, bytes=0, resharded=[], global_batch=None, meshes={}, binding="")
+        return _same_size(session, n, keep_global_batch, quiet)
     batches = _global_batches(session, old, n, keep_global_batch)
     t0 = time.perf_counter()
     held = session.holdings
     mesh_before = _meshes(held)
-    saved, was_bound = _save_sharded(session, n), startup.bound_here(session.cluster)  # sharded: a DCP checkpoint
+    points = lostshards.resume_points(session, n)  # a dead rank's shards: its newest checkpoint, or refused
+    saved = dict(points) if cluster.dead_ranks() else _save_sharded(session, n)  # sharded: a DCP checkpoint
+    was_bound = startup.bound_here(cluster)
     try:
         if n > old:
             shared = _grow(session, n)
@@ -115,20 +119,27 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
         held.generation += 1
         resharded = _load_sharded(session, saved)
         meshes.carry(held, old, session.world_size)  # fsdp+tensor: the tensor-parallel size kept, DP = N / TP
-    if keep_global_batch:
-        held.batch_world = held.batch_world or old
-    else:
-        held.batch_world = None
+    ended = keepbatch.after_scale(session, old, keep_global_batch)
     dealt = _reassign_data(session, old, n)
     out = dict(world_size=(old, n), seconds=time.perf_counter() - t0, added=list(range(old, n)),
                removed=list(range(n, old)), models=shared.get("models", []), names=shared.get("names", []),
                defined=shared.get("defined", []), unpicklable=shared.get("unpicklable", {}),
                bytes=shared.get("bytes", 0), resharded=resharded, global_batch=batches and batches[:2],
                meshes={m: v for m, v in _meshes(held).items() if v != mesh_before.get(m)},
-               unconfirmed=shared.get("unconfirmed", []), binding=startup.rebinding_note(session.cluster, was_bound))
+               unconfirmed=shared.get("unconfirmed", []), binding=startup.rebinding_note(session.cluster, was_bound),
+               resumed={m: points[m][1]["path"] for m in resharded if m in points})
     if not quiet:
-        _say(session, out, dealt, batches, keep_global_batch)
+        _say(session, out, dealt, batches, keep_global_batch, points, ended)
     return out
+
+
+def _same_size(session, n: int, keep: bool, quiet: bool) -> dict:
+    """``%dist scale N`` at the world's own size: nothing changes, but without the flag ``--keep-global-batch`` ends."""
+    ended = [] if keep else keepbatch.end(session)  # a scale without the flag ends it, as documented
+    if not quiet:
+        print(f"distnb: the world already has {count(n, 'rank')}; nothing changed" + keepbatch.ended_note(ended))
+    return dict(world_size=(n, n), seconds=0.0, added=[], removed=[], models=[], names=[], defined=[],
+                unpicklable={}, bytes=0, resharded=[], global_batch=None, meshes={}, binding="", resumed={})
 
 
 def _check(cluster, n) -> None:
@@ -218,16 +229,22 @@ def _product(dp: int, plan, batch=None, accumulate=None) -> str:
 def batch_for_world(session, given: dict, model: str | None = None) -> dict:
     """A cell's options with ``--batch-size``/``--accumulate`` scaled after ``%dist scale --keep-global-batch``.
 
-    The cell's values are read as written for ``session.holdings.batch_world`` ranks; the
-    returned ones give the same global batch on the running world (and the cell says so).
-    ``model``: the cell's ``--model`` name, whose carried ``--strategy``/``--mesh`` count when the
-    cell does not give them (an fsdp+tensor mesh keeps its tensor-parallel size: DP = ranks / TP).
+    Only for a model live when the world was scaled (the same notebook object, :mod:`distnb.keepbatch`):
+    its cell's values are read as written for the world it had then; the returned ones give the
+    same global batch on the running world, and the cell says so (a brand-new model's are as
+    written). ``model``: the cell's ``--model`` name, whose carried ``--strategy``/``--mesh`` count
+    when the cell does not give them (an fsdp+tensor mesh keeps its tensor-parallel size: DP = ranks / TP).
+    A rewrite is also left under ``holdings.batch_world[None]`` for ``%dist export`` to say.
 
     Raises PlanError when that global batch cannot be split evenly over this world.
     """
-    ref = session.holdings.batch_world
+    held = session.holdings
+    held.batch_world.pop(None, None)
+    if model not in keepbatch.kept_models(session):
+        return given
+    ref = held.batch_world[model][0]
     world = session.world_size
-    if ref is None or ref == world:
+    if ref == world:
         return given
     from .plan import TrainPlan
 
@@ -244,10 +261,13 @@ def batch_for_world(session, given: dict, model: str | None = None) -> dict:
                         f"{count(world, 'rank')}; pick a --batch-size that can, or %dist scale {world} again "
                         "without --keep-global-batch")
     if fitted != (batch, accumulate):
-        print(f"distnb: --keep-global-batch (from %dist scale): global batch {total} kept on {count(world, 'rank')} "
-              f"as --batch-size {fitted[0]}" + (f" --accumulate {fitted[1]}" if fitted[1] > 1 else "")
-              + f" (this cell's --batch-size {batch}" + (f" --accumulate {accumulate}" if accumulate > 1 else "")
-              + f" is for {count(ref, 'rank')})")
+        said = (f"--keep-global-batch (from %dist scale): global batch {total} kept on {count(world, 'rank')} "
+                f"as --batch-size {fitted[0]}" + (f" --accumulate {fitted[1]}" if fitted[1] > 1 else "")
+                + f" (this cell's --batch-size {batch}" + (f" --accumulate {accumulate}" if accumulate > 1 else "")
+                + f" is for {count(ref, 'rank')})")
+        print(f"distnb: {said}")
+        held.batch_world[None] = dict(model=model, written=[batch, accumulate], trained=list(fitted), world=world,
+                                      written_for=ref, global_batch=total, note=said)
     return dict(given, batch_size=fitted[0], accumulate=fitted[1])
 
 
@@ -432,7 +452,7 @@ def _load_sharded(session, saved: dict) -> list:
     folder = saved.pop("_folder", None)
     loaded = []
     try:
-        if folder is None or not session.running:
+        if not saved or not session.running:  # (saved: its own DCP checkpoints, or a lost rank's newest ones)
             return loaded
         n = session.world_size
         for name, (obj, meta) in saved.items():
@@ -473,6 +493,7 @@ def _reassign_data(session, old: int, n: int) -> list:
         if layout is not None:
             held.data[name]["layout"] = layout
         dealt.append(name)
+    midepoch.send(session, dealt)  # an epoch left in the middle: each rank the rows of its part of the rest
     return dealt
 
 
@@ -480,7 +501,15 @@ def _listed(names: list, most: int = 8) -> str:
     return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
-def _say(session, out: dict, dealt: list, batches, keep: bool) -> None:
+def _say(session, out: dict, dealt: list, batches, keep: bool, points: dict, ended: list) -> None:
+    """What the scale did; ``points``: the lost shards' checkpoints (lostshards.py), ``ended``: a keeping ended."""
+    _say_scaled(session, out, dealt, batches, keep)
+    lostshards.say(session, out, points)
+    if ended:
+        print(f"distnb: {keepbatch.ended_note(ended).strip('; ')}")
+
+
+def _say_scaled(session, out: dict, dealt: list, batches, keep: bool) -> None:
     old, n = out["world_size"]
     grew = n > old
     gone = f"rank {n}" if n == old - 1 else f"ranks {n}-{old - 1}"
@@ -507,8 +536,9 @@ def _say(session, out: dict, dealt: list, batches, keep: bool) -> None:
         print(f"distnb: {out['binding']}")
     from .plan import STRATEGIES
 
-    if out["resharded"]:
-        print(f"distnb: {', '.join(out['resharded'])} resharded onto {count(n, 'rank')} through a "
+    resharded = [m for m in out["resharded"] if m not in out["resumed"]]  # (resumed: said by lostshards.say)
+    if resharded:
+        print(f"distnb: {', '.join(resharded)} resharded onto {count(n, 'rank')} through a "
               "torch.distributed.checkpoint (DCP) written by the old world (model, optimizer, lr schedule, epoch "
               "and sampler position)")
     for model, mesh in out["meshes"].items():
@@ -524,8 +554,10 @@ def _say(session, out: dict, dealt: list, batches, keep: bool) -> None:
         plan = meshes.plan_at(session.last_result.plan, old, n)
         if keep:
             kept = _product(_dp(plan, n), plan, batch, accumulate)
-            print(f"distnb: --keep-global-batch: the global batch stays {total} ({kept}): the next cells' "
-                  "--batch-size and --accumulate are scaled to keep it")
+            models = keepbatch.kept_models(session)
+            print(f"distnb: --keep-global-batch: the global batch stays {total} ({kept}): the next cells of "
+                  f"{', '.join(models) or 'the live models'} have their --batch-size and --accumulate scaled to keep "
+                  "it (a new model's are as written; %dist scale without the flag ends it)")
         elif after == total:  # the data-parallel size did not change (pipeline, tensor): nothing to keep
             print(f"distnb: the global batch stays {total} ({_product(_dp(plan, n), plan)}): under --strategy "
                   f"{plan.strategy} the data-parallel size does not change with the world")

@@ -39,14 +39,22 @@ def train_cell(session, code, model, data, run, given):
     from . import training
 
     try:
-        given = scaling.batch_for_world(session, dict(given), model if isinstance(model, str) else None)
-        return training.train_cell(session, code, model, data, run, given)
+        fitted = scaling.batch_for_world(session, dict(given), model if isinstance(model, str) else None)
+        result = training.train_cell(session, code, model, data, run, fitted)  # (a retry fits the cell's own again)
+        plan = getattr(result, "plan", None)  # (a background run's handle has none)
+        if plan is not None:
+            session.holdings.last_plans[plan.model] = (plan, False)
+        return result
     except RankError as exc:
+        if getattr(exc, "plan", None) is not None:  # its --checkpoint-dir: where a lost rank's shards may be
+            session.holdings.last_plans[exc.plan.model] = (exc.plan, True)
         dead = dead_to_drop(session, exc)
         if not dead or getattr(exc, "plan", None) is None:
             raise
         return go_on(session, exc.plan, dead, exc, lambda epochs, changes=None: train_cell(
             session, code, model, data, run, dict(rest_of(given, epochs), **(changes or {}))))
+    finally:
+        session.holdings.batch_world.pop(None, None)  # the cell's rewrite: recorded for %dist export by now
 
 
 def dead_to_drop(session, exc) -> dict:

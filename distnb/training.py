@@ -60,9 +60,11 @@ class Holdings:
     names : set
         Notebook names pushed to the ranks (``%dist push``, a training body's names): ``%dist scale``
         hands them to added ranks.
-    batch_world : int or None
-        After ``%dist scale --keep-global-batch``: the world size the cells' ``--batch-size`` and
-        ``--accumulate`` are written for (:func:`distnb.scaling.batch_for_world`).
+    batch_world : dict
+        After ``%dist scale --keep-global-batch``: model name -> (the world size its cells' ``--batch-size``
+        and ``--accumulate`` are written for, a weak reference to the notebook object that was live then),
+        for the models live at the scale (:func:`distnb.scaling.batch_for_world`); the pending rewrite of
+        the cell running now is under ``None`` (for ``%dist export``).
     generation : int
         Bumps whenever the process group is re-formed.
     """
@@ -76,7 +78,8 @@ class Holdings:
     trained_steps: dict = field(default_factory=dict)
     objects: dict = field(default_factory=dict)
     names: set = field(default_factory=set)
-    batch_world: int | None = None
+    batch_world: dict = field(default_factory=dict)
+    last_plans: dict = field(default_factory=dict)  # model -> (its last cell's plan, whether it failed): lostshards.py
     settings: dict = field(default_factory=dict)  # model name -> its last cell's words on carried options (carried.py)
     resume_steps: tuple = (None, None, None)  # the notebook's and the newest checkpoint's steps, its optimizer
     generation: int = 0

@@ -26,7 +26,7 @@ import shutil
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from . import runtime
+from . import epochrest, runtime
 
 MARKER = "distnb.json"
 #: Complete checkpoints kept per directory (older ones are deleted after a save).
@@ -103,6 +103,7 @@ def save(run, directory: str, plan_dict: dict, data_seed: int) -> dict:
     from .stepping import scheduler_state
 
     meta = dict(path=path, epoch=run.epoch, epoch_step=run.epoch_step, epoch_samples=run.epoch_samples,
+                epoch_data=run.epoch_data, epoch_trail=epochrest.active(run),
                 steps=run.steps, plan=plan_dict, optimizer_steps=run.optimizer_steps, scheduler=scheduler_state(run),
                 data_seed=data_seed, world_size=runtime.STATE.world_size, optimizer=run.optimizer_key,
                 seconds=time.perf_counter() - t0)
@@ -154,10 +155,12 @@ def load(run, meta: dict, ns=None, plan=None, optimizer_state: bool = True) -> N
                            "another directory, or --reset to start from the notebook's weights)") from None
     run.strategy.load_checkpoint_state(run.optimizer, state["model"], state.get("optimizer"))
     run.epoch, run.epoch_step, run.steps = meta["epoch"], meta["epoch_step"], meta["steps"]
-    run.epoch_samples = meta["epoch_samples"]
+    run.epoch_samples, run.epoch_trail = meta["epoch_samples"], meta.get("epoch_trail")
     moved = _position(meta, plan)
+    if meta.get("epoch_data") and (run.epoch_trail or moved):  # the data the position is in (a trail holds to it)
+        run.epoch_data = tuple(meta["epoch_data"])
     if moved is not None:  # another data-parallel size (%dist scale, shrink, restart -n, another strategy)
-        run.epoch_samples, run.epoch_step = moved
+        epochrest.carry(run, *moved, plan=meta["plan"])  # which samples were trained, not how many (epochrest.py)
     run.optimizer_steps = meta.get("optimizer_steps", run.steps)
     if not optimizer_state:
         return
@@ -167,21 +170,19 @@ def load(run, meta: dict, ns=None, plan=None, optimizer_state: bool = True) -> N
 
 
 def _position(meta: dict, now_plan=None):
-    """(epoch_samples, epoch_step) of checkpoint ``meta`` on this world, when its data-parallel size differs; else None.
+    """(data-parallel size saved, now) of checkpoint ``meta`` when it stopped in the middle of an epoch and the
+    two differ; else None.
 
-    ``s`` positions on each of ``D`` data-parallel ranks are ``s * D`` samples of the epoch,
-    ``floor(s * D / D')`` positions on each of ``D'`` (as :func:`distnb.engine.elastic.convert_position`).
-    ``D`` is the saved plan's on the saved world; ``D'`` is ``now_plan``'s (default: the saved
-    plan) on this world (they differ in ``--mesh`` after ``%dist scale`` of an fsdp+tensor model).
+    The saved size is the saved plan's on the saved world; the size now is ``now_plan``'s (default: the
+    saved plan) on this world (they differ in ``--mesh`` after ``%dist scale`` of an fsdp+tensor model).
+    The position then moves as a resize moves it (:func:`distnb.engine.epochrest.carry`).
     """
-    import math
-
     from ..plan import TrainPlan
     from . import strategies
 
     world = runtime.STATE.world_size
     saved = meta.get("world_size") or world
-    if not meta.get("epoch_samples"):
+    if not (meta.get("epoch_samples") or meta.get("epoch_trail")):
         return None
     try:
         plan = TrainPlan.from_dict(meta["plan"])
@@ -189,7 +190,4 @@ def _position(meta: dict, now_plan=None):
         return None
     before = strategies.data_parallel_size(plan, saved)
     now = strategies.data_parallel_size(now_plan or plan, world)  # another world, mesh or strategy
-    if before == now:
-        return None
-    samples = meta["epoch_samples"] * before // now
-    return samples, math.ceil(samples / max(1, plan.batch_size))
+    return None if before == now else (before, now)

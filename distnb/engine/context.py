@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, collectives, compiling, replicas, runtime, stepping, weighting
+from . import checkpoint, collectives, compiling, epochrest, replicas, runtime, stepping, weighting
 from .collectives import group_device
 
 
@@ -304,16 +304,12 @@ class Context:
     @property
     def loader(self):
         skip, self.skip = self.skip, 0
-        # this epoch's batches in this cell (fewer for an epoch resumed in the middle): --accumulate groups them
-        length, size = self._data.epoch_length(self.plan), self.plan.batch_size
-        if length is None:  # a stream: at most --steps-per-epoch, fewer if the streams end first
-            self.epoch_batches, self.epoch_samples = self.steps_per_epoch, None
-        else:
-            left = max(0, length - skip)
-            self.epoch_batches = left // size if self.plan.drop_last else -(-left // size)
-            self.epoch_samples = min(left, self.epoch_batches * size)  # what those batches hold (the last may be short)
+        # this epoch's batches in this cell (fewer for an epoch resumed in the middle, or the rest of one a resize
+        # left: engine/epochrest.py); --accumulate groups them; the samples they hold (the last may be short)
+        self.epoch_batches, self.epoch_samples, batches = epochrest.epoch_batches(
+            self._run, self._data, self.plan, self.epoch, skip, self.device, self.steps_per_epoch)
         self.epoch_done = 0
-        for self._batch_samples, batch in self._data.epoch(self.plan, self.epoch, skip, self.device):
+        for self._batch_samples, batch in batches:
             yield batch
 
     def epochs(self):

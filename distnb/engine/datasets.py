@@ -292,13 +292,16 @@ class Source:
             self._assigned = (plan.seed, sharding.assign(self.num_samples, self.num_shards, plan.seed)[self.index])
         return self._assigned[1][order]
 
-    def epoch(self, plan, epoch: int, skip: int, device):
-        """Yield ``(samples, batch)`` for each step of ``epoch``, ``skip`` samples in; batches on ``device``."""
+    def epoch(self, plan, epoch: int, skip: int, device, batches=None):
+        """Yield ``(samples, batch)`` for each step of ``epoch``, ``skip`` samples in; batches on ``device``.
+
+        ``batches``: the data-set indices of each batch instead (the rest of an epoch, engine/epochrest.py).
+        """
         if self.kind == "stream":
             yield from self._stream(plan, epoch, device)
             return
-        keys = [(epoch, idx.tolist()) for idx in sharding.batches(self.indices(plan, epoch)[skip:], plan.batch_size,
-                                                                   plan.drop_last)]
+        keys = [(epoch, idx.tolist()) for idx in (batches if batches is not None else sharding.batches(
+            self.indices(plan, epoch)[skip:], plan.batch_size, plan.drop_last))]
         loader = self._loader_for(plan, device, epoch)
         loader.batch_sampler.keys = keys
         with _workers_share_cores():

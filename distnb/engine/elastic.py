@@ -13,11 +13,9 @@ process group, a sharded DTensor) is not carried, and the scale names it. Models
 place (fsdp, tensor, pipeline, ps) are not carried here: the kernel reshards them through a
 DCP checkpoint or sends them again from the notebook's weights.
 
-The sampler position (``Run.epoch_samples``, positions of this rank's epoch order consumed)
-is converted to the new world by samples trained: ``s`` positions on each of ``W`` ranks are
-``s * W`` samples of the epoch, which on ``N`` ranks is ``floor(s * W / N)`` positions each.
-An epoch left in the middle thus goes on with the part of it the new shards have not been
-dealt yet counted by size, not by sample (the new world's shards are other samples).
+The sampler position of an unfinished epoch is carried as which samples were trained, not as a
+count (:mod:`distnb.engine.epochrest`): the epoch's layout over the old data shards and the
+positions each took, so the new world finishes the epoch with exactly the samples not trained yet.
 
 Idea: elastic data parallelism (torchelastic, Horovod Elastic) re-forms the group and
 broadcasts rank 0's state to joining workers; those restart the worker processes, here the
@@ -26,14 +24,13 @@ surviving engines and their Python state stay.
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
 import torch.distributed as dist
 
-from ..plan import STRATEGIES
-from . import binding, datasets, loop, runtime, wire
+from ..plan import STRATEGIES, TrainPlan
+from . import binding, datasets, epochrest, loop, runtime, strategies, wire
 from .collectives import group_device, on_group
 
 #: Names distnb binds in every rank's namespace (the rank's identity, a training cell's objects): never the user's.
@@ -80,18 +77,18 @@ def resize(ns: dict, rank: int, world_size: int, num_threads: int, master_addr: 
 
 
 def convert_position(run, old_world: int, new_world: int) -> None:
-    """``run``'s sampler position (samples of the unfinished epoch) from ``old_world`` ranks to ``new_world``."""
-    if not run.epoch_samples or old_world == new_world:
+    """``run``'s sampler position (an unfinished epoch) from ``old_world`` ranks to ``new_world``: which samples
+    were trained, as a trail of the epoch's segments (:func:`distnb.engine.epochrest.carry`)."""
+    if old_world == new_world or not (run.epoch_samples or epochrest.active(run)):
         return
-    back = getattr(run, "scaled_from", None)  # a scale undone at once (a failed grow): the exact position again
-    if back is not None and back[:2] == (new_world, old_world) and back[4:] == (run.epoch_samples, run.steps):
-        run.epoch_samples, run.epoch_step = back[2], back[3]
-        return
-    before = (old_world, new_world, run.epoch_samples, run.epoch_step)
-    run.epoch_samples = run.epoch_samples * old_world // new_world
-    batch = (run.plan_dict or {}).get("batch_size") or 1
-    run.epoch_step = math.ceil(run.epoch_samples / batch)
-    run.scaled_from = before + (run.epoch_samples, run.steps)
+    plan = (run.plan_dict or {})
+    try:
+        before = strategies.data_parallel_size(TrainPlan.from_dict(plan), old_world)
+    except Exception:  # a plan this version cannot read (or none): ranks are the data shards
+        before = old_world
+    after = 1 if before == 1 else before * new_world // old_world  # (tensor, pipeline: 1; a mesh keeps its TP size)
+    source = datasets.SOURCES.get((run.epoch_data or (None,))[0])
+    epochrest.carry(run, before, after, exact=epochrest.exact_for(source) if source is not None else True)
 
 
 def _carried(run) -> bool:
@@ -106,6 +103,7 @@ def _run_state(run) -> dict:
     if run.scheduler is not None:
         scheduler = dict(name=run.schedule_name, total=run.schedule_total, state=run.scheduler.state_dict())
     return dict(module=run.module, epoch=run.epoch, epoch_step=run.epoch_step, epoch_samples=run.epoch_samples,
+                epoch_trail=run.epoch_trail, epoch_data=run.epoch_data,
                 steps=run.steps, optimizer_steps=run.optimizer_steps, plan_dict=run.plan_dict,
                 eager_step_time=run.eager_step_time, cell_first_epoch=run.cell_first_epoch,
                 optimizer_key=run.optimizer_key,
@@ -223,8 +221,8 @@ def _adopt(ns: dict, state: dict) -> None:
         if old is not None and old.strategy is not None:
             old.strategy.close()
         run = loop.Run(module)
-        for key in ("epoch", "epoch_step", "epoch_samples", "steps", "optimizer_steps", "plan_dict",
-                    "eager_step_time", "cell_first_epoch"):
+        for key in ("epoch", "epoch_step", "epoch_samples", "epoch_trail", "epoch_data", "steps", "optimizer_steps",
+                    "plan_dict", "eager_step_time", "cell_first_epoch"):
             setattr(run, key, held[key])
         if held["scaler"] is not None:
             run.scaler = torch.amp.GradScaler(device.type)

@@ -18,7 +18,7 @@ import torch
 
 from ..plan import DEFAULT_LR, STRATEGIES, TrainPlan, optimizer_state_readable, redistribution
 from . import batchnorm, checkpoint, collectives, datasets, postmortem, runtime, shard as sharding, stepping, wire
-from . import abort, binding, hostcopy, precision_check, report, stateout, where
+from . import abort, binding, epochrest, hostcopy, precision_check, report, stateout, where
 from .report import LINGER as RELAY_LINGER, Reporter, host_relay, publish_raw
 from . import strategies
 from .context import Context, StopRequest, _Stopped, agree_on_steps  # noqa: F401 - the cell's ctx and its stop
@@ -102,6 +102,7 @@ class Run:
         self.epoch_step = 0  # steps done in the current (unfinished) epoch
         self.epoch_samples = 0  # positions of this rank's epoch order consumed: the sampler position
         self.epoch_data = None  # (data name, samples) that position is in: other data starts its epoch afresh
+        self.epoch_trail = None  # the epoch's samples trained before a resize (engine/epochrest.py)
         self.steps = self.received_steps = steps  # the global step count of the weights it was received with
         self.plan_dict = None  # the plan it was last trained with (recorded in checkpoints)
         self.forwards = 0  # calls of the strategy wrapper, to catch bodies that bypass it
@@ -283,27 +284,26 @@ def _settle_position(run, plan, data, note: str) -> str:
     end counts the epoch as done.
     """
     data_key = (plan.data, getattr(data, "num_samples", None))
-    if run.epoch_samples and run.epoch_data not in (None, data_key):
+    if (run.epoch_samples or epochrest.active(run)) and run.epoch_data not in (None, data_key):
         run.epoch_step = run.epoch_samples = 0
         note = " ".join(x for x in (note, f"epoch {run.epoch} had stopped partway through other data "
                                     f"({run.epoch_data[0]}); it starts again at the beginning of {plan.data}") if x)
     run.epoch_data = data_key
-    if run.epoch_samples:  # stopped after an epoch's last batch, before its end (or a stream): it is done
-        if _trained_through(run, plan, data.epoch_length(plan) or 0):
-            run.epoch, run.epoch_step, run.epoch_samples = run.epoch + 1, 0, 0
-    return note
+    if _trained_through(run, plan, epochrest.segment_length(run, data, plan) or 0):  # after its last batch: done
+        run.epoch, run.epoch_step, run.epoch_samples = run.epoch + 1, 0, 0
+    return " ".join(x for x in (note, epochrest.note(run, data, plan)) if x)
 
 
 def _trained_through(run, plan, length: int) -> bool:
     """Whether ``run`` stands after the last batch of its epoch of ``length`` samples (its end not run yet)."""
     left = length - run.epoch_samples
-    return bool(run.epoch_samples) and (left <= 0 or (plan.drop_last and left < plan.batch_size))
+    return bool(run.epoch_samples or epochrest.active(run)) and (left <= 0 or (plan.drop_last and left < plan.batch_size))
 
 
 def _where(run, plan, data) -> dict:
     """Where the cell stopped: ``epoch``, ``step`` (of it); ``last_step`` when that was the epoch's last step,
     its end not run (a --loop body's stop there): the next cell starts the next epoch."""
-    length = data.epoch_length(plan)
+    length = epochrest.segment_length(run, data, plan)
     if length is not None and _trained_through(run, plan, length):
         return dict(epoch=run.epoch, step=run.epoch_step, last_step=True)
     return dict(epoch=run.epoch, step=run.epoch_step)
