@@ -29,6 +29,7 @@ DATASETS = "distnb.engine.datasets"
 NET = "distnb.net"
 POSTMORTEM = "distnb.engine.postmortem"
 ELASTIC = "distnb.engine.elastic"
+PULLTENSOR = "distnb.engine.pulltensor"
 RESTROWS = "distnb.engine.restrows"
 MATERIALIZE = "distnb.engine.materialize"
 INSTALL = "distnb.engine.install"
@@ -233,3 +234,13 @@ def where_now(): ...
 @_on_rank("distnb.engine.simulate")
 def simulate(ranks, seconds=20.0, step_time=0.05, epochs=4, batch_size=32, group=1, slow=None, fail=None,
              stop=None, seed=0, relay_interval=0.1): ...
+
+
+# engine/pulltensor.py: %dist pull NAME.path --------------------------------------------------
+
+@_on_rank(PULLTENSOR, with_ns=True)
+def locate_tensor(head, path): ...
+
+
+@_on_rank(PULLTENSOR, with_ns=True)
+def fetch_tensor(head, path, gathered, rank): ...

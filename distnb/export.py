@@ -24,6 +24,7 @@ import os
 import pickle
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 
 from . import jobfiles, valsets
@@ -57,13 +58,18 @@ class Cell:
     when: str = field(default_factory=lambda: time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
     start: dict = field(default_factory=dict)
     problem: str = ""  # why it cannot be exported, if it cannot
-    model_obj: object = None  # the notebook's model (a cell that went on with the ranks' live one exports it as is)
+    model_ref: object = None  # weakref to the notebook's model (a cell that went on with the ranks' live one exports it)
     model_fp: object = None  # its fingerprint when that cell ended (or %dist load put a checkpoint into it)
     model_since: str = "the training cell ran"  # what model_fp was taken after, for the "changed" error
     batch_rewrite: dict | None = None  # %dist scale --keep-global-batch's rewrite of the cell's batch options
     epoch_losses: list = field(default_factory=list)
     not_kept: str = ""  # why a model sent fresh had its starting weights left uncopied (too large)
     names_fp: dict = field(default_factory=dict)  # each name's fingerprint at the cell (its globals, for a function)
+
+    @property
+    def model_obj(self):
+        """The notebook's model, or None once the notebook deleted it (the record must not keep a model alive)."""
+        return self.model_ref() if self.model_ref is not None else None
 
 
 def _names_read(session, plan, code, exclude, reserved) -> dict:
@@ -82,7 +88,7 @@ def _names_read(session, plan, code, exclude, reserved) -> dict:
 #: Bytes of a model's starting weights the kernel copies for the export of a cell that sent it fresh
 #: (a larger model is exported from its weights after the cell, and export says so): a full copy of
 #: a large model in the kernel would double its memory for a by-product.
-KEEP_START_BYTES = 256 * 2**20
+KEEP_START_BYTES = 32 * 2**20  # within the kernel's bound: the model + 10 % + 64 MiB (issue 34)
 
 
 def capture(session, plan, code, model_obj, data_obj, reserved=(), fresh=True) -> Cell:
@@ -128,7 +134,7 @@ def _capture(session, plan, code, model_obj, data_obj, reserved, fresh) -> Cell:
     names = _names_read(session, plan, code, (model_obj, data_obj, val_obj), reserved)
     val_fp = held.get(plan.val_data, {}).get("fingerprint") if plan.val_data else None
     return Cell(plan=plan, code=code, model_class=type(model_obj), model_repr=repr(model_obj),
-                classes=notebook_classes(model_obj), model_packed=packed, model_obj=model_obj, data_obj=data_obj,
+                classes=notebook_classes(model_obj), model_packed=packed, model_ref=weakref.ref(model_obj), data_obj=data_obj,
                 data_path=path, data_fp=held.get(plan.data, {}).get("fingerprint"), val_obj=val_obj, val_fp=val_fp,
                 names=names, names_fp={n: jobfiles.name_digest(v) for n, v in names.items()}, ns=session.ns,
                 cluster=dict(world_size=session.world_size, num_nodes=cluster.num_nodes,

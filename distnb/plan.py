@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from . import options
+from . import levers, options
 from .errors import PlanError
 from .options import check_int, option
 
@@ -120,7 +120,7 @@ def redistribution(last, key: tuple, generation: int) -> str:
     if last == (key, generation):
         return "keep"
     name = last[0][0]
-    if name != key[0] or STRATEGIES[name][1]:
+    if name != key[0] or STRATEGIES[name][1] or levers.changed(last[0], key, DISTRIBUTION):
         return "resend"
     return "rebuild"
 
@@ -205,6 +205,9 @@ class TrainPlan:
                                 "and back off the scale together); bf16 runs without loss scaling; fsdp also gets "
                                 "a ``MixedPrecisionPolicy``. Master weights, optimizer state and the weights that "
                                 "come back to the notebook stay fp32.")
+    activation_checkpointing: bool = option(False, "flag", levers.HELP["activation_checkpointing"], distribution=True)
+    offload: str | None = option(None, "choice", levers.HELP["offload"], choices=levers.OFFLOADS, strategy=levers.FSDP)
+    param_dtype: str = option("fp32", "choice", levers.HELP["param_dtype"], choices=levers.PARAM_DTYPES, strategy=levers.FSDP)
     accumulate: int = option(1, "int", "micro-steps whose gradients are summed before one optimizer step (default 1)",
                              minimum=1, doc="Gradient accumulation: N consecutive micro-steps (batches) add up their "
                                             "gradients (each loss scaled by its batch's share of the group's samples: "
@@ -302,6 +305,7 @@ class TrainPlan:
         if self.checkpoint_every is not None and self.checkpoint_dir is None:
             raise PlanError("--checkpoint-every needs --checkpoint-dir DIR (where to save)")
         _check_training(self)
+        levers.check(self)
         if self.strategy == "pipeline" and self.microbatches is not None and self.batch_size % self.microbatches:
             raise PlanError(f"--microbatches {self.microbatches} does not divide --batch-size {self.batch_size}: "
                             "each microbatch must have the same number of samples")

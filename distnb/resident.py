@@ -10,11 +10,11 @@ model's tensors on the way back. Here the segment becomes the tensors' memory in
   counters, ``requires_grad`` and ``.grad`` stay). The segment is then *resident*
   (:meth:`~distnb.engine.segments.Pool.keep`): never handed out again while a tensor lives on it.
   The next send of those tensors finds them there (:func:`in_place`) and sends only where they lie.
-- **Weights back into the kernel's own memory.** Before a training cell, the kernel offers rank 0
-  a free segment of the model's size (:class:`distnb.transfer.Offer`); rank 0 writes the trained state into it (its
-  one copy) and the kernel re-points the model's tensors into it: no copy here. The segment the
-  model used before is free once no tensor uses it, and is offered next time: both sides write
-  into pages they touched before, the warm copy rate rather than the first-touch one.
+- **Weights back in place.** Rank 0 writes the trained state into its own outbox and the kernel
+  reads each tensor from there into the model's memory, here the resident segment
+  (:mod:`distnb.weights_back`): the kernel never holds the model twice.
+- **Sent one tensor at a time.** The first send writes each tensor into the segment and re-points
+  it at once (:func:`write_adopting`), so the model's old memory is freed tensor by tensor.
 
 Nothing a user can see changes. A tensor moves only when nothing else can notice it: a plain CPU
 tensor (or ``Parameter``), contiguous, that alone uses all of its storage, which torch allocated
@@ -124,46 +124,60 @@ def in_place(pool, buffers):
     return None if where is None else wire.ShmRef(where.path, offsets, sizes)
 
 
-def adopt(pool, seg, buffers, ref, tensors) -> bool:
-    """After a send: re-point ``tensors`` (:func:`movable`, decided before packing) whose bytes were
-    written into ``seg`` (at ``ref``).
+def _trim_heap() -> None:
+    """Give the heap's free pages back to the system (glibc's ``malloc_trim(0)``; elsewhere nothing).
 
-    ``buffers`` are what was written (in ``ref``'s order). Returns whether any tensor moved: then
-    ``seg`` is resident; else the caller releases it.
+    A freed tensor of up to 32 MiB goes back to glibc's heap, not to the system, once glibc has raised
+    its mmap threshold (it does after the first large free): moving a model into a segment tensor by
+    tensor would then hold the old memory as well as the new until the end, twice the model.
     """
-    placed = {b.__array_interface__["data"][0]: (off, n) for b, off, n in zip(buffers, ref.offsets, ref.sizes) if n}
-    todo = [(t, placed[t.data_ptr()][0]) for t in tensors if placed.get(t.data_ptr(), (0, -1))[1] == _nbytes(t)]
-    if not todo:
-        return False
-    owner = pool.keep(seg)
-    for t, offset in todo:
-        _repoint(t, owner, offset)
-    return True
+    libc = _LIBC.get("libc", False)
+    if libc is False:
+        import ctypes
+        import ctypes.util
+
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            libc.malloc_trim  # noqa: B018 - only glibc has it
+        except (OSError, AttributeError):
+            libc = None
+        _LIBC["libc"] = libc
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
-def adopt_state(pool, targets: dict, keys, descs, ref) -> set:
-    """Weights back: re-point the movable tensors of ``targets`` (a ``state_dict(keep_vars=True)``) into
-    the kernel segment ``ref`` points at (the rank wrote the state there). Returns the keys moved.
+_LIBC: dict = {}
 
-    A key whose target has another dtype or shape, or cannot move, is left to the caller to copy.
+
+def write_adopting(pool, seg, buffers: list, tensors):
+    """Write ``buffers`` into ``seg`` one at a time, re-pointing each of ``tensors`` (:func:`movable`) into the
+    segment as soon as its bytes are there; returns ``(ShmRef, whether any moved)``.
+
+    So the kernel never holds a model twice while sending it: each tensor's old memory is freed
+    once its copy is written (``buffers[i]``, the list the caller passed, then views the segment,
+    so nothing keeps the old memory alive). Moved tensors live in ``seg`` whatever the ranks do
+    with it next: it is resident from the first move on.
     """
-    seg = pool.busy.get(ref.path)
-    if seg is None:
-        return set()
-    can = {id(t) for t in movable(targets.values(), pool)}
-    todo, done = [], set()
-    for key, desc, off, n in zip(keys, descs, ref.offsets, ref.sizes):
-        t = targets.get(key)
-        if t is None or id(t) not in can or str(t.dtype).removeprefix("torch.") != desc[0] \
-                or tuple(t.shape) != tuple(desc[1]) or n != _nbytes(t) or off % t.element_size():
+    import torch
+
+    from .engine import wire
+
+    offsets, _ = wire.layout([len(b) for b in buffers])
+    by_address = {t.data_ptr(): t for t in tensors}
+    owner = None
+    for i, off in enumerate(offsets):  # by index: no iterator's tuple keeps an old buffer alive
+        b = buffers[i]
+        n = len(b)
+        if not n:
             continue
-        if id(t) not in done:
-            todo.append((t, off))
-            done.add(id(t))
-    if not todo:
-        return set()
-    owner = pool.keep(seg)
-    for t, off in todo:
+        seg.base[off:off + n].copy_(torch.from_numpy(b))
+        t = by_address.get(b.__array_interface__["data"][0])
+        if t is None or _nbytes(t) != n or off % t.element_size():
+            continue
+        if owner is None:
+            owner = pool.keep(seg)
         _repoint(t, owner, off)
-    return {k for k in keys if id(targets.get(k)) in done}
-
+        buffers[i] = seg.base[off:off + n].numpy()  # the old bytes' last reference goes
+        del b
+        _trim_heap()
+    return wire.ShmRef(seg.path, offsets, [len(x) for x in buffers]), owner is not None

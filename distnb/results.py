@@ -48,7 +48,14 @@ class TrainResult(Table):
         samples_per_s, final_loss (the rank's mean loss over its last epoch of the cell; with no
         epoch finished, over the steps it trained, ``final_loss_steps`` of them), param_bytes
         (bytes of parameters the rank holds: all of them for ddp, a shard for fsdp and
-        tensor, its stage for pipeline) and, for pipeline, stage.
+        tensor, its stage for pipeline), peak_memory (bytes: the rank's peak resident set on CPU, or
+        ``torch.cuda.max_memory_allocated`` on a GPU; ``memory_kind`` ``"rss"`` or ``"cuda"``, as on the
+        dashboard) and, for pipeline, stage.
+    kernel_peak_memory : int or None
+        Bytes: the kernel's own peak resident set over the cell (the model sent, trained and its weights
+        back in place; shared-memory segments it maps count). ``kernel_memory_kind``: ``"rss"`` when
+        measured from the cell's start (Linux ``/proc/self/clear_refs``), ``"rss-lifetime"`` when only
+        the process's lifetime peak could be read (:mod:`distnb.kernel_memory`).
     epoch_losses : list of float
         Mean loss over all ranks for each epoch run in this cell.
     epochs : list of int
@@ -150,6 +157,7 @@ class TrainResult(Table):
         self.loss_convention = convention_note(rows) or None
         self.step_notes = step_notes(rows, plan)
         self.converged = self.stop_reason in ("target", "patience")
+        self.kernel_peak_memory = self.kernel_memory_kind = None  # set by distnb.training.finish
         self._make_title()
 
     def _step_figures(self, rows) -> None:

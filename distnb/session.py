@@ -28,7 +28,7 @@ import atexit
 import contextlib
 import inspect
 
-from . import background, calls, checkpoints, debugger, options, scaling, shrinking, training
+from . import background, calls, checkpoints, debugger, options, pulling, scaling, shrinking, training
 from .background import BackgroundRun, check_idle
 from .cluster import Cluster
 from .data import gather as gather_shards, scatter as scatter_shards, scatter_line
@@ -409,8 +409,11 @@ class Session:
             self.cluster.wait_all(ars, timeout=self.cluster.spec.timeout, what="push")
 
     def pull(self, name: str, rank=None):
-        """The value of ``name`` on ``rank`` (or a list over all ranks when rank is None)."""
+        """The value of ``name`` on ``rank`` (or a list over all ranks when rank is None); ``NAME.path.to.param``:
+        that tensor of a model, whole, for any strategy (:func:`distnb.pulling.pull_tensor`)."""
         self._check_running()
+        if isinstance(name, str) and "." in name:
+            return pulling.pull_tensor(self, name, None if rank is None else self._rank(rank))
         if not isinstance(name, str) or not name.isidentifier():
             raise PlanError(f"pull/gather take a variable name defined on the ranks, got {name!r}")
         ranks = range(self.world_size) if rank is None else [self._rank(rank)]

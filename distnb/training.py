@@ -11,11 +11,11 @@ weights into the kernel's model when it ends.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 
-from . import bigmodels, calls, captured, carried, data, export, modelcheck, options, presses, transfer, valsets
+from . import bigmodels, calls, captured, carried, data, export, kernel_memory, modelcheck, options, presses, transfer
+from . import valsets
 from .display import ProgressState, make_view, view_kind
 from .display.tables import count
 from .errors import PlanError, RankError
@@ -455,22 +455,19 @@ def weights_back(session, name, model_obj, best_effort=False, packed=None, repli
     """
     from .transfer import fingerprint, load_state_into
 
-    from .transfer import Offer
-
     cluster = session.cluster
     if bigmodels.on_meta(model_obj):  # built on meta in the notebook: its weights stay on the ranks
         return
     try:
-        with Offer(cluster, model_obj) if packed is None else contextlib.nullcontext() as outbox:
-            dead = cluster.dead_ranks() if packed is None and replicated else {}
-            if dead and 0 not in dead:
-                packed = cluster.wait_all([cluster.apply(0, calls.pull_state, name, outbox)],
-                                          timeout=cluster.spec.timeout, what="weights back")[0]
-            elif packed is None:  # every rank: sharded strategies assemble the state with collectives
-                ars = cluster.apply_all(calls.pull_state, name, outbox)
-                packed = cluster.wait_all(ars, timeout=cluster.spec.timeout, what="weights back")[0]
-            keys, descs, sizes, flat = packed
-            load_state_into(model_obj, keys, descs, sizes, flat)
+        dead = cluster.dead_ranks() if packed is None and replicated else {}
+        if dead and 0 not in dead:
+            packed = cluster.wait_all([cluster.apply(0, calls.pull_state, name, None)],
+                                      timeout=cluster.spec.timeout, what="weights back")[0]
+        elif packed is None:  # every rank: sharded strategies assemble the state with collectives
+            ars = cluster.apply_all(calls.pull_state, name, None)
+            packed = cluster.wait_all(ars, timeout=cluster.spec.timeout, what="weights back")[0]
+        keys, descs, sizes, flat = packed
+        load_state_into(model_obj, keys, descs, sizes, flat)  # in place, one tensor at a time
         session.holdings.models[name] = fingerprint(model_obj)
     except Exception:
         if not best_effort:
@@ -488,6 +485,7 @@ def train_cell(session, code, model, data, run, given):
     from .errors import Interrupted
 
     t0 = time.perf_counter()
+    peak_since_start = kernel_memory.reset()  # the kernel's peak over this cell (TrainResult.kernel_peak_memory)
     session.cluster.check_sendable()  # a dead rank is named before anything about the cell is said
     model_name, model_obj = session._named(model, "model")
     data_name, data_obj = (data, None) if given.get("data_on_ranks") else session._named(data, "data")
@@ -515,11 +513,10 @@ def train_cell(session, code, model, data, run, given):
     view.show()
     show = tuple(range(session.world_size)) if run.all_output else (0,)
     stopped = None
-    from .transfer import Offer
-
-    with Offer(session.cluster, model_obj) as outbox, presses.held():  # rank 0's state (resident); presses counted
+    # rank 0 writes the trained state into its own outbox; distnb.weights_back reads it into model_obj in place
+    with presses.held():  # presses counted
         try:
-            rows = run_on_ranks(session, calls.train, plan.to_dict(), code, outbox, what="training", state=state,
+            rows = run_on_ranks(session, calls.train, plan.to_dict(), code, None, what="training", state=state,
                                 view=view, show_ranks=show)
         except Interrupted as exc:  # every rank stopped after the same step: the result of what was trained
             if getattr(exc, "results", None) is None:  # stopped where they were: the replicas may be steps apart
@@ -542,7 +539,7 @@ def train_cell(session, code, model, data, run, given):
             exc.plan = plan  # what --on-failure shrink goes on with (distnb.shrinking)
             raise
         result = finish(session, plan, model_obj, rows, time.perf_counter() - t0, num_shards, run, stopped, given,
-                        started_shown=state.start_shown)
+                        started_shown=state.start_shown, peak_since_start=peak_since_start)
     session.last_result = result
     export.remember(cell, result, model_obj)
     background = session._background
@@ -553,10 +550,12 @@ def train_cell(session, code, model, data, run, given):
     return result
 
 
-def finish(session, plan, model_obj, rows, wall_seconds, num_shards, run, stopped=None, given=(), started_shown=False):
+def finish(session, plan, model_obj, rows, wall_seconds, num_shards, run, stopped=None, given=(), started_shown=False,
+           peak_since_start=False):
     """A cell's end: weights back, the notes (``given``: its options), the TrainResult (``stopped``: the Interrupted).
 
     ``started_shown``: the progress printed the notes on the cell's start already (before its epoch lines).
+    ``peak_since_start``: the kernel's peak memory was reset at the cell's start (:mod:`distnb.kernel_memory`).
 
     A run stopped by the interrupt button or ``%dist stop-training`` (every rank after the same
     step) still gives the result of what was trained, marked ``interrupted`` (the interrupt button's:
@@ -571,6 +570,7 @@ def finish(session, plan, model_obj, rows, wall_seconds, num_shards, run, stoppe
         row.pop("state", None)
         row.update(row.pop("holdings", {}))
     result = results.TrainResult(rows, plan, wall_seconds, num_shards)
+    result.kernel_peak_memory, result.kernel_memory_kind = kernel_memory.peak(peak_since_start)  # weights back in
     if stopped is not None:
         result.mark_interrupted(str(stopped))
     if not run.quiet:  # run: the cell's RunOptions

@@ -199,49 +199,11 @@ def fingerprint(obj):
 
 
 def load_state_into(model, keys, descs, sizes, flat) -> None:
-    """Copy weights received from a rank into the kernel's ``model`` in place.
+    """Copy weights received from a rank into the kernel's ``model`` in place, one tensor at a time
+    (:func:`distnb.weights_back.load_into`)."""
+    from . import weights_back  # imports torch
 
-    ``flat`` is the flat array of :func:`distnb.engine.wire.flatten_state` or a
-    :class:`~distnb.engine.wire.ShmRef`. When it points at a segment the kernel offered
-    (:class:`Offer`) the model's tensors that can move are re-pointed into it: no
-    copy here at all. Any other tensor is copied from the kernel's mapping of the segment straight
-    into the model's own tensor (one copy, into pages the model has touched). A rank's own
-    outbox segment stays the rank's, for a later state.
-    """
-    import torch
-
-    from .engine import wire
-
-    if not isinstance(flat, wire.ShmRef):
-        state = wire.unflatten_state(keys, descs, sizes, flat)
-        with torch.no_grad():
-            model.load_state_dict(state)
-        return
-    targets = model.state_dict(keep_vars=True)
-    if set(targets) != set(keys):  # let load_state_dict name the missing/unexpected keys
-        with torch.no_grad():
-            model.load_state_dict(wire.unflatten_state(keys, descs, sizes, flat))
-        return
-    from . import resident
-
-    moved = resident.adopt_state(_pool(), targets, keys, descs, flat)  # into the kernel's offered segment
-    src = wire.segments_view(flat)
-    rest, seen = {}, set()
-    with torch.no_grad():
-        for key, desc, offset, size in zip(keys, descs, flat.offsets, flat.sizes):
-            if key in moved:
-                continue
-            t = targets[key].detach()
-            got = src[offset:offset + size].view(getattr(torch, desc[0])).view(tuple(desc[1]))
-            if (t.device.type == "cpu" and t.dtype == got.dtype and t.shape == got.shape
-                    and not t.is_conj() and not t.is_neg()):
-                if t.data_ptr() not in seen or t.numel() == 0:  # tied weights: copied once
-                    seen.add(t.data_ptr())
-                    targets[key].copy_(got)  # bumps the version counter, as load_state_dict would
-            else:  # other dtype, device or layout: load_state_dict converts
-                rest[key] = got.clone()
-        if rest:
-            model.load_state_dict(rest, strict=False)
+    weights_back.load_into(model, keys, descs, sizes, flat)
 
 
 def shm_ranks(cluster) -> frozenset:
@@ -291,7 +253,7 @@ def _pool():
     return _POOL
 
 
-def _acquire(cluster, nbytes: int):
+def _acquire(cluster, nbytes: int, sparse: bool = False):
     """A segment of ``nbytes`` from the kernel's pool, or None (no room in ``/dev/shm``).
 
     When no free segment fits but some are lent out (data shards the ranks map copy-on-write),
@@ -309,7 +271,7 @@ def _acquire(cluster, nbytes: int):
         except Exception:  # a rank that cannot answer may still map them: make a new segment
             pass
     try:
-        return pool.acquire(nbytes)
+        return pool.acquire(nbytes, sparse=sparse)
     except OSError:  # no room in /dev/shm: send the bytes in the messages
         return None
 
@@ -324,7 +286,7 @@ def outgoing(cluster, buffers, ranks=None, keep=None):
     frames). Buffers that already lie in a resident segment (:mod:`distnb.resident`) are sent
     where they are, with no copy here. Otherwise the segment goes back to the pool when the block
     ends, whether the ranks succeeded or not, unless ``keep`` (the tensors the buffers were
-    made of: a model's state) moved into it once the block succeeded (:func:`distnb.resident.adopt`).
+    made of: a model's state) moved into it, each as soon as it was written (:func:`distnb.resident.write_adopting`).
 
     Yields
     ------
@@ -339,47 +301,20 @@ def outgoing(cluster, buffers, ranks=None, keep=None):
     if buffers and set(ranks) <= shm_ranks(cluster):
         ref = resident.in_place(_pool(), buffers)
         if ref is None:
-            seg = _acquire(cluster, wire.layout([len(b) for b in buffers])[1])
+            seg = _acquire(cluster, wire.layout([len(b) for b in buffers])[1], sparse=keep is not None)
     kept = False
     try:
         if ref is not None:
             yield [ref]
             return
-        ref = wire.write_into(seg, buffers) if seg is not None else None
+        if seg is not None and keep is not None:  # a model: its tensors move into the segment one by one
+            ref, kept = resident.write_adopting(_pool(), seg, buffers, keep)
+        else:
+            ref = wire.write_into(seg, buffers) if seg is not None else None
         yield [ref] if seg is not None else list(buffers)
-        if seg is not None and keep is not None:
-            kept = resident.adopt(_pool(), seg, buffers, ref, keep)
     finally:
         if seg is not None and not kept:
             _pool().release(seg)
-
-
-class Offer:
-    """A free segment of the kernel's pool offered to rank 0 for the state it sends back (a context).
-
-    ``with Offer(cluster, model) as outbox:`` gives ``(path, size)`` to pass to the ranks
-    (:func:`distnb.engine.wire.offer`), or None when rank 0 does not share this kernel's
-    ``/dev/shm`` or it has no room. On exit the segment goes back to the pool unless the model's
-    tensors moved into it (:func:`distnb.resident.adopt_state`, called by :func:`load_state_into`).
-    """
-
-    def __init__(self, cluster, model):
-        self.cluster, self.model, self.seg = cluster, model, None
-
-    def __enter__(self):
-        from .engine import wire
-
-        if 0 not in shm_ranks(self.cluster):
-            return None
-        sizes = [t.numel() * t.element_size() for t in self.model.state_dict().values() if not t.is_meta]  # meta: none back
-        self.seg = _acquire(self.cluster, wire.layout(sizes)[1]) if sizes else None
-        return None if self.seg is None else (self.seg.path, self.seg.size)
-
-    def __exit__(self, *exc):
-        pool = _pool()
-        if self.seg is not None and self.seg.path in pool.busy:
-            pool.release(self.seg)
-        return False
 
 
 @contextlib.contextmanager

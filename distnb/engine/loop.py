@@ -18,7 +18,7 @@ import torch
 
 from ..plan import DEFAULT_LR, STRATEGIES, TrainPlan, optimizer_state_readable, redistribution
 from . import batchnorm, checkpoint, collectives, datasets, postmortem, runtime, shard as sharding, stepping, wire
-from . import abort, binding, epochrest, hostcopy, precision_check, report, where
+from . import abort, binding, epochrest, hostcopy, precision_check, report, stateout, where
 from .report import LINGER as RELAY_LINGER, Reporter, host_relay, publish_raw
 from . import strategies
 from .context import Context, StopRequest, _Stopped, agree_on_steps  # noqa: F401 - the cell's ctx and its stop
@@ -183,7 +183,7 @@ def pull_state(name, outbox=None):
     if any(hasattr(p, "to_local") for p in run.module.parameters()):
         raise RuntimeError(f"{name} is sharded over a process group that was re-formed; its weights are "
                            "only in the kernel now")
-    return wire.flatten_state(run.module.state_dict())
+    return stateout.flatten_state(run.module.state_dict())
 
 
 def _set_lr(optimizer, lr):
@@ -388,7 +388,7 @@ def _train(ns, plan, code_text, relay):
                 where=_where(run, plan, data), holdings=run.strategy.holdings(), state=state,
                 resumed=resumed, continued=continued, checkpoints=ctx.checkpoints, skipped_steps=ctx.skipped_steps,
                 iterated_epochs=ctx.iterated_epochs, progress_message=carried,
-                **_step_figures(plan, run, ctx, restored))
+                **_step_figures(plan, run, ctx, restored), **report.peak_row(st.device))
 
 
 def _annotate(exc, ns, plan) -> None:

@@ -86,6 +86,12 @@ def peak_memory(device=None) -> tuple:
     return peaks.peak_memory(device)
 
 
+def peak_row(device=None) -> dict:
+    """This rank's :func:`peak_memory` as a TrainResult row's ``peak_memory`` (bytes) and ``memory_kind``."""
+    memory, kind = peak_memory(device)
+    return dict(peak_memory=memory, memory_kind=kind)
+
+
 def _engine_device():
     """The rank's device when running in an engine (None in plain processes and tests)."""
     runtime = sys.modules.get(__package__ + ".runtime") if __package__ else None

@@ -124,21 +124,30 @@ class Segment:
     ----------
     path : str
     size : int
-        Bytes (a multiple of 1 MiB), all allocated when the segment is made.
+        Bytes (a multiple of 1 MiB), all allocated when the segment is made, unless ``sparse``.
     base : torch.Tensor
         uint8, shape ``(size,)``: the mapping, to copy into.
+
+    ``sparse=True`` allocates pages only as they are written (no ``fallocate``, no ``MAP_POPULATE``),
+    after checking that ``/dev/shm`` has room for all of them: a model moved into the segment tensor
+    by tensor (:func:`distnb.resident.write_adopting`) then frees its old memory as the new fills, and
+    the kernel never holds it twice.
     """
 
     __slots__ = ("path", "size", "_mm", "base")
 
-    def __init__(self, path: str, size: int):
+    def __init__(self, path: str, size: int, sparse: bool = False):
+        if sparse:
+            st = os.statvfs(os.path.dirname(path))
+            if st.f_bavail * st.f_frsize < size:
+                raise OSError(28, f"no room in {os.path.dirname(path)} for {size} bytes")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
         try:
-            if hasattr(os, "posix_fallocate"):  # a full /dev/shm is an OSError here, never a SIGBUS later
+            if hasattr(os, "posix_fallocate") and not sparse:  # a full /dev/shm is an OSError here, not a SIGBUS
                 os.posix_fallocate(fd, 0, size)
-            else:  # pragma: no cover - not Linux
+            else:
                 os.ftruncate(fd, size)
-            self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+            self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (0 if sparse else _POPULATE))
         except BaseException:
             os.close(fd)
             os.unlink(path)
@@ -190,12 +199,13 @@ class Pool:
         self.busy: dict[str, Segment] = {}
         self.resident: dict[str, Segment] = {}
 
-    def acquire(self, nbytes: int, avoid: str | None = None) -> Segment:
+    def acquire(self, nbytes: int, avoid: str | None = None, sparse: bool = False) -> Segment:
         """A free segment of at least ``nbytes`` (the smallest that fits), else a new one.
 
         A segment more than twice the size asked for is not taken (a shard would otherwise keep
         a model's segment lent, and the next model send would make a new one).
 
+        ``sparse``: a new segment's pages are allocated as they are written (:class:`Segment`).
         ``avoid``: a path not to hand out now (a rank's last weights, which the kernel may
         still be reading). A free segment whose file is gone is dropped (the kernel sweeps every
         file of its pid when it stops a cluster, which can be another one than the ranks' own).
@@ -211,7 +221,7 @@ class Pool:
             self.free.remove(seg)
         else:
             _check_room(_round(nbytes))  # NCCL needs room there too: the transfer then goes as messages
-            seg = Segment(shm_path(self.owner_pid, self.tag), _round(nbytes))
+            seg = Segment(shm_path(self.owner_pid, self.tag), _round(nbytes), sparse=sparse)
         self.busy[seg.path] = seg
         return seg
 
@@ -229,7 +239,7 @@ class Pool:
 
         Returns a numpy uint8 array over the whole segment: tensors made on it (:func:`tensor_at`)
         keep the segment resident, never handed out again, until every one of them is gone; then
-        it is free again.
+        it is given back (unlinked and unmapped): a deleted model's memory leaves with it, not kept idle.
         """
         self.busy.pop(seg.path, None)
         self.resident[seg.path] = seg
@@ -241,9 +251,8 @@ class Pool:
     def _unkeep(self, path: str) -> None:
         _KEPT.pop(path, None)
         seg = self.resident.pop(path, None)
-        if seg is not None and seg.base is not None and os.path.exists(seg.path):
-            self.free.append(seg)
-            self.trim()
+        if seg is not None and seg.base is not None:  # the tensors' memory goes with them (the kernel stays flat)
+            seg.close()
 
     def holding(self, address: int, nbytes: int):
         """``(segment, offset)`` of the resident segment whose mapping holds bytes ``[address, address +

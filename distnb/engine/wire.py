@@ -45,7 +45,6 @@ _IO_THREADS = max(1, min(4, os.cpu_count() or 1))
 _SHM = {"ok": False, "owner": None}
 #: This process's mappings of other processes' segments, and its memory for received models.
 _MAPS = segments.Maps()
-_WMAPS = segments.Maps()  # the kernel's segments this rank writes states into (:func:`offer`)
 _ARENAS = segments.Arenas()
 
 
@@ -206,42 +205,17 @@ def hook_ids_after(module) -> None:
         RemovableHandle.next_id = top + 1
 
 
-def flatten_state(state: dict):
-    """Pack a state_dict for one message: (keys, descriptions, byte sizes, bytes).
-
-    ``bytes`` is a :class:`ShmRef` into this rank's outbox when it shares ``/dev/shm`` with
-    the kernel (:func:`probe_shm`): a segment of this rank's :class:`~.segments.Pool`, written
-    again by the next state but one (the kernel reads it into its model in between), else one
-    flat uint8 array.
-    """
-    import numpy as np
-
-    keys = list(state)
-    descs = [describe(state[k]) for k in keys]
-    parts = [to_buffer(state[k]) for k in keys]
-    if _SHM["ok"]:
-        try:
-            ref = _send_state(parts)
-        except OSError:  # /dev/shm full or gone: the message carries the bytes
-            pass
-        else:
-            return keys, descs, [len(p) for p in parts], ref
-    flat = np.concatenate(parts) if parts else np.empty(0, dtype=np.uint8)
-    return keys, descs, [len(p) for p in parts], flat
-
-
 def unflatten_state(keys, descs, sizes, flat) -> dict:
-    """Inverse of :func:`flatten_state`; the tensors are read-only views of ``flat``.
+    """Inverse of :func:`distnb.engine.stateout.flatten_state`; the tensors are read-only views of ``flat``.
 
     For a :class:`ShmRef` the tensors are copies read from the rank's outbox.
     """
     if isinstance(flat, ShmRef):
         src = segments_view(flat)
         return {k: _view(src, off, n, d).clone() for k, d, off, n in zip(keys, descs, flat.offsets, flat.sizes)}
-    out, offset = {}, 0
-    for k, d, n in zip(keys, descs, sizes):
+    out = {}
+    for k, d, n, offset in zip(keys, descs, sizes, layout(sizes)[0]):
         out[k] = from_buffer(d[:2] + (False, False), flat[offset:offset + n], copy=False)
-        offset += n
     return out
 
 
@@ -385,43 +359,19 @@ def _meta(desc):
 
 
 def offer(outbox) -> None:
-    """Rank side: the next state this rank sends back goes into the kernel's segment ``outbox``.
+    """Rank side: kept for the calls' signature; the kernel no longer offers a segment of its own.
 
-    ``outbox`` is ``(path, size in bytes)`` of a segment of the kernel's pool that the kernel will
-    not read or hand out until this call returns (:class:`distnb.resident.Offer`), or None. A state
-    that does not fit goes into this rank's own outbox instead.
+    The kernel used to offer a model-sized segment of its pool for rank 0 to write the trained state
+    into, so that the kernel held the model twice after every cell. Now rank 0 writes into its own
+    outbox and the kernel reads each tensor from there into its own (:mod:`distnb.weights_back`).
     """
-    _SHM["offer"] = tuple(outbox) if outbox else None
-
-
-def _send_state(parts) -> ShmRef:
-    """Rank side: ``parts`` into the segment the kernel offered (:func:`offer`), else into this rank's
-    outbox, never the segment of the previous state there."""
-    offered, _SHM["offer"] = _SHM.get("offer"), None
-    offsets, total = layout([len(p) for p in parts])
-    if offered is not None and total <= offered[1]:
-        try:
-            base = _WMAPS.view(offered[0], offered[1], writable=True)
-        except OSError:  # swept, or not ours to write: the rank's own outbox
-            pass
-        else:
-            return _write(base, offered[0], parts)
-    pool = _SHM.get("outbox")
-    if pool is None:
-        pool = _SHM["outbox"] = segments.Pool(_SHM["owner"], f"r{os.environ.get('RANK', 'x')}")
-    seg = pool.acquire(total, avoid=_SHM.get("last"))
-    try:
-        ref = write_into(seg, parts)
-    finally:
-        pool.release(seg)
-    _SHM["last"] = seg.path
-    return ref
+    _SHM["offer"] = None
 
 
 def probe_shm(path: str, token: str, owner_pid: int) -> bool:
     """Rank side: does the kernel's ``/dev/shm`` file ``path`` hold ``token``? Remembers the answer.
 
-    True turns on the shared-memory path for what this rank sends back (:func:`flatten_state`).
+    True turns on the shared-memory path for what this rank sends back (:func:`distnb.engine.stateout.flatten_state`).
     """
     try:
         with open(path) as f:
@@ -441,7 +391,6 @@ def drop_outstanding() -> None:
     _SHM.pop("offer", None)
     _ARENAS.clear()
     _MAPS.prune()
-    _WMAPS.prune()
 
 
 def bind(ns: dict, name: str, payload: bytes, descs, *buffers) -> None:

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from distnb import resident, transfer
-from distnb.engine import wire
+from distnb.engine import stateout, wire
 from support.shm import rank_shm, shm_dir  # noqa: F401  (fixtures)
 
 
@@ -86,7 +86,7 @@ def test_what_shares_memory_with_something_else_stays_put(shm_dir):
     assert [id(t) for t in resident.movable([net.weight], transfer._pool())] == [id(net.weight)]
 
 
-def test_a_resident_segment_is_not_handed_out_and_is_free_once_its_tensors_go(shm_dir):
+def test_a_resident_segment_is_not_handed_out_and_is_given_back_once_its_tensors_go(shm_dir):
     pool = transfer._pool()
     net = nn.Linear(100, 100)
     ref, _ = _send(net)
@@ -95,38 +95,28 @@ def test_a_resident_segment_is_not_handed_out_and_is_free_once_its_tensors_go(sh
     assert other.path != ref.path
     pool.release(other)
     del net
-    gc.collect()
-    assert ref.path not in pool.resident and any(s.path == ref.path for s in pool.free)
+    gc.collect()  # a deleted model's memory leaves with it: not kept idle in the pool (the kernel stays flat)
+    assert ref.path not in pool.resident and all(s.path != ref.path for s in pool.free)
+    assert not os.path.exists(ref.path)
 
 
-def test_weights_back_move_into_the_offered_segment_and_the_old_one_is_offered_next(shm_dir, rank_shm):
+def test_weights_back_are_read_into_the_kernels_own_memory_in_place(shm_dir, rank_shm):
     torch.manual_seed(1)
     kernel, rank = nn.Linear(50, 40), nn.Linear(50, 40)
     _send(kernel)
     first = set(transfer._pool().resident)
-    seen = []
+    ptrs = {k: v.data_ptr() for k, v in kernel.state_dict().items()}
+    outboxes = set()
     for step in range(3):
         with torch.no_grad():
             rank.weight.add_(1.0)
-        with transfer.Offer(FakeCluster(), kernel) as outbox:
-            seen.append(outbox[0])
-            wire.offer(outbox)
-            keys, descs, sizes, ref = wire.flatten_state(rank.state_dict())  # the rank writes into the kernel's
-            assert ref.path == outbox[0]
-            transfer.load_state_into(kernel, keys, descs, sizes, ref)
+        keys, descs, sizes, ref = stateout.flatten_state(rank.state_dict())  # into the rank's own outbox
+        outboxes.add(ref.path)
+        transfer.load_state_into(kernel, keys, descs, sizes, ref)
         assert all(torch.equal(kernel.state_dict()[k], v) for k, v in rank.state_dict().items())
-        assert _ours(kernel) and set(transfer._pool().resident) == {outbox[0]}
-    assert seen[0] not in first and seen[1] in first and seen[2] == seen[0]  # two segments take turns
-
-
-def test_a_state_that_does_not_fit_the_offer_goes_to_the_ranks_outbox(shm_dir, rank_shm):
-    small, big = nn.Linear(4, 4), nn.Linear(700, 700)  # the offer is 1 MiB (segments.GRAIN), the state 2 MB
-    with transfer.Offer(FakeCluster(), small) as outbox:
-        wire.offer(outbox)
-        keys, descs, sizes, ref = wire.flatten_state(big.state_dict())
-        assert ref.path != outbox[0] and os.path.basename(ref.path).split("-")[2].startswith("r")
-        transfer.load_state_into(nn.Linear(700, 700), keys, descs, sizes, ref)
-    assert outbox[0] not in transfer._pool().busy  # given back unused
+        assert {k: v.data_ptr() for k, v in kernel.state_dict().items()} == ptrs  # no new memory in the kernel
+        assert _ours(kernel) and set(transfer._pool().resident) == first and not transfer._pool().free
+    assert len(outboxes) == 1  # the rank writes every state into its one outbox
 
 
 def test_after_the_pool_closes_moved_tensors_stay_valid_and_move_again(shm_dir):

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from distnb import transfer
-from distnb.engine import segments, wire
+from distnb.engine import segments, stateout, wire
 from support.shm import rank_shm, shm_dir  # noqa: F401  (fixtures)
 
 
@@ -163,7 +163,7 @@ def test_outgoing_gives_its_segment_back_on_failure_and_falls_back(shm_dir, monk
         assert sent == buffers
     # /dev/shm full: the same
     transfer.sweep_shm()
-    monkeypatch.setattr(segments, "Segment", lambda path, size: (_ for _ in ()).throw(OSError(28, "No space left")))
+    monkeypatch.setattr(segments, "Segment", lambda path, size, sparse=False: (_ for _ in ()).throw(OSError(28, "No space left")))
     with transfer.outgoing(FakeCluster(), buffers) as sent:
         assert sent == buffers
 
@@ -192,7 +192,7 @@ def test_state_back_is_read_into_the_models_own_tensors(shm_dir, rank_shm):
         src.steps.fill_(11)
     ptrs = {k: v.data_ptr() for k, v in dst.state_dict().items()}
     versions = {k: v._version for k, v in dst.state_dict(keep_vars=True).items()}
-    keys, descs, sizes, ref = wire.flatten_state(src.state_dict())
+    keys, descs, sizes, ref = stateout.flatten_state(src.state_dict())
     assert isinstance(ref, wire.ShmRef)
     transfer.load_state_into(dst, keys, descs, sizes, ref)
     for k, v in dst.state_dict().items():
@@ -204,16 +204,17 @@ def test_state_back_is_read_into_the_models_own_tensors(shm_dir, rank_shm):
 def test_state_back_converts_other_dtypes_and_reports_wrong_keys(shm_dir, rank_shm):
     src = nn.Linear(3, 2)
     dst = nn.Linear(3, 2).double()  # the kernel's model is float64: load_state_dict converts
-    transfer.load_state_into(dst, *wire.flatten_state(src.state_dict()))
+    transfer.load_state_into(dst, *stateout.flatten_state(src.state_dict()))
     assert torch.equal(dst.weight, src.weight.double())
-    packed = wire.flatten_state({"other": torch.ones(2)})
+    packed = stateout.flatten_state({"other": torch.ones(2)})
     with pytest.raises(RuntimeError, match="Missing key"):
         transfer.load_state_into(dst, *packed)
 
 
-def test_a_rank_never_overwrites_the_state_the_kernel_may_still_read(shm_dir, rank_shm):
-    refs = [wire.flatten_state({"a": torch.full((3,), float(i))})[3] for i in range(4)]
-    assert refs[0].path != refs[1].path and refs[2].path == refs[0].path and refs[3].path == refs[1].path
+def test_a_rank_writes_each_state_into_its_one_outbox(shm_dir, rank_shm):
+    # the kernel reads a state into its model before the rank writes the next (distnb.weights_back)
+    refs = [stateout.flatten_state({"a": torch.full((3,), float(i))})[3] for i in range(4)]
+    assert len({r.path for r in refs}) == 1
     got = wire.unflatten_state(["a"], [wire.describe(torch.ones(3))], [12], refs[3])
     assert torch.equal(got["a"], torch.full((3,), 3.0))
     wire.drop_outstanding()  # leaving the group: the outbox is unlinked
@@ -222,11 +223,11 @@ def test_a_rank_never_overwrites_the_state_the_kernel_may_still_read(shm_dir, ra
 
 def test_a_swept_segment_is_not_handed_out_again(shm_dir, rank_shm):
     # stopping another cluster of this kernel sweeps every distnb-<pid>-* file, a live rank's outbox too
-    first = wire.flatten_state({"a": torch.ones(3)})[3]
-    second = wire.flatten_state({"a": torch.ones(3)})[3]
-    assert wire.sweep_shm(os.getpid()) == 2
+    first = stateout.flatten_state({"a": torch.ones(3)})[3]
+    second = stateout.flatten_state({"a": torch.ones(3)})[3]
+    assert second.path == first.path and wire.sweep_shm(os.getpid()) == 1
     for _ in range(2):  # the outbox makes new files, which the kernel can read
-        ref = wire.flatten_state({"a": torch.full((3,), 5.0)})[3]
+        ref = stateout.flatten_state({"a": torch.full((3,), 5.0)})[3]
         assert ref.path not in (first.path, second.path) and os.path.exists(ref.path)
         got = wire.unflatten_state(["a"], [wire.describe(torch.ones(3))], [12], ref)
         assert torch.equal(got["a"], torch.full((3,), 5.0))

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from distnb.engine import wire
+from distnb.engine import stateout, wire
 from distnb.errors import PlanError
 from distnb.engine.wire import pack
 from distnb.transfer import columns_of, fingerprint, free_names
@@ -42,7 +42,7 @@ def test_pack_buffers_are_zero_copy_views():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float16])
 def test_every_dtype_survives(dtype):
     t = (torch.arange(12) % 3).to(dtype).reshape(3, 4)
-    keys, descs, sizes, flat = wire.flatten_state({"a": t, "b": t[0].clone()})
+    keys, descs, sizes, flat = stateout.flatten_state({"a": t, "b": t[0].clone()})
     back = wire.unflatten_state(keys, descs, sizes, flat)
     assert torch.equal(back["a"], t) and back["a"].dtype == dtype and back["b"].shape == (4,)
 

@@ -182,17 +182,17 @@ class Strategy:
                 dist.broadcast(buf, src=0)  # group device: the module's buffers, on the rank's device
 
     def full_state(self):
-        """The whole model's state as :func:`wire.flatten_state` on rank 0, None elsewhere.
+        """The whole model's state as :func:`~distnb.engine.stateout.flatten_state` on rank 0, None elsewhere.
 
         Called on every rank (strategies that shard the model gather with collectives).
         """
         import torch.distributed as dist
 
-        from .. import wire
+        from .. import stateout
 
         if dist.get_rank() != 0:
             return None
-        return wire.flatten_state(self.module.state_dict())
+        return stateout.flatten_state(self.module.state_dict())
 
     def checkpoint_state(self, optimizer):
         """(model state dict, optimizer state dict) as ``torch.distributed.checkpoint`` saves them.
@@ -287,18 +287,18 @@ def check_loss(loss, ctx):
 
 
 def gathered_state(module):
-    """``module``'s full (unsharded) state on rank 0 as :func:`wire.flatten_state`, None elsewhere.
+    """``module``'s full (unsharded) state on rank 0 as :func:`~distnb.engine.stateout.flatten_state`, None elsewhere.
 
-    ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` all-gathers DTensor
-    shards (FSDP2, tensor parallel): a collective, every rank calls it.
+    One tensor at a time: each DTensor (FSDP2, tensor parallel) is all-gathered whole (a collective:
+    every rank calls this, in the state_dict's order) and copied straight into rank 0's outbox
+    (:func:`distnb.engine.stateout.write_state`), so rank 0 holds the outbox plus one full tensor,
+    not the whole state first and its copy after (``get_model_state_dict(full_state_dict=True)``).
     """
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from .. import wire
+    from .. import stateout
 
-    state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return wire.flatten_state(state) if dist.get_rank() == 0 else None
+    return stateout.write_state(list(module.state_dict().items()), writer=dist.get_rank() == 0)
 
 
 def strategy_class(name: str) -> type:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import compiling
-from . import Strategy
+from . import Strategy, levers
 
 
 class DDP(Strategy):
@@ -24,6 +24,7 @@ class DDP(Strategy):
 
     def __init__(self, module, plan, device, ns):
         super().__init__(module, plan, device, ns)
+        levers.checkpoint_blocks(module, plan)  # --activation-checkpointing, before wrapping
         device_ids = [device.index if device.index is not None else 0] if device.type == "cuda" else None
         self.model = self.ddp = DistributedDataParallel(module, device_ids=device_ids, gradient_as_bucket_view=True,
                                                         find_unused_parameters=plan.find_unused_parameters)

@@ -38,7 +38,7 @@ from __future__ import annotations
 import weakref
 
 from .. import compiling, runtime
-from . import Strategy, StrategyError, gathered_state, is_container, tensor_bytes
+from . import Strategy, StrategyError, gathered_state, is_container, levers, tensor_bytes
 
 #: Device meshes made by the fsdp and tensor strategies on this rank, by id (meshes of one
 #: shape compare equal, so no set). DTensor's caches keep them (and so the process group)
@@ -230,8 +230,10 @@ class FSDP(Strategy):
 def shard(module, plan, mesh) -> list[str]:
     """``fully_shard`` the ``plan``'s units of ``module`` over ``mesh``, innermost first, then the root.
 
-    Units are ``plan.fsdp_units`` or :func:`default_units`; with ``--precision bf16/fp16`` the
-    forward computes in that dtype and gradients are reduced in fp32 (``MixedPrecisionPolicy``).
+    Units are ``plan.fsdp_units`` or :func:`default_units`; with ``--precision bf16/fp16`` or
+    ``--param-dtype bf16`` the forward computes in that dtype and gradients are reduced in fp32
+    (``MixedPrecisionPolicy``); ``--offload cpu`` keeps the shards in host memory (``CPUOffloadPolicy``):
+    :func:`~distnb.engine.strategies.levers.fsdp_policies`.
     ``mesh``: the 1-D mesh FSDP shards over (all ranks for fsdp, the ``dp`` dimension of a
     2-D mesh for fsdp+tensor). A collective: every rank of the group calls it.
 
@@ -244,13 +246,8 @@ def shard(module, plan, mesh) -> list[str]:
     from torch.distributed.fsdp import fully_shard
 
     groups = unit_groups(module, plan.fsdp_units or default_units(module))
-    kwargs = {}
-    if plan.precision in ("bf16", "fp16"):  # compute in low precision, reduce gradients in fp32
-        import torch
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        dtype = torch.bfloat16 if plan.precision == "bf16" else torch.float16
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    kwargs = levers.fsdp_policies(plan, mesh.device_type)  # --precision, --param-dtype, --offload
+    levers.checkpoint_blocks(module, plan, [unit for group in groups for unit in group])  # before fully_shard
     for group in groups:
         subs = [module.get_submodule(unit) for unit in group]
         fully_shard(subs[0] if len(subs) == 1 else subs, mesh=mesh, **kwargs)

@@ -75,6 +75,7 @@ from __future__ import annotations
 import itertools
 import math
 import types
+import functools
 import warnings
 from collections import OrderedDict
 
@@ -82,6 +83,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import wire
 from ..collectives import group_device, on_group
 from . import Strategy, StrategyError, check_loss, tensor_bytes
 from .pipeline_split import is_plain_sequential, num_microbatches, split_points, tensor_owners
@@ -488,22 +490,64 @@ class Pipeline(Strategy):
 
     # state -----------------------------------------------------------------------------
     def full_state(self):
-        """Gather every stage's tensors to rank 0 (``gather_object``); the full state there, None elsewhere."""
-        from .. import wire
+        """Every stage's tensors on rank 0, sent one by one straight into its outbox; None elsewhere.
 
-        mine = {k: v.detach().to("cpu") for k, v in self._stage_tensors().items() if not v.is_meta}
-        gathered = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(mine, gathered, dst=0)
+        The stages' key names are gathered (a small object), rank 0 says which rank sends each
+        tensor, and each comes by ``send``/``recv`` into its place (:func:`stateout.write_state`):
+        rank 0 holds its outbox plus one tensor. (``gather_object`` of the stages' tensors pickled
+        them into a byte tensor on the device and allocated ``world_size`` times the largest stage on
+        rank 0's; torch's docstring calls it "not well supported and inefficient" with GPU tensors.)
+        """
+        from .. import stateout
+
+        mine = {k: v for k, v in self._stage_tensors().items() if not v.is_meta}
+        names = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(sorted(mine), names, dst=0)
+        plan = [None]
+        if self.rank == 0:
+            plan[0] = self._senders(mine, names)
+        dist.broadcast_object_list(plan, src=0)
         if self.rank != 0:
+            for key, src in plan[0]:
+                if src == self.rank:
+                    tensor = on_group(mine[key].detach().contiguous())
+                    dist.send(tensor, dst=0)
             return None
         reference = self.module.state_dict(keep_vars=True)
-        state = {k: v.detach().to("cpu") for k, v in reference.items() if not v.is_meta}  # tensors of no stage
-        for part in gathered:
-            state.update({k: v for k, v in part.items() if k in reference})
-        missing = [k for k in reference if k not in state]
+        entries = []
+        for key, src in plan[0]:
+            if src == 0:
+                entries.append((key, mine[key] if key in mine else reference[key]))
+            else:
+                entries.append((key, wire.describe(reference[key]), functools.partial(self._receive, src)))
+        return stateout.write_state(entries)
+
+    def _senders(self, mine, names) -> list:
+        """Rank 0: ``(key, rank that sends it)`` for every key of the model's state, in its order."""
+        reference = self.module.state_dict(keep_vars=True)
+        held = {}
+        for r, keys in enumerate(names):  # a tensor several stages hold (a root's): the last stage's, as trained
+            for k in keys:
+                held[k] = r
+        plan, missing = [], []
+        for k, v in reference.items():
+            src = held.get(k, None if v.is_meta else 0)
+            if src is None:
+                missing.append(k)
+            plan.append((k, src))
         if missing:
             raise RuntimeError(f"no stage holds {', '.join(missing[:5])}; the weights cannot be assembled")
-        return wire.flatten_state(OrderedDict((k, state[k]) for k in reference))
+        return plan
+
+    def _receive(self, src: int, dst: torch.Tensor) -> None:
+        """Rank 0: receive a tensor from rank ``src`` into ``dst`` (CPU, in the outbox); through the group's
+        device when that is not the CPU (nccl)."""
+        if group_device().type == "cpu":
+            dist.recv(dst, src=src)  # group device: the CPU (gloo), checked on the line above
+            return
+        staging = torch.empty(dst.shape, dtype=dst.dtype, device=group_device())
+        dist.recv(staging, src=src)
+        dst.copy_(staging)
 
     def checkpoint_state(self, optimizer):
         """This stage's tensors (original keys, no two ranks share one) and its optimizer state.

@@ -75,7 +75,7 @@ import time
 
 import torch
 
-from . import Strategy, StrategyError, tensor_bytes
+from . import Strategy, StrategyError, levers, tensor_bytes
 from .ps_optimizer import ServerOptimizer, clone_tensors, flat_state, init_optimizer_state, load_flat_state
 
 #: Tags of the point-to-point messages on the parameter-server group.
@@ -179,6 +179,7 @@ class ParameterServer(Strategy):
         import torch.distributed as dist
 
         super().__init__(module, plan, device, ns)
+        levers.checkpoint_blocks(module, plan)  # --activation-checkpointing, before wrapping
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.num_servers, self.staleness = plan.servers, plan.staleness
         self.check(plan, module, self.world_size)
@@ -437,14 +438,14 @@ class ParameterServer(Strategy):
         """Drain the asynchronous exchange (every rank), then rank 0's state: the servers' values."""
         import torch.distributed as dist
 
-        from .. import wire
+        from .. import stateout
 
         self._new_cell()
         if self.staleness:
             self._drain()
         if dist.get_rank() != 0:
             return None
-        return wire.flatten_state(self.module.state_dict())
+        return stateout.flatten_state(self.module.state_dict())
 
     # checkpoints ------------------------------------------------------------------------------
     def checkpoint_state(self, optimizer):

@@ -49,7 +49,7 @@ from fnmatch import fnmatch
 import torch.nn as nn
 
 from .. import compiling
-from . import Strategy, StrategyError, gathered_state, tensor_bytes
+from . import Strategy, StrategyError, gathered_state, levers, tensor_bytes
 from .fsdp import make_mesh, module_names, optimizer_state_bytes, release_group
 from .tensor_check import VerifiedPlan
 
@@ -236,6 +236,7 @@ class Tensor(VerifiedPlan, DefaultPlanHint, Strategy):
         from torch.distributed.tensor.parallel import parallelize_module
 
         super().__init__(module, plan, device, ns)
+        levers.checkpoint_blocks(module, plan)  # --activation-checkpointing, before wrapping
         world_size = dist.get_world_size()
         self.tp_plan, self.replicated = resolve_plan(module, plan, ns)
         check_plan(self.tp_plan, module, world_size, plan_label(plan))

@@ -1,0 +1,262 @@
+"""Memory of a model bigger than one rank (issue 34): each rank's and the kernel's peak against torchrun.
+
+Model: ``L`` bias-free ``nn.Linear(4096, 4096)`` in an ``nn.ModuleList`` (64 MiB each in fp32):
+``--sizes 4,16,64`` gives 0.25, 1 and 4 GiB. Each strategy (ddp, fsdp, tensor, pipeline) trains two SGD
+steps (batch 1 per rank, 2 ranks, gloo) in the same run:
+
+- **distnb**: a kernel of its own (a subprocess, so its figures are its own) starts a 2-rank cluster,
+  builds the model (``full``: on the CPU; ``meta``: under ``torch.device("meta")``) and trains it with
+  ``%%distrain`` (``Session.train``). Kernel: idle RSS after the start; peak (``VmHWM`` reset through
+  ``/proc/self/clear_refs`` before the model is built) and RSS after the cell, above idle; the cell's own
+  ``TrainResult.kernel_peak_memory``. Ranks: RSS before the cell, and the peak (``ru_maxrss``, the
+  TrainResult rows' ``peak_memory``) above it.
+- **torchrun**: ``torchrun --nproc-per-node 2`` of the same model, strategy and steps written by hand
+  (``DDP``; ``fully_shard`` per layer and on the root; ``parallelize_module`` with column-/row-wise pairs;
+  ``PipelineStage`` + ``ScheduleGPipe`` on two halves). ``full``: built on every rank then distributed;
+  ``meta``: built on meta, distributed, then ``to_empty`` + ``reset_parameters`` (torchtitan's order).
+  Each rank: the peak (``ru_maxrss``) above its RSS after ``init_process_group``.
+
+The figure of merit is distnb's rank peak above idle / torchrun's (target 1.2, issue 34 item 1) and the
+kernel's peak above idle / the model's size (target <= 1.1 + 64 MiB, item 2). A distnb path refused
+today (a meta model before meta init lands) is reported as such, with its error.
+
+Usage::
+
+    .venv/bin/python benchmarks/memory.py [--sizes 4,16] [--strategies ddp,fsdp,tensor,pipeline]
+                                          [--inits full,meta] [--levers BATCH] [--json PATH]
+
+``--levers BATCH`` adds fsdp with each memory lever (``--activation-checkpointing``, ``--offload cpu``,
+``--param-dtype bf16``) and without, at BATCH samples per rank (activations need a batch to matter),
+distnb alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+MIB = 2 ** 20
+
+COMMON = textwrap.dedent('''
+    import json, os, resource, sys
+    import torch, torch.nn as nn
+
+    def rss():
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+
+    class Stack(nn.Module):
+        def __init__(self, layers):
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(4096, 4096, bias=False) for _ in range(layers))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+''')
+
+DISTNB = COMMON + textwrap.dedent('''
+    import distnb
+    layers, strategy, init = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    levers, batch = json.loads(sys.argv[4]), int(sys.argv[5])
+    Stack.__module__ = "__main__"
+    ns = {}
+    s = distnb.start(n=2, ns=ns, quiet=True, timeout=600)
+    out = dict(system="distnb")
+    try:
+        s.run("import resource\\n_rss = int(open('/proc/self/status').read().split('VmRSS:')[1].split()[0]) * 1024")
+        rank_idle = s.pull("_rss")
+        ns["data"] = torch.randn(4 * batch, 4096)
+        kernel_idle = rss()
+        open("/proc/self/clear_refs", "w").write("5")
+        torch.manual_seed(0)
+        if init == "meta":
+            with torch.device("meta"):
+                ns["net"] = Stack(layers)
+        else:
+            ns["net"] = Stack(layers)
+        extra = dict(microbatches=1) if strategy == "pipeline" else {}
+        extra.update(levers)
+        try:
+            r = s.train("loss = model(batch).pow(2).mean()", "net", "data", strategy=strategy, epochs=1,
+                        batch_size=batch, lr=1e-4, quiet=True, progress="none", **extra)
+        except Exception as exc:  # a path distnb refuses today: say so
+            out.update(refused=f"{type(exc).__name__}: {str(exc)[:300]}")
+        else:
+            out.update(kernel_peak=status("VmHWM") - kernel_idle, kernel_after=rss() - kernel_idle,
+                       kernel_cell_peak=(getattr(r, "kernel_peak_memory", None) or 0) - kernel_idle,
+                       ranks=[row["peak_memory"] - idle for row, idle in zip(r.rows, rank_idle)]
+                       if "peak_memory" in r.rows[0] else None)  # an older distnb (a before/after run)
+    finally:
+        s.stop(quiet=True)
+    print("RESULT " + json.dumps(out))
+''')
+
+TORCHRUN = COMMON + textwrap.dedent('''
+    import torch.distributed as dist
+    layers, strategy, init = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,))
+    idle = rss()
+    torch.manual_seed(0)
+    with torch.device("meta" if init == "meta" else "cpu"):
+        net = Stack(layers)
+
+    def materialise(module):
+        if init == "meta":
+            module.to_empty(device="cpu")
+            for m in module.modules():
+                if hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+        return module
+
+    x = torch.randn(1, 4096)
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        model = DDP(materialise(net))
+    elif strategy == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+        for layer in net.layers:
+            fully_shard(layer, mesh=mesh)
+        model = materialise(fully_shard(net, mesh=mesh))
+    elif strategy == "tensor":
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        plan = {f"layers.{i}": ColwiseParallel() if i % 2 == 0 else RowwiseParallel() for i in range(layers)}
+        model = materialise(parallelize_module(net, mesh, plan))
+    else:
+        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+        half = layers // 2
+        mine = nn.Sequential(*list(net.layers)[half * rank:half * (rank + 1)])
+        del net
+        model = materialise(mine)
+        stage = PipelineStage(model, rank, world, torch.device("cpu"))
+        schedule = ScheduleGPipe(stage, 1, loss_fn=lambda out, target: out.pow(2).mean())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    for _ in range(2):
+        opt.zero_grad()
+        if strategy == "pipeline":
+            if rank == 0:
+                schedule.step(x)
+            else:
+                schedule.step(target=torch.zeros(1, 4096))
+        else:
+            model(x).pow(2).mean().backward()
+        opt.step()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peaks = [None] * world
+    dist.all_gather_object(peaks, peak - idle)
+    if rank == 0:
+        print("RESULT " + json.dumps(dict(system="torchrun", ranks=peaks)))
+    dist.destroy_process_group()
+''')
+
+
+def _run(cmd, timeout):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if not lines:
+        return dict(error=(proc.stdout[-800:] + proc.stderr[-1500:]).strip())
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def measure(layers, strategy, init, folder, timeout, levers=None, batch=1):
+    """``{"distnb": ..., "torchrun": ...}`` for one model size, strategy and initialisation (bytes).
+
+    ``levers`` (``s.train`` keywords, e.g. ``{"offload": "cpu"}``): distnb alone, with them, at ``batch``
+    samples per rank (the levers' effect; torchrun is not run)."""
+    paths = {}
+    for name, text in (("distnb", DISTNB), ("torchrun", TORCHRUN)):
+        paths[name] = os.path.join(folder, f"memory_{name}.py")  # not distnb.py: that would shadow the package
+        with open(paths[name], "w") as f:
+            f.write(text)
+    args = [str(layers), strategy, init]
+    distnb = _run([sys.executable, paths["distnb"], *args, json.dumps(levers or {}), str(batch)], timeout)
+    if levers is not None:
+        return dict(torchrun={}, distnb=distnb)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                paths["torchrun"], *args]
+    return dict(torchrun=_run(torchrun, timeout), distnb=distnb)
+
+
+def _mib(x):
+    return "-" if x is None else f"{x / MIB:,.0f}"
+
+
+def report(rows) -> str:
+    """A markdown table: per case, each rank's peak above idle (distnb / torchrun, ratio), the kernel's."""
+    out = ["| model | strategy | init | torchrun ranks (MiB) | distnb ranks (MiB) | worst ratio | kernel peak "
+           "(MiB) | kernel peak / model | kernel after (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        model = row["layers"] * 64 * MIB
+        t, d = row["torchrun"], row["distnb"]
+        tr = t.get("ranks") or []
+        dr = d.get("ranks") or []
+        if "kernel_peak" in d and not dr:
+            dr = [None] * len(tr)
+        ratio = max((a / b for a, b in zip(dr, tr) if a is not None and b), default=None)
+        if "refused" in d or "error" in d:
+            why = d.get("refused") or (d.get("error", "").strip().splitlines() or ["?"])[-1]
+            distnb_cells = [f"not run: {why[:200]}", "-", "-", "-", "-"]
+        else:
+            distnb_cells = [" / ".join(_mib(x) for x in dr), f"{ratio:.2f}" if ratio else "-",
+                            _mib(d["kernel_peak"]), f"{d['kernel_peak'] / model:.2f}", _mib(d["kernel_after"])]
+        torchrun_cell = " / ".join(_mib(x) for x in tr) if tr else f"error: {t.get('error', '')[-120:]}"
+        if row.get("levers") is not None:
+            torchrun_cell = "(not run)"
+        label = row["strategy"] + "".join(f" --{k.replace('_', '-')} {v}".replace(" True", "")
+                                          for k, v in (row.get("levers") or {}).items())
+        label += f" (batch {row['batch']})" if row.get("levers") is not None else ""
+        out.append(f"| {row['layers'] * 64 / 1024:g} GiB | {label} | {row['init']} | {torchrun_cell} | "
+                   + " | ".join(distnb_cells) + " |")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="4,16", help="layers per model: 4, 16, 64 = 0.25, 1, 4 GiB (default 4,16)")
+    ap.add_argument("--strategies", default="ddp,fsdp,tensor,pipeline")
+    ap.add_argument("--inits", default="full,meta")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per run (default 900)")
+    ap.add_argument("--levers", type=int, default=0, metavar="BATCH",
+                    help="also fsdp with each memory lever at BATCH samples per rank, distnb alone (default: not)")
+    ap.add_argument("--json", default=None, help="write the figures here too")
+    args = ap.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for layers in (int(x) for x in args.sizes.split(",")):
+            for strategy in args.strategies.split(","):
+                for init in args.inits.split(","):
+                    got = measure(layers, strategy, init, folder, args.timeout)
+                    rows.append(dict(layers=layers, strategy=strategy, init=init, **got))
+                    print(json.dumps(rows[-1]), flush=True)
+            for levers in ([{}, {"activation_checkpointing": True}, {"offload": "cpu"}, {"param_dtype": "bf16"}]
+                           if args.levers else []):
+                got = measure(layers, "fsdp", "full", folder, args.timeout, levers, args.levers)
+                rows.append(dict(layers=layers, strategy="fsdp", init="full", levers=levers, batch=args.levers, **got))
+                print(json.dumps(rows[-1]), flush=True)
+    print(report(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

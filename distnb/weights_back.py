@@ -1,0 +1,108 @@
+"""Weights back into the kernel's own tensors, in place, one tensor at a time.
+
+Rank 0 writes the trained state into its outbox (:mod:`distnb.engine.stateout`): a segment of
+its shared-memory pool when it shares ``/dev/shm`` with the kernel, else one array in the reply.
+From a segment, each tensor's bytes are read with ``os.preadv`` straight into the memory of the
+notebook model's tensor: no mapping of the rank's segment (whose pages would count in the
+kernel's memory as they are read), no temporary. A tensor of another dtype or device, or not
+contiguous, goes through a temporary of its own size, converted by ``copy_``. So the kernel
+holds the model, plus at most its largest tensor, at every moment of weights back.
+
+Before, the kernel offered rank 0 a second model-sized segment of its own pool, re-pointed the
+model into it and kept the first for the next cell: twice the model after every cell (the 1 GiB
+model of issue 34 left the kernel at 3.3 GiB).
+
+Each tensor written is marked changed for autograd (``torch.autograd.graph.increment_version``,
+as ``copy_`` would), so change detection (:func:`distnb.transfer.fingerprint`) and saved tensors
+see the new weights.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+
+def _writable(t) -> memoryview:
+    """A writable byte view of the contiguous CPU tensor ``t``'s memory (no ``.numpy()``: that would
+    mark its storage shared with numpy and keep it from moving into a resident segment)."""
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+def _read_exact(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise OSError(f"the rank's state file ended {len(view) - done} bytes early")
+        done += got
+
+
+def _direct(t, desc: tuple) -> bool:
+    """Whether the bytes of ``desc`` can be read straight into ``t``."""
+    import torch  # the kernel imports torch only when it needs it
+    return (t.device.type == "cpu" and str(t.dtype).removeprefix("torch.") == desc[0]
+            and tuple(t.shape) == tuple(desc[1]) and t.is_contiguous() and not t.is_conj() and not t.is_neg()
+            and type(t.untyped_storage()) is torch.UntypedStorage)
+
+
+def load_into(model, keys, descs, sizes, flat) -> None:
+    """Copy a state sent back by rank 0 into ``model``'s own tensors, one at a time.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        The notebook's model; its tensors keep their identity (``Parameter`` objects, ``.grad``).
+    keys, descs, sizes, flat
+        What :func:`distnb.engine.stateout.write_state` returned: ``flat`` a
+        :class:`~distnb.engine.wire.ShmRef` into rank 0's outbox, or a flat uint8 array.
+
+    Raises
+    ------
+    RuntimeError
+        From ``load_state_dict`` when the keys or a shape differ from the model's (torch's message).
+    """
+    import torch  # the kernel imports torch (and the wire format, which needs it) only when it needs it
+
+    from .engine import wire
+
+    targets = model.state_dict(keep_vars=True)
+    shapes_ok = set(targets) == set(keys) and all(tuple(targets[k].shape) == tuple(d[1]) for k, d in zip(keys, descs))
+    if not shapes_ok:  # let load_state_dict name the missing/unexpected keys or the shape
+        with torch.no_grad():
+            model.load_state_dict(wire.unflatten_state(keys, descs, sizes, flat))
+        return
+    if not isinstance(flat, wire.ShmRef):
+        offsets = wire.layout(sizes)[0]
+        _copy_each(targets, keys, descs, offsets, lambda off, n, d: wire.from_buffer(d[:2] + (False, False),
+                                                                                    flat[off:off + n], copy=False))
+        return
+    fd = os.open(flat.path, os.O_RDONLY)
+    try:
+        def temporary(off, n, desc):
+            got = torch.empty(n, dtype=torch.uint8)
+            _read_exact(fd, _writable(got), off)
+            return got.view(getattr(torch, desc[0])).view(tuple(desc[1]))
+
+        _copy_each(targets, keys, descs, flat.offsets, temporary, fd=fd)
+    finally:
+        os.close(fd)
+
+
+def _copy_each(targets, keys, descs, offsets, source, fd=None) -> None:
+    """Each key's bytes into its target: read straight into it (``fd`` given), else ``copy_`` from ``source``."""
+    import torch  # the kernel imports torch only when it needs it
+    seen = set()
+    with torch.no_grad():
+        for key, desc, off in zip(keys, descs, offsets):
+            t = targets[key]
+            if t.numel() == 0 or (t.data_ptr(), t.dtype, tuple(t.shape)) in seen:  # tied weights: once
+                continue
+            seen.add((t.data_ptr(), t.dtype, tuple(t.shape)))
+            n = t.numel() * torch.empty(0, dtype=getattr(torch, desc[0])).element_size()
+            if fd is not None and _direct(t, desc):
+                _read_exact(fd, _writable(t.detach()), off)
+                torch.autograd.graph.increment_version(t)
+            else:
+                t.detach().copy_(source(off, n, desc))  # converts dtype and device; bumps the version
