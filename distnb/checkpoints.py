@@ -121,7 +121,10 @@ def load(session, name: str, model_obj, directory: str, quiet: bool = False, cha
     training.weights_back(session, name, model_obj)
     export.loaded(name, model_obj, meta)  # the notebook's model agrees with the ranks': no "changed" claim
     if not quiet:
-        print(f"distnb: loaded {meta['path']} into {name} on {count(session.world_size, 'rank')} and the kernel "
+        on_meta = any(t.is_meta for t in model_obj.state_dict().values())  # a meta model gets no weights back
+        where = (f"; the notebook's {name} stays on the meta device (%dist pull {name}.PARAM for one tensor)"
+                 if on_meta else " and the kernel")
+        print(f"distnb: loaded {meta['path']} into {name} on {count(session.world_size, 'rank')}{where} "
               f"(--strategy {plan.strategy}, epoch {meta['epoch']}, step {meta['epoch_step']} of it"
               + (f"; --mesh {plan.mesh}, saved on {meta['plan'].get('mesh') or meta.get('world_size')}"
                  if "mesh" in changes else "") + ")")

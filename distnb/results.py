@@ -210,7 +210,7 @@ class TrainResult(Table):
             metric = f", {self.metric_name} {self.val_metric:.4f}" if self.val_metric is not None else ""
             parts.append(f"validation loss {self.val_loss:.4f}{metric}")
         if self.plan.accumulate > 1:
-            parts.append(f"{self.optimizer_steps} optimizer steps")
+            parts.append(count(self.optimizer_steps, "optimizer step"))
         if self.lr is not None and (self.plan.lr_schedule or len({v for _, v in self.lr_history}) > 1):
             parts.append(f"lr {self.lr:.3g}")
         if self.grad_norm is not None:

@@ -161,3 +161,27 @@ def body_name_hint(failures, ns: dict, body_names) -> str:
                     f"{name} is not one of them ({name} is the step body's, on the ranks); pass it in: "
                     f"def {fn}({name}, ...) and call {fn}({name}) from the body (ctx.after_backward(lambda: {fn}({name})))")
     return ""
+
+
+def _is_module(obj) -> bool:
+    """Whether ``obj`` is a ``torch.nn.Module`` (without importing torch in the kernel's error path)."""
+    return any(f"{c.__module__}.{c.__qualname__}" == "torch.nn.modules.module.Module" for c in type(obj).__mro__)
+
+
+def module_name_hint(failures, ns: dict, model_name: str) -> str:
+    """The fix when the body used a notebook name bound to a ``torch.nn.Module`` (``m = net``, then ``m(x)``), else ''.
+
+    Models are never pushed by name: each rank holds its own copy of ``--model``, distributed by the
+    strategy, and the body reaches it as ``model``; another notebook name for a module is not defined
+    on the ranks, and Python's bare NameError said nothing of that.
+    """
+    for f in failures:
+        m = _UNDEFINED.match(f.get("evalue") or "") if f.get("ename") == "NameError" else None
+        if m and _is_module(ns.get(m.group(1))):
+            name = m.group(1)
+            same = " (the same object as --model " + model_name + ")" if ns.get(name) is ns.get(model_name) else ""
+            return (f"{name} is a torch.nn.Module in the notebook{same}: modules are not sent to the ranks by name; "
+                    f"the body reaches the model the cell trains as `model` (the strategy's wrapper), e.g. "
+                    f"`model(x)`; another module it needs goes in as a submodule of --model, or is built on the ranks "
+                    "in a %%dist cell")
+    return ""

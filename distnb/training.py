@@ -22,7 +22,7 @@ from .errors import PlanError, RankError
 from .resuming import check_folders, first_step, newest_meta, newest_start, push_saved_names, start_sentence
 from .execute import restart_world, run_on_ranks
 from .plan import LR_SCHEDULES, TrainPlan, carry_over, not_carried, redistribution
-from .tracebacks import body_name_hint
+from .tracebacks import body_name_hint, module_name_hint
 
 #: How often ranks report for each progress view (seconds): the dashboard redraws live,
 #: text progress prints per epoch (status and epoch-end messages are always sent at once).
@@ -533,7 +533,8 @@ def train_cell(session, code, model, data, run, given):
             if isinstance(exc, RankError) and not exc.hint:
                 held = session.holdings.data.get(plan.data) or {}
                 exc.add_hint(modelcheck.dtype_hint(exc, plan, model_obj, data_obj, held.get("sample") or "")
-                             or body_name_hint(exc.failures, session.ns, RESERVED_NAMES))
+                             or body_name_hint(exc.failures, session.ns, RESERVED_NAMES)
+                             or module_name_hint(exc.failures, session.ns, plan.model))
             if plan.builtin_optimizer:  # a built-in optimizer was not what failed (a dead engine, the body, ...)
                 session.holdings.remember(plan, model_obj)
             exc.plan = plan  # what --on-failure shrink goes on with (distnb.shrinking)

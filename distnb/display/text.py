@@ -102,8 +102,11 @@ class TextProgress:
                 # the cell's step count (the progress bar's), not the step within the epoch that the
                 # interrupt summary names; the epoch is the last one the rank reported, if any
                 epoch = f" in epoch {r['epoch']}" if r.get("epoch") is not None else ""
-                print(f"rank {r['rank']} {r['status']} after {r['step']} of this cell's steps{epoch}{detail}",
-                      file=self.stream)
+                place = f"after {r['step']} of this cell's steps{epoch}"
+                if str(r.get("error") or "").startswith("EngineDied"):  # a dead rank says nothing more: its last report
+                    place = (f"(last reported after {r['step']} of this cell's steps{epoch}; it may have got further)"
+                             if r["step"] or r.get("epoch") is not None else "(it had reported no step)")
+                print(f"rank {r['rank']} {r['status']} {place}{detail}", file=self.stream)
         self.stream.flush()
 
     def close(self):

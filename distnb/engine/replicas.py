@@ -11,9 +11,10 @@ Lightning or torchtitan checks it either.
 The check (``--check-replicas``, :func:`check`): each rank digests each replicated tensor with
 ``torch.hash_tensor`` (an xor of its elements' 64-bit patterns: any changed element changes it, at
 about 0.4 ms per MiB on a CPU core here and no copy), the digests' maximum and minimum over the group
-that must agree are taken in one all-reduce (two int64 per tensor), and only when they differ is
-the first differing tensor looked at closely: which ranks hold which copy (the majority's copy is
-the reference) and the largest element-wise difference from it. Every rank then raises the same
+that must agree are taken in one all-reduce (two int64 per tensor), and only when they differ are
+the differing tensors (up to four) looked at closely: which ranks hold which copy (the majority's
+copy is the reference) and the largest element-wise difference from it; the tensor that differs
+most is named first (the likely cause: a tensor written on one rank makes others drift after it). Every rank then raises the same
 error, so the cell fails on all of them at once and the group stays usable.
 """
 
@@ -100,13 +101,18 @@ def check(strategy, when: str) -> None:
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)  # group device: the parameters' (the rank's)
         high, low = both[:len(tensors)], ~both[len(tensors):]
         differ = (low != high).nonzero().flatten().tolist()
-        if differ:
-            name, local = tensors[differ[0]]
-            raise RuntimeError(_describe(group, name, local, digests[differ[0]], len(differ), when))
+        if differ:  # the same list on every rank (from the all-reduce): the collectives below match
+            looked = [_compare(group, *tensors[i], digests[i]) for i in differ[:LOOKED]]
+            raise RuntimeError(_message(looked, len(differ), when))
 
 
-def _describe(group, name, local, digest, num_differ, when) -> str:
-    """The error for tensor ``name``: which ranks' copies differ from the majority's, and by how much (collectives)."""
+#: Differing tensors looked at closely (each costs a broadcast of the tensor); the one that differs most is named first.
+LOOKED = 4
+
+
+def _compare(group, name, local, digest) -> tuple:
+    """``(largest difference, name, who)`` of one differing tensor: which ranks' copies differ from the majority's,
+    and by how much (collectives on ``group``: every rank calls it for the same tensors in the same order)."""
     members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     gathered = [torch.empty_like(digest.reshape(1)) for _ in members]
     dist.all_gather(gathered, digest.reshape(1), group=group)  # group device: the parameters' (the rank's)
@@ -129,11 +135,21 @@ def _describe(group, name, local, digest, num_differ, when) -> str:
     who = (f"rank {odd[0]}'s copy differs" if len(odd) == 1 else
            f"ranks {', '.join(map(str, odd))} hold copies that differ") + \
         f" from rank {min(reference)}'s" + (f" (and {len(reference) - 1} more)" if len(reference) > 1 else "")
-    if not majority:
-        who += " (no majority of equal copies: either may be the one that changed)"
-    more = f"; {num_differ - 1} more tensor(s) differ too" if num_differ > 1 else ""
+    return largest, name, who, not majority
+
+
+def _message(looked: list, num_differ: int, when: str) -> str:
+    """The error: the tensor that differs most first (the likely cause; the others often drifted after it), its
+    ranks and largest difference within the first line's reach, then the other tensors and the advice."""
+    looked = sorted(looked, key=lambda item: -item[0])
+    largest, name, who, ambiguous = looked[0]
+    others = [f"{n} ({d:.3g})" for d, n, _, _ in looked[1:]] + \
+        ([f"{num_differ - len(looked)} more"] if num_differ > len(looked) else [])
+    also = f"; also {', '.join(others)}" if others else ""
+    either = " (no majority of equal copies: either may be the one that changed)" if ambiguous else ""
     return (f"rank {runtime.STATE.rank}: replicas drifted apart {when}: {name}: {who}, largest difference "
-            f"{largest:.3g}{more}. Copies that every rank of the group must hold equal are no longer equal, so the "
-            "ranks now train different models. Usual causes: the body writes a parameter (or buffer) on some ranks "
-            "only, a non-deterministic kernel, a torch.compile difference between ranks. Fix the cause, then "
-            "%%distrain --reset sends the notebook's model again (--check-replicas off skips this check)")
+            f"{largest:.3g}{either}{also}. Copies that every "
+            "rank of the group must hold equal are no longer equal, so the ranks now train different models. Usual "
+            "causes: the body writes a parameter (or buffer) on some ranks only, a non-deterministic kernel, a "
+            "torch.compile difference between ranks. Fix the cause, then %%distrain --reset sends the notebook's "
+            "model again (--check-replicas off skips this check)")

@@ -1,5 +1,7 @@
 """Replicas checked for silent drift (--check-replicas): a copy that one rank changed is named, never trained on."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -54,8 +56,8 @@ def test_a_copy_changed_between_cells_is_named_before_the_next_cells_first_step(
     dist_session.run("if rank == 0:\n    import torch\n    with torch.no_grad():\n"
                      "        drift_between_net[0].bias[3] += 0.5")
     with pytest.raises(RankError, match=r"before the cell's first step: 0\.bias: rank 1's copy differs from rank "
-                                        r"0's \(no majority of equal copies: either may be the one that changed\), "
-                                        r"largest difference 0\.5"):
+                                        r"0's, largest difference 0\.5 \(no majority of equal copies: either may be "
+                                        r"the one that changed\)"):
         dist_session.train(BODY, model="drift_between_net", data="drift_data", epochs=1, batch_size=16, lr=0.1,
                            progress="none", quiet=True)
 
@@ -76,3 +78,27 @@ def test_a_bad_mode_is_refused_before_anything_is_sent(dist_session, shell):
     _fresh(shell, "drift_bad_net")
     with pytest.raises(PlanError, match="check_replicas|check-replicas"):
         dist_session.train(BODY, model="drift_bad_net", data="drift_data", check_replicas="always", progress="none")
+
+
+def test_the_tensor_and_its_difference_come_first_in_the_ranks_one_line_error(dist_session, shell):
+    """The text progress shows each rank's error cut at 300 characters: the tensor, the rank and the difference come
+    within the first 200 (the tester saw 'largest difference ' cut before its number)."""
+    _fresh(shell, "drift_cause_net")
+    body = ("if ctx.rank == 1 and ctx.step == 2:\n    with torch.no_grad():\n"
+            "        model.module[2].bias[0] += 0.25\n") + BODY
+    with pytest.raises(RankError) as info:
+        dist_session.train(body, model="drift_cause_net", data="drift_data", epochs=1, batch_size=16, lr=0.1,
+                           progress="none", quiet=True)
+    line = str(info.value).split("RuntimeError: ", 1)[1]
+    head = re.match(r"rank \d: replicas drifted apart at the end of epoch 0: 2\.bias: rank 1's copy differs from "
+                    r"rank 0's, largest difference 0\.25", line)
+    assert head is not None and head.end() < 200, line
+
+
+def test_the_tensor_that_differs_most_is_named_first():
+    from distnb.engine import replicas
+
+    text = replicas._message([(3.7e-4, "c.weight", "rank 1's copy differs from rank 0's", True),
+                              (0.25, "c.bias", "rank 1's copy differs from rank 0's", True)], 3, "at the end of epoch 0")
+    assert ": c.bias: rank 1's copy differs from rank 0's, largest difference 0.25 (no majority" in text
+    assert "; also c.weight (0.00037), 1 more." in text

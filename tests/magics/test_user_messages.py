@@ -63,3 +63,13 @@ def test_a_second_start_names_the_running_hang_timeout_not_none(shell, capsys):
     out = capsys.readouterr().out
     assert "--hang-after 4.0 (running: 10 s, the default)" in out, out  # min(10, --timeout 30 / 2)
     assert "None" not in out
+
+
+def test_a_notebook_alias_of_the_model_in_the_body_says_to_call_model(shell):
+    """``m = um_net`` then ``m(x)`` in the body: Python's bare NameError on the ranks, though the notebook defines m."""
+    run(shell, SETUP + "\num_alias = um_net")
+    err = run(shell, TRAIN + "loss = F.cross_entropy(um_alias(x), y)").error_in_exec
+    assert isinstance(err, RankError) and "name 'um_alias' is not defined" in str(err)
+    assert "um_alias is a torch.nn.Module in the notebook (the same object as --model um_net): modules are not sent " \
+           "to the ranks by name" in str(err) and "`model(x)`" in str(err)
+    assert run(shell, TRAIN + "loss = F.cross_entropy(model(x), y)").error_in_exec is None  # the cluster goes on

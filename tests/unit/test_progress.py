@@ -82,7 +82,7 @@ def test_text_progress_names_no_epoch_for_a_rank_that_never_reported():
     view.close()
     text = out.getvalue()
     assert "None" not in text
-    assert "rank 1 failed after 0 of this cell's steps: EngineDied: gone" in text
+    assert "rank 1 failed (it had reported no step): EngineDied: gone" in text
     assert "rank 0 interrupted after 3 of this cell's steps in epoch 1" in text
 
 
@@ -203,3 +203,20 @@ def test_the_text_view_prints_the_cells_start_notes_before_an_epoch_line_of_the_
     assert lines[:2] == ["distnb: new sgd optimizer (was adam)", "distnb: continued epoch 0 where it stopped (16 "
                          "samples per rank already trained); it counts as the first of this cell's epochs"]
     assert lines[2].startswith("epoch   0") and state.start_shown and len(lines) == 4  # once
+
+
+def test_a_dead_rank_s_line_gives_its_last_report_not_a_place_it_failed():
+    """A SIGKILLed engine says nothing more: the line read 'rank 1 failed after 86 ... in epoch 1' while rank 0 was at
+    step 100 of epoch 2; it now says that 86 is its last report."""
+    import io
+
+    st = ProgressState(2, total_steps=200, epochs=4)
+    st.update(1, dict(status="running", epoch=1, step=86))
+    st.update(1, dict(status="failed", error="EngineDied: rank 1 (engine 3, pid 7) died: killed by SIGKILL"))
+    st.update(0, dict(status="failed", epoch=2, step=100, error="RuntimeError: boom"))
+    out = io.StringIO()
+    TextProgress(st, stream=out).refresh(final=True)
+    text = out.getvalue()
+    assert "rank 1 failed (last reported after 86 of this cell's steps in epoch 1; it may have got further): " \
+           "EngineDied" in text
+    assert "rank 0 failed after 100 of this cell's steps in epoch 2: RuntimeError: boom" in text
