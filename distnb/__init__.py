@@ -35,7 +35,7 @@ def load_ipython_extension(ipython):
     ``%dist start`` can fork CPU engines instead of importing all of it in each of them.
     ``DISTNB_ZYGOTE=0`` turns it off.
     """
-    from . import kernelstop, zygote
+    from . import kernelstop, zygote  # at load_ext only: `import distnb` stays free of IPython and zmq
     from .magics import DistMagics
 
     ipython.register_magics(DistMagics)

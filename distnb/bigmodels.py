@@ -71,7 +71,7 @@ def rank_need(model, plan, world_size: int) -> tuple[int, str]:
         return whole, "the whole model (ddp keeps a full replica on every rank)"
     share = whole // world_size
     if plan.strategy == "fsdp":
-        from .engine.strategies.fsdp import default_units
+        from .engine.strategies.fsdp import default_units  # imports torch: at first use
 
         units = plan.fsdp_units or default_units(model)
         largest = max((model_bytes(model.get_submodule(u)) for u in units), default=0)
@@ -156,7 +156,7 @@ def send_calls(cluster, plan, model, steps, payload, descs, sent):
     before they materialise their part (:func:`distnb.engine.install.place_model`); otherwise
     every rank receives the whole model (:func:`distnb.engine.install.install_model`).
     """
-    from .engine import strategies
+    from .engine import strategies  # imports torch: at first use
 
     meta = on_meta(model)
     if not meta and not strategies.strategy_class(plan.strategy).shards_first:

@@ -36,7 +36,7 @@ def pull_tensor(session, name: str, rank=None):
     PlanError
         The model is not on the ranks, or has no such parameter or buffer (the nearest names are given).
     """
-    from .engine import wire
+    from .engine import wire  # imports torch: the kernel loads it at first use
 
     head, _, path = name.partition(".")
     if not head.isidentifier() or not path:

@@ -93,7 +93,7 @@ def _repoint(t, owner, offset: int) -> None:
     its own (:func:`distnb.engine.segments.tensor_at`: ``torch.save`` of it writes just its bytes)."""
     import torch
 
-    from .engine import segments
+    from .engine import segments  # imports torch: the kernel loads it at first use
 
     moved = segments.tensor_at(owner, offset, t.dtype, t.shape)
     with torch.no_grad():
@@ -106,7 +106,7 @@ def in_place(pool, buffers):
     ``buffers``: flat uint8 arrays (:func:`distnb.engine.wire.to_buffer`). Only when every non-empty
     one lies in one resident segment of ``pool`` (whose file still exists) at a 64-byte offset.
     """
-    from .engine import wire
+    from .engine import wire  # imports torch: the kernel loads it at first use
 
     where, offsets, sizes = None, [], []
     for b in buffers:
@@ -160,7 +160,7 @@ def write_adopting(pool, seg, buffers: list, tensors):
     """
     import torch
 
-    from .engine import wire
+    from .engine import wire  # imports torch: the kernel loads it at first use
 
     offsets, _ = wire.layout([len(b) for b in buffers])
     by_address = {t.data_ptr(): t for t in tensors}

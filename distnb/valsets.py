@@ -48,7 +48,7 @@ def kernel_form(name: str, obj):
 
     if not isinstance(obj, torch.utils.data.IterableDataset):
         return obj
-    from .engine.datasets import SampleList
+    from .engine.datasets import SampleList  # imports torch: the kernel loads it at first use
 
     samples = list(obj)
     if not samples:

@@ -65,7 +65,7 @@ def load_into(model, keys, descs, sizes, flat) -> None:
     """
     import torch  # the kernel imports torch (and the wire format, which needs it) only when it needs it
 
-    from .engine import wire
+    from .engine import wire  # imports torch: the kernel loads it at first use
 
     targets = model.state_dict(keep_vars=True)
     shapes_ok = set(targets) == set(keys) and all(tuple(targets[k].shape) == tuple(d[1]) for k, d in zip(keys, descs))

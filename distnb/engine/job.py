@@ -180,7 +180,7 @@ def _epoch_printer(rank):
 
 def _install(ns, directory, spec, plan) -> None:
     """Model (as the ranks received it at the cell's start), names and data on this rank."""
-    from . import checkpoint, install, loop, runtime, strategies, wire
+    from . import checkpoint, install, loop, runtime, strategies, wire  # as every entry of the job: only its mode's
 
     payload, descs, buffers = _load_pickle(directory, MODEL)
     install.install_model(ns, plan.model, payload, descs, 0, *buffers)

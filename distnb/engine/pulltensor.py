@@ -13,7 +13,7 @@ import difflib
 
 import torch
 
-from . import wire
+from . import runtime, wire
 
 
 def _module(ns, head: str):
@@ -56,7 +56,6 @@ def fetch_tensor(ns, head: str, path: str, gathered: bool, rank: int):
     ``gathered``: it is a DTensor, all-gathered whole on every rank (a collective: call on all ranks).
     The tensor is detached, on the CPU, with its dtype and its full shape.
     """
-    from . import runtime
 
     module, strategy = _module(ns, head)
     t = _tensors(module, strategy)[path]

@@ -32,7 +32,7 @@ import threading
 import time
 import traceback
 
-from . import ncclfail
+from . import abort, arrival, collectives, ncclfail
 
 #: Seconds between two looks at the cell's thread.
 INTERVAL = 0.25
@@ -52,7 +52,6 @@ NOTE: dict = {}
 
 def _summary(frame, ddp_backward: bool) -> dict:
     """What :mod:`distnb.execute` needs to know about a stack whose innermost frame is ``frame``."""
-    from . import arrival, collectives
 
     stack = traceback.extract_stack(frame)
     cell = next((f for f in reversed(stack) if f.filename.startswith(_CELLS)), None)
@@ -120,7 +119,6 @@ class Watchdog:
 
     def _look(self) -> bool:
         """One look: poll for another rank's failure, publish where the thread is; False once it has ended."""
-        from . import abort, collectives
 
         try:
             abort.poll()  # another rank failed: end this rank's collective now (engine/abort.py)

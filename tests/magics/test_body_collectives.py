@@ -6,14 +6,13 @@ call waits in the store for every rank first (distnb/engine/arrival.py): a HangE
 --hang-after, the model and optimizer kept, the next cell working; a collective every rank calls works as before.
 """
 
-import contextlib
-import dataclasses
 import time
 
 import pytest
 import torch
 
 from distnb import session as session_mod
+from support.cells import hang_after
 from distnb.errors import HangError, RankError
 
 HANG = 3.0
@@ -28,17 +27,6 @@ STEP = "x, y = batch\nloss = F.cross_entropy(model(x), y)\n"
 
 def run(shell, code):
     return shell.run_cell(code, silent=False)
-
-
-@contextlib.contextmanager
-def hang_after(seconds):
-    cluster = session_mod.current().cluster
-    spec = cluster.spec
-    cluster.spec = dataclasses.replace(spec, hang_after=seconds)
-    try:
-        yield
-    finally:
-        cluster.spec = spec
 
 
 def _optimizer_steps(shell):

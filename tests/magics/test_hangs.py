@@ -5,13 +5,12 @@ HANG seconds for their duration (the spec is read at every cell), so a hang that
 end after 30 s must end within HANG + 2 s, naming the ranks that waited and where the others were.
 """
 
-import contextlib
-import dataclasses
 import time
 
 import pytest
 
 from distnb import session as session_mod
+from support.cells import hang_after
 from distnb.errors import HangError
 
 HANG = 3.0
@@ -25,17 +24,6 @@ hang_net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))"""
 
 def run(shell, code):
     return shell.run_cell(code, silent=False)
-
-
-@contextlib.contextmanager
-def hang_after(seconds):
-    cluster = session_mod.current().cluster
-    spec = cluster.spec
-    cluster.spec = dataclasses.replace(spec, hang_after=seconds)
-    try:
-        yield
-    finally:
-        cluster.spec = spec
 
 
 def _works(shell):

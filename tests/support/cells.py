@@ -1,5 +1,22 @@
 """Notebook cells and calls shared by the tests (``%dist debug``'s failing cell; a training the interrupt stops)."""
 
+import contextlib
+import dataclasses
+
+from distnb import session as session_mod
+
+
+@contextlib.contextmanager
+def hang_after(seconds):
+    """The running cluster's ``--hang-after`` set to ``seconds`` for the block."""
+    cluster = session_mod.current().cluster
+    spec = cluster.spec
+    cluster.spec = dataclasses.replace(spec, hang_after=seconds)
+    try:
+        yield
+    finally:
+        cluster.spec = spec
+
 
 def failing_cell(result: str) -> str:
     """A ``%%dist`` cell whose rank 1 raises inside ``step`` (locals ``x``, ``scale``); ``result`` is never bound."""

@@ -35,7 +35,7 @@ import numbers
 import torch
 
 from ...plan import STRATEGIES
-from .. import compiling, materialize
+from .. import compiling, materialize, stateout
 
 
 class StrategyError(ValueError):
@@ -188,7 +188,6 @@ class Strategy:
         """
         import torch.distributed as dist
 
-        from .. import stateout
 
         if dist.get_rank() != 0:
             return None
@@ -296,7 +295,6 @@ def gathered_state(module):
     """
     import torch.distributed as dist
 
-    from .. import stateout
 
     return stateout.write_state(list(module.state_dict().items()), writer=dist.get_rank() == 0)
 

@@ -83,7 +83,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import wire
+from .. import stateout, wire
 from ..collectives import group_device, on_group
 from . import Strategy, StrategyError, check_loss, tensor_bytes
 from .pipeline_split import is_plain_sequential, num_microbatches, split_points, tensor_owners
@@ -498,7 +498,6 @@ class Pipeline(Strategy):
         them into a byte tensor on the device and allocated ``world_size`` times the largest stage on
         rank 0's; torch's docstring calls it "not well supported and inefficient" with GPU tensors.)
         """
-        from .. import stateout
 
         mine = {k: v for k, v in self._stage_tensors().items() if not v.is_meta}
         names = [None] * self.world_size if self.rank == 0 else None

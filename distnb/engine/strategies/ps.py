@@ -75,6 +75,7 @@ import time
 
 import torch
 
+from .. import stateout
 from . import Strategy, StrategyError, levers, tensor_bytes
 from .ps_optimizer import ServerOptimizer, clone_tensors, flat_state, init_optimizer_state, load_flat_state
 
@@ -438,7 +439,6 @@ class ParameterServer(Strategy):
         """Drain the asynchronous exchange (every rank), then rank 0's state: the servers' values."""
         import torch.distributed as dist
 
-        from .. import stateout
 
         self._new_cell()
         if self.staleness:
