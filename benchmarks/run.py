@@ -24,7 +24,7 @@ Usage::
     .venv/bin/python benchmarks/run.py                 # every target of issue 6 (suite.py): make bench
     .venv/bin/python benchmarks/run.py --torchrun [--rounds 5] [--repeats 3] [--model cnn|mlp] [--json PATH]
     .venv/bin/python benchmarks/run.py --dashboard [--rounds 5] [--json PATH]
-    .venv/bin/python benchmarks/run.py --transformers [--rounds 3] [...]   # transformers.py (issue 17)
+    .venv/bin/python benchmarks/run.py --transformers [--rounds 3] [...]   # char_transformers.py (issue 17)
 """
 
 from __future__ import annotations
@@ -258,11 +258,11 @@ def fmt_table(header, rows):
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--transformers" in argv:  # every strategy on char-level transformers vs torchrun (transformers.py)
+    if "--transformers" in argv:  # every strategy on char-level transformers vs torchrun (char_transformers.py)
         sys.path.insert(0, HERE)
-        import transformers
+        import char_transformers
 
-        return transformers.main([a for a in argv if a != "--transformers"])
+        return char_transformers.main([a for a in argv if a != "--transformers"])
     if not {"--torchrun", "--dashboard"} & set(argv):
         sys.path.insert(0, HERE)
         import suite  # every target of issue 6 (make bench); see suite.py

@@ -18,7 +18,7 @@ Sections (in this order, so that clusters are started as few times as possible):
 - ``dashboard``: ``--progress widgets`` vs ``none`` (8).  [run.py --dashboard]
 
 Not in this run (it takes long on 2 cores): every strategy, bf16 and --compile on char-level
-transformers against hand-written torchrun scripts (issue 17).  [run.py --transformers, transformers.py]
+transformers against hand-written torchrun scripts (issue 17).  [run.py --transformers, char_transformers.py]
 
 Usage::
 

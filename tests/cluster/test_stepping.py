@@ -263,7 +263,7 @@ def test_a_loop_body_without_ctx_epochs_keeps_the_epoch_count_and_says_epochs_we
 
 
 def test_rows_carry_the_ranks_cpu_seconds_not_their_wall_time(dist_session, shell):
-    """``cpu_seconds`` (benchmarks/transformers.py's load-proof figure) is CPU time: a step that sleeps adds none."""
+    """``cpu_seconds`` (benchmarks/char_transformers.py's load-proof figure) is CPU time: a step that sleeps adds none."""
     fresh(shell, "cpu_time")  # 192 samples: 12 steps of 8 per rank, each sleeping 50 ms (0.6 s per rank)
     result = dist_session.train("import time\ntime.sleep(0.05)\n" + BODY, model="cpu_time", data="step_data",
                                 epochs=1, batch_size=8, progress="none", quiet=True)

@@ -35,7 +35,7 @@ is a CPU option only. ``tests/gpu/device_run.sh`` runs the ddp and fsdp rows thi
 
 Usage::
 
-    .venv/bin/python benchmarks/transformers.py [--sizes small,large] [--cases ddp,fsdp,tensor,pipeline,
+    .venv/bin/python benchmarks/char_transformers.py [--sizes small,large] [--cases ddp,fsdp,tensor,pipeline,
         dist-ddp,dist-fsdp,ddp-bf16,ddp-compile] [--rounds 3] [--epochs 1] [--json PATH]
         [--device cpu|cuda] [--ranks N]
     .venv/bin/python benchmarks/run.py --transformers ...   # the same

@@ -1,4 +1,4 @@
-"""benchmarks/transformers.py's --device/--ranks: the CPU command lines stay as they were, cuda gets nccl's."""
+"""benchmarks/char_transformers.py's --device/--ranks: the CPU command lines stay as they were, cuda gets nccl's."""
 
 import argparse
 import importlib.util
@@ -10,7 +10,7 @@ import pytest
 BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
 sys.path.insert(0, BENCH)  # its own imports (verdicts)
 # by path, under its own name: Hugging Face's package is also called transformers
-_spec = importlib.util.spec_from_file_location("bench_transformers", os.path.join(BENCH, "transformers.py"))
+_spec = importlib.util.spec_from_file_location("char_transformers", os.path.join(BENCH, "char_transformers.py"))
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
