@@ -25,6 +25,9 @@ import socket
 import sys
 import time
 
+from .. import options
+from ..plan import ClusterSpec, TrainPlan
+
 #: Files of an exported cell (written by distnb.export, read here).
 OPTIONS, MODEL, NAMES, LOSSES = "options.json", "model.pkl", "names.pkl", "losses.json"
 #: Where the job's checkpoints go when ``--checkpoint-dir`` is not given (under the export folder).
@@ -36,6 +39,19 @@ class JobError(RuntimeError):
     """The job cannot run as asked (not under torchrun, files missing); the message names the fix."""
 
 
+def _declared(parser, cls, name: str, default, note: str) -> None:
+    """Add option ``name`` of the dataclass ``cls`` to ``parser`` as its declaration says (flag, type, choices, help).
+
+    ``note`` ends the help with what the job does when it is not given (``default``). The checks of
+    ``minimum`` are :func:`_arguments`'s (argparse's own message, as for any bad value).
+    """
+    field, opt = next((f, o) for f, o in options.declared(cls) if f.name == name)
+    kinds = {"int": int, "float": float, "path": str, "text": str, "word": str, "choice": str}
+    extra = {"choices": opt.choices} if opt.kind == "choice" else {}
+    parser.add_argument(*options.flags_of(field, opt), dest=name, type=kinds[opt.kind], default=default,
+                        help=f"{opt.help}; {note}".replace("%", "%%"), **extra)  # argparse %-formats help
+
+
 def _arguments(argv, spec) -> argparse.Namespace:
     plan = spec["plan"]
     p = argparse.ArgumentParser(prog="train.py", description=f"distnb export of a %%distrain cell (--model "
@@ -44,14 +60,15 @@ def _arguments(argv, spec) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=plan["epochs"],
                    help=f"epochs the job trains in all, from where the cell started (the cell's: {plan['epochs']}); "
                    "a run again (a requeued job) resumes from the newest checkpoint and trains only what is left")
-    p.add_argument("--checkpoint-dir", default=None, help=f"where to save (and resume from) distnb checkpoints "
-                   f"(default: {CHECKPOINTS}/ beside train.py); %%dist load DIR reads them in a notebook")
-    p.add_argument("--checkpoint-every", type=int, default=plan["checkpoint_every"],
-                   help="save every N steps (default: the cell's, else at each epoch's end)")
+    _declared(p, TrainPlan, "checkpoint_dir", None, f"the job's default: {CHECKPOINTS}/ beside train.py; %dist load "
+              "DIR reads them in a notebook")
+    every = plan["checkpoint_every"]
+    _declared(p, TrainPlan, "checkpoint_every", every, f"the job's default: the cell's ({every})" if every is not None
+              else "the job's default: the cell's (at the end of every epoch)")
     p.add_argument("--losses", default=None, help=f"JSON file rank 0 writes the epochs' losses to (default: "
                    f"{LOSSES} beside train.py)")
-    p.add_argument("--backend", choices=("gloo", "nccl"), default=None,
-                   help="default: nccl when each rank has a GPU of its own, else gloo on CPU")
+    _declared(p, ClusterSpec, "backend", None, "the job's default: nccl when each rank has a GPU of its own, "
+              "else gloo")
     args = p.parse_args(argv)
     if args.epochs < 1 or (args.checkpoint_every is not None and args.checkpoint_every < 1):
         p.error("--epochs and --checkpoint-every must be at least 1")
