@@ -8,24 +8,38 @@ is imported until it is used.
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["start", "current", "load_ipython_extension", "unload_ipython_extension",
-           "DistnbError", "PlanError", "RankError", "ClusterError"]
+#: The public names. Everything else (``distnb.session``, ``distnb.engine``, ...) is internal: it may move or
+#: change between versions (the magics and these names do not).
+__all__ = [
+    # the Python API behind the magics
+    "start", "current", "Session", "TrainResult",
+    # the errors distnb raises on purpose
+    "DistnbError", "PlanError", "ClusterError", "RankError", "HangError", "CollectiveMismatchError", "PeerFailed",
+    "BusyError", "Interrupted",
+    # IPython's extension hooks (%load_ext distnb, %unload_ext distnb)
+    "load_ipython_extension", "unload_ipython_extension",
+]
 
-from .errors import ClusterError, DistnbError, PlanError, RankError
+from .errors import (BusyError, ClusterError, CollectiveMismatchError, DistnbError, HangError, Interrupted,
+                     PeerFailed, PlanError, RankError)
+
+#: Public names imported at first use (``import distnb`` stays light: no ipyparallel, no torch): name -> module.
+_LAZY = {"start": "distnb.session", "current": "distnb.session", "Session": "distnb.session",
+         "TrainResult": "distnb.results"}
 
 
 def __getattr__(name):
-    """``distnb.start`` and ``distnb.current`` are :func:`distnb.session.start` and :func:`distnb.session.current`,
-    imported at first use (``import distnb`` stays light): their signatures and help are the real ones."""
-    if name in ("start", "current"):
-        from . import session
+    """``distnb.start``, ``distnb.current`` and ``distnb.Session`` are :mod:`distnb.session`'s, ``distnb.TrainResult``
+    is :class:`distnb.results.TrainResult`: imported at first use, their signatures and help are the real ones."""
+    if name in _LAZY:
+        import importlib
 
-        return getattr(session, name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'distnb' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | {"start", "current"})
+    return sorted(set(globals()) | set(_LAZY))
 
 
 def load_ipython_extension(ipython):
