@@ -131,7 +131,7 @@ class OptionsDirective(Directive):
                 facts += [nodes.Text("; magic only")]
             body = nodes.definition()
             body += _para(*facts)
-            body += _para(nodes.Text(row["help"]))
+            body += _parse_rst(self, row["help"])
             items += nodes.definition_list_item("", term, body)
         out = [items]
         extra = undeclared_actions(magic)
@@ -146,6 +146,16 @@ class OptionsDirective(Directive):
                 more += nodes.definition_list_item("", term, body)
             out += [_para(nodes.Text(f"Arguments of {magic} beside the declared options:")), more]
         return out
+
+
+def _parse_rst(directive, text: str) -> list:
+    """``text`` (the declarations' help and docs are reStructuredText, as in the API's docstrings) as nodes."""
+    from docutils.statemachine import StringList
+
+    holder = nodes.container()
+    directive.state.nested_parse(StringList(text.splitlines(), source="distnb declarations"),
+                                 directive.content_offset, holder)
+    return holder.children
 
 
 class VerbsDirective(Directive):
