@@ -65,3 +65,7 @@ napoleon_type_aliases = {
     "StatusTable": ":class:`~distnb.results.StatusTable`",
     "WhereTable": ":class:`~distnb.results.WhereTable`",
 }
+
+# Option flags in prose (the declarations' help: "--data names a Dataset") must keep their two
+# hyphens; docutils' smart quotes would print them as an en dash, which a reader cannot paste.
+smartquotes = False
