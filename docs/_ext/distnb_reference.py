@@ -44,14 +44,24 @@ def _default(f, opt) -> str:
 
     if f.default is dataclasses.MISSING and opt.given is options.FIELD_DEFAULT:
         return "required"
+    if opt.given is None and opt.given is not options.FIELD_DEFAULT:  # "decide for me": resolved at start
+        return "decided at start (see below)"
     given = options.given_of(f, opt)
-    if given is None and f.default not in (None, dataclasses.MISSING):
-        return f"decided at start (else {f.default!r})"
-    if given is None:
-        return "none"
-    if isinstance(given, tuple) and not given:
+    if given is None or (isinstance(given, tuple) and not given):
         return "none"
     return repr(given)
+
+
+def _carries(f, opt) -> str:
+    """Whether a left-out option keeps the model's last value: the declaration's rule (:func:`distnb.options.carries`),
+    and, for an option whose left-out value (None) means the ranks' live one (``--lr``), that."""
+    from distnb import options
+
+    if options.carries(opt):
+        return "yes"
+    if options.given_of(f, opt) is None and "keep the live" in (opt.help + opt.doc):
+        return "no, but left out it keeps the ranks' live value (see below)"
+    return "no"
 
 
 def option_rows(magic: str) -> list:
@@ -69,7 +79,7 @@ def option_rows(magic: str) -> list:
             rows.append(dict(
                 name=f.name, flags=options.flags_of(f, opt) if opt.cli else (),
                 keyword=(opt.keyword or f.name) if opt.api else None, kind=_kind(opt), default=_default(f, opt),
-                carries=options.carries(opt), help=opt.doc or opt.help, owner=cls_name,
+                carries=_carries(f, opt), help=opt.doc or opt.help, owner=cls_name,
                 id=_anchor(magic, f.name)))
     return rows
 
@@ -124,7 +134,7 @@ class OptionsDirective(Directive):
             facts = [nodes.strong(text="type: "), nodes.Text(row["kind"]),
                      nodes.Text("; "), nodes.strong(text="default: "), nodes.Text(row["default"]),
                      nodes.Text("; "), nodes.strong(text="carries between cells: "),
-                     nodes.Text("yes" if row["carries"] else "no")]
+                     nodes.Text(row["carries"])]
             if row["keyword"]:
                 facts += [nodes.Text("; "), nodes.strong(text="Python keyword: "), nodes.literal(text=row["keyword"])]
             else:

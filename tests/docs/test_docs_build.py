@@ -62,7 +62,7 @@ def test_every_declared_option_appears_in_the_reference_with_its_facts(built):
                     continue
                 entry = html.unescape(re.sub(r"<[^>]+>", "", page[at:page.find("</dd>", at)]))
                 names = options.flags_of(f, opt) if opt.cli else (opt.keyword or f.name,)
-                carries = "carries between cells: " + ("yes" if options.carries(opt) else "no")
+                carries = "carries between cells: " + ("yes" if options.carries(opt) else "no")  # "no, but ..." too
                 first_words = " ".join((opt.doc or opt.help).replace("``", "").split()[:3])
                 if not all(n in entry for n in names) or carries not in entry or first_words not in entry:
                     wrong.append(f"{cls.__name__}.{f.name}: names {names}, {carries!r}, help {first_words!r}: {entry[:300]!r}")
