@@ -1,0 +1,84 @@
+"""Fine-tuning a part of a model: frozen parameters, and the units of a Hugging Face model.
+
+LoRA (Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", ICLR 2022) as ``peft``
+builds it freezes every weight of the base model (``requires_grad=False``) and adds small trainable
+adapter matrices beside some of its linear layers. What that means for each strategy:
+
+- the optimizer is built over the trainable parameters only (:func:`trainable`), so no optimizer
+  state is ever made for a frozen weight, whichever optimizer the cell names;
+- DDP registers only parameters that require gradients with its reducer: frozen weights are never
+  all-reduced and get no bucket memory (``torch.nn.parallel.DistributedDataParallel``);
+- FSDP2 (torch 2.13, ``FSDPParamGroup.post_backward``) reduce-scatters only the parameters of a unit
+  that got a gradient, so a unit may mix frozen base weights and trainable adapters: the frozen
+  ones are all-gathered for the forward and backward and get neither a gradient nor a
+  reduce-scatter.
+
+The FSDP units of a Hugging Face model (plain, or wrapped by ``peft``) are its repeated blocks,
+the classes the model lists in ``_no_split_modules`` (``LlamaDecoderLayer``, ``GPT2Block``), as
+Accelerate's ``transformer_auto_wrap_policy`` wraps them (:func:`block_units`): one unit per decoder
+layer, so a rank gathers one layer at a time; embeddings, final norm and head go to the root unit.
+"""
+
+from __future__ import annotations
+
+from . import runtime
+
+
+def trainable(params):
+    """The parameters of ``params`` that require gradients, as the optimizer's parameter list.
+
+    Parameters
+    ----------
+    params : iterable of torch.nn.Parameter
+        What the strategy says this rank's optimizer updates (``Strategy.parameters()``).
+
+    Returns
+    -------
+    list
+        The trainable parameters, in order; ``[{"params": []}]`` (one empty parameter group, which
+        ``torch.optim`` accepts) when this rank holds none of its own but the strategy gave some
+        (a pipeline stage of frozen layers), so that every rank has an optimizer to step.
+
+    Raises
+    ------
+    ValueError
+        Every parameter this rank was given is frozen (naming the rank and the fix): there is
+        nothing to train.
+    """
+    params = list(params)
+    found = [p for p in params if p.requires_grad]
+    if found or not params:
+        return found if found else [{"params": []}]
+    raise ValueError(f"on rank {runtime.STATE.rank} every parameter of the model is frozen (requires_grad=False): "
+                     "there is nothing to train; unfreeze some (p.requires_grad_(True)) or add adapters "
+                     "(peft.get_peft_model) and run the cell again")
+
+
+def _base_model(module):
+    """The Hugging Face model inside ``module`` (a ``peft`` model's base model), else ``module``."""
+    get = getattr(module, "get_base_model", None)
+    if callable(get) and hasattr(module, "peft_config"):
+        try:
+            return get()
+        except Exception:  # not peft's after all: treat it as a plain model
+            return module
+    return module
+
+
+def block_units(module) -> list[str]:
+    """Names of the repeated blocks of a Hugging Face model, its natural FSDP units ([] for other models).
+
+    The blocks are the submodules whose class is named in the model's ``_no_split_modules``
+    (``transformers.PreTrainedModel``; for a ``peft`` model, its base model's), outermost only:
+    ``model.layers.0``, ``model.layers.1``, ... for a Llama; under ``peft`` the same names with
+    ``base_model.model.`` before them. Models that declare none (plain ``nn.Module``) get [].
+    """
+    classes = set(getattr(_base_model(module), "_no_split_modules", None) or ())
+    if not classes:
+        return []
+    units: list[str] = []
+    for name, sub in module.named_modules():
+        if name and type(sub).__name__ in classes and not any(name.startswith(u + ".") for u in units):
+            if any(True for _ in sub.parameters()):
+                units.append(name)
+    return units
