@@ -1,0 +1,142 @@
+"""LoRA with peft under ddp and fsdp: only the adapters train, and the ranks equal one peft process.
+
+A ``peft.get_peft_model`` over a tiny ``LlamaForCausalLM`` and a tiny ``GPT2LMHeadModel`` (tied head),
+trained with the body ``loss = model(input_ids=x, labels=x).loss`` on 2 ranks, against one process
+running the same peft model on each step's global batch (same seed, same order). On the ranks: the
+optimizer holds the adapters only, frozen weights never get a gradient, DDP's reducer holds the
+adapters only, and FSDP2 reduce-scatters the adapters' gradients only.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from distnb.engine import shard
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+BODY = "x, = batch\nloss = model(input_ids=x, labels=x).loss"
+#: One adapter weight of each model, by its Hugging Face dotted name.
+ADAPTER = {"llama": "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight",
+           "gpt2": "base_model.model.transformer.h.1.attn.c_attn.lora_B.default.weight"}
+
+
+def tiny_peft(arch: str):
+    """A tiny causal LM with LoRA adapters (rank 4; dropout 0, so the forward draws nothing)."""
+    torch.manual_seed(0)
+    if arch == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64))
+        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    else:
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0))
+        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["c_attn"], fan_in_fan_out=True)
+    return peft.get_peft_model(model, config)
+
+
+def tokens(n: int = 32, length: int = 12) -> torch.utils.data.TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    return torch.utils.data.TensorDataset(torch.randint(0, 64, (n, length), generator=g))
+
+
+def one_process(model, data, optimizer, *, num_shards, batch_size, epochs, seed):
+    """The same steps in this process, each on the global batch (the ranks' batches together)."""
+    (x,) = data.tensors
+    for epoch in range(epochs):
+        for idx in shard.global_batches(len(x), num_shards, seed, epoch, batch_size, False):
+            optimizer.zero_grad()
+            model(input_ids=x[idx], labels=x[idx]).loss.backward()
+            optimizer.step()
+
+
+RANK_CHECK = """
+from distnb.engine import loop as _loop
+_run = _loop.RUNS[{name!r}]
+_in_opt = [p for g in _run.optimizer.param_groups for p in g["params"]]
+_ddp = getattr(_run.strategy, "ddp", None)
+lora_check = dict(
+    optimizer_params=len(_in_opt), optimizer_frozen=sum(not p.requires_grad for p in _in_opt),
+    trainable=sum(p.requires_grad for p in _run.module.parameters()),
+    frozen_with_grad=sum(p.grad is not None for p in _run.module.parameters() if not p.requires_grad),
+    reducer_bytes=None if _ddp is None else _ddp._get_ddp_logging_data()["total_parameter_size_bytes"],
+    reduced=sum(_scattered))
+"""
+
+#: Counts the elements FSDP2 reduce-scatters (its default collective, private in torch 2.13), on each rank.
+RECORD = """
+from torch.distributed.fsdp._fully_shard import _fsdp_collectives as _collectives
+_scattered = []
+_plain = _collectives.DefaultReduceScatter.__call__
+def _counted(self, *args, **kwargs):
+    _scattered.append((kwargs["input_tensor"] if "input_tensor" in kwargs else args[1]).numel())
+    return _plain(self, *args, **kwargs)
+_collectives.DefaultReduceScatter.__call__ = _counted
+"""
+UNRECORD = "_collectives.DefaultReduceScatter.__call__ = _plain"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_lora_trains_the_adapters_only_and_matches_one_peft_process(dist_session, shell, strategy, arch):
+    ns = shell.user_ns
+    name = f"lora_{arch}_{strategy}"
+    ns[name], ns["lora_tokens"] = tiny_peft(arch), tokens()
+    ref = copy.deepcopy(ns[name])
+    before = {k: v.clone() for k, v in ns[name].state_dict().items()}
+    trainable = {n for n, p in ns[name].named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in n for n in trainable)
+
+    dist_session.run(RECORD)
+    try:
+        dist_session.train(BODY, model=name, data="lora_tokens", epochs=2, batch_size=4, optimizer="sgd", lr=0.5,
+                           seed=5, strategy=strategy, progress="none", quiet=True)
+        dist_session.run(RANK_CHECK.format(name=name))
+    finally:
+        dist_session.run(UNRECORD)
+    one_process(ref, ns["lora_tokens"], torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.5),
+                num_shards=2, batch_size=4, epochs=2, seed=5)
+
+    got, want = ns[name].state_dict(), ref.state_dict()
+    for key in got:
+        if key in trainable:
+            torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=1e-5, msg=key)
+        else:  # a frozen base weight: bit for bit what it was
+            assert torch.equal(got[key], before[key]), key
+    changed = [k for k in got if ".lora_" in k and not torch.equal(got[k], before[k])]
+    assert len(changed) == len(trainable), "every adapter (A and B) trained"
+
+    checks = dist_session.pull("lora_check")
+    num_trainable = len(trainable)
+    for rank, c in enumerate(checks):
+        assert c["optimizer_params"] == c["trainable"] == num_trainable, (rank, c)
+        assert c["optimizer_frozen"] == 0 and c["frozen_with_grad"] == 0, (rank, c)
+        if strategy == "ddp":  # DDP's reducer (its all-reduce buckets) holds the adapters only
+            assert c["reducer_bytes"] == sum(ns[name].get_parameter(n).numel() * 4 for n in trainable), (rank, c)
+        else:  # FSDP2 reduce-scattered the adapters' gradients only: dim 0 padded to a multiple of 2, per step
+            steps = 2 * 4  # 2 epochs of 32 / (2 ranks x 4)
+            padded = sum(-(-p.shape[0] // 2) * 2 * p[0].numel() for n, p in ns[name].named_parameters()
+                         if n in trainable)
+            assert c["reduced"] == steps * padded, (rank, c)
+
+    pulled = dist_session.pull(f"{name}.{ADAPTER[arch]}")
+    assert torch.equal(pulled, ns[name].get_parameter(ADAPTER[arch]).detach())
+
+
+def test_a_model_with_every_parameter_frozen_is_a_clear_error(dist_session, shell):
+    ns = shell.user_ns
+    ns["lora_frozen"], ns["lora_tokens"] = tiny_peft("llama"), tokens()
+    ns["lora_frozen"].requires_grad_(False)
+    from distnb.errors import RankError
+
+    with pytest.raises(RankError, match=r"on rank \d every parameter of the model is frozen"):
+        dist_session.train(BODY, model="lora_frozen", data="lora_tokens", epochs=1, batch_size=4,
+                           strategy="fsdp", progress="none", quiet=True)
+    ns["lora_frozen"] = tiny_peft("llama")  # adapters trainable again: the cluster trains the next cell
+    r = dist_session.train(BODY, model="lora_frozen", data="lora_tokens", epochs=1, batch_size=4,
+                           strategy="fsdp", progress="none", quiet=True)
+    assert r.rows[0]["steps"] == 4
