@@ -93,8 +93,8 @@ def test_lora_trains_the_adapters_only_and_matches_one_peft_process(dist_session
 
     dist_session.run(RECORD)
     try:
-        dist_session.train(BODY, model=name, data="lora_tokens", epochs=2, batch_size=4, optimizer="sgd", lr=0.5,
-                           seed=5, strategy=strategy, progress="none", quiet=True)
+        result = dist_session.train(BODY, model=name, data="lora_tokens", epochs=2, batch_size=4, optimizer="sgd",
+                                    lr=0.5, seed=5, strategy=strategy, progress="none", quiet=True)
         dist_session.run(RANK_CHECK.format(name=name))
     finally:
         dist_session.run(UNRECORD)
@@ -109,6 +109,11 @@ def test_lora_trains_the_adapters_only_and_matches_one_peft_process(dist_session
             assert torch.equal(got[key], before[key]), key
     changed = [k for k in got if ".lora_" in k and not torch.equal(got[k], before[k])]
     assert len(changed) == len(trainable), "every adapter (A and B) trained"
+
+    num_adapter = sum(ns[name].get_parameter(n).numel() for n in trainable)
+    num_all = sum(p.numel() for p in ns[name].parameters())
+    assert (result.num_trainable_params, result.num_params) == (num_adapter, num_all)
+    assert f"{num_adapter:,} of {num_all:,} parameters trained" in result.title
 
     checks = dist_session.pull("lora_check")
     num_trainable = len(trainable)

@@ -50,8 +50,9 @@ def test_pull_a_llama_parameter_by_its_hf_name(dist_session, shell, strategy):
     name = f"hfpull_{strategy}"
     ns[name], ns["hfpull_tokens"], ns["hfpull_tp"] = tiny_llama(), tokens(), tp_plan()
     extra = {"tp_plan": "hfpull_tp"} if strategy == "tensor" else {}
-    dist_session.train(BODY, model=name, data="hfpull_tokens", epochs=1, batch_size=4, optimizer="sgd", lr=0.5,
-                       strategy=strategy, progress="none", quiet=True, **extra)
+    result = dist_session.train(BODY, model=name, data="hfpull_tokens", epochs=1, batch_size=4, optimizer="sgd",
+                                lr=0.5, strategy=strategy, progress="none", quiet=True, **extra)
+    assert result.num_trainable_params == result.num_params and "parameters trained" not in result.title
     for key in NAMES:
         got = dist_session.pull(f"{name}.{key}")
         want = ns[name].get_parameter(key).detach()
