@@ -21,6 +21,10 @@ layer, so a rank gathers one layer at a time; embeddings, final norm and head go
 
 from __future__ import annotations
 
+import math
+
+import torch
+
 from . import runtime
 
 
@@ -82,3 +86,67 @@ def block_units(module) -> list[str]:
             if any(True for _ in sub.parameters()):
                 units.append(name)
     return units
+
+
+#: The submodules of a peft LoRA layer that hold the adapter matrices (``lora_A.default``, ``lora_B.default``).
+_ADAPTERS = ("lora_A", "lora_B")
+
+
+def adapter_init(root, name: str, module):
+    """peft's own initialisation of a LoRA adapter ``module`` built on the meta device, or None for other modules.
+
+    A ``peft`` model built over a meta model has its adapters on meta too, and
+    ``nn.Linear.reset_parameters()`` (or a notebook's ``--init``) would give ``lora_B`` random values:
+    the adapter would change the model's output before training, silently. This mirrors
+    ``LoraLayer.reset_lora_parameters`` (peft 0.21): ``init_lora_weights=True`` draws A with
+    ``kaiming_uniform_(a=sqrt(5))``, ``"gaussian"`` with ``normal_(std=1/r)``, and both set B (and its
+    bias) to zero; ``False`` keeps ``nn.Linear``'s own initialisation for both.
+
+    Parameters
+    ----------
+    root : torch.nn.Module
+        The whole model (a ``peft.PeftModel``; its ``peft_config`` gives ``init_lora_weights``).
+    name : str
+        ``module``'s name in ``root`` (``...q_proj.lora_A.default``).
+    module : torch.nn.Module
+        The module whose own tensors are to be initialised (whole, on the CPU).
+
+    Returns
+    -------
+    callable or None
+        A function of no arguments that initialises ``module`` in place; None when ``module`` is not
+        a LoRA adapter matrix (the caller then uses ``--init`` or ``reset_parameters()``).
+
+    Raises
+    ------
+    RuntimeError
+        An ``init_lora_weights`` that is computed from the base weights (``"pissa"``, ``"olora"``,
+        ``"loftq"``, ...), which a meta model does not have: the message names the module and the fix.
+    """
+    parent, _, adapter = name.rpartition(".")
+    layer_name, _, kind = parent.rpartition(".")
+    if kind not in _ADAPTERS or not isinstance(module, torch.nn.Linear):
+        return None
+    layer = root.get_submodule(layer_name) if layer_name else root
+    if not hasattr(layer, "reset_lora_parameters"):
+        return None
+    config = (getattr(root, "peft_config", None) or {}).get(adapter)
+    mode = getattr(config, "init_lora_weights", True)
+    if mode is False:
+        return module.reset_parameters
+    if mode is not True and str(mode).lower() != "gaussian":
+        raise RuntimeError(f"{name} (a LoRA adapter) was built on the meta device with init_lora_weights={mode!r}, "
+                           "which peft computes from the base weights; the ranks cannot: build the peft model over "
+                           "a model that holds its weights, or use init_lora_weights=True or 'gaussian'")
+
+    def initialise():
+        if kind == "lora_B":
+            torch.nn.init.zeros_(module.weight)
+        elif mode is True:
+            torch.nn.init.kaiming_uniform_(module.weight, a=math.sqrt(5))
+        else:
+            torch.nn.init.normal_(module.weight, std=1 / layer.r[adapter])
+        if module.bias is not None:
+            torch.nn.init.zeros_(module.bias)
+
+    return initialise

@@ -145,3 +145,44 @@ def test_a_model_with_every_parameter_frozen_is_a_clear_error(dist_session, shel
     r = dist_session.train(BODY, model="lora_frozen", data="lora_tokens", epochs=1, batch_size=4,
                            strategy="fsdp", progress="none", quiet=True)
     assert r.rows[0]["steps"] == 4
+
+
+#: --init for a meta Llama's own modules, defined in the notebook (so it travels by value): Linear and
+#: Embedding their own reset_parameters, norms 1, the rotary embedding's frequencies as Llama computes them.
+INIT_BASE = """
+def init_base(module):
+    if hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+        return
+    for value in module._parameters.values():
+        value.fill_(1.0)
+    if hasattr(module, "original_inv_freq"):
+        inv_freq, _ = module.compute_default_rope_parameters(module.config)
+        module.inv_freq.copy_(inv_freq)
+        module.original_inv_freq.copy_(inv_freq)
+"""
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_lora_adapters_built_on_meta_start_as_peft_starts_them(dist_session, shell, strategy):
+    """A peft model over a meta Llama: on the ranks lora_B starts at zero (the adapter changes nothing before
+    training), lora_A as peft draws it; nn.Linear.reset_parameters or --init would make B random."""
+    ns = shell.user_ns
+    name = f"lora_meta_{strategy}"
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    with torch.device("meta"):
+        base = transformers.LlamaForCausalLM(config)
+    ns[name] = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                         target_modules=["q_proj", "v_proj"]))
+    ns["lora_tokens"] = tokens()
+    shell.run_cell(INIT_BASE)
+    dist_session.train(BODY, model=name, data="lora_tokens", epochs=1, batch_size=4, optimizer="sgd", lr=0.0,
+                       init="init_base", strategy=strategy, progress="none", quiet=True)
+    for layer in (0, 1):
+        for proj in ("q_proj", "v_proj"):
+            at = f"{name}.base_model.model.model.layers.{layer}.self_attn.{proj}"
+            b, a = dist_session.pull(f"{at}.lora_B.default.weight"), dist_session.pull(f"{at}.lora_A.default.weight")
+            assert b.shape == (32 if proj == "q_proj" else 16, 4) and torch.count_nonzero(b) == 0, at
+            bound = 1 / 32 ** 0.5  # kaiming_uniform_(a=sqrt(5)) over fan_in 32
+            assert a.shape == (4, 32) and 0 < a.abs().max() <= bound and a.std() > bound / 4, at
