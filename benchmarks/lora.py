@@ -1,7 +1,7 @@
 """Rank memory of LoRA against full fine-tuning of the same model, in the same run (issue 35, item 3).
 
 One ``LlamaForCausalLM`` built from a config (default: 8 layers, hidden 512, vocab 8192: about
-34.6M parameters, 138 MB in fp32) is fine-tuned for a few Adam steps with the body
+35.7M parameters, 136 MiB in fp32) is fine-tuned for a few Adam steps with the body
 ``loss = model(input_ids=x, labels=x).loss`` on 2 CPU ranks, under ddp and fsdp, two ways:
 
 - **full**: every parameter trains (gradients and Adam's two moments for all of them);
