@@ -186,3 +186,36 @@ def test_lora_adapters_built_on_meta_start_as_peft_starts_them(dist_session, she
             assert b.shape == (32 if proj == "q_proj" else 16, 4) and torch.count_nonzero(b) == 0, at
             bound = 1 / 32 ** 0.5  # kaiming_uniform_(a=sqrt(5)) over fan_in 32
             assert a.shape == (4, 32) and 0 < a.abs().max() <= bound and a.std() > bound / 4, at
+
+
+#: A notebook optimizer factory (defined in the notebook, so it travels by value): AdamW with weight decay.
+MAKE_OPT = """
+def lora_adamw(params):
+    return torch.optim.AdamW(params, lr=0.01, eps=1e-6, weight_decay=0.1)
+"""
+
+
+def test_a_notebook_optimizer_factory_gets_the_adapters_and_acts_as_torch_does(dist_session, shell):
+    """The factory is given the trainable parameters only; one process whose AdamW holds every parameter (frozen
+    ones too, as `AdamW(model.parameters())` would) ends the same: torch skips parameters without a gradient,
+    so weight decay never touches a frozen weight."""
+    ns = shell.user_ns
+    ns["lora_fac"], ns["lora_tokens"] = tiny_peft("llama"), tokens()
+    shell.run_cell("import torch\n" + MAKE_OPT)
+    ref = copy.deepcopy(ns["lora_fac"])
+    before = {k: v.clone() for k, v in ns["lora_fac"].state_dict().items()}
+    dist_session.train(BODY, model="lora_fac", data="lora_tokens", epochs=1, batch_size=4, optimizer="lora_adamw",
+                       seed=2, strategy="fsdp", progress="none", quiet=True)
+    dist_session.run("from distnb.engine import loop as _loop\n"
+                     "lora_fac_opt = [tuple(p.shape) for g in _loop.RUNS['lora_fac'].optimizer.param_groups "
+                     "for p in g['params']]")
+    adapters = [n for n, p in ref.named_parameters() if p.requires_grad]
+    assert len(dist_session.pull("lora_fac_opt", rank=0)) == len(adapters)
+    everything = torch.optim.AdamW(ref.parameters(), lr=0.01, eps=1e-6, weight_decay=0.1)
+    one_process(ref, ns["lora_tokens"], everything, num_shards=2, batch_size=4, epochs=1, seed=2)
+    got, want = ns["lora_fac"].state_dict(), ref.state_dict()
+    for key in got:
+        if key in adapters:
+            torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=1e-5, msg=key)
+        else:
+            assert torch.equal(got[key], before[key]) and torch.equal(want[key], before[key]), key
