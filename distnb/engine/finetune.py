@@ -28,31 +28,36 @@ import torch
 from . import runtime
 
 
-def trainable(params):
+def trainable(params, module=None):
     """The parameters of ``params`` that require gradients, as the optimizer's parameter list.
 
     Parameters
     ----------
     params : iterable of torch.nn.Parameter
         What the strategy says this rank's optimizer updates (``Strategy.parameters()``).
+    module : torch.nn.Module, optional
+        The whole model: when this rank's own parameters are all frozen but the model has trainable
+        ones elsewhere (a pipeline stage of frozen layers), this rank gets an empty optimizer.
 
     Returns
     -------
     list
         The trainable parameters, in order; ``[{"params": []}]`` (one empty parameter group, which
-        ``torch.optim`` accepts) when this rank holds none of its own but the strategy gave some
-        (a pipeline stage of frozen layers), so that every rank has an optimizer to step.
+        ``torch.optim`` accepts) when this rank has none to update but the model does, so that every
+        rank has an optimizer to step.
 
     Raises
     ------
     ValueError
-        Every parameter this rank was given is frozen (naming the rank and the fix): there is
-        nothing to train.
+        Every parameter of the model is frozen (naming the rank and the fix): nothing to train.
     """
     params = list(params)
     found = [p for p in params if p.requires_grad]
-    if found or not params:
-        return found if found else [{"params": []}]
+    if found:
+        return found
+    whole = params if module is None else list(module.parameters())
+    if not whole or any(p.requires_grad for p in whole):
+        return [{"params": []}]
     raise ValueError(f"on rank {runtime.STATE.rank} every parameter of the model is frozen (requires_grad=False): "
                      "there is nothing to train; unfreeze some (p.requires_grad_(True)) or add adapters "
                      "(peft.get_peft_model) and run the cell again")

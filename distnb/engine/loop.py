@@ -207,7 +207,7 @@ def _optimizer(ns, run, plan):
     if run.optimizer is not None and plan.optimizer in (None, run.optimizer_key):
         return run.optimizer, _given_lr(run.optimizer, plan.lr)
     name = plan.optimizer or "sgd"
-    params = finetune.trainable(run.strategy.parameters())  # frozen weights (LoRA's base) get no state
+    params = finetune.trainable(run.strategy.parameters(), run.module)  # frozen weights (LoRA's) get no state
     lr = plan.lr if plan.lr is not None else plan.lr_if_new
     if name in DEFAULT_LR:
         cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
