@@ -219,3 +219,18 @@ def test_a_notebook_optimizer_factory_gets_the_adapters_and_acts_as_torch_does(d
             torch.testing.assert_close(got[key], want[key], atol=1e-5, rtol=1e-5, msg=key)
         else:
             assert torch.equal(got[key], before[key]) and torch.equal(want[key], before[key]), key
+
+
+def test_distrain_magic_trains_a_peft_model_and_says_what_trained_once(dist_session, shell, capsys):
+    """`%%distrain --model net ...` over a peft GPT-2 under fsdp; the result names the trainable and total counts."""
+    ns = shell.user_ns
+    ns["lora_magic"], ns["lora_tokens"] = tiny_peft("gpt2"), tokens()
+    capsys.readouterr()
+    result = shell.run_cell_magic("distrain", "--model lora_magic --data lora_tokens --strategy fsdp --epochs 1 "
+                                  "--batch-size 4 --optimizer adamw --lr 1e-3 --progress text", BODY)
+    out = capsys.readouterr().out
+    trained = f"{result.num_trainable_params:,} of {result.num_params:,} parameters trained"
+    assert result.num_trainable_params < result.num_params and trained in result.title
+    # the cell's result, which Jupyter shows as its output, says it once; the progress lines do not repeat it
+    assert repr(result).count(trained) == 1 and result._repr_html_().count(trained) == 1
+    assert "parameters trained" not in out, out
