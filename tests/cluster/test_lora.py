@@ -234,3 +234,20 @@ def test_distrain_magic_trains_a_peft_model_and_says_what_trained_once(dist_sess
     # the cell's result, which Jupyter shows as its output, says it once; the progress lines do not repeat it
     assert repr(result).count(trained) == 1 and result._repr_html_().count(trained) == 1
     assert "parameters trained" not in out, out
+
+
+def test_a_checkpoint_of_a_lora_run_resumes_it_exactly(dist_session, shell, tmp_path):
+    """%dist save / load (DCP) of an fsdp LoRA run whose Adam holds the adapters only: reloaded, the next epoch
+    gives what it gave before the reload."""
+    ns = shell.user_ns
+    ns["lora_ckpt"], ns["lora_tokens"] = tiny_peft("llama"), tokens()
+    cell = dict(model="lora_ckpt", data="lora_tokens", epochs=1, batch_size=4, progress="none", quiet=True)
+    dist_session.train(BODY, optimizer="adam", lr=1e-2, strategy="fsdp", **cell)
+    dist_session.save(str(tmp_path), model="lora_ckpt", quiet=True)
+    dist_session.train(BODY, **cell)
+    once = {k: v.clone() for k, v in ns["lora_ckpt"].state_dict().items()}
+    dist_session.load(str(tmp_path), model="lora_ckpt", quiet=True)
+    dist_session.train(BODY, **cell)
+    for key, value in ns["lora_ckpt"].state_dict().items():
+        torch.testing.assert_close(value, once[key], atol=1e-6, rtol=1e-6, msg=key)
+    assert any(not torch.equal(once[k], tiny_peft("llama").state_dict()[k]) for k in once if ".lora_B" in k)
