@@ -17,6 +17,9 @@ The FSDP units of a Hugging Face model (plain, or wrapped by ``peft``) are its r
 the classes the model lists in ``_no_split_modules`` (``LlamaDecoderLayer``, ``GPT2Block``), as
 Accelerate's ``transformer_auto_wrap_policy`` wraps them (:func:`block_units`): one unit per decoder
 layer, so a rank gathers one layer at a time; embeddings, final norm and head go to the root unit.
+The peft model's own child, ``base_model`` (a ``LoraModel``), is never a unit: ``PeftModel.forward``
+without a ``task_type`` calls the model inside it directly (``get_base_model()(...)``, peft 0.21), so
+that unit's forward, where FSDP2 gathers it, never runs (DTensor then fails at the embedding).
 """
 
 from __future__ import annotations
