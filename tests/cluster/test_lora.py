@@ -35,7 +35,8 @@ def tiny_peft(arch: str):
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
             attn_pdrop=0.0))
-        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["c_attn"], fan_in_fan_out=True)
+        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["c_attn"], fan_in_fan_out=True,
+                                 task_type="CAUSAL_LM")  # PeftModelForCausalLM (the Llama: a plain PeftModel)
     return peft.get_peft_model(model, config)
 
 
