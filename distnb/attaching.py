@@ -103,8 +103,10 @@ def _progress_of(record: dict, seconds: float) -> str:
             done = client.metadata[run["msg_ids"][0]].get("status") == "idle"
             return "finished" if done else "running (no report heard)"
         total = (run.get("progress") or {}).get("total_steps")
-        where = _progress_position(msg) or ""
-        return f"{where} of {total} steps" if total and where else where
+        if msg.get("epoch") is None:
+            return _progress_position(msg) or str(msg.get("status") or "")
+        return (f"epoch {msg['epoch']} of {msg.get('epochs', '?')}, step {msg.get('step', 0)}"
+                + (f" of {total}" if total else "") + (f" ({msg['status']})" if msg.get("status") != "running" else ""))
     finally:
         client.close()
 
