@@ -22,16 +22,18 @@ import atexit
 import json
 import logging
 import os
+import pickle
 import time
 import types
 import weakref
 
 import ipyparallel as ipp
 
-from . import background, following, launchers, worlds
+from . import background, following, launchers, session as sessions, worlds
 from .cluster import Cluster
 from .display.tables import Table
 from .errors import ClusterError, PlanError
+from .training import weights_back
 
 #: Seconds a listing listens for each running cell's progress (the ranks publish every 0.1-2 s).
 LISTEN_SECONDS = 2.5
@@ -80,8 +82,6 @@ def _cell_line(source: str) -> str:
 
 def _progress_of(record: dict, seconds: float) -> str:
     """Where the running cell of ``record`` is (rank 0's last progress message), heard for up to ``seconds``."""
-    from .execute import _progress_position  # the watcher's own wording of a rank's place
-
     run = record.get("run")
     if not run:
         return ""
@@ -95,16 +95,14 @@ def _progress_of(record: dict, seconds: float) -> str:
         while time.monotonic() < deadline and not (md.get("data") or {}).get("distnb"):
             time.sleep(0.1)
         msg = (md.get("data") or {}).get("distnb")
-        if isinstance(msg, bytes):
-            import pickle  # the ranks' own encoding of a progress message (distnb.engine.report.encode)
-
+        if isinstance(msg, bytes):  # the ranks' own encoding of a progress message (distnb.engine.report.encode)
             msg = pickle.loads(msg)
         if not msg:
             done = client.metadata[run["msg_ids"][0]].get("status") == "idle"
             return "finished" if done else "running (no report heard)"
         total = (run.get("progress") or {}).get("total_steps")
         if msg.get("epoch") is None:
-            return _progress_position(msg) or str(msg.get("status") or "")
+            return str(msg.get("status") or "")
         return (f"epoch {msg['epoch']} of {msg.get('epochs', '?')}, step {msg.get('step', 0)}"
                 + (f" of {total}" if total else "") + (f" ({msg['status']})" if msg.get("status") != "running" else ""))
     finally:
@@ -250,7 +248,7 @@ def attach(world=None, model=None, ns=None, timeout: float = 10.0, quiet: bool =
         No such world, several match, this kernel runs a world already, the record or connection
         files are another user's, or the controller did not answer (a wrong key, it ended).
     """
-    from . import lease, session as sessions  # lease: the keeper of the world's lifetime (issue 38 item 1)
+    from .lease import claim  # the keeper of the world's lifetime (issue 38 item 1); imports nothing of this
 
     if world is None and model is None:
         return list_worlds()
@@ -270,7 +268,7 @@ def attach(world=None, model=None, ns=None, timeout: float = 10.0, quiet: bool =
     except BaseException:
         client.close()
         raise
-    lease.claim(record["cluster_id"], os.getpid(), timeout=timeout)  # this kernel owns the world from now on
+    claim(record["cluster_id"], os.getpid(), timeout=timeout)  # this kernel owns the world from now on
     _adopt(s, record, state)
     if not quiet:
         print(f"distnb: attached to world {record['cluster_id']} ({s.world_size} ranks, {s.cluster.spec.backend} on "
@@ -288,8 +286,6 @@ def attach(world=None, model=None, ns=None, timeout: float = 10.0, quiet: bool =
 
 def _adopt(s, record: dict, state: dict) -> None:
     """Make ``s`` this kernel's session, holding what the ranks hold, and rewrite the record with this kernel."""
-    from . import session as sessions  # session imports attaching (distnb.attach): the cycle resolved at call time
-
     for name, value in state.get("held", {}).items():
         setattr(s.holdings, name, value)
     s.on_failure = state.get("on_failure") or "stop"
@@ -302,8 +298,6 @@ def _adopt(s, record: dict, state: dict) -> None:
 
 def _weights_now(s, record: dict, model_obj, quiet: bool) -> None:
     """No training cell runs: the ranks' live model (the last one trained) into ``model_obj`` now."""
-    from .training import weights_back
-
     name = record.get("last_model")
     if not name:
         raise PlanError("--model: the ranks of this world have trained no model yet, so there are no weights to take")

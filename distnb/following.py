@@ -1,10 +1,7 @@
-"""A training cell's tasks: recorded as they start, and followed from a kernel that attached (issue 38).
+"""A training cell started by another kernel, followed from the kernel that attached (issue 38).
 
-The kernel that runs a training cell sends it to every rank as :func:`distnb.engine.kept.train_kept`
-under a fresh token and writes the cell into the world record (:func:`distnb.worlds.note_run`):
-its source, strategy, model, the ipyparallel task ids and what its progress view needs.
-
-A kernel that attaches while the cell runs (:mod:`distnb.attaching`) follows it with the same
+The kernel that runs a training cell recorded it (:func:`distnb.runrecord.train_on_ranks`). A kernel
+that attaches while the cell runs (:mod:`distnb.attaching`) follows it with the same
 watcher as the kernel that sent it (:class:`distnb.execute.Watch`: the dashboard, output, dead
 ranks, the interrupt, ``%dist stop-training``), over :class:`Followed` results: each rank's
 progress and printed output come from the IOPub messages of the original task (ipyparallel's
@@ -17,32 +14,11 @@ reaches only the kernel that sent it.
 from __future__ import annotations
 
 import time
-import uuid
 
-from . import calls, worlds
+from . import calls, results, training, worlds
+from .display import ProgressState, make_view
 from .execute import Watch
-
-
-def train_on_ranks(session, plan, code, state, view, show_ranks, run) -> list:
-    """Run the training cell ``code`` on every rank, watched; the per-rank figures (rank order).
-
-    ``run``: the cell's :class:`~distnb.plan.RunOptions`. The world record holds the cell from
-    its start until it ended (however it ended).
-    """
-    token = uuid.uuid4().hex
-    ars = session.cluster.apply_all(calls.train_kept, token, plan.to_dict(), code, None)
-    bg = session._background
-    worlds.note_run(session, dict(
-        cell=code, strategy=plan.strategy, model=plan.model, data=plan.data,
-        background=bool(bg is not None and bg.current_thread_is_runner()), started=time.time(),
-        msg_ids=[ar.msg_ids[0] for ar in ars], session=session.cluster.client.session.session, token=token,
-        plan=plan.to_dict(),
-        progress=dict(total_steps=state.total_steps, epochs=state.epochs, ranks_per_shard=state.ranks_per_shard,
-                      settings=state.settings, view=run.progress)))
-    try:
-        return Watch(session, ars, "training", state, view, show_ranks).wait()
-    finally:
-        worlds.note_run(session, None)
+from .plan import RunOptions, TrainPlan
 
 
 class Followed:
@@ -89,10 +65,6 @@ def follow(session, record: dict, model_obj=None):
     The weights go into ``model_obj`` (a notebook module of the same structure) at the end, if given.
     Runs in a :class:`~distnb.background.BackgroundRun` (see :func:`distnb.attaching.attach`).
     """
-    from . import results, training  # training imports this module (its cells run through train_on_ranks)
-    from .display import ProgressState, make_view
-    from .plan import RunOptions, TrainPlan
-
     run = record["run"]
     cluster = session.cluster
     plan = TrainPlan.from_dict(run["plan"])

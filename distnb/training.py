@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import bigmodels, calls, captured, carried, data, export, kernel_memory, modelcheck, options, presses, transfer
-from . import following, valsets, worlds
+from . import runrecord, valsets, worlds
 from .display import ProgressState, make_view, view_kind
 from .display.tables import count
 from .errors import PlanError, RankError
@@ -516,7 +516,7 @@ def train_cell(session, code, model, data, run, given):
     # rank 0 writes the trained state into its own outbox; distnb.weights_back reads it into model_obj in place
     with presses.held():  # presses counted
         try:
-            rows = following.train_on_ranks(session, plan, code, state, view, show, run)  # recorded for attach
+            rows = runrecord.train_on_ranks(session, plan, code, state, view, show, run)  # recorded for attach
         except Interrupted as exc:  # every rank stopped after the same step: the result of what was trained
             if getattr(exc, "results", None) is None:  # stopped where they were: the replicas may be steps apart
                 weights_back(session, plan.model, model_obj, best_effort=True)
