@@ -304,3 +304,22 @@ def test_attach_after_the_first_kernel_was_killed(claims, tmp_path):
         rec = world["record_data"]
         s.stop(quiet=True)
         assert _gone(rec)
+
+
+def test_the_dist_attach_magic_lists_joins_waits_and_stops(claims, tmp_path, monkeypatch):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    monkeypatch.setenv("DISTNB_ZYGOTE", "0")  # no engine template: this test starts no engines itself
+    sh = InteractiveShell.instance()
+    sh.run_line_magic("load_ext", "distnb")
+    with first_kernel(tmp_path) as world:
+        listing = sh.run_line_magic("dist", "attach")
+        assert [r["world"] for r in listing.rows] == [world["cluster_id"]]
+        assert sh.run_line_magic("dist", f"attach {world['cluster_id']}") is None
+        assert sh.run_line_magic("dist", "status").title.count("busy training") == 1
+        world["gate"].touch()
+        result = sh.run_line_magic("dist", "wait")
+        assert result.epochs == list(range(EPOCHS))
+        sh.run_line_magic("dist", "stop")
+        assert _gone(world["record_data"])
+        assert sessions._CURRENT is None
