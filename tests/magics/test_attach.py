@@ -286,10 +286,11 @@ def test_another_uid_can_neither_read_the_record_nor_attach(claims, tmp_path):
         shutil.rmtree(home, ignore_errors=True)
 
 
-def test_attach_after_the_first_kernel_was_killed(claims, tmp_path):
+def test_attach_after_the_first_kernel_was_killed(tmp_path, monkeypatch):
     """The proof of issue 38 (needs the lease keeper of the lease branch): SIGKILL the first kernel during a
     background run; a new kernel attaches with --model and gets every step, none twice."""
-    pytest.importorskip("distnb.lease")
+    pytest.importorskip("distnb.lease")  # without it the first kernel's reaper ends the world with its kernel
+    monkeypatch.setattr(sessions, "_CURRENT", None)
     with first_kernel(tmp_path) as world:
         os.kill(world["proc"].pid, signal.SIGKILL)
         world["proc"].wait(10)
@@ -310,7 +311,11 @@ def test_the_dist_attach_magic_lists_joins_waits_and_stops(claims, tmp_path, mon
     from IPython.core.interactiveshell import InteractiveShell
 
     monkeypatch.setenv("DISTNB_ZYGOTE", "0")  # no engine template: this test starts no engines itself
-    sh = InteractiveShell.instance()
+    from traitlets.config import Config
+
+    config = Config()
+    config.HistoryManager.enabled = False  # as the shared shell of conftest.py (the same instance, if made)
+    sh = InteractiveShell.instance(config=config)
     sh.run_line_magic("load_ext", "distnb")
     with first_kernel(tmp_path) as world:
         listing = sh.run_line_magic("dist", "attach")
