@@ -293,7 +293,10 @@ def _adopt(s, record: dict, state: dict) -> None:
     s.last_model = record.get("last_model")
     sessions._CURRENT = s
     atexit.register(sessions._stop_at_exit)
-    worlds.note_run(s, record.get("run"))
+    try:  # this kernel owns the world now: the record says so (the first kernel, if alive, leaves it to this one)
+        worlds.write(s, record.get("run"))
+    except (OSError, ClusterError):
+        pass
 
 
 def _weights_now(s, record: dict, model_obj, quiet: bool) -> None:

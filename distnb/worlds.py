@@ -183,12 +183,27 @@ def write(session, run=None) -> str | None:
     return path
 
 
+def owned_elsewhere(cluster_id: str) -> bool:
+    """Whether another live kernel owns the world ``cluster_id`` now (it attached after this one started it)."""
+    try:
+        record = read(record_path(cluster_id))
+    except ClusterError:
+        return False
+    return record.get("kernel_pid") != os.getpid() and _same_process(record.get("kernel_pid"),
+                                                                      record.get("kernel_started"))
+
+
 def note_run(session, run) -> None:
     """A training cell started (``run``: its dict, see the module doc) or ended (None): the record says so.
 
-    A record that cannot be written (a full disk) costs the cell nothing: attaching then sees the last one.
+    A kernel that another kernel attached to since (it owns the world now, and follows the cell itself)
+    leaves the record to that one. A record that cannot be written (a full disk) costs the cell nothing:
+    attaching then sees the last one.
     """
     try:
+        ipp_cluster = session.cluster._ipp
+        if ipp_cluster is not None and owned_elsewhere(ipp_cluster.cluster_id):
+            return
         write(session, run)
     except (OSError, ClusterError):
         pass

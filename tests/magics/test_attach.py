@@ -148,7 +148,8 @@ def test_attach_lists_joins_follows_the_run_and_stops_the_world(claims, tmp_path
         assert result is not None and result.epochs == list(range(EPOCHS))
         assert s.holdings.trained_steps["net"] == EPOCHS * STEPS_PER_EPOCH
         assert s.wait() is None  # returned once
-        assert worlds.read(world["record"])["run"] is None
+        record = worlds.read(world["record"])
+        assert record["run"] is None and record["kernel_pid"] == os.getpid()  # the first kernel left it to this one
         assert s.where().rows[0]["state"] == "idle"
         rec = world["record_data"]
         s.stop(quiet=True)

@@ -71,3 +71,15 @@ def test_stale_records_are_removed_from_the_listing(runtime, tmp_path):
     assert [r["cluster_id"] for r in worlds.live()] == ["live"]
     assert sorted(os.listdir(worlds.folder())) == ["live.json"]
     assert "controller" in worlds.why_stale(dead) and "connection file" in worlds.why_stale(gone)
+
+
+def test_a_kernel_that_another_attached_to_leaves_the_record_to_it(runtime):
+    other = os.getppid()  # a live process that is not this one: the kernel that attached
+    worlds._write(worlds.record_path("abc"), dict(cluster_id="abc", kernel_pid=other,
+                                                  kernel_started=worlds._process_start(other)))
+    assert worlds.owned_elsewhere("abc")
+    session = types.SimpleNamespace(cluster=types.SimpleNamespace(_ipp=types.SimpleNamespace(cluster_id="abc")))
+    worlds.note_run(session, {"cell": "x"})  # not rewritten (it would fail on this stand-in session otherwise)
+    assert worlds.read(worlds.record_path("abc"))["kernel_pid"] == other
+    worlds._write(worlds.record_path("abc"), dict(cluster_id="abc", kernel_pid=os.getpid()))
+    assert not worlds.owned_elsewhere("abc")
