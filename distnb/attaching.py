@@ -248,8 +248,6 @@ def attach(world=None, model=None, ns=None, timeout: float = 10.0, quiet: bool =
         No such world, several match, this kernel runs a world already, the record or connection
         files are another user's, or the controller did not answer (a wrong key, it ended).
     """
-    from .lease import claim  # the keeper of the world's lifetime (issue 38 item 1); imports nothing of this
-
     if world is None and model is None:
         return list_worlds()
     if sessions._CURRENT is not None and sessions._CURRENT.running:
@@ -265,10 +263,14 @@ def attach(world=None, model=None, ns=None, timeout: float = 10.0, quiet: bool =
     client = connect(record, timeout)
     try:
         s.cluster = _cluster(record, client, state)
-    except BaseException:
+        # here, not at the top: distnb.lease (the keeper of the world's lifetime, issue 38 item 1) comes from the
+        # lease branch, and the listing must not need it; it can move to the top once both are merged
+        from .lease import claim
+
+        claim(record["cluster_id"], os.getpid(), timeout=timeout)  # this kernel owns the world from now on
+    except BaseException:  # no keeper for it, its lease expired, ranks gone: this kernel holds nothing of it
         client.close()
         raise
-    claim(record["cluster_id"], os.getpid(), timeout=timeout)  # this kernel owns the world from now on
     _adopt(s, record, state)
     if not quiet:
         print(f"distnb: attached to world {record['cluster_id']} ({s.world_size} ranks, {s.cluster.spec.backend} on "
