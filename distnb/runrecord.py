@@ -9,6 +9,7 @@ another kernel.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 
@@ -25,14 +26,19 @@ def train_on_ranks(session, plan, code, state, view, show_ranks, run) -> list:
     token = uuid.uuid4().hex
     ars = session.cluster.apply_all(calls.train_kept, token, plan.to_dict(), code, None)
     bg = session._background
-    worlds.note_run(session, dict(
+    run_record = dict(
         cell=code, strategy=plan.strategy, model=plan.model, data=plan.data,
         background=bool(bg is not None and bg.current_thread_is_runner()), started=time.time(),
         msg_ids=[ar.msg_ids[0] for ar in ars], session=session.cluster.client.session.session, token=token,
         plan=plan.to_dict(),
         progress=dict(total_steps=state.total_steps, epochs=state.epochs, ranks_per_shard=state.ranks_per_shard,
-                      settings=state.settings, view=run.progress)))
+                      settings=state.settings, view=run.progress))
+    # written by a thread: the ranks train from here on, and an interrupt must find the watcher, never the write
+    writer = threading.Thread(target=worlds.note_run, args=(session, run_record), name="distnb-world-record",
+                              daemon=True)
+    writer.start()
     try:
         return Watch(session, ars, "training", state, view, show_ranks).wait()
     finally:
+        writer.join(10.0)
         worlds.note_run(session, None)
