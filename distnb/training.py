@@ -540,8 +540,8 @@ def train_cell(session, code, model, data, run, given):
             raise
         result = finish(session, plan, model_obj, rows, time.perf_counter() - t0, num_shards, run, stopped, given,
                         started_shown=state.start_shown, peak_since_start=peak_since_start)
+        worlds.note_run(session, None)  # what the ranks hold now, for a kernel that attaches (presses still held)
     session.last_result = result
-    worlds.note_run(session, None)  # what the ranks hold now, for a kernel that attaches
     export.remember(cell, result, model_obj)
     background = session._background
     if stopped is not None and not (background is not None and background.current_thread_is_runner()):
