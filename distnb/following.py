@@ -80,7 +80,9 @@ def follow(session, record: dict, model_obj=None):
     try:
         rows = Watch(session, ars, "training", state, view, (0,)).wait()
     finally:
-        worlds.note_run(session, None)
+        writer = worlds.note_run(session, None)
+        if writer is not None:  # %dist wait returns once the record says the cell ended
+            writer.join(10.0)
     wall = time.time() - run["started"]
     num_shards = cluster.world_size // max(1, shown["ranks_per_shard"])
     if model_obj is not None:

@@ -9,7 +9,6 @@ another kernel.
 
 from __future__ import annotations
 
-import threading
 import time
 import uuid
 
@@ -21,7 +20,8 @@ def train_on_ranks(session, plan, code, state, view, show_ranks, run) -> list:
     """Run the training cell ``code`` on every rank, watched; the per-rank figures (rank order).
 
     ``run``: the cell's :class:`~distnb.plan.RunOptions`. The world record holds the cell from
-    its start until it ended (however it ended).
+    its start until it ended: a failed or interrupted cell's end is written here, a finished one's by
+    :func:`distnb.training.train_cell` once the weights are back (one write per end).
     """
     token = uuid.uuid4().hex
     ars = session.cluster.apply_all(calls.train_kept, token, plan.to_dict(), code, None)
@@ -33,12 +33,9 @@ def train_on_ranks(session, plan, code, state, view, show_ranks, run) -> list:
         plan=plan.to_dict(),
         progress=dict(total_steps=state.total_steps, epochs=state.epochs, ranks_per_shard=state.ranks_per_shard,
                       settings=state.settings, view=run.progress))
-    # written by a thread: the ranks train from here on, and an interrupt must find the watcher, never the write
-    writer = threading.Thread(target=worlds.note_run, args=(session, run_record), name="distnb-world-record",
-                              daemon=True)
-    writer.start()
+    worlds.note_run(session, run_record)  # written by a thread: an interrupt from here on finds the watcher
     try:
         return Watch(session, ars, "training", state, view, show_ranks).wait()
-    finally:
-        writer.join(10.0)
+    except BaseException:  # the cell ended here: the record says so (a cell that ends well: training.train_cell)
         worlds.note_run(session, None)
+        raise

@@ -27,11 +27,14 @@ Written at ``%dist start``, updated at each training cell's start and end, remov
 from __future__ import annotations
 
 import base64
+import itertools
 import json
+import math
 import os
 import pickle
 import socket
 import stat
+import threading
 import time
 
 import psutil
@@ -178,8 +181,10 @@ def write(session, run=None) -> str | None:
     c = session.cluster
     if c._ipp is None or not c._ipp.cluster_file:
         return None
-    path = record_path(c._ipp.cluster_id)
-    _write(path, record_of(session, run))
+    path, record = record_path(c._ipp.cluster_id), record_of(session, run)
+    with _LOCK:  # newer than any record a thread of note_run still has to write
+        _write(path, record)
+        _NEWEST[c._ipp.cluster_id] = next(_TICKETS)
     return path
 
 
@@ -193,30 +198,60 @@ def owned_elsewhere(cluster_id: str) -> bool:
                                                                       record.get("kernel_started"))
 
 
-def note_run(session, run) -> None:
+def note_run(session, run) -> threading.Thread | None:
     """A training cell started (``run``: its dict, see the module doc) or ended (None): the record says so.
 
-    A kernel that another kernel attached to since (it owns the world now, and follows the cell itself)
-    leaves the record to that one. A record that cannot be written (a full disk) costs the cell nothing:
-    attaching then sees the last one.
+    The record is made here and written by a thread (a rename took 1-4 ms on this machine's disk, a cell's
+    kernel-side cost is tens of ms); the newest of a world's records is the one that stays, whatever order
+    the threads run in, and none is written once :func:`remove` removed the world's. A kernel that another
+    kernel attached to since (it owns the world now, and follows the cell itself) leaves the record to that
+    one. A record that cannot be written (a full disk) costs the cell nothing: attaching sees the last one.
+
+    Returns
+    -------
+    threading.Thread or None
+        The writing thread (join it to wait for the write), None when nothing is written.
     """
     try:
         ipp_cluster = session.cluster._ipp
-        if ipp_cluster is not None and owned_elsewhere(ipp_cluster.cluster_id):
-            return
-        write(session, run)
+        if ipp_cluster is None or not ipp_cluster.cluster_file or owned_elsewhere(ipp_cluster.cluster_id):
+            return None
+        cid, record = ipp_cluster.cluster_id, record_of(session, run)
     except (OSError, ClusterError):
-        pass
+        return None
+    ticket = next(_TICKETS)
+    thread = threading.Thread(target=_write_newest, args=(cid, ticket, record), name="distnb-world-record",
+                              daemon=True)
+    thread.start()
+    return thread
+
+
+_TICKETS = itertools.count()
+_NEWEST: dict = {}  # cluster_id -> the ticket of the newest record written (math.inf once removed)
+_LOCK = threading.Lock()
+
+
+def _write_newest(cid: str, ticket: int, record: dict) -> None:
+    with _LOCK:
+        if ticket < _NEWEST.get(cid, -1):
+            return
+        try:
+            _write(record_path(cid), record)
+        except (OSError, ClusterError):
+            return
+        _NEWEST[cid] = ticket
 
 
 def remove(cluster_id: str | None) -> None:
     """Remove the record of ``cluster_id`` (its world stopped)."""
     if not cluster_id:
         return
-    try:
-        os.remove(record_path(cluster_id))
-    except (OSError, ClusterError):
-        pass
+    with _LOCK:
+        _NEWEST[cluster_id] = math.inf  # a record still being written for it is not written after this
+        try:
+            os.remove(record_path(cluster_id))
+        except (OSError, ClusterError):
+            pass
 
 
 def read(path: str) -> dict:

@@ -78,8 +78,8 @@ def test_a_kernel_that_another_attached_to_leaves_the_record_to_it(runtime):
     worlds._write(worlds.record_path("abc"), dict(cluster_id="abc", kernel_pid=other,
                                                   kernel_started=worlds._process_start(other)))
     assert worlds.owned_elsewhere("abc")
-    session = types.SimpleNamespace(cluster=types.SimpleNamespace(_ipp=types.SimpleNamespace(cluster_id="abc")))
-    worlds.note_run(session, {"cell": "x"})  # not rewritten (it would fail on this stand-in session otherwise)
+    session = types.SimpleNamespace(cluster=types.SimpleNamespace(_ipp=types.SimpleNamespace(cluster_id="abc", cluster_file="c.json")))
+    assert worlds.note_run(session, {"cell": "x"}) is None  # not rewritten (nor made: this stand-in has no more)
     assert worlds.read(worlds.record_path("abc"))["kernel_pid"] == other
     worlds._write(worlds.record_path("abc"), dict(cluster_id="abc", kernel_pid=os.getpid()))
     assert not worlds.owned_elsewhere("abc")
