@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from . import calls, export, meshes, training
+from . import calls, export, meshes, pretrained, training, weightfiles
 from .display.tables import count
 from .errors import PlanError
 from .options import check_path
@@ -72,6 +72,9 @@ def model_to_load(session, directory: str, model=None) -> tuple:
 
     if model is not None or session.last_result is not None:
         return trained_model(session, model)
+    if not weightfiles.is_checkpoint(check_path("directory", directory)):
+        raise PlanError(f"%dist load {directory}: weights files carry no model name: name the notebook model to load "
+                        "them into with --model NAME (model=NAME in Python)")
     saved = _meta(directory)["plan"].get("model")
     if isinstance(session.ns.get(saved), torch.nn.Module):
         return saved, session.ns[saved]
@@ -101,6 +104,8 @@ def load(session, name: str, model_obj, directory: str, quiet: bool = False, cha
     them, an fsdp+tensor checkpoint of another world size is laid out on this one as ``%dist scale``
     does (its tensor-parallel size kept), or refused naming the sizes that fit, before anything is sent.
     """
+    if not weightfiles.is_checkpoint(check_path("directory", directory)):  # safetensors or a Hugging Face folder
+        return pretrained.load_verb(session, name, model_obj, directory, quiet)
     meta = _meta(directory)
     if changes is None:
         changes = meshes.plan_changes(meta["plan"], meta.get("world_size") or session.world_size,
