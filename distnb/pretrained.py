@@ -13,7 +13,7 @@ from . import calls
 from .display.tables import count
 from .errors import PlanError
 from .execute import run_on_ranks
-from .weightfiles import find, is_checkpoint, match
+from .weightfiles import absolute, find, is_checkpoint, match
 
 
 def check(plan, model_obj) -> dict | None:
@@ -76,7 +76,7 @@ def load_verb(session, name: str, model_obj, path, quiet: bool = False) -> dict:
 
     last = session.holdings.last_plans.get(name)
     plan = (last[0] if last else None) or TrainPlan(model=name, data=name)
-    plan = TrainPlan.from_dict(dict(plan.to_dict(), load=path, checkpoint_dir=None, checkpoint_every=None))
+    plan = TrainPlan.from_dict(dict(plan.to_dict(), load=absolute(path), checkpoint_dir=None, checkpoint_every=None))
     checked = check(plan, model_obj)
     training.ensure_model(session, plan, model_obj, quiet=True)
     rows = load_on_ranks(session, plan, checked, quiet)

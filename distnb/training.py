@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from . import bigmodels, calls, captured, carried, data, export, kernel_memory, modelcheck, options, presses, transfer
-from . import pretrained, valsets
+from . import pretrained, valsets, weightfiles
 from .display import ProgressState, make_view, view_kind
 from .display.tables import count
 from .errors import PlanError, RankError
@@ -499,6 +499,8 @@ def train_cell(session, code, model, data, run, given):
                         "`x, y = batch; loss = F.cross_entropy(model(x), y)`")
     if given.get("report_interval") is None:
         given["report_interval"] = REPORT_INTERVAL[view_kind(run.progress)]
+    if given.get("load") is not None:  # absolute: the ranks' working folder may not be the kernel's
+        given["load"] = weightfiles.absolute(given["load"])
     plan = make_plan(session, model_name, model_obj, data_name, given, quiet=run.quiet)
     for sentence in body_warnings(code, plan):
         warnings.warn(f"distnb: {sentence}", UserWarning, stacklevel=4)

@@ -238,3 +238,22 @@ def is_checkpoint(path) -> bool:
     return os.path.isdir(path) and (os.path.exists(os.path.join(path, checkpoint.MARKER))
                                     or checkpoint.latest(path) is not None)
 
+
+
+def provided(path, model_obj) -> set:
+    """The names in ``model_obj``'s ``state_dict`` whose values ``path`` holds (under them or a tied name).
+
+    A meta model needs no initialisation for these: :func:`distnb.bigmodels.check_init` leaves their
+    modules alone and the ranks give them memory without values, which the load then fills
+    (:func:`distnb.engine.install.place_model`).
+    """
+    stored = find(path)["tensors"]
+    groups: dict = {}
+    for key, t in model_obj.state_dict(keep_vars=True).items():
+        groups.setdefault(id(t), []).append(key)
+    return {k for keys in groups.values() if any(k in stored for k in keys) for k in keys}
+
+
+def absolute(path):
+    """``path`` made absolute in the kernel (the ranks' working folder may differ), or None for None."""
+    return None if path is None else os.path.abspath(os.path.expanduser(check_path("--load", path)))

@@ -109,3 +109,40 @@ def test_pipeline_stages_load_their_own_tensors(dist_session, shell, tmp_path, c
     for held in per_rank:
         assert_equal_to(held, ref)
     assert_equal_to(ns["pipe_net"].state_dict(), ref)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_meta_model_needs_no_init_for_what_is_loaded(dist_session, shell, tmp_path, strategy):
+    """A GPT-2 built on the meta device: the ranks place it, the load fills every tensor (no reset_parameters
+    needed for them), and the weights equal from_pretrained; the notebook's model stays on meta."""
+    folder = str(tmp_path / "gpt2")
+    save_sharded(build("gpt2", seed=5), folder, num_files=3)
+    ref = from_pretrained("gpt2", folder)
+    ns = shell.user_ns
+    name = f"meta_gpt2_{strategy}"
+    ns[name] = build("gpt2", meta=True)
+    ns["hf_ids"] = torch.utils.data.TensorDataset(torch.randint(0, 64, (8, 12)))
+    dist_session.train(BODY, model=name, data="hf_ids", epochs=1, batch_size=4, optimizer="sgd", lr=0.0,
+                       strategy=strategy, load=folder, progress="none", quiet=True)
+    for held in ranks_weights(dist_session, name):
+        assert_equal_to(held, ref)
+    assert ns[name].transformer.wte.weight.is_meta
+
+
+def test_dist_load_puts_weights_into_a_held_model(dist_session, shell, tmp_path, capsys):
+    """``%dist load PATH --model NAME`` with a single safetensors file, into a kernel-held model: ranks and notebook."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(6)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    file = str(tmp_path / "weights.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in ref.state_dict().items()}, file)
+    ns = shell.user_ns
+    ns["held_net"] = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    shell.run_line_magic("dist", f"load {file} --model held_net")
+    out = capsys.readouterr().out
+    assert out.count("4 tensors stored as bfloat16 become float32") == 1  # the dtype conversion, said once
+    want = {k: v.to(torch.bfloat16).float() for k, v in ref.state_dict().items()}
+    for held in [*ranks_weights(dist_session, "held_net"), ns["held_net"].state_dict()]:
+        for k, t in want.items():
+            assert torch.equal(held[k], t), k
