@@ -102,18 +102,20 @@ def _safetensors(path: str) -> dict:
         raise PlanError(f"--load {path}: the folder holds neither {INDEX}, {SINGLE} nor a distnb checkpoint "
                         "(step_* folders); give a safetensors file, a Hugging Face model folder or a %dist save folder")
     files = sorted(set(where.values())) if where is not None else [path]
-    tensors, sizes = {}, {}
+    tensors, sizes, unindexed = {}, {}, {}
     for file in files:
         found, sizes[file] = header(file)
         for name, (dtype, shape, _) in found.items():
             if where is None or where.get(name) == file:
                 tensors[name] = (file, dtype, shape)
+            elif name not in where:
+                unindexed[name] = os.path.basename(file)
     if where is not None:
         lost = sorted(n for n, file in where.items() if n not in tensors)
         if lost:
             raise PlanError(f"{os.path.join(path, INDEX)} puts {_listed(lost)} in files whose headers do not hold "
                             "them; the index and the shards disagree: copy or download the folder again")
-    return dict(kind="safetensors", tensors=tensors, sizes=sizes)
+    return dict(kind="safetensors", tensors=tensors, sizes=sizes, unindexed=unindexed)
 
 
 def _dcp(path: str) -> dict:
@@ -165,6 +167,14 @@ def _nearest(name: str, among) -> str:
     return f" (nearest: {', '.join(close)})" if close else ""
 
 
+def _why_missing(key: str, found: dict) -> str:
+    """After a missing name: the shard holding it that the index leaves out, else the nearest stored names."""
+    file = found.get("unindexed", {}).get(key)
+    if file is not None:
+        return f" ({file} holds it, but {INDEX} has no entry for it: the index is incomplete)"
+    return _nearest(key, list(found["tensors"]))
+
+
 def _architecture(path: str) -> str:
     """`` (its config.json says GPT2LMHeadModel)`` for a Hugging Face folder whose config names one, else ""."""
     try:
@@ -213,7 +223,7 @@ def match(found: dict, model_obj, name: str) -> dict:
     problems = []
     if missing:
         problems.append(f"{len(missing)} of {name}'s tensors are not in it: " + "; ".join(
-            k + _nearest(k, list(stored)) for k in missing[:SHOWN]) + (" ..." if len(missing) > SHOWN else ""))
+            k + _why_missing(k, found) for k in missing[:SHOWN]) + (" ..." if len(missing) > SHOWN else ""))
     if unexpected:
         problems.append(f"{len(unexpected)} stored tensors are not in {name}: " + "; ".join(
             k + _nearest(k, list(model_keys)) for k in unexpected[:SHOWN]) + (" ..." if len(unexpected) > SHOWN else ""))
