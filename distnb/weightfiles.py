@@ -40,10 +40,10 @@ SHOWN = 6
 
 
 def header(file: str) -> tuple[dict, int]:
-    """The tensors in safetensors ``file``, from its header only: ``({name: (dtype, shape, end)}, bytes needed)``.
+    """The tensors in safetensors ``file``, from its header only: ``({name: (dtype, shape, end, begin)}, bytes)``.
 
-    ``end`` is the byte where the tensor's data ends, relative to the data section; the file must hold at
-    least ``bytes needed`` bytes (header plus the furthest ``end``).
+    ``end`` is the byte where the tensor's data ends, relative to the data section; ``begin`` where it
+    starts in the file; the file must hold at least ``bytes`` bytes (header plus the furthest ``end``).
 
     Raises
     ------
@@ -66,7 +66,7 @@ def header(file: str) -> tuple[dict, int]:
         dtype = DTYPES.get(info["dtype"])
         if dtype is None:
             raise PlanError(f"{file}: {name} has dtype {info['dtype']}, which torch cannot hold")
-        tensors[name] = (dtype, tuple(info["shape"]), int(info["data_offsets"][1]))
+        tensors[name] = (dtype, tuple(info["shape"]), int(info["data_offsets"][1]), 8 + size + info["data_offsets"][0])
         end = max(end, tensors[name][2])
     need = 8 + size + end
     have = os.path.getsize(file)
@@ -105,9 +105,9 @@ def _safetensors(path: str) -> dict:
     tensors, sizes, unindexed = {}, {}, {}
     for file in files:
         found, sizes[file] = header(file)
-        for name, (dtype, shape, _) in found.items():
+        for name, (dtype, shape, _, begin) in found.items():
             if where is None or where.get(name) == file:
-                tensors[name] = (file, dtype, shape)
+                tensors[name] = (file, dtype, shape, begin)
             elif name not in where:
                 unindexed[name] = os.path.basename(file)
     if where is not None:
@@ -132,14 +132,15 @@ def _dcp(path: str) -> dict:
     tensors = {}
     for key, md in metadata.state_dict_metadata.items():
         if key.startswith("model.") and hasattr(md, "size"):
-            tensors[key[len("model."):]] = (path, str(md.properties.dtype).replace("torch.", ""), tuple(md.size))
+            tensors[key[len("model."):]] = (path, str(md.properties.dtype).replace("torch.", ""), tuple(md.size), None)
     return dict(kind="dcp", path=path, tensors=tensors, sizes={})
 
 
 def find(path) -> dict:
     """What ``path`` holds, from its index and headers: ``{"kind", "path", "tensors", "sizes"}``.
 
-    ``tensors`` maps each stored name to ``(file, dtype, shape)`` (dtype as torch names it); ``sizes``
+    ``tensors`` maps each stored name to ``(file, dtype, shape, begin)`` (dtype as torch names it; begin:
+    the byte its data starts at in a safetensors file, None in a checkpoint); ``sizes``
     gives each safetensors file's expected length in bytes, which the ranks check on their hosts.
 
     Raises

@@ -37,7 +37,7 @@ class IndexedReader(HuggingFaceStorageReader):
     path : str
         The folder (or the single file) given to ``--load``.
     tensors : dict
-        Stored name -> ``(file, dtype name, shape)``, from the index and the headers
+        Stored name -> ``(file, dtype name, shape, first byte)``, from the index and the headers
         (:func:`distnb.pretrained.find`): a lone file, or an index naming a subset of the folder's
         files, reads exactly what it names.
     """
@@ -46,9 +46,32 @@ class IndexedReader(HuggingFaceStorageReader):
         super().__init__(os.path.dirname(path) if os.path.isfile(path) else path)
         self.tensors = tensors
 
+    def _process_read_request(self, f, req, planner) -> None:
+        """Rows ``a:b`` of a tensor into a contiguous target of the stored dtype (an fsdp shard, a pipeline
+        stage's tensor, a ddp replica): read from the file straight into the target's memory, without
+        safetensors' memory map (whose pages would count in this rank's resident set until the file closes).
+        Any other slice: torch's reader (``get_slice``)."""
+        file, dtype, shape, begin = self.tensors[req.storage_index.fqn]
+        target = planner.resolve_tensor(req).detach()
+        rows = all(o == 0 and n == full for o, n, full in zip(req.storage_offsets[1:], req.lengths[1:], shape[1:]))
+        if not (rows and begin is not None and target.is_contiguous() and target.device.type == "cpu"
+                and target.dtype == getattr(torch, dtype) and tuple(target.shape) == tuple(req.lengths)):
+            return super()._process_read_request(f, req, planner)
+        row_bytes = target.element_size() * (target[0].numel() if target.dim() else 1)
+        view = memoryview(target.view(-1).view(torch.uint8).numpy()) if target.numel() else memoryview(b"")
+        with open(file, "rb", buffering=0) as raw:
+            raw.seek(begin + (req.storage_offsets[0] if target.dim() else 0) * row_bytes)
+            done = 0
+            while done < len(view):
+                n = raw.readinto(view[done:])
+                if not n:
+                    raise RuntimeError(f"{file} ended {len(view) - done} bytes early while reading {req.storage_index.fqn}")
+                done += n
+        planner.commit_tensor(req, target)
+
     def read_metadata(self) -> Metadata:
         state, storage = {}, {}
-        for key, (file, dtype, shape) in self.tensors.items():
+        for key, (file, dtype, shape, _) in self.tensors.items():
             size, zero = torch.Size(shape), torch.Size([0] * len(shape))
             dtype = getattr(torch, dtype)
             state[key] = TensorStorageMetadata(properties=TensorProperties(dtype=dtype), size=size,

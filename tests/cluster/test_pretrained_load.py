@@ -146,3 +146,40 @@ def test_dist_load_puts_weights_into_a_held_model(dist_session, shell, tmp_path,
     for held in [*ranks_weights(dist_session, "held_net"), ns["held_net"].state_dict()]:
         for k, t in want.items():
             assert torch.equal(held[k], t), k
+
+
+def test_loading_into_a_meta_model_keeps_the_kernel_flat_and_each_rank_to_its_share(dist_session, shell, tmp_path):
+    """256 MiB (4 tensors of 64 MiB in 2 files) into a meta model under fsdp (the 1 GiB figure:
+    benchmarks/load_memory.py): the kernel grows < 64 MiB, each rank's peak from before the model was sent
+    stays below its share plus one file's largest tensor, and the weights are the file's. (Measured: the share
+    plus about 17 MiB, the structure received and FSDP's placement, whatever the model's size.)"""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    import load_memory
+
+    folder = str(tmp_path / "big")
+    load_memory.write_folder(folder, layers=4, dim=4096, files=2, seed=9)
+    model = load_memory.meta_model(4, 4096)
+    shell.user_ns["big_meta"] = model
+    got = load_memory.measure(dist_session, "big_meta", model, folder)
+    assert got["kernel_growth"] < 64 * 2 ** 20, got
+    for peak in got["rank_peaks"]:
+        assert peak < got["share"] + got["largest_tensor"], got
+    dist_session.run(CHECK_SLICES.format(name="big_meta", folder=folder))
+    assert dist_session.pull("_worst") == [0.0, 0.0]
+
+
+# every rank: its shards against the file's bytes for the same rows (safetensors, read here for the check only)
+CHECK_SLICES = """
+import json, os
+from safetensors import safe_open
+_map = json.load(open(os.path.join({folder!r}, "model.safetensors.index.json")))["weight_map"]
+_worst = 0.0
+for _n, _p in {name}.state_dict().items():
+    _local = _p.to_local()
+    _rows = _p.device_mesh.get_coordinate()[0] * -(-_p.shape[0] // _p.device_mesh.size())
+    with safe_open(os.path.join({folder!r}, _map[_n]), "pt") as _f:
+        _want = _f.get_slice(_n)[_rows:_rows + _local.shape[0]]
+    _worst = max(_worst, (_local - _want).abs().max().item())
+"""
