@@ -13,7 +13,7 @@ Before anything is sent, :func:`check_init` refuses a module that could not be i
 
 from __future__ import annotations
 
-from . import calls, weightfiles
+from . import calls, pretrained
 from .errors import PlanError
 from .display.tables import count
 
@@ -40,7 +40,7 @@ def check_init(model, plan) -> None:
     """
     if plan.init is not None:
         return
-    loaded = weightfiles.provided(plan.load, model) if plan.load else set()  # --load fills these: no init needed
+    loaded = pretrained.provided_names(plan, model)  # --load fills these: no init needed
     for name, mod in model.named_modules():
         own = [t for key, t in [*mod._parameters.items(), *mod._buffers.items()]
                if t is not None and t.is_meta and (f"{name}.{key}" if name else key) not in loaded]

@@ -7,13 +7,52 @@ the slices it holds (:func:`distnb.engine.pretrained.load_weights`).
 
 from __future__ import annotations
 
+import os
 import time
 
 from . import calls
 from .display.tables import count
 from .errors import PlanError
 from .execute import run_on_ranks
-from .weightfiles import absolute, find, is_checkpoint, match
+from .options import check_path
+from .weightfiles import absolute, find, match, provided
+
+
+def is_checkpoint(path) -> bool:
+    """Whether ``path`` is a distnb checkpoint (a ``step_*`` folder with its marker, or a parent of one)."""
+    from .engine import checkpoint  # imports torch.distributed: only where a path is asked about
+
+    path = os.path.abspath(os.path.expanduser(check_path("--load", path)))
+    return os.path.isdir(path) and (os.path.exists(os.path.join(path, checkpoint.MARKER))
+                                    or checkpoint.latest(path) is not None)
+
+
+def _dcp(path: str) -> dict:
+    """The same for a distnb checkpoint (``step_*`` folder or its parent): the model's entries of DCP's metadata."""
+    from torch.distributed.checkpoint import FileSystemReader  # torch: the kernel has it with the model
+
+    from .engine import checkpoint  # imports torch.distributed: only for a checkpoint
+
+    path = checkpoint.read_meta(path)["path"]
+    try:
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as exc:  # a damaged .metadata file
+        raise PlanError(f"--load {path}: its torch.distributed.checkpoint metadata cannot be read: {exc}") from None
+    tensors = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith("model.") and hasattr(md, "size"):
+            tensors[key[len("model."):]] = (path, str(md.properties.dtype).replace("torch.", ""), tuple(md.size), None)
+    return dict(kind="dcp", path=path, tensors=tensors, sizes={})
+
+def find_any(path) -> dict:
+    """What ``path`` holds (:func:`distnb.weightfiles.find`), a distnb checkpoint included (``kind`` ``"dcp"``)."""
+    path = absolute(path)
+    return _dcp(path) if os.path.exists(path) and is_checkpoint(path) else find(path)
+
+
+def provided_names(plan, model_obj) -> set:
+    """The names of ``model_obj``'s tensors ``plan.load`` fills (none without ``--load``): no init needed."""
+    return provided(find_any(plan.load)["tensors"], model_obj) if plan.load else set()
 
 
 def check(plan, model_obj) -> dict | None:
@@ -36,7 +75,7 @@ def check(plan, model_obj) -> dict | None:
     if plan.checkpoint_dir is not None and is_checkpoint(plan.checkpoint_dir) and not plan.reset:
         raise PlanError(f"--load {plan.load} and --checkpoint-dir {plan.checkpoint_dir}, which holds a checkpoint "
                         "to resume from: give one of them (or --reset to start from the loaded weights)")
-    found = find(plan.load)
+    found = find_any(plan.load)
     return dict(found=found, **match(found, model_obj, plan.model))
 
 
@@ -64,22 +103,3 @@ def load_on_ranks(session, plan, checked: dict, quiet: bool = False) -> list:
               f"{largest['bytes'] / (1 << 20):.1f} MiB) in {time.perf_counter() - t0:.2f} s")
     return rows
 
-
-def load_verb(session, name: str, model_obj, path, quiet: bool = False) -> dict:
-    """``%dist load PATH --model NAME`` for weights files: into the model as the ranks hold it (its last cell's
-    distribution), or sent with ddp when they do not hold it; then into the notebook's model unless it is on meta.
-
-    Returns ``{"path", "kind", "ranks"}`` (the ranks' rows of :func:`load_on_ranks`).
-    """
-    from . import training  # training imports this module: the verb reaches back for sending and weights back
-    from .plan import TrainPlan
-
-    last = session.holdings.last_plans.get(name)
-    plan = (last[0] if last else None) or TrainPlan(model=name, data=name)
-    plan = TrainPlan.from_dict(dict(plan.to_dict(), load=absolute(path), checkpoint_dir=None, checkpoint_every=None))
-    checked = check(plan, model_obj)
-    training.ensure_model(session, plan, model_obj, quiet=True)
-    rows = load_on_ranks(session, plan, checked, quiet)
-    session.holdings.remember(plan, model_obj)
-    training.weights_back(session, name, model_obj)  # nothing for a meta model: its weights stay on the ranks
-    return dict(path=checked["found"]["path"], kind=checked["found"]["kind"], ranks=rows)

@@ -118,26 +118,10 @@ def _safetensors(path: str) -> dict:
     return dict(kind="safetensors", tensors=tensors, sizes=sizes, unindexed=unindexed)
 
 
-def _dcp(path: str) -> dict:
-    """The same for a distnb checkpoint (``step_*`` folder or its parent): the model's entries of DCP's metadata."""
-    from torch.distributed.checkpoint import FileSystemReader  # torch: the kernel has it with the model
-
-    from .engine import checkpoint  # imports torch.distributed: only for a checkpoint
-
-    path = checkpoint.read_meta(path)["path"]
-    try:
-        metadata = FileSystemReader(path).read_metadata()
-    except Exception as exc:  # a damaged .metadata file
-        raise PlanError(f"--load {path}: its torch.distributed.checkpoint metadata cannot be read: {exc}") from None
-    tensors = {}
-    for key, md in metadata.state_dict_metadata.items():
-        if key.startswith("model.") and hasattr(md, "size"):
-            tensors[key[len("model."):]] = (path, str(md.properties.dtype).replace("torch.", ""), tuple(md.size), None)
-    return dict(kind="dcp", path=path, tensors=tensors, sizes={})
-
-
 def find(path) -> dict:
-    """What ``path`` holds, from its index and headers: ``{"kind", "path", "tensors", "sizes"}``.
+    """What safetensors ``path`` holds, from its index and headers: ``{"kind", "path", "tensors", "sizes"}``.
+
+    (A distnb checkpoint: :func:`distnb.pretrained.find_any`.)
 
     ``tensors`` maps each stored name to ``(file, dtype, shape, begin)`` (dtype as torch names it; begin:
     the byte its data starts at in a safetensors file, None in a checkpoint); ``sizes``
@@ -146,14 +130,12 @@ def find(path) -> dict:
     Raises
     ------
     PlanError
-        ``path`` does not exist, is not one of the three forms, or is damaged (truncated, an index
-        naming absent files or tensors).
+        ``path`` does not exist, is neither a safetensors file nor a Hugging Face folder, or is damaged
+        (truncated, an index naming absent files or tensors).
     """
     path = os.path.abspath(os.path.expanduser(check_path("--load", path)))
     if not os.path.exists(path):
         raise PlanError(f"--load {path}: no such file or folder on the kernel's host")
-    if is_checkpoint(path):
-        return _dcp(path)
     return dict(_safetensors(path), path=path)
 
 
@@ -241,24 +223,13 @@ def match(found: dict, model_obj, name: str) -> dict:
     return dict(aliases=aliases, note=f"distnb: --load {found['path']}: {note} ({name}'s dtype)" if note else "")
 
 
-def is_checkpoint(path) -> bool:
-    """Whether ``path`` is a distnb checkpoint (a ``step_*`` folder with its marker, or a parent of one)."""
-    from .engine import checkpoint  # imports torch.distributed: only where a path is asked about
-
-    path = os.path.abspath(os.path.expanduser(os.fspath(path)))
-    return os.path.isdir(path) and (os.path.exists(os.path.join(path, checkpoint.MARKER))
-                                    or checkpoint.latest(path) is not None)
-
-
-
-def provided(path, model_obj) -> set:
-    """The names in ``model_obj``'s ``state_dict`` whose values ``path`` holds (under them or a tied name).
+def provided(stored, model_obj) -> set:
+    """The names in ``model_obj``'s ``state_dict`` whose values are ``stored`` (names; under them or a tied name).
 
     A meta model needs no initialisation for these: :func:`distnb.bigmodels.check_init` leaves their
     modules alone and the ranks give them memory without values, which the load then fills
     (:func:`distnb.engine.install.place_model`).
     """
-    stored = find(path)["tensors"]
     groups: dict = {}
     for key, t in model_obj.state_dict(keep_vars=True).items():
         groups.setdefault(id(t), []).append(key)

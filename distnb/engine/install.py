@@ -13,6 +13,7 @@ from ..plan import TrainPlan
 from ..weightfiles import provided
 from . import loop, runtime, wire
 from .materialize import materialize, receive
+from .pretrained import stored_names
 
 
 def install_model(ns, name, payload, descs, steps, *buffers):
@@ -72,7 +73,7 @@ def loaded_indices(plan, module, pending) -> frozenset:
     if not plan.load:
         return frozenset()
     try:
-        names = provided(plan.load, module)
-    except PlanError:
+        names = provided(stored_names(plan.load), module)
+    except (PlanError, OSError, ValueError):
         return frozenset()
     return frozenset(pending.names[n] for n in names if n in pending.names)

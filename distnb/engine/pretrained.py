@@ -26,7 +26,8 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorProperties, TensorStorageMetadata)
 
 from ..plan import TrainPlan
-from . import loop, runtime
+from ..weightfiles import find
+from . import checkpoint, loop, runtime
 
 
 class IndexedReader(HuggingFaceStorageReader):
@@ -107,6 +108,15 @@ def _agree_readable(found: dict) -> None:
         raise RuntimeError(f"rank {st.rank}: --load {found['path']} cannot be read by every rank ({'; '.join(bad)}); "
                            "the ranks read the files on their own hosts: put the folder where every host sees it "
                            "(a shared file system) or copy it to each host at the same path")
+
+
+def stored_names(path: str) -> set:
+    """The tensor names ``path`` holds, read on this rank's host: a distnb checkpoint's model entries (DCP's
+    metadata), else the safetensors index and headers (:func:`distnb.weightfiles.find`)."""
+    if os.path.isdir(path) and (os.path.exists(os.path.join(path, checkpoint.MARKER)) or checkpoint.latest(path)):
+        metadata = dcp.FileSystemReader(checkpoint.read_meta(path)["path"]).read_metadata()
+        return {k[len("model."):] for k in metadata.state_dict_metadata if k.startswith("model.")}
+    return set(find(path)["tensors"])
 
 
 def model_state(strategy) -> dict:
