@@ -224,3 +224,29 @@ def test_hf_folder_loads_into_pipeline_stages(dist_session, shell, tmp_path, kin
     for held in per_rank:
         assert_equal_to(held, ref)
         assert len(files_read(held, weight_map)) >= 2
+
+
+HF_INIT = """
+def hf_init(module):
+    meta_llama._init_weights(module)
+"""
+
+
+def test_meta_llama_with_an_init_for_what_the_files_lack(dist_session, shell, tmp_path):
+    """A meta Llama: the files fill its parameters, ``--init`` (Hugging Face's ``_init_weights``) its rotary
+    buffers, which no file holds; the loss of a step at lr 0 equals from_pretrained's on the same data."""
+    folder = str(tmp_path / "llama")
+    save_sharded(build("llama", seed=1), folder, num_files=3)
+    ref = from_pretrained("llama", folder)
+    ns = shell.user_ns
+    ns["meta_llama"] = build("llama", meta=True)
+    shell.run_cell(HF_INIT)
+    ids = torch.randint(0, 64, (8, 12), generator=torch.Generator().manual_seed(0))
+    ns["llama_ids"] = torch.utils.data.TensorDataset(ids)
+    result = dist_session.train(BODY, model="meta_llama", data="llama_ids", epochs=1, batch_size=4, optimizer="sgd",
+                                lr=0.0, strategy="fsdp", load=folder, init="hf_init", progress="none", quiet=True)
+    for held in ranks_weights(dist_session, "meta_llama"):
+        assert_equal_to(held, ref)
+    with torch.no_grad():
+        want = ref(input_ids=ids, labels=ids).loss.item()
+    assert abs(result.epoch_losses[0] - want) < 1e-5, (result.epoch_losses, want)
