@@ -85,3 +85,30 @@ def test_path_the_ranks_cannot_see_names_each_rank(dist_session, shell, folder, 
 def test_ps_and_a_resumable_checkpoint_dir_are_refused(dist_session, shell, folder, tmp_path):
     with pytest.raises(PlanError, match="--load does not go with --strategy ps"):
         train(dist_session, shell, "ps_net", build("gpt2", seed=2), folder, strategy="ps")
+    ns = shell.user_ns
+    ns["ck_net"], ns["ck_x"] = torch.nn.Linear(4, 1), torch.utils.data.TensorDataset(torch.randn(8, 4))
+    ck = str(tmp_path / "ck")
+    dist_session.train(PLAIN, model="ck_net", data="ck_x", epochs=1, batch_size=4, checkpoint_dir=ck, progress="none",
+                       quiet=True)
+    with pytest.raises(PlanError, match=r"and --checkpoint-dir .*, which holds a checkpoint to resume from"):
+        dist_session.train(PLAIN, model="ck_net", data="ck_x", epochs=1, batch_size=4, checkpoint_dir=ck, load=ck,
+                           progress="none", quiet=True)
+
+
+def test_export_of_a_load_cell_is_refused_and_the_next_cell_exports(dist_session, shell, tmp_path):
+    """A job exported from a --load cell would start from the notebook's weights, not the loaded ones: refused,
+    naming the fix; the next cell (on from the loaded weights, which are back in the notebook) exports."""
+    from safetensors.torch import save_file
+
+    ns = shell.user_ns
+    torch.manual_seed(0)
+    save_file(torch.nn.Linear(4, 1).state_dict(), str(tmp_path / "w.safetensors"))
+    ns["exp_net"] = torch.nn.Linear(4, 1)
+    ns["exp_x"] = torch.utils.data.TensorDataset(torch.randn(8, 4))
+    dist_session.train(PLAIN, model="exp_net", data="exp_x", epochs=1, batch_size=4, load=str(tmp_path / "w.safetensors"),
+                       progress="none", quiet=True)
+    with pytest.raises(PlanError, match="run one more %%distrain cell without --load"):
+        dist_session.export(str(tmp_path / "job1"))
+    dist_session.train(PLAIN, model="exp_net", data="exp_x", epochs=1, batch_size=4, progress="none", quiet=True)
+    dist_session.export(str(tmp_path / "job2"))
+    assert os.path.exists(tmp_path / "job2" / "train.py")
