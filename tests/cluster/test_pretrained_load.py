@@ -55,7 +55,7 @@ def files_read(held_keys, weight_map) -> set:
 
 # GPT-2's Conv1D layers are not Linear: tensor parallel is shown on Llama (its MLP column- then row-wise)
 @pytest.mark.parametrize("kind,strategy", [("llama", "ddp"), ("llama", "fsdp"), ("llama", "tensor"), ("gpt2", "ddp"),
-                                           ("gpt2", "fsdp")])
+                                           ("gpt2", "fsdp"), ("llama", "fsdp+tensor")])
 def test_hf_folder_loads_as_from_pretrained(dist_session, shell, tmp_path, capsys, strategy, kind):
     folder = str(tmp_path / kind)
     weight_map = save_sharded(build(kind, seed=1), folder, num_files=3)
@@ -65,9 +65,11 @@ def test_hf_folder_loads_as_from_pretrained(dist_session, shell, tmp_path, capsy
     ns[name] = build(kind, seed=2)  # other weights: the load must replace every one of them
     ns["hf_ids"] = torch.utils.data.TensorDataset(torch.randint(0, 64, (8, 12)))
     extra = {}
-    if strategy == "tensor":
+    if strategy in ("tensor", "fsdp+tensor"):
         ns["tp_llama"] = tp_plan_llama()
         extra["tp_plan"] = "tp_llama"
+    if strategy == "fsdp+tensor":  # 2 ranks: tensor parallel within the one group of 2 (--mesh 1x2)
+        extra["mesh"] = "1x2"
     dist_session.train(BODY, model=name, data="hf_ids", epochs=1, batch_size=4, optimizer="sgd", lr=0.0,
                        strategy=strategy, load=folder, progress="none", **extra)
     out = capsys.readouterr().out
