@@ -28,7 +28,8 @@ def is_checkpoint(path) -> bool:
 
 
 def _dcp(path: str) -> dict:
-    """The same for a distnb checkpoint (``step_*`` folder or its parent): the model's entries of DCP's metadata."""
+    """What a distnb checkpoint (``step_*`` folder or its parent) holds, as :func:`distnb.weightfiles.find` says it:
+    the model's entries of DCP's metadata (``.metadata``), never tensor data."""
     from torch.distributed.checkpoint import FileSystemReader  # torch: the kernel has it with the model
 
     from .engine import checkpoint  # imports torch.distributed: only for a checkpoint
@@ -43,6 +44,7 @@ def _dcp(path: str) -> dict:
         if key.startswith("model.") and hasattr(md, "size"):
             tensors[key[len("model."):]] = (path, str(md.properties.dtype).replace("torch.", ""), tuple(md.size), None)
     return dict(kind="dcp", path=path, tensors=tensors, sizes={})
+
 
 def find_any(path) -> dict:
     """What ``path`` holds (:func:`distnb.weightfiles.find`), a distnb checkpoint included (``kind`` ``"dcp"``)."""
