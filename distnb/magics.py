@@ -152,7 +152,7 @@ def _push(line):
 
 
 @magic_arguments(name="dist pull")
-@argument("name", help="name on the ranks, or MODEL.path.to.param: that tensor whole, any strategy (net.0.weight)")
+@argument("name", help="name on the ranks, or MODEL.path.to.param: that tensor whole, any strategy (net.0.weight, net.model.layers.0.mlp.up_proj.weight)")
 @argument("--rank", type=int, default=None, help="one rank's value (default: a list over all ranks)")
 @argument("-o", "--output", default=None, help="also bind the value to this notebook name")
 def _pull(line):

@@ -153,11 +153,11 @@ class TrainPlan:
     strategy: str = option("ddp", "choice", ", ".join(f"{k} ({v[0]})" for k, v in STRATEGIES.items())
                            + "; default: the model's last one, ddp at first", choices=tuple(STRATEGIES),
                            distribution=True)
-    fsdp_units: tuple | None = option(None, "names", "fsdp: comma-separated submodules that become FSDP units "
-                                      "(default: each child with parameters)", strategy=("fsdp", "fsdp+tensor"),
-                                      doc="Names of the submodules that become FSDP units (each gets its own "
-                                          "all-gather); None: every direct child that holds parameters. The root "
-                                          "always is one.")
+    fsdp_units: tuple | None = option(None, "names", "fsdp: comma-separated submodules that become FSDP units (default: "
+                                      "each child with parameters; a Hugging Face model's decoder blocks)", strategy=(
+                                      "fsdp", "fsdp+tensor"), doc="Names of the submodules that become FSDP units (each "
+                                      "gets its own all-gather); None: every direct child that holds parameters, or a "
+                                      "Hugging Face model's blocks (its _no_split_modules). The root always is one.")
     split: tuple | None = option(None, "names", "pipeline: comma-separated submodules that begin a new stage "
                                  "(default: balanced by parameters)", strategy="pipeline")
     microbatches: int | None = option(None, "int", "pipeline: microbatches per batch, must divide --batch-size "

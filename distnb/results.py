@@ -135,6 +135,11 @@ class TrainResult(Table):
         With --compile, ``{rank: figures}`` of what dynamo did this cell: ``graphs``, ``graphs_since_compile``
         (0: nothing ever compiled for the model), ``graph_breaks``, ``break_reasons``, ``recompiles``,
         ``recompile_reasons`` (``distnb.engine.compiling.report``); empty without it.
+    num_params : int or None
+        Parameters of the model, each shared one counted once.
+    num_trainable_params : int or None
+        Those that require gradients, the ones the cell trained (LoRA: the adapters); the title says
+        "N of M parameters trained" when some were frozen.
     """
 
     columns = ("rank", "steps", "samples", "seconds", "samples_per_s", "final_loss", "param_bytes")
@@ -164,6 +169,12 @@ class TrainResult(Table):
         self.step_notes = step_notes(rows, plan)
         self.converged = self.stop_reason in ("target", "patience")
         self.kernel_peak_memory = self.kernel_memory_kind = None  # set by distnb.training.finish
+        self.num_params = self.num_trainable_params = None  # set by distnb.training.finish (set_param_counts)
+        self._make_title()
+
+    def set_param_counts(self, num_params: int, num_trainable_params: int) -> None:
+        """Record the model's parameter count and how many of them trained (the title says it when some were frozen)."""
+        self.num_params, self.num_trainable_params = num_params, num_trainable_params
         self._make_title()
 
     def _step_figures(self, rows) -> None:
@@ -212,6 +223,9 @@ class TrainResult(Table):
                "requested": "stopped on request (ctx.request_stop)"}.get(self.stop_reason,
                                                                          count(len(self.epochs), "epoch"))
         parts = [self.plan.strategy, count(len(self.rows), "rank"), how, self._loss_text()]
+        if self.num_params and self.num_trainable_params is not None and self.num_trainable_params < self.num_params:
+            share = 100 * self.num_trainable_params / self.num_params
+            parts.append(f"{self.num_trainable_params:,} of {self.num_params:,} parameters trained ({share:.2g}%)")
         if self.val_loss is not None:
             metric = f", {self.metric_name} {self.val_metric:.4f}" if self.val_metric is not None else ""
             parts.append(f"validation loss {self.val_loss:.4f}{metric}")
