@@ -34,6 +34,7 @@ RESTROWS = "distnb.engine.restrows"
 MATERIALIZE = "distnb.engine.materialize"
 INSTALL = "distnb.engine.install"
 VALPARTS = "distnb.engine.valparts"
+PRETRAINED = "distnb.engine.pretrained"
 
 
 @dataclass(frozen=True)
@@ -223,6 +224,11 @@ def save_checkpoint(name, directory): ...
 
 @_on_rank(LOOP, with_ns=True)
 def restore(name, directory, changes=None): ...
+
+
+# engine/pretrained.py: --load PATH, each rank its slices ------------------------------------
+@_on_rank(PRETRAINED, with_ns=True)
+def load_weights(name, plan_dict, found, aliases): ...
 
 
 # engine/where.py: where a rank is ---------------------------------------------------
