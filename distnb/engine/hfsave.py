@@ -81,21 +81,30 @@ def tied_targets(module) -> set:
 
 
 def untied(state: dict, module) -> dict:
-    """``state`` with each tensor once: of names bound to the same tensor, the one transformers keeps.
+    """``state`` with each tensor once: of names viewing the same memory, the one transformers keeps.
 
     A name ``transformers`` declares tied to another goes (:func:`tied_targets`); with none declared,
     the first name in ``state``'s order stays (as ``safetensors.torch.save_model`` does).
     """
     targets = tied_targets(module)
-    by_tensor: dict[int, list] = {}
+    by_tensor: dict = {}
     for key, t in state.items():
-        by_tensor.setdefault(id(t), []).append(key)
+        by_tensor.setdefault(_storage(t), []).append(key)
     drop = set()
     for names in by_tensor.values():
         if len(names) > 1:
             keep = next((n for n in names if n not in targets), names[0])
             drop.update(n for n in names if n != keep)
     return {k: t for k, t in state.items() if k not in drop}
+
+
+def _storage(t):
+    """What tells two state-dict entries of one tensor apart from equal ones: the memory they view (the
+    entries are detached copies of the parameters, so never the same object)."""
+    local = t.to_local() if isinstance(t, DTensor) else t
+    if local.is_meta or local.numel() == 0:  # no memory to compare: only the same object is the same
+        return ("object", id(t))
+    return (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape), local.stride())
 
 
 def _nbytes(t) -> int:
