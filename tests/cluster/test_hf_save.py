@@ -86,3 +86,82 @@ def test_safetensors_folder_from_pretrained(dist_session, shell, tmp_path, kind,
     assert_same(loaded, trained)
     if kind == "gpt2":
         assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+
+
+def read_folder(path) -> dict:
+    """Every tensor of a safetensors folder, through its index (what from_pretrained does, for any model)."""
+    from safetensors.torch import load_file
+
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    tensors = {}
+    for file in sorted(set(index["weight_map"].values())):
+        tensors.update(load_file(path / file))
+    assert set(tensors) == set(index["weight_map"])
+    return tensors
+
+
+@pytest.mark.parametrize("strategy", ["pipeline", "ps", "fsdp"])
+def test_plain_model_folder(dist_session, shell, tmp_path, strategy):
+    """A model that is not a transformers one (no config): every strategy's parts, one file per tensor here."""
+    from support.data import blobs, mlp
+
+    ns = shell.user_ns
+    name = f"hf_plain_{strategy}"
+    ns[name], ns["hf_blobs"] = mlp(8, 16, 8, 2, seed=7), blobs(64, num_features=8, num_classes=2, num_summed=3)
+    ns["F"] = torch.nn.functional
+    dist_session.train("x, y = batch\nloss = F.cross_entropy(model(x), y)", model=name, data="hf_blobs", epochs=1,
+                       batch_size=8, strategy=strategy, progress="none", quiet=True,
+                       **({"microbatches": 2} if strategy == "pipeline" else {}))
+    meta = dist_session.save(str(tmp_path / "out"), model=name, format="safetensors", max_shard_size=1, quiet=True)
+    assert not meta["config"] and not (tmp_path / "out" / "config.json").exists()
+    got, want = read_folder(tmp_path / "out"), ns[name].state_dict()
+    assert len(meta["files"]) == len(want) and set(got) == set(want)
+    for key, t in want.items():
+        torch.testing.assert_close(got[key], t, atol=0, rtol=0, msg=lambda m: f"{key}: {m}")
+
+
+def test_meta_model_folder(dist_session, shell, tmp_path):
+    """A Llama kept on the meta device in the notebook: the ranks materialise, train and write it; the kernel
+    holds no weights, and the folder equals what the ranks hold."""
+    ns = shell.user_ns
+    config = tiny("llama").config
+    with torch.device("meta"):
+        ns["hf_meta"] = transformers.LlamaForCausalLM(config)
+    ns["hf_tokens"] = tokens()
+    shell.run_cell(HF_INIT, silent=True)
+    dist_session.train(BODY, model="hf_meta", data="hf_tokens", epochs=1, batch_size=4, strategy="fsdp",
+                       optimizer="adam", lr=0.01, progress="none", quiet=True, init="hf_init")
+    assert all(t.is_meta for t in ns["hf_meta"].state_dict().values())
+    dist_session.save(str(tmp_path / "meta"), model="hf_meta", format="safetensors", quiet=True)
+    dist_session.run(PULL)
+    held = {}
+    for part in dist_session.pull("_hf_held"):
+        held.update(part)
+    got = read_folder(tmp_path / "meta")
+    assert set(got) == set(held)  # Llama ties no weights by default
+    for key, t in got.items():
+        torch.testing.assert_close(t, held[key], atol=0, rtol=0, msg=lambda m: f"{key}: {m}")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "meta"))
+    for key, t in loaded.state_dict().items():
+        torch.testing.assert_close(t, held[key], atol=1e-6, rtol=0, msg=lambda m: f"{key}: {m}")
+
+
+# every rank: the meta model's tensors as full ones (a collective for DTensors)
+PULL = """
+from torch.distributed.tensor import DTensor
+_hf_held = {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+            for n, t in hf_meta.state_dict(keep_vars=True).items()}
+"""
+
+# the --init function of a meta Llama (notebook code: it travels by value): what its modules' __init__ does
+HF_INIT = """
+def hf_init(module):
+    if hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+    elif hasattr(module, "variance_epsilon"):  # LlamaRMSNorm
+        module.weight.fill_(1.0)
+    elif hasattr(module, "inv_freq"):  # LlamaRotaryEmbedding
+        inv_freq, _ = module.compute_default_rope_parameters(module.config)
+        module.inv_freq.copy_(inv_freq)
+        module.original_inv_freq.copy_(inv_freq)
+"""
