@@ -165,3 +165,34 @@ def hf_init(module):
         module.inv_freq.copy_(inv_freq)
         module.original_inv_freq.copy_(inv_freq)
 """
+
+
+def test_bad_requests_are_clear_errors_and_the_cluster_stays_usable(dist_session, shell, tmp_path):
+    from distnb.errors import PlanError, RankError
+
+    train(dist_session, shell, "hf_bad", "llama", "ddp")
+    with pytest.raises(PlanError, match="--format 'gguf' is not one of dcp, safetensors"):
+        dist_session.save(str(tmp_path / "a"), model="hf_bad", format="gguf", quiet=True)
+    with pytest.raises(PlanError, match="max_shard_size must be a positive size"):
+        dist_session.save(str(tmp_path / "a"), model="hf_bad", format="safetensors", max_shard_size="big", quiet=True)
+    assert not (tmp_path / "a").exists()
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    with pytest.raises(RankError, match=r"cannot be written on rank 0 on \S+ \(.*\); rank 1 on \S+ \(.*\): give a "
+                                        "folder every rank can create"):
+        dist_session.save(str(blocker / "hf"), model="hf_bad", format="safetensors", quiet=True)
+    meta = dist_session.save(str(tmp_path / "ok"), model="hf_bad", format="safetensors", quiet=True)  # usable still
+    assert meta["files"] == ["model-00001-of-00001.safetensors"]
+    assert_same(transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "ok")), shell.user_ns["hf_bad"])
+
+
+def test_magic_help_and_options(dist_session, shell, tmp_path, capsys):
+    """``%dist save`` takes --format and --adapters; its help shows examples of both."""
+    train_ns = shell.user_ns
+    shell.run_line_magic("dist", "save --help")
+    out = capsys.readouterr().out
+    assert "--format safetensors" in out and "%dist save --adapters out/lora" in out
+    train(dist_session, shell, "hf_magic", "gpt2", "fsdp")
+    shell.run_line_magic("dist", f"save {tmp_path / 'm'} --model hf_magic --format safetensors")
+    assert "AutoModel*.from_pretrained(DIR) reads it" in capsys.readouterr().out
+    assert_same(transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "m")), train_ns["hf_magic"])
