@@ -9,46 +9,12 @@ kernel checks the request, sends no weights and receives none.
 from __future__ import annotations
 
 import os
-import re
 
 from . import calls, checkpoints
 from .errors import PlanError
 from .execute import run_on_ranks
 from .options import check_path
-
-#: What ``--format`` takes: torch.distributed.checkpoint (resumable: optimizer and position too) or safetensors.
-FORMATS = ("dcp", "safetensors")
-#: Default largest size of one safetensors file (transformers' own default for save_pretrained).
-MAX_SHARD_SIZE = "50GB"
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def shard_bytes(size) -> int:
-    """``size`` (an int of bytes, or ``"5GB"``, ``"500MB"``, ``"2GiB"`` as transformers reads it) in bytes.
-
-    Raises
-    ------
-    PlanError
-        Not a positive size.
-    """
-    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
-        return size
-    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(size).upper()) if isinstance(size, str) else None
-    if found and found.group(2) in _UNITS and float(found.group(1)) > 0:
-        return int(float(found.group(1)) * _UNITS[found.group(2)])
-    raise PlanError(f"max_shard_size must be a positive size such as 5GB, 500MB or a number of bytes, got {size!r}")
-
-
-def check_format(fmt, adapters: bool) -> str:
-    """``fmt`` checked against :data:`FORMATS` (and against ``adapters``, which always writes safetensors)."""
-    if fmt not in FORMATS:
-        raise PlanError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}: dcp (a checkpoint %dist load reads, "
-                        "the default) or safetensors (a Hugging Face folder from_pretrained reads)")
-    if adapters and fmt == "dcp":
-        return "safetensors"  # peft's own files
-    return fmt
-
+from .saveformats import FORMATS, MAX_SHARD_SIZE, check_format, shard_bytes
 
 def check_adapters(name: str, model_obj) -> None:
     """PlanError unless ``model_obj`` is a peft model (``peft.get_peft_model`` over a model): the fix named."""
@@ -164,3 +130,18 @@ def _apply(argument, fn):
     ]):
         fn = argument(*args, **kw)(fn)
     return fn
+
+
+def save_keywords(args) -> dict:
+    """``Session.save``'s keywords from the parsed ``%dist save`` line."""
+    return dict(directory=args.directory, model=args.model, format=args.format, adapters=args.adapters,
+                max_shard_size=args.max_shard_size)
+
+
+def export_format_argument(argument):
+    """A decorator giving ``%dist export`` its ``--format`` (``argument``: IPython's, as in :func:`save_arguments`)."""
+    return argument("--format", default="dcp", metavar="{" + ",".join(FORMATS) + "}",
+                    help="what the job saves when it ends, besides its DCP checkpoints (which it resumes from): dcp "
+                    "(nothing more, the default) or safetensors (the trained model as a Hugging Face folder in "
+                    "model/ of the export folder; a peft model's adapters). The job's train.py --format changes it. "
+                    "Example: %%dist export jobs/llama --format safetensors")

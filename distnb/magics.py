@@ -196,6 +196,7 @@ def _load(line):
 @magic_arguments(name="dist export")
 @argument("directory", help="a new or empty folder for the job (created)")
 @argument("--force", action="store_true", help="write into a folder that is not empty (replacing an export's files)")
+@hfsaving.export_format_argument(argument)
 @argument("--nodes", type=int, default=None, help="nodes in job.sbatch (default: the cell's hosts; with only "
           "--nproc-per-node given, as many as keep the cell's world size)")
 @argument("--nproc-per-node", type=int, default=None, dest="nproc_per_node",
@@ -436,8 +437,7 @@ _VERB_CALLS = {
     "pull": lambda args, ns: _bind(ns, args.output, _session().pull(args.name, rank=args.rank)),
     "scatter": lambda args, ns: _quiet(_session().scatter(args.name, seed=args.seed)),
     "gather": lambda args, ns: _bind(ns, args.output, _session().gather(args.name)),
-    "save": lambda args, ns: _quiet(_session().save(args.directory, model=args.model, format=args.format,
-                                                    adapters=args.adapters, max_shard_size=args.max_shard_size)),
+    "save": lambda args, ns: _quiet(_session().save(**hfsaving.save_keywords(args))),
     "load": lambda args, ns: _quiet(_session().load(args.directory, model=args.model)),
     "export": lambda args, ns: _quiet(_export_cell(args)),
     "wait": lambda args, ns: _current().wait(),
@@ -464,7 +464,7 @@ def _export_cell(args):
     from .export import session_export
 
     return session_export(_current(), args.directory, force=args.force, nodes=args.nodes,
-                          nproc_per_node=args.nproc_per_node)
+                          nproc_per_node=args.nproc_per_node, format=args.format)
 
 
 def _start_session(ns, given):
