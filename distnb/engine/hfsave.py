@@ -4,9 +4,9 @@ A whole model goes out as a Hugging Face folder: ``model-0000x-of-0000y.safetens
 ``model.safetensors.index.json``, plus ``config.json`` (and ``generation_config.json``) when the model
 is a ``transformers`` one. Every rank writes its own part with ``torch.distributed.checkpoint`` and
 its ``HuggingFaceStorageWriter`` (a shard for fsdp and tensor, a stage for pipeline, one copy of each
-replicated tensor for ddp, into ``DIR/sharded``); the writer then consolidates the parts into full
-tensors, one sub-tensor at a time from the files, so no rank and not the kernel ever holds the whole
-model. Tied weights are written once, under the name ``transformers`` keeps (GPT-2: ``lm_head.weight``
+replicated tensor for ddp, into ``DIR/sharded``; one tensor at a time, :mod:`distnb.engine.hfwriter`);
+the writer then consolidates the parts into full tensors on rank 0, one tensor at a time from the
+files, so no rank and not the kernel ever holds the whole model. Tied weights are written once, under the name ``transformers`` keeps (GPT-2: ``lm_head.weight``
 left out), so ``from_pretrained`` ties them again.
 
 Adapters of a ``peft`` model go out as ``peft`` writes them (``adapter_model.safetensors`` with the
@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from . import runtime
+from .hfwriter import DTYPE_NAMES, StreamingHuggingFaceWriter
 from .loop import ready_run
 
 #: The index file ``from_pretrained`` reads first (the name transformers and DCP use).
@@ -135,12 +136,11 @@ def _model_state(run) -> dict:
 
 
 def _check_dtypes(state: dict) -> None:
-    from torch.distributed.checkpoint._hf_utils import DTYPE_MAP  # what the writer's files can hold
-
-    odd = sorted(f"{k} ({t.dtype})" for k, t in state.items() if t.dtype not in DTYPE_MAP.values())
+    odd = sorted(f"{k} ({t.dtype})" for k, t in state.items() if t.dtype not in DTYPE_NAMES)
     if odd:
-        raise RuntimeError(f"rank {runtime.STATE.rank}: safetensors files here hold floats and ints only; "
-                           f"{', '.join(odd[:5])} cannot be written: convert them (or save with --format dcp)")
+        raise RuntimeError(f"rank {runtime.STATE.rank}: a safetensors folder is written here for float tensors "
+                           f"(float32, float16, bfloat16, float64) only; {', '.join(odd[:5])} cannot be: convert "
+                           "them, or save with --format dcp")
 
 
 def save_model(run, directory: str, max_shard_bytes: int) -> dict:
@@ -166,7 +166,7 @@ def save_model(run, directory: str, max_shard_bytes: int) -> dict:
     RuntimeError
         The folder cannot be written on some rank (naming each), or a tensor's dtype cannot go in safetensors.
     """
-    from torch.distributed.checkpoint import HuggingFaceStorageWriter, save as dcp_save
+    from torch.distributed.checkpoint import save as dcp_save
 
     t0 = time.perf_counter()
     check_writable(directory)
@@ -176,8 +176,8 @@ def save_model(run, directory: str, max_shard_bytes: int) -> dict:
     if runtime.STATE.rank == 0:
         _clear(directory)
     dist.barrier()
-    writer = HuggingFaceStorageWriter(directory, fqn_to_index_mapping=index, save_distributed=True,
-                                      enable_consolidation=True)
+    writer = StreamingHuggingFaceWriter(directory, fqn_to_index_mapping=index, save_distributed=True,
+                                        enable_consolidation=True)
     dcp_save(state, storage_writer=writer)  # each rank its part into DIR/sharded; rank 0 consolidates into DIR
     dist.barrier()
     wrote_config = False

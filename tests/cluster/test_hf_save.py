@@ -196,3 +196,49 @@ def test_magic_help_and_options(dist_session, shell, tmp_path, capsys):
     shell.run_line_magic("dist", f"save {tmp_path / 'm'} --model hf_magic --format safetensors")
     assert "AutoModel*.from_pretrained(DIR) reads it" in capsys.readouterr().out
     assert_same(transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "m")), train_ns["hf_magic"])
+
+
+def _status(key: str, pid="self") -> int:
+    """A /proc/PID/status figure in bytes (VmRSS, VmHWM)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def test_the_kernel_holds_none_of_the_model_while_the_ranks_save_it(dist_session, shell, tmp_path):
+    """A 104 MiB Llama kept on meta, trained one step under fsdp, saved as safetensors: the kernel's peak
+    resident memory during the save rises by less than 16 MiB (a sixth of the model); rank 1's too (it streams
+    its shard to its file one tensor at a time); rank 0's by less than two of the largest tensor (it joins the
+    files into full tensors one at a time)."""
+    ns = shell.user_ns
+    config = transformers.LlamaConfig(vocab_size=16384, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=32)
+    with torch.device("meta"):
+        ns["hf_big"] = transformers.LlamaForCausalLM(config)
+    size = sum(p.numel() * 4 for p in ns["hf_big"].parameters())
+    largest = max(p.numel() * 4 for p in ns["hf_big"].parameters())
+    assert 95 * 2**20 < size < 110 * 2**20
+    g = torch.Generator().manual_seed(0)
+    ns["hf_big_tokens"] = torch.utils.data.TensorDataset(torch.randint(0, 16384, (4, 8), generator=g))
+    shell.run_cell(HF_INIT, silent=True)
+    dist_session.train(BODY, model="hf_big", data="hf_big_tokens", epochs=1, batch_size=2, strategy="fsdp",
+                       optimizer="sgd", lr=0.01, progress="none", quiet=True, init="hf_init")
+    dist_session.run("import os\n_hf_rss = int([l for l in open('/proc/self/status') if l.startswith('VmRSS')][0]"
+                     ".split()[1]) * 1024\nopen('/proc/self/clear_refs', 'w').write('5')")  # VmHWM := VmRSS
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = _status("VmRSS")
+    meta = dist_session.save(str(tmp_path / "big"), model="hf_big", format="safetensors", quiet=True)
+    kernel_rise = _status("VmHWM") - before
+    assert meta["num_bytes"] == size
+    assert kernel_rise < 16 * 2**20, f"the kernel's peak rose {kernel_rise / 2**20:.1f} MiB during the save"
+    dist_session.run("_hf_rise = int([l for l in open('/proc/self/status') if l.startswith('VmHWM')][0]"
+                     ".split()[1]) * 1024 - _hf_rss")
+    rises = dist_session.pull("_hf_rise")  # rank 0 consolidates the files into full tensors, one at a time
+    assert rises[0] < 2 * largest + 16 * 2**20, f"rank 0's peak rose {rises[0] / 2**20:.1f} MiB during the save"
+    assert rises[1] < 16 * 2**20, f"rank 1's peak rose {rises[1] / 2**20:.1f} MiB during the save (its shard " \
+        "streams to its file)"
+    with open(tmp_path / "big" / "model.safetensors.index.json") as f:
+        assert json.load(f)["metadata"]["total_size"] == size
