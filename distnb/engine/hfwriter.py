@@ -49,6 +49,22 @@ class StreamingHuggingFaceWriter(HuggingFaceStorageWriter):
         return done
 
 
+    def finish(self, metadata, results) -> None:
+        """Check that every rank's files are here (rank 0 runs this), then consolidate them (torch's).
+
+        Consolidation reads what it finds: a part written on another host's disk would be left out, the
+        tensor then short or holed without a word. So a missing file is an error naming its rank.
+        """
+        folder = str(self.path)
+        missing = [f"rank {rank}'s {r.storage_data.relative_path}" for rank, written in enumerate(results)
+                   for r in written if not os.path.exists(os.path.join(folder, r.storage_data.relative_path))]
+        if missing:
+            raise RuntimeError(f"{folder} does not hold " + ", ".join(sorted(set(missing))[:4]) + " on rank 0's host: "
+                               "the ranks are on hosts that do not share this folder; save to a folder on a file "
+                               "system every rank shares (or save with --format dcp, each rank its own part)")
+        return super().finish(metadata, results)
+
+
 def _header(items) -> bytes:
     """The safetensors header of ``items`` (this rank's chunks, in order), DCP's offsets in ``__metadata__``."""
     header, offsets, pos = {}, {}, 0
