@@ -44,8 +44,8 @@ def session_save(session, directory: str, model=None, format: str = "dcp", adapt
 
     Parameters
     ----------
-    directory : str or os.PathLike
-        The folder (created). With ``format="safetensors"``, files of an earlier save there are replaced.
+    directory : str
+        The folder (created; a ``pathlib.Path`` is taken too). With ``format="safetensors"``, files of an earlier save there are replaced.
     model : str or torch.nn.Module, optional
         Default: the model of the last training cell.
     format : {"dcp", "safetensors"}
