@@ -17,19 +17,24 @@ from distnb.errors import PlanError  # noqa: E402
 
 BODY = "x = batch[0]\nloss = model(input_ids=x, labels=x).loss"
 VOCAB = 64
-#: FSDP units of the peft Llama: its decoder layers (the embedding stays in the root unit: the forward uses it)
-UNITS = "base_model.model.model.layers.0,base_model.model.model.layers.1"
 
 
-def base():
+def base(kind="llama"):
     torch.manual_seed(3)
+    if kind == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4,
+                                                                    n_positions=32))
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
     return transformers.LlamaForCausalLM(config)
 
 
-def lora(model):
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+def lora(model, kind="llama"):
+    if kind == "gpt2":  # a PeftModelForCausalLM (task_type), GPT-2's fused attention projection
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0,
+                                 task_type="CAUSAL_LM", fan_in_fan_out=True)
+    else:
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     return peft.get_peft_model(model, config)
 
 
@@ -38,14 +43,13 @@ def tokens():
     return torch.utils.data.TensorDataset(torch.randint(0, VOCAB, (16, 12), generator=g))
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_adapters_read_back_by_peft(dist_session, shell, tmp_path, strategy):
+@pytest.mark.parametrize("kind,strategy", [("llama", "ddp"), ("llama", "fsdp"), ("gpt2", "fsdp")])
+def test_adapters_read_back_by_peft(dist_session, shell, tmp_path, kind, strategy):
     ns = shell.user_ns
-    name = f"hf_lora_{strategy}"
-    ns[name], ns["hf_tokens"] = lora(base()), tokens()
-    units = {"fsdp_units": UNITS} if strategy == "fsdp" else {}
+    name = f"hf_lora_{kind}_{strategy}"
+    ns[name], ns["hf_tokens"] = lora(base(kind), kind), tokens()
     dist_session.train(BODY, model=name, data="hf_tokens", epochs=1, batch_size=8, strategy=strategy,
-                       optimizer="adam", lr=0.01, progress="none", quiet=True, **units)  # 16 / (8 x 2 ranks): 1 step
+                       optimizer="adam", lr=0.01, progress="none", quiet=True)  # 16 samples / (8 x 2 ranks): 1 step
     dist_session.train(BODY, model=name, data="hf_tokens", epochs=1, batch_size=8, strategy=strategy,
                        progress="none", quiet=True)  # a second step
     trained = ns[name]
@@ -55,12 +59,14 @@ def test_adapters_read_back_by_peft(dist_session, shell, tmp_path, strategy):
     assert meta["adapter"] == "default" and meta["num_tensors"] == len(adapters)
     config = json.loads((tmp_path / "lora" / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and config["r"] == 4
-    loaded = peft.PeftModel.from_pretrained(base(), str(tmp_path / "lora"))
+    loaded = peft.PeftModel.from_pretrained(base(kind), str(tmp_path / "lora"))
+    assert type(loaded) is type(trained)
     got = {k: v for k, v in loaded.state_dict().items() if "lora_" in k}
     assert set(got) == set(adapters)
     for key, t in adapters.items():
         torch.testing.assert_close(got[key], t, atol=1e-6, rtol=0, msg=lambda m: f"{key}: {m}")
     x = tokens().tensors[0][:2]
+    loaded.eval(), trained.eval()  # GPT-2 has dropout
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=x).logits, trained(input_ids=x).logits, atol=1e-5, rtol=0)
 
