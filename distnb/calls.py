@@ -35,6 +35,7 @@ MATERIALIZE = "distnb.engine.materialize"
 INSTALL = "distnb.engine.install"
 VALPARTS = "distnb.engine.valparts"
 HFSAVE = "distnb.engine.hfsave"
+PRETRAINED = "distnb.engine.pretrained"
 
 
 @dataclass(frozen=True)
@@ -233,6 +234,11 @@ def save_safetensors(name, directory, max_shard_bytes): ...
 
 @_on_rank(HFSAVE, with_ns=True)
 def save_peft_adapters(name, directory): ...
+
+
+# engine/pretrained.py: --load PATH, each rank its slices ------------------------------------
+@_on_rank(PRETRAINED, with_ns=True)
+def load_weights(name, plan_dict, found, aliases): ...
 
 
 # engine/where.py: where a rank is ---------------------------------------------------

@@ -183,13 +183,13 @@ def _save(line):
 
 
 @magic_arguments(name="dist load")
-@argument("directory", help="a step_* checkpoint folder or its parent (the newest complete one)")
+@argument("directory", help="a step_* checkpoint folder or its parent (the newest complete one); or weights: a "
+          "safetensors file or Hugging Face folder, each rank reading its slices (needs --model)")
 @argument("--model", default=None, help="notebook name of the model (default: the last one trained; none since "
           "the cluster started: the checkpoint's own, if the notebook defines it)")
 def _load(line):
     """Restore a checkpoint into the ranks and the notebook's model; the next %%distrain continues from it.
-
-    Example: %dist load checkpoints/digits --model net
+    Example: %dist load checkpoints/digits --model net    or, pretrained weights: %dist load ./llama-tiny --model net
     """
 
 

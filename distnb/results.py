@@ -136,7 +136,7 @@ class TrainResult(Table):
         (0: nothing ever compiled for the model), ``graph_breaks``, ``break_reasons``, ``recompiles``,
         ``recompile_reasons`` (``distnb.engine.compiling.report``); empty without it.
     num_params : int or None
-        Parameters of the model (each shared one once).
+        Parameters of the model, each shared one counted once.
     num_trainable_params : int or None
         Those that require gradients, the ones the cell trained (LoRA: the adapters); the title says
         "N of M parameters trained" when some were frozen.
