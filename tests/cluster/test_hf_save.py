@@ -242,3 +242,22 @@ def test_the_kernel_holds_none_of_the_model_while_the_ranks_save_it(dist_session
         "streams to its file)"
     with open(tmp_path / "big" / "model.safetensors.index.json") as f:
         assert json.load(f)["metadata"]["total_size"] == size
+
+
+@pytest.mark.parametrize("kind,strategy", [("llama", "fsdp"), ("gpt2", "ddp")])
+def test_a_folder_loaded_on_the_ranks_saves_back_the_same_tensors(dist_session, shell, tmp_path, kind, strategy):
+    """save_pretrained's folder -> --load on the ranks (no step: lr 0) -> %dist save --format safetensors: the
+    same names and the same tensors, bit for bit, as transformers wrote them (GPT-2's tie left out both times)."""
+    source = tmp_path / "source"
+    tiny(kind).save_pretrained(str(source), max_shard_size="40KB")
+    ns = shell.user_ns
+    name = f"hf_back_{kind}"
+    ns[name], ns["hf_tokens"] = tiny(kind), tokens()
+    torch.nn.init.zeros_(next(ns[name].parameters()))  # not the folder's weights: the load must replace them
+    dist_session.train(BODY, model=name, data="hf_tokens", epochs=1, batch_size=4, strategy=strategy,
+                       optimizer="sgd", lr=0.0, load=str(source), progress="none", quiet=True)
+    dist_session.save(str(tmp_path / "back"), model=name, format="safetensors", max_shard_size="40KB", quiet=True)
+    want, got = read_folder(source), read_folder(tmp_path / "back")
+    assert set(got) == set(want)
+    for key, t in want.items():
+        assert torch.equal(got[key], t), key
