@@ -35,6 +35,7 @@ RESTROWS = "distnb.engine.restrows"
 MATERIALIZE = "distnb.engine.materialize"
 INSTALL = "distnb.engine.install"
 VALPARTS = "distnb.engine.valparts"
+HFSAVE = "distnb.engine.hfsave"
 PRETRAINED = "distnb.engine.pretrained"
 
 
@@ -234,6 +235,15 @@ def save_checkpoint(name, directory): ...
 
 @_on_rank(LOOP, with_ns=True)
 def restore(name, directory, changes=None): ...
+
+
+# engine/hfsave.py: %dist save --format safetensors, --adapters ---------------------------
+@_on_rank(HFSAVE, with_ns=True)
+def save_safetensors(name, directory, max_shard_bytes): ...
+
+
+@_on_rank(HFSAVE, with_ns=True)
+def save_peft_adapters(name, directory): ...
 
 
 # engine/pretrained.py: --load PATH, each rank its slices ------------------------------------
