@@ -11,8 +11,8 @@ __version__ = "0.1.0"
 #: The public names. Everything else (``distnb.session``, ``distnb.engine``, ...) is internal: it may move or
 #: change between versions (the magics and these names do not).
 __all__ = [
-    # the Python API behind the magics
-    "start", "current", "Session", "TrainResult",
+    # the Python API behind the magics (attach: %dist attach, join a world from a new kernel)
+    "start", "current", "attach", "Session", "TrainResult",
     # the errors distnb raises on purpose
     "DistnbError", "PlanError", "ClusterError", "RankError", "HangError", "CollectiveMismatchError", "PeerFailed",
     "BusyError", "Interrupted",
@@ -25,12 +25,13 @@ from .errors import (BusyError, ClusterError, CollectiveMismatchError, DistnbErr
 
 #: Public names imported at first use (``import distnb`` stays light: no ipyparallel, no torch): name -> module.
 _LAZY = {"start": "distnb.session", "current": "distnb.session", "Session": "distnb.session",
-         "TrainResult": "distnb.results"}
+         "TrainResult": "distnb.results", "attach": "distnb.attaching"}
 
 
 def __getattr__(name):
-    """``distnb.start``, ``distnb.current`` and ``distnb.Session`` are :mod:`distnb.session`'s, ``distnb.TrainResult``
-    is :class:`distnb.results.TrainResult`: imported at first use, their signatures and help are the real ones."""
+    """``distnb.start``, ``distnb.current`` and ``distnb.Session`` are :mod:`distnb.session`'s, ``distnb.attach`` is
+    :func:`distnb.attaching.attach`, ``distnb.TrainResult`` is :class:`distnb.results.TrainResult`: imported at first
+    use (``import distnb`` stays light), their signatures and help are the real ones."""
     if name in _LAZY:
         import importlib
 

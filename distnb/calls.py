@@ -24,6 +24,7 @@ IPENGINE = "distnb.engine.ipengine"
 WIRE = "distnb.engine.wire"
 SEGMENTS = "distnb.engine.segments"
 LOOP = "distnb.engine.loop"
+KEPT = "distnb.engine.kept"
 WHERE = "distnb.engine.where"
 DATASETS = "distnb.engine.datasets"
 NET = "distnb.net"
@@ -34,6 +35,8 @@ RESTROWS = "distnb.engine.restrows"
 MATERIALIZE = "distnb.engine.materialize"
 INSTALL = "distnb.engine.install"
 VALPARTS = "distnb.engine.valparts"
+HFSAVE = "distnb.engine.hfsave"
+PRETRAINED = "distnb.engine.pretrained"
 
 
 @dataclass(frozen=True)
@@ -199,6 +202,15 @@ def install_shard(name, num_samples, num_shards, seed, index, structure, descs, 
 def train(plan_dict, code_text, outbox=None): ...
 
 
+# engine/kept.py: a training cell's result kept for a kernel that attaches (issue 38) --------
+@_on_rank(KEPT, with_ns=True)
+def train_kept(token, plan_dict, code_text, outbox=None): ...
+
+
+@_on_rank(KEPT)
+def kept_result(token): ...
+
+
 # engine/datasets.py: data sets loaded on the ranks ---------------------------------------
 @_on_rank(DATASETS, with_ns=True)
 def install_dataset(name, kind, num_shards, payload, descs, *buffers): ...
@@ -223,6 +235,20 @@ def save_checkpoint(name, directory): ...
 
 @_on_rank(LOOP, with_ns=True)
 def restore(name, directory, changes=None): ...
+
+
+# engine/hfsave.py: %dist save --format safetensors, --adapters ---------------------------
+@_on_rank(HFSAVE, with_ns=True)
+def save_safetensors(name, directory, max_shard_bytes): ...
+
+
+@_on_rank(HFSAVE, with_ns=True)
+def save_peft_adapters(name, directory): ...
+
+
+# engine/pretrained.py: --load PATH, each rank its slices ------------------------------------
+@_on_rank(PRETRAINED, with_ns=True)
+def load_weights(name, plan_dict, found, aliases): ...
 
 
 # engine/where.py: where a rank is ---------------------------------------------------

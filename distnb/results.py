@@ -135,9 +135,11 @@ class TrainResult(Table):
         With --compile, ``{rank: figures}`` of what dynamo did this cell: ``graphs``, ``graphs_since_compile``
         (0: nothing ever compiled for the model), ``graph_breaks``, ``break_reasons``, ``recompiles``,
         ``recompile_reasons`` (``distnb.engine.compiling.report``); empty without it.
-    num_params, num_trainable_params : int or None
-        Parameters of the model (each shared one once) and those that require gradients, the ones the
-        cell trained (LoRA: the adapters); the title says "N of M parameters trained" when some were frozen.
+    num_params : int or None
+        Parameters of the model, each shared one counted once.
+    num_trainable_params : int or None
+        Those that require gradients, the ones the cell trained (LoRA: the adapters); the title says
+        "N of M parameters trained" when some were frozen.
     """
 
     columns = ("rank", "steps", "samples", "seconds", "samples_per_s", "final_loss", "param_bytes")

@@ -28,7 +28,7 @@ import atexit
 import contextlib
 import inspect
 
-from . import background, calls, checkpoints, debugger, options, pulling, scaling, shrinking, training
+from . import background, calls, checkpoints, debugger, options, pulling, scaling, shrinking, training, worlds
 from .background import BackgroundRun, check_idle
 from .cluster import Cluster
 from .data import gather as gather_shards, scatter as scatter_shards, scatter_line
@@ -37,6 +37,7 @@ from .display.tables import count
 from .errors import ClusterError, PlanError
 from .execute import run_on_ranks, targets_of
 from .export import session_export
+from .hfsaving import session_save
 from .plan import BOUND_PREFIX, ClusterSpec, RunOptions, TrainPlan
 from .startup import differences as _differences, failure_policy, say_policy, say_ready as _say_ready
 from .results import StatusTable, TrainResult, WhereTable, status_table, where_table
@@ -106,6 +107,7 @@ def start(*args, ns=None, spec=None, quiet=False, **given) -> "Session":
     cluster = Cluster(spec, auto_device=auto_device, say=None if quiet else print).start()
     _CURRENT = Session(cluster, ns=ns)
     _CURRENT.on_failure = policy or "stop"
+    worlds.opened(_CURRENT)  # signed, and recorded for %dist attach (distnb.attaching)
     if _STOPPED is not None:  # %dist stop then %dist start: the models' carried options, as across a restart
         _STOPPED.keep_across_restart(_CURRENT.holdings)
         _STOPPED = None
@@ -253,6 +255,7 @@ class Session:
                 print("distnb: the cluster is already stopped")
             return
         pids = self.cluster.pids
+        worlds.closed(self)
         try:
             self.cluster.stop()
         finally:  # interrupted or not, this session's cluster is gone: %dist start may start a new one
@@ -515,30 +518,7 @@ class Session:
         return shrinking.train_cell(self, code, model, data, run, given)  # training.train_cell; --on-failure
 
     # checkpoints -----------------------------------------------------------
-    def save(self, directory: str, model=None, quiet=False) -> dict:
-        """Checkpoint the ranks' live model, optimizer and position with torch.distributed.checkpoint.
-
-        Parameters
-        ----------
-        directory : str
-            Parent folder; the checkpoint is ``directory/step_<global step>``.
-        model : str or torch.nn.Module, optional
-            Default: the model of the last training cell.
-
-        Returns
-        -------
-        dict
-            The checkpoint's metadata: path, epoch, epoch_step, steps, seconds.
-
-        Raises
-        ------
-        PlanError
-            No such model, or it has not been trained on the ranks.
-        RankError
-            A rank failed to write (e.g. the folder is not writable); nothing is marked complete.
-        """
-        self._check_running()
-        return checkpoints.save(self, *checkpoints.trained_model(self, model, directory), directory, quiet)
+    save = session_save  # %dist save DIR [--format safetensors | --adapters] (distnb/hfsaving.py)
 
     def load(self, directory: str, model=None, quiet=False) -> dict:
         """Restore a checkpoint into the ranks (and the kernel's model) with its strategy and optimizer.
