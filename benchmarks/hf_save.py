@@ -21,7 +21,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # benchmarks/transformers.py is ours
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != HERE]  # no script here may hide a package
 sys.path.insert(0, os.path.dirname(HERE))
 MIB = 2 ** 20
 

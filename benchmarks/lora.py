@@ -28,7 +28,7 @@ import statistics
 import sys
 import time
 
-# benchmarks/transformers.py would shadow Hugging Face's transformers (this folder is sys.path[0])
+# this folder is sys.path[0]: no script here may hide a package (tests/unit/test_benchmark_names.py)
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != HERE]
 
