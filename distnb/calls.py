@@ -34,6 +34,7 @@ RESTROWS = "distnb.engine.restrows"
 MATERIALIZE = "distnb.engine.materialize"
 INSTALL = "distnb.engine.install"
 VALPARTS = "distnb.engine.valparts"
+STATEPARTS = "distnb.engine.stateparts"
 
 
 @dataclass(frozen=True)
@@ -215,6 +216,11 @@ def build_val_part(name, num_shards, seed): ...
 
 @_on_rank(LOOP)
 def pull_state(name, outbox=None): ...
+
+
+# engine/stateparts.py: weights back in bounded parts ----------------------------------------
+@_on_rank(STATEPARTS)
+def pull_part(name, keys, reserve=0, all_keys=None): ...
 
 
 @_on_rank(LOOP, with_ns=True)

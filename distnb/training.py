@@ -23,6 +23,7 @@ from .resuming import check_folders, first_step, newest_meta, newest_start, push
 from .execute import restart_world, run_on_ranks
 from .plan import LR_SCHEDULES, TrainPlan, carry_over, not_carried, redistribution
 from .tracebacks import body_name_hint, module_name_hint
+from .weights_back import stream_into
 
 #: How often ranks report for each progress view (seconds): the dashboard redraws live,
 #: text progress prints per epoch (status and epoch-end messages are always sent at once).
@@ -448,7 +449,7 @@ def ensure_data(session, plan, data_obj, quiet, num_shards, silent=False, name=N
 
 
 def weights_back(session, name, model_obj, best_effort=False, packed=None, replicated=False) -> None:
-    """Load rank 0's weights (``packed`` from its training result, else fetched) into ``model_obj``.
+    """Load rank 0's weights (``packed`` from its training result, else streamed in parts: :func:`stream_into`) into ``model_obj``.
 
     ``replicated``: every rank holds the whole model (ddp), so with another rank dead rank 0 alone gives
     them (the last step every rank completed), which ``%dist restart`` then sends to the fresh world.
@@ -460,14 +461,12 @@ def weights_back(session, name, model_obj, best_effort=False, packed=None, repli
         return
     try:
         dead = cluster.dead_ranks() if packed is None and replicated else {}
-        if dead and 0 not in dead:
-            packed = cluster.wait_all([cluster.apply(0, calls.pull_state, name, None)],
-                                      timeout=cluster.spec.timeout, what="weights back")[0]
-        elif packed is None:  # every rank: sharded strategies assemble the state with collectives
-            ars = cluster.apply_all(calls.pull_state, name, None)
-            packed = cluster.wait_all(ars, timeout=cluster.spec.timeout, what="weights back")[0]
-        keys, descs, sizes, flat = packed
-        load_state_into(model_obj, keys, descs, sizes, flat)  # in place, one tensor at a time
+        if packed is not None:  # a strategy that sends its state with the result (ps)
+            load_state_into(model_obj, *packed)  # in place, one tensor at a time
+        elif dead and 0 not in dead:
+            stream_into(cluster, name, model_obj, [0])
+        else:  # every rank, part by part: sharded strategies assemble each part with collectives
+            stream_into(cluster, name, model_obj, range(session.world_size))
         session.holdings.models[name] = fingerprint(model_obj)
     except Exception:
         if not best_effort:

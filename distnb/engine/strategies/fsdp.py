@@ -195,9 +195,9 @@ class FSDP(Strategy):
 
         return unsynced()
 
-    def full_state(self):
-        """Gather the full (unsharded) state dict on rank 0, on CPU; a collective."""
-        return gathered_state(self.module)
+    def full_state(self, keys=None):
+        """Gather the full (unsharded) state dict on rank 0, on CPU; a collective (``keys``: only these entries)."""
+        return gathered_state(self.module, keys)
 
     def compile(self) -> None:
         """Compile the forward of each innermost FSDP unit, in place (the root's when it is the only unit).
