@@ -35,6 +35,7 @@ MATERIALIZE = "distnb.engine.materialize"
 INSTALL = "distnb.engine.install"
 VALPARTS = "distnb.engine.valparts"
 STATEPARTS = "distnb.engine.stateparts"
+CARRY = "distnb.engine.carry"
 
 
 @dataclass(frozen=True)
@@ -216,6 +217,11 @@ def build_val_part(name, num_shards, seed): ...
 
 @_on_rank(LOOP)
 def pull_state(name, outbox=None): ...
+
+
+# engine/carry.py: a meta model sent again keeps the ranks' trained weights ------------------
+@_on_rank(CARRY)
+def carry_weights(name, on): ...
 
 
 # engine/stateparts.py: weights back in bounded parts ----------------------------------------

@@ -363,9 +363,7 @@ def ensure_model(session, plan, model_obj, quiet) -> bool:
         why = _why_sent_again(plan, model_obj, held, fp, last, verdict)
         if why:
             print(f"distnb: {why}")
-    if bigmodels.on_meta(model_obj) and not plan.reset and plan.model in {**held.models, **held.trained_steps}:
-        # the ranks' weights were all there was of it
-        print(f"distnb: {bigmodels.reinit_note(plan.model)}")
+    bigmodels.carry_or_reinit(session, plan, model_obj, fp, last)  # a meta model the ranks trained: keep them
     meta = None if plan.reset or not plan.resume else newest_meta(plan.checkpoint_dir)
     if meta is not None:  # the ranks resume from it: the notebook functions they rebuild it with
         push_saved_names(session, meta, plan)

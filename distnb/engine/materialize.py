@@ -103,6 +103,7 @@ class Pending:
     def __init__(self, source, names, shadow):
         self.source, self.names, self.shadow = source, names, shadow
         self.rng = None
+        self.carry = None  # a carry.Carry: the old run's trained weights instead of a fresh init (engine/carry.py)
 
     @property
     def needs_init(self) -> bool:
@@ -219,7 +220,9 @@ def materialize(pending: Pending, module, device, keep=None, init=None) -> None:
                 for live in lives:
                     _copy_into(live, full)
                 del full
-    if pending.needs_init:
+    if pending.needs_init and pending.carry is not None:
+        pending.carry.fill(pending, by_index)
+    elif pending.needs_init:
         initialize(pending, by_index, init)
 
 
