@@ -123,6 +123,10 @@ class Strategy:
         """Whether this rank holds (part of) the parameter or buffer ``name`` (all of them by default)."""
         return True
 
+    def param_device(self):
+        """Where this rank's parameters of a model split on the meta device are materialised (its device)."""
+        return self.device
+
     def placed(self) -> None:
         """Called once a module split on the meta device has this rank's tensors (materialised in place)."""
 
@@ -331,7 +335,7 @@ def build(module, plan, device, ns, pending=None) -> Strategy:
         pending = None
     strategy = cls(module, plan, device, ns)
     if pending is not None:
-        materialize.materialize(pending, module, device, strategy.keeps, init)
+        materialize.materialize(pending, module, device, strategy.keeps, init, strategy.param_device())
         strategy.placed()
     if getattr(plan, "compile", False):
         compiling.fresh()

@@ -218,6 +218,14 @@ class FSDP(Strategy):
         return dict(param_bytes=sum(tensor_bytes(p) for p in self.module.parameters()),
                     optimizer_state_bytes=optimizer_state_bytes(self._optimizer))
 
+    def param_device(self):
+        """``--offload cpu``: host memory, where FSDP2's ``CPUOffloadPolicy`` requires the shards ("FSDP parameters
+        should be materialized on CPU when enabling CPU offloading"); a GPU rank never holds them all. Else the
+        rank's device."""
+        import torch
+
+        return torch.device("cpu") if getattr(self.plan, "offload", None) == "cpu" else self.device
+
     def close(self) -> None:
         release_group(self.mesh, self.module)
         for unit in getattr(self, "_compiled", ()):
