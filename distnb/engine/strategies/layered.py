@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -55,8 +56,12 @@ class LayerByLayer:
     def __init__(self, whole, split):
         self.whole, self.split = whole, split
         self.handles = []
+        # fsdp+tensor: DTensor warns that a (_StridedShard, Shard) tensor takes two all-gathers, for every one
+        self.log = logging.getLogger("torch.distributed.tensor._redistribute")
+        self.level = self.log.level
 
     def __enter__(self):
+        self.log.setLevel(logging.ERROR)
         for name, mod in self.whole.named_modules():
             own = [k for k, v in list(mod._parameters.items()) + list(mod._buffers.items())
                    if v is not None and v.is_meta]
@@ -68,6 +73,7 @@ class LayerByLayer:
         return self
 
     def __exit__(self, *exc):
+        self.log.setLevel(self.level)
         for handle in self.handles:
             handle.remove()
         self.handles = []
