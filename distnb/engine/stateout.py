@@ -12,6 +12,9 @@ then copied once, from wherever it is (CPU, GPU, a DTensor's gathered full tenso
 pipeline stage received by ``recv``), straight into its place in the outbox. Rank 0 holds the
 outbox plus one tensor; a GPU's copies are queued and synchronised once at the end.
 
+After a training cell the kernel asks for the state in parts (:mod:`distnb.engine.stateparts`, ``keys``
+of at most 64 MiB): the outbox then holds one part, and every part reuses one segment (:data:`_FLOOR`).
+
 The outbox is a segment of the rank's shared-memory pool when the kernel shares ``/dev/shm``
 (:func:`distnb.engine.wire.probe_shm`), which the kernel then reads tensor by tensor into its own
 model (:mod:`distnb.weights_back`), else one uint8 array sent as a message frame.
