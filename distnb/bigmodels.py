@@ -5,7 +5,10 @@ Face's ``from_config`` under it) has a structure and no data. It travels as that
 ranks materialise and initialise only what they hold (:mod:`distnb.engine.materialize`), from the
 notebook's torch generator state at the time it is sent, so the weights equal a one-process build
 after the same ``torch.manual_seed``. The kernel's model stays on meta: the trained weights live on
-the ranks (``%dist save DIR`` writes them; they are not loaded back into the notebook).
+the ranks (``%dist save DIR`` writes them; they are not loaded back into the notebook). A later cell that
+places the model anew (another ``--strategy``, other distribution options) keeps them: the ranks carry
+each tensor into the new placement (:func:`carry_or_reinit`, :mod:`distnb.engine.carry`); only a model
+rebuilt in the notebook, ``--reset``, or a re-formed process group start from a fresh initialisation.
 
 Before anything is sent, :func:`check_init` refuses a module that could not be initialised and
 :func:`check_fit` a strategy whose share of the model does not fit what each rank can hold.
