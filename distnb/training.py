@@ -447,7 +447,8 @@ def ensure_data(session, plan, data_obj, quiet, num_shards, silent=False, name=N
 
 
 def weights_back(session, name, model_obj, best_effort=False, packed=None, replicated=False) -> None:
-    """Load rank 0's weights (``packed`` from its training result, else streamed in parts: :func:`stream_into`) into ``model_obj``.
+    """Load rank 0's weights into ``model_obj``: ``packed`` from its training result (ps), else streamed in
+    parts (:func:`~distnb.weights_back.stream_into`).
 
     ``replicated``: every rank holds the whole model (ddp), so with another rank dead rank 0 alone gives
     them (the last step every rank completed), which ``%dist restart`` then sends to the fresh world.

@@ -14,8 +14,9 @@ Design
   skeleton of the whole module is kept (:func:`skeleton`: its parameters on the meta device, so
   it holds no memory; the check fills it one module at a time from the split model's gathered
   tensors, :mod:`~distnb.engine.strategies.layered`, and falls back to the whole state below only
-  for a forward that reads a module's tensors outside its call, up to :data:`VERIFY_MAX_BYTES`), and a forward pre-hook (``prepend=True``, ``with_kwargs=True``) is put on
-  the module the body calls (after ``--compile``, on the compiled one).
+  for a forward that reads a module's tensors outside its call, up to :data:`VERIFY_MAX_BYTES`),
+  and a forward pre-hook (``prepend=True``, ``with_kwargs=True``) is put on the module the body
+  calls (after ``--compile``, on the compiled one).
 - The first call of the model on this rank, whatever the body passes (a tensor, a tuple, a
   dict, keyword arguments; the first micro-step of a step body, a ``--loop`` body's first call,
   or validation's), runs the hook. The skeleton is filled with the split module's full state as
