@@ -19,9 +19,10 @@ Design
   calls (after ``--compile``, on the compiled one).
 - The first call of the model on this rank, whatever the body passes (a tensor, a tuple, a
   dict, keyword arguments; the first micro-step of a step body, a ``--loop`` body's first call,
-  or validation's), runs the hook. The skeleton is filled with the split module's full state as
-  it is now (``get_model_state_dict(full_state_dict=True)``, a collective: a checkpoint loaded
-  or weights adopted since the build are compared too); then in eval mode (BatchNorm's running
+  or validation's), runs the hook. The skeleton takes the split module's tensors as they are
+  now, gathered whole one module at a time during its forward (collectives: a checkpoint loaded
+  or weights adopted since the build are compared too; the fallback: the whole state at once,
+  ``get_model_state_dict(full_state_dict=True)``); then in eval mode (BatchNorm's running
   statistics and dropout left alone), under ``torch.no_grad``, with autocast off and the RNG
   states saved and restored, the whole and the split module each run a forward on those same
   arguments. The outputs (tensors in
