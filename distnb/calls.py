@@ -36,6 +36,7 @@ INSTALL = "distnb.engine.install"
 VALPARTS = "distnb.engine.valparts"
 STATEPARTS = "distnb.engine.stateparts"
 CARRY = "distnb.engine.carry"
+PRETRAINED = "distnb.engine.pretrained"
 
 
 @dataclass(frozen=True)
@@ -235,6 +236,11 @@ def save_checkpoint(name, directory): ...
 
 @_on_rank(LOOP, with_ns=True)
 def restore(name, directory, changes=None): ...
+
+
+# engine/pretrained.py: --load PATH, each rank its slices ------------------------------------
+@_on_rank(PRETRAINED, with_ns=True)
+def load_weights(name, plan_dict, found, aliases): ...
 
 
 # engine/where.py: where a rank is ---------------------------------------------------

@@ -427,6 +427,10 @@ def contents(cell: Cell, directory: str, nodes=None, per_node=None) -> dict:
     else:
         launch = (f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d --rdzv-endpoint "
                   "FIRST_NODE:29500 train.py   # on every node")
+    if cell.plan.load:  # the ranks read those weights; the job would start from the notebook's instead
+        raise PlanError(f"the last training cell read --load {cell.plan.load} on the ranks, and its job would start "
+                        "from the notebook's weights instead: run one more %%distrain cell without --load (it goes on "
+                        "from the loaded weights), then %dist export")
     files = {}
     data_name, files_data = jobfiles.data_file(cell)
     files[data_name] = files_data

@@ -30,7 +30,7 @@ import warnings
 
 import torch
 
-from . import runtime, wire
+from . import finetune, runtime, wire
 
 
 def _is_meta(t) -> bool:
@@ -98,12 +98,15 @@ class Pending:
         initialise them module by module.
     rng : torch.Tensor or None
         The notebook generator's state to initialise from (:func:`place_model`).
+    skip : frozenset of int
+        Source indices of tensors ``--load`` fills: placed with memory, neither copied nor initialised.
     """
 
     def __init__(self, source, names, shadow):
         self.source, self.names, self.shadow = source, names, shadow
         self.rng = None
         self.carry = None  # a carry.Carry: the old run's trained weights instead of a fresh init (engine/carry.py)
+        self.skip = frozenset()  # indices --load fills: placed without values (engine/pretrained.py)
 
     @property
     def needs_init(self) -> bool:
@@ -231,7 +234,7 @@ def materialize(pending: Pending, module, device, keep=None, init=None, param_de
 
 def _without_data(pending: Pending, name: str) -> bool:
     index = pending.names.get(name)
-    return index is not None and not pending.source.has_data(index)
+    return index is not None and not pending.source.has_data(index) and index not in pending.skip
 
 
 def _module_label(name: str, mod) -> str:
@@ -261,7 +264,8 @@ def initialize(pending: Pending, by_index: dict, init=None) -> None:
                    if t is not None and t.is_meta and _without_data(pending, f"{mod_name}.{key}" if mod_name else key)]
             if not own:
                 continue
-            fn = init if init is not None else getattr(mod, "reset_parameters", None)
+            adapter = finetune.adapter_init(pending.shadow, mod_name, mod)  # a LoRA adapter: peft's own init
+            fn = adapter or (init if init is not None else getattr(mod, "reset_parameters", None))
             if fn is None:
                 raise RuntimeError(f"{_module_label(mod_name, mod)} was built on the meta device and has no "
                                    "reset_parameters(): pass --init FN, a notebook function that initialises a "
@@ -274,12 +278,13 @@ def initialize(pending: Pending, by_index: dict, init=None) -> None:
                     t, torch.nn.Parameter) else w
                 whole.append((table, key, t))
             with torch.no_grad():
-                fn(mod) if init is not None else fn()
+                fn(mod) if init is not None and adapter is None else fn()
             for table, key, t in whole:
                 value = table[key]
                 name = f"{mod_name}.{key}" if mod_name else key
                 if value.is_floating_point() and torch.isnan(value).any():
-                    how = f"--init {getattr(init, '__name__', init)}" if init is not None else "reset_parameters()"
+                    how = f"--init {getattr(init, '__name__', init)}" if init is not None and adapter is None else \
+                        "reset_parameters()"
                     raise RuntimeError(f"{how} of {_module_label(mod_name, mod)} left {name} uninitialised (it was "
                                        "built on the meta device): initialise every parameter and buffer the module "
                                        "holds itself, or pass --init FN that does")
