@@ -36,6 +36,7 @@ INSTALL = "distnb.engine.install"
 VALPARTS = "distnb.engine.valparts"
 STATEPARTS = "distnb.engine.stateparts"
 CARRY = "distnb.engine.carry"
+HFSAVE = "distnb.engine.hfsave"
 PRETRAINED = "distnb.engine.pretrained"
 
 
@@ -236,6 +237,15 @@ def save_checkpoint(name, directory): ...
 
 @_on_rank(LOOP, with_ns=True)
 def restore(name, directory, changes=None): ...
+
+
+# engine/hfsave.py: %dist save --format safetensors, --adapters ---------------------------
+@_on_rank(HFSAVE, with_ns=True)
+def save_safetensors(name, directory, max_shard_bytes): ...
+
+
+@_on_rank(HFSAVE, with_ns=True)
+def save_peft_adapters(name, directory): ...
 
 
 # engine/pretrained.py: --load PATH, each rank its slices ------------------------------------
