@@ -34,6 +34,7 @@ RESTROWS = "distnb.engine.restrows"
 MATERIALIZE = "distnb.engine.materialize"
 INSTALL = "distnb.engine.install"
 VALPARTS = "distnb.engine.valparts"
+LEASESAVE = "distnb.engine.leasesave"
 
 
 @dataclass(frozen=True)
@@ -223,6 +224,10 @@ def save_checkpoint(name, directory): ...
 
 @_on_rank(LOOP, with_ns=True)
 def restore(name, directory, changes=None): ...
+
+
+@_on_rank(LEASESAVE, with_ns=True)
+def save_trained(default_dir): ...
 
 
 # engine/where.py: where a rank is ---------------------------------------------------

@@ -17,7 +17,7 @@ import asyncio
 import inspect
 import time
 
-from . import presses, zygote
+from . import lease, presses, zygote
 
 #: Seconds a shutdown request waits for a training cell to stop (jupyter_client gives the kernel
 #: ``shutdown_wait_time``, 5 s by default, before it signals and kills it).
@@ -32,6 +32,9 @@ def install(ipython) -> bool:
         return False
 
     async def do_shutdown(restart):
+        if _left_to_keeper():  # --linger: the run goes on to its end; the world's keeper takes it from here
+            reply = original(restart)
+            return await reply if inspect.isawaitable(reply) else reply
         if presses.stop_cell():
             deadline = time.monotonic() + WAIT_SECONDS
             while not presses.IDLE.is_set() and time.monotonic() < deadline:
@@ -44,6 +47,16 @@ def install(ipython) -> bool:
     do_shutdown.distnb_stops_cells = True
     kernel.do_shutdown = do_shutdown
     return True
+
+
+def _left_to_keeper() -> bool:
+    """Whether a cell of distnb's runs (foreground or --background) in a world started with --linger > 0: it
+    then outlives this kernel (:mod:`distnb.lease`), and the request neither stops it nor the cluster."""
+    from . import session  # imported at first use: loading the extension stays light (no torch)
+
+    current = session._CURRENT
+    return (current is not None and current.running
+            and lease.outlives_kernel(current, cell_running=not presses.IDLE.is_set()))
 
 
 def _stop_cluster() -> None:
