@@ -29,6 +29,8 @@ from .reaper import GRACE_SECONDS, POLL_SECONDS, reap, sweep_shm
 
 #: Seconds the keeper gives the ranks to save the trained state.
 SAVE_TIMEOUT = 600.0
+#: Seconds the keeper waits for the controller's answer (whether a task runs on the ranks).
+ASK_SECONDS = 10.0
 #: Seconds the keeper gives the engines to leave their group before it ends them.
 LEAVE_SECONDS = 3.0
 
@@ -157,19 +159,28 @@ class Keeper:
         return False
 
     def connect(self):
+        """An ipyparallel Client of the world's controller, from the connection file next to its cluster file."""
         if self.client is None:
             import ipyparallel as ipp  # the keeper process only, once the kernel died
 
-            self.client = ipp.Cluster.from_file(self.cluster_file).connect_client_sync()
+            security = os.path.dirname(self.cluster_file)
+            self.client = ipp.Client(os.path.join(security, f"ipcontroller-{self.cluster_id}-client.json"),
+                                     profile_dir=os.path.dirname(security), timeout=ASK_SECONDS)
         return self.client
 
     def busy(self) -> bool:
         """Whether a task (a training cell) is pending or running on the world's engines (asked of the controller)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(1)  # ipyparallel's query waits for its answer without a timeout
         try:
-            status = self.connect().queue_status(targets=self.engines or "all")
+            status = pool.submit(lambda: self.connect().queue_status(targets=self.engines or "all")).result(
+                timeout=ASK_SECONDS)
         except Exception as exc:  # no controller: nothing can run any more
             self.log(f"cannot reach the controller ({type(exc).__name__}: {exc}): ending the world")
             return False
+        finally:
+            pool.shutdown(wait=False)
         return bool(status.get("unassigned")) or any(
             v.get("queue") or v.get("tasks") for k, v in status.items() if isinstance(v, dict))
 

@@ -127,12 +127,12 @@ def claim(cluster_id: str, kernel_pid: int, timeout: float = 10.0) -> None:
     if not _pid_alive(kernel_pid):
         raise ClusterError(f"cannot claim world {cluster_id}: process {kernel_pid} is not running")
     record = read_keeper(cluster_id)
+    if record is not None and record.get("state") in ("saving", "ended"):
+        raise ClusterError(f"the lease of world {cluster_id} already expired: its trained state was saved to "
+                           f"{_saved_to(record)} and the world ends; load it with %dist load")
     if record is None or not _pid_alive(record.get("pid", -1)):
         raise ClusterError(f"no keeper is alive for world {cluster_id}: it has ended (or was started with "
                            "--linger 0 and ended with its kernel); start a new one with %dist start")
-    if record.get("state") in ("saving", "ended"):
-        raise ClusterError(f"the lease of world {cluster_id} already expired: its trained state was saved to "
-                           f"{record.get('checkpoint_dir')} and the world ends; load it with %dist load")
     path = claim_file(cluster_id, kernel_pid)
     write_private(path, dict(pid=int(kernel_pid), at=time.time()))
     deadline = time.monotonic() + timeout
@@ -150,9 +150,15 @@ def claim(cluster_id: str, kernel_pid: int, timeout: float = 10.0) -> None:
     record = read_keeper(cluster_id) or {}
     if record.get("state") in ("saving", "ended") or not _pid_alive(record.get("pid", -1)):
         raise ClusterError(f"the lease of world {cluster_id} expired before the claim was taken: its trained state "
-                           f"goes to {record.get('checkpoint_dir')}; load it with %dist load")
+                           f"goes to {_saved_to(record)}; load it with %dist load")
     raise ClusterError(f"the keeper of world {cluster_id} (pid {record.get('pid')}) did not take the claim of "
                        f"process {kernel_pid} within {timeout:g} s")
+
+
+def _saved_to(record: dict) -> str:
+    """Where the keeper of ``record`` saved (or saves) the trained state: the checkpoints, else its default folder."""
+    saved = record.get("saved") or []
+    return ", ".join(s["path"] for s in saved) if saved else str(record.get("checkpoint_dir"))
 
 
 def default_folder(cluster_id: str, notebook: str | None = None, cwd: str | None = None) -> str:
