@@ -192,7 +192,13 @@ class Keeper:
         try:
             client = self.connect()
             ars = [_send(client[e], save_trained, self.folder) for e in self.engines]
-            results = [ar.get(timeout=SAVE_TIMEOUT) for ar in ars]
+            deadline = time.monotonic() + SAVE_TIMEOUT
+            while not all(ar.ready() for ar in ars):  # not ar.get(SAVE_TIMEOUT): the world may end meanwhile
+                if not self.world_alive() or time.monotonic() > deadline:
+                    raise TimeoutError(f"the ranks did not save within {SAVE_TIMEOUT:g} s" if self.world_alive()
+                                       else "the world's processes ended while it saved")
+                time.sleep(POLL_SECONDS)
+            results = [ar.get() for ar in ars]
             self.saved = results[0] if results else []
             self.log("saved: " + (", ".join(f"{s['model']} (step {s['steps']}) to {s['path']}" for s in self.saved)
                                   or "no model was trained"))
