@@ -21,11 +21,14 @@ and ``<cluster_id>.lease.log`` in :func:`distnb.lease.lease_dir`.
 from __future__ import annotations
 
 import glob
+import json
 import os
+import signal
+import sys
 import time
 
 from . import lease
-from .reaper import GRACE_SECONDS, POLL_SECONDS, reap, sweep_shm
+from .reaper import POLL_SECONDS, reap, sweep_shm
 
 #: Seconds the keeper gives the ranks to save the trained state.
 SAVE_TIMEOUT = 600.0
@@ -187,7 +190,6 @@ class Keeper:
     def save(self) -> None:
         """Every rank saves the trained models (collectively); the result goes to the keeper file and log."""
         from .calls import save_trained
-        from .cluster import _send  # the kernel's own way to call a rank function
 
         try:
             client = self.connect()
@@ -210,7 +212,6 @@ class Keeper:
     def end(self) -> None:
         """End every process of the world, its kernels' shared-memory files and its connection files."""
         from .calls import shutdown
-        from .cluster import _send
 
         if self.client is not None and self.world_alive():
             try:  # engines leave their group and exit (os._exit): no port left in TIME_WAIT by a kill
@@ -248,9 +249,30 @@ class Keeper:
                 pass
 
 
-def main(kernel_pid: int, pids, **given) -> int:
-    """Keep the world of ``pids`` (see :class:`Keeper`); returns the exit status."""
-    return Keeper(kernel_pid, pids, **given).run()
+def _on_rank(module, fn, with_ns, *args):
+    # Runs on an engine, as distnb.cluster's shim does (made interactive by _send: globals() is the user namespace).
+    import importlib
+
+    f = getattr(importlib.import_module(module), fn)
+    return f(globals(), *args) if with_ns else f(*args)
 
 
-__all__ = ["Keeper", "main", "GRACE_SECONDS"]
+def _send(view, fn, *args):
+    """``fn`` (a :class:`distnb.calls.RankFunction`) on the engine of ``view``, its arguments checked first."""
+    from ipyparallel import interactive  # the keeper process only
+
+    fn.check(args)
+    return view.apply_async(interactive(_on_rank), fn.module, fn.name, fn.with_ns, *args)
+
+
+def main(argv) -> int:
+    """``--lease JSON KERNEL_PID PID [PID ...]``: keep the world of the pids (see :class:`Keeper`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel's interrupt button is not for us
+    if argv[:1] != ["--lease"] or len(argv) < 3:
+        print("usage: python -m distnb.keeper --lease JSON KERNEL_PID PID [PID ...]", file=sys.stderr)
+        return 2
+    return Keeper(int(argv[2]), [int(p) for p in argv[3:]], **json.loads(argv[1])).run()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -27,19 +27,6 @@ import os
 import time
 
 from .errors import ClusterError
-from .options import option
-
-#: ``%dist start --linger``'s default (seconds): how long a world whose kernel died waits for a new one.
-DEFAULT_LINGER = 600.0
-
-#: The ClusterSpec field of ``--linger`` (declared here: plan.py is full).
-LINGER_OPTION = option(DEFAULT_LINGER, "duration",
-                       "how long the world outlives a kernel that dies (killed, restarted or culled) while training "
-                       "runs: the run goes on to its end, then waits this long for a new kernel to take it over "
-                       "(distnb.lease.claim); if none comes, the trained state is saved to the cell's "
-                       "--checkpoint-dir or the folder the start line names, and everything ends; a duration "
-                       "(30s, 10m, 2h; a number is seconds), default 10m; 0 ends everything with the kernel, "
-                       "e.g. --linger 1h")
 
 #: Keeper states: the owner kernel lives; the kernel died and the ranks still run what it sent; waiting for a
 #: new kernel; saving the trained state; everything ended.

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from . import lease, levers, options
+from . import levers, lingering, options
 from .errors import PlanError
 from .options import check_int, option
 
@@ -510,7 +510,7 @@ def _where(default, kind, help, **declared):
 
 
 @dataclass(frozen=True)
-class ClusterSpec:
+class ClusterSpec(lingering.Lingering):
     """What ``%dist start`` starts; every field is an option (see :mod:`distnb.options`).
 
     ``n`` (``num_engines``) and ``backend`` left out are decided from the machine (one engine
@@ -547,7 +547,6 @@ class ClusterSpec:
                              "cell goes on on the survivors at the smaller world: ddp from the last completed step, "
                              "fsdp/tensor from the newest --checkpoint-dir checkpoint), e.g. --on-failure shrink",
                              choices=FAILURE_POLICIES, given=None)
-    linger: float = lease.LINGER_OPTION
     launcher: str | None = _where("local", "choice", "ipyparallel engine launcher: local (default; with --profile, "
                                   "the profile's), mpi (mpiexec), ssh, or a batch system "
                                   f"({', '.join(BATCH_LAUNCHERS)})", choices=LAUNCHERS, given=None,

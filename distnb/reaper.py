@@ -9,8 +9,8 @@ period), and removes the shared-memory files of the kernel's transfers
 (``/dev/shm/distnb-<kernel pid>-*``). It exits by itself when everything it watches has gone
 (a normal stop).
 
-Usage: ``python -m distnb.reaper [--lease JSON] KERNEL_PID PID [PID ...]`` (``--lease``: the world's lease
-keeper, :mod:`distnb.keeper`).
+Usage: ``python -m distnb.reaper KERNEL_PID PID [PID ...]`` (with a lease, :func:`spawn` starts
+:mod:`distnb.keeper` instead: ``python -m distnb.keeper --lease JSON KERNEL_PID PID [PID ...]``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def spawn(pids, watch_pid=None, **lease) -> subprocess.Popen:
     ``lease`` (``linger``, ``cluster_id``, ``cluster_file``, ``engines``, ``folder``; see
     :class:`distnb.keeper.Keeper`) makes it the world's lease keeper: a run outlives the kernel.
     """
-    args = [sys.executable, "-m", "distnb.reaper", str(watch_pid or os.getpid()), *map(str, pids)]
+    args = [sys.executable, "-m", "distnb.keeper" if lease else "distnb.reaper", str(watch_pid or os.getpid()),
+            *map(str, pids)]
     if lease:
         args[3:3] = ["--lease", json.dumps(lease)]
     return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -100,10 +101,6 @@ def main(argv) -> int:
     import psutil
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the kernel's interrupt button is not for us
-    if argv[:1] == ["--lease"]:
-        from .keeper import main as keep  # the keeper's module needs this one's helpers: imported here
-
-        return keep(int(argv[2]), [int(p) for p in argv[3:]], **json.loads(argv[1]))
     try:
         kernel = psutil.Process(int(argv[0]))
     except psutil.NoSuchProcess:

@@ -11,7 +11,8 @@ from support import modules as mods
 
 #: Kernel-side modules that engine/ may use, shared by both sides: the stdlib and each other only
 #: (and psutil, which distnb.net reads network interfaces with, lazily).
-SHARED = ("distnb.plan", "distnb.options", "distnb.errors", "distnb.net", "distnb.gpus", "distnb.levers")
+SHARED = ("distnb.plan", "distnb.options", "distnb.errors", "distnb.net", "distnb.gpus", "distnb.levers",
+          "distnb.lingering")
 SHARED_THIRD_PARTY = ("psutil",)
 #: What else engine/ may import: the stdlib, torch and the few libraries an engine process needs.
 ENGINE_THIRD_PARTY = ("torch", "numpy", "cloudpickle", "setproctitle", "mpi4py", *SHARED_THIRD_PARTY)
