@@ -9,6 +9,10 @@ stops after the same step, its ``--checkpoint-dir`` checkpoint is written, the w
 the request waits for that, at most :data:`WAIT_SECONDS`; then the session's exit path stops the
 cluster and ipykernel goes on (its own shutdown SIGTERMs the kernel's child processes, the engine template among them, for up
 to 4.4 s first, and the client kills the kernel after ``shutdown_wait_time / 2``).
+
+That is ``%dist start --linger 0``. With a lease (issue 38, the default) a running cell, foreground or
+``--background``, is left to run: the request goes straight to ipykernel, the cluster is not stopped, and the
+world's keeper (:mod:`distnb.keeper`) takes over once the kernel is gone.
 """
 
 from __future__ import annotations

@@ -66,6 +66,22 @@ def test_a_killed_kernel_s_run_finishes_then_the_lease_saves_it_and_everything_e
         lease.claim(info["cluster_id"], os.getpid(), timeout=2)
 
 
+def test_a2_a_foreground_cell_s_run_outlives_its_killed_kernel_too(kernel, tmp_path):
+    km, kc = kernel
+    info, _ = lw.start_world(kc, "1s")
+    ckpt = tmp_path / "ckpt"  # the cell's --checkpoint-dir: the lease saves there, not in the default folder
+    kc.execute(f"%%distrain {lw.OPTIONS.format(epochs=6)} --checkpoint-dir {ckpt}\n{lw.BODY.format(sleep=0.05)}")
+    lw.wait_state(info["cluster_id"], ("watching",), 5)
+    time.sleep(4)  # the model sent, steps under way (6 epochs take about 5 s more)
+    _kill(km)
+    lw.wait_state(info["cluster_id"], ("training",), 15)
+    record = lw.wait_state(info["cluster_id"], ("ended",), 60)
+    assert record["error"] is None and [s["model"] for s in record["saved"]] == ["net"], record
+    assert os.path.dirname(record["saved"][0]["path"]) == str(ckpt)
+    assert record["saved"][0]["steps"] == 6 * lw.STEPS_PER_EPOCH
+    lw.assert_all_gone(info)
+
+
 def test_b_no_training_running_everything_ends_within_seconds(kernel):
     km, kc = kernel
     info, _ = lw.start_world(kc, "10m")

@@ -35,7 +35,8 @@ def server(tmp_path):
     port = free_port("127.0.0.1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "jupyter_server", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
-         "--ServerApp.port_retries=0", "--ServerApp.allow_root=True", f"--IdentityProvider.token={TOKEN}", "--ServerApp.open_browser=False",
+         "--ServerApp.port_retries=0", "--ServerApp.allow_root=True", f"--IdentityProvider.token={TOKEN}",
+         "--ServerApp.open_browser=False",
          f"--ServerApp.root_dir={tmp_path}", "--MappingKernelManager.cull_idle_timeout=10",
          "--MappingKernelManager.cull_interval=1", "--MappingKernelManager.cull_busy=False",
          "--MappingKernelManager.cull_connected=False"],
