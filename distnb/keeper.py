@@ -213,11 +213,15 @@ class Keeper:
         """End every process of the world, its kernels' shared-memory files and its connection files."""
         from .calls import shutdown
 
-        if self.client is not None and self.world_alive():
-            try:  # engines leave their group and exit (os._exit): no port left in TIME_WAIT by a kill
+        if self.client is not None and self.state == "saving" and self.world_alive():
+            try:  # after a save, the engines leave their group and exit (os._exit) before the rest is ended
+                before = len([p for p in self.procs if self._alive(p)])
                 for e in self.engines:
                     _send(self.client[e], shutdown)
-                self.psutil.wait_procs([p for p in self.procs if self._alive(p)], timeout=LEAVE_SECONDS)
+                deadline = time.monotonic() + LEAVE_SECONDS  # the controller stays: wait for the engines only
+                while (before - len([p for p in self.procs if self._alive(p)]) < len(self.engines)
+                       and time.monotonic() < deadline):
+                    time.sleep(0.05)
             except Exception:
                 pass
         if self.client is not None:
