@@ -1,4 +1,4 @@
-# Two entry points (see README): `make demo` runs the main job, `make test` the whole suite.
+# Two entry points (see README): `make demo` runs the main job, `make test` the whole suite; `make docs` builds docs/.
 # Both create .venv on first use and install CPU torch pinned to the build on this kind of machine.
 PYTHON ?= python3
 VENV ?= .venv
@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	$(VENV)/bin/jupyter kernelspec install --sys-prefix --name distnb jupyter-config/kernels/distnb >/dev/null
 	touch $@
 
-.PHONY: install demo test bench chromium multihost slurm
+.PHONY: install demo test bench docs chromium multihost slurm
 install: $(VENV)/.installed
 
 # The browser test (tests/browser) drives Debian's Chromium through playwright (pip, in the test
@@ -40,6 +40,11 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed chromium multihost slurm
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# The documentation (docs/, Sphinx): warnings and broken references fail it, as in tests/docs.
+# Open docs/_build/html/index.html. The test extra holds the docs extra's packages.
+docs: $(VENV)/.installed
+	$(PY) -m sphinx -W --keep-going -n -b html docs docs/_build/html
 
 # Benchmark-only extra (Accelerate, the launcher reference), installed with the pinned torch so pip keeps it.
 $(VENV)/.bench-installed: $(VENV)/.installed pyproject.toml

@@ -60,7 +60,7 @@ class ClusterError(DistnbError, RuntimeError):
 class CollectiveMismatchError(DistnbError, ValueError):
     """Ranks called a collective with tensors of different shapes or dtypes (or different collectives).
 
-    Raised on every rank of the collective, before it runs (see :mod:`distnb.engine.collectives`).
+    Raised on every rank of the collective, before it runs (see ``distnb.engine.collectives``).
     """
 
 
@@ -239,7 +239,7 @@ def position(failure: dict) -> str:
 
 
 class HangError(RankError):
-    """Ranks waited in a collective that other ranks never reached (see :mod:`distnb.execute`).
+    """Ranks waited in a collective that other ranks never reached (see ``distnb.execute``).
 
     ``failures`` are those of :class:`RankError`: the ranks that never arrived first (their
     traceback is the stack where each one was), then the ranks that waited. ``message`` says

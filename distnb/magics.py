@@ -93,9 +93,9 @@ def _start(line):
     """Start the cluster and its process group (keeps a running one).
 
     Local CPU engines are forked from the engine template that ``%load_ext distnb`` started
-    (imports done once; ``DISTNB_ZYGOTE=0`` turns it off; README "Start-up").
+    (imports done once; ``DISTNB_ZYGOTE=0`` turns it off; docs/guides/starting.md).
 
-    Several hosts (ipyparallel's launchers; README "Beyond one machine")::
+    Several hosts (ipyparallel's launchers; docs/guides/multihost.md)::
 
         %dist start --launcher ssh --hosts node1,node2 --engines-per-node 2
         %dist start --launcher mpi -n 4
@@ -152,7 +152,7 @@ def _push(line):
 
 
 @magic_arguments(name="dist pull")
-@argument("name", help="name on the ranks, or MODEL.path.to.param: that tensor whole, any strategy (net.0.weight)")
+@argument("name", help="name on the ranks, or MODEL.path.to.param: that tensor whole, any strategy (net.0.weight, net.model.layers.0.mlp.up_proj.weight)")
 @argument("--rank", type=int, default=None, help="one rank's value (default: a list over all ranks)")
 @argument("-o", "--output", default=None, help="also bind the value to this notebook name")
 def _pull(line):
@@ -325,7 +325,7 @@ the ranks keep model and optimizer, so the next cell continues unless ``--reset`
 State carries, settings do not: a cell that leaves out ``--strategy``, that strategy's options,
 ``--precision``, ``--compile``, ``--sync-bn``, ``--find-unused-parameters`` or ``--optimizer``
 keeps the model's last values (and says so for the distribution); every other option applies
-to its own cell (README "What carries over").
+to its own cell (docs/guides/training_cells.md, "What carries over between cells").
 
 Example::
 
@@ -346,7 +346,7 @@ Model parallelism, the same body::
     loss = F.cross_entropy(model(x), y)
 
 A Dataset (not a tensor container) is sent by value and loaded on the ranks every epoch;
-``--data make`` runs ``make(rank, world_size) -> Dataset`` on each rank (README "Data")::
+``--data make`` runs ``make(rank, world_size) -> Dataset`` on each rank (docs/guides/data.md)::
 
     %%distrain --model net --data images --epochs 5 --workers 2 --collate pad_batch
     x, y = batch

@@ -129,7 +129,7 @@ def redistribution(last, key: tuple, generation: int) -> str:
 class TrainPlan:
     """One ``%%distrain`` cell: what to train, how, and how it is distributed.
 
-    Every field is an option (see :mod:`distnb.options`); the parameters are listed below
+    Every field is an option (see ``distnb.options``); the parameters are listed below
     from their declarations.
     """
 
@@ -153,11 +153,11 @@ class TrainPlan:
     strategy: str = option("ddp", "choice", ", ".join(f"{k} ({v[0]})" for k, v in STRATEGIES.items())
                            + "; default: the model's last one, ddp at first", choices=tuple(STRATEGIES),
                            distribution=True)
-    fsdp_units: tuple | None = option(None, "names", "fsdp: comma-separated submodules that become FSDP units "
-                                      "(default: each child with parameters)", strategy=("fsdp", "fsdp+tensor"),
-                                      doc="Names of the submodules that become FSDP units (each gets its own "
-                                          "all-gather); None: every direct child that holds parameters. The root "
-                                          "always is one.")
+    fsdp_units: tuple | None = option(None, "names", "fsdp: comma-separated submodules that become FSDP units (default: "
+                                      "each child with parameters; a Hugging Face model's decoder blocks)", strategy=(
+                                      "fsdp", "fsdp+tensor"), doc="Names of the submodules that become FSDP units (each "
+                                      "gets its own all-gather); None: every direct child that holds parameters, or a "
+                                      "Hugging Face model's blocks (its _no_split_modules). The root always is one.")
     split: tuple | None = option(None, "names", "pipeline: comma-separated submodules that begin a new stage "
                                  "(default: balanced by parameters)", strategy="pipeline")
     microbatches: int | None = option(None, "int", "pipeline: microbatches per batch, must divide --batch-size "
@@ -511,10 +511,10 @@ def _where(default, kind, help, **declared):
 
 @dataclass(frozen=True)
 class ClusterSpec(lingering.Lingering):
-    """What ``%dist start`` starts; every field is an option (see :mod:`distnb.options`).
+    """What ``%dist start`` starts; every field is an option (see ``distnb.options``).
 
     ``n`` (``num_engines``) and ``backend`` left out are decided from the machine (one engine
-    per GPU with nccl, else one per CPU core with gloo: :func:`distnb.cluster.default_spec`).
+    per GPU with nccl, else one per CPU core with gloo: ``distnb.cluster.default_spec``).
     """
 
     num_engines: int = option(kind="int", help="number of engines (ranks); default one per GPU, or one per CPU core "
@@ -593,7 +593,7 @@ def hang_seconds(spec: ClusterSpec) -> float:
 PLACEMENT_OPTIONS = tuple(f.name for f, opt in options.declared(ClusterSpec) if opt.group == "placement")
 
 for _cls in (TrainPlan, RunOptions, ClusterSpec):
-    _cls.__doc__ += "\n    Parameters\n    ----------\n" + "\n".join(
+    _cls.__doc__ = _cls.__doc__.rstrip() + "\n\n    Parameters\n    ----------\n" + "\n".join(
         "    " + line for line in options.doc(_cls, internal=True).splitlines()) + "\n"
 __all__ = ["TrainPlan", "RunOptions", "ClusterSpec", "STRATEGIES", "SCHEDULES", "DEFAULT_LR", "BACKENDS", "LAUNCHERS",
            "BATCH_LAUNCHERS", "MAX_TIMEOUT", "PRECISIONS", "LR_SCHEDULES", "CPU_BINDS", "PROGRESS_MODES", "PLACEMENT_OPTIONS", "redistribution", "check_int",

@@ -20,7 +20,9 @@ def pull_tensor(session, name: str, rank=None):
     ----------
     session : distnb.session.Session
     name : str
-        The model's name on the ranks, a dot, and a key of its ``state_dict`` (``net.layers.3.weight``).
+        The model's name on the ranks, a dot, and a key of its ``state_dict`` (``net.layers.3.weight``;
+        a Hugging Face model's own names, ``net.model.layers.0.mlp.up_proj.weight``, and under peft
+        ``net.base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight``).
     rank : int or None
         For a tensor that several ranks hold whole (ddp), the rank to read it from (default: the last
         rank holding it, the pipeline stage that trains a tensor several stages hold). A sharded tensor

@@ -13,6 +13,12 @@ from .stepnotes import convention_note, notes as step_notes, stop_request
 class StatusTable(Table):
     """``%dist status``: one row per rank; the title names the batch job, the controller's pid and the store's address.
 
+    Each row has the columns' keys and ``died``: how a dead rank's engine ended (``killed by
+    SIGKILL ...``, ``exited with status 3``), else None. The ``died`` column is shown when a rank
+    is dead, and the title then names each dead rank and the fix. A ``registered`` column is shown
+    when an engine process runs that the controller no longer has registered (it missed the
+    controller's heartbeats); such a rank's row is ``alive`` True, ``registered`` False.
+
     Attributes
     ----------
     controller_pid : int or None
@@ -24,12 +30,6 @@ class StatusTable(Table):
     on_failure : str
         What a cell does when an engine dies during it (``--on-failure``: ``stop``, ``restart`` or
         ``shrink``), also named in the title (``on failure: stop``).
-
-    Each row has the columns' keys and ``died``: how a dead rank's engine ended (``killed by
-    SIGKILL ...``, ``exited with status 3``), else None. The ``died`` column is shown when a rank
-    is dead, and the title then names each dead rank and the fix. A ``registered`` column is shown
-    when an engine process runs that the controller no longer has registered (it missed the
-    controller's heartbeats); such a rank's row is ``alive`` True, ``registered`` False.
     """
 
     columns = ("rank", "engine_id", "host", "node_rank", "local_rank", "pid", "device", "backend", "threads",
@@ -55,7 +55,7 @@ class TrainResult(Table):
         Bytes: the kernel's own peak resident set over the cell (the model sent, trained and its weights
         back in place; shared-memory segments it maps count). ``kernel_memory_kind``: ``"rss"`` when
         measured from the cell's start (Linux ``/proc/self/clear_refs``), ``"rss-lifetime"`` when only
-        the process's lifetime peak could be read (:mod:`distnb.kernel_memory`).
+        the process's lifetime peak could be read (``distnb.kernel_memory``).
     epoch_losses : list of float
         Mean loss over all ranks for each epoch run in this cell.
     epochs : list of int
@@ -90,24 +90,30 @@ class TrainResult(Table):
     loss_scale : float or None
         ``--precision fp16``: the GradScaler's scale at the end of the cell.
     step_notes : list of str
-        What the cell says of how its steps were done (:mod:`distnb.stepnotes`).
+        What the cell says of how its steps were done (``distnb.stepnotes``).
     optimizer_steps : int
         Optimizer steps of this cell (micro-steps / --accumulate, rounded up per epoch); with
         ``--loop``, the ``step()`` calls the body made on a ``torch.optim.Optimizer``.
     loss_history : dict
         ``{rank: [(step, loss), ...]}`` per micro-step (steps count across cells; a long run
         keeps at most about 2000 points, consecutive pairs averaged).
-    mean_loss_history : list of (int, float)
-        The mean over ranks at each step of ``loss_history``.
-    lr_history, grad_norm_history : list of (int, float)
-        The lr of every optimizer step, and the pre-clip total gradient norm (``--clip-grad-norm``).
-    lr, grad_norm : float or None
-        The lr now, and the last pre-clip gradient norm.
+    mean_loss_history : list of tuple
+        ``(step, loss)``: the mean over ranks at each step of ``loss_history``.
+    lr_history : list of tuple
+        ``(step, lr)``: the lr of every optimizer step.
+    grad_norm_history : list of tuple
+        ``(step, norm)``: the pre-clip total gradient norm of every optimizer step (``--clip-grad-norm``).
+    lr : float or None
+        The lr now.
+    grad_norm : float or None
+        The last pre-clip gradient norm.
     val_history : list of dict
         Every validation: epoch, loss, metric, metric_name, samples, step.
-    val_loss, val_metric : float or None
-        The validation figures of the weights the model holds: the last validation's, or with
-        ``restored_best`` the best one's; ``metric_name`` names the metric.
+    val_loss : float or None
+        The validation loss of the weights the model holds: the last validation's, or with
+        ``restored_best`` the best one's.
+    val_metric : float or None
+        The validation metric of those weights; ``metric_name`` names the metric.
     best_epoch : int or None
         The epoch of the best validation loss; ``restored_best``: its weights were loaded back.
     converged : bool
@@ -128,7 +134,12 @@ class TrainResult(Table):
     dynamo : dict
         With --compile, ``{rank: figures}`` of what dynamo did this cell: ``graphs``, ``graphs_since_compile``
         (0: nothing ever compiled for the model), ``graph_breaks``, ``break_reasons``, ``recompiles``,
-        ``recompile_reasons`` (:func:`distnb.engine.compiling.report`); empty without it.
+        ``recompile_reasons`` (``distnb.engine.compiling.report``); empty without it.
+    num_params : int or None
+        Parameters of the model, each shared one counted once.
+    num_trainable_params : int or None
+        Those that require gradients, the ones the cell trained (LoRA: the adapters); the title says
+        "N of M parameters trained" when some were frozen.
     """
 
     columns = ("rank", "steps", "samples", "seconds", "samples_per_s", "final_loss", "param_bytes")
@@ -158,6 +169,12 @@ class TrainResult(Table):
         self.step_notes = step_notes(rows, plan)
         self.converged = self.stop_reason in ("target", "patience")
         self.kernel_peak_memory = self.kernel_memory_kind = None  # set by distnb.training.finish
+        self.num_params = self.num_trainable_params = None  # set by distnb.training.finish (set_param_counts)
+        self._make_title()
+
+    def set_param_counts(self, num_params: int, num_trainable_params: int) -> None:
+        """Record the model's parameter count and how many of them trained (the title says it when some were frozen)."""
+        self.num_params, self.num_trainable_params = num_params, num_trainable_params
         self._make_title()
 
     def _step_figures(self, rows) -> None:
@@ -206,6 +223,9 @@ class TrainResult(Table):
                "requested": "stopped on request (ctx.request_stop)"}.get(self.stop_reason,
                                                                          count(len(self.epochs), "epoch"))
         parts = [self.plan.strategy, count(len(self.rows), "rank"), how, self._loss_text()]
+        if self.num_params and self.num_trainable_params is not None and self.num_trainable_params < self.num_params:
+            share = 100 * self.num_trainable_params / self.num_params
+            parts.append(f"{self.num_trainable_params:,} of {self.num_params:,} parameters trained ({share:.2g}%)")
         if self.val_loss is not None:
             metric = f", {self.metric_name} {self.val_metric:.4f}" if self.val_metric is not None else ""
             parts.append(f"validation loss {self.val_loss:.4f}{metric}")

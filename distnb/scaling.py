@@ -76,9 +76,9 @@ def scale(session, n, keep_global_batch: bool = False, quiet: bool = False) -> d
         ``unpicklable`` ({name: why} of those that could not be sent), ``bytes`` (tensor bytes broadcast),
         ``resharded`` (fsdp, tensor and fsdp+tensor models resharded through a DCP checkpoint), ``meshes``
         (fsdp+tensor model -> its ``--mesh`` on the new world: the tensor-parallel size kept, ``DP = N / TP``,
-        :mod:`distnb.meshes`), ``global_batch`` (before, after) or None when no model has been trained,
+        ``distnb.meshes``), ``global_batch`` (before, after) or None when no model has been trained,
         ``unconfirmed`` (removed ssh engines whose exit their host did not confirm; normally empty), ``resumed``
-        (sharded model -> the checkpoint it resumed from, its shards on a dead rank lost: :mod:`distnb.lostshards`),
+        (sharded model -> the checkpoint it resumed from, its shards on a dead rank lost: ``distnb.lostshards``),
         ``binding`` (``--cpu-bind``: what changed, ``""``: nothing).
 
     Raises

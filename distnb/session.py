@@ -147,8 +147,8 @@ class Session:
 
     Parameters
     ----------
-    cluster : Cluster
-        A started cluster.
+    cluster : object
+        A started cluster (``distnb.cluster.Cluster``).
     ns : dict, optional
         Namespace in which names (``--model net``) are looked up.
     """
@@ -266,7 +266,7 @@ class Session:
     def restart(self, quiet=False, **given) -> "Session":
         """Stop and start again, with the running cluster's options except those ``given``; the new session.
 
-        ``given``: :func:`start`'s options (``restart(n=4)`` is ``%dist restart -n 4``).
+        ``given``: :func:`distnb.start`'s options (``restart(n=4)`` is ``%dist restart -n 4``).
         """
         check_idle(self)  # a background run is stopped by %dist stop or stop-training, not by a restart
         spec = self.cluster.spec
@@ -410,7 +410,7 @@ class Session:
 
     def pull(self, name: str, rank=None):
         """The value of ``name`` on ``rank`` (or a list over all ranks when rank is None); ``NAME.path.to.param``:
-        that tensor of a model, whole, for any strategy (:func:`distnb.pulling.pull_tensor`)."""
+        that tensor of a model, whole, for any strategy (``distnb.pulling.pull_tensor``)."""
         self._check_running()
         if isinstance(name, str) and "." in name:
             return pulling.pull_tensor(self, name, None if rank is None else self._rank(rank))
@@ -433,11 +433,11 @@ class Session:
     def scatter(self, name: str, data=None, seed: int = 0, quiet: bool = False, num_shards=None) -> list:
         """Give each rank a disjoint shard of ``data`` (default: the kernel's ``name``).
 
-        Shards are dealt from a seeded permutation (see :mod:`distnb.engine.shard`);
+        Shards are dealt from a seeded permutation (see ``distnb.engine.shard``);
         together they cover the data. On the ranks ``name`` is bound to the shard, with the same
         structure (tensor, tuple or dict of tensors; a TensorDataset for a Dataset of tuples). With ``num_shards`` smaller
         than world_size, the ranks go in blocks: rank ``r`` gets shard
-        ``r // (world_size // num_shards)`` (:func:`distnb.engine.shard.shard_index`; a tensor-parallel
+        ``r // (world_size // num_shards)`` (``distnb.engine.shard.shard_index``; a tensor-parallel
         group of a mesh reads one shard; ``num_shards=1``: every rank holds the whole set, as model
         parallelism needs).
 
@@ -478,14 +478,14 @@ class Session:
             The kernel's model (a name in the namespace, or the object). Its class and
             state are sent before training when the ranks do not already hold it; its
             weights are replaced in place by the trained ones when the cell ends.
-        data : str or data set
-            Scattered as shards (see :meth:`scatter`) unless the ranks hold it already.
+        data : str or object
+            The data set (a name in the namespace, or the object): tensors, a Dataset, ... Scattered as shards (see :meth:`scatter`) unless the ranks hold it already.
         {options}
 
         Returns
         -------
         TrainResult
-            Or, with ``background=True``, a :class:`~distnb.background.BackgroundRun` at once:
+            Or, with ``background=True``, a ``distnb.background.BackgroundRun`` at once:
             :meth:`wait` returns the TrainResult (the weights are back by then),
             :meth:`stop_training` stops it; other distnb calls raise BusyError until then.
 

@@ -572,6 +572,8 @@ def finish(session, plan, model_obj, rows, wall_seconds, num_shards, run, stoppe
         row.update(row.pop("holdings", {}))
     result = results.TrainResult(rows, plan, wall_seconds, num_shards)
     result.kernel_peak_memory, result.kernel_memory_kind = kernel_memory.peak(peak_since_start)  # weights back in
+    params = list(model_obj.parameters())  # each shared (tied) parameter once
+    result.set_param_counts(sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad))
     if stopped is not None:
         result.mark_interrupted(str(stopped))
     if not run.quiet:  # run: the cell's RunOptions

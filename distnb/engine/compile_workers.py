@@ -12,7 +12,7 @@ that differ between ranks by more than a collective's timeout.
 ``OMP_NUM_THREADS``): it sets the config value itself, at the compile, rather than the variable
 at start. That holds for fresh GPU engines and for CPU engines forked from the engine template
 alike: a fork keeps the template's ``TORCHINDUCTOR_*`` variables and whatever the template's
-imports decided (README, "engine template"). A ``TORCHINDUCTOR_COMPILE_THREADS`` the user set
+imports decided (docs/guides/starting.md, "the engine template"). A ``TORCHINDUCTOR_COMPILE_THREADS`` the user set
 (before ``%dist start``) is theirs and stays.
 """
 

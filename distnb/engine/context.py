@@ -126,7 +126,12 @@ class Context:
 
     Attributes
     ----------
-    rank, world_size, local_rank : int
+    rank : int
+        This rank (the torch.distributed global rank).
+    world_size : int
+        Ranks in the world.
+    local_rank : int
+        This rank's index on its host.
     device : torch.device
     model : torch.nn.Module
         The strategy-wrapped model (DistributedDataParallel for ddp, the sharded module
@@ -159,18 +164,18 @@ class Context:
         with ``--clip-grad-norm`` (one pass over the gradients, and for sharded strategies one
         all-reduce; a bound no norm reaches, ``--clip-grad-norm 1e9``, measures without clipping),
         None before the first optimizer step or without it.
-    num_items : int, float, 0-d tensor or None
+    num_items : int, float, torch.Tensor or None
         Set by the body when its ``loss`` is a *sum* over valid items (tokens, padding masked):
         ``ctx.num_items = mask.sum()``. distnb then divides the gradients by the count summed
         over the accumulation group's micro-steps and the ranks (token-weighted, as one process
-        on the whole batch; :mod:`distnb.engine.weighting`), and logs the token-weighted mean loss.
+        on the whole batch; ``distnb.engine.weighting``), and logs the token-weighted mean loss.
         Set it on every micro-step or on none. Not with ``--loop``, pipeline or ps (ValueError).
     steps_per_epoch : int
-    loader : iterable
+    loader : Iterable
         Batches of this rank's shard for the current epoch (used with ``--loop``).
     iterated_epochs : bool
         The body iterated :meth:`epochs` (with ``--loop``, the only thing that runs ``--epochs``
-        and moves the model's epoch count: :class:`distnb.engine.loopwatch.LoopWatch`).
+        and moves the model's epoch count: ``distnb.engine.loopwatch.LoopWatch``).
     """
 
     def __init__(self, plan, run, data, reporter, stop=None):
@@ -286,7 +291,7 @@ class Context:
         """Ask every rank to stop: all stop after the same optimizer step; the result names this rank and ``reason``.
 
         The request travels with distnb's stop check (one small all-reduce about every
-        :data:`STOP_CHECK_SECONDS` of training, at an optimizer-step boundary every rank shares),
+        ``STOP_CHECK_SECONDS`` (0.1 s) of training, at an optimizer-step boundary every rank shares),
         so the ranks stop at the first check after the request: the step it was made in or a few
         later, never in the middle of an accumulation group. The trained weights come back and the
         position is kept, as after an interrupt; ``TrainResult.stop_request`` is ``{"ranks": [...],
@@ -387,7 +392,7 @@ class Context:
 
         ``value`` is ``float(loss)`` when the caller has it already. With ``--loop`` and
         ``--lr-schedule``, each report steps the schedule (the optimizer steps the result
-        counts are the body's real ``optimizer.step()`` calls: :mod:`distnb.engine.loopwatch`).
+        counts are the body's real ``optimizer.step()`` calls: ``distnb.engine.loopwatch``).
 
         Raises if the step never called ``model`` (the strategy wrapper): calling the
         unwrapped module (e.g. by its notebook name) skips the gradient all-reduce and the
@@ -479,7 +484,7 @@ class Context:
 
     def step_timing(self) -> dict:
         """``first_step_seconds`` and ``step_seconds`` (median of the next ones), for --compile's note, and
-        with --compile ``dynamo``: what dynamo did this cell (:func:`distnb.engine.compiling.report`)."""
+        with --compile ``dynamo``: what dynamo did this cell (``distnb.engine.compiling.report``)."""
         times = self._step_times
         dynamo = {} if self._dynamo is None else \
             dict(dynamo=compiling.report(self._dynamo, self._run.strategy.compiled_since))
@@ -558,7 +563,7 @@ class Context:
     def running_mean(self) -> tuple:
         """``(mean, steps)`` of this rank's step losses since the epoch began, for the dashboard: the mean is a float,
         or a 0-d tensor on the rank's device not read yet (the reporter reads it without waiting for the GPU,
-        :mod:`distnb.engine.lazyread`). Only the losses reported since the last call are added (no re-summing)."""
+        ``distnb.engine.lazyread``). Only the losses reported since the last call are added (no re-summing)."""
         acc = self._running
         if acc[0] is not self._losses:  # a new epoch's list
             acc[:] = [self._losses, 0, 0.0, None]

@@ -18,7 +18,7 @@ import torch
 
 from ..plan import DEFAULT_LR, STRATEGIES, TrainPlan, optimizer_state_readable, redistribution
 from . import batchnorm, checkpoint, collectives, datasets, postmortem, runtime, shard as sharding, stepping, wire
-from . import abort, binding, epochrest, hostcopy, precision_check, report, stateout, where
+from . import abort, binding, epochrest, finetune, hostcopy, precision_check, report, stateout, where
 from .report import LINGER as RELAY_LINGER, Reporter, host_relay, publish_raw
 from . import strategies
 from .context import Context, StopRequest, _Stopped, agree_on_steps  # noqa: F401 - the cell's ctx and its stop
@@ -207,7 +207,7 @@ def _optimizer(ns, run, plan):
     if run.optimizer is not None and plan.optimizer in (None, run.optimizer_key):
         return run.optimizer, _given_lr(run.optimizer, plan.lr)
     name = plan.optimizer or "sgd"
-    params = list(run.strategy.parameters())
+    params = finetune.trainable(run.strategy.parameters(), run.module)  # frozen weights (LoRA's) get no state
     lr = plan.lr if plan.lr is not None else plan.lr_if_new
     if name in DEFAULT_LR:
         cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
@@ -513,7 +513,7 @@ def build_strategy(ns, plan, run, pending=None) -> None:
     if run.strategy.wraps_model:
         run.strategy.model.register_forward_pre_hook(run.count_forward)
     if run.optimizer is not None and run.strategy_key is not None and run.strategy_key != key and \
-            _param_ids(run.optimizer) != {id(p) for p in run.strategy.parameters()}:
+            _param_ids(run.optimizer) != {id(p) for p in run.strategy.parameters() if p.requires_grad}:
         run.optimizer = None  # its parameters belong to the old distribution
         run.scheduler = run.schedule_name = None
     run.generation, run.strategy_key = st.generation, key

@@ -30,7 +30,7 @@ import warnings
 
 import torch
 
-from . import runtime, wire
+from . import finetune, runtime, wire
 
 
 def _is_meta(t) -> bool:
@@ -255,7 +255,8 @@ def initialize(pending: Pending, by_index: dict, init=None) -> None:
                    if t is not None and t.is_meta and _without_data(pending, f"{mod_name}.{key}" if mod_name else key)]
             if not own:
                 continue
-            fn = init if init is not None else getattr(mod, "reset_parameters", None)
+            adapter = finetune.adapter_init(pending.shadow, mod_name, mod)  # a LoRA adapter: peft's own init
+            fn = adapter or (init if init is not None else getattr(mod, "reset_parameters", None))
             if fn is None:
                 raise RuntimeError(f"{_module_label(mod_name, mod)} was built on the meta device and has no "
                                    "reset_parameters(): pass --init FN, a notebook function that initialises a "
@@ -268,12 +269,13 @@ def initialize(pending: Pending, by_index: dict, init=None) -> None:
                     t, torch.nn.Parameter) else w
                 whole.append((table, key, t))
             with torch.no_grad():
-                fn(mod) if init is not None else fn()
+                fn(mod) if init is not None and adapter is None else fn()
             for table, key, t in whole:
                 value = table[key]
                 name = f"{mod_name}.{key}" if mod_name else key
                 if value.is_floating_point() and torch.isnan(value).any():
-                    how = f"--init {getattr(init, '__name__', init)}" if init is not None else "reset_parameters()"
+                    how = f"--init {getattr(init, '__name__', init)}" if init is not None and adapter is None else \
+                        "reset_parameters()"
                     raise RuntimeError(f"{how} of {_module_label(mod_name, mod)} left {name} uninitialised (it was "
                                        "built on the meta device): initialise every parameter and buffer the module "
                                        "holds itself, or pass --init FN that does")

@@ -18,7 +18,7 @@ def precision_note(precision: str | None, device) -> str:
     precision : str or None
         The cell's ``--precision`` (``"fp32"``, ``"bf16"``, ``"fp16"``).
     device : torch.device or None
-        The rank's device; only a CUDA device is asked (the CPU case is in the README).
+        The rank's device; only a CUDA device is asked (the CPU case is in docs/guides/real_jobs.md).
     """
     if precision != "bf16" or getattr(device, "type", None) != "cuda":
         return ""

@@ -182,7 +182,8 @@ def test_every_documented_magic_line_parses_as_written_comments_included():
     from distnb import options
     from distnb.magics import VERBS, _cell, _distrain, _parse
 
-    texts = [pathlib.Path(__file__).resolve().parents[2].joinpath("README.md").read_text(),
+    root = pathlib.Path(__file__).resolve().parents[2]
+    texts = [root.joinpath("README.md").read_text(), *(p.read_text() for p in sorted(root.joinpath("docs").rglob("*.md"))),
              DistMagics.dist.__doc__, DistMagics.distrain.__doc__]
     lines = {m.group(0).strip() for text in texts for m in re.finditer(r"^\s*%%?(dist|distrain)\b[^\n]*#[^\n]*$", text,
                                                                        re.M)}

@@ -138,14 +138,14 @@ def test_defaults_are_not_carried_and_a_none_counts_as_left_out():
     assert carry_over(_last(optimizer="adamw"), {"optimizer": None}) == {"optimizer": "adamw"}
 
 
-def test_the_readme_states_the_rule_for_every_carried_option():
+def test_the_guide_states_the_rule_for_every_carried_option():
     import pathlib
 
-    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
-    section = readme.split("## What carries over between cells", 1)[1].split("\n## ", 1)[0]
+    guide = (pathlib.Path(__file__).parents[2] / "docs" / "guides" / "training_cells.md").read_text()
+    section = guide.split("## What carries over between cells", 1)[1].split("\n## ", 1)[0]
     flags = {f.name: options.flags_of(f, opt)[0] for f, opt in options.declared(TrainPlan)}
     missing = [flags[name] for name in CARRIED if f"`{flags[name]}`" not in section]
-    assert not missing, f"README's carry-over section does not name {missing}"
+    assert not missing, f"the training-cells guide's carry-over section does not name {missing}"
 
 
 def test_a_hang_waits_longer_when_the_ranks_steps_are_slow():

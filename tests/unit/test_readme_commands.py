@@ -1,4 +1,4 @@
-"""The READMEs' shell commands run as written on a fresh clone after `make demo`/`make test`.
+"""The READMEs' and the docs' shell commands run as written on a fresh clone after `make demo`/`make test`.
 
 Those create `.venv/`, which is not on PATH: a bare `torchrun` (the README's export line) failed with
 "command not found". Each fenced shell block that runs a tool of the environment either activates it
@@ -26,7 +26,7 @@ def commands(line):
 
 def test_every_shell_command_of_an_environment_tool_uses_the_environment():
     bare = []
-    for readme in (ROOT / "README.md", ROOT / "benchmarks" / "README.md"):
+    for readme in (ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").rglob("*.md"))):
         for block in shell_blocks(readme.read_text()):
             active = False
             for line in block.splitlines():

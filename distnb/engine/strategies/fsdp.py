@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import weakref
 
-from .. import compiling, runtime
+from .. import compiling, finetune, runtime
 from . import Strategy, StrategyError, gathered_state, is_container, levers, tensor_bytes
 
 #: Device meshes made by the fsdp and tensor strategies on this rank, by id (meshes of one
@@ -67,7 +67,13 @@ def default_units(module, prefix: str = "") -> list[str]:
     :func:`~distnb.engine.strategies.is_container`) is replaced by its own children with
     parameters (``blocks.0``, ``blocks.1``, ...), repeatedly; a ``ParameterList`` or
     ``ParameterDict`` child is none (its parameters go to the unit around it, the root).
+
+    A Hugging Face model (plain or under ``peft``) has its decoder blocks as units instead
+    (:func:`~distnb.engine.finetune.block_units`: the classes of its ``_no_split_modules``).
     """
+    blocks = [] if prefix else finetune.block_units(module)
+    if blocks:
+        return blocks
     units = []
     for name, child in module.named_children():
         if not _has_params(child):
