@@ -195,7 +195,7 @@ def signature(*classes, first=(), last=()) -> inspect.Signature:
 
 _TYPES = {"int": "int", "float": "float", "flag": "bool", "name": "str", "names": "tuple of str", "path": "str",
           "word": "str", "hosts": "tuple of str", "text": "str",
-          "duration": "float or str (seconds, or 30s, 10m, 2h)"}
+          "duration": "float or str"}
 
 
 def doc(*classes, internal=False, skip=()) -> str:
