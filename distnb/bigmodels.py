@@ -13,7 +13,7 @@ Before anything is sent, :func:`check_init` refuses a module that could not be i
 
 from __future__ import annotations
 
-from . import calls
+from . import calls, pretrained
 from .errors import PlanError
 from .display.tables import count
 
@@ -40,8 +40,10 @@ def check_init(model, plan) -> None:
     """
     if plan.init is not None:
         return
+    loaded = pretrained.provided_names(plan, model)  # --load fills these: no init needed
     for name, mod in model.named_modules():
-        own = [t for t in [*mod._parameters.values(), *mod._buffers.values()] if t is not None and t.is_meta]
+        own = [t for key, t in [*mod._parameters.items(), *mod._buffers.items()]
+               if t is not None and t.is_meta and (f"{name}.{key}" if name else key) not in loaded]
         if own and not callable(getattr(mod, "reset_parameters", None)):
             raise PlanError(f"{plan.model} is on the meta device and its module {name or '(the root)'} "
                             f"({type(mod).__name__}) has no reset_parameters() to initialise it on the ranks; pass "

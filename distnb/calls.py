@@ -34,6 +34,8 @@ RESTROWS = "distnb.engine.restrows"
 MATERIALIZE = "distnb.engine.materialize"
 INSTALL = "distnb.engine.install"
 VALPARTS = "distnb.engine.valparts"
+HFSAVE = "distnb.engine.hfsave"
+PRETRAINED = "distnb.engine.pretrained"
 LEASESAVE = "distnb.engine.leasesave"
 
 
@@ -226,6 +228,21 @@ def save_checkpoint(name, directory): ...
 def restore(name, directory, changes=None): ...
 
 
+# engine/hfsave.py: %dist save --format safetensors, --adapters ---------------------------
+@_on_rank(HFSAVE, with_ns=True)
+def save_safetensors(name, directory, max_shard_bytes): ...
+
+
+@_on_rank(HFSAVE, with_ns=True)
+def save_peft_adapters(name, directory): ...
+
+
+# engine/pretrained.py: --load PATH, each rank its slices ------------------------------------
+@_on_rank(PRETRAINED, with_ns=True)
+def load_weights(name, plan_dict, found, aliases): ...
+
+
+# engine/leasesave.py: an expiring lease saves what the ranks trained ------------------------
 @_on_rank(LEASESAVE, with_ns=True)
 def save_trained(default_dir): ...
 

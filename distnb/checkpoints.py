@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from . import calls, export, meshes, training
+from . import calls, export, meshes, pretrained, training, weightfiles
 from .display.tables import count
 from .errors import PlanError
 from .options import check_path
@@ -72,6 +72,9 @@ def model_to_load(session, directory: str, model=None) -> tuple:
 
     if model is not None or session.last_result is not None:
         return trained_model(session, model)
+    if not pretrained.is_checkpoint(check_path("directory", directory)):
+        raise PlanError(f"%dist load {directory}: weights files carry no model name: name the notebook model to load "
+                        "them into with --model NAME (model=NAME in Python)")
     saved = _meta(directory)["plan"].get("model")
     if isinstance(session.ns.get(saved), torch.nn.Module):
         return saved, session.ns[saved]
@@ -101,6 +104,8 @@ def load(session, name: str, model_obj, directory: str, quiet: bool = False, cha
     them, an fsdp+tensor checkpoint of another world size is laid out on this one as ``%dist scale``
     does (its tensor-parallel size kept), or refused naming the sizes that fit, before anything is sent.
     """
+    if not pretrained.is_checkpoint(check_path("directory", directory)):  # safetensors or a Hugging Face folder
+        return load_files(session, name, model_obj, directory, quiet)
     meta = _meta(directory)
     if changes is None:
         changes = meshes.plan_changes(meta["plan"], meta.get("world_size") or session.world_size,
@@ -129,3 +134,21 @@ def load(session, name: str, model_obj, directory: str, quiet: bool = False, cha
               + (f"; --mesh {plan.mesh}, saved on {meta['plan'].get('mesh') or meta.get('world_size')}"
                  if "mesh" in changes else "") + ")")
     return meta
+
+
+def load_files(session, name: str, model_obj, path, quiet: bool = False) -> dict:
+    """``%dist load PATH --model NAME`` for weights files: into the model as the ranks hold it (its last cell's
+    distribution), or sent with ddp when they do not hold it; then into the notebook's model unless it is on meta.
+
+    Returns ``{"path", "kind", "ranks"}`` (the ranks' rows of :func:`distnb.pretrained.load_on_ranks`).
+    """
+    last = session.holdings.last_plans.get(name)
+    plan = (last[0] if last else None) or TrainPlan(model=name, data=name)
+    plan = TrainPlan.from_dict(dict(plan.to_dict(), load=weightfiles.absolute(path), checkpoint_dir=None,
+                                    checkpoint_every=None))
+    checked = pretrained.check(plan, model_obj)
+    training.ensure_model(session, plan, model_obj, quiet=True)
+    rows = pretrained.load_on_ranks(session, plan, checked, quiet)
+    session.holdings.remember(plan, model_obj)
+    training.weights_back(session, name, model_obj)  # nothing for a meta model: its weights stay on the ranks
+    return dict(path=checked["found"]["path"], kind=checked["found"]["kind"], ranks=rows)

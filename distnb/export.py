@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from . import jobfiles, valsets
 from .errors import PlanError
+from .saveformats import check_format
 
 #: The last training cell of this kernel that returned a result (None before the first).
 _LAST = [None]
@@ -331,7 +332,7 @@ optimizer and position are saved as distnb checkpoints in checkpoints/ (at each 
 --checkpoint-every), which `%dist load DIR/checkpoints --model {cell.plan.model}` loads into a notebook. Run
 again with checkpoints/ there and the job resumes from the newest one (delete it to start over).
 
-Options: python train.py --help (--epochs, --checkpoint-dir, --checkpoint-every, --losses, --backend).
+Options: python train.py --help (--epochs, --checkpoint-dir, --checkpoint-every, --losses, --backend, --format).
 Files: options.json (the cell's options: edit them there), model.pkl (the model by value, as the ranks
 received it) and model.py (its classes, to read), {_data_files(cell)}{", names.pkl (" + ", ".join(cell.names) + ")" if cell.names else ""}.
 """
@@ -416,7 +417,7 @@ def _placement(cell, nodes, per_node) -> tuple:
     return nodes, per_node or max(1, -(-world // nodes))
 
 
-def contents(cell: Cell, directory: str, nodes=None, per_node=None) -> dict:
+def contents(cell: Cell, directory: str, nodes=None, per_node=None, save_format: str = "dcp") -> dict:
     """Every file of the export, name -> bytes, built before anything is written (PlanError if one cannot be)."""
     from .transfer import pack_named
 
@@ -427,6 +428,10 @@ def contents(cell: Cell, directory: str, nodes=None, per_node=None) -> dict:
     else:
         launch = (f"torchrun --nnodes {nodes} --nproc-per-node {per_node} --rdzv-backend c10d --rdzv-endpoint "
                   "FIRST_NODE:29500 train.py   # on every node")
+    if cell.plan.load:  # the ranks read those weights; the job would start from the notebook's instead
+        raise PlanError(f"the last training cell read --load {cell.plan.load} on the ranks, and its job would start "
+                        "from the notebook's weights instead: run one more %%distrain cell without --load (it goes on "
+                        "from the loaded weights), then %dist export")
     files = {}
     data_name, files_data = jobfiles.data_file(cell)
     files[data_name] = files_data
@@ -447,7 +452,7 @@ def contents(cell: Cell, directory: str, nodes=None, per_node=None) -> dict:
     options = dict(exported=time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), cell_ran=cell.when,
                    plan=dict(plan, checkpoint_dir=None, report_interval=1.0), data=data, val_data=val,
                    names=sorted(cell.names), start=cell.start, cell=dict(cell.cluster, epoch_losses=cell.epoch_losses),
-                   keep_global_batch=cell.batch_rewrite,
+                   keep_global_batch=cell.batch_rewrite, save=dict(format=save_format),
                    launch=dict(nodes=nodes, nproc_per_node=per_node, command=launch))
     files["options.json"] = (json.dumps(options, indent=1) + "\n").encode()
     files["train.py"] = train_script(cell, cli_line(plan), launch).encode()
@@ -474,13 +479,14 @@ def _ready(directory: str, force: bool) -> list:
     return present
 
 
-def write(directory: str, force: bool = False, nodes=None, nproc_per_node=None, quiet: bool = False) -> dict:
+def write(directory: str, force: bool = False, nodes=None, nproc_per_node=None, quiet: bool = False,
+          save_format: str = "dcp") -> dict:
     """Write the last training cell into ``directory`` as a torchrun job (see :meth:`distnb.session.Session.export`)."""
     from .display.tables import count
 
     cell = last()
     directory = os.path.abspath(os.path.expanduser(str(directory)))
-    files = contents(cell, directory, nodes, nproc_per_node)
+    files = contents(cell, directory, nodes, nproc_per_node, save_format)
     present = _ready(directory, force)
     for stale in set(present) & set(FILES) - set(files):  # an earlier export's data.pkl, say
         os.remove(os.path.join(directory, stale))
@@ -516,7 +522,7 @@ def write(directory: str, force: bool = False, nodes=None, nproc_per_node=None, 
 
 
 def session_export(session, directory: str, force: bool = False, nodes=None, nproc_per_node=None,
-                   quiet: bool = False) -> dict:
+                   quiet: bool = False, format: str = "dcp") -> dict:  # noqa: A002 - the magic's --format
     """Write the last training cell into ``directory`` as a job that runs without a notebook (``%dist export``).
 
     ``Session.export``. The folder gets ``train.py`` (run it with ``torchrun --standalone
@@ -544,6 +550,10 @@ def session_export(session, directory: str, force: bool = False, nodes=None, npr
         job's shards, and its losses, are the cell's): ``nproc_per_node=1`` for a 2-rank cell is 2 nodes.
     quiet : bool
         Print nothing.
+    format : {"dcp", "safetensors"}
+        What the job saves when it ends besides its DCP checkpoints: ``"safetensors"`` writes the trained
+        model as a Hugging Face folder in ``model/`` (a peft model: its adapters), as ``%dist save DIR
+        --format safetensors`` does; ``train.py --format`` and ``--save-dir`` change it.
 
     Returns
     -------
@@ -560,5 +570,6 @@ def session_export(session, directory: str, force: bool = False, nodes=None, npr
     from .options import check_flags, check_path
 
     check_flags(force=force, quiet=quiet)
+    fmt = check_format(format, False)
     return write(check_path("directory", directory), force=force, nodes=nodes, nproc_per_node=nproc_per_node,
-                 quiet=quiet)
+                 quiet=quiet, save_format=fmt)

@@ -9,7 +9,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from . import magic_values, options
+from . import hfsaving, magic_values, options
 from .errors import ClusterError, Interrupted, PlanError, stop_interrupted
 from .plan import ClusterSpec, RunOptions, TrainPlan
 
@@ -174,29 +174,29 @@ def _gather(line):
 
 
 @magic_arguments(name="dist save")
-@argument("directory", help="folder for checkpoints (written to DIRECTORY/step_<global step>)")
-@argument("--model", default=None, help="notebook name of the model (default: the last one trained)")
+@hfsaving.save_arguments(argument)
 def _save(line):
-    """Checkpoint the ranks' model, optimizer, epoch and sampler position (torch.distributed.checkpoint).
+    """Checkpoint the ranks' model, optimizer and position (DCP), or write safetensors (--format, --adapters).
 
-    Example: %dist save checkpoints/digits
+    Examples: %dist save checkpoints/digits    %dist save out/llama --format safetensors    %dist save --adapters out/lora
     """
 
 
 @magic_arguments(name="dist load")
-@argument("directory", help="a step_* checkpoint folder or its parent (the newest complete one)")
+@argument("directory", help="a step_* checkpoint folder or its parent (the newest complete one); or weights: a "
+          "safetensors file or Hugging Face folder, each rank reading its slices (needs --model)")
 @argument("--model", default=None, help="notebook name of the model (default: the last one trained; none since "
           "the cluster started: the checkpoint's own, if the notebook defines it)")
 def _load(line):
     """Restore a checkpoint into the ranks and the notebook's model; the next %%distrain continues from it.
-
-    Example: %dist load checkpoints/digits --model net
+    Example: %dist load checkpoints/digits --model net    or, pretrained weights: %dist load ./llama-tiny --model net
     """
 
 
 @magic_arguments(name="dist export")
 @argument("directory", help="a new or empty folder for the job (created)")
 @argument("--force", action="store_true", help="write into a folder that is not empty (replacing an export's files)")
+@hfsaving.export_format_argument(argument)
 @argument("--nodes", type=int, default=None, help="nodes in job.sbatch (default: the cell's hosts; with only "
           "--nproc-per-node given, as many as keep the cell's world size)")
 @argument("--nproc-per-node", type=int, default=None, dest="nproc_per_node",
@@ -437,7 +437,7 @@ _VERB_CALLS = {
     "pull": lambda args, ns: _bind(ns, args.output, _session().pull(args.name, rank=args.rank)),
     "scatter": lambda args, ns: _quiet(_session().scatter(args.name, seed=args.seed)),
     "gather": lambda args, ns: _bind(ns, args.output, _session().gather(args.name)),
-    "save": lambda args, ns: _quiet(_session().save(args.directory, model=args.model)),
+    "save": lambda args, ns: _quiet(_session().save(**hfsaving.save_keywords(args))),
     "load": lambda args, ns: _quiet(_session().load(args.directory, model=args.model)),
     "export": lambda args, ns: _quiet(_export_cell(args)),
     "wait": lambda args, ns: _current().wait(),
@@ -464,7 +464,7 @@ def _export_cell(args):
     from .export import session_export
 
     return session_export(_current(), args.directory, force=args.force, nodes=args.nodes,
-                          nproc_per_node=args.nproc_per_node)
+                          nproc_per_node=args.nproc_per_node, format=args.format)
 
 
 def _start_session(ns, given):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from . import levers, lingering, options
+from . import levers, lingering, options, weightfiles
 from .errors import PlanError
 from .options import check_int, option
 
@@ -194,6 +194,7 @@ class TrainPlan:
     init: str | None = option(None, "name", "a model built on the meta device: notebook function f(module) called on "
                               "the ranks for each module holding tensors itself, in named_modules() order, instead of "
                               "its reset_parameters(), from the notebook's torch generator (e.g. --init init_weights)")
+    load: str | None = option(None, "path", weightfiles.HELP)
     reset: bool = option(False, "flag", "re-send the kernel's model as it is now (its trained weights; build a new "
                          "model for fresh ones) with a fresh optimizer and epoch count")
     target_loss: float | None = option(None, "float", "stop after an epoch whose mean loss (with --val-data: "
@@ -288,8 +289,7 @@ class TrainPlan:
     lr_if_new: float | None = option(None, "float", "learning rate for an optimizer made new while lr is None (the "
                                      "kernel passes the last one the user gave)", cli=False, api=False, minimum=0)
     resume: bool = option(True, "flag", "a model the ranks receive fresh resumes from --checkpoint-dir's newest "
-                          "checkpoint (the kernel sets False when the notebook's weights are as new)", cli=False,
-                          api=False)
+                          "checkpoint (the kernel sets False when the notebook's weights are as new)", cli=False, api=False)
 
     def __post_init__(self):
         options.check_fields(self)

@@ -37,6 +37,7 @@ from .display.tables import count
 from .errors import ClusterError, PlanError
 from .execute import run_on_ranks, targets_of
 from .export import session_export
+from .hfsaving import session_save
 from .plan import BOUND_PREFIX, ClusterSpec, RunOptions, TrainPlan
 from .startup import differences as _differences, failure_policy, say_policy, say_ready as _say_ready
 from .results import StatusTable, TrainResult, WhereTable, status_table, where_table
@@ -515,30 +516,7 @@ class Session:
         return shrinking.train_cell(self, code, model, data, run, given)  # training.train_cell; --on-failure
 
     # checkpoints -----------------------------------------------------------
-    def save(self, directory: str, model=None, quiet=False) -> dict:
-        """Checkpoint the ranks' live model, optimizer and position with torch.distributed.checkpoint.
-
-        Parameters
-        ----------
-        directory : str
-            Parent folder; the checkpoint is ``directory/step_<global step>``.
-        model : str or torch.nn.Module, optional
-            Default: the model of the last training cell.
-
-        Returns
-        -------
-        dict
-            The checkpoint's metadata: path, epoch, epoch_step, steps, seconds.
-
-        Raises
-        ------
-        PlanError
-            No such model, or it has not been trained on the ranks.
-        RankError
-            A rank failed to write (e.g. the folder is not writable); nothing is marked complete.
-        """
-        self._check_running()
-        return checkpoints.save(self, *checkpoints.trained_model(self, model, directory), directory, quiet)
+    save = session_save  # %dist save DIR [--format safetensors | --adapters] (distnb/hfsaving.py)
 
     def load(self, directory: str, model=None, quiet=False) -> dict:
         """Restore a checkpoint into the ranks (and the kernel's model) with its strategy and optimizer.

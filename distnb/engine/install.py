@@ -8,9 +8,12 @@ import io
 
 import torch
 
+from ..errors import PlanError
 from ..plan import TrainPlan
+from ..weightfiles import provided
 from . import loop, runtime, wire
 from .materialize import materialize, receive
+from .pretrained import stored_names
 
 
 def install_model(ns, name, payload, descs, steps, *buffers):
@@ -49,13 +52,28 @@ def place_model(ns, name, plan_dict, steps, payload, descs, rng, *buffers):
     Returns the model's parameter count.
     """
     module, pending = receive(payload, descs, buffers)
+    plan = TrainPlan.from_dict(plan_dict)
     if rng is not None:
         pending.rng = torch.frombuffer(bytearray(rng), dtype=torch.uint8)
+        pending.skip = loaded_indices(plan, module, pending)
     count = install_received(ns, name, module, steps)
     run = loop.RUNS[name]
     run.weights_stay = pending.needs_init  # a meta model in the notebook: its weights stay on the ranks
     said = io.StringIO()  # what the strategy says as it is built: shown by the training cell that follows
     with contextlib.redirect_stdout(said):
-        loop.build_strategy(ns, TrainPlan.from_dict(plan_dict), run, pending)
+        loop.build_strategy(ns, plan, run, pending)
     run.said = said.getvalue()
     return count
+
+
+def loaded_indices(plan, module, pending) -> frozenset:
+    """The tensors of a meta model that ``--load`` fills (:func:`distnb.weightfiles.provided`), by source index:
+    given memory without an init. A path this rank cannot read gives none (every tensor is initialised);
+    the load that follows names the rank and its host (:mod:`distnb.engine.pretrained`)."""
+    if not plan.load:
+        return frozenset()
+    try:
+        names = provided(stored_names(plan.load), module)
+    except (PlanError, OSError, ValueError):
+        return frozenset()
+    return frozenset(pending.names[n] for n in names if n in pending.names)

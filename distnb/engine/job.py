@@ -27,6 +27,8 @@ import time
 
 #: Files of an exported cell (written by distnb.export, read here).
 OPTIONS, MODEL, NAMES, LOSSES = "options.json", "model.pkl", "names.pkl", "losses.json"
+#: Where ``--format safetensors`` writes the trained model when ``--save-dir`` is not given (under the export folder).
+SAVED = "model"
 #: Where the job's checkpoints go when ``--checkpoint-dir`` is not given (under the export folder).
 CHECKPOINTS = "checkpoints"
 _TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -52,6 +54,7 @@ def _arguments(argv, spec) -> argparse.Namespace:
                    f"{LOSSES} beside train.py)")
     p.add_argument("--backend", choices=("gloo", "nccl"), default=None,
                    help="default: nccl when each rank has a GPU of its own, else gloo on CPU")
+    _save_arguments(p, spec)
     args = p.parse_args(argv)
     if args.epochs < 1 or (args.checkpoint_every is not None and args.checkpoint_every < 1):
         p.error("--epochs and --checkpoint-every must be at least 1")
@@ -178,6 +181,36 @@ def _epoch_printer(rank):
     return sink
 
 
+def _save_arguments(p, spec) -> None:
+    from ..saveformats import FORMATS, MAX_SHARD_SIZE  # stdlib only, as this module's own
+
+    p.add_argument("--format", choices=FORMATS, default=spec.get("save", {}).get("format", "dcp"),
+                   help="what the job also saves when it ends: dcp (its checkpoints only) or safetensors (the trained "
+                   f"model as a Hugging Face folder, from_pretrained reads it; a peft model's adapters) in --save-dir "
+                   f"(default: the export's: {spec.get('save', {}).get('format', 'dcp')})")
+    p.add_argument("--save-dir", default=None, help=f"where --format safetensors writes (default: {SAVED}/ beside "
+                   "train.py)")
+    p.add_argument("--max-shard-size", default=MAX_SHARD_SIZE, help="largest safetensors file, e.g. 5GB or 500MB "
+                   f"(default {MAX_SHARD_SIZE})")
+
+
+def save_trained(run, args, directory: str) -> str | None:
+    """``--format safetensors``: the trained model (a peft model: its adapters) into ``--save-dir``; every rank
+    calls it. Returns what rank 0 says of it, or None with ``--format dcp``."""
+    if args.format != "safetensors":
+        return None
+    from ..saveformats import shard_bytes
+    from . import hfsave
+
+    folder = os.path.abspath(args.save_dir or os.path.join(directory, SAVED))
+    if hasattr(run.module, "peft_config"):
+        meta = hfsave.save_adapters(run, folder)
+        return f"the {meta['adapter']!r} adapters in {folder} (peft.PeftModel.from_pretrained(base, DIR) reads them)"
+    meta = hfsave.save_model(run, folder, shard_bytes(args.max_shard_size))
+    return (f"the model in {folder} as {_count(len(meta['files']), 'safetensors file')}"
+            + (" with config.json (from_pretrained reads it)" if meta["config"] else ""))
+
+
 def _install(ns, directory, spec, plan) -> None:
     """Model (as the ranks received it at the cell's start), names and data on this rank."""
     from . import checkpoint, install, loop, runtime, strategies, wire  # as every entry of the job: only its mode's
@@ -267,7 +300,7 @@ def main(directory: str, step: str, argv=None) -> int:
         The cell's body (``train.py`` holds it).
     argv : list of str, optional
         Command-line options (default ``sys.argv[1:]``): ``--epochs``, ``--checkpoint-dir``,
-        ``--checkpoint-every``, ``--losses``, ``--backend``.
+        ``--checkpoint-every``, ``--losses``, ``--backend``, ``--format``, ``--save-dir``, ``--max-shard-size``.
 
     Returns
     -------
@@ -303,6 +336,7 @@ def main(directory: str, step: str, argv=None) -> int:
         row = loop.train(ns, plan.to_dict(), step)
         seconds = time.perf_counter() - t0
         row.pop("state", None)
+        saved = save_trained(loop.RUNS[plan.model], args, directory)
         if env["rank"] == 0:
             out = dict(epochs=list(range(row["first_epoch"], row["next_epoch"])), epoch_losses=row["epoch_losses"],
                        steps=row["steps"], global_steps=row["global_steps"], world_size=env["world_size"],
@@ -313,6 +347,8 @@ def main(directory: str, step: str, argv=None) -> int:
                 json.dump(out, f, indent=1)
             print(f"distnb job: done in {seconds:.1f} s; losses in {path}; checkpoint {out['checkpoint']} "
                   f"(%dist load {plan.checkpoint_dir} --model {plan.model} in a notebook)", flush=True)
+            if saved:
+                print(f"distnb job: saved {saved}", flush=True)
     finally:
         report.SINK = None
         runtime.leave()

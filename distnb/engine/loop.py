@@ -556,6 +556,12 @@ def _param_ids(optimizer) -> set:
 
 def save_checkpoint(ns, name, directory):
     """``%dist save``: checkpoint model ``name`` (strategy, optimizer, position) on every rank."""
+    run = ready_run(ns, name)
+    return checkpoint.save(run, directory, run.plan_dict, run.plan_dict["seed"])
+
+
+def ready_run(ns, name):
+    """The Run of trained model ``name`` with its strategy built (re-made after a failed cell), for a save."""
     run = RUNS.get(name)
     if run is None:
         raise RuntimeError(f"rank {runtime.STATE.rank}: no model {name!r} on the ranks; train it first")
@@ -568,7 +574,7 @@ def save_checkpoint(ns, name, directory):
                                "with the failed cell; the notebook's model holds the last weights (train a cell, "
                                "then save)")
         _prepare(ns, TrainPlan.from_dict(plan), run)  # the same distribution on the re-formed group
-    return checkpoint.save(run, directory, plan, plan["seed"])
+    return run
 
 
 def restore(ns, name, directory, changes=None):

@@ -98,11 +98,14 @@ class Pending:
         initialise them module by module.
     rng : torch.Tensor or None
         The notebook generator's state to initialise from (:func:`place_model`).
+    skip : frozenset of int
+        Source indices of tensors ``--load`` fills: placed with memory, neither copied nor initialised.
     """
 
     def __init__(self, source, names, shadow):
         self.source, self.names, self.shadow = source, names, shadow
         self.rng = None
+        self.skip = frozenset()  # indices --load fills: placed without values (engine/pretrained.py)
 
     @property
     def needs_init(self) -> bool:
@@ -225,7 +228,7 @@ def materialize(pending: Pending, module, device, keep=None, init=None) -> None:
 
 def _without_data(pending: Pending, name: str) -> bool:
     index = pending.names.get(name)
-    return index is not None and not pending.source.has_data(index)
+    return index is not None and not pending.source.has_data(index) and index not in pending.skip
 
 
 def _module_label(name: str, mod) -> str:

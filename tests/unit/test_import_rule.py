@@ -12,10 +12,13 @@ from support import modules as mods
 #: Kernel-side modules that engine/ may use, shared by both sides: the stdlib and each other only
 #: (and psutil, which distnb.net reads network interfaces with, lazily).
 SHARED = ("distnb.plan", "distnb.options", "distnb.errors", "distnb.net", "distnb.gpus", "distnb.levers",
-          "distnb.lingering")
+          "distnb.saveformats", "distnb.weightfiles", "distnb.lingering")
 SHARED_THIRD_PARTY = ("psutil",)
 #: What else engine/ may import: the stdlib, torch and the few libraries an engine process needs.
-ENGINE_THIRD_PARTY = ("torch", "numpy", "cloudpickle", "setproctitle", "mpi4py", *SHARED_THIRD_PARTY)
+#: The [hf] extra (safetensors, peft, transformers): engine/hfsave.py imports them inside the functions that
+#: write a Hugging Face folder or a peft model's adapters, so a rank without the extra trains all the same.
+ENGINE_HF_EXTRA = ("safetensors", "peft", "transformers")
+ENGINE_THIRD_PARTY = ("torch", "numpy", "cloudpickle", "setproctitle", "mpi4py", *SHARED_THIRD_PARTY, *ENGINE_HF_EXTRA)
 #: ipyparallel's engine side only: the engine (engine/ipengine.py runs it), the controller (the engine
 #: template, engine/zygote.py, forks it) and datapub (engine/report.py publishes progress). Never the client.
 ENGINE_IPYPARALLEL = ("ipyparallel.engine", "ipyparallel.controller", "ipyparallel.datapub")
