@@ -24,6 +24,7 @@ IPENGINE = "distnb.engine.ipengine"
 WIRE = "distnb.engine.wire"
 SEGMENTS = "distnb.engine.segments"
 LOOP = "distnb.engine.loop"
+KEPT = "distnb.engine.kept"
 WHERE = "distnb.engine.where"
 DATASETS = "distnb.engine.datasets"
 NET = "distnb.net"
@@ -200,6 +201,15 @@ def install_shard(name, num_samples, num_shards, seed, index, structure, descs, 
 
 @_on_rank(LOOP, with_ns=True)
 def train(plan_dict, code_text, outbox=None): ...
+
+
+# engine/kept.py: a training cell's result kept for a kernel that attaches (issue 38) --------
+@_on_rank(KEPT, with_ns=True)
+def train_kept(token, plan_dict, code_text, outbox=None): ...
+
+
+@_on_rank(KEPT)
+def kept_result(token): ...
 
 
 # engine/datasets.py: data sets loaded on the ranks ---------------------------------------

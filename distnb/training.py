@@ -15,12 +15,12 @@ import time
 from dataclasses import dataclass, field
 
 from . import bigmodels, calls, captured, carried, data, export, kernel_memory, modelcheck, options, presses, transfer
-from . import pretrained, valsets, weightfiles
+from . import pretrained, runrecord, valsets, weightfiles, worlds
 from .display import ProgressState, make_view, view_kind
 from .display.tables import count
 from .errors import PlanError, RankError
 from .resuming import check_folders, first_step, newest_meta, newest_start, push_saved_names, start_sentence
-from .execute import restart_world, run_on_ranks
+from .execute import restart_world
 from .plan import LR_SCHEDULES, TrainPlan, carry_over, not_carried, redistribution
 from .tracebacks import body_name_hint, module_name_hint
 
@@ -521,8 +521,7 @@ def train_cell(session, code, model, data, run, given):
     # rank 0 writes the trained state into its own outbox; distnb.weights_back reads it into model_obj in place
     with presses.held():  # presses counted
         try:
-            rows = run_on_ranks(session, calls.train, plan.to_dict(), code, None, what="training", state=state,
-                                view=view, show_ranks=show)
+            rows = runrecord.train_on_ranks(session, plan, code, state, view, show, run)  # recorded for attach
         except Interrupted as exc:  # every rank stopped after the same step: the result of what was trained
             if getattr(exc, "results", None) is None:  # stopped where they were: the replicas may be steps apart
                 weights_back(session, plan.model, model_obj, best_effort=True)
@@ -546,6 +545,7 @@ def train_cell(session, code, model, data, run, given):
             raise
         result = finish(session, plan, model_obj, rows, time.perf_counter() - t0, num_shards, run, stopped, given,
                         started_shown=state.start_shown, peak_since_start=peak_since_start)
+        worlds.note_run(session, None)  # what the ranks hold now, for a kernel that attaches (presses still held)
     session.last_result = result
     export.remember(cell, result, model_obj)
     background = session._background
