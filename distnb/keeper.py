@@ -6,8 +6,9 @@ survives the kernel), it watches the owner kernel's pid (:mod:`distnb.lease` for
 1. ``watching``: the owner lives. A claim (:func:`distnb.lease.claim`) makes another process the owner.
 2. The owner died. With ``--linger 0``, or when no task runs on the ranks (asked of the
    controller: ipyparallel's ``queue_status``, which counts a running ``%%distrain`` cell,
-   foreground or ``--background``, as a pending task), everything ends at once, as before the
-   lease. Else ``training``: the ranks run to the end of what the kernel sent them.
+   foreground or ``--background``, as a pending task) and the world's record (:mod:`distnb.worlds`)
+   shows no run whose end the kernel did not see, everything ends at once, as before the lease.
+   Else ``training``: the ranks run to the end of what the kernel sent them.
 3. ``lingering``: for ``--linger`` seconds a new kernel may claim the world.
 4. ``saving``: no claim came. Every trained model is checkpointed by the ranks
    (:func:`distnb.engine.leasesave.save_trained`, ``%dist save``'s DCP checkpoint), then
@@ -141,7 +142,7 @@ class Keeper:
 
     def outlive(self) -> bool:
         """After the owner died: run, linger, save. True when a new owner claimed the world meanwhile."""
-        if not self.linger or not self.busy():
+        if not self.linger or not (self.busy() or self.unfinished_run()):
             return False
         self.publish("training")
         self.log("training runs on the ranks: waiting for its end")
@@ -186,6 +187,16 @@ class Keeper:
             pool.shutdown(wait=False)
         return bool(status.get("unassigned")) or any(
             v.get("queue") or v.get("tasks") for k, v in status.items() if isinstance(v, dict))
+
+    def unfinished_run(self) -> bool:
+        """Whether the world's record (:mod:`distnb.worlds`) still shows a training run: one that ended after its
+        kernel died (or before the kernel took its result), whose trained state only the ranks hold."""
+        from . import worlds  # read only; imported once the kernel died
+
+        try:
+            return worlds.read(worlds.record_path(self.cluster_id)).get("run") is not None
+        except Exception:  # no record (stopped), or not readable: nothing to go by
+            return False
 
     def save(self) -> None:
         """Every rank saves the trained models (collectively); the result goes to the keeper file and log."""
