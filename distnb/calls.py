@@ -35,6 +35,8 @@ RESTROWS = "distnb.engine.restrows"
 MATERIALIZE = "distnb.engine.materialize"
 INSTALL = "distnb.engine.install"
 VALPARTS = "distnb.engine.valparts"
+STATEPARTS = "distnb.engine.stateparts"
+CARRY = "distnb.engine.carry"
 HFSAVE = "distnb.engine.hfsave"
 PRETRAINED = "distnb.engine.pretrained"
 LEASESAVE = "distnb.engine.leasesave"
@@ -228,6 +230,16 @@ def build_val_part(name, num_shards, seed): ...
 
 @_on_rank(LOOP)
 def pull_state(name, outbox=None): ...
+
+
+# engine/carry.py: a meta model sent again keeps the ranks' trained weights ------------------
+@_on_rank(CARRY)
+def carry_weights(name, on): ...
+
+
+# engine/stateparts.py: weights back in bounded parts ----------------------------------------
+@_on_rank(STATEPARTS)
+def pull_part(name, keys, reserve=0, all_keys=None): ...
 
 
 @_on_rank(LOOP, with_ns=True)
