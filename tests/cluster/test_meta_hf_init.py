@@ -1,0 +1,96 @@
+"""A Hugging Face model built on the meta device needs no ``--init``: its own ``_init_weights`` fills
+what has no ``reset_parameters()`` (Llama's RMSNorm weights, the rotary ``inv_freq`` buffers, which are
+non-persistent and so never in a checkpoint), stated once.
+"""
+
+import pytest
+import torch
+
+from distnb.engine import shard
+from support.hfmodels import LLAMA, build, from_pretrained, save_sharded
+
+transformers = pytest.importorskip("transformers")
+
+BODY = "(ids,) = batch\nloss = model(input_ids=ids, labels=ids).loss"
+RANK_BUFFERS = """
+import torch
+from torch.distributed.tensor import DTensor
+_bufs = {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone() for n, t in
+         list({name}.named_buffers()) + [(n, p) for n, p in {name}.named_parameters() if "norm" in n]}
+"""
+
+
+def ids(n=8, length=12, seed=0):
+    return torch.randint(0, 64, (n, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_meta_llama_loads_and_trains_without_init_as_from_pretrained_does(dist_session, shell, tmp_path, capsys):
+    """--load and no --init: the rotary buffers come from the model's _init_weights, then 2 epochs of SGD on
+    2 fsdp ranks equal from_pretrained trained on the same global batches in one process, to 1e-5."""
+    folder = str(tmp_path / "llama")
+    save_sharded(build("llama", seed=1), folder, num_files=3)
+    ref = from_pretrained("llama", folder).train()
+    ns = shell.user_ns
+    ns["meta_llama_noinit"] = build("llama", meta=True)
+    x = ids()
+    ns["noinit_ids"] = torch.utils.data.TensorDataset(x)
+    capsys.readouterr()
+    result = dist_session.train(BODY, model="meta_llama_noinit", data="noinit_ids", epochs=2, batch_size=4,
+                                optimizer="sgd", lr=0.5, seed=3, strategy="fsdp", load=folder, progress="none",
+                                quiet=True)
+    out = capsys.readouterr().out
+    assert out.count("initialised as Hugging Face does") == 1, out
+    assert "LlamaRotaryEmbedding with LlamaModel._init_weights" in out, out
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    losses = []
+    for epoch in range(2):
+        total = []
+        for idx in shard.global_batches(len(x), 2, 3, epoch, 4, False):
+            opt.zero_grad()
+            loss = ref(input_ids=x[idx], labels=x[idx]).loss
+            loss.backward()
+            opt.step()
+            total.append(loss.item())
+        losses.append(sum(total) / len(total))
+    assert result.epoch_losses == pytest.approx(losses, abs=1e-5)
+    name = "model.layers.1.self_attn.q_proj.weight"
+    pulled = dist_session.pull(f"meta_llama_noinit.{name}", rank=0)
+    torch.testing.assert_close(pulled, ref.state_dict()[name], atol=1e-5, rtol=0)
+
+
+def test_meta_llama_without_load_or_init_gets_hf_norms_and_rotary_buffers(dist_session, shell, capsys):
+    """No --load, no --init: the norms and the rotary inv_freq buffers equal a one-process build to 1e-6
+    (the Linear and Embedding weights come from their reset_parameters(), under the notebook's generator)."""
+    ns = shell.user_ns
+    ns["meta_llama_bare"] = build("llama", meta=True)
+    ns["bare_ids"] = torch.utils.data.TensorDataset(ids())
+    capsys.readouterr()
+    dist_session.train(BODY, model="meta_llama_bare", data="bare_ids", epochs=1, batch_size=4, optimizer="sgd",
+                       lr=0.0, strategy="fsdp", progress="none", quiet=True)
+    assert capsys.readouterr().out.count("initialised as Hugging Face does") == 1
+    dist_session.run(RANK_BUFFERS.replace("{name}", "meta_llama_bare"))
+    ref = build("llama", seed=0)
+    want = {**dict(ref.named_buffers()), **{n: p for n, p in ref.named_parameters() if "norm" in n}}
+    for held in dist_session.pull("_bufs"):
+        assert set(held) == set(want)
+        for key, t in held.items():
+            torch.testing.assert_close(t, want[key], atol=1e-6, rtol=0, msg=lambda m: f"{key}: {m}")
+
+
+def test_plain_torch_module_without_reset_parameters_still_asks_for_init(dist_session, shell):
+    """Only modules inside a transformers model get _init_weights: a plain torch module is still refused."""
+    shell.run_cell("""
+import torch
+class _Scale(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4))
+    def forward(self, x):
+        return x * self.w
+with torch.device("meta"):
+    plain_meta = torch.nn.Sequential(torch.nn.Linear(4, 4), _Scale())
+""")
+    shell.user_ns["plain_xy"] = torch.utils.data.TensorDataset(torch.randn(8, 4))
+    with pytest.raises(Exception, match="reset_parameters"):
+        dist_session.train("(x,) = batch\nloss = model(x).pow(2).mean()", model="plain_meta", data="plain_xy",
+                           epochs=1, batch_size=4, strategy="fsdp", progress="none", quiet=True)
