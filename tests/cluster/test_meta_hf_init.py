@@ -94,3 +94,48 @@ with torch.device("meta"):
     with pytest.raises(Exception, match="reset_parameters"):
         dist_session.train("(x,) = batch\nloss = model(x).pow(2).mean()", model="plain_meta", data="plain_xy",
                            epochs=1, batch_size=4, strategy="fsdp", progress="none", quiet=True)
+
+
+LORA_Q = "base_model.model.model.layers.{}.self_attn.q_proj.lora_{}.default.weight"
+
+
+def test_peft_over_a_meta_llama_loads_the_base_folder_and_trains_as_one_peft_process(dist_session, shell,
+                                                                                     tmp_path):
+    """--load of the base model's folder into a peft model built over a meta Llama: its base weights are read
+    under the base names (``base_layer`` and ``base_model.model.`` undone), its adapters start as peft starts
+    them (B zero: the loss equals from_pretrained's), and a step equals one peft process from there, to 1e-5."""
+    peft = pytest.importorskip("peft")
+    folder = str(tmp_path / "llama")
+    save_sharded(build("llama", seed=2), folder, num_files=3)
+    base = from_pretrained("llama", folder)
+    ns = shell.user_ns
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    ns["peft_meta"] = peft.get_peft_model(build("llama", meta=True), lora)
+    x = ids(seed=4)
+    ns["peft_ids"] = torch.utils.data.TensorDataset(x)
+    with torch.no_grad():
+        want = base(input_ids=x, labels=x).loss.item()
+    cell = dict(model="peft_meta", data="peft_ids", epochs=1, batch_size=4, optimizer="sgd", strategy="fsdp",
+                progress="none", quiet=True)
+    first = dist_session.train(BODY, lr=0.0, load=folder, **cell)
+    assert first.epoch_losses[0] == pytest.approx(want, abs=1e-5)
+    name = "model.layers.1.mlp.down_proj.weight"
+    torch.testing.assert_close(dist_session.pull(f"peft_meta.base_model.model.{name}", rank=0), base.state_dict()[name],
+                               atol=1e-6, rtol=0)
+    ref = peft.get_peft_model(base.train(), lora)
+    with torch.no_grad():  # the ranks' adapters as they start
+        for key, p in ref.named_parameters():
+            if ".lora_" in key:
+                p.copy_(dist_session.pull(f"peft_meta.{key}", rank=0))
+    assert torch.count_nonzero(ref.get_parameter(LORA_Q.format(0, "B"))) == 0
+    second = dist_session.train(BODY, lr=0.5, **cell)  # one step on all 8 samples: the order does not matter
+    opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.5)
+    loss = ref(input_ids=x, labels=x).loss
+    loss.backward()
+    opt.step()
+    assert second.epoch_losses[0] == pytest.approx(loss.item(), abs=1e-5)
+    for layer in (0, 1):
+        for which in ("A", "B"):
+            key = LORA_Q.format(layer, which)
+            torch.testing.assert_close(dist_session.pull(f"peft_meta.{key}", rank=0), ref.get_parameter(key).detach(),
+                                       atol=1e-5, rtol=0, msg=key)
