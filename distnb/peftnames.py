@@ -3,7 +3,8 @@
 ``peft.get_peft_model(base, config)`` renames the base model's tensors: its ``state_dict`` has
 ``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`` for the file's
 ``model.layers.0.self_attn.q_proj.weight`` (the ``base_model.model.`` prefix of ``PeftModel``, and
-``base_layer`` for each layer an adapter wraps), plus the adapters' own tensors
+``base_layer`` for each layer an adapter wraps; for ``modules_to_save``, ``original_module`` and the
+trainable copy ``modules_to_save.<adapter>``, both read from the base module's weights), plus the adapters' own tensors
 (``...q_proj.lora_A.default.weight``), which a pretrained folder does not hold. :func:`renaming` maps a
 peft key to the name ``save_pretrained`` of the base model wrote; :func:`adapter_keys` lists the
 adapters' keys, which ``--load`` leaves to peft's initialisation (a meta model) or to the notebook's
@@ -13,9 +14,12 @@ values. For any other model both are the identity and the empty set. The renamin
 
 from __future__ import annotations
 
+import re
 import sys
 
 PREFIX = "base_model.model."
+#: ``modules_to_save``: peft keeps the base module as ``original_module`` and a trainable copy per adapter.
+MODULES_TO_SAVE = re.compile(r"\.modules_to_save\.[^.]+\.")
 
 
 def _peft():
@@ -37,7 +41,8 @@ def renaming(model_obj):
     def base_name(key: str) -> str:
         if key.startswith(PREFIX):
             key = key[len(PREFIX):]
-        return key.replace(".base_layer.", ".")
+        key = key.replace(".base_layer.", ".").replace(".original_module.", ".")
+        return MODULES_TO_SAVE.sub(".", key)  # a trainable copy starts as the base module: read from it too
 
     return base_name
 

@@ -139,3 +139,24 @@ def test_peft_over_a_meta_llama_loads_the_base_folder_and_trains_as_one_peft_pro
             key = LORA_Q.format(layer, which)
             torch.testing.assert_close(dist_session.pull(f"peft_meta.{key}", rank=0), ref.get_parameter(key).detach(),
                                        atol=1e-5, rtol=0, msg=key)
+
+
+def test_peft_modules_to_save_are_read_from_the_base_weights(dist_session, shell, tmp_path):
+    """``modules_to_save=["lm_head"]``: its original and its trainable copy both come from the folder's
+    ``lm_head.weight``, so the loss at lr 0 equals from_pretrained's."""
+    peft = pytest.importorskip("peft")
+    folder = str(tmp_path / "llama")
+    save_sharded(build("llama", seed=6), folder, num_files=3)
+    base = from_pretrained("llama", folder)
+    ns = shell.user_ns
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    ns["peft_mts"] = peft.get_peft_model(build("llama", meta=True), lora)
+    x = ids(seed=7)
+    ns["mts_ids"] = torch.utils.data.TensorDataset(x)
+    result = dist_session.train(BODY, model="peft_mts", data="mts_ids", epochs=1, batch_size=4, optimizer="sgd",
+                                lr=0.0, strategy="ddp", load=folder, progress="none", quiet=True)
+    with torch.no_grad():
+        assert result.epoch_losses[0] == pytest.approx(base(input_ids=x, labels=x).loss.item(), abs=1e-5)
+    for key in ("original_module", "modules_to_save.default"):
+        torch.testing.assert_close(dist_session.pull(f"peft_mts.base_model.model.lm_head.{key}.weight", rank=0),
+                                   base.lm_head.weight, atol=1e-6, rtol=0)
