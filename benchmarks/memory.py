@@ -27,7 +27,13 @@ Usage::
 
 ``--levers BATCH`` adds fsdp with each memory lever (``--activation-checkpointing``, ``--offload cpu``,
 ``--param-dtype bf16``) and without, at BATCH samples per rank (activations need a batch to matter),
-distnb alone.
+distnb alone, on a model of SIZE transformer MLP blocks (:class:`Block`) whose saved activations outweigh
+each block's input (a stack of bare ``Linear`` layers saves only each layer's input: checkpointing has
+nothing to drop there).
+
+Rank figures are each engine's lifetime peak (``ru_maxrss``, read after the cell: the weights coming back
+to the kernel after the cell's reply included) above its idle RSS; ``cell_ranks`` in the JSON are the
+TrainResult rows' own peaks (the cell alone).
 """
 
 from __future__ import annotations
@@ -67,28 +73,50 @@ COMMON = textwrap.dedent('''
             for layer in self.layers:
                 x = layer(x)
             return x
+
+    class Block(nn.Module):
+        """A transformer MLP block (1024 -> 4096 -> GELU -> 1024, residual): 32 MiB of fp32 weights, and
+        per sample 36 KiB of activations saved for backward against 4 KiB for its input alone."""
+
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(1024, 4096, bias=False), nn.Linear(4096, 1024, bias=False)
+
+        def forward(self, x):
+            return x + self.down(nn.functional.gelu(self.up(x)))
+
+    class Blocks(nn.Module):
+        def __init__(self, blocks):
+            super().__init__()
+            self.layers = nn.ModuleList(Block() for _ in range(blocks))
+
+        def forward(self, x):
+            for block in self.layers:
+                x = block(x)
+            return x
 ''')
 
 DISTNB = COMMON + textwrap.dedent('''
     import distnb
     layers, strategy, init = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    levers, batch = json.loads(sys.argv[4]), int(sys.argv[5])
-    Stack.__module__ = "__main__"
+    levers, batch, kind = json.loads(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+    Stack.__module__ = Block.__module__ = Blocks.__module__ = "__main__"
+    Model, width = (Blocks, 1024) if kind == "blocks" else (Stack, 4096)
     ns = {}
     s = distnb.start(n=2, ns=ns, quiet=True, timeout=600)
     out = dict(system="distnb")
     try:
         s.run("import resource\\n_rss = int(open('/proc/self/status').read().split('VmRSS:')[1].split()[0]) * 1024")
         rank_idle = s.pull("_rss")
-        ns["data"] = torch.randn(4 * batch, 4096)
+        ns["data"] = torch.randn(4 * batch, width)
         kernel_idle = rss()
         open("/proc/self/clear_refs", "w").write("5")
         torch.manual_seed(0)
         if init == "meta":
             with torch.device("meta"):
-                ns["net"] = Stack(layers)
+                ns["net"] = Model(layers)
         else:
-            ns["net"] = Stack(layers)
+            ns["net"] = Model(layers)
         extra = dict(microbatches=1) if strategy == "pipeline" else {}
         extra.update(levers)
         try:
@@ -97,9 +125,13 @@ DISTNB = COMMON + textwrap.dedent('''
         except Exception as exc:  # a path distnb refuses today: say so
             out.update(refused=f"{type(exc).__name__}: {str(exc)[:300]}")
         else:
+            # each engine's lifetime peak after the cell, weights back included (they come after the reply, so the
+            # TrainResult rows' peak_memory, taken at the cell's end, does not see them)
+            s.run("_max = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024")
             out.update(kernel_peak=status("VmHWM") - kernel_idle, kernel_after=rss() - kernel_idle,
                        kernel_cell_peak=(getattr(r, "kernel_peak_memory", None) or 0) - kernel_idle,
-                       ranks=[row["peak_memory"] - idle for row, idle in zip(r.rows, rank_idle)]
+                       ranks=[peak - idle for peak, idle in zip(s.pull("_max"), rank_idle)],
+                       cell_ranks=[row["peak_memory"] - idle for row, idle in zip(r.rows, rank_idle)]
                        if "peak_memory" in r.rows[0] else None)  # an older distnb (a before/after run)
     finally:
         s.stop(quiet=True)
@@ -177,18 +209,19 @@ def _run(cmd, timeout):
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def measure(layers, strategy, init, folder, timeout, levers=None, batch=1):
+def measure(layers, strategy, init, folder, timeout, levers=None, batch=1, kind="stack"):
     """``{"distnb": ..., "torchrun": ...}`` for one model size, strategy and initialisation (bytes).
 
     ``levers`` (``s.train`` keywords, e.g. ``{"offload": "cpu"}``): distnb alone, with them, at ``batch``
-    samples per rank (the levers' effect; torchrun is not run)."""
+    samples per rank (the levers' effect; torchrun is not run). ``kind``: ``stack`` (the Linear stack) or
+    ``blocks`` (``layers`` MLP blocks of 32 MiB, whose activations outweigh their input: the levers' model)."""
     paths = {}
     for name, text in (("distnb", DISTNB), ("torchrun", TORCHRUN)):
         paths[name] = os.path.join(folder, f"memory_{name}.py")  # not distnb.py: that would shadow the package
         with open(paths[name], "w") as f:
             f.write(text)
     args = [str(layers), strategy, init]
-    distnb = _run([sys.executable, paths["distnb"], *args, json.dumps(levers or {}), str(batch)], timeout)
+    distnb = _run([sys.executable, paths["distnb"], *args, json.dumps(levers or {}), str(batch), kind], timeout)
     if levers is not None:
         return dict(torchrun={}, distnb=distnb)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -205,7 +238,7 @@ def report(rows) -> str:
     out = ["| model | strategy | init | torchrun ranks (MiB) | distnb ranks (MiB) | worst ratio | kernel peak "
            "(MiB) | kernel peak / model | kernel after (MiB) |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        model = row["layers"] * 64 * MIB
+        model = row["layers"] * (32 if row.get("kind") == "blocks" else 64) * MIB
         t, d = row["torchrun"], row["distnb"]
         tr = t.get("ranks") or []
         dr = d.get("ranks") or []
@@ -224,7 +257,7 @@ def report(rows) -> str:
         label = row["strategy"] + "".join(f" --{k.replace('_', '-')} {v}".replace(" True", "")
                                           for k, v in (row.get("levers") or {}).items())
         label += f" (batch {row['batch']})" if row.get("levers") is not None else ""
-        out.append(f"| {row['layers'] * 64 / 1024:g} GiB | {label} | {row['init']} | {torchrun_cell} | "
+        out.append(f"| {model / 2**30:g} GiB{' of MLP blocks' if row.get('kind') == 'blocks' else ''} | {label} | {row['init']} | {torchrun_cell} | "
                    + " | ".join(distnb_cells) + " |")
     return "\n".join(out)
 
@@ -236,7 +269,8 @@ def main(argv=None):
     ap.add_argument("--inits", default="full,meta")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per run (default 900)")
     ap.add_argument("--levers", type=int, default=0, metavar="BATCH",
-                    help="also fsdp with each memory lever at BATCH samples per rank, distnb alone (default: not)")
+                    help="also fsdp with each memory lever at BATCH samples per rank, distnb alone, on SIZE MLP blocks "
+                         "(1024 -> 4096 -> 1024, 32 MiB each) whose activations outweigh the weights (default: not)")
     ap.add_argument("--json", default=None, help="write the figures here too")
     args = ap.parse_args(argv)
     rows = []
@@ -249,8 +283,9 @@ def main(argv=None):
                     print(json.dumps(rows[-1]), flush=True)
             for levers in ([{}, {"activation_checkpointing": True}, {"offload": "cpu"}, {"param_dtype": "bf16"}]
                            if args.levers else []):
-                got = measure(layers, "fsdp", "full", folder, args.timeout, levers, args.levers)
-                rows.append(dict(layers=layers, strategy="fsdp", init="full", levers=levers, batch=args.levers, **got))
+                got = measure(layers, "fsdp", "full", folder, args.timeout, levers, args.levers, kind="blocks")
+                rows.append(dict(layers=layers, strategy="fsdp", init="full", levers=levers, batch=args.levers,
+                                 kind="blocks", **got))
                 print(json.dumps(rows[-1]), flush=True)
     print(report(rows))
     if args.json:

@@ -8,24 +8,29 @@ is imported until it is used.
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["start", "current", "load_ipython_extension", "unload_ipython_extension",
+__all__ = ["start", "current", "attach", "load_ipython_extension", "unload_ipython_extension",
            "DistnbError", "PlanError", "RankError", "ClusterError"]
 
 from .errors import ClusterError, DistnbError, PlanError, RankError
 
 
 def __getattr__(name):
-    """``distnb.start`` and ``distnb.current`` are :func:`distnb.session.start` and :func:`distnb.session.current`,
+    """``distnb.start``, ``distnb.current`` and ``distnb.attach`` are :func:`distnb.session.start`,
+    :func:`distnb.session.current` and :func:`distnb.attaching.attach`,
     imported at first use (``import distnb`` stays light): their signatures and help are the real ones."""
     if name in ("start", "current"):
         from . import session
 
         return getattr(session, name)
+    if name == "attach":  # %dist attach: join a world from a new kernel (distnb.attaching)
+        from .attaching import attach
+
+        return attach
     raise AttributeError(f"module 'distnb' has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted(set(globals()) | {"start", "current"})
+    return sorted(set(globals()) | {"start", "current", "attach"})
 
 
 def load_ipython_extension(ipython):

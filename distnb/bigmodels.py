@@ -5,7 +5,10 @@ Face's ``from_config`` under it) has a structure and no data. It travels as that
 ranks materialise and initialise only what they hold (:mod:`distnb.engine.materialize`), from the
 notebook's torch generator state at the time it is sent, so the weights equal a one-process build
 after the same ``torch.manual_seed``. The kernel's model stays on meta: the trained weights live on
-the ranks (``%dist save DIR`` writes them; they are not loaded back into the notebook).
+the ranks (``%dist save DIR`` writes them; they are not loaded back into the notebook). A later cell that
+places the model anew (another ``--strategy``, other distribution options) keeps them: the ranks carry
+each tensor into the new placement (:func:`carry_or_reinit`, :mod:`distnb.engine.carry`); only a model
+rebuilt in the notebook, ``--reset``, or a re-formed process group start from a fresh initialisation.
 
 Before anything is sent, :func:`check_init` refuses a module that could not be initialised and
 :func:`check_fit` a strategy whose share of the model does not fit what each rank can hold.
@@ -130,10 +133,36 @@ def sent_note(model) -> str:
     return "; on the meta device: each rank initialises the part it holds" if on_meta(model) else ""
 
 
-def reinit_note(name: str) -> str:
-    """What a cell says when a meta model the ranks held (and trained) is sent again: it starts from a new init."""
-    return (f"{name} is on the meta device in the notebook, so sending it again initialises it afresh on the ranks: "
-            f"the weights they trained are not carried over (%dist save DIR before, then %dist load DIR, keeps them)")
+def reinit_note(name: str, why: str) -> str:
+    """What a cell says when a meta model the ranks held (and trained) is sent again and starts from a new init."""
+    return (f"{name} is on the meta device in the notebook and {why}, so sending it again initialises it afresh on "
+            f"the ranks: the weights they trained are not carried over (%dist save DIR before, then %dist load DIR, "
+            f"keeps them)")
+
+
+def carry_or_reinit(session, plan, model, fp, last) -> None:
+    """Before a meta model the ranks held is sent again: have them keep its trained weights, or say why not.
+
+    The ranks carry the weights into the new placement (:mod:`distnb.engine.carry`) when the notebook's
+    model is the one they trained (same fingerprint), ``--reset`` was not given, and the process group it
+    was placed on is still the one now (``last``: its (strategy key, generation) before this cell). Any
+    model not on meta, or new to the ranks, is left alone.
+    """
+    held = session.holdings
+    if not on_meta(model) or plan.reset or plan.model not in {**held.models, **held.trained_steps}:
+        return
+    same_group = last is not None and last[1] == held.generation
+    keep = held.models.get(plan.model) == fp and same_group
+    cluster = session.cluster
+    cluster.wait_all(cluster.apply_all(calls.carry_weights, plan.model, keep), timeout=cluster.spec.timeout,
+                     what=f"keeping {plan.model}'s weights")
+    if keep:
+        print(f"distnb: {plan.model} is on the meta device in the notebook: the ranks keep the weights they trained "
+              f"and place them anew for --strategy {plan.strategy}")
+    else:
+        why = "changed in the notebook" if held.models.get(plan.model) != fp else \
+            "its process group was re-formed since it was placed (its sharded weights went with it)"
+        print(f"distnb: {reinit_note(plan.model, why)}")
 
 
 def stays_note(name: str) -> str:

@@ -24,6 +24,7 @@ IPENGINE = "distnb.engine.ipengine"
 WIRE = "distnb.engine.wire"
 SEGMENTS = "distnb.engine.segments"
 LOOP = "distnb.engine.loop"
+KEPT = "distnb.engine.kept"
 WHERE = "distnb.engine.where"
 DATASETS = "distnb.engine.datasets"
 NET = "distnb.net"
@@ -34,6 +35,8 @@ RESTROWS = "distnb.engine.restrows"
 MATERIALIZE = "distnb.engine.materialize"
 INSTALL = "distnb.engine.install"
 VALPARTS = "distnb.engine.valparts"
+STATEPARTS = "distnb.engine.stateparts"
+CARRY = "distnb.engine.carry"
 HFSAVE = "distnb.engine.hfsave"
 PRETRAINED = "distnb.engine.pretrained"
 
@@ -201,6 +204,15 @@ def install_shard(name, num_samples, num_shards, seed, index, structure, descs, 
 def train(plan_dict, code_text, outbox=None): ...
 
 
+# engine/kept.py: a training cell's result kept for a kernel that attaches (issue 38) --------
+@_on_rank(KEPT, with_ns=True)
+def train_kept(token, plan_dict, code_text, outbox=None): ...
+
+
+@_on_rank(KEPT)
+def kept_result(token): ...
+
+
 # engine/datasets.py: data sets loaded on the ranks ---------------------------------------
 @_on_rank(DATASETS, with_ns=True)
 def install_dataset(name, kind, num_shards, payload, descs, *buffers): ...
@@ -217,6 +229,16 @@ def build_val_part(name, num_shards, seed): ...
 
 @_on_rank(LOOP)
 def pull_state(name, outbox=None): ...
+
+
+# engine/carry.py: a meta model sent again keeps the ranks' trained weights ------------------
+@_on_rank(CARRY)
+def carry_weights(name, on): ...
+
+
+# engine/stateparts.py: weights back in bounded parts ----------------------------------------
+@_on_rank(STATEPARTS)
+def pull_part(name, keys, reserve=0, all_keys=None): ...
 
 
 @_on_rank(LOOP, with_ns=True)

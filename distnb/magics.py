@@ -9,7 +9,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from . import hfsaving, magic_values, options
+from . import attachverb, hfsaving, magic_values, options
 from .errors import ClusterError, Interrupted, PlanError, stop_interrupted
 from .plan import ClusterSpec, RunOptions, TrainPlan
 
@@ -280,7 +280,7 @@ def _cell(line):
 
 VERBS = {"start": _start, "stop": _stop, "restart": _restart, "scale": _scale, "status": _status, "push": _push,
          "pull": _pull, "scatter": _scatter, "gather": _gather, "wait": _wait, "stop-training": _stop_training,
-         "where": _where, "save": _save, "load": _load, "export": _export, "debug": _debug}
+         "where": _where, "save": _save, "load": _load, "export": _export, "debug": _debug, "attach": attachverb.parser}
 
 DIST_DOC = """Run code and manage the distributed cluster from a notebook.
 
@@ -442,7 +442,7 @@ _VERB_CALLS = {
     "export": lambda args, ns: _quiet(_export_cell(args)),
     "wait": lambda args, ns: _current().wait(),
     "stop-training": lambda args, ns: _current().stop_training(),
-    "where": lambda args, ns: _current().where(),
+    "where": lambda args, ns: _current().where(), "attach": attachverb.call,
     "debug": lambda args, ns: _quiet(_session().debug(rank=args.rank, commands=_unquoted(args.commands))),
 }
 

@@ -31,6 +31,7 @@ from .net import boot_id as this_boot, check_port_free, ipv4_of as interface_add
 from .errors import ClusterError, PlanError
 from .gpus import duplicates, duplicates_message
 from .plan import BATCH_LAUNCHERS
+from . import worlds
 
 #: Launchers whose engines run on other hosts (ssh even to this host: its engines reach the
 #: controller over the network).
@@ -50,8 +51,8 @@ def profile_config(profile: str | None) -> tuple[dict, Config]:
 
     ``profile`` is a profile name (in the IPython directory) or a profile directory.
     """
-    if profile is None:
-        return {}, Config()
+    if profile is None:  # distnb's own, where Jupyter keeps its runtime files (owner-only: distnb.worlds)
+        return {"profile_dir": worlds.profile_folder()}, Config()
     import ipyparallel as ipp
     from IPython.core.profiledir import ProfileDir, ProfileDirError
     from IPython.paths import get_ipython_dir

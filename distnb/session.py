@@ -28,7 +28,7 @@ import atexit
 import contextlib
 import inspect
 
-from . import background, calls, checkpoints, debugger, options, pulling, scaling, shrinking, training
+from . import background, calls, checkpoints, debugger, options, pulling, scaling, shrinking, training, worlds
 from .background import BackgroundRun, check_idle
 from .cluster import Cluster
 from .data import gather as gather_shards, scatter as scatter_shards, scatter_line
@@ -107,6 +107,7 @@ def start(*args, ns=None, spec=None, quiet=False, **given) -> "Session":
     cluster = Cluster(spec, auto_device=auto_device, say=None if quiet else print).start()
     _CURRENT = Session(cluster, ns=ns)
     _CURRENT.on_failure = policy or "stop"
+    worlds.opened(_CURRENT)  # signed, and recorded for %dist attach (distnb.attaching)
     if _STOPPED is not None:  # %dist stop then %dist start: the models' carried options, as across a restart
         _STOPPED.keep_across_restart(_CURRENT.holdings)
         _STOPPED = None
@@ -254,6 +255,7 @@ class Session:
                 print("distnb: the cluster is already stopped")
             return
         pids = self.cluster.pids
+        worlds.closed(self)
         try:
             self.cluster.stop()
         finally:  # interrupted or not, this session's cluster is gone: %dist start may start a new one

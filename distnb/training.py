@@ -15,14 +15,15 @@ import time
 from dataclasses import dataclass, field
 
 from . import bigmodels, calls, captured, carried, data, export, kernel_memory, modelcheck, options, presses, transfer
-from . import pretrained, valsets, weightfiles
+from . import pretrained, runrecord, valsets, weightfiles, worlds
 from .display import ProgressState, make_view, view_kind
 from .display.tables import count
 from .errors import PlanError, RankError
 from .resuming import check_folders, first_step, newest_meta, newest_start, push_saved_names, start_sentence
-from .execute import restart_world, run_on_ranks
+from .execute import restart_world
 from .plan import LR_SCHEDULES, TrainPlan, carry_over, not_carried, redistribution
 from .tracebacks import body_name_hint, module_name_hint
+from .weights_back import stream_into
 
 #: How often ranks report for each progress view (seconds): the dashboard redraws live,
 #: text progress prints per epoch (status and epoch-end messages are always sent at once).
@@ -365,9 +366,7 @@ def ensure_model(session, plan, model_obj, quiet) -> bool:
         why = _why_sent_again(plan, model_obj, held, fp, last, verdict)
         if why:
             print(f"distnb: {why}")
-    if bigmodels.on_meta(model_obj) and not plan.reset and plan.model in {**held.models, **held.trained_steps}:
-        # the ranks' weights were all there was of it
-        print(f"distnb: {bigmodels.reinit_note(plan.model)}")
+    bigmodels.carry_or_reinit(session, plan, model_obj, fp, last)  # a meta model the ranks trained: keep them
     meta = None if plan.reset or not plan.resume else newest_meta(plan.checkpoint_dir)
     if meta is not None:  # the ranks resume from it: the notebook functions they rebuild it with
         push_saved_names(session, meta, plan)
@@ -451,7 +450,8 @@ def ensure_data(session, plan, data_obj, quiet, num_shards, silent=False, name=N
 
 
 def weights_back(session, name, model_obj, best_effort=False, packed=None, replicated=False) -> None:
-    """Load rank 0's weights (``packed`` from its training result, else fetched) into ``model_obj``.
+    """Load rank 0's weights into ``model_obj``: ``packed`` from its training result (ps), else streamed in
+    parts (:func:`~distnb.weights_back.stream_into`).
 
     ``replicated``: every rank holds the whole model (ddp), so with another rank dead rank 0 alone gives
     them (the last step every rank completed), which ``%dist restart`` then sends to the fresh world.
@@ -463,14 +463,12 @@ def weights_back(session, name, model_obj, best_effort=False, packed=None, repli
         return
     try:
         dead = cluster.dead_ranks() if packed is None and replicated else {}
-        if dead and 0 not in dead:
-            packed = cluster.wait_all([cluster.apply(0, calls.pull_state, name, None)],
-                                      timeout=cluster.spec.timeout, what="weights back")[0]
-        elif packed is None:  # every rank: sharded strategies assemble the state with collectives
-            ars = cluster.apply_all(calls.pull_state, name, None)
-            packed = cluster.wait_all(ars, timeout=cluster.spec.timeout, what="weights back")[0]
-        keys, descs, sizes, flat = packed
-        load_state_into(model_obj, keys, descs, sizes, flat)  # in place, one tensor at a time
+        if packed is not None:  # a strategy that sends its state with the result (ps)
+            load_state_into(model_obj, *packed)  # in place, one tensor at a time
+        elif dead and 0 not in dead:
+            stream_into(cluster, name, model_obj, [0])
+        else:  # every rank, part by part: sharded strategies assemble each part with collectives
+            stream_into(cluster, name, model_obj, range(session.world_size))
         session.holdings.models[name] = fingerprint(model_obj)
     except Exception:
         if not best_effort:
@@ -521,8 +519,7 @@ def train_cell(session, code, model, data, run, given):
     # rank 0 writes the trained state into its own outbox; distnb.weights_back reads it into model_obj in place
     with presses.held():  # presses counted
         try:
-            rows = run_on_ranks(session, calls.train, plan.to_dict(), code, None, what="training", state=state,
-                                view=view, show_ranks=show)
+            rows = runrecord.train_on_ranks(session, plan, code, state, view, show, run)  # recorded for attach
         except Interrupted as exc:  # every rank stopped after the same step: the result of what was trained
             if getattr(exc, "results", None) is None:  # stopped where they were: the replicas may be steps apart
                 weights_back(session, plan.model, model_obj, best_effort=True)
@@ -546,6 +543,7 @@ def train_cell(session, code, model, data, run, given):
             raise
         result = finish(session, plan, model_obj, rows, time.perf_counter() - t0, num_shards, run, stopped, given,
                         started_shown=state.start_shown, peak_since_start=peak_since_start)
+        worlds.note_run(session, None)  # what the ranks hold now, for a kernel that attaches (presses still held)
     session.last_result = result
     export.remember(cell, result, model_obj)
     background = session._background

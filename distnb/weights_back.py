@@ -12,6 +12,10 @@ Before, the kernel offered rank 0 a second model-sized segment of its own pool, 
 model into it and kept the first for the next cell: twice the model after every cell (the 1 GiB
 model of issue 34 left the kernel at 3.3 GiB).
 
+The state comes in parts (:func:`stream_into`): the kernel asks the ranks for the keys of one part
+(at most :data:`PART_BYTES`, or one larger tensor alone), reads it in, then asks for the next
+(:func:`distnb.engine.stateparts.pull_part`). So rank 0's outbox holds one part, not the model.
+
 Each tensor written is marked changed for autograd (``torch.autograd.graph.increment_version``,
 as ``copy_`` would), so change detection (:func:`distnb.transfer.fingerprint`) and saved tensors
 see the new weights.
@@ -21,6 +25,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+
+from . import calls
+
+#: Bytes of one part of a state streamed back (a tensor larger than this comes alone): the 64 MiB the
+#: kernel's bound (model x 1.1 + 64 MiB, issue 34) allows beside the model, and what rank 0 holds of it.
+PART_BYTES = 64 << 20
 
 
 def _writable(t) -> memoryview:
@@ -47,7 +57,61 @@ def _direct(t, desc: tuple) -> bool:
             and type(t.untyped_storage()) is torch.UntypedStorage)
 
 
-def load_into(model, keys, descs, sizes, flat) -> None:
+def parts(model, part_bytes: int):
+    """``model``'s ``state_dict`` keys cut into parts in order: ``(list of key lists, largest part's bytes)``.
+
+    Consecutive keys go together while their tensors add up to at most ``part_bytes``; a larger tensor is
+    a part alone.
+    """
+    groups, current, size, largest = [], [], 0, 0
+    for key, t in model.state_dict(keep_vars=True).items():
+        n = t.numel() * t.element_size()
+        if current and size + n > part_bytes:
+            groups.append(current)
+            largest = max(largest, size)
+            current, size = [], 0
+        current.append(key)
+        size += n
+    if current:
+        groups.append(current)
+        largest = max(largest, size)
+    return groups, largest
+
+
+def stream_into(cluster, name: str, model, ranks, part_bytes: int | None = None) -> None:
+    """Bring the ranks' state of model ``name`` into the kernel's ``model`` in place, one part at a time.
+
+    Parameters
+    ----------
+    cluster : distnb.cluster.Cluster
+    name : str
+        The model's name on the ranks.
+    model : torch.nn.Module
+        The notebook's model (not on meta): its tensors are written in place.
+    ranks : sequence of int
+        The ranks asked, rank 0 first: every rank (sharded strategies gather with collectives), or ``[0]``
+        (a ddp replica whose peers died).
+    part_bytes : int or None
+        The most bytes of one part; None: :data:`PART_BYTES` (read at the call).
+
+    Raises
+    ------
+    RuntimeError
+        The ranks' keys or shapes are not the model's; a RankError when a rank fails.
+    """
+    groups, largest = parts(model, PART_BYTES if part_bytes is None else part_bytes)
+    every = [k for g in groups for k in g]
+    loaded = set()
+    for i, keys in enumerate(groups):
+        if loaded.issuperset(keys):  # a strategy that gave its whole state at the first part (ps)
+            continue
+        ars = [cluster.apply(r, calls.pull_part, name, keys, largest, every if i == 0 else None) for r in ranks]
+        packed = cluster.wait_all(ars, timeout=cluster.spec.timeout, what="weights back")[0]
+        load_into(model, *packed, part=True)
+        loaded.update(packed[0])
+
+
+def load_into(model, keys, descs, sizes, flat, part: bool = False) -> None:
     """Copy a state sent back by rank 0 into ``model``'s own tensors, one at a time.
 
     Parameters
@@ -57,18 +121,28 @@ def load_into(model, keys, descs, sizes, flat) -> None:
     keys, descs, sizes, flat
         What :func:`distnb.engine.stateout.write_state` returned: ``flat`` a
         :class:`~distnb.engine.wire.ShmRef` into rank 0's outbox, or a flat uint8 array.
+    part : bool
+        ``keys`` are a part of the model's state (:func:`stream_into`), not all of it.
 
     Raises
     ------
     RuntimeError
-        From ``load_state_dict`` when the keys or a shape differ from the model's (torch's message).
+        From ``load_state_dict`` when the keys or a shape differ from the model's (torch's message); for a
+        part, the key and both shapes.
     """
     import torch  # the kernel imports torch (and the wire format, which needs it) only when it needs it
 
     from .engine import wire  # imports torch: the kernel loads it at first use
 
     targets = model.state_dict(keep_vars=True)
-    shapes_ok = set(targets) == set(keys) and all(tuple(targets[k].shape) == tuple(d[1]) for k, d in zip(keys, descs))
+    if part:
+        for k, d in zip(keys, descs):
+            if k not in targets or tuple(targets[k].shape) != tuple(d[1]):
+                have = tuple(targets[k].shape) if k in targets else "no such key"
+                raise RuntimeError(f"weights back: {k} has shape {tuple(d[1])} on the ranks, the notebook's model: "
+                                   f"{have} (the cell changed the model's structure)")
+    shapes_ok = (part or set(targets) == set(keys)) and \
+        all(tuple(targets[k].shape) == tuple(d[1]) for k, d in zip(keys, descs))
     if not shapes_ok:  # let load_state_dict name the missing/unexpected keys or the shape
         with torch.no_grad():
             model.load_state_dict(wire.unflatten_state(keys, descs, sizes, flat))

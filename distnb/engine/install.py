@@ -11,7 +11,7 @@ import torch
 from ..errors import PlanError
 from ..plan import TrainPlan
 from ..weightfiles import provided
-from . import loop, runtime, wire
+from . import carry, loop, runtime, wire
 from .materialize import materialize, receive
 from .pretrained import stored_names
 
@@ -56,13 +56,22 @@ def place_model(ns, name, plan_dict, steps, payload, descs, rng, *buffers):
     if rng is not None:
         pending.rng = torch.frombuffer(bytearray(rng), dtype=torch.uint8)
         pending.skip = loaded_indices(plan, module, pending)
-    count = install_received(ns, name, module, steps)
-    run = loop.RUNS[name]
-    run.weights_stay = pending.needs_init  # a meta model in the notebook: its weights stay on the ranks
-    said = io.StringIO()  # what the strategy says as it is built: shown by the training cell that follows
-    with contextlib.redirect_stdout(said):
-        loop.build_strategy(ns, plan, run, pending)
-    run.said = said.getvalue()
+    old = loop.RUNS.pop(name, None) if carry.take(name) and pending.needs_init else None
+    try:
+        if old is not None:  # the weights the ranks trained, read before the old placement is closed
+            pending.carry = carry.Carry(old)  # (it fills --load's tensors too: skip differs between ranks)
+            if pending.carry.missing([n for n, i in pending.names.items() if not pending.source.has_data(i)]):
+                pending.carry = None  # another structure than the one trained: initialised afresh
+        count = install_received(ns, name, module, steps)
+        run = loop.RUNS[name]
+        run.weights_stay = pending.needs_init  # a meta model in the notebook: its weights stay on the ranks
+        said = io.StringIO()  # what the strategy says as it is built: shown by the training cell that follows
+        with contextlib.redirect_stdout(said):
+            loop.build_strategy(ns, plan, run, pending)
+        run.said = said.getvalue()
+    finally:
+        if old is not None and old.strategy is not None:
+            old.strategy.close()  # after the carry: its DTensors needed the old mesh
     return count
 
 

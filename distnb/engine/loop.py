@@ -376,7 +376,8 @@ def _train(ns, plan, code_text, relay):
         sys.stdout.flush()
     reporter.extra["train_seconds"] = seconds  # the dashboard's final samples/s is the TrainResult's
     carried = _last_word(reporter, relay, "interrupted" if ctx.interrupted else "done")
-    state = None if run.weights_stay else run.strategy.full_state()  # a collective for sharded strategies
+    # the kernel streams the weights back in parts after the reply (engine/stateparts.py); ps drains here, once
+    state = None if run.weights_stay or run.strategy.streams_state else run.strategy.full_state()
     # the mean over the cell's last epoch; with none finished, over the steps trained (its loss_steps; 0: an epoch's)
     last, loss_steps = (ctx.local_losses[-1], 0) if ctx.local_losses else ctx.steps_mean()
     return dict(rank=st.rank, steps=ctx.micro_steps, samples=reporter.samples, seconds=seconds, cpu_seconds=cpu_seconds,

@@ -105,6 +105,7 @@ class Pending:
     def __init__(self, source, names, shadow):
         self.source, self.names, self.shadow = source, names, shadow
         self.rng = None
+        self.carry = None  # a carry.Carry: the old run's trained weights instead of a fresh init (engine/carry.py)
         self.skip = frozenset()  # indices --load fills: placed without values (engine/pretrained.py)
 
     @property
@@ -178,11 +179,13 @@ def _copy_into(live, full) -> None:
         local.copy_(_piece(full, live))
 
 
-def place(module, device, keep=None) -> dict:
+def place(module, device, keep=None, param_device=None) -> dict:
     """Give every meta parameter and buffer of ``module`` that ``keep(name)`` accepts empty memory on ``device``.
 
     A DTensor gets its local shard only (``torch.empty_like``, as ``Module.to_empty``); tied tensors
-    stay tied. Returns {qualified name: new tensor} of what was placed (tied ones under each name).
+    stay tied. ``param_device``: where parameters go instead (fsdp ``--offload cpu``: host memory; buffers
+    stay on ``device``, where the forward runs). Returns {qualified name: new tensor} of what was placed
+    (tied ones under each name).
     """
     made, placed = {}, {}
     for mod_name, mod in module.named_modules(remove_duplicate=False):
@@ -193,7 +196,8 @@ def place(module, device, keep=None) -> dict:
                     continue
                 new = made.get(id(t))
                 if new is None:
-                    new = torch.empty_like(t, device=device)
+                    on_params = param_device is not None and isinstance(t, torch.nn.Parameter)
+                    new = torch.empty_like(t, device=param_device if on_params else device)
                     if isinstance(t, torch.nn.Parameter):
                         new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
                     made[id(t)] = new
@@ -202,13 +206,13 @@ def place(module, device, keep=None) -> dict:
     return placed
 
 
-def materialize(pending: Pending, module, device, keep=None, init=None) -> None:
-    """Place ``module``'s meta tensors (see :func:`place`) and fill each with this rank's slice.
+def materialize(pending: Pending, module, device, keep=None, init=None, param_device=None) -> None:
+    """Place ``module``'s meta tensors (see :func:`place`, ``param_device`` too) and fill each with this rank's slice.
 
     Tensors with data are copied from the source one at a time; the others are initialised with
     :func:`initialize` (``init``: the ``--init`` function, else each module's ``reset_parameters``).
     """
-    placed = place(module, device, keep)
+    placed = place(module, device, keep, param_device)
     by_index: dict[int, list] = {}
     for name, live in placed.items():
         index = pending.names.get(name)
@@ -222,7 +226,9 @@ def materialize(pending: Pending, module, device, keep=None, init=None) -> None:
                 for live in lives:
                     _copy_into(live, full)
                 del full
-    if pending.needs_init:
+    if pending.needs_init and pending.carry is not None:
+        pending.carry.fill(pending, by_index)
+    elif pending.needs_init:
         initialize(pending, by_index, init)
 
 

@@ -12,6 +12,9 @@ then copied once, from wherever it is (CPU, GPU, a DTensor's gathered full tenso
 pipeline stage received by ``recv``), straight into its place in the outbox. Rank 0 holds the
 outbox plus one tensor; a GPU's copies are queued and synchronised once at the end.
 
+After a training cell the kernel asks for the state in parts (:mod:`distnb.engine.stateparts`, ``keys``
+of at most 64 MiB): the outbox then holds one part, and every part reuses one segment (:data:`_FLOOR`).
+
 The outbox is a segment of the rank's shared-memory pool when the kernel shares ``/dev/shm``
 (:func:`distnb.engine.wire.probe_shm`), which the kernel then reads tensor by tensor into its own
 model (:mod:`distnb.weights_back`), else one uint8 array sent as a message frame.
@@ -35,6 +38,28 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return full().detach() if full is not None else t.detach()
 
 
+#: The smallest outbox segment asked of the pool (bytes): the largest part of a state the kernel streams in
+#: parts (:func:`distnb.engine.stateparts.pull_part`), so every part reuses one segment.
+_FLOOR = [0]
+
+
+def select(state: dict, keys) -> dict:
+    """The entries of ``state`` named in ``keys`` (None: all), in ``state``'s order (every rank's the same).
+
+    Raises
+    ------
+    KeyError
+        A key of ``keys`` the state lacks, named with this rank.
+    """
+    if keys is None:
+        return state
+    wanted = set(keys)
+    missing = sorted(wanted - set(state))
+    if missing:
+        raise KeyError(f"rank {os.environ.get('RANK', '?')}: the model's state has no {', '.join(missing[:5])}")
+    return {k: v for k, v in state.items() if k in wanted}
+
+
 def _outbox(total: int):
     """(uint8 base tensor, path or None, segment, pool): where a state of ``total`` bytes is written."""
     shm = wire._SHM
@@ -43,7 +68,7 @@ def _outbox(total: int):
         if pool is None:
             pool = shm["outbox"] = segments.Pool(shm["owner"], f"r{os.environ.get('RANK', 'x')}")
         try:
-            seg = pool.acquire(total)
+            seg = pool.acquire(max(total, _FLOOR[0]))
         except OSError:  # /dev/shm full or gone: the message carries the bytes
             pass
         else:

@@ -113,3 +113,43 @@ def test_a_meta_model_trains_under_fsdp_with_every_rank_capped_below_its_size(fo
     assert [row["steps"] for row in result.rows] == [1, 1, 1, 1]
     assert all(u <= CAP < FULL for u in used), used
     assert all(p.is_meta for p in ns["capped_net"].parameters())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("strategy,need", [("ddp", r"each rank would need 0\.75 GiB for the whole model"),
+                                           ("fsdp", r"each rank would need 0\.44 GiB for 1/2 of the model "
+                                                    r"\(0\.38 GiB\) plus its largest FSDP unit \(0\.06 GiB\)")])
+def test_a_cap_the_strategy_cannot_meet_is_refused_before_anything_is_sent(dist_session, shell, strategy, need):
+    """Each engine capped at 256 MiB by its memory cgroup: the cell says what each rank would need, names the
+    rank and what it has, before anything is sent; the ranks live on and the next cell trains."""
+    _cgroups_or_skip()
+    ns = shell.user_ns
+    assert shell.run_cell(NOTEBOOK).success
+    with torch.device("meta"):
+        ns["cap_refused"] = ns["Stack"]()  # 768 MiB
+    ns["cap_data"] = torch.utils.data.TensorDataset(torch.randn(8, WIDTH))
+    pids = [r["pid"] for r in dist_session.cluster.ranks]
+    groups = [os.path.join(ROOT, f"distnb-cap-{os.getpid()}-{rank}") for rank in range(len(pids))]
+    try:
+        for group, pid in zip(groups, pids):
+            os.mkdir(group)
+            _write(os.path.join(group, "memory.limit_in_bytes"), 256 << 20)
+            _write(os.path.join(group, "cgroup.procs"), pid)
+        with pytest.raises(Exception, match=rf"--strategy {strategy} cannot fit cap_refused .*{need}.*, and rank "
+                                            r"\d has 0\.2\d GiB free"):
+            dist_session.train("loss = model(batch[0]).pow(2).mean()", model="cap_refused", data="cap_data",
+                               strategy=strategy, epochs=1, batch_size=4, progress="none", quiet=True)
+    finally:
+        for group, pid in zip(groups, pids):
+            if os.path.isdir(group):
+                try:
+                    _write(os.path.join(ROOT, "cgroup.procs"), pid)
+                except OSError:
+                    pass
+                os.rmdir(group)
+    assert "cap_refused" not in dist_session.holdings.models
+    ns["cap_small"] = nn.Linear(4, 1)
+    ns["cap_small_data"] = torch.utils.data.TensorDataset(torch.randn(8, 4))
+    r = dist_session.train("loss = model(batch[0]).pow(2).mean()", model="cap_small", data="cap_small_data",
+                           strategy=strategy, epochs=1, batch_size=2, progress="none", quiet=True)
+    assert [row["steps"] for row in r.rows] == [2, 2]

@@ -73,6 +73,9 @@ class Strategy:
     wraps_model = False
     #: True: after backward every rank holds the same whole gradients (ddp): no rank can overflow alone.
     replicated_grads = False
+    #: True: the trained weights go back to the kernel in bounded parts after the cell
+    #: (:mod:`distnb.engine.stateparts`), not whole in the training result.
+    streams_state = True
     #: True: plain (non-DTensor) parameters and buffers are whole on every rank and must stay equal there
     #: (ddp; tensor parallelism's unsharded ones): ``--check-replicas`` compares them (engine/replicas.py).
     replicas = False
@@ -119,6 +122,10 @@ class Strategy:
     def keeps(self, name: str) -> bool:
         """Whether this rank holds (part of) the parameter or buffer ``name`` (all of them by default)."""
         return True
+
+    def param_device(self):
+        """Where this rank's parameters of a model split on the meta device are materialised (its device)."""
+        return self.device
 
     def placed(self) -> None:
         """Called once a module split on the meta device has this rank's tensors (materialised in place)."""
@@ -181,17 +188,18 @@ class Strategy:
             if buf.device.type != "meta" and not hasattr(buf, "to_local"):  # a DTensor buffer is the mesh's
                 dist.broadcast(buf, src=0)  # group device: the module's buffers, on the rank's device
 
-    def full_state(self):
+    def full_state(self, keys=None):
         """The whole model's state as :func:`~distnb.engine.stateout.flatten_state` on rank 0, None elsewhere.
 
-        Called on every rank (strategies that shard the model gather with collectives).
+        Called on every rank (strategies that shard the model gather with collectives). ``keys``: only
+        these ``state_dict`` entries (a part of the state streamed to the kernel), None: all.
         """
         import torch.distributed as dist
 
 
         if dist.get_rank() != 0:
             return None
-        return stateout.flatten_state(self.module.state_dict())
+        return stateout.flatten_state(stateout.select(self.module.state_dict(), keys))
 
     def checkpoint_state(self, optimizer):
         """(model state dict, optimizer state dict) as ``torch.distributed.checkpoint`` saves them.
@@ -285,18 +293,19 @@ def check_loss(loss, ctx):
                      "`.detach()` or `torch.tensor(...)` on the way cuts it from the graph: drop it)")
 
 
-def gathered_state(module):
+def gathered_state(module, keys=None):
     """``module``'s full (unsharded) state on rank 0 as :func:`~distnb.engine.stateout.flatten_state`, None elsewhere.
 
     One tensor at a time: each DTensor (FSDP2, tensor parallel) is all-gathered whole (a collective:
     every rank calls this, in the state_dict's order) and copied straight into rank 0's outbox
     (:func:`distnb.engine.stateout.write_state`), so rank 0 holds the outbox plus one full tensor,
     not the whole state first and its copy after (``get_model_state_dict(full_state_dict=True)``).
+    ``keys``: only these entries (the same on every rank), None: all.
     """
     import torch.distributed as dist
 
 
-    return stateout.write_state(list(module.state_dict().items()), writer=dist.get_rank() == 0)
+    return stateout.write_state(list(stateout.select(module.state_dict(), keys).items()), writer=dist.get_rank() == 0)
 
 
 def strategy_class(name: str) -> type:
@@ -326,7 +335,7 @@ def build(module, plan, device, ns, pending=None) -> Strategy:
         pending = None
     strategy = cls(module, plan, device, ns)
     if pending is not None:
-        materialize.materialize(pending, module, device, strategy.keeps, init)
+        materialize.materialize(pending, module, device, strategy.keeps, init, strategy.param_device())
         strategy.placed()
     if getattr(plan, "compile", False):
         compiling.fresh()

@@ -201,9 +201,9 @@ class FSDP(Strategy):
 
         return unsynced()
 
-    def full_state(self):
-        """Gather the full (unsharded) state dict on rank 0, on CPU; a collective."""
-        return gathered_state(self.module)
+    def full_state(self, keys=None):
+        """Gather the full (unsharded) state dict on rank 0, on CPU; a collective (``keys``: only these entries)."""
+        return gathered_state(self.module, keys)
 
     def compile(self) -> None:
         """Compile the forward of each innermost FSDP unit, in place (the root's when it is the only unit).
@@ -223,6 +223,14 @@ class FSDP(Strategy):
         """Bytes of this rank's parameter shards and of its optimizer state (0 before a step)."""
         return dict(param_bytes=sum(tensor_bytes(p) for p in self.module.parameters()),
                     optimizer_state_bytes=optimizer_state_bytes(self._optimizer))
+
+    def param_device(self):
+        """``--offload cpu``: host memory, where FSDP2's ``CPUOffloadPolicy`` requires the shards ("FSDP parameters
+        should be materialized on CPU when enabling CPU offloading"); a GPU rank never holds them all. Else the
+        rank's device."""
+        import torch
+
+        return torch.device("cpu") if getattr(self.plan, "offload", None) == "cpu" else self.device
 
     def close(self) -> None:
         release_group(self.mesh, self.module)

@@ -127,8 +127,9 @@ class FsdpTensor(VerifiedPlan, DefaultPlanHint, FSDP):
         return mesh_shape(plan.mesh, world_size)[0]
 
     # rank side -----------------------------------------------------------------------
-    def full_state(self):
-        """The whole state on rank 0 (CPU), every shard all-gathered over both dimensions; a collective.
+    def full_state(self, keys=None):
+        """The whole state on rank 0 (CPU), every shard all-gathered over both dimensions; a collective
+        (``keys``: only these entries).
 
         DTensor warns that a split layer's ``(_StridedShard, Shard)`` layout takes two
         all-gathers; that is the price of the composition, said here once, not on every cell.
@@ -139,7 +140,7 @@ class FsdpTensor(VerifiedPlan, DefaultPlanHint, FSDP):
         level = log.level
         log.setLevel(logging.ERROR)
         try:
-            return gathered_state(self.module)
+            return gathered_state(self.module, keys)
         finally:
             log.setLevel(level)
 

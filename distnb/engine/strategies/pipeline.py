@@ -489,8 +489,8 @@ class Pipeline(Strategy):
         return sums.cpu()
 
     # state -----------------------------------------------------------------------------
-    def full_state(self):
-        """Every stage's tensors on rank 0, sent one by one straight into its outbox; None elsewhere.
+    def full_state(self, keys=None):
+        """Every stage's tensors (``keys``: only these) on rank 0, sent one by one into its outbox; None elsewhere.
 
         The stages' key names are gathered (a small object), rank 0 says which rank sends each
         tensor, and each comes by ``send``/``recv`` into its place (:func:`stateout.write_state`):
@@ -506,6 +506,7 @@ class Pipeline(Strategy):
         if self.rank == 0:
             plan[0] = self._senders(mine, names)
         dist.broadcast_object_list(plan, src=0)
+        plan[0] = list(stateout.select(dict(plan[0]), keys).items())  # a part of the state (the same on every rank)
         if self.rank != 0:
             for key, src in plan[0]:
                 if src == self.rank:

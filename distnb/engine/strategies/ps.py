@@ -435,6 +435,8 @@ class ParameterServer(Strategy):
         self._window = False
 
     # results ---------------------------------------------------------------------------------
+    streams_state = False  # the drain below ends the cell's exchange: once, at the cell's end
+
     def full_state(self):
         """Drain the asynchronous exchange (every rank), then rank 0's state: the servers' values."""
         import torch.distributed as dist

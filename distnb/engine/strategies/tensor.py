@@ -261,9 +261,9 @@ class Tensor(VerifiedPlan, DefaultPlanHint, Strategy):
         if plan.tp_plan is not None and plan.tp_plan in ns:
             check_plan(ns[plan.tp_plan], module, world_size, f"--tp-plan {plan.tp_plan}")
 
-    def full_state(self):
-        """Full tensors on rank 0 (CPU), assembled with ``DTensor.full_tensor``; a collective."""
-        return gathered_state(self.module)
+    def full_state(self, keys=None):
+        """Full tensors on rank 0 (CPU), assembled with ``DTensor.full_tensor``; a collective (``keys``: only these entries)."""
+        return gathered_state(self.module, keys)
 
     def holdings(self) -> dict:
         """Bytes of parameters stored here (local shards, whole replicated ones) and of optimizer state."""

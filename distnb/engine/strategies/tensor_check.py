@@ -12,13 +12,17 @@ Design
 ------
 - When the strategy is built (:class:`VerifiedPlan.arm`, before ``parallelize_module``), a
   skeleton of the whole module is kept (:func:`skeleton`: its parameters on the meta device, so
-  it holds no memory), and a forward pre-hook (``prepend=True``, ``with_kwargs=True``) is put on
-  the module the body calls (after ``--compile``, on the compiled one).
+  it holds no memory; the check fills it one module at a time from the split model's gathered
+  tensors, :mod:`~distnb.engine.strategies.layered`, and falls back to the whole state below only
+  for a forward that reads a module's tensors outside its call, up to :data:`VERIFY_MAX_BYTES`),
+  and a forward pre-hook (``prepend=True``, ``with_kwargs=True``) is put on the module the body
+  calls (after ``--compile``, on the compiled one).
 - The first call of the model on this rank, whatever the body passes (a tensor, a tuple, a
   dict, keyword arguments; the first micro-step of a step body, a ``--loop`` body's first call,
-  or validation's), runs the hook. The skeleton is filled with the split module's full state as
-  it is now (``get_model_state_dict(full_state_dict=True)``, a collective: a checkpoint loaded
-  or weights adopted since the build are compared too); then in eval mode (BatchNorm's running
+  or validation's), runs the hook. The skeleton takes the split module's tensors as they are
+  now, gathered whole one module at a time during its forward (collectives: a checkpoint loaded
+  or weights adopted since the build are compared too; the fallback: the whole state at once,
+  ``get_model_state_dict(full_state_dict=True)``); then in eval mode (BatchNorm's running
   statistics and dropout left alone), under ``torch.no_grad``, with autocast off and the RNG
   states saved and restored, the whole and the split module each run a forward on those same
   arguments. The outputs (tensors in
@@ -27,9 +31,9 @@ Design
   (:data:`RTOL`); then again with both models' weights moved by the same seeded noise
   (:class:`_Perturbed`: a term across the hidden units that vanishes at the current weights,
   a gate initialised at 0, shows there). The hook then removes itself and drops the whole
-  model: nothing runs per step; the cost, once per strategy build, is one all-gather of the
-  state and two forwards of the whole model and of the split one, with the whole model's memory
-  held during that check only.
+  model: nothing runs per step; the cost, once per strategy build, is two all-gathers of the
+  state (one module's tensors at a time) and two forwards of the whole model and of the split
+  one, with one module's full tensors held at a time beside the rank's share.
 - The ranks agree with one ``all_reduce`` (MAX) of each rank's verdict, so every rank makes the
   same decision and none waits. If any rank's outputs differ, every rank raises
   :class:`~distnb.engine.strategies.StrategyError` from inside the body's ``model(...)`` call,
@@ -47,6 +51,7 @@ Design
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from collections.abc import Mapping
@@ -54,14 +59,15 @@ from collections.abc import Mapping
 import torch
 
 from ..collectives import group_device
-from . import StrategyError
+from . import StrategyError, layered
 from .fsdp import used_outside
 
 #: (rtol, atol) per output dtype: |split - whole| <= rtol * max|whole| + atol. Splitting changes
 #: only the order of sums (float32: about 1e-7 relative); a non-elementwise op between a pair
 #: changes the output by about 1e-2 relative or more.
-#: Above this many bytes of parameters and buffers a tensor plan is not verified (the check holds the whole
-#: model on every rank once, and a model split because it is big may not fit whole).
+#: Above this many bytes of parameters and buffers, a tensor plan whose model cannot run one module at a time
+#: (:mod:`.layered`) is not verified (the fallback holds the whole model on every rank once, and a model split
+#: because it is big may not fit whole).
 VERIFY_MAX_BYTES = 256 << 20
 RTOL = {torch.float64: (1e-7, 1e-12), torch.float32: (1e-3, 1e-6), torch.bfloat16: (2e-2, 1e-3),
         torch.float16: (2e-2, 1e-3)}
@@ -190,18 +196,10 @@ class VerifiedPlan:
         ``label``: how errors name the plan (``--tp-plan NAME``, ``tensor plan``); ``plan_text``:
         what it splits (one line); ``pairs``: the default plan's (column-wise, row-wise) names.
 
-        A model above :data:`VERIFY_MAX_BYTES` is not checked (the check holds it whole on every
-        rank, which a model split because it is big may not afford); rank 0 says so.
+        The copy is a skeleton on the meta device; the check fills it one module at a time
+        (:mod:`~distnb.engine.strategies.layered`), so no rank ever holds the whole model for it.
         """
-        size = sum(t.numel() * t.element_size() for t in module.state_dict().values())
-        if size > VERIFY_MAX_BYTES:
-            import torch.distributed as dist
-
-            if dist.get_rank() == 0:
-                print(f"distnb: {label} is not verified against the whole model ({size / 2**20:.0f} MiB: the check "
-                      f"would hold all of it on every rank, more than {VERIFY_MAX_BYTES >> 20} MiB); verify it on a "
-                      "smaller configuration of the same model", flush=True)
-            return
+        self._size = sum(t.numel() * t.element_size() for t in module.state_dict().values())
         self._probe = [skeleton(module), None]
         self._words = (label, plan_text, {row: col for col, row in pairs})
 
@@ -238,22 +236,30 @@ class VerifiedPlan:
         return whole
 
     def _first_forward(self, model, args, kwargs):
+        import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         whole = self._disarm()
         if whole is None:
             return None
-        # the split module's weights now (a checkpoint or %dist scale may have loaded others since the build)
-        whole.load_state_dict(get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True)),
-                              assign=True)
-        retie(whole, self.module)
         rows = [name for name, style in self.tp_plan.items() if type(style).__name__ == "RowwiseParallel"
                 and _has(self.module, name) and _has(whole, name)]
-        now = self._compare_on(whole, rows, args, kwargs)
-        with _Perturbed(whole, self.module, self.device):  # every rank runs both: the split forward is collective
-            moved = self._compare_on(whole, rows, args, kwargs)
-        if moved[0] > now[0]:  # a term that vanishes at these weights (a gate initialised at 0) shows here
-            now = (moved[0], moved[1], f"{moved[2]}, with the weights moved at random", moved[3])
+        try:  # the whole model's tensors gathered from the split one's (as they are now) one module at a time
+            with layered.LayerByLayer(whole, self.module):
+                now = self._compare_both(whole, rows, args, kwargs, lazy=True)
+        except layered.NotLayered as exc:  # alike on every rank: the forward reads a tensor outside its module
+            size = getattr(self, "_size", 0)
+            if size > VERIFY_MAX_BYTES:
+                if dist.get_rank() == 0:
+                    print(f"distnb: {self._words[0]} is not verified against the whole model: its forward cannot run "
+                          f"one module at a time ({exc}), and the whole model ({size / 2**20:.0f} MiB) is more than "
+                          f"{VERIFY_MAX_BYTES >> 20} MiB to hold on every rank; verify it on a smaller configuration "
+                          "of the same model", flush=True)
+                return None
+            whole.load_state_dict(get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True)),
+                                  assign=True)
+            retie(whole, self.module)
+            now = self._compare_both(whole, rows, args, kwargs, lazy=False)
         verdict, worst, which, row_flags = now
         del whole
         verdict, worst, row_flags = agree(verdict, worst, row_flags, self.device)
@@ -261,12 +267,32 @@ class VerifiedPlan:
         self._decide(verdict, worst, which, bad_rows)
         return None
 
-    def _compare_on(self, whole, rows, args, kwargs) -> tuple:
-        """(verdict, difference, what differs, a flag per row-wise layer) of one forward of each model."""
+    def _compare_both(self, whole, rows, args, kwargs, lazy: bool) -> tuple:
+        """:meth:`_compare_on` at the weights, then at weights moved at random; the worse of the two."""
+        now = self._compare_on(whole, rows, args, kwargs, lazy)
+        with _Perturbed(whole, self.module, self.device):  # every rank runs both: the split forward is collective
+            moved = self._compare_on(whole, rows, args, kwargs, lazy)
+        if moved[0] > now[0]:  # a term that vanishes at these weights (a gate initialised at 0) shows here
+            now = (moved[0], moved[1], f"{moved[2]}, with the weights moved at random", moved[3])
+        return now
+
+    def _compare_on(self, whole, rows, args, kwargs, lazy: bool = False) -> tuple:
+        """(verdict, difference, what differs, a flag per row-wise layer) of one forward of each model.
+
+        ``lazy``: ``whole`` runs one module at a time (:mod:`.layered`); a forward that fails or gives a meta
+        output then raises :class:`~.layered.NotLayered` (before the split model's forward, on every rank).
+        """
         seen = (_Outputs(whole, rows), _Outputs(self.module, rows))
         try:
             with _Quiet((whole, self.module), self.device):
-                expected = leaves(whole(*args, **kwargs))
+                try:
+                    with layered.no_placeholders() if lazy else contextlib.nullcontext():
+                        expected = leaves(whole(*args, **kwargs))
+                except Exception as exc:
+                    if not lazy or isinstance(exc, layered.NotLayered):
+                        raise
+                    raise layered.NotLayered(str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__) \
+                        from exc
                 try:
                     got = leaves(self.module(*args, **kwargs))
                 except RuntimeError as exc:  # the split layers' shapes do not fit the forward (DTensor's propagation
@@ -329,10 +355,15 @@ class _Perturbed:
                 q = mine.get(name)
                 if q is None or not p.is_floating_point():
                     continue
-                noise = torch.randn(p.shape, generator=gen, dtype=torch.float32).to(p.device, p.dtype)
-                noise.mul_(0.5 * float(p.abs().mean()) + 0.1)
+                # the whole tensor's scale: the skeleton's own (the whole model held), else the split one's gathered
+                # (a collective; the skeleton on meta reads it from the split model one module at a time: .layered)
+                full = p if not p.is_meta else layered._whole(q)
+                noise = torch.randn(p.shape, generator=gen, dtype=torch.float32).to(full.device, p.dtype)
+                noise.mul_(0.5 * float(full.abs().mean()) + 0.1)
+                del full
                 self.saved.append((q, q.detach().clone()))
-                p.add_(noise)
+                if not p.is_meta:
+                    p.add_(noise)
                 if hasattr(q, "device_mesh"):  # a DTensor: its own shard of the same noise, added shard to shard
                     noise = distribute_tensor(noise.to(self.device, q.dtype), q.device_mesh, q.placements,
                                               src_data_rank=None)
