@@ -1,4 +1,4 @@
-"""Hugging Face's own initialisation for meta-device modules that have no ``reset_parameters()``.
+"""Hugging Face's own initialisation for the modules of a transformers model built on the meta device.
 
 A ``transformers`` model built on the meta device (``with torch.device("meta"):
 AutoModelForCausalLM.from_config(cfg)``) holds modules that torch cannot initialise by itself:
@@ -33,8 +33,16 @@ def owners(root) -> dict:
     return {name: mod for name, mod in root.named_modules() if isinstance(mod, cls)}
 
 
-def hf_init(found: dict, name: str, module, used: dict):
+def hf_init(found: dict, name: str, module, used: dict, first=None):
     """The owning model's ``_init_weights`` bound to ``module`` (a function of no arguments), or None.
+
+    A one-process build of a transformers model runs each module's constructor (``reset_parameters()``:
+    torch's kaiming init for a Linear, N(0, 1) for an Embedding) and then ``post_init()``'s
+    ``_init_weights`` over every module (N(0, ``initializer_range``) for both). The returned function does
+    the same for one module: ``first()`` (its ``reset_parameters``, when it has one), then ``_init_weights``,
+    so the weights follow Hugging Face's distributions, not torch's. The generator's draws come in module
+    order, not in the two sweeps of a one-process build, so the values differ from it (the distributions
+    do not).
 
     Parameters
     ----------
@@ -43,10 +51,12 @@ def hf_init(found: dict, name: str, module, used: dict):
     name : str
         ``module``'s dotted name in the whole model.
     module : torch.nn.Module
-        A module without ``reset_parameters()`` whose own tensors are whole, on the CPU.
+        A module whose own tensors are whole, on the CPU.
     used : dict
         ``{owner class name: {module class names}}``, added to when an ``_init_weights`` is returned
         (for :func:`say_once`).
+    first : callable, optional
+        The module's own ``reset_parameters``, run before ``_init_weights``.
 
     Returns
     -------
@@ -63,7 +73,9 @@ def hf_init(found: dict, name: str, module, used: dict):
         return None
     owner = best[1]
     used.setdefault(type(owner).__name__, set()).add(type(module).__name__)
-    return lambda: owner._init_weights(module)
+    if first is None:
+        return lambda: owner._init_weights(module)
+    return lambda: (first(), owner._init_weights(module))
 
 
 def say_once(used: dict) -> None:
@@ -71,5 +83,6 @@ def say_once(used: dict) -> None:
     if not used or runtime.STATE.rank != 0:
         return
     parts = [f"{', '.join(sorted(kinds))} with {owner}._init_weights" for owner, kinds in sorted(used.items())]
-    print(f"distnb: modules built on the meta device without reset_parameters() and no --init FN were "
-          f"initialised as Hugging Face does: {'; '.join(parts)}", flush=True)
+    print(f"distnb: a Hugging Face model built on the meta device, no --init FN: its modules were initialised "
+          f"as Hugging Face does (reset_parameters() where they have one, then _init_weights): {'; '.join(parts)}",
+          flush=True)

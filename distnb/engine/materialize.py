@@ -247,7 +247,7 @@ def initialize(pending: Pending, by_index: dict, init=None) -> None:
     Walks ``pending.shadow`` (the unsharded structure) in ``named_modules()`` order; for each module
     holding such tensors of its own, makes them whole on the CPU (floats filled with NaN first),
     calls ``init(module)`` or ``module.reset_parameters()`` (for a ``transformers`` model's module
-    without it, and no ``init``: the model's ``_init_weights``, :mod:`.hfinit`) under the notebook's generator state
+    and no ``init``: then the model's ``_init_weights``, :mod:`.hfinit`) under the notebook's generator state
     ``pending.rng`` (carried from module to module), copies each into the tensors ``by_index`` says
     this rank holds, and drops them. Every rank runs every module, so the generator stays in step.
 
@@ -269,8 +269,8 @@ def initialize(pending: Pending, by_index: dict, init=None) -> None:
                 continue
             adapter = finetune.adapter_init(pending.shadow, mod_name, mod)  # a LoRA adapter: peft's own init
             fn = adapter or (init if init is not None else getattr(mod, "reset_parameters", None))
-            if fn is None and init is None:  # a transformers model's norm or rotary embedding: its _init_weights
-                fn = hfinit.hf_init(found, mod_name, mod, used)
+            if adapter is None and init is None:  # a transformers model's module: its _init_weights, as post_init
+                fn = hfinit.hf_init(found, mod_name, mod, used, first=fn) or fn
             if fn is None:
                 raise RuntimeError(f"{_module_label(mod_name, mod)} was built on the meta device and has no "
                                    "reset_parameters(): pass --init FN, a notebook function that initialises a "

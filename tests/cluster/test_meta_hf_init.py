@@ -59,8 +59,9 @@ def test_meta_llama_loads_and_trains_without_init_as_from_pretrained_does(dist_s
 
 
 def test_meta_llama_without_load_or_init_gets_hf_norms_and_rotary_buffers(dist_session, shell, capsys):
-    """No --load, no --init: the norms and the rotary inv_freq buffers equal a one-process build to 1e-6
-    (the Linear and Embedding weights come from their reset_parameters(), under the notebook's generator)."""
+    """No --load, no --init: the norms and the rotary inv_freq buffers equal a one-process build to 1e-6, and
+    the Linear and Embedding weights follow Hugging Face's N(0, initializer_range), as post_init gives them in
+    one process (not torch's kaiming or N(0, 1): an embedding's std near 1 would be a different model)."""
     ns = shell.user_ns
     ns["meta_llama_bare"] = build("llama", meta=True)
     ns["bare_ids"] = torch.utils.data.TensorDataset(ids())
@@ -75,6 +76,11 @@ def test_meta_llama_without_load_or_init_gets_hf_norms_and_rotary_buffers(dist_s
         assert set(held) == set(want)
         for key, t in held.items():
             torch.testing.assert_close(t, want[key], atol=1e-6, rtol=0, msg=lambda m: f"{key}: {m}")
+    std = ref.config.initializer_range
+    for name in ("model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "lm_head.weight"):
+        pulled = dist_session.pull(f"meta_llama_bare.{name}", rank=0)
+        assert abs(pulled.mean().item()) < std / 4, name
+        assert pulled.std().item() == pytest.approx(std, rel=0.15), name  # kaiming: ~1/sqrt(3*fan_in); N(0, 1)
 
 
 def test_plain_torch_module_without_reset_parameters_still_asks_for_init(dist_session, shell):
