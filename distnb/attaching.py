@@ -29,7 +29,7 @@ import weakref
 
 import ipyparallel as ipp
 
-from . import background, following, launchers, session as sessions, worlds
+from . import background, following, launchers, lease, session as sessions, worlds
 from .cluster import Cluster
 from .display.tables import Table
 from .errors import ClusterError, PlanError
@@ -263,11 +263,7 @@ def attach(world=None, model=None, ns=None, timeout: float = 10.0, quiet: bool =
     client = connect(record, timeout)
     try:
         s.cluster = _cluster(record, client, state)
-        # here, not at the top: distnb.lease (the keeper of the world's lifetime, issue 38 item 1) comes from the
-        # lease branch, and the listing must not need it; it can move to the top once both are merged
-        from .lease import claim
-
-        claim(record["cluster_id"], os.getpid(), timeout=timeout)  # this kernel owns the world from now on
+        lease.claim(record["cluster_id"], os.getpid(), timeout=timeout)  # this kernel owns the world from now on
     except BaseException:  # no keeper for it, its lease expired, ranks gone: this kernel holds nothing of it
         client.close()
         raise

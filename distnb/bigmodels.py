@@ -17,6 +17,7 @@ Before anything is sent, :func:`check_init` refuses a module that could not be i
 from __future__ import annotations
 
 from . import calls, pretrained
+from .engine import hfinit
 from .errors import PlanError
 from .display.tables import count
 
@@ -34,7 +35,9 @@ def on_meta(model) -> bool:
 def check_init(model, plan) -> None:
     """Refuse a meta model with a module that holds meta tensors itself and has no ``reset_parameters``.
 
-    With ``--init`` the function initialises every module, so nothing is refused here.
+    With ``--init`` the function initialises every module, so nothing is refused here; neither is a
+    module inside a ``transformers.PreTrainedModel``, which the ranks initialise with the model's
+    ``_init_weights`` (:mod:`distnb.engine.hfinit`).
 
     Raises
     ------
@@ -44,10 +47,11 @@ def check_init(model, plan) -> None:
     if plan.init is not None:
         return
     loaded = pretrained.provided_names(plan, model)  # --load fills these: no init needed
+    found = hfinit.owners(model)  # a transformers model's modules: its _init_weights initialises them
     for name, mod in model.named_modules():
         own = [t for key, t in [*mod._parameters.items(), *mod._buffers.items()]
                if t is not None and t.is_meta and (f"{name}.{key}" if name else key) not in loaded]
-        if own and not callable(getattr(mod, "reset_parameters", None)):
+        if own and not callable(getattr(mod, "reset_parameters", None)) and hfinit.hf_init(found, name, mod, {}) is None:
             raise PlanError(f"{plan.model} is on the meta device and its module {name or '(the root)'} "
                             f"({type(mod).__name__}) has no reset_parameters() to initialise it on the ranks; pass "
                             f"--init FN, a notebook function f(module) that initialises the tensors a module holds "

@@ -39,6 +39,7 @@ STATEPARTS = "distnb.engine.stateparts"
 CARRY = "distnb.engine.carry"
 HFSAVE = "distnb.engine.hfsave"
 PRETRAINED = "distnb.engine.pretrained"
+LEASESAVE = "distnb.engine.leasesave"
 
 
 @dataclass(frozen=True)
@@ -261,6 +262,11 @@ def save_peft_adapters(name, directory): ...
 # engine/pretrained.py: --load PATH, each rank its slices ------------------------------------
 @_on_rank(PRETRAINED, with_ns=True)
 def load_weights(name, plan_dict, found, aliases): ...
+
+
+# engine/leasesave.py: an expiring lease saves what the ranks trained ------------------------
+@_on_rank(LEASESAVE, with_ns=True)
+def save_trained(default_dir): ...
 
 
 # engine/where.py: where a rank is ---------------------------------------------------

@@ -37,7 +37,7 @@ import ipyparallel as ipp
 import psutil
 from ipyparallel.serialize import PrePickled
 
-from . import calls, cpuload, fanout, hub, launchers, placement, slurm, tracebacks, zygote
+from . import calls, cpuload, fanout, hub, launchers, lease, placement, slurm, tracebacks, zygote
 from .reaper import reap, spawn
 from .calls import RankFunction
 from .engines import Engines
@@ -340,7 +340,7 @@ class Cluster(Engines):
         pids = [p for p in [self.pids["controller"], *(r["pid"] for r in self.ranks if r.get("local", True))] if p]
         pids += launchers.started_pids(self._ipp, self.launcher)
         self.family = sorted(set(pids))  # everything we started, even what a dead controller leaves behind
-        self.reaper = spawn(self.family)
+        self.reaper = spawn(self.family, **lease.keeper_args(self))  # the world's lease keeper (distnb.keeper)
 
     def _kill_family(self, controller=None) -> None:
         """Whatever we started that is still alive after a stop (e.g. a killed controller's schedulers, also

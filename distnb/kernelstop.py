@@ -9,6 +9,10 @@ stops after the same step, its ``--checkpoint-dir`` checkpoint is written, the w
 the request waits for that, at most :data:`WAIT_SECONDS`; then the session's exit path stops the
 cluster and ipykernel goes on (its own shutdown SIGTERMs the kernel's child processes, the engine template among them, for up
 to 4.4 s first, and the client kills the kernel after ``shutdown_wait_time / 2``).
+
+That is ``%dist start --linger 0``. With a lease (issue 38, the default) a running cell, foreground or
+``--background``, is left to run: the request goes straight to ipykernel, the cluster is not stopped, and the
+world's keeper (:mod:`distnb.keeper`) takes over once the kernel is gone.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import asyncio
 import inspect
 import time
 
-from . import presses, zygote
+from . import lease, presses, zygote
 
 #: Seconds a shutdown request waits for a training cell to stop (jupyter_client gives the kernel
 #: ``shutdown_wait_time``, 5 s by default, before it signals and kills it).
@@ -32,6 +36,9 @@ def install(ipython) -> bool:
         return False
 
     async def do_shutdown(restart):
+        if _left_to_keeper():  # --linger: the run goes on to its end; the world's keeper takes it from here
+            reply = original(restart)
+            return await reply if inspect.isawaitable(reply) else reply
         if presses.stop_cell():
             deadline = time.monotonic() + WAIT_SECONDS
             while not presses.IDLE.is_set() and time.monotonic() < deadline:
@@ -44,6 +51,16 @@ def install(ipython) -> bool:
     do_shutdown.distnb_stops_cells = True
     kernel.do_shutdown = do_shutdown
     return True
+
+
+def _left_to_keeper() -> bool:
+    """Whether a cell of distnb's runs (foreground or --background) in a world started with --linger > 0: it
+    then outlives this kernel (:mod:`distnb.lease`), and the request neither stops it nor the cluster."""
+    from . import session  # imported at first use: loading the extension stays light (no torch)
+
+    current = session._CURRENT
+    return (current is not None and current.running
+            and lease.outlives_kernel(current, cell_running=not presses.IDLE.is_set()))
 
 
 def _stop_cluster() -> None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from .errors import PlanError
 
 #: Option kinds and what each checks (None is accepted for every option whose default is None).
-KINDS = ("int", "float", "flag", "choice", "name", "names", "path", "word", "hosts", "text")
+KINDS = ("int", "float", "flag", "choice", "name", "names", "path", "word", "hosts", "text", "duration")
 #: ``given`` for an option whose value, when not given, is its field default.
 FIELD_DEFAULT = object()
 
@@ -194,7 +194,8 @@ def signature(*classes, first=(), last=()) -> inspect.Signature:
 
 
 _TYPES = {"int": "int", "float": "float", "flag": "bool", "name": "str", "names": "tuple of str", "path": "str",
-          "word": "str", "hosts": "tuple of str", "text": "str"}
+          "word": "str", "hosts": "tuple of str", "text": "str",
+          "duration": "float or str"}
 
 
 def doc(*classes, internal=False, skip=()) -> str:
@@ -276,6 +277,30 @@ def check_path(name, value) -> str:
     raise PlanError(f"{name} must be a folder path (a str or pathlib.Path), got {value!r}")
 
 
+#: Seconds per unit of a duration (``90s``, ``10m``, ``2h``, ``1d``; a bare number is seconds).
+DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(label, value) -> float:
+    """``value`` (seconds, or a string ``"90s"``, ``"10m"``, ``"1.5h"``, ``"1d"``) in seconds (float >= 0).
+
+    Raises
+    ------
+    PlanError
+        Naming ``label`` when ``value`` is negative, not finite, or not a number with one of those units.
+    """
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([smhd]?)\s*", value.lower())
+        if match is None:
+            raise PlanError(f"{label} must be a duration such as 30s, 10m or 2h (a bare number is seconds), "
+                            f"got {value!r}")
+        value = float(match.group(1)) * DURATION_UNITS[match.group(2)]
+    check_number(label, value, positive=False)
+    if value < 0:
+        raise PlanError(f"{label} must be 0 or more, got {value}")
+    return float(value)
+
+
 def _names(label, value):
     if isinstance(value, str):
         value = tuple(v.strip() for v in value.split(",") if v.strip())
@@ -335,6 +360,8 @@ def _check_one(f, opt: Option, value):
             raise PlanError(f"{label} must be a non-empty word, got {value!r}")
     elif kind == "hosts":
         value = split_hosts(label, value)
+    elif kind == "duration":
+        value = parse_duration(label, value)
     return value
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from . import levers, options, weightfiles
+from . import levers, lingering, options, weightfiles
 from .errors import PlanError
 from .options import check_int, option
 
@@ -510,7 +510,7 @@ def _where(default, kind, help, **declared):
 
 
 @dataclass(frozen=True)
-class ClusterSpec:
+class ClusterSpec(lingering.Lingering):
     """What ``%dist start`` starts; every field is an option (see ``distnb.options``).
 
     ``n`` (``num_engines``) and ``backend`` left out are decided from the machine (one engine

@@ -9,11 +9,13 @@ period), and removes the shared-memory files of the kernel's transfers
 (``/dev/shm/distnb-<kernel pid>-*``). It exits by itself when everything it watches has gone
 (a normal stop).
 
-Usage: ``python -m distnb.reaper KERNEL_PID PID [PID ...]``
+Usage: ``python -m distnb.reaper KERNEL_PID PID [PID ...]`` (with a lease, :func:`spawn` starts
+:mod:`distnb.keeper` instead: ``python -m distnb.keeper --lease JSON KERNEL_PID PID [PID ...]``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -24,9 +26,16 @@ POLL_SECONDS = 0.5
 GRACE_SECONDS = 3.0
 
 
-def spawn(pids, watch_pid=None) -> subprocess.Popen:
-    """Start a reaper for ``pids`` (and their children), watching ``watch_pid`` (default: this process)."""
-    args = [sys.executable, "-m", "distnb.reaper", str(watch_pid or os.getpid()), *map(str, pids)]
+def spawn(pids, watch_pid=None, **lease) -> subprocess.Popen:
+    """Start a reaper for ``pids`` (and their children), watching ``watch_pid`` (default: this process).
+
+    ``lease`` (``linger``, ``cluster_id``, ``cluster_file``, ``engines``, ``folder``; see
+    :class:`distnb.keeper.Keeper`) makes it the world's lease keeper: a run outlives the kernel.
+    """
+    args = [sys.executable, "-m", "distnb.keeper" if lease else "distnb.reaper", str(watch_pid or os.getpid()),
+            *map(str, pids)]
+    if lease:
+        args[3:3] = ["--lease", json.dumps(lease)]
     return subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, close_fds=True)
 

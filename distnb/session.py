@@ -28,7 +28,7 @@ import atexit
 import contextlib
 import inspect
 
-from . import background, calls, checkpoints, debugger, options, pulling, scaling, shrinking, training, worlds
+from . import background, calls, checkpoints, debugger, lease, options, pulling, scaling, shrinking, training, worlds
 from .background import BackgroundRun, check_idle
 from .cluster import Cluster
 from .data import gather as gather_shards, scatter as scatter_shards, scatter_line
@@ -132,7 +132,7 @@ start.__signature__ = _START_SIGNATURE.replace(parameters=[
 def _stop_at_exit():
     # Kernel shutdown or interpreter exit: stop quickly ourselves (engines leave with os._exit)
     # rather than through ipyparallel's slower atexit path; the reaper covers a killed kernel.
-    if _CURRENT is not None and _CURRENT.running:
+    if _CURRENT is not None and _CURRENT.running and not lease.outlives_kernel(_CURRENT):  # else its keeper's
         _CURRENT._end_background()
         _CURRENT.stop(quiet=True)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import gpus, options
+from . import gpus, lease, options
 from .display.tables import count
 from .errors import PlanError
 from .gpuhost import kernel_cuda_note
@@ -53,7 +53,7 @@ def say_ready(cluster) -> None:
         said = gpu_note(spec.device_type, gpus.discover(), gpus.driver_present())
         if said:
             print(f"distnb: {said}")
-    for note in (binding_note(cluster), kernel_cuda_note(spec.device_type)):
+    for note in (binding_note(cluster), kernel_cuda_note(spec.device_type), lease.start_note(cluster)):
         if note:
             print(f"distnb: {note}")
 

@@ -23,6 +23,7 @@ import json
 import os
 import struct
 
+from . import peftnames
 from .errors import PlanError
 from .options import check_path
 
@@ -172,7 +173,8 @@ def match(found: dict, model_obj, name: str) -> dict:
     """Hold the stored tensors against ``model_obj``'s ``state_dict``: ``{"aliases": ..., "note": ...}``.
 
     ``aliases`` maps a model name stored under another name of the same tied tensor to that name;
-    ``note`` is the sentence about dtype conversions ("" when none).
+    ``note`` is the sentence about dtype conversions ("" when none). A ``peft`` model's keys are read
+    as its base model's names, and its adapters need not be in the files (:mod:`distnb.peftnames`).
 
     Raises
     ------
@@ -182,18 +184,20 @@ def match(found: dict, model_obj, name: str) -> dict:
         missing index entry fails before training.
     """
     stored = found["tensors"]
+    rename, adapters = peftnames.renaming(model_obj), peftnames.adapter_keys(model_obj)
     groups: dict = {}
     for key, t in model_obj.state_dict(keep_vars=True).items():
         groups.setdefault(id(t), (t, []))[1].append(key)
     aliases, missing, shapes, converted = {}, [], [], {}
     for t, keys in groups.values():
-        present = [k for k in keys if k in stored]
+        present = [rename(k) for k in keys if rename(k) in stored]
         if not present:
-            missing.append(keys[0])
+            if not all(k in adapters for k in keys):  # a peft adapter is not in the base model's files
+                missing.append(keys[0])
             continue
         for k in keys:
             if k not in stored:
-                aliases[k] = present[0]
+                aliases[k] = rename(k) if rename(k) in stored else present[0]
         key = present[0]
         want, have = tuple(t.shape), tuple(stored[key][2])
         if want != have:
@@ -201,7 +205,7 @@ def match(found: dict, model_obj, name: str) -> dict:
         dtypes = (stored[key][1], str(t.dtype).replace("torch.", ""))
         if dtypes[0] != dtypes[1]:
             converted[dtypes] = converted.get(dtypes, 0) + 1
-    model_keys = {k for _, keys in groups.values() for k in keys}
+    model_keys = {rename(k) for _, keys in groups.values() for k in keys}
     unexpected = sorted(k for k in stored if k not in model_keys)
     problems = []
     if missing:
@@ -230,10 +234,11 @@ def provided(stored, model_obj) -> set:
     modules alone and the ranks give them memory without values, which the load then fills
     (:func:`distnb.engine.install.place_model`).
     """
+    rename = peftnames.renaming(model_obj)  # a peft model's base weights: the base model's names
     groups: dict = {}
     for key, t in model_obj.state_dict(keep_vars=True).items():
         groups.setdefault(id(t), []).append(key)
-    return {k for keys in groups.values() if any(k in stored for k in keys) for k in keys}
+    return {k for keys in groups.values() if any(rename(k) in stored for k in keys) for k in keys}
 
 
 def absolute(path):

@@ -168,7 +168,8 @@ def record_of(session, run=None) -> dict:
         controller_started=_process_start(controller), notebook=os.environ.get("JPY_SESSION_NAME"),
         uid=os.getuid(), host=socket.gethostname(), world_size=c.world_size, backend=spec.backend,
         device_type=spec.device_type, linger_s=getattr(spec, "linger", None),
-        checkpoint_dir=os.path.abspath(DEFAULT_CHECKPOINT_DIR), started=getattr(session, "started_at", time.time()),
+        checkpoint_dir=getattr(c, "lease_folder", None) or os.path.abspath(DEFAULT_CHECKPOINT_DIR),  # the keeper's
+        started=getattr(session, "started_at", time.time()),
         ranks=[dict(rank=r["rank"], pid=r["pid"], host=r["host"], device=r["device"]) for r in c.ranks],
         run=run, last_model=(run or {}).get("model") or getattr(getattr(session.last_result, "plan", None), "model",
                                                                    None) or getattr(session, "last_model", None),

@@ -18,7 +18,7 @@ import torch
 
 from ..plan import DEFAULT_LR, STRATEGIES, TrainPlan, optimizer_state_readable, redistribution
 from . import batchnorm, checkpoint, collectives, datasets, postmortem, runtime, shard as sharding, stepping, wire
-from . import abort, binding, epochrest, finetune, hostcopy, precision_check, report, stateout, where
+from . import binding, cellfail, epochrest, finetune, hostcopy, precision_check, report, stateout, where
 from .report import LINGER as RELAY_LINGER, Reporter, host_relay, publish_raw
 from . import strategies
 from .context import Context, StopRequest, _Stopped, agree_on_steps  # noqa: F401 - the cell's ctx and its stop
@@ -357,19 +357,7 @@ def _train(ns, plan, code_text, relay):
         restored = ctx.validator.restore_best() if plan.restore_best and not ctx.interrupted else False
         ctx.final_checkpoint()  # a resume never goes back behind this cell's last step (the restored best, if any)
     except BaseException as caught:
-        exc = abort.printable(caught)  # each step below formats it
-        _annotate(exc, ns, plan)
-        status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
-        reporter.set_status(status, error=f"{type(exc).__name__}: {exc}"[:300], failed_at=time.time())
-        postmortem.keep(exc, ns, "training")  # for %dist debug; mark_broken frees the group the frames hold
-        ctx = None
-        stopped = abort.consequence(exc, st.rank)  # another rank failed first: say so, briefly
-        runtime.mark_broken(ns)
-        if stopped is not None:
-            raise stopped from None
-        if exc is not caught:
-            raise exc from caught
-        raise
+        cellfail.raise_failure(caught, ns, reporter, lambda exc: _annotate(exc, ns, plan))
     finally:
         stop.__exit__()
         data.close()  # DataLoader workers end with the cell, however it ends

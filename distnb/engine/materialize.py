@@ -30,7 +30,7 @@ import warnings
 
 import torch
 
-from . import finetune, runtime, wire
+from . import finetune, hfinit, runtime, wire
 
 
 def _is_meta(t) -> bool:
@@ -246,7 +246,8 @@ def initialize(pending: Pending, by_index: dict, init=None) -> None:
 
     Walks ``pending.shadow`` (the unsharded structure) in ``named_modules()`` order; for each module
     holding such tensors of its own, makes them whole on the CPU (floats filled with NaN first),
-    calls ``init(module)`` or ``module.reset_parameters()`` under the notebook's generator state
+    calls ``init(module)`` or ``module.reset_parameters()`` (for a ``transformers`` model's module
+    and no ``init``: then the model's ``_init_weights``, :mod:`.hfinit`) under the notebook's generator state
     ``pending.rng`` (carried from module to module), copies each into the tensors ``by_index`` says
     this rank holds, and drops them. Every rank runs every module, so the generator stays in step.
 
@@ -256,6 +257,8 @@ def initialize(pending: Pending, by_index: dict, init=None) -> None:
         A module without ``reset_parameters`` (and no ``init``), or one that left a tensor it holds
         uninitialised (still NaN): names the module and the tensor.
     """
+    found = hfinit.owners(pending.shadow) if init is None else {}
+    used = {}
     with torch.random.fork_rng(devices=[]):
         if pending.rng is not None:
             torch.random.set_rng_state(pending.rng)
@@ -266,6 +269,8 @@ def initialize(pending: Pending, by_index: dict, init=None) -> None:
                 continue
             adapter = finetune.adapter_init(pending.shadow, mod_name, mod)  # a LoRA adapter: peft's own init
             fn = adapter or (init if init is not None else getattr(mod, "reset_parameters", None))
+            if adapter is None and init is None:  # a transformers model's module: its _init_weights, as post_init
+                fn = hfinit.hf_init(found, mod_name, mod, used, first=fn) or fn
             if fn is None:
                 raise RuntimeError(f"{_module_label(mod_name, mod)} was built on the meta device and has no "
                                    "reset_parameters(): pass --init FN, a notebook function that initialises a "
@@ -291,6 +296,7 @@ def initialize(pending: Pending, by_index: dict, init=None) -> None:
                 for live in by_index.get(pending.names.get(name, -1), ()):
                     _copy_into(live, value.detach())
                 table[key] = t  # back to meta: one module's tensors at a time
+    hfinit.say_once(used)
 
 
 def place_whole(pending: Pending, module, device, init=None) -> None:

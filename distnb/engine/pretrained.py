@@ -162,6 +162,8 @@ def load_weights(ns, name, plan_dict, found, aliases):
     state, copies = {}, []
     for key, tensor in mine.items():
         stored = aliases.get(key, key)
+        if stored not in found["tensors"]:  # a peft adapter: the kernel's check let only these through
+            continue
         if stored in state and state[stored] is not tensor:
             copies.append((tensor, state[stored]))  # one stored tensor, two on this rank: copied after reading
             continue

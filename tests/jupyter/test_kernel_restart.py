@@ -42,7 +42,8 @@ def test_a_shutdown_request_stops_a_running_training_cell_and_keeps_its_checkpoi
     kc.start_channels()
     try:
         kc.wait_for_ready(timeout=30)
-        for code in ("%dist start -n 2 --timeout 30", SETUP):
+        # --linger 0: the run ends with its kernel (issue 38's lease would let it run on: tests/lifecycle/)
+        for code in ("%dist start -n 2 --timeout 30 --linger 0", SETUP):
             _, err, error = _execute(kc, code, timeout=120)
             assert error is None, (error, err)
         ckpt = tmp_path / "ckpt"

@@ -4,10 +4,12 @@ ipykernel answers ``shutdown_request`` in its control thread and stops its loops
 when the running cell ends: a training cell ran on to its end (34 s in the report). distnb wraps the kernel's
 ``do_shutdown`` (distnb/kernelstop.py). Here the request comes as ipykernel sends it, from another thread, while
 the main thread (this test's) runs a training cell on the real cluster; the cluster's own stop at that point is
-recorded, not done (the shared cluster serves the next tests).
+recorded, not done (the shared cluster serves the next tests). That is ``--linger 0``; with a lease (issue 38) the
+request leaves the cell running: the world's keeper takes it over once the kernel is gone.
 """
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -37,6 +39,7 @@ class Kernel:
 def test_a_shutdown_request_stops_the_running_training_cell_after_the_same_step(shell, dist_session, monkeypatch):
     shell.run_cell(SETUP)
     kernel, stopped_cluster = Kernel(), []
+    monkeypatch.setattr(dist_session.cluster, "spec", dataclasses.replace(dist_session.cluster.spec, linger=0.0))
     monkeypatch.setattr(shell, "kernel", kernel, raising=False)
     monkeypatch.setattr(kernelstop, "_stop_cluster", lambda: stopped_cluster.append(presses.IDLE.is_set()))
     assert kernelstop.install(shell) and not kernelstop.install(shell)  # once
@@ -65,3 +68,30 @@ def test_a_shutdown_request_stops_the_running_training_cell_after_the_same_step(
     ok = dist_session.train("x, y = batch\nloss = F.cross_entropy(model(x), y)", model="ks_net", data="ks_train",
                             epochs=1, batch_size=4, progress="none", quiet=True)
     assert ok.rows[0]["first_epoch"] == caught.value.result.rows[0]["next_epoch"]  # the state the stop kept
+
+
+def test_b_with_a_lease_the_request_leaves_the_cell_and_the_cluster_running(shell, dist_session, monkeypatch):
+    shell.run_cell(SETUP)
+    kernel, stopped_cluster = Kernel(), []
+    assert dist_session.cluster.spec.linger > 0  # the default, 10 minutes
+    monkeypatch.setattr(shell, "kernel", kernel, raising=False)
+    monkeypatch.setattr(kernelstop, "_stop_cluster", lambda: stopped_cluster.append(presses.IDLE.is_set()))
+    kernelstop.install(shell)
+    replies = []
+
+    def request():  # ipykernel's control thread
+        time.sleep(1.5)  # the cell takes about 4 s
+        replies.append((presses.IDLE.is_set(), asyncio.run(kernel.do_shutdown(False))))
+
+    thread = threading.Thread(target=request)
+    thread.start()
+    try:
+        result = dist_session.train("x, y = batch\n__import__('time').sleep(0.03)\nloss = F.cross_entropy(model(x), y)",
+                                    model="ks_net", data="ks_train", epochs=4, batch_size=4, progress="none",
+                                    quiet=True)
+    finally:
+        thread.join(30)
+    (idle, reply), = replies
+    assert not idle and reply == {"status": "ok", "restart": False}  # answered at once, the cell still running
+    assert stopped_cluster == [] and not result.rows[0]["interrupted"]  # the cell ran to its end: 4 epochs
+    assert result.rows[0]["next_epoch"] - result.rows[0]["first_epoch"] == 4
