@@ -12,7 +12,7 @@ from support import modules as mods
 #: Kernel-side modules that engine/ may use, shared by both sides: the stdlib and each other only
 #: (and psutil, which distnb.net reads network interfaces with, lazily).
 SHARED = ("distnb.plan", "distnb.options", "distnb.errors", "distnb.net", "distnb.gpus", "distnb.levers",
-          "distnb.saveformats", "distnb.weightfiles", "distnb.lingering")
+          "distnb.saveformats", "distnb.weightfiles", "distnb.lingering", "distnb.peftnames")
 SHARED_THIRD_PARTY = ("psutil",)
 #: What else engine/ may import: the stdlib, torch and the few libraries an engine process needs.
 #: The [hf] extra (safetensors, peft, transformers): engine/hfsave.py imports them inside the functions that
