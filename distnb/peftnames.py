@@ -51,8 +51,7 @@ def adapter_keys(model_obj) -> set:
     """The ``state_dict`` keys of ``model_obj``'s adapters (its tuner layers' ``adapter_layer_names``)."""
     if not is_peft(model_obj):
         return set()
-    from peft.tuners.tuners_utils import BaseTunerLayer  # peft is imported already (is_peft)
-
+    BaseTunerLayer = _peft().tuners.tuners_utils.BaseTunerLayer  # loaded with peft's PeftModel (is_peft)
     prefixes = [f"{name}.{attr}." for name, mod in model_obj.named_modules() if isinstance(mod, BaseTunerLayer)
                 for attr in getattr(mod, "adapter_layer_names", ())]
     return {key for key in model_obj.state_dict(keep_vars=True) if any(key.startswith(p) for p in prefixes)}
