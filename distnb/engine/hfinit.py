@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import sys
 
-from . import runtime
-
 
 def _pretrained_class():
     # transformers is never imported here: a model that is a PreTrainedModel has imported it already
@@ -78,9 +76,9 @@ def hf_init(found: dict, name: str, module, used: dict, first=None):
     return lambda: (first(), owner._init_weights(module))
 
 
-def say_once(used: dict) -> None:
+def say_once(used: dict, rank: int) -> None:
     """State on rank 0 which modules got Hugging Face's ``_init_weights`` (``{owner class: {module classes}}``)."""
-    if not used or runtime.STATE.rank != 0:
+    if not used or rank != 0:
         return
     parts = [f"{', '.join(sorted(kinds))} with {owner}._init_weights" for owner, kinds in sorted(used.items())]
     print(f"distnb: a Hugging Face model built on the meta device, no --init FN: its modules were initialised "

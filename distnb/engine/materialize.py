@@ -296,7 +296,7 @@ def initialize(pending: Pending, by_index: dict, init=None) -> None:
                 for live in by_index.get(pending.names.get(name, -1), ()):
                     _copy_into(live, value.detach())
                 table[key] = t  # back to meta: one module's tensors at a time
-    hfinit.say_once(used)
+    hfinit.say_once(used, runtime.STATE.rank)
 
 
 def place_whole(pending: Pending, module, device, init=None) -> None:
