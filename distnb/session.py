@@ -562,8 +562,9 @@ class Session:
     def _named(self, value, what):
         if isinstance(value, str):
             return value, self._lookup(value, f"--{what}")
+        atom = isinstance(value, (int, float, complex, bytes))  # interned: the same object is no sign of one name
         for k, v in self.ns.items():
-            if v is value and k.isidentifier() and not k.startswith("_"):
+            if v is value and not atom and k.isidentifier() and not k.startswith("_"):
                 return k, value
         name = BOUND_PREFIX + what
         self._bound[name] = value  # save() and load() of "the last model trained" find it

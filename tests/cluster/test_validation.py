@@ -182,5 +182,6 @@ def test_the_python_api_takes_the_validation_set_and_metric_as_objects(dist_sess
         want = (shell.user_ns["val_objects"](x).argmax(-1) - y).abs().float().mean().item()
     assert result.val_metric == pytest.approx(want, abs=1e-6) and result.metric_name == "abs_error"
     assert len(result.val_history) == 2 and all(e["samples"] == 65 for e in result.val_history)
+    shell.user_ns["nb_three"] = 3  # a notebook int is the same (interned) object: never taken as the one named
     with pytest.raises(PlanError, match=r"--val-data _distnb_val_data is a int, not a data set"):
         dist_session.train(BODY, model="val_objects", data="val_train", val_data=3, progress="none", quiet=True)
