@@ -36,7 +36,7 @@ slurm:
 	@sh .ci/install-slurm.sh
 
 demo: $(VENV)/.installed
-	$(PY) -m distnb.demo
+	$(PY) -m distnb.tools.demo
 
 test: $(VENV)/.installed chromium multihost slurm
 	$(PY) -m pytest -q -p no:cacheprovider

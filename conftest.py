@@ -73,7 +73,7 @@ def pytest_sessionfinish(session, exitstatus):
 
     if distnb_session._CURRENT is not None:
         distnb_session._CURRENT.stop(quiet=True)
-    from distnb import zygote
+    from distnb.cluster import zygote
 
     zygote.stop()  # the engine template (%load_ext started it); the engines it forked are checked below
     deadline = time.monotonic() + 15

@@ -4,7 +4,7 @@
 "kernel") into 2 workers under torch.distributed.elastic; each builds an ``Accelerator``
 (CPU, gloo), prepares the model and optimizer (DDP) and runs the same loop as
 ``torchrun_digits.py`` and distnb: the same shards in the same order
-(``distnb.engine.shard``), batch size, Adam, one torch thread per worker, one loss
+(``distnb.engine.transport.shard``), batch size, Adam, one torch thread per worker, one loss
 all-reduce per epoch. Rank 0 writes its figures (JSON) to ``out_path``, because the
 launcher returns nothing. Accelerate is a benchmark-only dependency (``pip install -e .[bench]``).
 """
@@ -30,7 +30,7 @@ def train(out_path, model_cls, X, Y, epochs, batch_size, lr, seed=0, first_epoch
     import torch.nn.functional as F
     from accelerate import Accelerator
 
-    from distnb.engine import shard as sharding
+    from distnb.engine.transport import shard as sharding
 
     import warnings
 

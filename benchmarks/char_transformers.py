@@ -287,7 +287,7 @@ def check_device_args(p, args) -> int:
     """Fill ``args.ranks`` and ``args.cpu_bind`` for ``args.device``; returns the GPUs visible (0 on cpu)."""
     gpus = 0
     if args.device == "cuda":
-        from distnb.net import visible_gpus  # counts without initialising CUDA in this kernel
+        from distnb.core.net import visible_gpus  # counts without initialising CUDA in this kernel
 
         gpus = len(visible_gpus())
         if not gpus:

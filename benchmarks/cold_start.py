@@ -58,7 +58,7 @@ def ipyparallel_reference() -> dict:
     """A default ipyparallel cluster of 2 engines plus a naive gloo group; seconds of each part."""
     import ipyparallel as ipp
 
-    from distnb.cluster import free_port
+    from distnb.cluster.cluster import free_port
 
     t0 = time.perf_counter()
     cluster = ipp.Cluster(n=2, log=_quiet)
@@ -120,7 +120,7 @@ FIRST_CELL_VARIANTS = {
 
 
 def _distnb_first_cell(nb, cell, reset_cell, variant):
-    from distnb import zygote
+    from distnb.cluster import zygote
 
     if reset_cell:
         nb.cell(reset_cell, quiet=True)
@@ -192,7 +192,7 @@ def previous_launch():
 
     import ipyparallel as ipp
 
-    from distnb import cluster, launchers
+    from distnb.cluster import cluster, launchers
 
     start, init, setup = launchers._EngineSetLauncher.start, ipp.Cluster.__init__, cluster.Cluster._setup_ranks
 

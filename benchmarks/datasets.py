@@ -66,7 +66,7 @@ def _reference(args) -> None:
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader
 
-    from distnb.engine import shard
+    from distnb.engine.transport import shard
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     p.add_argument("--cells", type=int, default=40)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    from distnb import zygote
+    from distnb.cluster import zygote
 
     zygote.warm()
     rows = []

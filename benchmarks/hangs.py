@@ -38,8 +38,9 @@ def main() -> int:
     from IPython.core.interactiveshell import InteractiveShell
     from traitlets.config import Config
 
-    from distnb import session, zygote
-    from distnb.errors import HangError
+    from distnb import session
+    from distnb.cluster import zygote
+    from distnb.core.errors import HangError
 
     config = Config()
     config.HistoryManager.enabled = False

@@ -31,8 +31,8 @@ MIB = 2 ** 20
 # the modules the load imports, imported before the window opens: their code is a fixed cost, not the model's
 RANK_START = """
 import safetensors, torch.distributed.checkpoint, torch.distributed.fsdp, torch.distributed.tensor
-import distnb.engine.pretrained, distnb.engine.strategies.fsdp
-from distnb.engine import peaks as _peaks
+import distnb.engine.train.pretrained, distnb.engine.strategies.fsdp
+from distnb.engine.transport import peaks as _peaks
 _peaks.start_cell()
 _load_base = int(open('/proc/self/status').read().split('VmRSS:')[1].split()[0]) * 1024
 """
@@ -69,8 +69,8 @@ def meta_model(layers: int, dim: int):
 
 def measure(session, name: str, model, folder: str) -> dict:
     """Load ``folder`` into the meta ``model`` (notebook name ``name``) under fsdp; the memory figures, bytes."""
-    from distnb import kernel_memory, pretrained, training
-    from distnb.plan import TrainPlan
+    from distnb.train import kernel_memory, pretrained, training
+    from distnb.core.plan import TrainPlan
 
     plan = TrainPlan(model=name, data=name, strategy="fsdp", load=os.path.abspath(folder))
     checked = pretrained.check(plan, model)

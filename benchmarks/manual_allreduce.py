@@ -3,7 +3,7 @@
 The loop averages its gradients itself, one ``dist.all_reduce`` per parameter (the digits MLP of
 ``torchrun_digits.py``: 6 tensors, 17k parameters), then steps Adam: what a tutorial writes before
 it reaches for DDP. In a cell each of those calls is checked across ranks first (a fingerprint
-all-gather, :mod:`distnb.engine.collectives`); ``%%dist --unchecked`` calls torch's directly. The
+all-gather, :mod:`distnb.engine.process.collectives`); ``%%dist --unchecked`` calls torch's directly. The
 reference is the same source run by ``torchrun --nproc-per-node 2`` (gloo, one torch thread a rank,
 each worker bound to its own core like distnb's ``--cpu-bind cores`` engines, or unbound with
 ``--torchrun-cpu-bind none``). Rounds alternate torchrun, checked and unchecked; each ratio is torchrun's
@@ -34,7 +34,7 @@ from verdicts import verdict  # noqa: E402
 LOOP = '''
 import time, torch, torch.nn.functional as F, torch.distributed as dist
 from torchrun_digits import DigitsMLP, load_data
-from distnb.engine import shard as sharding
+from distnb.engine.transport import shard as sharding
 
 def manual_loop(rank, world_size, steps):
     """Seconds per step of `steps` steps of a hand-written data-parallel loop (after 20 untimed)."""
@@ -64,7 +64,7 @@ TORCHRUN = LOOP + '''
 import os, sys
 torch.set_num_threads(1)
 if sys.argv[2] == "cores":
-    from distnb.engine import binding
+    from distnb.engine.process import binding
     binding.bind(int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
 dist.init_process_group("gloo")
 per_step = manual_loop(dist.get_rank(), dist.get_world_size(), int(sys.argv[1]))

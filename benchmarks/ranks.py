@@ -206,7 +206,7 @@ def main(argv=None) -> int:
                 "from sklearn.datasets import load_digits\nX, y = load_digits(return_X_y=True)\n"
                 "train = torch.utils.data.TensorDataset(torch.tensor(X, dtype=torch.float32) / 16, torch.tensor(y))\n"
                 + MLP + "torch.manual_seed(0)\nnet = MLP()")
-        from distnb import zygote
+        from distnb.cluster import zygote
 
         zygote.get().ready(60)
         for k in range(args.rounds):

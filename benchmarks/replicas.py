@@ -56,7 +56,7 @@ def main(argv=None) -> None:
         ratios = [on / off for on, off in zip(times["epoch"], times["off"])]
         params = sum(p.numel() for p in session.ns["net"].parameters())
         direct = session.run(
-            "import time\nfrom distnb.engine import loop, replicas\n_s = loop.RUNS['net'].strategy\n"
+            "import time\nfrom distnb.engine.train import loop, replicas\n_s = loop.RUNS['net'].strategy\n"
             f"_t = time.perf_counter()\nfor _ in range({args.direct}): replicas.check(_s, 'bench')\n"
             f"(time.perf_counter() - _t) / {args.direct}")
         check_s = max(float(v) for v in direct)

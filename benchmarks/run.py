@@ -46,7 +46,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TARGET_RATIO = 0.95
 BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
-CLUSTER_MARKERS = ("ipyparallel.engine", "ipyparallel.controller", "ipengine", "ipcontroller", "distnb.reaper")
+CLUSTER_MARKERS = ("ipyparallel.engine", "ipyparallel.controller", "ipengine", "ipcontroller", "distnb.cluster.reaper")
 DEFAULT_EPOCHS = {"cnn": 15, "mlp": 30}  # about 1-2 s of training on 2 cores
 
 
@@ -70,7 +70,7 @@ def stop_and_sweep(nb, tmp):
         nb.cell("%dist stop", quiet=True)
     except Exception as exc:  # report, then make sure below
         print(f"warning: %dist stop failed: {exc}", file=sys.stderr)
-    from distnb import zygote
+    from distnb.cluster import zygote
 
     zygote.stop()  # the engine template %load_ext started
     time.sleep(0.5)

@@ -1,7 +1,7 @@
 """What progress from 256 and 1,024 ranks costs the kernel (issue 20: the dashboard at scale).
 
 A real distnb cluster (``distnb.start(n=E)``) whose engines play the simulated ranks of
-:mod:`distnb.simulate` (each simulated rank: the training rank's own ``Reporter``, at most 10
+:mod:`distnb.tools.simulate` (each simulated rank: the training rank's own ``Reporter``, at most 10
 messages a second, through ipyparallel's ``publish_data``), watched by this process exactly as
 a training cell is (the same intake, progress state and ipywidgets dashboard; the widgets are
 built and updated as in a kernel, only no front end draws them). Per case, in alternated rounds:
@@ -55,7 +55,7 @@ class Unshown:
 
 
 def one(session, num_ranks, group, seconds):
-    import distnb.simulate as sim
+    import distnb.tools.simulate as sim
 
     captured = {}
 
@@ -63,7 +63,7 @@ def one(session, num_ranks, group, seconds):
         captured["view"] = Unshown(state)
         return captured["view"]
 
-    # distnb.simulate.run takes a view object; it is made from the run's state, so build it lazily
+    # distnb.tools.simulate.run takes a view object; it is made from the run's state, so build it lazily
     original = sim.make_view
     sim.make_view = lambda state, mode: view_for(state)
     try:

@@ -20,7 +20,7 @@ rows are the quiet reference, in the same script::
     .venv/bin/python benchmarks/shared_load.py --load-procs 2 --duty 0.5 --rounds 5
 
 ``--cpu-bind`` (the engines, default auto) and ``--torchrun-cpu-bind`` (default none) set each side's
-CPU binding (:mod:`distnb.engine.binding`).
+CPU binding (:mod:`distnb.engine.process.binding`).
 """
 
 from __future__ import annotations

@@ -135,8 +135,8 @@ def threads(nb, model_cls, rounds: int, epochs: int, batch_size: int, log=print)
 def scaling(nb, model_cls, rounds: int, epochs: int, batch_size: int, log=print) -> dict:
     """2 ranks (the live cluster) against 1 rank (1 and then all cores' threads) on a compute-bound model."""
     from distnb import session as sessions
-    from distnb.cluster import Cluster
-    from distnb.defaults import default_spec
+    from distnb.cluster.cluster import Cluster
+    from distnb.cluster.defaults import default_spec
     from distnb.session import Session
 
     two = sessions.current()

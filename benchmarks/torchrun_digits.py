@@ -6,7 +6,7 @@ Run under torchrun (gloo, CPU)::
 
 It trains the same model (:class:`DigitsCNN` or :class:`DigitsMLP`, whose source
 ``benchmarks/run.py`` also runs as a notebook cell for ``%%distrain``) on the same
-shards in the same order (``distnb.engine.shard``: ``assign``, ``epoch_order``,
+shards in the same order (``distnb.engine.transport.shard``: ``assign``, ``epoch_order``,
 ``batches``), with the same per-rank batch size, Adam, DDP, one torch thread per rank,
 and the same per-epoch work distnb does besides the step (the mean loss over all ranks,
 one all-reduce per epoch). After ``--warmup-epochs`` untimed epochs (distnb's engines are
@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 
 class DigitsMLP(nn.Module):
-    """64-128-64-10 MLP on flattened 8x8 digits (the model of ``python -m distnb.demo``)."""
+    """64-128-64-10 MLP on flattened 8x8 digits (the model of ``python -m distnb.tools.demo``)."""
 
     def __init__(self):
         super().__init__()
@@ -101,7 +101,7 @@ def busy_cpu_seconds() -> float:
 
 
 def main(argv=None):
-    from distnb.engine import shard as sharding
+    from distnb.engine.transport import shard as sharding
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=sorted(MODELS), default="cnn")
@@ -116,12 +116,12 @@ def main(argv=None):
     p.add_argument("--static-graph", action="store_true", help="DDP static_graph=True")
     p.add_argument("--cpu-bind", choices=("none", "cores"), default="none",
                    help="none (torchrun's default) or cores: each worker on its own share of the cores, "
-                        "as distnb's %%dist start --cpu-bind cores does (distnb.engine.binding)")
+                        "as distnb's %%dist start --cpu-bind cores does (distnb.engine.process.binding)")
     args = p.parse_args(argv)
 
     torch.set_num_threads(1)
     if args.cpu_bind == "cores":
-        from distnb.engine import binding
+        from distnb.engine.process import binding
 
         binding.bind(int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"]))
     dist.init_process_group("gloo")

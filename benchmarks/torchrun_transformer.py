@@ -31,7 +31,7 @@ GPU, autocast is ``torch.autocast("cuda", ...)``; the data stays in host memory 
 copied to the GPU (``non_blocking``), as distnb's shards are; ``torch.cuda.synchronize()`` comes
 before each time stamp. The CPU path is unchanged.
 
-Data and order are distnb's (``distnb.engine.shard``: ``assign``, ``epoch_order``,
+Data and order are distnb's (``distnb.engine.transport.shard``: ``assign``, ``epoch_order``,
 ``batches``; one shard for tensor and pipeline; the uneven tail dropped, as ``--drop-last``:
 every batch has 32 samples, so a pipeline stage is traced once); AdamW, one torch thread per rank (on cuda: the cores over the ranks, distnb's default), the loss
 of every step read with ``.item()`` and one all-reduce of the epoch's mean loss, as
@@ -140,7 +140,7 @@ class Trainer:
         self.n = len(X)
         self.shards = self.world if self.strategy in ("ddp", "fsdp") else 1
         self.index = self.rank % self.shards
-        from distnb.engine import shard as sharding
+        from distnb.engine.transport import shard as sharding
 
         self.sharding, self.seed = sharding, seed
         mine = sharding.assign(self.n, self.shards, seed)[self.index]
@@ -309,7 +309,7 @@ def default_ranks(device: str) -> int:
     """2 on cpu; on cuda the GPUs visible (counted without initialising CUDA here), at least 1."""
     if device == "cpu":
         return 2
-    from distnb.net import visible_gpus
+    from distnb.core.net import visible_gpus
 
     return max(1, len(visible_gpus()))
 

@@ -16,7 +16,7 @@ frames; what distnb used for every transfer before), alternated round by round.
   that the rounds of one path leave the other's tensors where that path put them.
 - the first shared-memory round after start is reported on its own (nothing is pooled yet: every
   page is touched for the first time, and the model and data move into the kernel's segments,
-  :mod:`distnb.resident`); the target is for the rounds after it, a model and a data set sent
+  :mod:`distnb.transfer.resident`); the target is for the rounds after it, a model and a data set sent
   again and again as a notebook does between cells: then the kernel copies nothing of the model
   (the rounds check that it lies in the kernel's segments), each rank copies once; a scatter is
   gathered by the kernel into a segment the ranks map (one copy, in the kernel).
@@ -84,7 +84,8 @@ class PeakRss:
 
 def set_path(session, path: str) -> None:
     """Use the shared-memory path (``"shm"``) or the ipyparallel one (``"ipyparallel"``) both ways."""
-    from distnb import calls, transfer
+    from distnb.core import calls
+    from distnb.transfer import transfer
 
     cluster = session.cluster
     if path == "shm":
@@ -124,8 +125,10 @@ def measure(nb, rounds: int, log=print) -> dict:
     import torch
     import torch.nn as nn
 
-    from distnb import session as sessions, training, transfer
-    from distnb.plan import TrainPlan
+    from distnb import session as sessions
+    from distnb.train import training
+    from distnb.transfer import transfer
+    from distnb.core.plan import TrainPlan
 
     s = sessions.current()
     torch.manual_seed(0)
@@ -157,7 +160,7 @@ def measure(nb, rounds: int, log=print) -> dict:
         for name in names:
             nb.ns.pop(name, None)
         s.run(f"for _n in {names + ['_bench_rows', '_bench_bytes']!r}:\n    globals().pop(_n, None)\n"
-              "from distnb.engine import loop as _loop\n"
+              "from distnb.engine.train import loop as _loop\n"
               f"for _n in {names!r}:\n    _loop.RUNS.pop(_n, None)\n    _ = _loop.SHARDS.pop(_n, None)")
         for model_name, data_name in (m[3] for m in made.values()):
             s.holdings.models.pop(model_name, None)
@@ -184,7 +187,8 @@ def _round(s, path, made, held_by_path, data_bytes) -> dict:
     """One round of one path: send, weights back, scatter, then the machine's copy rates."""
     import torch
 
-    from distnb import training, transfer
+    from distnb.train import training
+    from distnb.transfer import transfer
 
     model, X, Y, (model_name, data_name), plan = made
     set_path(s, path)

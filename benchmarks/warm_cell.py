@@ -54,7 +54,7 @@ def measure(cells: int, same: bool, ranks: int = 2, progress: str = "none") -> d
             result = session.train(code, model="net", data=one if same else (X, y), epochs=1, batch_size=64,
                                    progress=progress, quiet=True)
             t = time.perf_counter()
-            session.cluster.wait_all(session.cluster.apply_all(distnb.calls.info), 30, "a bare round trip")
+            session.cluster.wait_all(session.cluster.apply_all(distnb.core.calls.info), 30, "a bare round trip")
             if i >= 3:
                 rows.append((result.overhead_seconds, result.train_seconds, time.perf_counter() - t))
     finally:

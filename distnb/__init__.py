@@ -6,6 +6,7 @@ is imported until it is used.
 """
 
 from __future__ import annotations
+import importlib
 
 __version__ = "0.1.0"
 #: The public names. Everything else (``distnb.session``, ``distnb.engine``, ...) is internal: it may move or
@@ -20,20 +21,19 @@ __all__ = [
     "load_ipython_extension", "unload_ipython_extension",
 ]
 
-from .errors import (BusyError, ClusterError, CollectiveMismatchError, DistnbError, HangError, Interrupted,
+from distnb.core.errors import (BusyError, ClusterError, CollectiveMismatchError, DistnbError, HangError, Interrupted,
                      PeerFailed, PlanError, RankError)
 
 #: Public names imported at first use (``import distnb`` stays light: no ipyparallel, no torch): name -> module.
 _LAZY = {"start": "distnb.session", "current": "distnb.session", "Session": "distnb.session",
-         "TrainResult": "distnb.results", "attach": "distnb.attaching"}
+         "TrainResult": "distnb.train.results", "attach": "distnb.attaching"}
 
 
 def __getattr__(name):
     """``distnb.start``, ``distnb.current`` and ``distnb.Session`` are :mod:`distnb.session`'s, ``distnb.attach`` is
-    :func:`distnb.attaching.attach`, ``distnb.TrainResult`` is :class:`distnb.results.TrainResult`: imported at first
+    :func:`distnb.attaching.attach`, ``distnb.TrainResult`` is :class:`distnb.train.results.TrainResult`: imported at first
     use (``import distnb`` stays light), their signatures and help are the real ones."""
     if name in _LAZY:
-        import importlib
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'distnb' has no attribute {name!r}")
@@ -46,12 +46,13 @@ def __dir__():
 def load_ipython_extension(ipython):
     """Register distnb's magics (``%load_ext distnb``) and start the engine template in the background.
 
-    The template (:mod:`distnb.zygote`) imports torch and the engine's modules once, so that
+    The template (:mod:`distnb.cluster.zygote`) imports torch and the engine's modules once, so that
     ``%dist start`` can fork CPU engines instead of importing all of it in each of them.
     ``DISTNB_ZYGOTE=0`` turns it off.
     """
-    from . import kernelstop, zygote  # at load_ext only: `import distnb` stays free of IPython and zmq
-    from .magics import DistMagics
+    from distnb import kernelstop
+    from distnb.cluster import zygote  # at load_ext only: `import distnb` stays free of IPython and zmq
+    from distnb.magics import DistMagics
 
     ipython.register_magics(DistMagics)
     kernelstop.install(ipython)  # a kernel restart stops a running training cell as the interrupt does
@@ -78,7 +79,8 @@ def help_cell(lines: list) -> list:
 def unload_ipython_extension(ipython):
     """``%unload_ext distnb`` (and ``%reload_ext``): stop the cluster this kernel started and the engine
     template, and unregister the magics (``%dist`` is then an unknown magic, as before ``%load_ext``)."""
-    from . import session, zygote
+    from distnb import session
+    from distnb.cluster import zygote
 
     if session._CURRENT is not None:
         session._CURRENT._end_background()

@@ -1,11 +1,11 @@
 """``%dist attach`` / :func:`attach`: list this user's live worlds, and join one from a new kernel (issue 38).
 
 A world started by ``%dist start`` in one kernel is found again from another through its record
-(:mod:`distnb.worlds`) and ipyparallel's connection files: the new kernel gets a
+(:mod:`distnb.cluster.worlds`) and ipyparallel's connection files: the new kernel gets a
 :class:`~distnb.session.Session` that talks to the same controller and engines, so ``%dist status``,
 ``%dist where``, ``%dist wait``, ``%dist stop-training``, ``%dist stop`` and the next ``%%distrain``
 cells work as in the kernel that started it. A training cell still running is followed to its end
-(:mod:`distnb.following`): the dashboard resumes, ``%dist wait`` returns its TrainResult.
+(:mod:`distnb.train.following`): the dashboard resumes, ``%dist wait`` returns its TrainResult.
 
 Security: only the user who started a world can attach. The record and the connection files are
 readable by their owner only (0600, in a 0700 folder under Jupyter's runtime folder), and every
@@ -29,11 +29,13 @@ import weakref
 
 import ipyparallel as ipp
 
-from . import background, following, launchers, lease, session as sessions, worlds
-from .cluster import Cluster
-from .display.tables import Table
-from .errors import ClusterError, PlanError
-from .training import weights_back
+from distnb.train import background, following
+from distnb.cluster import launchers, lease, worlds
+from distnb import session as sessions
+from distnb.cluster.cluster import Cluster
+from distnb.core.tables import Table
+from distnb.core.errors import ClusterError, PlanError
+from distnb.train.training import weights_back
 
 #: Seconds a listing listens for each running cell's progress (the ranks publish every 0.1-2 s).
 LISTEN_SECONDS = 2.5
@@ -68,7 +70,7 @@ class WorldsTable(Table):
     Columns: world (the id ``%dist attach ID`` takes), notebook, ranks, backend, strategy and cell
     (the running training cell's strategy and first line, or ``between cells``), progress (its
     last reported place: epoch and step), kernel (its pid, ``ended`` once it died), started.
-    ``records[i]``: each world's record (:mod:`distnb.worlds`).
+    ``records[i]``: each world's record (:mod:`distnb.cluster.worlds`).
     """
 
     columns = ("world", "notebook", "ranks", "backend", "strategy", "cell", "progress", "kernel", "started")
@@ -95,7 +97,7 @@ def _progress_of(record: dict, seconds: float) -> str:
         while time.monotonic() < deadline and not (md.get("data") or {}).get("distnb"):
             time.sleep(0.1)
         msg = (md.get("data") or {}).get("distnb")
-        if isinstance(msg, bytes):  # the ranks' own encoding of a progress message (distnb.engine.report.encode)
+        if isinstance(msg, bytes):  # the ranks' own encoding of a progress message (distnb.engine.transport.report.encode)
             msg = pickle.loads(msg)
         if not msg:
             done = client.metadata[run["msg_ids"][0]].get("status") == "idle"

@@ -13,8 +13,8 @@ import re
 
 from IPython.core.error import UsageError
 
-from . import options
-from .plan import ClusterSpec, RunOptions, TrainPlan
+from distnb.core import options
+from distnb.core.plan import ClusterSpec, RunOptions, TrainPlan
 
 #: A flag, then a value that opens a tuple, list, dict or call: ``--data (X, Y)``, ``--data=[X, Y]``.
 _EXPRESSION = re.compile(r"(?:^|\s)(--?[A-Za-z][\w-]*)(?:\s+|=)([(\[{][^\n]*)")

@@ -9,9 +9,17 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from . import attachverb, hfsaving, magic_values, options
-from .errors import ClusterError, Interrupted, PlanError, stop_interrupted
-from .plan import ClusterSpec, RunOptions, TrainPlan
+from distnb import attachverb, magic_values
+from distnb.train import hfsaving
+from distnb.core import options
+from distnb.core.errors import ClusterError, Interrupted, PlanError, stop_interrupted
+from distnb.core.plan import ClusterSpec, RunOptions, TrainPlan
+import signal
+import sys
+import threading
+from distnb.export.export import session_export
+import difflib
+from distnb.train.background import check_idle
 
 _PARSE = {"int": int, "float": float}
 
@@ -20,7 +28,7 @@ def declared_arguments(*classes, only_given=False):
     """IPython ``@argument`` decorators for the magic options declared in ``classes``, in their order.
 
     Each option's flags, type, default (what is passed when it is not given), help and
-    whether it is required come from its field (:mod:`distnb.options`); values are checked
+    whether it is required come from its field (:mod:`distnb.core.options`); values are checked
     by the dataclass itself, so the magic and the Python API give the same error. With
     ``only_given``, an option left out is absent from the parsed arguments (the Python
     keyword's default applies, and the caller can tell what was given).
@@ -60,26 +68,22 @@ def _load_modules() -> None:
     Interrupted
         The interrupt came during the imports (they are finished; nothing was started).
     """
-    import signal
-    import sys
-    import threading
 
     if "distnb.session" in sys.modules or threading.current_thread() is not threading.main_thread():
         return
     pressed = []
     previous = signal.signal(signal.SIGINT, lambda *_: pressed.append(True))
     try:
-        from . import session  # noqa: F401
+        from distnb import session  # noqa: F401
     finally:
         signal.signal(signal.SIGINT, previous)
     if pressed:
-        from .errors import Interrupted
 
         raise Interrupted("interrupted while distnb loaded its modules (they are loaded now; nothing was started)")
 
 
 def _session():
-    from . import session
+    from distnb import session
 
     try:
         return session.current()
@@ -413,7 +417,7 @@ def _start_options(args) -> dict:
 
 
 def _current():
-    from . import session
+    from distnb import session
 
     return session._CURRENT
 
@@ -461,21 +465,19 @@ def _quiet(_value) -> None:
 
 def _export_cell(args):
     """``%dist export``: the kernel's last training cell, with or without a running cluster."""
-    from .export import session_export
 
     return session_export(_current(), args.directory, force=args.force, nodes=args.nodes,
                           nproc_per_node=args.nproc_per_node, format=args.format)
 
 
 def _start_session(ns, given):
-    from . import session
+    from distnb import session
 
     session.start(ns=ns, **given)
 
 
 def _parse(magic, line: str):
     """``parse_argstring(magic, line)``; an unknown option's UsageError names the options it may have meant."""
-    import difflib
 
     magic_values.refuse_expressions(line)
     try:
@@ -526,7 +528,7 @@ class DistMagics(Magics):
     def dist(self, line, cell=None):
         _load_modules()
         line = options.uncommented(line)
-        from . import session
+        from distnb import session
 
         try:
             if cell is not None:
@@ -551,7 +553,6 @@ class DistMagics(Magics):
                 if session._CURRENT is None and verb in NEED_CLUSTER:
                     return print("distnb: no cluster is running")
                 if session._CURRENT is not None and verb not in RUN_AWARE:  # a background run blocks the rest
-                    from .background import check_idle
 
                     check_idle(session._CURRENT)
             elif session._CURRENT is None:

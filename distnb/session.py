@@ -3,14 +3,14 @@
 A thin facade: each concern lives in a module named for it, and :class:`Session` only
 checks its arguments and calls them.
 
-- :mod:`distnb.cluster`: the engines, the controller and the process group;
-- :mod:`distnb.execute`: running a rank function on every rank, watching it, the one
+- :mod:`distnb.cluster.cluster`: the engines, the controller and the process group;
+- :mod:`distnb.execute.execute`: running a rank function on every rank, watching it, the one
   failure and interrupt path;
-- :mod:`distnb.training`: what a training cell sends first (plan, names, model, shards) and
+- :mod:`distnb.train.training`: what a training cell sends first (plan, names, model, shards) and
   what the ranks already hold;
-- :mod:`distnb.data`: scattering and gathering data sets;
-- :mod:`distnb.results`: the status table and the TrainResult;
-- :mod:`distnb.background`: a training cell run in the background.
+- :mod:`distnb.transfer.data`: scattering and gathering data sets;
+- :mod:`distnb.train.results`: the status table and the TrainResult;
+- :mod:`distnb.train.background`: a training cell run in the background.
 
 Typical use outside IPython magics::
 
@@ -28,25 +28,29 @@ import atexit
 import contextlib
 import inspect
 
-from . import background, calls, checkpoints, debugger, lease, options, pulling, scaling, shrinking, training, worlds
-from .background import BackgroundRun, check_idle
-from .cluster import Cluster
-from .data import gather as gather_shards, scatter as scatter_shards, scatter_line
-from .defaults import default_spec, user_ns
-from .display.tables import count
-from .errors import ClusterError, PlanError
-from .execute import run_on_ranks, targets_of
-from .export import session_export
-from .hfsaving import session_save
-from .plan import BOUND_PREFIX, ClusterSpec, RunOptions, TrainPlan
-from .startup import differences as _differences, failure_policy, say_policy, say_ready as _say_ready
-from .results import StatusTable, TrainResult, WhereTable, status_table, where_table
-from .transfer import sweep_shm
+from distnb.train import background, checkpoints, training
+from distnb.core import calls, options
+from distnb.execute import debugger
+from distnb.cluster import lease, worlds
+from distnb.transfer import pulling
+from distnb.elastic import scaling, shrinking
+from distnb.train.background import BackgroundRun, check_idle
+from distnb.cluster.cluster import Cluster
+from distnb.transfer.data import gather as gather_shards, scatter as scatter_shards, scatter_line
+from distnb.cluster.defaults import default_spec, user_ns
+from distnb.core.tables import count
+from distnb.core.errors import ClusterError, PlanError
+from distnb.execute.execute import run_on_ranks, targets_of
+from distnb.export.export import session_export
+from distnb.train.hfsaving import session_save
+from distnb.core.plan import BOUND_PREFIX, ClusterSpec, RunOptions, TrainPlan
+from distnb.cluster.startup import START_OPTIONS, differences as _differences, failure_policy
+from distnb.cluster.startup import say_policy, say_ready as _say_ready
+from distnb.train.results import StatusTable, TrainResult, WhereTable, status_table, where_table
+from distnb.transfer.transfer import sweep_shm, outgoing, pack_named
 
 _CURRENT = None
 _STOPPED = None  # the Holdings of the last session stopped: what carries over to the next %dist start
-#: start()'s keyword options (Python keyword -> ClusterSpec field), from ClusterSpec's declarations.
-START_OPTIONS = options.keywords(ClusterSpec)
 #: Session.train()'s keyword options (TrainPlan and RunOptions fields), from their declarations.
 TRAIN_OPTIONS = frozenset(options.keywords(TrainPlan)) - {"model", "data"}
 RUN_OPTIONS = frozenset(options.keywords(RunOptions))
@@ -58,7 +62,7 @@ OBJECT_OPTIONS = frozenset(opt.keyword or f.name for f, opt in options.declared(
 def start(*args, ns=None, spec=None, quiet=False, **given) -> "Session":
     """Start (or return the running) cluster and its process group.
 
-    ``distnb.start(n=2)``; the options are :class:`~distnb.plan.ClusterSpec`'s (listed below,
+    ``distnb.start(n=2)``; the options are :class:`~distnb.core.plan.ClusterSpec`'s (listed below,
     each as ``%dist start`` takes it), plus:
 
     Parameters
@@ -150,7 +154,7 @@ class Session:
     Parameters
     ----------
     cluster : object
-        A started cluster (``distnb.cluster.Cluster``).
+        A started cluster (``distnb.cluster.cluster.Cluster``).
     ns : dict, optional
         Namespace in which names (``--model net``) are looked up.
     """
@@ -162,7 +166,7 @@ class Session:
         self.last_result = None
         self._background = None  # a BackgroundRun while a %%distrain --background run is going on
         self.on_failure = "stop"  # when an engine dies during a cell: stop, restart or shrink (--on-failure)
-        self.last_where = {}  # rank -> where the running (or last) cell is on it (distnb.engine.where)
+        self.last_where = {}  # rank -> where the running (or last) cell is on it (distnb.engine.process.where)
         self.last_error = None  # the last RankError of a cell: %dist debug's rank by default
         self._bound = {}  # _distnb_model / _distnb_data -> the object last passed itself (train(model=net_object))
 
@@ -395,7 +399,6 @@ class Session:
         binds ``obj`` to ``x`` on the ranks. Tensors travel through shared memory when the
         ranks are on this host, else as zero-copy buffers.
         """
-        from .transfer import outgoing, pack_named
 
         self._check_running()
         items = {name: self._lookup(name) for name in names}
@@ -413,14 +416,14 @@ class Session:
 
     def pull(self, name: str, rank=None):
         """The value of ``name`` on ``rank`` (or a list over all ranks when rank is None); ``NAME.path.to.param``:
-        that tensor of a model, whole, for any strategy (``distnb.pulling.pull_tensor``)."""
+        that tensor of a model, whole, for any strategy (``distnb.transfer.pulling.pull_tensor``)."""
         self._check_running()
         if isinstance(name, str) and "." in name:
             return pulling.pull_tensor(self, name, None if rank is None else self._rank(rank))
         if not isinstance(name, str) or not name.isidentifier():
             raise PlanError(f"pull/gather take a variable name defined on the ranks, got {name!r}")
         ranks = range(self.world_size) if rank is None else [self._rank(rank)]
-        from .engine import wire
+        from distnb.engine.transport import wire
 
         ars = [self.cluster.apply(r, calls.lookup, name) for r in ranks]
         packed = self.cluster.wait_all(ars, timeout=self.cluster.spec.timeout, what=f"pull {name}")
@@ -436,11 +439,11 @@ class Session:
     def scatter(self, name: str, data=None, seed: int = 0, quiet: bool = False, num_shards=None) -> list:
         """Give each rank a disjoint shard of ``data`` (default: the kernel's ``name``).
 
-        Shards are dealt from a seeded permutation (see ``distnb.engine.shard``);
+        Shards are dealt from a seeded permutation (see ``distnb.engine.transport.shard``);
         together they cover the data. On the ranks ``name`` is bound to the shard, with the same
         structure (tensor, tuple or dict of tensors; a TensorDataset for a Dataset of tuples). With ``num_shards`` smaller
         than world_size, the ranks go in blocks: rank ``r`` gets shard
-        ``r // (world_size // num_shards)`` (``distnb.engine.shard.shard_index``; a tensor-parallel
+        ``r // (world_size // num_shards)`` (``distnb.engine.transport.shard.shard_index``; a tensor-parallel
         group of a mesh reads one shard; ``num_shards=1``: every rank holds the whole set, as model
         parallelism needs).
 
@@ -488,7 +491,7 @@ class Session:
         Returns
         -------
         TrainResult
-            Or, with ``background=True``, a ``distnb.background.BackgroundRun`` at once:
+            Or, with ``background=True``, a ``distnb.train.background.BackgroundRun`` at once:
             :meth:`wait` returns the TrainResult (the weights are back by then),
             :meth:`stop_training` stops it; other distnb calls raise BusyError until then.
 
@@ -518,7 +521,7 @@ class Session:
         return shrinking.train_cell(self, code, model, data, run, given)  # training.train_cell; --on-failure
 
     # checkpoints -----------------------------------------------------------
-    save = session_save  # %dist save DIR [--format safetensors | --adapters] (distnb/hfsaving.py)
+    save = session_save  # %dist save DIR [--format safetensors | --adapters] (distnb/train/hfsaving.py)
 
     def load(self, directory: str, model=None, quiet=False) -> dict:
         """Restore a checkpoint into the ranks (and the kernel's model) with its strategy and optimizer.
@@ -549,7 +552,7 @@ class Session:
         self._check_running()
         return checkpoints.load(self, *checkpoints.model_to_load(self, directory, model), directory, quiet)
 
-    export = session_export  # %dist export DIR: the last training cell as a torchrun job (distnb/export.py)
+    export = session_export  # %dist export DIR: the last training cell as a torchrun job (distnb/export/export.py)
 
     def _bind_objects(self, given: dict) -> None:
         """Objects given for options that name them (``val_data=``, ``metric=``): their names (or ``_distnb_<option>``)."""

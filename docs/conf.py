@@ -55,12 +55,12 @@ html_static_path = ["_static"]
 
 # numpydoc types that name a documented class by its short name (module paths: today's layout)
 napoleon_type_aliases = {
-    "TrainResult": ":class:`~distnb.results.TrainResult`",
+    "TrainResult": ":class:`~distnb.train.results.TrainResult`",
     "Session": ":class:`~distnb.session.Session`",
-    "ClusterSpec": ":class:`~distnb.plan.ClusterSpec`",
-    "TrainPlan": ":class:`~distnb.plan.TrainPlan`",
-    "StatusTable": ":class:`~distnb.results.StatusTable`",
-    "WhereTable": ":class:`~distnb.results.WhereTable`",
+    "ClusterSpec": ":class:`~distnb.core.plan.ClusterSpec`",
+    "TrainPlan": ":class:`~distnb.core.plan.TrainPlan`",
+    "StatusTable": ":class:`~distnb.train.results.StatusTable`",
+    "WhereTable": ":class:`~distnb.train.results.WhereTable`",
 }
 
 # Option flags in prose (the declarations' help: "--data names a Dataset") must keep their two

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from .progress import ProgressState
+from distnb.display.progress import ProgressState
 
 
 def widgets_available() -> bool:
@@ -41,13 +41,13 @@ def make_view(state: ProgressState, mode: str = "auto"):
     """The progress view for ``mode``: ``auto``, ``widgets``, ``text`` or ``none``."""
     kind = view_kind(mode)
     if kind == "none":
-        from .text import NullView
+        from distnb.display.text import NullView
 
         return NullView(state)
     if kind == "widgets":
-        from .widgets import Dashboard
+        from distnb.display.widgets import Dashboard
 
         return Dashboard(state)
-    from .text import TextProgress
+    from distnb.display.text import TextProgress
 
     return TextProgress(state)

@@ -20,6 +20,7 @@ Every function costs O(ranks) (sorting for the quantiles: O(ranks log ranks)), a
 from __future__ import annotations
 
 import math
+from distnb.display.progress import STATUSES
 
 #: More ranks than this and the dashboard shows the aggregate (at most this many: one row per rank).
 SCALE_THRESHOLD = 16
@@ -102,7 +103,6 @@ def attention(state) -> list:
 
 def status_counts(state) -> dict:
     """``{status: number of ranks}`` in :data:`distnb.display.progress.STATUSES` order, zeros left out."""
-    from .progress import STATUSES
 
     counts = {}
     for row in state.rows:

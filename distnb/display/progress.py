@@ -81,11 +81,11 @@ class ProgressState:
     strategy : str, optional
         The plan's strategy; ``"pipeline"`` shows each rank's stage.
     settings : str, optional
-        The cell's words on options carried from the model's last cell (:func:`distnb.carried.cell_sentence`),
+        The cell's words on options carried from the model's last cell (:func:`distnb.train.carried.cell_sentence`),
         shown in the dashboard's header.
     ranks_per_shard : int, optional
         Ranks that train on the same batch (tensor or pipeline parallel groups); the total samples/s
-        counts each batch once, as :attr:`distnb.results.TrainResult.samples_per_s` does. Default 1.
+        counts each batch once, as :attr:`distnb.train.results.TrainResult.samples_per_s` does. Default 1.
     clock : callable, optional
         Seconds, for messages that carry no ``time`` of their own; default ``time.time``.
     """
@@ -111,7 +111,7 @@ class ProgressState:
         self.band = Series()  # (step, (mean, p10, p90) of the ranks' newest losses): display/aggregate.py
         self.validation = {}  # cell step -> (validation loss, metric or None), from rank 0's messages
         self.metric_name = None
-        self.start = None  # rank 0's notes on the cell's start (its first message), see distnb.results.start_notes
+        self.start = None  # rank 0's notes on the cell's start (its first message), see distnb.display.text.start_notes
         self.start_shown = False  # a view printed them (the cell's end does not again)
         self.version = 0
         self.wheres = {}  # rank -> its latest where report (engine/where.py), for the where panel
@@ -191,7 +191,7 @@ class ProgressState:
             self.throughput.add(t, total)
 
     def set_where(self, rank: int, where: dict) -> None:
-        """Keep where ``rank`` is (a :mod:`distnb.engine.where` summary) and note it once it stalls there.
+        """Keep where ``rank`` is (a :mod:`distnb.engine.process.where` summary) and note it once it stalls there.
 
         The report is kept in :attr:`wheres` (the dashboard's where panel); :attr:`where_version`
         changes only when the panel would draw differently (another spot or frame, another

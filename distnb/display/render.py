@@ -21,7 +21,7 @@ import html
 import math
 import statistics
 
-from .progress import STRAGGLER_THRESHOLD, loss_text, rank_rate
+from distnb.display.progress import STRAGGLER_THRESHOLD, loss_text, rank_rate
 
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"]
 #: Row background and bar colour by status.

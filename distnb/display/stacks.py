@@ -1,6 +1,6 @@
 """The dashboard's where panel: every rank's state and innermost stack frames, as HTML (pure Python).
 
-Drawn from the where reports the ranks publish while a cell runs (:mod:`distnb.engine.where`,
+Drawn from the where reports the ranks publish while a cell runs (:mod:`distnb.engine.process.where`,
 kept by :meth:`~distnb.display.progress.ProgressState.set_where`). The live dashboard
 (:mod:`distnb.display.widgets`) shows it in an ipywidgets Accordion whose opening is front-end
 state, so it can be opened while the kernel is busy in a foreground training cell; the kernel
@@ -20,10 +20,11 @@ one ``li.distnb-where-frame`` per frame, innermost last; frames of the user's ce
 
 from __future__ import annotations
 
-from ..errors import rank_list
-from .aggregate import SCALE_THRESHOLD
-from .progress import STALL_SECONDS, WHERE_FRAMES
-from .render import _FONT, esc
+from distnb.core.errors import rank_list
+from distnb.display.aggregate import SCALE_THRESHOLD
+from distnb.display.progress import STALL_SECONDS, WHERE_FRAMES
+from distnb.display.render import _FONT, esc
+import re
 
 #: File names of the user's cell code on a rank (``%%dist`` and ``%%distrain`` bodies).
 CELL_FILES = ("<dist-cell-", "<distrain-cell-")
@@ -150,7 +151,6 @@ def _folded(state) -> str:
 
 def _span_of(said: list) -> str:
     """``["in a collective for 3 s", "in a collective for 5 s"]`` as ``"in a collective for 3-5 s"``."""
-    import re
 
     seconds = [int(m.group(1)) for m in (re.search(r"for (\d+) s", w) for w in said) if m]
     if len(seconds) != len(said):

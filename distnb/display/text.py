@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from . import aggregate, scale
+from distnb.display import aggregate, scale
 
 
 def _fmt(x, spec):
@@ -15,7 +15,7 @@ def _ranks_text(st, epoch) -> str:
     """Each rank's samples/s over ``epoch``, or above the scale threshold their spread and the slowest rank.
 
     A rank's rate for an epoch is its own (samples it trained in that epoch over the epoch's time,
-    :meth:`distnb.engine.report.Reporter.end_epoch`), "-" while it has not said (the newest figures when
+    :meth:`distnb.engine.transport.report.Reporter.end_epoch`), "-" while it has not said (the newest figures when
     no rank sent per-epoch rates); above the threshold the slowest rank is the one slowest over the last second.
     """
     rates = [st.epoch_rates[r["rank"]].get(epoch) for r in st.rows]
@@ -57,7 +57,6 @@ class TextProgress:
     def refresh(self, final=False):
         st = self.state
         if st.start and not st.start_shown:  # how the cell started (a new optimizer, ...): before its epoch lines
-            from ..results import start_notes
 
             st.start_shown = True
             for note in start_notes(st.start):
@@ -124,3 +123,19 @@ class NullView(TextProgress):
 
     def close(self):
         pass
+
+
+def start_notes(first: dict) -> list:
+    """The sentences about how a training cell started, from rank 0's row or its first progress message.
+
+    What changed about the optimizer or the position, the checkpoint resumed from, the epoch continued.
+    The text progress prints them before the cell's epoch lines (:class:`distnb.display.text.TextProgress`).
+    """
+    notes = [first["note"]] if first.get("note") else []
+    if first.get("resumed"):
+        notes.append(f"resumed from checkpoint {first['resumed']}")
+    if first.get("continued"):
+        c = first["continued"]
+        notes.append(f"continued epoch {c['epoch']} where it stopped ({c['samples']} samples per rank already "
+                     "trained); it counts as the first of this cell's epochs")
+    return notes

@@ -39,7 +39,7 @@ import time
 
 import ipywidgets as W
 
-from . import aggregate, render, scale, stacks
+from distnb.display import aggregate, render, scale, stacks
 
 #: The where button's text (the Accordion's title).
 WHERE_TITLE = "where: every rank's state and stack"

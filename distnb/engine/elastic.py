@@ -1,7 +1,7 @@
 """Rank side of ``%dist scale``: the world re-formed at a new size, and what the added ranks inherit.
 
-The kernel (:mod:`distnb.scaling`) starts the added engines, then calls :func:`resize` on every
-rank that stays (the new ones get :func:`distnb.engine.runtime.setup`): the process group is
+The kernel (:mod:`distnb.elastic.scaling`) starts the added engines, then calls :func:`resize` on every
+rank that stays (the new ones get :func:`distnb.engine.process.runtime.setup`): the process group is
 formed again at the new ``world_size`` on a fresh port. :func:`share` then hands the added
 ranks what the surviving ranks hold, from rank 0 over ``torch.distributed`` (one
 ``broadcast_object_list`` for the objects, one ``broadcast`` of every tensor's bytes), never
@@ -14,7 +14,7 @@ place (fsdp, tensor, pipeline, ps) are not carried here: the kernel reshards the
 DCP checkpoint or sends them again from the notebook's weights.
 
 The sampler position of an unfinished epoch is carried as which samples were trained, not as a
-count (:mod:`distnb.engine.epochrest`): the epoch's layout over the old data shards and the
+count (:mod:`distnb.engine.train.epochrest`): the epoch's layout over the old data shards and the
 positions each took, so the new world finishes the epoch with exactly the samples not trained yet.
 
 Idea: elastic data parallelism (torchelastic, Horovod Elastic) re-forms the group and
@@ -29,9 +29,12 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..plan import STRATEGIES, TrainPlan
-from . import binding, datasets, epochrest, loop, runtime, strategies, wire
-from .collectives import group_device, on_group
+from distnb.core.plan import STRATEGIES, TrainPlan
+from distnb.engine.process import binding, runtime
+from distnb.engine.train import datasets, epochrest, loop
+from distnb.engine import strategies
+from distnb.engine.transport import wire
+from distnb.engine.process.collectives import group_device, on_group
 
 #: Names distnb binds in every rank's namespace (the rank's identity, a training cell's objects): never the user's.
 BOUND = frozenset({"rank", "world_size", "local_rank", "node_rank", "device", "model", "optimizer", "ctx", "loss",
@@ -50,13 +53,13 @@ def resize(ns: dict, rank: int, world_size: int, num_threads: int, master_addr: 
     right on one host) only then too, and never for a GPU rank: it names the rank's device,
     ``cuda:<local_rank>``, fixed when CUDA started (the kernel keeps it). ``local_world_size``: the ranks
     now on this host (``LOCAL_WORLD_SIZE``). ``bind_among``: the ranks now sharing this host's cores (see
-    :func:`distnb.engine.runtime.setup`; more ranks than cores unbinds). Every rank of the new world calls
+    :func:`distnb.engine.process.runtime.setup`; more ranks than cores unbinds). Every rank of the new world calls
     this (or ``setup``, for the added ones) at once: the rendezvous waits for all of them.
 
     Returns
     -------
     dict
-        :func:`distnb.engine.runtime.info` of this rank.
+        :func:`distnb.engine.process.runtime.info` of this rank.
     """
     runtime.mark_broken(ns)
     st = runtime.STATE
@@ -78,7 +81,7 @@ def resize(ns: dict, rank: int, world_size: int, num_threads: int, master_addr: 
 
 def convert_position(run, old_world: int, new_world: int) -> None:
     """``run``'s sampler position (an unfinished epoch) from ``old_world`` ranks to ``new_world``: which samples
-    were trained, as a trail of the epoch's segments (:func:`distnb.engine.epochrest.carry`)."""
+    were trained, as a trail of the epoch's segments (:func:`distnb.engine.train.epochrest.carry`)."""
     if old_world == new_world or not (run.epoch_samples or epochrest.active(run)):
         return
     plan = (run.plan_dict or {})
@@ -168,7 +171,7 @@ def defined_names(ns: dict) -> list:
     """The names ``%%dist`` cells bound in this rank's namespace that are there now (:data:`runtime.CELL_NAMES`).
 
     Not: names starting with ``_`` (IPython's and distnb's), :data:`BOUND`, the models and data
-    sets distnb installed (:data:`distnb.engine.loop.RUNS`, ``SHARDS``, data sets loaded on the
+    sets distnb installed (:data:`distnb.engine.train.loop.RUNS`, ``SHARDS``, data sets loaded on the
     ranks): those reach the added ranks by their own ways. Nor what training bodies leave in the
     namespace (``x, y = batch``): a ``%%distrain`` cell is not a ``%%dist`` cell.
     """
@@ -190,7 +193,7 @@ def _lacking(ns: dict, names: list, old_world: int) -> list:
 
 
 def _picklable(ns: dict, wanted: list) -> tuple[dict, dict]:
-    """({name: value} of ``wanted`` that :func:`distnb.engine.wire.pack` can send, {name: why not} of the others)."""
+    """({name: value} of ``wanted`` that :func:`distnb.engine.transport.wire.pack` can send, {name: why not} of the others)."""
     own, unpicklable = {}, {}
     for k in wanted:
         try:
@@ -210,7 +213,7 @@ def _concat(buffers):
 
 def _adopt(ns: dict, state: dict) -> None:
     """An added rank takes rank 0's names and models; each optimizer is rebuilt at the model's next cell
-    (:func:`distnb.engine.stepping.adopt_optimizer`)."""
+    (:func:`distnb.engine.train.stepping.adopt_optimizer`)."""
     ns.update(state["defined"])
     runtime.CELL_NAMES.update(state["defined"])  # as if its cells had run here (it may be rank 0 one day)
     ns.update(state["names"])

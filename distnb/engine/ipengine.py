@@ -18,7 +18,7 @@ changes that shorten ``%dist start`` (measured in ``benchmarks/cold_start.py``):
   place, not atomically), then hands over to ipyparallel.
 
 The environment (``OMP_NUM_THREADS``, ``DISTNB_PRELOAD``) is set by the kernel when it
-launches the engine (:mod:`distnb.cluster`), so the thread count is fixed before torch loads.
+launches the engine (:mod:`distnb.cluster.cluster`), so the thread count is fixed before torch loads.
 The module is called ``ipengine`` so that process listings that look for engines by that
 name (``ps``, the test suite's leak check, the benchmarks' clean-up) still find them.
 """
@@ -30,6 +30,9 @@ import os
 import sys
 import threading
 import time
+import importlib
+from distnb.engine.zygote import freeze_imports
+from distnb.engine import zygote
 
 #: Seconds to wait for the controller's connection file before leaving it to ipyparallel.
 CONNECTION_WAIT = 60.0
@@ -47,7 +50,7 @@ TIMES = {}
 PRELOAD_BEFORE_GROUP = ("torch", "torch.distributed", "torch.distributed.distributed_c10d")
 #: ... and after it, on CPU engines: ``torch._dynamo``, which DDP's constructor imports (about 1 CPU-second,
 #: see :func:`warm_up`), and distnb's training loop (DDP, the strategies' base, the reporter).
-PRELOAD_AFTER_GROUP = ("torch._dynamo", "distnb.engine.loop")
+PRELOAD_AFTER_GROUP = ("torch._dynamo", "distnb.engine.train.loop")
 
 
 def warm_up() -> float:
@@ -59,21 +62,19 @@ def warm_up() -> float:
     imported while a group exists can capture it (torch has functions whose default argument
     is ``group=dist.group.WORLD``) and keep it alive after ``destroy_process_group``, so that a
     failed rank's peers would wait for the full timeout instead of failing at once;
-    :func:`distnb.engine.runtime.drop_captured_group` undoes that before every destroy.
+    :func:`distnb.engine.process.runtime.drop_captured_group` undoes that before every destroy.
     """
     t0 = time.perf_counter()
-    from distnb.engine import loop  # noqa: F401
+    from distnb.engine.train import loop  # noqa: F401
 
     return time.perf_counter() - t0
 
 
 def _preload(level: str) -> None:
-    import importlib
 
     try:
         importlib.import_module("torch")
         TIMES["torch"] = time.time()
-        from distnb.engine.zygote import freeze_imports
 
         freeze_imports()  # before any process group exists: collections stay cheap (see freeze_imports)
         if level == "all":
@@ -127,7 +128,6 @@ def wait_for_connection_file(path: str | None, timeout: float = CONNECTION_WAIT)
 
 def main() -> None:
     if sys.argv[1:] == ["--zygote"]:  # the engine template (distnb.engine.zygote): forks engines on request
-        from distnb.engine import zygote
 
         zygote.serve(main, (*PRELOAD_BEFORE_GROUP, *PRELOAD_AFTER_GROUP))
         return

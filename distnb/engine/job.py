@@ -1,6 +1,6 @@
 """An exported training cell run as a job: torchrun starts the ranks, this module trains them.
 
-``%dist export DIR`` (:mod:`distnb.export`) writes a cell's model, data, names and options to
+``%dist export DIR`` (:mod:`distnb.export.export`) writes a cell's model, data, names and options to
 DIR and a ``train.py`` that calls :func:`main` here. Each process torchrun starts becomes a rank
 as an engine does (:func:`join`: rank, world size and local rank from torchrun's environment,
 the device, the threads, the process group), receives the model, the data and the names the
@@ -25,10 +25,15 @@ import socket
 import sys
 import time
 
-from .. import options
-from ..plan import ClusterSpec, TrainPlan
+from distnb.core import options
+from distnb.core.plan import ClusterSpec, TrainPlan
+import datetime
+from distnb.engine.process import runtime
+from distnb.core.saveformats import FORMATS, MAX_SHARD_SIZE, shard_bytes
+from distnb.engine.transport import report
+import traceback
 
-#: Files of an exported cell (written by distnb.export, read here).
+#: Files of an exported cell (written by distnb.export.export, read here).
 OPTIONS, MODEL, NAMES, LOSSES = "options.json", "model.pkl", "names.pkl", "losses.json"
 #: Where ``--format safetensors`` writes the trained model when ``--save-dir`` is not given (under the export folder).
 SAVED = "model"
@@ -122,17 +127,15 @@ def _choose_device(backend, env) -> str:
 
 
 def join(env: dict, device_type: str, timeout: float) -> None:
-    """Make this process rank ``env["rank"]`` as :func:`distnb.engine.runtime.setup` makes an engine one.
+    """Make this process rank ``env["rank"]`` as :func:`distnb.engine.process.runtime.setup` makes an engine one.
 
     The threads are ``OMP_NUM_THREADS`` (torchrun sets 1 unless given), else the cores shared
     among the node's ranks; the process group forms from torchrun's rendezvous (``env://``).
     """
-    import datetime
 
     import torch
     import torch.distributed as dist
 
-    from . import runtime
 
     st = runtime.STATE
     st.user_env = frozenset(v for v in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if v in os.environ)
@@ -165,7 +168,8 @@ def _install_data(ns, directory, entry, plan, num_shards) -> None:
     """Give this rank ``entry``'s data (``options.json``'s ``data`` or ``val_data``) as the kernel would."""
     import torch
 
-    from . import datasets, loop, runtime, shard as sharding, wire
+    from distnb.engine.train import datasets, loop
+    from distnb.engine.transport import shard as sharding, wire
 
     rank, name = runtime.STATE.rank, entry["name"]
     if entry["path"] == "tensors":
@@ -199,7 +203,6 @@ def _epoch_printer(rank):
 
 
 def _save_arguments(p, spec) -> None:
-    from ..saveformats import FORMATS, MAX_SHARD_SIZE  # stdlib only, as this module's own
 
     p.add_argument("--format", choices=FORMATS, default=spec.get("save", {}).get("format", "dcp"),
                    help="what the job also saves when it ends: dcp (its checkpoints only) or safetensors (the trained "
@@ -216,8 +219,7 @@ def save_trained(run, args, directory: str) -> str | None:
     calls it. Returns what rank 0 says of it, or None with ``--format dcp``."""
     if args.format != "safetensors":
         return None
-    from ..saveformats import shard_bytes
-    from . import hfsave
+    from distnb.engine.train import hfsave
 
     folder = os.path.abspath(args.save_dir or os.path.join(directory, SAVED))
     if hasattr(run.module, "peft_config"):
@@ -230,7 +232,9 @@ def save_trained(run, args, directory: str) -> str | None:
 
 def _install(ns, directory, spec, plan) -> None:
     """Model (as the ranks received it at the cell's start), names and data on this rank."""
-    from . import checkpoint, install, loop, runtime, strategies, wire  # as every entry of the job: only its mode's
+    from distnb.engine.train import checkpoint, install, loop
+    from distnb.engine import strategies
+    from distnb.engine.transport import wire  # as every entry of the job: only its mode's
 
     payload, descs, buffers = _load_pickle(directory, MODEL)
     install.install_model(ns, plan.model, payload, descs, 0, *buffers)
@@ -253,7 +257,7 @@ def epochs_left(spec, epochs: int, checkpoint_dir: str) -> int:
     With a checkpoint in ``checkpoint_dir`` (an earlier run of the job, say one a batch system
     requeued), the epoch it holds counts as reached: an epoch it stopped in is trained to its end.
     """
-    from . import checkpoint
+    from distnb.engine.train import checkpoint
 
     end = spec["start"]["epoch"] + epochs
     if not checkpoint.latest(checkpoint_dir):
@@ -262,7 +266,6 @@ def epochs_left(spec, epochs: int, checkpoint_dir: str) -> int:
 
 
 def _plan(spec, args, directory):
-    from ..plan import TrainPlan
 
     folder = os.path.abspath(args.checkpoint_dir or os.path.join(directory, CHECKPOINTS))
     given = dict(spec["plan"], epochs=max(1, epochs_left(spec, args.epochs, folder)),
@@ -280,7 +283,7 @@ def _count(n, what) -> str:
 
 def _data_change(plan, world_size: int, cell_world: int) -> str:
     """What another number of ranks changes in what the job trains on (the sentence's end)."""
-    from . import strategies
+    from distnb.engine import strategies
 
     try:
         same = strategies.data_parallel_size(plan, world_size) == strategies.data_parallel_size(plan, cell_world)
@@ -293,7 +296,7 @@ def _data_change(plan, world_size: int, cell_world: int) -> str:
 
 
 def _say_start(spec, plan, world_size) -> None:
-    from . import checkpoint
+    from distnb.engine.train import checkpoint
 
     cell, newest = spec["cell"], checkpoint.latest(plan.checkpoint_dir)
     where = f"resuming from {newest}" if newest else f"from epoch {spec['start']['epoch']}"
@@ -334,7 +337,7 @@ def main(directory: str, step: str, argv=None) -> int:
     env = torchrun_env()
     device_type = _choose_device(args.backend, env)
     join(env, device_type, spec["cell"]["timeout"])
-    from . import checkpoint, loop, report, runtime
+    from distnb.engine.train import checkpoint, loop
 
     ns = dict(rank=env["rank"], world_size=env["world_size"], local_rank=env["local_rank"],
               node_rank=env["node_rank"], device=runtime.STATE.device)
@@ -378,7 +381,6 @@ def run(directory: str, step: str, argv=None) -> None:
     ``os._exit`` after the group is destroyed, as an engine leaves: a process that trained DDP
     over gloo can abort in the interpreter's normal exit. A JobError is printed as one line.
     """
-    import traceback
 
     try:
         status = main(directory, step, argv)

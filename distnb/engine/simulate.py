@@ -2,11 +2,11 @@
 
 A real cluster gives a notebook 8 to 1,024 ranks; this machine runs a handful. :func:`simulate`
 runs inside a real ipyparallel engine and plays ``len(ranks)`` ranks of a data-parallel run:
-each has its own :class:`~distnb.engine.report.Reporter` (the same class a training rank uses,
+each has its own :class:`~distnb.engine.transport.report.Reporter` (the same class a training rank uses,
 so the same payload, the same throttle, at most 10 messages a second per rank), fed one step
 every ``step_time`` seconds, and its messages go to the kernel through the same
 ``publish_data`` path as a real rank's, either one message per rank (``group=1``, key
-``distnb@R``) or through a :class:`~distnb.engine.report.HostRelay` per ``group`` ranks (a host's
+``distnb@R``) or through a :class:`~distnb.engine.transport.report.HostRelay` per ``group`` ranks (a host's
 local rank 0 coalescing its host's messages). The kernel's intake, its progress state and the
 dashboard then run exactly as in a real cell. Only the figures are made up:
 
@@ -19,7 +19,7 @@ dashboard then run exactly as in a real cell. Only the figures are made up:
 - a rank in ``fail`` reports ``failed`` (with an error text) at that step and stops, one in
   ``stop`` reports ``interrupted``; the others go on to ``done``.
 
-The kernel side is :mod:`distnb.simulate` (``distnb.simulate.run``).
+The kernel side is :mod:`distnb.tools.simulate` (``distnb.tools.simulate.run``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import random
 import tempfile
 import time
 
-from .report import DRAIN_SECONDS, HostRelay, Reporter, encode, publish_raw, rank_key
+from distnb.engine.transport.report import DRAIN_SECONDS, HostRelay, Reporter, encode, publish_raw, rank_key
 
 GIB = 1 << 30
 
@@ -113,7 +113,7 @@ def simulate(ranks, seconds=20.0, step_time=0.05, epochs=4, batch_size=32, group
     seed : int
         Seeds the figures (the same seed gives the same losses and memory).
     relay_interval : float
-        Seconds between a relay's bundles (:func:`distnb.engine.report.relay_interval`).
+        Seconds between a relay's bundles (:func:`distnb.engine.transport.report.relay_interval`).
 
     Returns
     -------

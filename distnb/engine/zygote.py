@@ -2,7 +2,7 @@
 
 It forks the cluster's controller too (ipyparallel's controller, imported here as well).
 
-Started by the kernel (:mod:`distnb.zygote`) as ``python -m distnb.engine.ipengine --zygote``:
+Started by the kernel (:mod:`distnb.cluster.zygote`) as ``python -m distnb.engine.ipengine --zygote``:
 the engine's entry point (:mod:`distnb.engine.ipengine`) calls :func:`serve` with its own
 ``main`` and the modules its preload thread would import. The template imports what a CPU
 engine needs before its first training cell (ipyparallel's engine, torch,
@@ -42,13 +42,18 @@ import signal
 import sys
 import time
 import traceback
+import gc
+import importlib
+import tempfile
+from distnb.engine.process.lean import quiet_logger
+import atexit
 
 #: Imported once in the template: the engine's and the controller's modules (then what the engine's
 #: preload thread would import in every engine, given to :func:`serve`, then the runtime).
 #: ``ipykernel.debugger`` is imported by the engine's kernel as it registers (it loads debugpy):
 #: 0.12-0.17 CPU-s per engine, in the middle of ``%dist start``, when it was left to each engine.
 PRELOAD_FIRST = ("numpy", "ipyparallel.engine.app", "ipyparallel.controller.app", "ipykernel.debugger")
-PRELOAD_LAST = ("distnb.engine.runtime",)
+PRELOAD_LAST = ("distnb.engine.process.runtime",)
 
 
 def freeze_imports() -> None:
@@ -63,7 +68,6 @@ def freeze_imports() -> None:
     are still freed when their reference count drops to zero; only cycles among them (import-time
     garbage, if any) stay. No collection runs first: it would hold the GIL for most of a second.
     """
-    import gc
 
     gc.freeze()
 
@@ -92,7 +96,6 @@ def warm_tracebacks() -> None:
 
 
 def _preload(engine_modules) -> None:
-    import importlib
 
     for name in (*PRELOAD_FIRST, *engine_modules, *PRELOAD_LAST):
         try:
@@ -117,7 +120,6 @@ def frozen_env(env) -> dict:
 
 def _reread_environment() -> None:
     """What the preloaded modules took from the template's state at import, taken again for this engine."""
-    import tempfile
 
     import numpy
     import torch
@@ -130,7 +132,7 @@ def _reread_environment() -> None:
 
 
 def _quiet_at_start(app_class) -> None:
-    """The app's logger raised to its handlers' level when it starts (:func:`distnb.engine.lean.quiet_logger`).
+    """The app's logger raised to its handlers' level when it starts (:func:`distnb.engine.process.lean.quiet_logger`).
 
     The controller's hub logs a line per monitored request and result below the ``--log-level=WARN``
     its handler prints: a py-spy profile at 32 ranks put an eighth of its busy time in building those
@@ -139,7 +141,6 @@ def _quiet_at_start(app_class) -> None:
     start = app_class.start
 
     def start_quietly(self, *args, **kwargs):
-        from .lean import quiet_logger
 
         quiet_logger(self.log)
         return start(self, *args, **kwargs)
@@ -164,7 +165,7 @@ def _no_db_wait(app_module) -> None:
     ipyparallel's ``IPController.init_hub`` sleeps 0.25 s after making the hub's database, before
     it writes the connection files that the client and the engines wait for: a quarter of a
     2-engine ``%dist start`` here (issue 17; a cProfile of the controller's start). distnb's
-    controller keeps no database (``NoDB``, :data:`distnb.cluster.CONTROLLER_QUIET`), so there is
+    controller keeps no database (``NoDB``, :data:`distnb.cluster.cluster.CONTROLLER_QUIET`), so there is
     nothing to wait for; with any other database the wait stays.
     """
     from ipyparallel.controller.dictdb import NoDB
@@ -230,7 +231,6 @@ def _become_engine(req: dict, close_fds: list, engine_main) -> None:
         traceback.print_exc()
     finally:
         try:
-            import atexit
 
             atexit._run_exitfuncs()  # what a normal interpreter exit runs
             sys.stdout.flush()

@@ -3,9 +3,9 @@
 Directives:
 
 ``.. distnb-options:: %dist start``
-    Every option of a magic, from the dataclass fields that declare it (:mod:`distnb.options`:
-    :class:`~distnb.plan.ClusterSpec` for ``%dist start``, :class:`~distnb.plan.TrainPlan` and
-    :class:`~distnb.plan.RunOptions` for ``%%distrain``): its flags, Python keyword, type, default,
+    Every option of a magic, from the dataclass fields that declare it (:mod:`distnb.core.options`:
+    :class:`~distnb.core.plan.ClusterSpec` for ``%dist start``, :class:`~distnb.core.plan.TrainPlan` and
+    :class:`~distnb.core.plan.RunOptions` for ``%%distrain``): its flags, Python keyword, type, default,
     whether it carries over between cells, and its help; then the arguments the magic's parser
     takes beside the declarations (``-o``), from the parser itself.
 ``.. distnb-verbs::``
@@ -32,7 +32,7 @@ MAGICS = {
 
 
 def _kind(opt) -> str:
-    from distnb import options
+    from distnb.core import options
 
     if opt.choices:
         return "one of " + ", ".join(map(str, opt.choices))
@@ -40,7 +40,7 @@ def _kind(opt) -> str:
 
 
 def _default(f, opt) -> str:
-    from distnb import options
+    from distnb.core import options
 
     if f.default is dataclasses.MISSING and opt.given is options.FIELD_DEFAULT:
         return "required"
@@ -53,9 +53,9 @@ def _default(f, opt) -> str:
 
 
 def _carries(f, opt) -> str:
-    """Whether a left-out option keeps the model's last value: the declaration's rule (:func:`distnb.options.carries`),
+    """Whether a left-out option keeps the model's last value: the declaration's rule (:func:`distnb.core.options.carries`),
     and, for an option whose left-out value (None) means the ranks' live one (``--lr``), that."""
-    from distnb import options
+    from distnb.core import options
 
     if options.carries(opt):
         return "yes"
@@ -69,7 +69,7 @@ def option_rows(magic: str) -> list:
 
     Options neither the magic nor the Python API takes (set by distnb itself) are left out.
     """
-    from distnb import options, plan
+    from distnb.core import options, plan
 
     rows = []
     for cls_name in MAGICS[magic][0]:
@@ -90,7 +90,8 @@ def _anchor(magic: str, name: str) -> str:
 
 def undeclared_actions(magic: str) -> list:
     """The parser's arguments that no declaration made (``-o/--output`` of ``%%distrain``)."""
-    from distnb import magics, options, plan
+    from distnb import magics
+    from distnb.core import options, plan
 
     parser = getattr(magics, MAGICS[magic][1]).parser
     declared = {flag for cls_name in MAGICS[magic][0]

@@ -1,6 +1,6 @@
 """The dashboard at 256 ranks in a real JupyterLab (issue 20), in Debian's headless Chromium.
 
-The ranks are simulated (:mod:`distnb.simulate`): two real engines of a real ``%dist start -n 2``
+The ranks are simulated (:mod:`distnb.tools.simulate`): two real engines of a real ``%dist start -n 2``
 cluster play 256 ranks of 32 hosts, each with the training rank's own ``Reporter`` publishing
 through ipyparallel as a real rank does, with the kernel's intake, progress state and dashboard
 as in a training cell; the host relay coalesces each host's messages. Rank 17 is a straggler,
@@ -34,8 +34,8 @@ pytestmark = [
 ]
 
 SETUP = "%load_ext distnb\n%dist start -n 2 --timeout 30"
-SIMULATE = ("import distnb.simulate\n"
-            "result = distnb.simulate.run(256, seconds=10, group=8, slow={17: 1.6}, fail={200: 120},\n"
+SIMULATE = ("import distnb.tools.simulate\n"
+            "result = distnb.tools.simulate.run(256, seconds=10, group=8, slow={17: 1.6}, fail={200: 120},\n"
             "                             stop={201: 120, 202: 120})")
 FIGURES = ("print(f'kernel CPU {100 * result.kernel_cpu_fraction:.1f} % of a core, '\n"
            "      f'{result.rank_messages} rank messages, {result.redraws_per_s:.1f} redraws/s, '\n"

@@ -10,7 +10,7 @@ names rank 1; rank 1 then joins (the same hook, so not through the cell's checke
 
 CODE = """
 import torch, torch.distributed as dist
-from distnb.engine import abort
+from distnb.engine.process import abort
 
 class Bucket:  # what DDP hands a comm hook: the flat gradients of one bucket
     def __init__(self, tensor):

@@ -11,12 +11,12 @@ which fails on a CPU tensor built for an nccl group, is tests/unit/test_collecti
 
 import torch.nn.functional as F
 
-from distnb import calls
+from distnb.core import calls
 from support.data import parity_data, parity_model
 
 INSTALL = """
 import torch, torch.distributed as dist
-from distnb.engine import collectives as _coll
+from distnb.engine.process import collectives as _coll
 
 _OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
         "send", "recv", "isend", "irecv")

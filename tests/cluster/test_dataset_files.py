@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from distnb.errors import RankError
+from distnb.core.errors import RankError
 
 DEFINE = r'''
 import glob

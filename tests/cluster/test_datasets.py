@@ -1,4 +1,4 @@
-"""Data sets loaded on the ranks (distnb.engine.datasets): real Datasets, real DataLoader workers, real cluster.
+"""Data sets loaded on the ranks (distnb.engine.train.datasets): real Datasets, real DataLoader workers, real cluster.
 
 The Dataset classes are defined in the shell's namespace (``__main__``), as a notebook defines
 them, so that they travel to the ranks by value.
@@ -11,8 +11,9 @@ import shutil
 import pytest
 import torch
 
-from distnb.engine import datasets, shard
-from distnb.errors import PlanError, RankError
+from distnb.engine.train import datasets
+from distnb.engine.transport import shard
+from distnb.core.errors import PlanError, RankError
 from support.data import dropout_model, parity_data, parity_model
 from support.reference import reference
 

@@ -11,7 +11,7 @@ del _e
 
 def test_engines_wait_for_a_busy_controller_at_least_as_long_as_distnb_waits(dist_session):
     # ipyparallel's 5 s registration wait made engines give up when 32 registered at once under load
-    from distnb import placement
+    from distnb.cluster import placement
 
     view = dist_session.cluster.client[:]
     view.execute(ENGINE_SETTINGS, block=True)
@@ -25,7 +25,7 @@ def test_engines_wait_for_a_busy_controller_at_least_as_long_as_distnb_waits(dis
 
 def test_an_engine_the_client_never_heard_of_is_found_in_the_hubs_list(dist_session):
     # as when its registration notification went out before the client's SUB socket had joined
-    from distnb import launchers
+    from distnb.cluster import launchers
 
     client = dist_session.cluster.client
     engine_id = dist_session.cluster.engine_ids[1]

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distnb.errors import PlanError, RankError
+from distnb.core.errors import PlanError, RankError
 from support.data import parity_data as make_data, parity_model
 from support.reference import reference
 
@@ -154,7 +154,7 @@ def test_fsdp_bad_units_error_before_anything_runs(dist_session, shell):
     with pytest.raises(PlanError, match=r"--fsdp-units: 1 \(Tanh\) holds no parameters"):
         dist_session.train(BODY, model="fsdp_bad_net", data="fsdp_data", strategy="fsdp", fsdp_units="0,1",
                            progress="none", quiet=True)
-    dist_session.run("from distnb.engine import loop\n_sent = 'fsdp_bad_net' in loop.RUNS")
+    dist_session.run("from distnb.engine.train import loop\n_sent = 'fsdp_bad_net' in loop.RUNS")
     assert dist_session.pull("_sent") == [False, False]
 
 
@@ -268,7 +268,7 @@ def test_tensor_bad_plans_error_before_anything_runs(dist_session, shell):
     ns["tp_no_pair"] = nn.Sequential(nn.Linear(12, 8), nn.LayerNorm(8), nn.Linear(8, 3))
     with pytest.raises(PlanError, match=r"no two consecutive nn.Linear layers .* pass --tp-plan"):
         dist_session.train(BODY, model="tp_no_pair", data="tp_data", strategy="tensor", progress="none", quiet=True)
-    dist_session.run("from distnb.engine import loop\n"
+    dist_session.run("from distnb.engine.train import loop\n"
                      "_sent = [n for n in ('tp_bad_net', 'tp_odd_net', 'tp_no_pair') if n in loop.RUNS]")
     assert dist_session.pull("_sent") == [[], []]
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from IPython.core.error import UsageError
 
 from distnb import session as session_mod
-from distnb.errors import RankError
+from distnb.core.errors import RankError
 from support.data import parity_data as make_data
 from support.reference import reference
 
@@ -228,7 +228,7 @@ def test_bad_meshes_are_usage_errors_before_anything_is_sent(mesh_session, shell
     err = shell.run_cell(f"%%distrain --model mesh_bad --data mesh_data {strategy}{options} --progress none\n"
                          f"{BODY}").error_in_exec
     assert isinstance(err, UsageError) and re.search(message, str(err)), err
-    s.run("from distnb.engine import loop\n_sent = 'mesh_bad' in loop.RUNS")
+    s.run("from distnb.engine.train import loop\n_sent = 'mesh_bad' in loop.RUNS")
     assert s.pull("_sent") == [False] * 4
 
 

@@ -49,7 +49,7 @@ def test_the_ranks_peak_memory_is_the_cell_s(shell, dist_session):
                 progress="none", quiet=True)
     big = "x, y = batch\n_big = torch.ones(80 << 20) if ctx.step == 0 else None\nloss = F.cross_entropy(model(x), y)"
     s.train(big, **opts)  # 320 MiB touched at its first step
-    read = "from distnb.engine.report import peak_memory\n_peak = peak_memory(device)"
+    read = "from distnb.engine.transport.report import peak_memory\n_peak = peak_memory(device)"
     s.run("_big = None\n" + read)
     first = s.pull("_peak")
     s.train("x, y = batch\nloss = F.cross_entropy(model(x), y)", **opts)

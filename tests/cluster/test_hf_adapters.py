@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from distnb.errors import PlanError  # noqa: E402
+from distnb.core.errors import PlanError  # noqa: E402
 
 BODY = "x = batch[0]\nloss = model(input_ids=x, labels=x).loss"
 VOCAB = 64

@@ -168,7 +168,7 @@ def hf_init(module):
 
 
 def test_bad_requests_are_clear_errors_and_the_cluster_stays_usable(dist_session, shell, tmp_path):
-    from distnb.errors import PlanError, RankError
+    from distnb.core.errors import PlanError, RankError
 
     train(dist_session, shell, "hf_bad", "llama", "ddp")
     with pytest.raises(PlanError, match="--format 'gguf' is not one of dcp, safetensors"):

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from distnb.engine import shard
+from distnb.engine.transport import shard
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -56,7 +56,7 @@ def one_process(model, data, optimizer, *, num_shards, batch_size, epochs, seed)
 
 
 RANK_CHECK = """
-from distnb.engine import loop as _loop
+from distnb.engine.train import loop as _loop
 _run = _loop.RUNS[{name!r}]
 _in_opt = [p for g in _run.optimizer.param_groups for p in g["params"]]
 _ddp = getattr(_run.strategy, "ddp", None)
@@ -137,7 +137,7 @@ def test_a_model_with_every_parameter_frozen_is_a_clear_error(dist_session, shel
     ns = shell.user_ns
     ns["lora_frozen"], ns["lora_tokens"] = tiny_peft("llama"), tokens()
     ns["lora_frozen"].requires_grad_(False)
-    from distnb.errors import RankError
+    from distnb.core.errors import RankError
 
     with pytest.raises(RankError, match=r"on rank \d every parameter of the model is frozen"):
         dist_session.train(BODY, model="lora_frozen", data="lora_tokens", epochs=1, batch_size=4,
@@ -207,7 +207,7 @@ def test_a_notebook_optimizer_factory_gets_the_adapters_and_acts_as_torch_does(d
     before = {k: v.clone() for k, v in ns["lora_fac"].state_dict().items()}
     dist_session.train(BODY, model="lora_fac", data="lora_tokens", epochs=1, batch_size=4, optimizer="lora_adamw",
                        seed=2, strategy="fsdp", progress="none", quiet=True)
-    dist_session.run("from distnb.engine import loop as _loop\n"
+    dist_session.run("from distnb.engine.train import loop as _loop\n"
                      "lora_fac_opt = [tuple(p.shape) for g in _loop.RUNS['lora_fac'].optimizer.param_groups "
                      "for p in g['params']]")
     adapters = [n for n, p in ref.named_parameters() if p.requires_grad]

@@ -6,7 +6,7 @@ non-persistent and so never in a checkpoint), stated once.
 import pytest
 import torch
 
-from distnb.engine import shard
+from distnb.engine.transport import shard
 from support.hfmodels import LLAMA, build, from_pretrained, save_sharded
 
 transformers = pytest.importorskip("transformers")

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distnb.errors import PlanError
+from distnb.core.errors import PlanError
 from support.data import parity_data
 from support.reference import reference
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distnb.errors import PlanError, RankError
+from distnb.core.errors import PlanError, RankError
 from support.data import mlp, parity_data
 from support.reference import reference
 
@@ -57,7 +57,7 @@ def assert_params_close(model, ref):
 
 def check_stages(dist_session, name, kernel_model, result):
     """Each rank holds its stage only (others freed), and the stages' state is what the kernel got back."""
-    dist_session.run("from distnb.engine import loop\n"
+    dist_session.run("from distnb.engine.train import loop\n"
                      f"_strategy = loop.RUNS[{name!r}].strategy\n"
                      "_stage_state = {k: v.detach().clone() for k, v in _strategy.model.state_dict().items()}\n"
                      f"_freed = sorted(n for n, p in loop.RUNS[{name!r}].module.named_parameters() if p.is_meta)")
@@ -286,7 +286,7 @@ def test_bad_options_error_before_anything_runs(dist_session, shell):
         dist_session.train(BODY, model="pp_bad", split="0", **opts)
     with pytest.raises(PlanError, match=r"--loop is not available with --strategy pipeline"):
         dist_session.train(BODY, model="pp_bad", loop=True, **opts)
-    dist_session.run("from distnb.engine import loop\n_sent = [n for n in ('pp_bad', 'pp_small') if n in loop.RUNS]")
+    dist_session.run("from distnb.engine.train import loop\n_sent = [n for n in ('pp_bad', 'pp_small') if n in loop.RUNS]")
     assert dist_session.pull("_sent") == [[], []]
     # the cluster works: the same model trains with a valid split
     result = dist_session.train(BODY, model="pp_bad", split="4", epochs=1, batch_size=16, **opts)

@@ -6,8 +6,8 @@ import shutil
 import pytest
 import torch
 
-from distnb import pretrained
-from distnb.errors import PlanError, RankError
+from distnb.train import pretrained
+from distnb.core.errors import PlanError, RankError
 from support.hfmodels import build, save_sharded
 
 BODY = "(ids,) = batch\nloss = model(input_ids=ids, labels=ids).loss"

@@ -209,8 +209,8 @@ def test_hf_folder_loads_into_pipeline_stages(dist_session, shell, tmp_path, kin
     """Pipeline stages of a Hugging Face Llama, each loaded with its own tensors (the split distnb makes before
     tracing; training HF causal LMs as a pipeline needs a traceable forward, which their cache outputs are not;
     GPT-2's tied embedding and head cannot sit in two stages, which the pipeline strategy refuses)."""
-    from distnb import pretrained, training
-    from distnb.plan import TrainPlan
+    from distnb.train import pretrained, training
+    from distnb.core.plan import TrainPlan
 
     folder = str(tmp_path / kind)
     weight_map = save_sharded(build(kind, seed=1), folder, num_files=3)

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distnb.errors import PlanError, RankError
+from distnb.core.errors import PlanError, RankError
 from support.data import digits_split, mlp, parity_data as make_data, parity_model as make_model
 from support.cells import interrupted
 from support.reference import reference
@@ -185,7 +185,7 @@ def test_bad_options_error_before_anything_runs(dist_session, shell):
                            quiet=True)
     with pytest.raises(PlanError, match=r"--staleness is a --strategy ps option \(this cell uses --strategy ddp\)"):
         dist_session.train(BODY, model="ps_bad_net", data="ps_data", staleness=1, progress="none", quiet=True)
-    dist_session.run("from distnb.engine import loop\n_sent = [n for n in ('ps_bad_net', 'ps_one_tensor') "
+    dist_session.run("from distnb.engine.train import loop\n_sent = [n for n in ('ps_bad_net', 'ps_one_tensor') "
                      "if n in loop.RUNS]")
     assert dist_session.pull("_sent") == [[], []]
 
@@ -231,7 +231,7 @@ def test_interrupt_drains_the_async_exchange(dist_session, shell):
 
 OPT_STATE = """
 import torch
-from distnb.engine import loop
+from distnb.engine.train import loop
 _opt = {{i: {{k: v.clone() for k, v in s.items()}} for i, s in
          loop.RUNS['{name}'].optimizer.inner.state_dict()['state'].items()}}
 """
@@ -279,7 +279,7 @@ def test_the_ps_group_ends_with_the_world_when_a_rank_fails(dist_session, shell)
     ns["ps_armed_net"], ns["ps_data"], ns["F"] = make_model(), make_data(), F
     options = dict(model="ps_armed_net", data="ps_data", batch_size=16, strategy="ps", progress="none", quiet=True)
     dist_session.train(BODY, epochs=1, **options)
-    dist_session.run("from distnb.engine import abort\n_armed = len(abort.ARMED.sockets)")
+    dist_session.run("from distnb.engine.process import abort\n_armed = len(abort.ARMED.sockets)")
     # one listener and world_size - 1 peer connections for each of the two groups (world and ps)
     assert dist_session.pull("_armed") == [2 * dist_session.world_size] * dist_session.world_size
     body = "x, y = batch\nif rank == 1 and ctx.step == 2:\n    raise KeyError('broken batch')\n" + BODY

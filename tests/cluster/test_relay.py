@@ -12,8 +12,8 @@ import tempfile
 import pytest
 import torch.nn.functional as F
 
-from distnb import execute
-from distnb.errors import RankError
+from distnb.execute import execute
+from distnb.core.errors import RankError
 from support.data import blobs, mlp
 
 BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"

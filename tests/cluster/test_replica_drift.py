@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distnb.errors import PlanError, RankError
+from distnb.core.errors import PlanError, RankError
 from support.data import parity_data, parity_model
 
 BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
@@ -68,7 +68,7 @@ def test_tensor_parallel_checks_the_layers_it_leaves_whole(dist_session, shell):
     r = dist_session.train(BODY, model="drift_tp_net", data="drift_data", epochs=1, batch_size=16, lr=0.1,
                            strategy="tensor", progress="none", quiet=True)
     assert len(r.epochs) == 1  # equal copies pass the check
-    from distnb.engine import replicas
+    from distnb.engine.train import replicas
     from distnb.engine.strategies.tensor import Tensor
 
     assert Tensor.replicas and replicas.MODES == ("off", "epoch", "step")
@@ -96,7 +96,7 @@ def test_the_tensor_and_its_difference_come_first_in_the_ranks_one_line_error(di
 
 
 def test_the_tensor_that_differs_most_is_named_first():
-    from distnb.engine import replicas
+    from distnb.engine.train import replicas
 
     text = replicas._message([(3.7e-4, "c.weight", "rank 1's copy differs from rank 0's", True),
                               (0.25, "c.bias", "rank 1's copy differs from rank 0's", True)], 3, "at the end of epoch 0")

@@ -118,7 +118,7 @@ def test_bf16_says_it_runs_without_loss_scaling(dist_session, shell):
 
 def fp16_reference(model, data, *, num_shards, batch_size, epochs, seed, lr, blow_up_at=None):
     """One process on the global batches with CPU fp16 autocast and torch.amp.GradScaler("cpu")."""
-    from distnb.engine import shard
+    from distnb.engine.transport import shard
 
     opt, scaler = torch.optim.SGD(model.parameters(), lr=lr), torch.amp.GradScaler("cpu")
     x, y = data.tensors

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distnb.engine import stepping
+from distnb.engine.train import stepping
 from support.data import parity_data, parity_model
 from support.reference import reference
 

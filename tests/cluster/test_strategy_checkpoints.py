@@ -68,7 +68,7 @@ def test_resume_into_another_strategy(dist_session, shell, tmp_path, saved, resu
     import itertools
     import shutil
 
-    from distnb.engine import shard
+    from distnb.engine.transport import shard
 
     ns = shell.user_ns
     ns["sx_data"], ns["F"] = make_data(), F

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distnb.errors import RankError
+from distnb.core.errors import RankError
 
 BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
 

@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distnb import calls, transfer
-from distnb.engine import shard
-from distnb.errors import RankError
+from distnb.core import calls
+from distnb.transfer import transfer
+from distnb.engine.transport import shard
+from distnb.core.errors import RankError
 from support import shm
 from support.data import blobs, mlp
 
@@ -62,7 +63,7 @@ def test_model_push_and_training_round_trip(dist_session, shell, request, path):
     dist_session.train(BODY, model=name, data="shm_data", epochs=2, batch_size=8, optimizer="adam", lr=0.01,
                        progress="none", quiet=True)
     # the weights came back into the kernel's own parameters (the same objects), equal to every rank's:
-    # in the shared-memory path they now lie in memory of the kernel's pool (distnb.resident), else in place
+    # in the shared-memory path they now lie in memory of the kernel's pool (distnb.transfer.resident), else in place
     assert [p for p in ns[name].parameters()] == kernel_params
     if path == "shm":
         assert all(transfer._pool().ours(p.data_ptr(), p.numel() * 4) for p in kernel_params)
@@ -161,8 +162,8 @@ def _resident(net) -> bool:
 
 
 def test_a_trained_model_is_sent_again_with_no_copy_in_the_kernel(dist_session, shell):
-    from distnb import resident
-    from distnb.engine import wire
+    from distnb.transfer import resident
+    from distnb.engine.transport import wire
 
     ns = shell.user_ns
     ns["res_net"], ns["res_data"], ns["F"] = model(), data(), F

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distnb.errors import PlanError, RankError
+from distnb.core.errors import PlanError, RankError
 from support.data import parity_data, parity_model
 
 BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"

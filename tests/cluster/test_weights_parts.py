@@ -1,8 +1,8 @@
 """Weights back in bounded parts (issue 34, item 1): rank 0 never holds a model-sized outbox.
 
 After a training cell the kernel asks the ranks for the state one part after the other
-(:func:`distnb.weights_back.stream_into`, :func:`distnb.engine.stateparts.pull_part`). A spy on rank 0's
-outbox (:func:`distnb.engine.stateout._outbox`) records the size of every outbox it takes: each must be at
+(:func:`distnb.transfer.weights_back.stream_into`, :func:`distnb.engine.train.stateparts.pull_part`). A spy on rank 0's
+outbox (:func:`distnb.engine.transport.stateout._outbox`) records the size of every outbox it takes: each must be at
 most one part, for every strategy, and the kernel's model must then equal the ranks' weights exactly.
 Before, rank 0 took one outbox of the whole model (1.2-1.7x torchrun's peak in benchmarks/memory.py).
 """
@@ -11,13 +11,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-from distnb import weights_back
+from distnb.transfer import weights_back
 from support.data import parity_data
 
 PART = 1 << 20  # 1 MiB parts: the model below is 6 tensors of 1 MiB and 6 small ones
 
 SPY = """
-import distnb.engine.stateout as _so
+import distnb.engine.transport.stateout as _so
 _outboxes = []
 if not hasattr(_so, "_real_outbox"):
     _so._real_outbox = _so._outbox
@@ -28,7 +28,7 @@ _so._outbox = _spy
 """
 
 UNSPY = """
-import distnb.engine.stateout as _so
+import distnb.engine.transport.stateout as _so
 _so._outbox = _so._real_outbox
 """
 

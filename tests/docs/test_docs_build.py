@@ -16,7 +16,8 @@ import sys
 
 import pytest
 
-from distnb import magics, options, plan
+from distnb import magics
+from distnb.core import options, plan
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 #: The build takes about 10 s on 2 busy cores; a build that takes 10 times that is a failure too.

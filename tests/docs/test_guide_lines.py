@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from distnb import options, plan
+from distnb.core import options, plan
 from distnb.magics import VERBS, _cell, _distrain, _parse
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

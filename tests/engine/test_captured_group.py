@@ -15,7 +15,7 @@ with socket.socket() as s:
     s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
 import torch, torch.distributed as dist
-from distnb.engine import runtime
+from distnb.engine.process import runtime
 dist.init_process_group("gloo", rank=0, world_size=1)
 world = dist.group.WORLD
 alive = weakref.ref(world)

@@ -1,6 +1,6 @@
 """A /dev/shm too small for DataLoader workers: a real one (a 1 MiB tmpfs in a mount namespace of its own).
 
-The rank-side loader (distnb.engine.datasets.Source) runs in a subprocess whose /dev/shm is a 1 MiB
+The rank-side loader (distnb.engine.train.datasets.Source) runs in a subprocess whose /dev/shm is a 1 MiB
 tmpfs, with one worker and 4 MiB batches: torch's own failure must come out with distnb's
 diagnosis (which folder, how full, what to change). Needs root (``unshare -m``); skipped otherwise.
 """
@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CODE = r'''
 import torch
 from torch.utils.data import Dataset
-from distnb.engine import datasets, runtime
-from distnb.plan import TrainPlan
+from distnb.engine.train import datasets; from distnb.engine.process import runtime
+from distnb.core.plan import TrainPlan
 
 runtime.STATE.rank = 0
 

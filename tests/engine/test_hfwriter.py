@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
-from distnb.engine import hfwriter
+from distnb.engine.train import hfwriter
 
 
 def _result(name):

@@ -14,7 +14,7 @@ CODE = r'''
 import os, socket, sys
 import torch, torch.nn as nn, torch.distributed as dist
 import torch.multiprocessing as mp
-from distnb.engine import materialize, segments, wire
+from distnb.engine.strategies import materialize; from distnb.engine.transport import segments, wire
 
 
 def make():
@@ -81,7 +81,7 @@ def test_structure_sharded_then_filled_from_shared_memory_equals_the_model(tmp_p
 def test_meta_tensors_travel_as_their_shape_only():
     import torch
 
-    from distnb.engine import wire
+    from distnb.engine.transport import wire
 
     with torch.device("meta"):
         layer = torch.nn.Linear(3, 2)

@@ -13,7 +13,7 @@ import sys
 CODE = r'''
 import datetime
 import torch.distributed as dist
-from distnb.engine import abort, ncclfail
+from distnb.engine.process import abort, ncclfail
 
 store = dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=30))  # a port of its own: no race
 calls = []

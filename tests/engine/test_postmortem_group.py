@@ -3,7 +3,7 @@
 Two real processes form a gloo group with a DDP model. Rank 0 then waits in an all_reduce that
 rank 1 never joins: rank 1 raises in a function holding the DDP wrapper, a tensor and a finished
 collective's handle (``async_op=True``; it holds gloo's connections too), and does
-what a failing ``%%dist`` cell does (distnb.engine.runtime.run_cell's except path: keep the
+what a failing ``%%dist`` cell does (distnb.engine.process.runtime.run_cell's except path: keep the
 traceback, tear the group down). Rank 0 must fail within seconds, not the 30 s timeout, while
 rank 1's kept frames still show the wrapper and the tensor through pdb; a fresh group then forms
 while the frames are kept, and dropping them later leaves that group working.
@@ -24,7 +24,7 @@ import datetime, os, sys, time
 rank, first, second = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(first), GLOO_SOCKET_IFNAME="lo")
 import torch, torch.nn as nn, torch.distributed as dist
-from distnb.engine import postmortem, runtime
+from distnb.engine.process import postmortem, runtime
 torch.set_num_threads(1)
 runtime.STATE.rank = rank
 timeout = datetime.timedelta(seconds=TIMEOUT)

@@ -21,7 +21,7 @@ import torch, torch.nn as nn, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.utils.hooks import RemovableHandle
-from distnb.engine import wire
+from distnb.engine.transport import wire
 
 torch.manual_seed(0)
 net = nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(4, 3)), nn.Linear(3, 2))

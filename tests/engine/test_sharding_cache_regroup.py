@@ -18,7 +18,7 @@ proc, forget, folder = int(sys.argv[1]), sys.argv[2] == "1", sys.argv[3]
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
-from distnb.engine import runtime
+from distnb.engine.process import runtime
 from distnb.engine.strategies import fsdp  # registers the release hook
 
 def world(rank, name):

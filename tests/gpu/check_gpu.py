@@ -59,7 +59,7 @@ def main() -> int:
     import torch
 
     from distnb import session
-    from distnb.net import visible_gpus
+    from distnb.core.net import visible_gpus
 
     gpus = visible_gpus()
     if not args.cpu and not gpus:
@@ -91,7 +91,7 @@ def main() -> int:
     finally:
         pids = session._CURRENT.cluster.pids["engines"] if session._CURRENT is not None else []
         kit.cell(sh, "%dist stop", expect_error=True)
-        from distnb import zygote
+        from distnb.cluster import zygote
 
         zygote.stop()
     checks.run("stop", kit_cells.nothing_left, pids)

@@ -58,7 +58,7 @@ def main() -> int:
         if session._CURRENT is not None:
             pids = sorted(set(pids) | set(session._CURRENT.cluster.pids["engines"]))
         kit.cell(sh, "%dist stop", expect_error=True)
-        from distnb import zygote
+        from distnb.cluster import zygote
 
         zygote.stop()
     from kit_cells import nothing_left
@@ -80,7 +80,7 @@ def ddp_matches_reference(fig, s, cpu):
     import torch
     import torch.nn.functional as F
 
-    from distnb.engine import shard
+    from distnb.engine.transport import shard
 
     ns = s.ns
     ns["two_net"], ref = ns["make_net"](11), ns["make_net"](11)

@@ -84,15 +84,15 @@ fi
     else
         echo "nvidia-smi: not found"
     fi
-    timeout 60 "$PY" -c "import sys, torch, distnb, ipyparallel, IPython; from distnb.net import visible_gpus; \
+    timeout 60 "$PY" -c "import sys, torch, distnb, ipyparallel, IPython; from distnb.core.net import visible_gpus; \
 print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, \
 'ipyparallel', ipyparallel.__version__, 'IPython', IPython.__version__); print('visible_gpus()', visible_gpus()); \
 print('torch.cuda.device_count()', torch.cuda.device_count())"
-    timeout 30 "$PY" -c "from distnb import gpus; print('distnb.gpus.discover()', gpus.discover())" 2>&1 | tail -1
+    timeout 30 "$PY" -c "from distnb.core import gpus; print('distnb.core.gpus.discover()', gpus.discover())" 2>&1 | tail -1
     df -h /dev/shm | tail -1 | awk '{print "/dev/shm: " $2 " total, " $4 " free"}'
 } 2>&1 | tee -a "$OUT/0-setup.log"
 if [ "$MODE" = gpu ] && command -v nvidia-smi > /dev/null && nvidia-smi -L | grep -q '^GPU' \
-        && [ "$("$PY" -c 'from distnb.net import visible_gpus; print(len(visible_gpus()))' 2>/dev/null)" = 0 ]; then
+        && [ "$("$PY" -c 'from distnb.core.net import visible_gpus; print(len(visible_gpus()))' 2>/dev/null)" = 0 ]; then
     echo "visible_gpus() finds none but nvidia-smi does (finding 13): CUDA_VISIBLE_DEVICES=0" | tee -a "$OUT/0-setup.log"
     export CUDA_VISIBLE_DEVICES=0
 fi

@@ -113,7 +113,7 @@ def start(fig, s, start_s, torch):
 
 def cpu_tensors_on_group(fig, s):
     """What a grow runs (finding 2): rank 0's models broadcast over the group, here right after a ddp cell."""
-    from distnb import calls
+    from distnb.core import calls
 
     s.ns["share_net"] = s.ns["make_net"](1)
     s.train(BODY, model="share_net", epochs=1, **OPTS)
@@ -133,7 +133,7 @@ def cpu_tensors_on_group(fig, s):
 
 def failure_cycles(fig, sh, s):
     """Three failing %%dist cells, a %%distrain failing at step 3, then a cell that trains; memory after each."""
-    from distnb import calls
+    from distnb.core import calls
 
     s.ns["fc_net"] = s.ns["make_net"](2)
 
@@ -215,7 +215,7 @@ def peak_per_cell(fig, sh, s):
     s = _session()
     big = 2 << 30 if s.cluster.spec.device_type == "cuda" else 256 << 20
     s.ns["peak_net"] = s.ns["make_net"](5)
-    read = ("from distnb.engine.report import peak_memory\n_peak = peak_memory(device)\n"
+    read = ("from distnb.engine.transport.report import peak_memory\n_peak = peak_memory(device)\n"
             "_res = torch.cuda.max_memory_reserved() if device.type == 'cuda' else 0")
     peaks = []
     for held in (big, 0):
@@ -369,7 +369,7 @@ def offload(fig, sh, gib: float = 2.0):
 
     import torch.nn as nn
 
-    from distnb.plan import TrainPlan
+    from distnb.core.plan import TrainPlan
 
     if "offload" not in {f.name for f in dataclasses.fields(TrainPlan)}:
         fig.update(ok=None, skipped="--offload is missing (issue 34 adds --offload cpu): not checked")

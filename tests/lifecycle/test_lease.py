@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from distnb import lease
+from distnb.cluster import lease
 from support import lease_world as lw
 
 EPOCHS = 12
@@ -102,7 +102,7 @@ def test_d_a_claim_keeps_the_world_while_its_claimer_lives(kernel):
     km, kc = kernel
     info, _ = lw.start_world(kc, "2s", epochs=2, sleep=0.0)
     claimer = subprocess.Popen([sys.executable, "-c", (
-        "import os, sys, time\nfrom distnb import lease\nlease.claim(sys.argv[1], os.getpid())\n"
+        "import os, sys, time\nfrom distnb.cluster import lease\nlease.claim(sys.argv[1], os.getpid())\n"
         "print('claimed', flush=True)\ntime.sleep(600)"), info["cluster_id"]], stdout=subprocess.PIPE, text=True)
     try:
         assert claimer.stdout.readline().strip() == "claimed"

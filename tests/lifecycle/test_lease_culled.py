@@ -22,7 +22,7 @@ import requests
 from jupyter_client import BlockingKernelClient
 from jupyter_core.paths import jupyter_runtime_dir
 
-from distnb.net import free_port
+from distnb.core.net import free_port
 from support import lease_world as lw
 
 EPOCHS = 12

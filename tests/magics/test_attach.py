@@ -5,8 +5,8 @@ training run); this test process is the second kernel. Security: the record and 
 another uid's to read (``nobody``, a subprocess under setuid), and a connection file with an altered key
 gets no answer from the controller: attach is refused within its timeout.
 
-Until the lease branch is merged, ``distnb.lease`` is absent: these tests then give ``attach`` a stand-in
-``distnb.lease.claim`` that records the call (the world's first kernel stays alive, so nothing needs the
+Until the lease branch is merged, ``distnb.cluster.lease`` is absent: these tests then give ``attach`` a stand-in
+``distnb.cluster.lease.claim`` that records the call (the world's first kernel stays alive, so nothing needs the
 keeper); the kill-the-first-kernel proof needs the real one and is skipped without it.
 """
 
@@ -30,9 +30,10 @@ import pytest
 import torch
 
 import distnb
-from distnb import session as sessions, worlds
+from distnb import session as sessions
+from distnb.cluster import worlds
 from distnb.attaching import connect
-from distnb.errors import ClusterError
+from distnb.core.errors import ClusterError
 from support.data import blobs, mlp
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,12 +43,12 @@ EPOCHS, STEPS_PER_EPOCH = 10, 4  # 64 samples, 2 ranks, --batch-size 8
 
 @pytest.fixture
 def claims(monkeypatch):
-    """The lease claims attach made; a recording stand-in for ``distnb.lease`` until the lease branch is merged."""
+    """The lease claims attach made; a recording stand-in for ``distnb.cluster.lease`` until the lease branch is merged."""
     made = []
-    if importlib.util.find_spec("distnb.lease") is None:
-        monkeypatch.setitem(sys.modules, "distnb.lease", types.SimpleNamespace(
+    if importlib.util.find_spec("distnb.cluster.lease") is None:
+        monkeypatch.setitem(sys.modules, "distnb.cluster.lease", types.SimpleNamespace(
             claim=lambda cluster_id, kernel_pid, timeout=10.0: made.append((cluster_id, kernel_pid))))
-        monkeypatch.setattr(distnb, "lease", sys.modules["distnb.lease"], raising=False)
+        monkeypatch.setattr(distnb, "lease", sys.modules["distnb.cluster.lease"], raising=False)
     monkeypatch.setattr(sessions, "_CURRENT", None)  # this process is a fresh kernel: no world of its own
     return made
 
@@ -292,7 +293,7 @@ def test_another_uid_can_neither_read_the_record_nor_attach(claims, tmp_path):
 def test_attach_after_the_first_kernel_was_killed(tmp_path, monkeypatch):
     """The proof of issue 38 (needs the lease keeper of the lease branch): SIGKILL the first kernel during a
     background run; a new kernel attaches with --model and gets every step, none twice."""
-    pytest.importorskip("distnb.lease")  # without it the first kernel's reaper ends the world with its kernel
+    pytest.importorskip("distnb.cluster.lease")  # without it the first kernel's reaper ends the world with its kernel
     monkeypatch.setattr(sessions, "_CURRENT", None)
     with first_kernel(tmp_path) as world:
         os.kill(world["proc"].pid, signal.SIGKILL)

@@ -9,7 +9,7 @@ import time
 import torch
 
 from distnb import session as session_mod
-from distnb.errors import BusyError, RankError
+from distnb.core.errors import BusyError, RankError
 from support import shm
 
 SETUP = """import time

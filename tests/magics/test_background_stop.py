@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from distnb import session as session_mod
-from distnb.cluster import Cluster
-from distnb.errors import Interrupted
+from distnb.cluster.cluster import Cluster
+from distnb.core.errors import Interrupted
 from support import shm
 
 # The gradient of sum(W x) over a batch of 16 rows of ones is 16 for every weight, on every rank: with sgd at
@@ -78,7 +78,7 @@ def test_dist_stop_during_a_background_run_stops_it_at_one_step_then_the_cluster
 def test_status_during_a_background_run_and_stop_after_a_rank_was_killed(shell, capsys, monkeypatch):
     # rank 0 sleeps 20 s in its first step while rank 1 waits for it in the all-reduce: after rank 1 is
     # killed the run goes on (rank 0 has not reached the collective) until DEATH_GRACE ends it, here made long
-    from distnb import execute
+    from distnb.execute import execute
 
     monkeypatch.setattr(execute, "DEATH_GRACE", 60.0)
     run(shell, SETUP)
@@ -166,7 +166,7 @@ def test_ctrl_c_during_dist_start_stops_the_engines_started_so_far(shell, monkey
 
 
 def test_dist_stop_ends_a_run_whose_ranks_ignore_the_interrupt_with_the_engines(shell, capsys, monkeypatch):
-    from distnb import execute
+    from distnb.execute import execute
 
     monkeypatch.setattr(execute, "STOP_WAIT", 0.5)  # the stop's bounded waits, shortened for the test
     monkeypatch.setattr(execute, "INTERRUPT_WAIT", 1.0)
@@ -195,7 +195,7 @@ def test_dist_stop_ends_a_run_whose_ranks_ignore_the_interrupt_with_the_engines(
 def test_ctrl_c_while_the_template_forks_an_engine_leaves_no_engine_behind(shell, monkeypatch):
     # the template forks the engine whether or not the kernel waits for its reply: an interrupted wait left
     # an engine nobody knew the pid of (and the launcher's pid -1 made the stop raise ValueError)
-    from distnb import zygote
+    from distnb.cluster import zygote
 
     run(shell, "%dist stop")
     template = zygote.get()

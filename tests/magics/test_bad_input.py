@@ -15,7 +15,7 @@ import torch
 from IPython.core.error import UsageError
 
 from distnb import session as session_mod
-from distnb.errors import PlanError, RankError
+from distnb.core.errors import PlanError, RankError
 
 SETUP = """
 import threading
@@ -172,7 +172,7 @@ def test_a_data_set_that_cannot_be_sent_fails_before_the_model_is_sent(shell, tr
     res = run(shell, f"%%distrain --model never_sent --data {data} --progress none\n{BODY}")
     assert isinstance(res.error_in_exec, UsageError) and needle in str(res.error_in_exec), res.error_in_exec
     assert "sent never_sent" not in capsys.readouterr().out
-    run(shell, "%%dist\nfrom distnb.engine import loop\n_held = 'never_sent' in loop.RUNS")
+    run(shell, "%%dist\nfrom distnb.engine.train import loop\n_held = 'never_sent' in loop.RUNS")
     assert run(shell, "%dist pull _held").result == [False, False]
 
 
@@ -194,7 +194,7 @@ def test_a_validation_set_that_cannot_be_tensors_fails_before_anything_is_sent(s
                                "is not all tensors: named_val['name'] is a list;"), str(err)
     assert "leave the other fields out of its items" in str(err)
     assert "sent never_sent_v" not in capsys.readouterr().out
-    run(shell, "%%dist\nfrom distnb.engine import loop\n_held = 'never_sent_v' in loop.RUNS")
+    run(shell, "%%dist\nfrom distnb.engine.train import loop\n_held = 'never_sent_v' in loop.RUNS")
     assert run(shell, "%dist pull _held").result == [False, False]
 
 
@@ -419,7 +419,7 @@ def test_the_retry_after_a_mid_epoch_unused_parameter_error_works(shell, trained
     assert ok.error_in_exec is None, ok.error_in_exec
     rows = shell.user_ns["branchy_res"].rows
     assert rows[0]["steps"] == rows[1]["steps"]  # one position for both ranks: rank 0's, as its weights
-    run(shell, "%%dist\nfrom distnb.engine import loop\n_pos = (loop.RUNS['branchy'].epoch, loop.RUNS['branchy'].steps)")
+    run(shell, "%%dist\nfrom distnb.engine.train import loop\n_pos = (loop.RUNS['branchy'].epoch, loop.RUNS['branchy'].steps)")
     first, second = run(shell, "%dist pull _pos").result
     assert first == second
 

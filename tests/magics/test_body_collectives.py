@@ -2,7 +2,7 @@
 
 A collective some ranks skip in a ``%%distrain`` step (a metric all-reduced on rank 0 only) met the other ranks'
 DDP gradient all-reduce in gloo, which aborted the engine (SIGABRT) and every rank had to restart. Now each such
-call waits in the store for every rank first (distnb/engine/arrival.py): a HangError naming the ranks within
+call waits in the store for every rank first (distnb/engine/process/arrival.py): a HangError naming the ranks within
 --hang-after, the model and optimizer kept, the next cell working; a collective every rank calls works as before.
 """
 
@@ -13,7 +13,7 @@ import torch
 
 from distnb import session as session_mod
 from support.cells import hang_after
-from distnb.errors import HangError, RankError
+from distnb.core.errors import HangError, RankError
 
 HANG = 3.0
 SETUP = """import torch, torch.nn as nn, torch.nn.functional as F, torch.distributed as dist

@@ -118,7 +118,7 @@ def test_training_resumes_from_the_last_checkpoint_after_an_engine_dies(dist_ses
 def test_load_after_a_restart_finds_the_checkpoints_model_or_names_the_fix(dist_session, shell, tmp_path):
     from IPython.core.error import UsageError
 
-    from distnb.errors import PlanError
+    from distnb.core.errors import PlanError
 
     ns = shell.user_ns
     ns["ck_data"], ns["F"] = make_data(), F
@@ -170,7 +170,7 @@ def test_the_chosen_optimizer_and_rate_survive_a_resend(dist_session, shell):
 
 def test_the_optimizer_of_a_failed_cell_is_remembered(dist_session, shell):
     """A cell that fails (here its body; in use, often a dead engine) still says which optimizer the user wants."""
-    from distnb.errors import RankError
+    from distnb.core.errors import RankError
 
     ns = shell.user_ns
     ns["ck_data"], ns["F"] = make_data(), F
@@ -184,7 +184,7 @@ def test_the_optimizer_of_a_failed_cell_is_remembered(dist_session, shell):
 
 
 def test_save_after_a_failed_cell(dist_session, shell, tmp_path):
-    from distnb.errors import RankError
+    from distnb.core.errors import RankError
 
     ns = shell.user_ns
     ns["ck_data"], ns["F"] = make_data(), F
@@ -200,7 +200,7 @@ def test_save_after_a_failed_cell(dist_session, shell, tmp_path):
 
 
 def test_a_checkpoint_of_another_model_is_a_clear_error(dist_session, shell, tmp_path):
-    from distnb.errors import RankError
+    from distnb.core.errors import RankError
 
     ns = shell.user_ns
     ns["ck_data"], ns["F"] = make_data(), F
@@ -218,7 +218,7 @@ def test_a_checkpoint_of_another_model_is_a_clear_error(dist_session, shell, tmp
 
 
 def test_load_into_another_model_names_the_key_and_changes_nothing(dist_session, shell, tmp_path, capsys):
-    from distnb.errors import RankError
+    from distnb.core.errors import RankError
 
     ns = shell.user_ns
     ns["ck_data"], ns["F"] = make_data(), F
@@ -320,7 +320,7 @@ def test_another_optimizer_on_resume_takes_the_weights_with_a_fresh_optimizer(di
 def test_a_notebook_schedule_resumes_after_a_restart_or_its_absence_is_named(dist_session, shell, tmp_path):
     """The ranks rebuild a checkpoint's schedule by name: a notebook function they never got after %dist restart
     ("--lr-schedule 'sched' is not a function on this rank"), and the next cell then trained without it, silently."""
-    from distnb.errors import PlanError
+    from distnb.core.errors import PlanError
 
     shell.run_cell("from torch.optim.lr_scheduler import CosineAnnealingLR\n"
                    "def ck_sched(optimizer, total_steps):\n    return CosineAnnealingLR(optimizer, T_max=3 * total_steps)")
@@ -352,7 +352,7 @@ def test_a_notebook_schedule_resumes_after_a_restart_or_its_absence_is_named(dis
 def test_save_after_a_cell_given_the_model_object_itself(dist_session, shell, tmp_path):
     """train(code, model=<object>) binds no notebook name: save() of the last model trained said "--model
     '_distnb_model' is not defined in the notebook; define it in a cell first", a name the user never wrote."""
-    from distnb.errors import PlanError
+    from distnb.core.errors import PlanError
 
     shell.user_ns["ck_data"], shell.user_ns["F"] = make_data(), F
     trained = make_model()

@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from distnb import session as session_mod
-from distnb.engine import binding
+from distnb.engine.process import binding
 from support.worlds import back_to_two_ranks
 
 CORES = sorted(psutil.Process().cpu_affinity())
@@ -89,7 +89,7 @@ def test_auto_leaves_the_ranks_unbound_while_another_process_keeps_the_cores_bus
 def test_a_bad_cpu_bind_is_a_usage_error_naming_the_choices(shell):
     from IPython.core.error import UsageError
 
-    from distnb.errors import PlanError
+    from distnb.core.errors import PlanError
 
     before = session_mod.current()
     res = shell.run_cell("%dist restart --cpu-bind sockets")

@@ -9,7 +9,7 @@ import time
 import psutil
 
 from distnb import session as session_mod
-from distnb.errors import RankError
+from distnb.core.errors import RankError
 
 SETUP = """
 import time, torch, torch.nn as nn, torch.nn.functional as F

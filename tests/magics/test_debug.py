@@ -12,7 +12,7 @@ from support.cells import failing_cell
 from IPython.core.error import UsageError
 
 from distnb import session as session_mod
-from distnb.errors import BusyError, PlanError, RankError
+from distnb.core.errors import BusyError, PlanError, RankError
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -160,7 +160,7 @@ def test_after_a_hang_debug_opens_the_rank_that_raised_not_the_one_that_never_ar
     import contextlib
     import dataclasses
 
-    from distnb.errors import HangError
+    from distnb.core.errors import HangError
 
     cluster = session_mod.current().cluster
     spec = cluster.spec

@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from distnb import session as session_mod
-from distnb.errors import ClusterError, RankError
+from distnb.core.errors import ClusterError, RankError
 
 SETUP = """
 import torch, torch.nn as nn, torch.nn.functional as F
@@ -138,7 +138,7 @@ def test_auto_restart_keeps_the_steps_every_rank_completed(shell, capsys):
 
 def test_status_says_how_a_dead_rank_died_and_the_fix(shell, capsys):
     """Between cells: the dead rank's row says how its engine ended (``died``), the title names it and the fix."""
-    from distnb.results import StatusTable
+    from distnb.train.results import StatusTable
 
     assert run(shell, SETUP).error_in_exec is None
     assert run(shell, CELL).error_in_exec is None
@@ -173,7 +173,7 @@ def test_status_shows_an_engine_that_runs_but_is_no_longer_registered(shell, cap
     shows it (alive, not registered) and the fix instead of failing with the ClusterError of a call to it."""
     import signal
 
-    from distnb.results import StatusTable
+    from distnb.train.results import StatusTable
 
     cluster = session_mod.current().cluster
     pid, eid = cluster.ranks[1]["pid"], cluster.engine_ids[1]

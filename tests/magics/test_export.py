@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from IPython.core.error import UsageError
 
 import distnb
-from distnb import export
+from distnb.export import export
 from support.data import blobs
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -285,7 +285,7 @@ def test_a_cell_that_went_on_is_exported_from_the_notebooks_weights_after_it(exp
     options = json.loads((tmp_path / "job" / "options.json").read_text())
     assert options["start"] == dict(epoch=2, epoch_samples=0, steps=6, epoch_step=0, exact=False,
                                     why=info["why"])  # 2 cells of 40 / 2 ranks / 8 = 3 steps
-    from distnb.engine import wire
+    from distnb.engine.transport import wire
 
     payload, descs, buffers = pickle.loads((tmp_path / "job" / "model.pkl").read_bytes())
     torch.testing.assert_close(params(wire.loads(payload, descs, buffers)), after, rtol=0, atol=0)
@@ -312,7 +312,7 @@ def test_export_after_dist_load_goes_on_from_the_loaded_weights_not_a_changed_cl
     assert not info["exact"] and "%dist load put the checkpoint" in info["why"] and "from epoch 1" in info["why"]
     options = json.loads((tmp_path / "job" / "options.json").read_text())
     assert options["start"] == dict(epoch=1, epoch_samples=0, steps=3, epoch_step=0, exact=False, why=info["why"])
-    from distnb.engine import wire
+    from distnb.engine.transport import wire
 
     payload, descs, buffers = pickle.loads((tmp_path / "job" / "model.pkl").read_bytes())
     torch.testing.assert_close(params(wire.loads(payload, descs, buffers)), loaded, rtol=0, atol=0)
@@ -324,12 +324,12 @@ def test_export_after_dist_load_goes_on_from_the_loaded_weights_not_a_changed_cl
 
 def test_a_model_too_large_to_keep_a_copy_of_is_exported_from_its_weights_after_the_cell(exported, shell, tmp_path,
                                                                                         monkeypatch):
-    from distnb import export
+    from distnb.train import record
 
     ns = shell.user_ns
     ns["ex_big"] = ns["ExportNet"]()
     ns["ex_big_data"] = blobs(40, seed=4, num_features=10, num_classes=2)
-    monkeypatch.setattr(export, "KEEP_START_BYTES", 100)  # this model's weights are larger than that
+    monkeypatch.setattr(record, "KEEP_START_BYTES", 100)  # this model's weights are larger than that
     shell.run_cell_magic("distrain", "--model ex_big --data ex_big_data --epochs 1 --batch-size 8 --progress none",
                          BODY)
     assert export.last().model_packed is None  # no copy of its starting weights in the kernel

@@ -11,7 +11,7 @@ import pytest
 
 from distnb import session as session_mod
 from support.cells import hang_after
-from distnb.errors import HangError
+from distnb.core.errors import HangError
 
 HANG = 3.0
 SETUP = """import time
@@ -245,7 +245,7 @@ def test_step_counts_are_compared_only_where_they_can_differ(shell):
     # a step body over data of known length runs every batch on every rank: its epoch ends skip the store round
     # trips; a --loop body (it may break on some ranks only) has its counts compared at each epoch end and its end
     run(shell, SETUP)
-    seq = "from distnb.engine import context as _ctx\n_ctx._AGREED['seq']"
+    seq = "from distnb.engine.train import context as _ctx\n_ctx._AGREED['seq']"
     counts = lambda: {int(v) for v in session_mod.current().run(seq)}  # noqa: E731  (counted per process group)
     loop = BREAK_LOOP.replace("if ctx.rank == 0 and i == 3:\n            break", "pass")
     loop_cell = "%%distrain --model hang_net --data hang_train --loop --epochs 3 --batch-size 16 --progress none\n"

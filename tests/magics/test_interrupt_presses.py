@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from distnb.errors import Interrupted
+from distnb.core.errors import Interrupted
 
 SETUP = """import torch, torch.nn as nn, torch.nn.functional as F
 torch.manual_seed(0)
@@ -25,7 +25,7 @@ STEPS_PER_EPOCH = 256 // 2 // 16
 
 def _optimizer_steps(session):
     session.run("_ip_steps = int(optimizer.state_dict()['state'][0]['step'])\n"
-                "from distnb.engine.loop import RUNS\n_ip_epoch = RUNS['ip_net'].epoch")
+                "from distnb.engine.train.loop import RUNS\n_ip_epoch = RUNS['ip_net'].epoch")
     return session.pull("_ip_steps"), session.pull("_ip_epoch")
 
 

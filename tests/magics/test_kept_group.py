@@ -10,8 +10,8 @@ raises while the other issued an all-reduce) still re-forms the group, and the n
 import pytest
 import torch.nn.functional as F
 
-from distnb import calls
-from distnb.errors import RankError
+from distnb.core import calls
+from distnb.core.errors import RankError
 from support.data import parity_data, parity_model
 
 pytestmark = pytest.mark.timeout(240)
@@ -23,7 +23,7 @@ def _generations(session) -> list:
 
 
 def _optimizer_steps(session, name) -> list:
-    return [int(v) for v in session.run(f"from distnb.engine import loop as _l\n_l.RUNS[{name!r}].optimizer_steps")]
+    return [int(v) for v in session.run(f"from distnb.engine.train import loop as _l\n_l.RUNS[{name!r}].optimizer_steps")]
 
 
 def test_a_typo_keeps_the_group_and_the_sharded_model_state(dist_session, shell):

@@ -15,8 +15,9 @@ import time
 
 import pytest
 
-from distnb import kernelstop, presses
-from distnb.errors import Interrupted
+from distnb import kernelstop
+from distnb.execute import presses
+from distnb.core.errors import Interrupted
 
 SETUP = """import torch, torch.nn as nn, torch.nn.functional as F
 torch.manual_seed(0)

@@ -6,8 +6,8 @@ import time
 import psutil
 import pytest
 
-from distnb.cluster import Cluster
-from distnb.defaults import default_spec
+from distnb.cluster.cluster import Cluster
+from distnb.cluster.defaults import default_spec
 from distnb.session import Session
 
 
@@ -61,8 +61,8 @@ def test_a_start_that_fails_while_the_controller_starts_leaves_none_of_its_proce
     import os
     import signal
 
-    from distnb import launchers
-    from distnb.errors import ClusterError
+    from distnb.cluster import launchers
+    from distnb.core.errors import ClusterError
 
     group = {}
 
@@ -92,7 +92,7 @@ def test_a_start_that_fails_while_the_controller_starts_leaves_none_of_its_proce
 def test_an_interrupt_during_stop_still_leaves_no_process_behind(monkeypatch):
     """Ctrl-C landing in %dist stop (here: in its wait for the engines to leave) ends the stop early, but the
     controller and the engines still go (a fresh user's find: the controller lived until the kernel exited)."""
-    from distnb import cluster as cluster_mod
+    from distnb.cluster import cluster as cluster_mod
 
     cluster = Cluster(default_spec(n=2, timeout=20)).start()
     procs = [psutil.Process(p) for p in cluster.family]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from distnb import session as session_mod
-from distnb.errors import PlanError, RankError
+from distnb.core.errors import PlanError, RankError
 from support.cells import interrupted
 
 
@@ -304,7 +304,7 @@ def test_body_that_bypasses_the_ddp_wrapper_is_an_error(shell):
 
 def test_the_live_optimizer_and_lr_are_kept_unless_asked(shell, dist_session, capsys):
     run(shell, TRAIN_SETUP.replace("mnet", "onet"))
-    query = "import distnb.engine.loop as L\n_o = L.RUNS['onet'].optimizer\n(type(_o).__name__, _o.param_groups[0]['lr'])"
+    query = "import distnb.engine.train.loop as L\n_o = L.RUNS['onet'].optimizer\n(type(_o).__name__, _o.param_groups[0]['lr'])"
     run(shell, f"%%distrain --model onet --data train_ds --optimizer adam --lr 0.003 --progress none\n{BODY}")
     assert dist_session.run(query)[0] == "('Adam', 0.003)"
     run(shell, f"%%distrain --model onet --data train_ds --progress none\n{BODY}")
@@ -375,7 +375,7 @@ def test_interrupt_stops_every_rank_after_the_same_step(shell, dist_session):
     assert re.search(r"every rank stopped after the same step \(every rank: (epoch \d+, step \d+|after epoch \d+)\)",
                      result.interrupted_message), result.interrupted_message  # one position: the same on each
     assert result.rows[0]["steps"] == result.rows[1]["steps"] > 0 and "interrupted" in result.title
-    from distnb.engine.stepping import HISTORY_POINTS as cap
+    from distnb.engine.train.stepping import HISTORY_POINTS as cap
 
     steps, history = result.rows[0]["steps"], result.loss_history[0]  # every step's loss, or (past 2 * cap
     assert (len(history) == steps if steps <= 2 * cap else cap <= len(history) <= 2 * cap)  # points) pairs averaged
@@ -397,7 +397,7 @@ def test_an_interrupted_cell_binds_its_result_and_ends_as_interrupted(shell, dis
     import signal
     import threading
 
-    from distnb.errors import Interrupted
+    from distnb.core.errors import Interrupted
 
     run(shell, TRAIN_SETUP.replace("mnet", "onet"))
     timer = threading.Timer(2.0, lambda: os.kill(os.getpid(), signal.SIGINT))
@@ -448,7 +448,7 @@ def test_the_interrupt_pressed_twice_stops_the_ranks_where_they_are_in_one_messa
     import threading
     import time
 
-    from distnb.errors import Interrupted
+    from distnb.core.errors import Interrupted
 
     run(shell, TRAIN_SETUP.replace("mnet", "i2net"))
     slow = "import time\ntime.sleep(4.0)\n" + BODY  # the first press waits for a step that takes 4 s
@@ -482,7 +482,7 @@ def test_the_interrupt_pressed_again_while_distnb_signals_the_ranks_is_distnbs_m
     import signal
     import threading
 
-    from distnb.errors import Interrupted
+    from distnb.core.errors import Interrupted
 
     run(shell, TRAIN_SETUP.replace("mnet", "i3net"))
     cluster = dist_session.cluster
@@ -518,7 +518,7 @@ def test_a_stop_after_an_epochs_last_step_continues_with_the_next_epoch(shell, d
     first = dist_session.train(BODY, model="lnet", data="train_ds", epochs=1, progress="none", quiet=True)
     steps = first.rows[0]["steps"]
     # the state an interrupt leaves after the epoch's last step: epoch 0 with every sample trained
-    dist_session.run("from distnb.engine.loop import RUNS\n_r = RUNS['lnet']\n_r.epoch -= 1\n"
+    dist_session.run("from distnb.engine.train.loop import RUNS\n_r = RUNS['lnet']\n_r.epoch -= 1\n"
                      f"_r.epoch_step = {steps}\n_r.epoch_samples = 10**9")
     nxt = dist_session.train(BODY, model="lnet", data="train_ds", epochs=1, progress="none", quiet=True)
     assert nxt.rows[0]["steps"] == steps  # a whole epoch, not the empty rest of the finished one
@@ -532,12 +532,12 @@ def test_a_stop_asked_for_at_an_epochs_last_step_lands_after_its_end_and_says_so
     distnb cannot end for it there, is named "after the last step of epoch 1". Stop checks at every step (the
     check interval 0) and rank 0's own SIGINT one step before the last make the landing exact.
     """
-    from distnb.execute import position
+    from distnb.execute.execute import position
 
     run(shell, TRAIN_SETUP.replace("mnet", "enet"))
     ask = ("import os, signal\nif ctx.epoch == 1 and ctx.rank == 0 and ctx.epoch_done == ctx.epoch_batches - 2:\n"
            "    os.kill(os.getpid(), signal.SIGINT)\n")
-    dist_session.run("import distnb.engine.context as _ctx_mod\n_ctx_mod.STOP_CHECK_SECONDS = 0.0")
+    dist_session.run("import distnb.engine.train.context as _ctx_mod\n_ctx_mod.STOP_CHECK_SECONDS = 0.0")
     try:
         result = dist_session.train(ask + BODY, model="enet", data="train_ds", epochs=3, batch_size=32,
                                     progress="none", quiet=True)
@@ -548,7 +548,7 @@ def test_a_stop_asked_for_at_an_epochs_last_step_lands_after_its_end_and_says_so
         looped = dist_session.train(loop, model="enet", data="train_ds", loop=True, epochs=3, batch_size=32,
                                     reset=True, progress="none", quiet=True)
     finally:
-        dist_session.run("import distnb.engine.context as _ctx_mod\n_ctx_mod.STOP_CHECK_SECONDS = 0.1")
+        dist_session.run("import distnb.engine.train.context as _ctx_mod\n_ctx_mod.STOP_CHECK_SECONDS = 0.1")
     steps = result.rows[0]["steps_per_epoch"]
     assert result.interrupted and result.epochs == [0, 1] and len(result.epoch_losses) == 2
     assert [row["where"] for row in result.rows] == [dict(epoch=2, step=0)] * 2 and result.rows[0]["steps"] == 2 * steps
@@ -568,7 +568,7 @@ def test_a_position_partway_through_one_data_set_does_not_carry_to_another(shell
     first = dist_session.train(BODY, model="pnet", data="train_ds", epochs=1, progress="none", quiet=True)
     steps = first.rows[0]["steps"]
     # the state an interrupt leaves partway through an epoch: epoch 1 with 2 steps of it trained
-    dist_session.run(f"from distnb.engine.loop import RUNS\n_r = RUNS['pnet']\n_r.epoch_step = 2\n"
+    dist_session.run(f"from distnb.engine.train.loop import RUNS\n_r = RUNS['pnet']\n_r.epoch_step = 2\n"
                      f"_r.epoch_samples = 2 * 8")
     x, y = shell.user_ns["train_ds"].tensors
     shell.user_ns["other_ds"] = _torch.utils.data.TensorDataset(x[:40].clone(), y[:40].clone())

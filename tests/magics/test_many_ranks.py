@@ -20,11 +20,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distnb import zygote
-from distnb.cluster import Cluster
-from distnb.defaults import default_spec
+from distnb.cluster import zygote
+from distnb.cluster.cluster import Cluster
+from distnb.cluster.defaults import default_spec
 from support.cells import interrupted
-from distnb.errors import RankError
+from distnb.core.errors import RankError
 from distnb.session import Session
 from support.data import parity_data, parity_model
 from support.reference import reference

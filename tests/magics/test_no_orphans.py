@@ -4,7 +4,7 @@ After ``%dist stop``, a kernel restart, a kernel shutdown and a SIGKILL of the k
 controller or other process the cluster started (the controller's schedulers, engine nannies if any)
 is left after 15 s. The pids checked are the ones ``%dist status`` shows (controller and
 engines) plus every descendant of the kernel at that moment. The engine template
-(:mod:`distnb.zygote`) belongs to the kernel, not to a cluster: it outlives ``%dist stop`` and
+(:mod:`distnb.cluster.zygote`) belongs to the kernel, not to a cluster: it outlives ``%dist stop`` and
 must be gone with the kernel.
 """
 

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from distnb.errors import RankError
+from distnb.core.errors import RankError
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from IPython.core.error import UsageError
 
-from distnb import scaling
-from distnb.errors import BusyError, ClusterError, PlanError, RankError
+from distnb.elastic import scaling
+from distnb.core.errors import BusyError, ClusterError, PlanError, RankError
 from support.ports import pinned_port
 from support.data import parity_data, parity_model
 from support.reference import reference
@@ -150,7 +150,7 @@ def test_pushed_names_and_mid_epoch_position_reach_the_added_rank(shell, dist_se
     assert dist_session.run("pn_helper(2)", all_output=True) == ["5.0", "5.0", "5.0"]
     # 3 of 6 steps of epoch 0 were trained on 2 ranks: which samples (48 positions of each of 2 shards) is carried,
     # so the 96 not trained yet are dealt over 3 (engine/epochrest.py), not a count of positions
-    dist_session.run("from distnb.engine import loop\n_pos = (loop.RUNS['pn_net'].epoch, "
+    dist_session.run("from distnb.engine.train import loop\n_pos = (loop.RUNS['pn_net'].epoch, "
                      "loop.RUNS['pn_net'].epoch_samples, loop.RUNS['pn_net'].steps, "
                      "loop.RUNS['pn_net'].epoch_trail['segments'])")
     assert dist_session.pull("_pos") == [(0, 0, 3, [[2, 48]])] * 3
@@ -302,8 +302,8 @@ def test_a_grow_with_a_dead_rank_is_refused_at_once_and_a_scale_below_it_goes_on
 @pytest.mark.parametrize("when", ["registered", "registering"])
 def test_an_interrupted_grow_ends_in_one_line_and_leaves_the_old_world(shell, dist_session, monkeypatch, when):
     """Ctrl-C (a real SIGINT) once the added engine registered, or while it registers: rolled back, one line."""
-    from distnb import engines
-    from distnb.errors import Interrupted
+    from distnb.cluster import engines
+    from distnb.core.errors import Interrupted
 
     dist_session.run("ig_value = 40 + rank")
     pids = [r["pid"] for r in dist_session.cluster.ranks]
@@ -431,7 +431,8 @@ def test_on_failure_shrink_goes_on_on_the_survivors_from_the_last_completed_step
     assert result.lost["samples_reassigned"] == 68 and result.lost["world_size"] == (3, 2)  # ceil((203 - 1) / 3)
     assert not psutil.pid_exists(victim) or psutil.Process(victim).status() == psutil.STATUS_ZOMBIE
 
-    from distnb.engine import epochrest, shard
+    from distnb.engine.train import epochrest
+    from distnb.engine.transport import shard
 
     ref = parity_model()
     base = reference(ref, ns["of_data"], num_shards=3, batch_size=16, epochs=1, seed=6, optimizer=torch.optim.SGD,

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distnb.errors import RankError
+from distnb.core.errors import RankError
 from support.data import parity_model
 from support.worlds import back_to_two_ranks
 

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch.nn.functional as F
 
-from distnb.errors import ClusterError, RankError
+from distnb.core.errors import ClusterError, RankError
 from support.data import mlp, parity_data, parity_model
 from support.worlds import back_to_two_ranks
 

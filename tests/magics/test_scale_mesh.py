@@ -13,8 +13,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from IPython.core.error import UsageError
 
-from distnb import session as session_mod, shrinking
-from distnb.errors import PlanError, RankError
+from distnb import session as session_mod
+from distnb.elastic import shrinking
+from distnb.core.errors import PlanError, RankError
 from support.data import parity_data
 from support.reference import reference
 from support.worlds import back_to_two_ranks
@@ -142,7 +143,7 @@ def test_on_failure_shrink_goes_on_from_the_checkpoint_on_the_smaller_mesh(shell
     ``skip``: the 2-rank batches they make up. Either way the ``kill`` steps done (``ctx.step`` counts those) minus the
     checkpoint's are lost with the dead rank's shards and trained again.
     """
-    from distnb.engine import shard
+    from distnb.engine.transport import shard
 
     s, ns = dist_session, shell.user_ns
     name = f"ms_net{batch}"  # its own name: the kernel remembers how far a name's weights were trained
@@ -176,7 +177,7 @@ def test_on_failure_shrink_goes_on_from_the_checkpoint_on_the_smaller_mesh(shell
 
 def test_a_shrink_that_the_tensor_parallel_size_does_not_divide_says_why_it_cannot_go_on(dist_session):
     """4 ranks on 2x2 losing one leave 3: the cell fails saying why and what to do (the world is usable)."""
-    from distnb.plan import TrainPlan
+    from distnb.core.plan import TrainPlan
 
     plan = TrainPlan(model="net", data="d", strategy="fsdp+tensor", mesh="2x2", checkpoint_dir="/ck")
     failure = RankError([dict(rank=1, ename="RuntimeError", evalue="rank 1 died; run %dist restart")],

@@ -13,7 +13,7 @@ import stat
 import psutil
 
 from distnb import session as session_mod
-from distnb.errors import RankError
+from distnb.core.errors import RankError
 
 
 def run(shell, code):

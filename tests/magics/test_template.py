@@ -1,4 +1,4 @@
-"""The engine template (distnb.zygote): CPU engines (and their controller) forked with their imports done,
+"""The engine template (distnb.cluster.zygote): CPU engines (and their controller) forked with their imports done,
 behaving as fresh ones.
 
 Each test starts its own small cluster (the shared one is left alone) with the kernel's one template.
@@ -10,9 +10,9 @@ import signal
 import psutil
 import pytest
 
-from distnb import zygote
-from distnb.cluster import Cluster
-from distnb.defaults import default_spec
+from distnb.cluster import zygote
+from distnb.cluster.cluster import Cluster
+from distnb.cluster.defaults import default_spec
 from distnb.session import Session
 
 PROBE = """

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distnb.cluster import Cluster
-from distnb.defaults import default_spec
+from distnb.cluster.cluster import Cluster
+from distnb.cluster.defaults import default_spec
 from distnb.session import Session
 from support.reference import reference
 from support.tokens import SUMMED, padded_tokens, token_mean, token_model

@@ -8,7 +8,7 @@
 import pytest
 from IPython.core.error import UsageError
 
-from distnb.errors import RankError
+from distnb.core.errors import RankError
 
 SETUP = """import numpy as np, torch, torch.nn as nn, torch.nn.functional as F
 torch.manual_seed(0)

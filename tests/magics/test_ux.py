@@ -8,7 +8,7 @@ import torch
 from IPython.core.error import UsageError
 
 from distnb import session as session_mod
-from distnb.errors import PlanError, RankError
+from distnb.core.errors import PlanError, RankError
 
 
 def run(shell, code):
@@ -72,7 +72,7 @@ def test_a_model_that_cannot_be_sent_names_the_attribute_and_the_fix_before_anyt
     text = str(err)
     assert "cannot send 'unsend_net' (HolderNet) to the ranks as --model: unsend_net.holder.gen is a generator" in text
     assert "give Holder a __getstate__ that leaves it out" in text and "cloudpickle" not in text
-    run(shell, "%%dist\nfrom distnb.engine import loop\n_held = 'unsend_net' in loop.RUNS")
+    run(shell, "%%dist\nfrom distnb.engine.train import loop\n_held = 'unsend_net' in loop.RUNS")
     assert run(shell, "%dist pull _held").result == [False, False]
     run(shell, "del unsend_net.holder")
     res = run(shell, "%%distrain --model unsend_net --data unsend_data --progress none\nx, y = batch\n"

@@ -11,8 +11,8 @@ import pytest
 from IPython.core.error import UsageError
 
 from distnb import session
-from distnb.engine import binding
-from distnb.errors import RankError
+from distnb.engine.process import binding
+from distnb.core.errors import RankError
 
 from .parity import train_and_check_parity
 

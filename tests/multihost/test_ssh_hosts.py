@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from distnb import session
-from distnb.errors import ClusterError, RankError
+from distnb.core.errors import ClusterError, RankError
 
 from .parity import train_and_check_parity
 

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from distnb import session
-from distnb.errors import ClusterError
+from distnb.core.errors import ClusterError
 
 from .parity import train_and_check_parity
 

@@ -37,7 +37,7 @@ def interrupted(train, *args, **kwargs):
     whose ``.result`` holds what was trained (the interrupt stops what comes after the cell too)."""
     import pytest
 
-    from distnb.errors import Interrupted
+    from distnb.core.errors import Interrupted
 
     with pytest.raises(Interrupted) as stop:
         train(*args, **kwargs)

@@ -2,7 +2,7 @@
 
 Used by tests/lifecycle/: a kernel started by jupyter_client's KernelManager (or a Jupyter Server),
 ``%dist start`` in it, and what the test checks afterwards: the keeper's record
-(:func:`distnb.lease.read_keeper`), the world's processes, its kernel's /dev/shm files, its port.
+(:func:`distnb.cluster.lease.read_keeper`), the world's processes, its kernel's /dev/shm files, its port.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import time
 
 import psutil
 
-from distnb import lease
-from distnb.engine import segments
+from distnb.cluster import lease
+from distnb.engine.transport import segments
 
 #: What the kernel computes and trains: 256 samples, 2 ranks x batch 8 = 16 steps an epoch; the sleep makes a run
 #: long enough to outlive its kernel, and changes no weight.

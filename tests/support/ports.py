@@ -3,7 +3,7 @@
 import random
 import socket
 
-from distnb.net import free_port
+from distnb.core.net import free_port
 
 
 def pinned_port() -> int:

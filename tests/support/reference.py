@@ -1,7 +1,7 @@
 """The single-process reference every parity test compares distnb's ranks with.
 
 One process trains the whole model on each step's *global* batch: the union of the batches the
-``num_shards`` ranks train on together at that step (``distnb.engine.shard.global_batches``, rank
+``num_shards`` ranks train on together at that step (``distnb.engine.transport.shard.global_batches``, rank
 0's first). Data-parallel strategies (ddp, fsdp, ps) use ``num_shards = world_size``; strategies
 where every rank trains on the same batches (tensor, pipeline) use ``num_shards = 1``.
 """
@@ -14,7 +14,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from distnb.engine import datasets, shard
+from distnb.engine.train import datasets
+from distnb.engine.transport import shard
 
 
 @dataclass
@@ -49,7 +50,7 @@ def reference(model: torch.nn.Module, data: torch.utils.data.TensorDataset, *, n
     factory ``scheduler(optimizer)``, stepped after every optimizer step (the lrs are kept).
 
     ``seed_epochs``: seed this process before each epoch's first step as a rank seeds itself for
-    tensor data (``distnb.engine.datasets.seed_epoch(seed, epoch, 0)``, data shard 0), so a model
+    tensor data (``distnb.engine.train.datasets.seed_epoch(seed, epoch, 0)``, data shard 0), so a model
     that draws random numbers (dropout) draws what the ranks draw. Only with ``num_shards=1``
     (tensor, pipeline): data-parallel ranks draw each for their own shard, which no one process does.
     """

@@ -1,7 +1,7 @@
 """What this kernel's same-host transfers leave in /dev/shm, against what their pools keep on purpose.
 
-Transfers reuse their shared-memory segments (distnb/engine/segments.py): the kernel's pool keeps its
-files between transfers (and those notebook tensors live in: distnb/resident.py), and each rank keeps at
+Transfers reuse their shared-memory segments (distnb/engine/transport/segments.py): the kernel's pool keeps its
+files between transfers (and those notebook tensors live in: distnb/transfer/resident.py), and each rank keeps at
 most two outbox files for the weights it sends back.
 Anything else is a leak.
 """
@@ -12,8 +12,8 @@ import os
 
 import pytest
 
-from distnb import transfer
-from distnb.engine import segments, wire
+from distnb.transfer import transfer
+from distnb.engine.transport import segments, wire
 
 
 def files():

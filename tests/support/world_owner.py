@@ -12,7 +12,8 @@ import json
 import sys
 
 import distnb
-from distnb import session as sessions, worlds
+from distnb import session as sessions
+from distnb.cluster import worlds
 from support.data import blobs, mlp
 
 #: A step: slow (``SLEEP`` seconds) until the file GATE exists, so the run trains while a test attaches.

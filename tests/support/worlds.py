@@ -4,7 +4,8 @@
 def back_to_two_ranks() -> None:
     """Leave the shared cluster as the session fixture made it: running, 2 ranks, ``--on-failure stop``,
     and no hook of a scale test left behind."""
-    from distnb import scaling, session
+    from distnb.elastic import scaling
+    from distnb import session
 
     scaling.ON_ENGINES_STARTED.clear()
     current = session._CURRENT

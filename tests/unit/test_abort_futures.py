@@ -1,9 +1,9 @@
-"""The futures distnb's DDP comm hook hands DDP (distnb/engine/abort.py): each settled once, by whoever takes it."""
+"""The futures distnb's DDP comm hook hands DDP (distnb/engine/process/abort.py): each settled once, by whoever takes it."""
 
 import pytest
 import torch
 
-from distnb.engine import abort
+from distnb.engine.process import abort
 
 
 @pytest.fixture

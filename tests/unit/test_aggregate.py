@@ -11,9 +11,9 @@ import pytest
 from distnb.display import aggregate, render, scale
 from distnb.display.progress import ProgressState
 from distnb.display.text import TextProgress
-from distnb.engine.report import HostRelay, Reporter, encode, rank_key, relay_interval
-from distnb.execute import intake_interval, take_progress
-from distnb.simulate import host_names, split
+from distnb.engine.transport.report import HostRelay, Reporter, encode, rank_key, relay_interval
+from distnb.execute.execute import intake_interval, take_progress
+from distnb.tools.simulate import host_names, split
 
 N = 64
 

@@ -1,11 +1,11 @@
-"""The store agreement before a training body's collective (distnb/engine/arrival.py), with an in-memory store."""
+"""The store agreement before a training body's collective (distnb/engine/process/arrival.py), with an in-memory store."""
 
 import time
 import types
 
 import pytest
 
-from distnb.engine import abort, arrival
+from distnb.engine.process import abort, arrival
 
 
 class Store:

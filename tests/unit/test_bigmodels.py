@@ -1,12 +1,12 @@
-"""Kernel-side checks of meta-device models (distnb/bigmodels.py): no cluster needed."""
+"""Kernel-side checks of meta-device models (distnb/train/bigmodels.py): no cluster needed."""
 
 import pytest
 import torch
 import torch.nn as nn
 
-from distnb import bigmodels
-from distnb.errors import PlanError
-from distnb.plan import TrainPlan
+from distnb.train import bigmodels
+from distnb.core.errors import PlanError
+from distnb.core.plan import TrainPlan
 
 
 class MyNorm(nn.Module):

@@ -1,4 +1,4 @@
-"""CPU binding (distnb/engine/binding.py) and the load that decides ``--cpu-bind auto`` (distnb/cpuload.py)."""
+"""CPU binding (distnb/engine/process/binding.py) and the load that decides ``--cpu-bind auto`` (distnb/cluster/cpuload.py)."""
 
 import json
 import os
@@ -8,9 +8,9 @@ import textwrap
 
 import pytest
 
-from distnb import cpuload, placement
-from distnb.engine import binding
-from distnb.plan import ClusterSpec
+from distnb.cluster import cpuload, placement
+from distnb.engine.process import binding
+from distnb.core.plan import ClusterSpec
 
 
 def test_the_cores_are_cut_into_equal_contiguous_shares():
@@ -48,7 +48,7 @@ def test_describe_names_runs_of_cores():
 def test_bind_sets_every_thread_and_new_ones_inherit_then_unbinds():
     code = textwrap.dedent("""
         import json, os, threading, time
-        from distnb.engine import binding
+        from distnb.engine.process import binding
         stop = threading.Event()
         before = threading.Thread(target=stop.wait)  # a thread that exists before the binding
         before.start()

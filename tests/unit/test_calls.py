@@ -1,11 +1,11 @@
-"""The kernel's table of rank functions (distnb.calls) matches the engine functions it names."""
+"""The kernel's table of rank functions (distnb.core.calls) matches the engine functions it names."""
 
 import importlib
 import inspect
 
 import pytest
 
-from distnb import calls
+from distnb.core import calls
 
 
 @pytest.mark.parametrize("key", sorted(calls.TABLE))
@@ -18,11 +18,11 @@ def test_each_rank_function_exists_with_the_declared_signature(key):
         params = params[1:]
     got = [(p.name, p.kind, p.default) for p in params]
     want = [(p.name, p.kind, p.default) for p in fn.signature.parameters.values()]
-    assert got == want, f"{key}: the engine has {got}, distnb.calls declares {want}"
+    assert got == want, f"{key}: the engine has {got}, distnb.core.calls declares {want}"
 
 
 def test_a_call_that_does_not_fit_the_signature_fails_in_the_kernel():
-    with pytest.raises(TypeError, match="distnb.engine.loop.train"):
+    with pytest.raises(TypeError, match="distnb.engine.train.loop.train"):
         calls.train.check(({},))
     calls.train.check(({}, "loss = 0"))
 

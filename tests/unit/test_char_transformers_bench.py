@@ -16,9 +16,9 @@ _spec.loader.exec_module(bench)
 
 
 def parse(argv, gpus, monkeypatch):
-    import distnb.net
+    import distnb.core.net
 
-    monkeypatch.setattr(distnb.net, "visible_gpus", lambda: list(range(gpus)))
+    monkeypatch.setattr(distnb.core.net, "visible_gpus", lambda: list(range(gpus)))
     p = argparse.ArgumentParser()
     p.add_argument("--cpu-bind", default=None)
     p.add_argument("--device", default="cpu")

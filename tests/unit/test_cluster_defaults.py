@@ -1,11 +1,11 @@
-"""What distnb.cluster decides without starting anything: the default engines (CPU cores, visible GPUs) and how an
+"""What distnb.cluster.cluster decides without starting anything: the default engines (CPU cores, visible GPUs) and how an
 engine's exit is described."""
 
 import psutil
 import pytest
 
-from distnb.defaults import default_spec
-from distnb.net import visible_gpus
+from distnb.cluster.defaults import default_spec
+from distnb.core.net import visible_gpus
 
 
 def test_cpu_default_is_one_engine_per_core(monkeypatch):
@@ -35,13 +35,13 @@ def test_gpu_count_comes_from_the_environment_without_cuda(monkeypatch):
 @pytest.mark.parametrize("code,expected", [(-9, "killed by SIGKILL"), (-15, "killed by SIGTERM"),
                                            (1, "exited with status 1"), (None, "status unknown")])
 def test_exit_descriptions(code, expected):
-    from distnb.launchers import exit_description
+    from distnb.cluster.launchers import exit_description
 
     assert expected in exit_description(code)
 
 
 def test_scale_on_a_launcher_that_cannot_resize_says_why_and_what_to_do():
-    from distnb.engines import _not_resizable
+    from distnb.cluster.engines import _not_resizable
 
     mpi = _not_resizable("mpi", 3)
     assert "one mpiexec job" in mpi and "fixed when mpiexec starts it" in mpi and "%dist restart -n 3" in mpi

@@ -5,7 +5,7 @@ tensor raises "No backend type associated with device type cpu", even in a world
 CI runs gloo, where a CPU tensor works, so a call site that builds its tensor on the CPU passes every
 CPU test and breaks on the first GPU (``%dist scale`` did). This test reads distnb's source: the tensor
 of each collective call must be built or moved in the same function with
-:func:`distnb.engine.collectives.group_device` / ``on_group`` (or ps's gloo group's ``COMM_DEVICE``);
+:func:`distnb.engine.process.collectives.group_device` / ``on_group`` (or ps's gloo group's ``COMM_DEVICE``);
 a tensor that is the model's own (a buffer, a gradient's flag) says so on the call line with a
 ``# group device: <why>`` comment. The run-time half (each call's tensor on ``group_device(group)``)
 is tests/cluster/test_collective_devices_ranks.py.

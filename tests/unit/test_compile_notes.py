@@ -1,7 +1,7 @@
-"""What a --compile cell says about dynamo (distnb.compiled), from a rank's row: never a compile time for nothing."""
+"""What a --compile cell says about dynamo (distnb.train.compiled), from a rank's row: never a compile time for nothing."""
 
-from distnb import compiled
-from distnb.results import training_notes
+from distnb.train import compiled
+from distnb.train.results import training_notes
 
 ROW = dict(rank=0, compiled=True, first_step_seconds=16.2, step_seconds=0.004, eager_step_seconds=0.008)
 

@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from distnb.background import BUSY_MESSAGE, BackgroundRun, check_idle, collect
+from distnb.train.background import BUSY_MESSAGE, BackgroundRun, check_idle, collect
 from distnb.display import render
 from distnb.display.progress import ProgressState
-from distnb.engine.report import Reporter, peak_memory
-from distnb.errors import BusyError, PlanError
+from distnb.engine.transport.report import Reporter, peak_memory
+from distnb.core.errors import BusyError, PlanError
 
 
 class Clock:
@@ -210,7 +210,7 @@ def test_busy_while_running_then_collected_with_a_note(capsys):
 def where_report(state="running", since=10.0, sent=10.5, op=None, shape=None, stack=None, cell_line=None,
                  cell_code=None):
     return dict(state=state, op=op, shape=shape, cell_line=cell_line, cell_code=cell_code, since=since, sent=sent,
-                stack=stack if stack is not None else [("/venv/lib/python3.11/site-packages/distnb/engine/loop.py",
+                stack=stack if stack is not None else [("/venv/lib/python3.11/site-packages/distnb/engine/train/loop.py",
                                                         12, "train", "run()")])
 
 
@@ -224,7 +224,7 @@ def test_where_panel_shows_each_ranks_state_op_cell_line_and_innermost_frames_es
     st.set_where(0, where_report("collective", sent=14.2, op="all_reduce", shape=[4, 2], stack=library + [
         ("<distrain-cell-7>", 2, "<module>", "dist.all_reduce(t)")], cell_line=2, cell_code="dist.all_reduce(t)"))
     st.set_where(1, where_report("running", sent=13.1, cell_line=3, cell_code="time.sleep(7)  # <b>&", stack=[
-        ("/venv/lib/python3.11/site-packages/distnb/engine/loop.py", 40, "step", "body()"),
+        ("/venv/lib/python3.11/site-packages/distnb/engine/train/loop.py", 40, "step", "body()"),
         ("<distrain-cell-7>", 3, "<module>", "time.sleep(7)  # <b>&")]))
     st.set_where(2, where_report("running", sent=10.5))
     html = stacks.where_html(st)
@@ -239,9 +239,9 @@ def test_where_panel_shows_each_ranks_state_op_cell_line_and_innermost_frames_es
     assert "stalled for 3 s" in rank1 and "time.sleep(7)  # &lt;b&gt;&amp;" in rank1 and "<b>&" not in rank1
     user = re.search(r"<li class='distnb-where-frame distnb-where-user'[^>]*>(.*?)</li>", rank1).group(1)
     assert "your cell, line 3 in &lt;module&gt;" in user and "time.sleep(7)" in user
-    assert "distnb/engine/loop.py:40 in step" in rank1  # installed code: from the package on
+    assert "distnb/engine/train/loop.py:40 in step" in rank1  # installed code: from the package on
     assert "/venv" not in html  # no local folder (a stored notebook would keep it)
-    assert stacks.short_path("/home/me/src/distnb/distnb/engine/where.py") == "distnb/engine/where.py"
+    assert stacks.short_path("/home/me/src/distnb/distnb/engine/process/where.py") == "distnb/engine/process/where.py"
     assert stacks.short_path("/home/me/train/helpers.py") == "train/helpers.py"
     assert ">running<" in rank2 and "stalled" not in rank2  # half a second at one spot: just running
 
@@ -292,7 +292,7 @@ def test_where_panel_above_16_ranks_shows_one_block_per_spot_naming_its_ranks():
 
 
 def test_where_table_above_16_ranks_folds_the_ranks_at_one_spot():
-    from distnb.results import where_table
+    from distnb.train.results import where_table
 
     wheres = {r: where_report("collective", sent=12.0 + r % 2, op="all_reduce", shape=[10], cell_line=2,
                               cell_code="loss = f(x)") for r in range(20) if r != 7}
@@ -306,7 +306,7 @@ def test_where_table_above_16_ranks_folds_the_ranks_at_one_spot():
 
 
 def test_where_table_says_a_rank_has_not_reported_yet():
-    from distnb.results import where_table
+    from distnb.train.results import where_table
 
     table = where_table({0: where_report("running", sent=3.0, cell_line=1, cell_code="x = 1")}, 2, "where")
     assert [(r["rank"], r["state"], r.get("code")) for r in table.rows] == [(0, "running", "x = 1"),
@@ -369,7 +369,7 @@ def test_snapshot_keeps_where_the_ranks_were_only_when_not_every_rank_finished()
 def test_where_panel_from_a_real_watchdog_on_a_thread_in_a_cell():
     """engine/where.py's Watchdog reads a real thread sleeping in cell code; the panel names the line."""
     from distnb.display import stacks
-    from distnb.engine import runtime, where
+    from distnb.engine.process import runtime, where
 
     reports = []
     code = runtime.compile_cell("import time\ntime.sleep(0.8)\n", "distrain")
@@ -399,7 +399,7 @@ def test_a_rank_that_passes_the_same_line_step_after_step_is_not_at_one_spot():
     import threading
     import time
 
-    from distnb.engine import collectives, where
+    from distnb.engine.process import collectives, where
 
     def watch(moving: bool) -> list:
         seen = []

@@ -1,11 +1,13 @@
-"""distnb.engine.datasets in this process (no workers, no process group): the cut, the seeds, the messages."""
+"""distnb.engine.train.datasets in this process (no workers, no process group): the cut, the seeds, the messages."""
 
 import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
-from distnb.engine import datasets, runtime, shard
-from distnb.plan import TrainPlan
+from distnb.engine.train import datasets
+from distnb.engine.process import runtime
+from distnb.engine.transport import shard
+from distnb.core.plan import TrainPlan
 
 
 @pytest.fixture(autouse=True)
@@ -71,7 +73,7 @@ def _draws_after_each_batch(data, p, epoch, skip):
 
 @pytest.mark.parametrize("num_shards,index", [(1, 0), (2, 1)])
 def test_tensors_seed_the_rank_as_a_dataset_without_workers_does(num_shards, index):
-    from distnb.engine.loop import Shard
+    from distnb.engine.train.loop import Shard
 
     n, p = 37, plan(batch_size=4, seed=5)
     x, y = torch.randn(n, 3), torch.arange(n)
@@ -153,8 +155,8 @@ def test_worker_failures_get_the_diagnosis_and_the_fix(message, words):
 
 
 def test_the_kernel_sends_datasets_by_value_and_tensors_as_shards():
-    from distnb import data
-    from distnb.errors import PlanError
+    from distnb.transfer import data
+    from distnb.core.errors import PlanError
 
     class NoLen(Dataset):
         def __getitem__(self, i):
@@ -173,8 +175,8 @@ def test_the_kernel_sends_datasets_by_value_and_tensors_as_shards():
 
 
 def test_the_kernel_looks_at_one_sample_and_stops_what_cannot_be_batched():
-    from distnb import data
-    from distnb.errors import PlanError
+    from distnb.transfer import data
+    from distnb.core.errors import PlanError
 
     class Strings(Rows):
         calls = []

@@ -8,7 +8,7 @@ import io
 import threading
 import time
 
-from distnb.engine import lean, where
+from distnb.engine.process import lean, where
 
 
 class _Stream:

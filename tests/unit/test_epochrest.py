@@ -1,11 +1,11 @@
-"""The rest of an epoch after resizes (distnb.engine.epochrest): every sample once, equal steps on every shard."""
+"""The rest of an epoch after resizes (distnb.engine.train.epochrest): every sample once, equal steps on every shard."""
 
 import collections
 import itertools
 
 import pytest
 
-from distnb.engine import epochrest
+from distnb.engine.train import epochrest
 
 
 def _train_segment(n, trail, num_shards, batch_size, drop_last, steps, seen):

@@ -4,8 +4,8 @@ import linecache
 
 import pytest
 
-from distnb import export
-from distnb.plan import TrainPlan
+from distnb.export import export
+from distnb.core.plan import TrainPlan
 
 SOURCE = '''import math
 
@@ -109,7 +109,7 @@ def test_a_job_on_another_number_of_ranks_says_whether_its_batches_are_the_cells
     """tensor and pipeline train every rank on the same batches: on 3 ranks the job's data is the 2-rank cell's
     (its losses came out the cell's), which the job said would differ."""
     from distnb.engine.job import _data_change
-    from distnb.plan import TrainPlan
+    from distnb.core.plan import TrainPlan
 
     for strategy in ("tensor", "pipeline"):
         said = _data_change(TrainPlan(model="m", data="d", strategy=strategy), 3, 2)

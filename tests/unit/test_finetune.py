@@ -1,11 +1,11 @@
-"""distnb.engine.finetune without a cluster: the optimizer's parameters, a Hugging Face model's FSDP units,
+"""distnb.engine.strategies.finetune without a cluster: the optimizer's parameters, a Hugging Face model's FSDP units,
 and peft's initialisation of adapters built on the meta device."""
 
 import pytest
 import torch
 import torch.nn as nn
 
-from distnb.engine import finetune
+from distnb.engine.strategies import finetune
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -19,7 +19,7 @@ def llama(device="cpu"):
 
 
 def test_the_optimizer_gets_the_trainable_parameters_only(monkeypatch):
-    from distnb.engine import runtime
+    from distnb.engine.process import runtime
 
     monkeypatch.setattr(runtime.STATE, "rank", 1)
     net = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))

@@ -5,10 +5,11 @@ import stat
 
 import pytest
 
-from distnb import gpus, placement
-from distnb.engine import ncclfail
-from distnb.errors import ClusterError
-from distnb.plan import ClusterSpec
+from distnb.core import gpus
+from distnb.cluster import placement
+from distnb.engine.process import ncclfail
+from distnb.core.errors import ClusterError
+from distnb.core.plan import ClusterSpec
 
 
 # discovery ------------------------------------------------------------------------------
@@ -160,7 +161,7 @@ def test_flight_recorder_rows_name_the_oldest_pending_collective():
 
 
 def test_the_start_says_what_discovery_found():
-    from distnb.startup import gpu_note
+    from distnb.cluster.startup import gpu_note
 
     assert gpu_note("cuda", dict(gpus=["0", "1"], how="nvidia-smi -L"), True) == \
         "GPUs: 2 GPUs (found by nvidia-smi -L)"

@@ -18,11 +18,12 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from distnb.engine import lazyread, peaks, segments, stepping
-from distnb.engine.precision_check import precision_note
+from distnb.engine.transport import lazyread, peaks, segments
+from distnb.engine.train import stepping
+from distnb.engine.process.precision_check import precision_note
 from distnb.engine.strategies import check_loss
-from distnb.gpuhost import kernel_cuda_note
-from distnb.plan import TrainPlan
+from distnb.cluster.gpuhost import kernel_cuda_note
+from distnb.core.plan import TrainPlan
 
 REPO = Path(__file__).resolve().parents[2]
 #: Tensor methods that read a value into Python: on a CUDA tensor each waits for the GPU.
@@ -83,7 +84,7 @@ def test_the_host_peak_is_per_cell():
 
 
 def test_compile_workers_are_the_rank_s_share_of_cores():
-    code = ("import os\nfrom distnb.engine import compile_workers\nimport torch._inductor.config as c\n"
+    code = ("import os\nfrom distnb.engine.process import compile_workers\nimport torch._inductor.config as c\n"
             "print(compile_workers.limit(), c.compile_threads, os.environ['TORCHINDUCTOR_COMPILE_THREADS'])")
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "3"}
     env.pop("TORCHINDUCTOR_COMPILE_THREADS", None)

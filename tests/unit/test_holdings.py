@@ -2,7 +2,7 @@
 
 import weakref
 
-from distnb.training import Holdings
+from distnb.train.training import Holdings
 
 
 class Net:  # any object the notebook binds to the model's name
@@ -21,7 +21,7 @@ def test_a_step_count_belongs_to_the_object_it_was_trained_on():
 
 
 def test_the_scatter_line_says_how_the_ranks_hold_the_shards():
-    from distnb.data import scatter_line
+    from distnb.transfer.data import scatter_line
 
     assert scatter_line("X", dict(num_samples=64, num_shards=2), [32, 32]) == "scattered X (64 samples) as shards of 32, 32"
     assert scatter_line("X", dict(num_samples=64, num_shards=1), [64, 64]) == \

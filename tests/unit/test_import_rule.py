@@ -10,9 +10,8 @@ import sys
 from support import modules as mods
 
 #: Kernel-side modules that engine/ may use, shared by both sides: the stdlib and each other only
-#: (and psutil, which distnb.net reads network interfaces with, lazily).
-SHARED = ("distnb.plan", "distnb.options", "distnb.errors", "distnb.net", "distnb.gpus", "distnb.levers",
-          "distnb.saveformats", "distnb.weightfiles", "distnb.lingering", "distnb.peftnames")
+#: (and psutil, which distnb.core.net reads network interfaces with, lazily).
+SHARED = tuple(m for m in mods.modules() if m == "distnb.core" or m.startswith("distnb.core."))
 SHARED_THIRD_PARTY = ("psutil",)
 #: What else engine/ may import: the stdlib, torch and the few libraries an engine process needs.
 #: The [hf] extra (safetensors, peft, transformers): engine/hfsave.py imports them inside the functions that
@@ -47,7 +46,7 @@ def allowed_in_engine(target):
 
 def test_modules_are_found_on_disk():
     names = mods.modules()
-    assert {"distnb", "distnb.session", "distnb.engine.loop", "distnb.engine.strategies.ps"} <= set(names)
+    assert {"distnb", "distnb.session", "distnb.engine.train.loop", "distnb.engine.strategies.ps"} <= set(names)
     assert set(SHARED) <= set(names)
     assert len(engine_modules()) >= 15 and len(kernel_modules()) >= 15
 

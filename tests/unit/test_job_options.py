@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from distnb import options
+from distnb.core import options
 from distnb.engine import job
-from distnb.plan import ClusterSpec, TrainPlan
+from distnb.core.plan import ClusterSpec, TrainPlan
 
 SPEC = {"plan": {"model": "net", "data": "train", "epochs": 3, "checkpoint_every": None}, "cell": {"world_size": 2}}
 

@@ -8,9 +8,10 @@ import types
 
 import pytest
 
-from distnb import lease, options
-from distnb.errors import ClusterError, PlanError
-from distnb.plan import ClusterSpec
+from distnb.cluster import lease
+from distnb.core import options
+from distnb.core.errors import ClusterError, PlanError
+from distnb.core.plan import ClusterSpec
 
 
 @pytest.mark.parametrize("given, seconds", [("10m", 600.0), ("90s", 90.0), ("1.5h", 5400.0), ("1d", 86400.0),

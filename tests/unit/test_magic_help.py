@@ -130,11 +130,11 @@ import importlib.abc, os, signal, sys
 from IPython.testing.globalipapp import start_ipython
 ip = start_ipython()
 ip.run_line_magic("load_ext", "distnb")
-assert "distnb.cluster" not in sys.modules  # %load_ext stays light: the first %dist line imports the rest
+assert "distnb.cluster.cluster" not in sys.modules  # %load_ext stays light: the first %dist line imports the rest
 
 class CtrlC(importlib.abc.MetaPathFinder):  # the interrupt button, pressed in the middle of that import
     def find_spec(self, name, path=None, target=None):
-        if name == "distnb.cluster":
+        if name == "distnb.cluster.cluster":
             sys.meta_path.remove(self)
             os.kill(os.getpid(), signal.SIGINT)
         return None
@@ -143,7 +143,7 @@ sys.meta_path.insert(0, CtrlC())
 first = ip.run_cell("%dist status").error_in_exec
 print("first", type(first).__name__, first)
 again = ip.run_cell("%dist status")
-print("again", again.error_in_exec, "distnb.cluster" in sys.modules)
+print("again", again.error_in_exec, "distnb.cluster.cluster" in sys.modules)
 '''
 
 
@@ -179,7 +179,7 @@ def test_every_documented_magic_line_parses_as_written_comments_included():
     import pathlib
     import re
 
-    from distnb import options
+    from distnb.core import options
     from distnb.magics import VERBS, _cell, _distrain, _parse
 
     root = pathlib.Path(__file__).resolve().parents[2]

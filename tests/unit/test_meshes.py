@@ -1,10 +1,10 @@
-"""distnb.meshes: an fsdp+tensor ``--mesh`` across a world-size change (kernel side, no ranks)."""
+"""distnb.train.meshes: an fsdp+tensor ``--mesh`` across a world-size change (kernel side, no ranks)."""
 
 import pytest
 
-from distnb import meshes
-from distnb.errors import PlanError
-from distnb.training import Holdings
+from distnb.train import meshes
+from distnb.core.errors import PlanError
+from distnb.train.training import Holdings
 
 
 @pytest.mark.parametrize("mesh,old,n,want", [("1x2", 2, 4, "2x2"), ("2x2", 4, 2, "1x2"), ("3x1", 3, 2, "2x1"),
@@ -49,7 +49,7 @@ def test_a_carried_mesh_message_names_the_cell_it_came_from_and_the_fix():
 
 
 def test_keep_global_batch_counts_data_parallel_ranks_of_the_mesh():
-    from distnb import scaling
+    from distnb.elastic import scaling
 
     mesh = {"strategy": "fsdp+tensor", "mesh": "2x2"}  # the carried mesh, laid out for 4 ranks
     assert [scaling._dp_at(mesh, 4, at) for at in (2, 4, 6)] == [1, 2, 3]  # TP 2 stays: DP = ranks / 2

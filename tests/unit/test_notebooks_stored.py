@@ -11,7 +11,7 @@ import re
 import pytest
 from support import notebooks as nbs
 
-from distnb.results import StatusTable
+from distnb.train.results import StatusTable
 
 
 def test_the_notebooks_are_found():

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn as nn
 
-from distnb.engine import materialize
+from distnb.engine.strategies import materialize
 from distnb.engine.strategies.fsdp import FSDP
 
 

@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 from IPython.core.error import UsageError
 
 from distnb import session as session_mod
-from distnb.errors import DistnbError
+from distnb.core.errors import DistnbError
 from distnb.magics import VERBS, DistMagics, _cell, _distrain
-from distnb.plan import ClusterSpec, TrainPlan
+from distnb.core.plan import ClusterSpec, TrainPlan
 
 
 class Reached(Exception):
@@ -33,7 +33,7 @@ class Reached(Exception):
 
 
 class StandInCluster:
-    """Enough of distnb.cluster.Cluster for the kernel-side checks; anything real raises Reached."""
+    """Enough of distnb.cluster.cluster.Cluster for the kernel-side checks; anything real raises Reached."""
 
     def __init__(self):
         self.spec = ClusterSpec(num_engines=2, timeout=30.0)
@@ -95,20 +95,20 @@ def exporting_from(fake):
     import os
     import tempfile
 
-    from distnb import export
+    from distnb.train import record
 
-    saved, cwd = export._LAST[0], os.getcwd()
-    cell = export.capture(fake, TrainPlan(model="net", data="train_ds"), BODIES[0], fake.ns["net"],
+    saved, cwd = record._LAST[0], os.getcwd()
+    cell = record.capture(fake, TrainPlan(model="net", data="train_ds"), BODIES[0], fake.ns["net"],
                           fake.ns["train_ds"])
     cell.start = dict(epoch=0, epoch_samples=0, steps=0, epoch_step=0, exact=True, why="")
-    export._LAST[0] = cell
+    record._LAST[0] = cell
     with tempfile.TemporaryDirectory() as scratch:
         os.chdir(scratch)
         try:
             yield
         finally:
             os.chdir(cwd)
-            export._LAST[0] = saved
+            record._LAST[0] = saved
 
 
 def _options(parser):
@@ -239,7 +239,7 @@ numbers = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(
 @given(num_engines=integers, backend=st.one_of(st.sampled_from(["gloo", "nccl", "mpi", ""]), st.none(), integers),
        timeout=numbers, master_port=integers)
 def test_cluster_spec_is_valid_or_a_plan_error(num_engines, backend, timeout, master_port):
-    from distnb.errors import PlanError
+    from distnb.core.errors import PlanError
 
     try:
         spec = ClusterSpec(num_engines=num_engines, backend=backend, timeout=timeout, master_port=master_port)
@@ -248,7 +248,7 @@ def test_cluster_spec_is_valid_or_a_plan_error(num_engines, backend, timeout, ma
         return
     assert isinstance(spec.num_engines, int) and spec.num_engines >= 1 and spec.backend in ("gloo", "nccl")
     assert spec.master_port is None or 1 <= spec.master_port <= 65535
-    from distnb.plan import MAX_TIMEOUT
+    from distnb.core.plan import MAX_TIMEOUT
 
     assert 1 <= spec.timeout <= MAX_TIMEOUT
 
@@ -261,7 +261,7 @@ def test_cluster_spec_is_valid_or_a_plan_error(num_engines, backend, timeout, ma
                               st.one_of(integers, numbers, st.sampled_from(WORDS + NAMES), st.lists(st.text(max_size=3),
                                                                                                    max_size=3))))
 def test_train_plan_is_valid_or_a_plan_error(fields):
-    from distnb.errors import PlanError
+    from distnb.core.errors import PlanError
 
     try:
         plan = TrainPlan(model="net", data="train_ds", **fields)
@@ -273,7 +273,7 @@ def test_train_plan_is_valid_or_a_plan_error(fields):
 
 def test_master_port_0_is_a_free_port_and_unpins_one_given_before():
     # %dist restart keeps the running options not given: --master-port 0 is how a pinned port is let go
-    from distnb.defaults import default_spec
+    from distnb.cluster.defaults import default_spec
 
     pinned = default_spec(n=2, master_port=29_511)
     assert pinned.master_port == 29_511

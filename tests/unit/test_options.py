@@ -6,10 +6,11 @@ import inspect
 
 import pytest
 
-from distnb import options, session
-from distnb.errors import PlanError
+from distnb.core import options
+from distnb import session
+from distnb.core.errors import PlanError
 from distnb.magics import DistMagics, _distrain, _start
-from distnb.plan import ClusterSpec, RunOptions, TrainPlan
+from distnb.core.plan import ClusterSpec, RunOptions, TrainPlan
 
 
 def _dests(magic_fn):
@@ -95,7 +96,7 @@ def test_paths_are_normalised_once_by_the_declaration(tmp_path, monkeypatch):
 
 def test_strategies_are_declared_once_and_each_has_its_engine_module():
     from distnb.engine import strategies
-    from distnb.plan import STRATEGIES
+    from distnb.core.plan import STRATEGIES
 
     for name in STRATEGIES:
         assert strategies.strategy_class(name).name == name
@@ -113,14 +114,14 @@ def test_strategies_are_declared_once_and_each_has_its_engine_module():
     ((("pipeline", False, 4), 0), ("pipeline", False, 2), 0, "resend"),
 ])
 def test_one_rule_decides_what_a_live_model_needs(last, key, generation, verdict):
-    from distnb.plan import redistribution
+    from distnb.core.plan import redistribution
 
     assert redistribution(last, key, generation) == verdict
 
 
 def test_the_train_signature_shows_none_for_every_option_that_carries_over():
     """help(Session.train) showed strategy='ddp' while a left-out --strategy keeps the model's last one."""
-    from distnb.plan import CARRIED
+    from distnb.core.plan import CARRIED
 
     params = inspect.signature(session.Session.train).parameters
     assert params["strategy"].default is None and params["precision"].default is None
@@ -139,7 +140,7 @@ def test_a_negative_zero_learning_rate_is_zero():
     """lr=-0.0 passes ">= 0" and printed "lr set to -0"."""
     import math
 
-    from distnb.plan import TrainPlan
+    from distnb.core.plan import TrainPlan
 
     lr = TrainPlan(model="m", data="d", lr=-0.0).lr
     assert lr == 0.0 and math.copysign(1.0, lr) == 1.0

@@ -2,7 +2,7 @@
 
 import io
 
-from distnb.output import LineFolder, rank_list, tag
+from distnb.execute.output import LineFolder, rank_list, tag
 
 
 class Clock:
@@ -52,7 +52,7 @@ def test_a_warning_repeated_every_step_is_shown_once_with_a_count_and_distinct_l
 
 
 def test_an_interrupt_that_lands_inside_a_lock_is_still_an_interrupt():
-    from distnb import execute
+    from distnb.execute import execute
 
     try:
         try:
@@ -67,8 +67,8 @@ def test_an_interrupt_that_lands_inside_a_lock_is_still_an_interrupt():
 def test_a_result_that_finished_no_epoch_names_the_mean_loss_of_its_steps_not_nan():
     import math
 
-    from distnb.plan import TrainPlan
-    from distnb.results import TrainResult
+    from distnb.core.plan import TrainPlan
+    from distnb.train.results import TrainResult
 
     rows = [dict(rank=r, steps=3, samples=96, seconds=0.5, samples_per_s=192.0, final_loss=0.5 + r, param_bytes=8,
                  final_loss_steps=3, epoch_losses=[], first_epoch=0, next_epoch=0, stopped_early=False,
@@ -86,8 +86,8 @@ def test_a_result_that_finished_no_epoch_names_the_mean_loss_of_its_steps_not_na
 
 
 def test_the_drop_last_sentence_counts_only_the_full_batches_a_rank_trains():
-    from distnb.data import describe_cut
-    from distnb.plan import TrainPlan
+    from distnb.transfer.data import describe_cut
+    from distnb.core.plan import TrainPlan
 
     text = describe_cut(TrainPlan(model="m", data="d", batch_size=150, drop_last=True), {"num_samples": 400}, 2, 2)
     assert "each rank uses 150 of its 200 samples" in text and "1 step/epoch" in text
@@ -96,7 +96,7 @@ def test_the_drop_last_sentence_counts_only_the_full_batches_a_rank_trains():
 
 
 def test_the_interrupt_summary_names_a_position_at_an_epochs_end_as_after_it():
-    from distnb.execute import _progress_position, position
+    from distnb.execute.execute import _progress_position, position
 
     assert position(dict(epoch=54, step=3)) == "epoch 54, step 3"
     assert position(dict(epoch=55, step=0)) == "after epoch 54" and position(dict(epoch=0, step=0)) == "epoch 0, step 0"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from traitlets.config import Config
 
-from distnb import placement
-from distnb.defaults import default_spec
-from distnb.errors import PlanError
-from distnb.plan import ClusterSpec
+from distnb.cluster import placement
+from distnb.cluster.defaults import default_spec
+from distnb.core.errors import PlanError
+from distnb.core.plan import ClusterSpec
 
 
 def _where(host, address, launch_rank=None, local_rank=None, gpus=()):
@@ -110,7 +110,7 @@ def test_profile_says_how_many_engines():
 
 
 def test_gpu_per_local_rank_or_the_one_the_launcher_gave():
-    from distnb.placement import _gpu_for
+    from distnb.cluster.placement import _gpu_for
 
     assert _gpu_for(["0", "1"], 1) == "1"
     assert _gpu_for(["3"], 2) == "3"  # --gpus-per-task=1: each engine sees only its own

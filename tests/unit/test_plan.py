@@ -1,7 +1,7 @@
 import pytest
 
-from distnb.errors import PlanError
-from distnb.plan import DEFAULT_LR, ClusterSpec, TrainPlan
+from distnb.core.errors import PlanError
+from distnb.core.plan import DEFAULT_LR, ClusterSpec, TrainPlan
 
 
 def test_defaults_and_normalisation():
@@ -72,8 +72,8 @@ def test_cluster_spec_validation():
 
 
 # the carry-over rule (plan.carry_over) ---------------------------------------------------
-from distnb import options  # noqa: E402
-from distnb.plan import CARRIED, DISTRIBUTION, carry_over  # noqa: E402
+from distnb.core import options  # noqa: E402
+from distnb.core.plan import CARRIED, DISTRIBUTION, carry_over  # noqa: E402
 
 
 def _last(**values):
@@ -111,7 +111,7 @@ def test_naming_another_strategy_starts_its_options_afresh_but_keeps_the_optimiz
 
 
 def test_a_carried_value_the_named_strategy_cannot_take_is_dropped_and_an_explicit_one_is_refused():
-    from distnb.plan import STRATEGY_LIMITS, not_carried
+    from distnb.core.plan import STRATEGY_LIMITS, not_carried
 
     last = _last(precision="bf16", compile=True, sync_bn=True, optimizer="adam")
     for strategy, dropped in (("pipeline", {"precision": "bf16", "compile": True, "sync_bn": True}),
@@ -127,7 +127,7 @@ def test_a_carried_value_the_named_strategy_cannot_take_is_dropped_and_an_explic
     assert not_carried(last, {"strategy": "pipeline", "precision": "bf16"}) == {"compile": True, "sync_bn": True}
     with pytest.raises(PlanError, match="--precision bf16 with --strategy pipeline is not supported yet"):
         TrainPlan(model="m", data="d", strategy="pipeline", precision="bf16")  # given in the cell: refused
-    from distnb.plan import STRATEGIES
+    from distnb.core.plan import STRATEGIES
 
     for name, _, strategies, _ in STRATEGY_LIMITS:  # every limit names a strategy and a carried or cell option
         assert set(strategies) <= set(STRATEGIES) and name in {f.name for f, _ in options.declared(TrainPlan)}
@@ -151,8 +151,8 @@ def test_the_guide_states_the_rule_for_every_carried_option():
 def test_a_hang_waits_longer_when_the_ranks_steps_are_slow():
     from types import SimpleNamespace
 
-    from distnb import hangs
-    from distnb.plan import ClusterSpec
+    from distnb.execute import hangs
+    from distnb.core.plan import ClusterSpec
 
     def watch(timeout, *step_times, hang_after=None):
         spec = ClusterSpec(num_engines=2, timeout=timeout, hang_after=hang_after)

@@ -1,4 +1,4 @@
-"""The rank side of ``%dist debug`` (distnb/engine/postmortem.py): a real pdb on a kept traceback, in this process.
+"""The rank side of ``%dist debug`` (distnb/engine/process/postmortem.py): a real pdb on a kept traceback, in this process.
 
 No cluster: a cell's code is compiled as the engine compiles it and raises here; the test then
 drives pdb one command at a time as the kernel does. The process group side (frames kept while
@@ -10,8 +10,8 @@ import weakref
 
 import pytest
 
-from distnb.engine import postmortem
-from distnb.engine.runtime import compile_cell
+from distnb.engine.process import postmortem
+from distnb.engine.process.runtime import compile_cell
 
 CELL = """
 import json

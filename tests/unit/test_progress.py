@@ -3,7 +3,7 @@ import io
 from distnb.display import make_view
 from distnb.display.progress import ProgressState
 from distnb.display.text import TextProgress
-from distnb.engine.report import Reporter
+from distnb.engine.transport.report import Reporter
 
 
 def test_state_merges_rank_messages_and_mean_curve():
@@ -126,7 +126,7 @@ def test_text_progress_keeps_its_epoch_grid_when_epochs_were_never_read():
 
 
 def test_reporter_gives_each_epoch_its_own_rate(monkeypatch):
-    import distnb.engine.report as report
+    import distnb.engine.transport.report as report
 
     clock = [100.0]
     monkeypatch.setattr(report.time, "perf_counter", lambda: clock[0])
@@ -147,7 +147,7 @@ def test_reporter_gives_each_epoch_its_own_rate(monkeypatch):
 
 def test_short_epochs_share_messages_and_none_is_lost(monkeypatch):
     # epochs of 10 ms: each end waits for a step at least EPOCH_GAP after the last message, which carries it
-    import distnb.engine.report as report
+    import distnb.engine.transport.report as report
 
     clock = [100.0]
     monkeypatch.setattr(report.time, "perf_counter", lambda: clock[0])

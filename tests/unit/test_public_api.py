@@ -9,7 +9,9 @@ import distnb
 
 
 def test_every_listed_name_is_there_and_is_the_real_one():
-    from distnb import errors, results, session
+    from distnb.core import errors
+    from distnb.train import results
+    from distnb import session
 
     assert len(distnb.__all__) == len(set(distnb.__all__)) <= 20
     assert {"start", "current", "Session", "TrainResult", "DistnbError", "PlanError", "ClusterError", "RankError",

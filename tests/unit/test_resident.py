@@ -1,4 +1,4 @@
-"""Notebook tensors that move into the kernel's shared memory (distnb/resident.py), in one process.
+"""Notebook tensors that move into the kernel's shared memory (distnb/transfer/resident.py), in one process.
 
 A tensor moves only when nothing can notice: the same object, values, version counter and
 ``requires_grad``; a tensor sharing memory with another tensor or with numpy stays where it is.
@@ -14,8 +14,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from distnb import resident, transfer
-from distnb.engine import stateout, wire
+from distnb.transfer import resident, transfer
+from distnb.engine.transport import stateout, wire
 from support.shm import rank_shm, shm_dir  # noqa: F401  (fixtures)
 
 

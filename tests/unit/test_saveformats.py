@@ -1,10 +1,10 @@
-"""``%dist save --format`` / ``--max-shard-size`` values (distnb/saveformats.py), and the magic's parser."""
+"""``%dist save --format`` / ``--max-shard-size`` values (distnb/core/saveformats.py), and the magic's parser."""
 
 import pytest
 
-from distnb import hfsaving
-from distnb.errors import PlanError
-from distnb.saveformats import check_format, shard_bytes
+from distnb.train import hfsaving
+from distnb.core.errors import PlanError
+from distnb.core.saveformats import check_format, shard_bytes
 
 
 @pytest.mark.parametrize("given,want", [(1000, 1000), ("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("2GiB", 2 * 2**30),

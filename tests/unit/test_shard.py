@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from distnb.engine import shard
+from distnb.engine.transport import shard
 
 
 @pytest.mark.parametrize("n,w", [(1797, 2), (10, 3), (7, 7), (1000, 4)])
@@ -64,8 +64,8 @@ def test_global_batches_are_the_union_of_the_ranks_batches():
 
 
 def test_the_cut_names_the_batch_a_rank_really_trains_on():
-    from distnb.data import describe_cut
-    from distnb.plan import TrainPlan
+    from distnb.transfer.data import describe_cut
+    from distnb.core.plan import TrainPlan
 
     said = describe_cut(TrainPlan(model="m", data="d", batch_size=1000), {"num_samples": 203}, 2, 2)
     assert said.endswith("1 step/epoch of 102 per rank (--batch-size 1000 is more than the 102 samples a rank "

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from distnb import transfer
-from distnb.engine import segments, stateout, wire
+from distnb.transfer import transfer
+from distnb.engine.transport import segments, stateout, wire
 from support.shm import rank_shm, shm_dir  # noqa: F401  (fixtures)
 
 
@@ -212,7 +212,7 @@ def test_state_back_converts_other_dtypes_and_reports_wrong_keys(shm_dir, rank_s
 
 
 def test_a_rank_writes_each_state_into_its_one_outbox(shm_dir, rank_shm):
-    # the kernel reads a state into its model before the rank writes the next (distnb.weights_back)
+    # the kernel reads a state into its model before the rank writes the next (distnb.transfer.weights_back)
     refs = [stateout.flatten_state({"a": torch.full((3,), float(i))})[3] for i in range(4)]
     assert len({r.path for r in refs}) == 1
     got = wire.unflatten_state(["a"], [wire.describe(torch.ones(3))], [12], refs[3])

@@ -1,12 +1,12 @@
-"""distnb.slurm without a scheduler: what Slurm's commands print, turned into distnb's messages."""
+"""distnb.cluster.slurm without a scheduler: what Slurm's commands print, turned into distnb's messages."""
 
 from __future__ import annotations
 
 import pytest
 
-from distnb import slurm
-from distnb.defaults import default_spec
-from distnb.errors import ClusterError
+from distnb.cluster import slurm
+from distnb.cluster.defaults import default_spec
+from distnb.core.errors import ClusterError
 
 SHOW_JOB = ("JobId=12 JobName=ipengine-abc UserId=root(0) GroupId=root(0) Priority=1 JobState=PENDING "
             "Reason=PartitionDown Dependency=(null) TimeLimit=1:00 Partition=down NodeList=(null) "

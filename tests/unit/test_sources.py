@@ -1,8 +1,8 @@
-"""Notebook code sent by value keeps its file name and source (distnb.engine.sources through wire.pack)."""
+"""Notebook code sent by value keeps its file name and source (distnb.engine.transport.sources through wire.pack)."""
 
 import linecache
 
-from distnb.engine import wire
+from distnb.engine.transport import wire
 
 CELL = "<ipython-input-7-test-sources>"
 SOURCE = "def scale(v):\n    k = 3\n    return v.no_such_attribute * k\n"

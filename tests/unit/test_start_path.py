@@ -6,7 +6,7 @@ import types
 
 from ipyparallel.controller.dictdb import DictDB, NoDB
 
-from distnb import launchers
+from distnb.cluster import launchers
 from distnb.engine import ipengine, zygote
 
 

@@ -1,8 +1,8 @@
-"""What a finished cell says of how its steps were done (distnb.stepnotes), from made-up result rows."""
+"""What a finished cell says of how its steps were done (distnb.train.stepnotes), from made-up result rows."""
 
 import types
 
-from distnb import stepnotes
+from distnb.train import stepnotes
 
 
 def plan(**kw):

@@ -7,9 +7,9 @@ import torch
 
 from distnb.display import ProgressState
 from distnb.display import render
-from distnb.engine import stepping
-from distnb.plan import TrainPlan
-from distnb.errors import PlanError
+from distnb.engine.train import stepping
+from distnb.core.plan import TrainPlan
+from distnb.core.errors import PlanError
 
 
 def test_history_is_bounded_and_keeps_the_mean():

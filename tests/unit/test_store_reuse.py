@@ -11,7 +11,7 @@ import socket
 import pytest
 import torch.distributed as dist
 
-from distnb.engine import abort, runtime
+from distnb.engine.process import abort, runtime
 
 TIMEOUT = datetime.timedelta(seconds=5)
 

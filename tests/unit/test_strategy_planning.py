@@ -165,7 +165,7 @@ def test_containers_stand_for_their_elements_as_fsdp_units_and_pipeline_blocks()
     from distnb.engine.strategies import StrategyError, is_container
     from distnb.engine.strategies.fsdp import FSDP, default_units
     from distnb.engine.strategies.pipeline_split import default_blocks, split_points
-    from distnb.plan import TrainPlan
+    from distnb.core.plan import TrainPlan
 
     model = _Blocks()
     assert is_container(model.blocks) and is_container(model.gains) and not is_container(model.blocks[0])

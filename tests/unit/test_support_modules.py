@@ -46,4 +46,4 @@ def test_distnb_is_found_on_disk():
             "distnb.display.widgets"} <= set(names)
     assert all(path.is_file() and path.suffix == ".py" for path in names.values())
     graph = mods.internal_graph()
-    assert "distnb.engine.runtime" in graph["distnb.engine.checkpoint"]  # from . import runtime
+    assert "distnb.engine.process.runtime" in graph["distnb.engine.train.checkpoint"]

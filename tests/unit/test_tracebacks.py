@@ -1,6 +1,6 @@
-"""Remote tracebacks and messages as a RankError shows them (distnb.tracebacks), without a cluster."""
+"""Remote tracebacks and messages as a RankError shows them (distnb.core.tracebacks), without a cluster."""
 
-from distnb.tracebacks import clean_message, clean_traceback, full_traceback
+from distnb.core.tracebacks import clean_message, clean_traceback, full_traceback
 
 STORE_ERROR = """failed to recv, got 0 bytes
 Exception raised from recvBytes at /pytorch/torch/csrc/distributed/c10d/Utils.hpp:671 (most recent call first):
@@ -59,7 +59,7 @@ def test_a_chained_tracebacks_raising_frame_in_torch_is_kept_before_the_next_sec
 
 
 def test_a_notebook_function_reading_a_body_name_is_told_to_take_it_as_an_argument():
-    from distnb.tracebacks import body_name_hint
+    from distnb.core.tracebacks import body_name_hint
 
     def halve():
         pass
@@ -81,7 +81,7 @@ def test_a_rank_error_carries_the_ranks_traceback_as_a_note_for_scripts():
     on the rank was nowhere. Python prints __notes__ after the message; IPython uses _render_traceback_."""
     import traceback
 
-    from distnb.errors import RankError
+    from distnb.core.errors import RankError
 
     tb = "\x1b[0;31mValueError\x1b[0m Traceback\nFile <distrain-cell-1>:3\n----> 3 raise ValueError('bad')\n"
     err = RankError([dict(rank=1, host="h", ename="ValueError", evalue="bad", traceback=tb)], context="training")
@@ -94,7 +94,7 @@ def test_a_rank_error_carries_the_ranks_traceback_as_a_note_for_scripts():
 def test_a_hang_names_where_a_missing_rank_is_from_its_stack_and_how_old_that_is():
     """A rank waiting for its DataLoader workers was 'in select (selectors.py:415)'; one whose watchdog could not run
     (native code holding the GIL) was said to have finished the cell, or to be at a line it had long left."""
-    from distnb.hangs import _spot
+    from distnb.execute.hangs import _spot
 
     loader = [("/x/torch/utils/data/dataloader.py", 1, "_try_get_data", ""), ("/py/queues.py", 2, "get", ""),
               ("/py/selectors.py", 415, "select", "")]

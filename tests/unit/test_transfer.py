@@ -3,10 +3,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from distnb.engine import stateout, wire
-from distnb.errors import PlanError
-from distnb.engine.wire import pack
-from distnb.transfer import columns_of, fingerprint, free_names
+from distnb.engine.transport import stateout, wire
+from distnb.core.errors import PlanError
+from distnb.engine.transport.wire import pack
+from distnb.transfer.transfer import columns_of, fingerprint, free_names
 
 
 class Tied(nn.Module):
@@ -67,7 +67,7 @@ def test_columns_of_accepts_the_documented_types():
 
 
 def test_is_columns_is_a_container_of_tensors_or_arrays_only():
-    from distnb.transfer import is_columns
+    from distnb.transfer.transfer import is_columns
 
     x = torch.zeros(3, 2)
     for yes in ((x, x.numpy()), [x], {"a": x, "b": x.numpy()}):
@@ -147,7 +147,7 @@ def test_a_new_tuple_of_the_same_columns_is_the_same_data():
 
 
 def test_free_names_are_parsed_once_and_still_fresh():
-    from distnb.transfer import _unassigned
+    from distnb.transfer.transfer import _unassigned
 
     code = "x, y = batch\nloss = F.cross_entropy(model(x), y)\nprint(len(x))"
     assert free_names(code) == {"batch", "F", "model"}
@@ -163,7 +163,7 @@ def test_free_names_are_parsed_once_and_still_fresh():
 def test_freezing_a_parameter_changes_the_fingerprint():
     import torch.nn as nn
 
-    from distnb.transfer import fingerprint
+    from distnb.transfer.transfer import fingerprint
 
     net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     before = fingerprint(net)
@@ -176,8 +176,8 @@ def test_the_part_that_cannot_be_pickled_is_found_by_its_path():
 
     import pytest
 
-    from distnb.errors import PlanError
-    from distnb.transfer import pack_named, unpicklable_part
+    from distnb.core.errors import PlanError
+    from distnb.transfer.transfer import pack_named, unpicklable_part
 
     net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
     assert unpicklable_part(net, "net") is None
@@ -191,7 +191,7 @@ def test_the_part_that_cannot_be_pickled_is_found_by_its_path():
 
 
 def test_a_changed_model_is_described_by_what_changed():
-    from distnb.transfer import model_change
+    from distnb.transfer.transfer import model_change
 
     net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
     keys = list(net.state_dict().keys())
@@ -214,7 +214,7 @@ def test_the_notebook_globals_a_model_reads_are_in_its_fingerprint():
 
     import torch.nn as nn
 
-    from distnb import captured
+    from distnb.transfer import captured
 
     nb = types.ModuleType("__main__")  # a notebook's namespace: its classes and functions go by value
     exec("import torch.nn as nn\nTEMP = 1.0\nCFG = {'k': 2}\ndef helper(z):\n    return z / TEMP\n"
@@ -236,7 +236,7 @@ def test_the_notebook_globals_a_model_reads_are_in_its_fingerprint():
 def test_a_models_attributes_and_hooks_are_in_its_fingerprint():
     import types
 
-    from distnb.transfer import model_change
+    from distnb.transfer.transfer import model_change
 
     nb = types.ModuleType("__main__")
     exec("import torch, torch.nn as nn\nclass M(nn.Module):\n    SCALE = 1.0\n    def __init__(self):\n"
@@ -265,7 +265,7 @@ def test_a_models_attributes_and_hooks_are_in_its_fingerprint():
 def test_a_parametrized_model_round_trips_exactly():
     from torch.nn.utils import parametrizations
 
-    from distnb.engine import wire
+    from distnb.engine.transport import wire
 
     torch.manual_seed(0)
     net = nn.Sequential(parametrizations.weight_norm(nn.Linear(5, 6)), nn.Tanh(),
@@ -282,7 +282,7 @@ def test_a_parametrized_model_round_trips_exactly():
 
 
 def test_a_dataset_read_whole_names_the_index_whose_getitem_raised():
-    from distnb.errors import PlanError
+    from distnb.core.errors import PlanError
 
     class Val(torch.utils.data.Dataset):
         def __len__(self):
@@ -299,7 +299,7 @@ def test_a_dataset_read_whole_names_the_index_whose_getitem_raised():
 
 
 def test_every_attribute_that_changed_is_named_up_to_four():
-    from distnb.transfer import model_change
+    from distnb.transfer.transfer import model_change
 
     net = nn.Sequential(nn.Linear(2, 2), nn.Tanh())
     net.cfg, net[1].mode = {"scale": 1.0}, "a"
@@ -344,7 +344,7 @@ def _notebook(source):
     ("helper.__code__ = (lambda z, k=2.0: z - TEMP).__code__", "a notebook global, function or class attribute"),
 ])
 def test_a_method_replaced_on_a_notebook_class_changes_the_fingerprint(change, says):
-    from distnb.transfer import model_change
+    from distnb.transfer.transfer import model_change
 
     nb = _notebook(NB_MODEL)
     net = nb.Net()
@@ -359,7 +359,7 @@ def test_a_method_replaced_on_a_notebook_class_changes_the_fingerprint(change, s
 def test_a_cell_run_again_from_the_same_source_is_no_change():
     # re-running the defining cell makes new function and class objects of the same code: the ranks' copies are
     # what the kernel's are, so the model (and its optimizer state) is not sent again
-    from distnb import captured
+    from distnb.transfer import captured
 
     nb = _notebook(NB_MODEL)
     net = nb.Net()
@@ -376,7 +376,7 @@ def test_a_cell_run_again_from_the_same_source_is_no_change():
 def test_a_function_option_or_body_function_changed_in_place_is_a_change():
     # --lr-schedule/--metric style functions and the functions a body calls: code, closure cells, defaults,
     # a partial's arguments and a settings object they read count; export's name check sees the same
-    from distnb.jobfiles import name_digest
+    from distnb.train.jobfiles import name_digest
 
     nb = _notebook("import functools, types\nCFG = types.SimpleNamespace(warm=10)\n"
                    "def make(k):\n    def sched(opt, total, lo=0.1):\n        return (k, lo, CFG.warm, total)\n"
@@ -392,7 +392,7 @@ def test_a_function_option_or_body_function_changed_in_place_is_a_change():
 
 def test_notebook_code_put_into_a_library_class_is_named():
     # nn.Linear travels by reference: the ranks import torch's own and never see the notebook's replacement
-    from distnb import captured
+    from distnb.transfer import captured
 
     nb = _notebook(NB_MODEL + "def doubled(self, x):\n    return torch.nn.functional.linear(x, self.weight) * 2\n")
     net = nb.Net()
@@ -409,7 +409,7 @@ def test_notebook_code_put_into_a_library_class_is_named():
 
 
 def test_a_base_class_method_replaced_is_named_as_the_base_s():
-    from distnb.transfer import model_change
+    from distnb.transfer.transfer import model_change
 
     nb = _notebook("import torch.nn as nn\nclass Base(nn.Module):\n    def forward(self, x):\n        return self.fc(x)\n"
                    "class Child(Base):\n    def __init__(self):\n        super().__init__()\n"

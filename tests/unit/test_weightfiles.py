@@ -1,4 +1,4 @@
-"""The kernel's checks of ``--load PATH`` (distnb/weightfiles.py): index and headers only, errors before training."""
+"""The kernel's checks of ``--load PATH`` (distnb/core/weightfiles.py): index and headers only, errors before training."""
 
 import json
 import os
@@ -7,8 +7,8 @@ import struct
 import pytest
 import torch
 
-from distnb import weightfiles
-from distnb.errors import PlanError
+from distnb.core import weightfiles
+from distnb.core.errors import PlanError
 from support.hfmodels import build, save_sharded
 
 

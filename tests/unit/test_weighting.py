@@ -1,11 +1,11 @@
-"""ctx.num_items's normalisation on one process (distnb.engine.weighting.ItemCount; no process group)."""
+"""ctx.num_items's normalisation on one process (distnb.engine.train.weighting.ItemCount; no process group)."""
 
 import types
 
 import pytest
 import torch
 
-from distnb.engine import weighting
+from distnb.engine.train import weighting
 
 
 def grads(*values):

@@ -1,8 +1,8 @@
-"""How the kernel cuts a state into parts for weights back (distnb.weights_back.parts)."""
+"""How the kernel cuts a state into parts for weights back (distnb.transfer.weights_back.parts)."""
 
 import torch.nn as nn
 
-from distnb.weights_back import parts
+from distnb.transfer.weights_back import parts
 
 
 def test_consecutive_keys_up_to_the_part_size_and_a_larger_tensor_alone():

@@ -1,4 +1,4 @@
-"""World records (distnb.worlds, issue 38): private files, signed connection files, stale records cleaned."""
+"""World records (distnb.cluster.worlds, issue 38): private files, signed connection files, stale records cleaned."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import types
 
 import pytest
 
-from distnb import worlds
-from distnb.errors import ClusterError
+from distnb.cluster import worlds
+from distnb.core.errors import ClusterError
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ Each module defines a :class:`Strategy` subclass; :func:`build` picks it by
 - ``no_sync()``: a context in which backward skips the gradient reduction (the first
   micro-steps of ``--accumulate``);
 - ``compile()``: ``torch.compile`` what the body calls, after the wrapping (``--compile``; DDP: the module it
-  wraps, in place, as torch advises: see :mod:`distnb.engine.compiling`);
+  wraps, in place, as torch advises: see :mod:`distnb.engine.strategies.compiling`);
 - ``full_state()``: the whole model's state dict, assembled on rank 0 (a collective: called
   on every rank);
 - ``checkpoint_state(opt)`` / ``load_checkpoint_state(...)``: what torch.distributed.checkpoint
@@ -34,8 +34,10 @@ import numbers
 
 import torch
 
-from ...plan import STRATEGIES
-from .. import compiling, materialize, stateout
+from distnb.core.plan import STRATEGIES
+from distnb.engine.strategies import compiling, materialize
+from distnb.engine.transport import stateout
+import contextlib
 
 
 class StrategyError(ValueError):
@@ -57,7 +59,7 @@ class Strategy:
     ----------
     module : torch.nn.Module
         The model as received from the kernel, already on ``device``.
-    plan : distnb.plan.TrainPlan
+    plan : distnb.core.plan.TrainPlan
     device : torch.device
     ns : dict
         The engine namespace (kernel names pushed there, e.g. a ``--tp-plan`` dict).
@@ -74,7 +76,7 @@ class Strategy:
     #: True: after backward every rank holds the same whole gradients (ddp): no rank can overflow alone.
     replicated_grads = False
     #: True: the trained weights go back to the kernel in bounded parts after the cell
-    #: (:mod:`distnb.engine.stateparts`), not whole in the training result.
+    #: (:mod:`distnb.engine.train.stateparts`), not whole in the training result.
     streams_state = True
     #: True: plain (non-DTensor) parameters and buffers are whole on every rank and must stay equal there
     #: (ddp; tensor parallelism's unsharded ones): ``--check-replicas`` compares them (engine/replicas.py).
@@ -83,9 +85,9 @@ class Strategy:
     #: (pipeline stages): the total gradient norm adds them over the ranks.
     grads_partitioned = False
     #: True: the strategy can split a meta-device module, and this rank then materialises only its part
-    #: (:mod:`distnb.engine.materialize`); False: every rank holds the whole model (ddp, ps).
+    #: (:mod:`distnb.engine.strategies.materialize`); False: every rank holds the whole model (ddp, ps).
     shards_first = False
-    #: With --compile: dynamo's figures when the model was compiled (:func:`distnb.engine.compiling.snapshot`).
+    #: With --compile: dynamo's figures when the model was compiled (:func:`distnb.engine.strategies.compiling.snapshot`).
     compiled_since = None
 
     def __init__(self, module, plan, device, ns):
@@ -113,7 +115,7 @@ class Strategy:
         """Number of data shards (ranks that see different samples); it divides ``world_size``.
 
         With fewer shards than ranks, the ranks of one shard are consecutive
-        (:func:`distnb.engine.shard.shard_index`): a strategy on a mesh puts its
+        (:func:`distnb.engine.transport.shard.shard_index`): a strategy on a mesh puts its
         data-parallel dimension outermost.
         """
         return world_size if cls.data_parallel else 1
@@ -151,16 +153,15 @@ class Strategy:
 
     def no_sync(self):
         """A context whose backward passes skip the gradient reduction (default: nothing to skip)."""
-        import contextlib
 
         return contextlib.nullcontext()
 
     def compile(self) -> None:
         """``--compile``: the forward of what the body calls is compiled in place, after any wrapping
-        (:func:`distnb.engine.compiling.compile_in_place`; ``close`` undoes it).
+        (:func:`distnb.engine.strategies.compiling.compile_in_place`; ``close`` undoes it).
 
-        The ranks of one host share inductor's cache folder (:func:`distnb.engine.compiling.set_cache_dir`).
-        What dynamo made of it is reported per cell (:func:`distnb.engine.compiling.report`).
+        The ranks of one host share inductor's cache folder (:func:`distnb.engine.strategies.compiling.set_cache_dir`).
+        What dynamo made of it is reported per cell (:func:`distnb.engine.strategies.compiling.report`).
         """
         compiling.compile_in_place(self.model)
 
@@ -189,7 +190,7 @@ class Strategy:
                 dist.broadcast(buf, src=0)  # group device: the module's buffers, on the rank's device
 
     def full_state(self, keys=None):
-        """The whole model's state as :func:`~distnb.engine.stateout.flatten_state` on rank 0, None elsewhere.
+        """The whole model's state as :func:`~distnb.engine.transport.stateout.flatten_state` on rank 0, None elsewhere.
 
         Called on every rank (strategies that shard the model gather with collectives). ``keys``: only
         these ``state_dict`` entries (a part of the state streamed to the kernel), None: all.
@@ -294,11 +295,11 @@ def check_loss(loss, ctx):
 
 
 def gathered_state(module, keys=None):
-    """``module``'s full (unsharded) state on rank 0 as :func:`~distnb.engine.stateout.flatten_state`, None elsewhere.
+    """``module``'s full (unsharded) state on rank 0 as :func:`~distnb.engine.transport.stateout.flatten_state`, None elsewhere.
 
     One tensor at a time: each DTensor (FSDP2, tensor parallel) is all-gathered whole (a collective:
     every rank calls this, in the state_dict's order) and copied straight into rank 0's outbox
-    (:func:`distnb.engine.stateout.write_state`), so rank 0 holds the outbox plus one full tensor,
+    (:func:`distnb.engine.transport.stateout.write_state`), so rank 0 holds the outbox plus one full tensor,
     not the whole state first and its copy after (``get_model_state_dict(full_state_dict=True)``).
     ``keys``: only these entries (the same on every rank), None: all.
     """
@@ -312,7 +313,7 @@ def strategy_class(name: str) -> type:
     """The :class:`Strategy` subclass for ``name`` (imports its module, named as the strategy).
 
     Which strategies exist, and whether distributing one changes the module in place, is
-    declared once in :data:`distnb.plan.STRATEGIES`; a composed strategy's module replaces ``+``
+    declared once in :data:`distnb.core.plan.STRATEGIES`; a composed strategy's module replaces ``+``
     by ``_`` (``fsdp+tensor``: ``fsdp_tensor.py``).
     """
     if name not in STRATEGIES:
@@ -324,7 +325,7 @@ def strategy_class(name: str) -> type:
 def build(module, plan, device, ns, pending=None) -> Strategy:
     """Distribute ``module`` for ``plan.strategy`` on this rank (then compile it).
 
-    ``module`` is on ``device``, or, with ``pending`` (:class:`distnb.engine.materialize.Pending`), its
+    ``module`` is on ``device``, or, with ``pending`` (:class:`distnb.engine.strategies.materialize.Pending`), its
     structure on the meta device: a strategy that shards (:attr:`Strategy.shards_first`) then splits
     it as it is and only this rank's part is materialised; the others get the whole model first.
     """

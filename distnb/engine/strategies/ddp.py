@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import compiling
-from . import Strategy, levers
+from distnb.engine.strategies import compiling
+from distnb.engine.strategies import Strategy, levers
+from distnb.engine.process import abort
 
 
 class DDP(Strategy):
@@ -30,7 +31,6 @@ class DDP(Strategy):
                                                         find_unused_parameters=plan.find_unused_parameters)
         import torch.distributed as dist
 
-        from .. import abort
 
         if dist.get_backend() == "gloo":  # a peer's failure ends this rank's backward at once (engine/abort.py)
             self.ddp.register_comm_hook(None, abort.ddp_allreduce_hook)
@@ -40,7 +40,7 @@ class DDP(Strategy):
         return self.ddp.no_sync()
 
     def compile(self) -> None:
-        """Compile the module DDP wraps, in place (torch's advice, :mod:`distnb.engine.compiling`): compiled
+        """Compile the module DDP wraps, in place (torch's advice, :mod:`distnb.engine.strategies.compiling`): compiled
         from outside, DDP's forward graph-breaks and dynamo makes no graph at all. ``model`` stays the DDP
         wrapper, whose reducer hooks on the parameters' gradients all-reduce what the compiled backward gives."""
         compiling.compile_in_place(self.module)

@@ -37,8 +37,13 @@ from __future__ import annotations
 
 import weakref
 
-from .. import compiling, finetune, runtime
-from . import Strategy, StrategyError, gathered_state, is_container, levers, tensor_bytes
+from distnb.engine.strategies import compiling, finetune
+from distnb.engine.process import runtime
+from distnb.engine.strategies import Strategy, StrategyError, gathered_state, is_container, levers, tensor_bytes
+import linecache
+import re
+import contextlib
+import sys
 
 #: Device meshes made by the fsdp and tensor strategies on this rank, by id (meshes of one
 #: shape compare equal, so no set). DTensor's caches keep them (and so the process group)
@@ -69,7 +74,7 @@ def default_units(module, prefix: str = "") -> list[str]:
     ``ParameterDict`` child is none (its parameters go to the unit around it, the root).
 
     A Hugging Face model (plain or under ``peft``) has its decoder blocks as units instead
-    (:func:`~distnb.engine.finetune.block_units`: the classes of its ``_no_split_modules``).
+    (:func:`~distnb.engine.strategies.finetune.block_units`: the classes of its ``_no_split_modules``).
     """
     blocks = [] if prefix else finetune.block_units(module)
     if blocks:
@@ -100,8 +105,6 @@ def used_outside(exc: BaseException, units, named_only: bool = False) -> Strateg
     ``named_only``: None unless such a line names a unit (fsdp+tensor, where a tensor plan can mix
     them too).
     """
-    import linecache
-    import re
 
     if not isinstance(exc, RuntimeError) or MIXED not in str(exc):
         return None
@@ -189,7 +192,6 @@ class FSDP(Strategy):
     def no_sync(self):
         """FSDP2's equivalent of ``no_sync``: no reduce-scatter; unsharded gradients accumulate until
         the next micro-step with gradient sync on."""
-        import contextlib
 
         @contextlib.contextmanager
         def unsynced():
@@ -212,7 +214,7 @@ class FSDP(Strategy):
         FSDP2's module hooks, which dynamo does not trace (a graph break); a forward that calls another unit
         breaks at that call (inside ``nn.Sequential``'s loop, dynamo then gives up on the whole frame:
         measured, 0 graphs). The code between units (the root's own, an activation between two units) runs
-        eagerly. What compiled is reported per cell (:mod:`distnb.engine.compiling`).
+        eagerly. What compiled is reported per cell (:mod:`distnb.engine.strategies.compiling`).
         """
         units = [self.module.get_submodule(name) for group in self.units for name in group.split("+")]
         self._compiled = compiling.innermost(units) or [self.module]
@@ -404,7 +406,6 @@ def forget_sharding_decisions() -> None:
     ``tests/magics/test_scale.py`` (shrink renumbering 3 ranks to 2, then 3 again, then a
     checkpointing fsdp cell). Private torch 2.13 entry points, hence best effort.
     """
-    import sys
 
     if "torch.distributed.tensor" not in sys.modules:  # no DTensor op ran here: nothing cached
         return

@@ -25,7 +25,7 @@ the groups.
 
 Data: the ``TP`` ranks of one group train on the same batches (their inputs must agree for the
 split layers' partial results to add up); the data set is cut into ``DP`` shards, shard ``d`` for
-group ``d`` (:func:`distnb.engine.shard.shard_index`). FSDP averages the gradients over the DP
+group ``d`` (:func:`distnb.engine.transport.shard.shard_index`). FSDP averages the gradients over the DP
 groups, so one optimizer step equals one process training on the union of the DP groups'
 batches (``DP * --batch-size`` samples).
 
@@ -35,20 +35,21 @@ batches (``DP * --batch-size`` samples).
 rank's shards with torch.distributed.checkpoint, as for fsdp and tensor.
 
 Errors (kernel side, before anything is sent): a ``--mesh`` that is not ``DPxTP`` with
-``DP * TP = world_size`` (a :class:`~distnb.errors.PlanError` naming the world size and the
+``DP * TP = world_size`` (a :class:`~distnb.core.errors.PlanError` naming the world size and the
 shapes that fit), a split dimension not divisible by ``TP`` (naming the layer and the mesh),
 and the errors of ``--fsdp-units`` and ``--tp-plan`` (see :mod:`.fsdp`, :mod:`.tensor`).
 """
 
 from __future__ import annotations
 
-from ...plan import mesh_shape
-from .. import compiling
-from . import Strategy, gathered_state, tensor_bytes
-from .fsdp import FSDP, default_units, make_mesh, optimizer_state_bytes, release_group, shard, unit_groups
-from .fsdp_tp_views import copy_view_outputs
-from .tensor import DefaultPlanHint, check_default, check_plan, default_pairs, describe, plan_label, resolve_plan
-from .tensor_check import VerifiedPlan
+from distnb.core.plan import mesh_shape
+from distnb.engine.strategies import compiling
+from distnb.engine.strategies import Strategy, gathered_state, tensor_bytes
+from distnb.engine.strategies.fsdp import FSDP, default_units, make_mesh, optimizer_state_bytes, release_group, shard, unit_groups
+from distnb.engine.strategies.fsdp_tp_views import copy_view_outputs
+from distnb.engine.strategies.tensor import DefaultPlanHint, check_default, check_plan, default_pairs, describe, plan_label, resolve_plan
+from distnb.engine.strategies.tensor_check import VerifiedPlan
+import logging
 
 #: The mesh's dimension names, outer (FSDP, data parallel) first, as torchtitan names them.
 DIMS = ("dp", "tp")
@@ -134,7 +135,6 @@ class FsdpTensor(VerifiedPlan, DefaultPlanHint, FSDP):
         DTensor warns that a split layer's ``(_StridedShard, Shard)`` layout takes two
         all-gathers; that is the price of the composition, said here once, not on every cell.
         """
-        import logging
 
         log = logging.getLogger("torch.distributed.tensor._redistribute")
         level = log.level

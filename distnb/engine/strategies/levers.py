@@ -1,4 +1,4 @@
-"""The memory levers on the ranks (see :mod:`distnb.levers` for the options and their checks).
+"""The memory levers on the ranks (see :mod:`distnb.core.levers` for the options and their checks).
 
 - ``--activation-checkpointing``: torch's composable ``checkpoint`` on each FSDP unit (fsdp,
   fsdp+tensor: ``--fsdp-units`` or the default units) or each block (ddp, tensor, ps: every child
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from . import is_container
+from distnb.engine.strategies import is_container
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -38,7 +38,7 @@ def checkpoint_blocks(module, plan, names=None) -> list[str]:
     none); returns them. Called before a strategy wraps or shards the module (fsdp: its units).
 
     Applied once per module: turning the option off or on re-sends the model
-    (:func:`distnb.levers.changed`), since hooks cannot be taken off a live module.
+    (:func:`distnb.core.levers.changed`), since hooks cannot be taken off a live module.
     """
     if not getattr(plan, "activation_checkpointing", False):
         return []

@@ -83,11 +83,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import stateout, wire
-from ..collectives import group_device, on_group
-from . import Strategy, StrategyError, check_loss, tensor_bytes
-from .pipeline_split import is_plain_sequential, num_microbatches, split_points, tensor_owners
-from .pipeline_trace import check_first_stage_inputs, meta_copy, output_structure, plain_tensors, restructure
+from distnb.engine.transport import stateout, wire
+from distnb.engine.process.collectives import group_device, on_group
+from distnb.engine.strategies import Strategy, StrategyError, check_loss, tensor_bytes
+from distnb.engine.strategies.pipeline_split import is_plain_sequential, num_microbatches, split_points, tensor_owners
+from distnb.engine.strategies.pipeline_trace import check_first_stage_inputs, meta_copy, output_structure, plain_tensors, restructure
 
 
 # -- rank side -----------------------------------------------------------------------------
@@ -452,7 +452,7 @@ class Pipeline(Strategy):
         """One validation forward through the stages (``schedule.eval``, no backward); every rank calls it.
 
         The last stage runs the body on each microbatch's output; its sums (loss x samples,
-        samples, metric sum, metric count, has metric: see :mod:`distnb.engine.validation`) are
+        samples, metric sum, metric count, has metric: see :mod:`distnb.engine.train.validation`) are
         broadcast, so every rank returns them. ``k``: real samples (0: a masked pad batch).
         """
         size = _batch_size(batch)

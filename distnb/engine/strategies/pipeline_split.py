@@ -16,7 +16,7 @@ import itertools
 
 from torch import nn
 
-from . import StrategyError, is_container
+from distnb.engine.strategies import StrategyError, is_container
 
 
 def is_plain_sequential(module) -> bool:

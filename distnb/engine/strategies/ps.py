@@ -47,7 +47,7 @@ trained parameters and nothing is left in flight for the next cell. The optimize
 stays on the servers between cells. A failure in the middle of an asynchronous cell ends
 the exchange with the same stop messages (:meth:`ParameterServer.close`), so no peer waits
 for the collective timeout. The optimizer belongs to this layout, so the strategy is declared as changing
-the module in place (:data:`distnb.plan.STRATEGIES`): a different ``--servers``/``--staleness`` or a re-formed process group
+the module in place (:data:`distnb.core.plan.STRATEGIES`): a different ``--servers``/``--staleness`` or a re-formed process group
 makes the kernel send the model again (from its weights, the last trained ones).
 
 Buffers (BatchNorm running statistics) are not served: each rank keeps its own, and rank
@@ -75,9 +75,10 @@ import time
 
 import torch
 
-from .. import stateout
-from . import Strategy, StrategyError, levers, tensor_bytes
-from .ps_optimizer import ServerOptimizer, clone_tensors, flat_state, init_optimizer_state, load_flat_state
+from distnb.engine.transport import stateout
+from distnb.engine.strategies import Strategy, StrategyError, levers, tensor_bytes
+from distnb.engine.strategies.ps_optimizer import ServerOptimizer, clone_tensors, flat_state, init_optimizer_state, load_flat_state
+from distnb.engine.process import abort, runtime
 
 #: Tags of the point-to-point messages on the parameter-server group.
 GRAD_TAG, PARAMS_TAG = 71, 72
@@ -94,7 +95,6 @@ def ps_group():
     """The gloo group all parameter-server traffic uses (formed on first use; a collective)."""
     import torch.distributed as dist
 
-    from .. import abort, runtime
 
     group = _GROUP.get(runtime.STATE.generation)
     if group is None:
@@ -242,7 +242,6 @@ class ParameterServer(Strategy):
 
     def _new_cell(self) -> None:
         """Reset the per-cell figures when a new training cell runs (its code was just compiled)."""
-        from .. import runtime
 
         cell = getattr(runtime, "_CELLS", [None])[0]  # bumped for every compiled cell
         if cell != self._cell:
@@ -408,7 +407,6 @@ class ParameterServer(Strategy):
         """End the asynchronous exchange on every rank; every rank then holds the servers' values."""
         import torch.distributed as dist
 
-        from .. import runtime
 
         self._open_window()
         t0 = time.perf_counter()
@@ -541,7 +539,6 @@ class ParameterServer(Strategy):
         """
         import torch.distributed as dist
 
-        from .. import runtime
 
         pending = [item for queue in self._pending.values() for item in queue]
         for queue in self._pending.values():
@@ -567,7 +564,6 @@ class ParameterServer(Strategy):
 
 def _without_frames(exc: BaseException) -> BaseException:
     """``exc`` without its traceback: frames would keep the process group (and its sockets) alive."""
-    from .. import runtime
 
     runtime.clear_exception_frames(exc)
     return exc.with_traceback(None)
@@ -585,7 +581,6 @@ def _finish(pending, stops, timeout: float) -> None:
 
 
 def _register() -> None:
-    from .. import runtime
 
     if _release not in runtime.RELEASE_HOOKS:
         runtime.RELEASE_HOOKS.append(_release)

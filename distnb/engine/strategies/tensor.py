@@ -48,10 +48,10 @@ from fnmatch import fnmatch
 
 import torch.nn as nn
 
-from .. import compiling
-from . import Strategy, StrategyError, gathered_state, levers, tensor_bytes
-from .fsdp import make_mesh, module_names, optimizer_state_bytes, release_group
-from .tensor_check import VerifiedPlan
+from distnb.engine.strategies import compiling
+from distnb.engine.strategies import Strategy, StrategyError, gathered_state, levers, tensor_bytes
+from distnb.engine.strategies.fsdp import make_mesh, module_names, optimizer_state_bytes, release_group
+from distnb.engine.strategies.tensor_check import VerifiedPlan
 
 #: Parameter-free modules that act elementwise on the last dimension, allowed between the
 #: two linear layers of a default pair (a sharded activation passes through them unchanged).

@@ -58,9 +58,10 @@ from collections.abc import Mapping
 
 import torch
 
-from ..collectives import group_device
-from . import StrategyError, layered
-from .fsdp import used_outside
+from distnb.engine.process.collectives import group_device
+from distnb.engine.strategies import StrategyError, layered
+from distnb.engine.strategies.fsdp import used_outside
+import logging
 
 #: (rtol, atol) per output dtype: |split - whole| <= rtol * max|whole| + atol. Splitting changes
 #: only the order of sums (float32: about 1e-7 relative); a non-elementwise op between a pair
@@ -145,7 +146,6 @@ class _Quiet:
         self.modules, self.device = modules, device
 
     def __enter__(self):
-        import logging
 
         # a split model that cannot run logs each failed sharding propagation at ERROR (fake tensors), tens of lines
         self.log = logging.getLogger("torch._subclasses.fake_tensor")

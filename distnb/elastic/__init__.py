@@ -1,0 +1,1 @@
+"""A world that changes size: ``%dist scale`` and ``--on-failure shrink``."""

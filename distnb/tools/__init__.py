@@ -1,0 +1,1 @@
+"""Tools beside the package: the demo job and simulated ranks."""

@@ -1,0 +1,201 @@
+"""Kernel side of models bigger than one rank: meta-device models and what the ranks can hold.
+
+A notebook model built on the meta device (``with torch.device("meta"): net = Net()``, or Hugging
+Face's ``from_config`` under it) has a structure and no data. It travels as that structure; the
+ranks materialise and initialise only what they hold (:mod:`distnb.engine.strategies.materialize`), from the
+notebook's torch generator state at the time it is sent, so the weights equal a one-process build
+after the same ``torch.manual_seed``. The kernel's model stays on meta: the trained weights live on
+the ranks (``%dist save DIR`` writes them; they are not loaded back into the notebook). A later cell that
+places the model anew (another ``--strategy``, other distribution options) keeps them: the ranks carry
+each tensor into the new placement (:func:`carry_or_reinit`, :mod:`distnb.engine.train.carry`); only a model
+rebuilt in the notebook, ``--reset``, or a re-formed process group start from a fresh initialisation.
+
+Before anything is sent, :func:`check_init` refuses a module that could not be initialised and
+:func:`check_fit` a strategy whose share of the model does not fit what each rank can hold.
+"""
+
+from __future__ import annotations
+
+from distnb.core import calls
+from distnb.train import pretrained
+from distnb.core import hfinit
+from distnb.core.errors import PlanError
+from distnb.core.tables import count
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def on_meta(model) -> bool:
+    """Whether ``model`` (a torch.nn.Module) holds a parameter or buffer on the meta device."""
+    return any(t.is_meta for t in model.state_dict(keep_vars=True).values()) or \
+        any(b.is_meta for b in model.buffers())
+
+
+def check_init(model, plan) -> None:
+    """Refuse a meta model with a module that holds meta tensors itself and has no ``reset_parameters``.
+
+    With ``--init`` the function initialises every module, so nothing is refused here; neither is a
+    module inside a ``transformers.PreTrainedModel``, which the ranks initialise with the model's
+    ``_init_weights`` (:mod:`distnb.core.hfinit`).
+
+    Raises
+    ------
+    PlanError
+        Naming the first such module as ``blocks.3.norm (MyNorm)`` and the ways out.
+    """
+    if plan.init is not None:
+        return
+    loaded = pretrained.provided_names(plan, model)  # --load fills these: no init needed
+    found = hfinit.owners(model)  # a transformers model's modules: its _init_weights initialises them
+    for name, mod in model.named_modules():
+        own = [t for key, t in [*mod._parameters.items(), *mod._buffers.items()]
+               if t is not None and t.is_meta and (f"{name}.{key}" if name else key) not in loaded]
+        if own and not callable(getattr(mod, "reset_parameters", None)) and hfinit.hf_init(found, name, mod, {}) is None:
+            raise PlanError(f"{plan.model} is on the meta device and its module {name or '(the root)'} "
+                            f"({type(mod).__name__}) has no reset_parameters() to initialise it on the ranks; pass "
+                            f"--init FN, a notebook function f(module) that initialises the tensors a module holds "
+                            f"itself, or give {type(mod).__name__} a reset_parameters()")
+
+
+def model_bytes(model) -> int:
+    """Bytes of ``model``'s parameters and buffers (each tensor once)."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def rank_need(model, plan, world_size: int) -> tuple[int, str]:
+    """Bytes of the model one rank holds at least for ``plan.strategy``, and how that was counted.
+
+    ddp and ps: the whole model (parameters and buffers; gradients and optimizer state come on top).
+    fsdp: its 1/world_size share plus the largest FSDP unit, gathered whole for its forward. Other
+    strategies: their 1/world_size share (a lower bound).
+    """
+    whole = model_bytes(model)
+    if plan.strategy in ("ddp", "ps"):
+        return whole, "the whole model (ddp keeps a full replica on every rank)"
+    share = whole // world_size
+    if plan.strategy == "fsdp":
+        from distnb.engine.strategies.fsdp import default_units  # imports torch: at first use
+
+        units = plan.fsdp_units or default_units(model)
+        largest = max((model_bytes(model.get_submodule(u)) for u in units), default=0)
+        return share + largest, (f"1/{world_size} of the model ({_gib(share)}) plus its largest FSDP unit "
+                                 f"({_gib(largest)})")
+    return share, f"1/{world_size} of the model"
+
+
+def check_fit(session, plan, model) -> None:
+    """Refuse a plan whose per-rank share cannot fit what the ranks have free (asked of every rank).
+
+    A rank's room is its GPU's free memory or its memory cgroup's, else its host's available memory
+    shared by the ranks on that host.
+
+    Raises
+    ------
+    PlanError
+        Saying what each rank would need and what the tightest rank has.
+    """
+    cluster = session.cluster
+    need, how = rank_need(model, plan, session.world_size)
+    try:
+        rooms = cluster.wait_all(cluster.apply_all(calls.capacity), timeout=cluster.spec.timeout,
+                                 what="asking the ranks' free memory")
+    except Exception:  # a rank that cannot say: the strategy finds out itself
+        return
+    per_host: dict = {}
+    for room in rooms:
+        per_host[room["host"]] = per_host.get(room["host"], 0) + 1
+    for rank, room in enumerate(rooms):
+        have = room["bytes"] if room["scope"] == "rank" else room["bytes"] // per_host[room["host"]]
+        if need > have:
+            fix = ("use --strategy fsdp (or tensor, pipeline) to shard it" if plan.strategy in ("ddp", "ps")
+                   else "use more ranks, smaller --fsdp-units, or a bigger machine")
+            where = "free" if room["scope"] == "rank" else f"of its host's available memory, shared by " \
+                f"{count(per_host[room['host']], 'rank')}"
+            raise PlanError(f"--strategy {plan.strategy} cannot fit {plan.model} ({_gib(model_bytes(model))}): each "
+                            f"rank would need {_gib(need)} for {how}, and rank {rank} has {_gib(have)} {where}; {fix}")
+
+
+def rng_state() -> bytes:
+    """The notebook's torch generator state, which the ranks initialise a meta model from."""
+    import torch
+
+    return torch.random.get_rng_state().numpy().tobytes()
+
+
+def sent_note(model) -> str:
+    """What the line saying a model was sent adds for a meta model ("" for others)."""
+    return "; on the meta device: each rank initialises the part it holds" if on_meta(model) else ""
+
+
+def reinit_note(name: str, why: str) -> str:
+    """What a cell says when a meta model the ranks held (and trained) is sent again and starts from a new init."""
+    return (f"{name} is on the meta device in the notebook and {why}, so sending it again initialises it afresh on "
+            f"the ranks: the weights they trained are not carried over (%dist save DIR before, then %dist load DIR, "
+            f"keeps them)")
+
+
+def carry_or_reinit(session, plan, model, fp, last) -> None:
+    """Before a meta model the ranks held is sent again: have them keep its trained weights, or say why not.
+
+    The ranks carry the weights into the new placement (:mod:`distnb.engine.train.carry`) when the notebook's
+    model is the one they trained (same fingerprint), ``--reset`` was not given, and the process group it
+    was placed on is still the one now (``last``: its (strategy key, generation) before this cell). Any
+    model not on meta, or new to the ranks, is left alone.
+    """
+    held = session.holdings
+    if not on_meta(model) or plan.reset or plan.model not in {**held.models, **held.trained_steps}:
+        return
+    same_group = last is not None and last[1] == held.generation
+    keep = held.models.get(plan.model) == fp and same_group
+    cluster = session.cluster
+    cluster.wait_all(cluster.apply_all(calls.carry_weights, plan.model, keep), timeout=cluster.spec.timeout,
+                     what=f"keeping {plan.model}'s weights")
+    if keep:
+        print(f"distnb: {plan.model} is on the meta device in the notebook: the ranks keep the weights they trained "
+              f"and place them anew for --strategy {plan.strategy}")
+    else:
+        why = "changed in the notebook" if held.models.get(plan.model) != fp else \
+            "its process group was re-formed since it was placed (its sharded weights went with it)"
+        print(f"distnb: {reinit_note(plan.model, why)}")
+
+
+def stays_note(name: str) -> str:
+    """What the cell says about a meta model's weights."""
+    return (f"{name} is on the meta device in the notebook, so its weights stay on the ranks (each holds its part) "
+            f"and do not come back; write them with %dist save DIR, or read one with %dist pull")
+
+
+def check_before_sending(session, plan, model) -> None:
+    """The checks above, for a model about to be sent: a meta one's initialisation, and whether it fits.
+
+    A model held in the notebook is checked for fit only when it is bigger than 64 MiB (a round trip to
+    the ranks, not worth it for the small models where nothing can run out).
+    """
+    meta = on_meta(model)
+    if meta:
+        check_init(model, plan)
+    if meta or model_bytes(model) > (64 << 20):
+        check_fit(session, plan, model)
+
+
+def send_calls(cluster, plan, model, steps, payload, descs, sent):
+    """The calls that send ``model`` (packed as ``payload``/``descs``, bytes in ``sent``) to every rank.
+
+    A strategy that shards first, or a meta model, goes as its structure: the ranks distribute it
+    before they materialise their part (:func:`distnb.engine.train.install.place_model`); otherwise
+    every rank receives the whole model (:func:`distnb.engine.train.install.install_model`).
+    """
+    from distnb.engine import strategies  # imports torch: at first use
+
+    meta = on_meta(model)
+    if not meta and not strategies.strategy_class(plan.strategy).shards_first:
+        return cluster.apply_all(calls.install_model, plan.model, payload, descs, steps, *sent)
+    return cluster.apply_all(calls.place_model, plan.model, plan.to_dict(), steps, payload, descs,
+                             rng_state() if meta else None, *sent)

@@ -1,0 +1,1 @@
+"""Objects between the kernel and the ranks: by value, resident tensors, data shards, weights back."""
