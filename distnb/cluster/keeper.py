@@ -32,7 +32,6 @@ from distnb.cluster import lease
 from distnb.cluster.reaper import POLL_SECONDS, reap, sweep_shm
 from concurrent.futures import ThreadPoolExecutor
 from distnb.core.calls import save_trained, shutdown
-import importlib
 
 #: Seconds the keeper gives the ranks to save the trained state.
 SAVE_TIMEOUT = 600.0
@@ -265,7 +264,9 @@ class Keeper:
 
 
 def _on_rank(module, fn, with_ns, *args):
-    # Runs on an engine, as distnb.cluster.cluster's shim does (made interactive by _send: globals() is the user namespace).
+    # Runs on an engine, as distnb.cluster.cluster's shim does (made interactive by _send: globals() is the user
+    # namespace, so the import must be made here, not at this module's top)
+    import importlib
 
     f = getattr(importlib.import_module(module), fn)
     return f(globals(), *args) if with_ns else f(*args)

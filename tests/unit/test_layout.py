@@ -77,6 +77,8 @@ ALLOWED_LOCAL = [
     ("mpi4py", "", "optional extra (distnb[mpi])"),
     ("sklearn", "", "optional extra (distnb[examples]): the demo's data"),
     ("setproctitle", "", "an engine forked from the template names itself; absent is fine"),
+    ("importlib", "", "inside a function that runs on an engine with the user namespace as its globals (the "
+                      "keeper's _on_rank, made interactive where it is sent): a module-top import is not there"),
 ]
 
 
