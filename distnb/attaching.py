@@ -35,7 +35,7 @@ from distnb import session as sessions
 from distnb.cluster.cluster import Cluster
 from distnb.core.tables import Table
 from distnb.core.errors import ClusterError, PlanError
-from distnb.train.training import weights_back
+from distnb.train.homecoming import weights_back
 
 #: Seconds a listing listens for each running cell's progress (the ranks publish every 0.1-2 s).
 LISTEN_SECONDS = 2.5

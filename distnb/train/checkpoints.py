@@ -12,7 +12,7 @@ import dataclasses
 import os
 
 from distnb.core import calls, weightfiles
-from distnb.train import record, meshes, pretrained, training
+from distnb.train import homecoming, record, meshes, pretrained, training
 from distnb.core.tables import count
 from distnb.core.errors import PlanError
 from distnb.core.options import check_path
@@ -124,7 +124,7 @@ def load(session, name: str, model_obj, directory: str, quiet: bool = False, cha
     session.holdings.remember(dataclasses.replace(plan, optimizer=meta["optimizer"], lr=None), model_obj)  # live now
     session.holdings.lr_of[name] = None
     session.holdings.trained_steps[name] = meta["steps"]
-    training.weights_back(session, name, model_obj)
+    homecoming.weights_back(session, name, model_obj)
     record.loaded(name, model_obj, meta)  # the notebook's model agrees with the ranks': no "changed" claim
     if not quiet:
         on_meta = any(t.is_meta for t in model_obj.state_dict().values())  # a meta model gets no weights back
@@ -151,5 +151,5 @@ def load_files(session, name: str, model_obj, path, quiet: bool = False) -> dict
     training.ensure_model(session, plan, model_obj, quiet=True)
     rows = pretrained.load_on_ranks(session, plan, checked, quiet)
     session.holdings.remember(plan, model_obj)
-    training.weights_back(session, name, model_obj)  # nothing for a meta model: its weights stay on the ranks
+    homecoming.weights_back(session, name, model_obj)  # nothing for a meta model: its weights stay on the ranks
     return dict(path=checked["found"]["path"], kind=checked["found"]["kind"], ranks=rows)

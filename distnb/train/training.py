@@ -19,6 +19,7 @@ from distnb.core import calls, options
 from distnb.transfer import captured, data, modelcheck, transfer, resident
 from distnb.execute import presses
 from distnb.train import pretrained, runrecord
+from distnb.train.homecoming import interrupted_weights, weights_back
 from distnb.transfer import valsets
 from distnb.core import weightfiles
 from distnb.cluster import worlds
@@ -29,13 +30,12 @@ from distnb.train.resuming import check_folders, first_step, newest_meta, newest
 from distnb.execute.execute import restart_world
 from distnb.core.plan import LR_SCHEDULES, TrainPlan, carry_over, not_carried, redistribution, CARRIED
 from distnb.core.tracebacks import body_name_hint, module_name_hint
-from distnb.transfer.weights_back import stream_into
 import weakref
 from distnb.train.meshes import carried_message
 import importlib.util
 from distnb.train.loopcell import clip_warnings
 from distnb.transfer.transfer import fingerprint, free_names, _pool as transfer_pool, fingerprint, outgoing, pack_named
-from distnb.transfer.transfer import model_change, fingerprint, load_state_into
+from distnb.transfer.transfer import model_change
 import warnings
 
 #: How often ranks report for each progress view (seconds): the dashboard redraws live,
@@ -452,31 +452,6 @@ def ensure_data(session, plan, data_obj, quiet, num_shards, silent=False, name=N
             print(f"distnb: {data.describe_validation(name, info, num_shards, plan.batch_size)}")
 
 
-def weights_back(session, name, model_obj, best_effort=False, packed=None, replicated=False) -> None:
-    """Load rank 0's weights into ``model_obj``: ``packed`` from its training result (ps), else streamed in
-    parts (:func:`~distnb.transfer.weights_back.stream_into`).
-
-    ``replicated``: every rank holds the whole model (ddp), so with another rank dead rank 0 alone gives
-    them (the last step every rank completed), which ``%dist restart`` then sends to the fresh world.
-    """
-
-    cluster = session.cluster
-    if bigmodels.on_meta(model_obj):  # built on meta in the notebook: its weights stay on the ranks
-        return
-    try:
-        dead = cluster.dead_ranks() if packed is None and replicated else {}
-        if packed is not None:  # a strategy that sends its state with the result (ps)
-            load_state_into(model_obj, *packed)  # in place, one tensor at a time
-        elif dead and 0 not in dead:
-            stream_into(cluster, name, model_obj, [0])
-        else:  # every rank, part by part: sharded strategies assemble each part with collectives
-            stream_into(cluster, name, model_obj, range(session.world_size))
-        session.holdings.models[name] = fingerprint(model_obj)
-    except Exception:
-        if not best_effort:
-            raise
-
-
 def train_cell(session, code, model, data, run, given):
     """A foreground training cell: the plan, what the ranks lack, training watched, weights back.
 
@@ -522,10 +497,9 @@ def train_cell(session, code, model, data, run, given):
             rows = runrecord.train_on_ranks(session, plan, code, state, view, show, run)  # recorded for attach
         except Interrupted as exc:  # every rank stopped after the same step: the result of what was trained
             if getattr(exc, "results", None) is None:  # stopped where they were: the replicas may be steps apart
-                weights_back(session, plan.model, model_obj, best_effort=True)
+                lost = weights_back(session, plan.model, model_obj, best_effort=True)
                 session.holdings.models.pop(plan.model, None)  # so the next cell sends rank 0's weights to all
-                raise Interrupted(f"{exc}; the next cell sends {plan.model} to every rank again from rank 0's weights "
-                                  "(now the notebook's), with a fresh optimizer") from None
+                raise Interrupted(f"{exc}; {interrupted_weights(plan, model_obj, lost)}") from None
             rows, stopped = exc.results, exc
         except (RankError, KeyboardInterrupt) as exc:
             weights_back(session, plan.model, model_obj, best_effort=True, replicated=plan.strategy == "ddp")
