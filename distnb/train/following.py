@@ -21,6 +21,7 @@ from distnb.cluster import worlds
 from distnb.display import ProgressState, make_view
 from distnb.execute.execute import Watch
 from distnb.core.plan import RunOptions, TrainPlan
+from distnb.core.errors import Interrupted
 
 
 class Followed:
@@ -79,8 +80,13 @@ def follow(session, record: dict, model_obj=None):
     view.show()
     kept = cluster.apply_all(calls.kept_result, run["token"])
     ars = [Followed(ar, cluster.client.metadata[msg_id]) for ar, msg_id in zip(kept, run["msg_ids"])]
+    stopped = None
     try:
         rows = Watch(session, ars, "training", state, view, (0,)).wait()
+    except Interrupted as exc:  # stopped (the interrupt, %dist stop-training): every rank after the same step
+        if getattr(exc, "results", None) is None:
+            raise
+        rows, stopped = exc.results, exc  # what was trained goes into model_obj, as in the kernel that started it
     finally:
         writer = worlds.note_run(session, None)
         if writer is not None:  # %dist wait returns once the record says the cell ended
@@ -89,7 +95,7 @@ def follow(session, record: dict, model_obj=None):
     num_shards = cluster.world_size // max(1, shown["ranks_per_shard"])
     if model_obj is not None:
         rows[0].setdefault("state", None)  # the ranks kept no copy of the weights: they are pulled from the live model
-        return training.finish(session, plan, model_obj, rows, wall, num_shards, RunOptions(quiet=True))
+        return training.finish(session, plan, model_obj, rows, wall, num_shards, RunOptions(quiet=True), stopped)
     for row in rows:
         row.pop("state", None)
         row.update(row.pop("holdings", {}))

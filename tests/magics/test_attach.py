@@ -332,3 +332,33 @@ def test_the_dist_attach_magic_lists_joins_waits_and_stops(claims, tmp_path, mon
         sh.run_line_magic("dist", "stop")
         assert _gone(world["record_data"])
         assert sessions._CURRENT is None
+
+
+def test_interrupting_the_wait_of_attach_model_takes_what_was_trained_so_far(claims, tmp_path):
+    """The interrupt button while ``attach(model=...)`` waits stops the run after the same step on every rank, and
+    the notebook's model gets what was trained so far, with the TrainResult (as ``%dist wait`` does in the kernel
+    that started the run): before, the result was None and the model untouched."""
+    import threading
+
+    with first_kernel(tmp_path) as world:  # the gate stays closed: 0.3 s a step, about 12 s in all
+        ns = {"net": mlp(12, 16, 3, seed=7)}
+        untrained = {k: v.clone() for k, v in ns["net"].state_dict().items()}
+        alone = [r["cluster_id"] for r in worlds.live()] == [world["cluster_id"]]
+        timer = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        try:
+            result = distnb.attach(None if alone else world["cluster_id"], model="net", ns=ns, quiet=True)
+        finally:
+            timer.cancel()
+        s = sessions.current()
+        assert result is not None and result.interrupted, result
+        assert 0 < result.optimizer_steps < EPOCHS * STEPS_PER_EPOCH
+        changed = any(not torch.equal(v, untrained[k]) for k, v in ns["net"].state_dict().items())
+        assert changed, "the notebook's model did not get the weights trained so far"
+        for rank in (0, 1):
+            ranks = _rank_weights(s, rank)
+            for k, v in ns["net"].state_dict().items():
+                torch.testing.assert_close(v, ranks[k], atol=1e-6, rtol=0)
+        rec = world["record_data"]
+        s.stop(quiet=True)
+        assert _gone(rec)
