@@ -61,7 +61,8 @@ class Keeper:
     def log(self, message: str) -> None:
         if not self.cluster_id:
             return
-        with open(os.path.join(lease.lease_dir(), f"{self.cluster_id}.lease.log"), "a") as f:
+        path = os.path.join(lease.lease_dir(), f"{self.cluster_id}.lease.log")
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "a") as f:  # private, as keeper.json
             f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
 
     def publish(self, state: str) -> None:
