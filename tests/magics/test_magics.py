@@ -576,3 +576,40 @@ def test_a_position_partway_through_one_data_set_does_not_carry_to_another(shell
     assert not nxt.rows[0].get("continued") and nxt.rows[0]["steps"] == -(-40 // 2 // 8)  # a whole epoch of other_ds
     assert "starts again at the beginning of other_ds" in nxt.rows[0]["note"]
     assert steps > 2
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_ranks_stopped_where_they_were_never_claim_weights_the_notebook_lacks(shell, dist_session, strategy):
+    """Steps trained, then both presses land in a slow step: the ranks are stopped where they were. The message says
+    "now the notebook's" only when the notebook's model did get the trained weights; otherwise (fsdp's shards need the
+    process group the stop broke) it says they could not come back and that the cell's steps are lost. A fresh user
+    found 54 fsdp steps lost under "now the notebook's"."""
+    import os
+    import signal
+    import threading
+
+    from distnb.core.errors import Interrupted
+
+    name = f"where_{strategy}"
+    run(shell, TRAIN_SETUP.replace("mnet", name))
+    before = torch.cat([p.detach().flatten().clone() for p in shell.user_ns[name].parameters()])
+    slow = "import time\nif ctx.step >= 3:\n    time.sleep(4.0)\n" + BODY  # 3 quick steps, then a slow one
+    timers = [threading.Timer(t, lambda: os.kill(os.getpid(), signal.SIGINT)) for t in (2.5, 2.8)]
+    for timer in timers:
+        timer.start()
+    try:
+        with pytest.raises(Interrupted) as caught:
+            dist_session.train(slow, model=name, data="train_ds", epochs=100, batch_size=4, strategy=strategy,
+                               optimizer="sgd", lr=0.5, progress="none", quiet=True)
+    finally:
+        for timer in timers:
+            timer.cancel()
+    said = str(caught.value)
+    after = torch.cat([p.detach().flatten() for p in shell.user_ns[name].parameters()])
+    if "now the notebook's" in said:
+        assert not torch.equal(before, after), said  # the trained steps are in the notebook's model
+    else:
+        assert "could not be brought back" in said and "steps are lost" in said, said
+        assert torch.equal(before, after), said
+    ok = dist_session.train(BODY, model=name, data="train_ds", epochs=1, strategy=strategy, progress="none")
+    assert ok.rows[0]["steps"] > 0  # the cluster is usable by the next cell
