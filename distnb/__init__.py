@@ -6,6 +6,7 @@ is imported until it is used.
 """
 
 from __future__ import annotations
+
 import importlib
 
 __version__ = "0.1.0"
@@ -21,8 +22,17 @@ __all__ = [
     "load_ipython_extension", "unload_ipython_extension",
 ]
 
-from distnb.core.errors import (BusyError, ClusterError, CollectiveMismatchError, DistnbError, HangError, Interrupted,
-                     PeerFailed, PlanError, RankError)
+from distnb.core.errors import (
+    BusyError,
+    ClusterError,
+    CollectiveMismatchError,
+    DistnbError,
+    HangError,
+    Interrupted,
+    PeerFailed,
+    PlanError,
+    RankError,
+)
 
 #: Public names imported at first use (``import distnb`` stays light: no ipyparallel, no torch): name -> module.
 _LAZY = {"start": "distnb.session", "current": "distnb.session", "Session": "distnb.session",

@@ -29,12 +29,12 @@ import weakref
 
 import ipyparallel as ipp
 
-from distnb.train import background, following
-from distnb.cluster import launchers, lease, worlds
 from distnb import session as sessions
+from distnb.cluster import launchers, lease, worlds
 from distnb.cluster.cluster import Cluster
-from distnb.core.tables import Table
 from distnb.core.errors import ClusterError, PlanError
+from distnb.core.tables import Table
+from distnb.train import background, following
 from distnb.train.homecoming import weights_back
 
 #: Seconds a listing listens for each running cell's progress (the ranks publish every 0.1-2 s).

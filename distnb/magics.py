@@ -4,21 +4,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
+import signal
+import sys
+import threading
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from distnb import attachverb, magic_values
-from distnb.train import hfsaving
 from distnb.core import options
 from distnb.core.errors import ClusterError, Interrupted, PlanError, stop_interrupted
 from distnb.core.plan import ClusterSpec, RunOptions, TrainPlan
-import signal
-import sys
-import threading
 from distnb.export.export import session_export
-import difflib
+from distnb.train import hfsaving
 from distnb.train.background import check_idle
 
 _PARSE = {"int": int, "float": float}

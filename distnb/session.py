@@ -28,26 +28,29 @@ import atexit
 import contextlib
 import inspect
 
-from distnb.train import background, checkpoints, training
-from distnb.core import calls, options
-from distnb.execute import debugger
 from distnb.cluster import lease, worlds
-from distnb.transfer import pulling
-from distnb.elastic import scaling, shrinking
-from distnb.train.background import BackgroundRun, check_idle
 from distnb.cluster.cluster import Cluster
-from distnb.transfer.data import gather as gather_shards, scatter as scatter_shards, scatter_line
 from distnb.cluster.defaults import default_spec, user_ns
-from distnb.core.tables import count
+from distnb.cluster.startup import START_OPTIONS, failure_policy, say_policy
+from distnb.cluster.startup import differences as _differences
+from distnb.cluster.startup import say_ready as _say_ready
+from distnb.core import calls, options
 from distnb.core.errors import ClusterError, PlanError
+from distnb.core.plan import BOUND_PREFIX, ClusterSpec, RunOptions, TrainPlan
+from distnb.core.tables import count
+from distnb.elastic import scaling, shrinking
+from distnb.execute import debugger
 from distnb.execute.execute import run_on_ranks, targets_of
 from distnb.export.export import session_export
+from distnb.train import background, checkpoints, training
+from distnb.train.background import BackgroundRun, check_idle
 from distnb.train.hfsaving import session_save
-from distnb.core.plan import BOUND_PREFIX, ClusterSpec, RunOptions, TrainPlan
-from distnb.cluster.startup import START_OPTIONS, differences as _differences, failure_policy
-from distnb.cluster.startup import say_policy, say_ready as _say_ready
 from distnb.train.results import StatusTable, TrainResult, WhereTable, status_table, where_table
-from distnb.transfer.transfer import sweep_shm, outgoing, pack_named
+from distnb.transfer import pulling
+from distnb.transfer.data import gather as gather_shards
+from distnb.transfer.data import scatter as scatter_shards
+from distnb.transfer.data import scatter_line
+from distnb.transfer.transfer import outgoing, pack_named, sweep_shm
 
 _CURRENT = None
 _STOPPED = None  # the Holdings of the last session stopped: what carries over to the next %dist start

@@ -37,11 +37,11 @@ import ipyparallel as ipp
 import psutil
 from ipyparallel.serialize import PrePickled
 
-from distnb.core import calls, tracebacks
 from distnb.cluster import cpuload, fanout, hub, launchers, lease, placement, slurm, zygote
-from distnb.cluster.reaper import reap, spawn
-from distnb.core.calls import RankFunction
 from distnb.cluster.engines import Engines
+from distnb.cluster.reaper import reap, spawn
+from distnb.core import calls, tracebacks
+from distnb.core.calls import RankFunction
 from distnb.core.errors import ClusterError, Interrupted, PlanError, RankError
 from distnb.core.net import check_port_free, free_port, is_loopback, visible_gpus
 from distnb.core.plan import BATCH_LAUNCHERS, ClusterSpec

@@ -33,13 +33,13 @@ import dataclasses
 import signal
 import time
 
-from distnb.core import calls
 from distnb.cluster import launchers, placement
-from distnb.cluster.defaults import ENGINES_PER_CORE, default_spec, cpu_cores
-from distnb.core.errors import ClusterError, PlanError
-from distnb.core.plan import BATCH_LAUNCHERS
+from distnb.cluster.defaults import ENGINES_PER_CORE, cpu_cores, default_spec
 from distnb.cluster.reaper import kill_after
+from distnb.core import calls
+from distnb.core.errors import ClusterError, PlanError
 from distnb.core.net import check_port_free, visible_gpus
+from distnb.core.plan import BATCH_LAUNCHERS
 
 #: Launchers that can add engines to a running cluster.
 GROWABLE = ("local", "ssh")

@@ -27,10 +27,10 @@ import os
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from distnb.cluster import lease
 from distnb.cluster.reaper import POLL_SECONDS, reap, sweep_shm
-from concurrent.futures import ThreadPoolExecutor
 from distnb.core.calls import save_trained, shutdown
 
 #: Seconds the keeper gives the ranks to save the trained state.

@@ -32,14 +32,20 @@ import sys
 import time
 
 import psutil
+from ipyparallel.cluster.launcher import (
+    LocalControllerLauncher,
+    LocalEngineLauncher,
+    LocalEngineSetLauncher,
+    SlurmEngineSetLauncher,
+    SSHEngineLauncher,
+    SSHEngineSetLauncher,
+)
 from traitlets import Float, List
-from ipyparallel.cluster.launcher import (LocalControllerLauncher, LocalEngineLauncher, LocalEngineSetLauncher,
-                                          SlurmEngineSetLauncher, SSHEngineLauncher, SSHEngineSetLauncher)
 
 from distnb.cluster import slurm, zygote
-from distnb.engine.ipengine import holds_json
-from distnb.core.errors import ClusterError
 from distnb.cluster.placement import REGISTRATION_ARG, engine_command, hostname_of, resolve
+from distnb.core.errors import ClusterError
+from distnb.engine.ipengine import holds_json
 
 #: Seconds an ssh launcher keeps asking an unreachable host about its engine before giving up.
 UNREACHABLE_GIVE_UP = 20.0

@@ -19,22 +19,24 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import importlib.util
 import ipaddress
 import logging
 import os
+import shutil
 import socket
 import sys
 
 from traitlets.config import Config
 
-from distnb.core.net import boot_id as this_boot, check_port_free, ipv4_of as interface_address, is_loopback, route_address
+from distnb.cluster import worlds
+from distnb.cluster.cpuload import AUTO_MAX_FOREIGN
 from distnb.core.errors import ClusterError, PlanError
 from distnb.core.gpus import duplicates, duplicates_message
+from distnb.core.net import boot_id as this_boot
+from distnb.core.net import check_port_free, is_loopback, route_address
+from distnb.core.net import ipv4_of as interface_address
 from distnb.core.plan import BATCH_LAUNCHERS
-from distnb.cluster import worlds
-import importlib.util
-import shutil
-from distnb.cluster.cpuload import AUTO_MAX_FOREIGN
 
 #: Launchers whose engines run on other hosts (ssh even to this host: its engines reach the
 #: controller over the network).

@@ -3,8 +3,8 @@ the controller no longer has registered."""
 
 from __future__ import annotations
 
-from distnb.core.tables import count
 from distnb.core.errors import ranks_named
+from distnb.core.tables import count
 
 
 def dead_rank_fix(dead, world: int, n: int) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 import subprocess
 import time
+
 from distnb.core.errors import ClusterError
 
 #: Seconds any one Slurm command may take (sbatch retries an unreachable slurmctld for MessageTimeout).

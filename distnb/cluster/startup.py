@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from distnb.core import gpus, options
 from distnb.cluster import lease
-from distnb.core.tables import count
-from distnb.core.errors import PlanError
-from distnb.cluster.gpuhost import kernel_cuda_note
-from distnb.core.plan import FAILURE_POLICIES, ClusterSpec, hang_seconds
 from distnb.cluster.cpuload import AUTO_MAX_FOREIGN
+from distnb.cluster.gpuhost import kernel_cuda_note
+from distnb.core import gpus, options
+from distnb.core.errors import PlanError
+from distnb.core.plan import FAILURE_POLICIES, ClusterSpec, hang_seconds
+from distnb.core.tables import count
 
 #: start()'s keyword options (Python keyword -> ClusterSpec field), from ClusterSpec's declarations.
 START_OPTIONS = options.keywords(ClusterSpec)

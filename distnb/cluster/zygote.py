@@ -20,13 +20,14 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import subprocess
 import sys
-import signal
 import threading
 import time
 
 import psutil
+
 from distnb.engine.zygote import frozen_env
 
 #: Seconds ``%dist start`` waits for a template that is still importing before starting fresh engines.

@@ -20,6 +20,7 @@ Every function costs O(ranks) (sorting for the quantiles: O(ranks log ranks)), a
 from __future__ import annotations
 
 import math
+
 from distnb.display.progress import STATUSES
 
 #: More ranks than this and the dashboard shows the aggregate (at most this many: one row per rank).

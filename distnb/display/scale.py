@@ -17,8 +17,22 @@ max); ``ol.distnb-slowest`` with ``li[data-rank]``; ``svg.distnb-loss`` holding
 from __future__ import annotations
 
 from distnb.display import aggregate, render
-from distnb.display.render import (BAR, COLORS, STATUS_COLOR, _FONT, _plot, esc, fmt_bytes, fmt_seconds, header_html, one_line,
-                     table_html, thin, throughput_svg, validation_svg)
+from distnb.display.render import (
+    _FONT,
+    BAR,
+    COLORS,
+    STATUS_COLOR,
+    _plot,
+    esc,
+    fmt_bytes,
+    fmt_seconds,
+    header_html,
+    one_line,
+    table_html,
+    thin,
+    throughput_svg,
+    validation_svg,
+)
 
 #: Failed or stopped ranks listed by name at most (the others are counted).
 ATTENTION_ROWS = 8

@@ -20,11 +20,12 @@ one ``li.distnb-where-frame`` per frame, innermost last; frames of the user's ce
 
 from __future__ import annotations
 
+import re
+
 from distnb.core.errors import rank_list
 from distnb.display.aggregate import SCALE_THRESHOLD
 from distnb.display.progress import STALL_SECONDS, WHERE_FRAMES
 from distnb.display.render import _FONT, esc
-import re
 
 #: File names of the user's cell code on a rank (``%%dist`` and ``%%distrain`` bodies).
 CELL_FILES = ("<dist-cell-", "<distrain-cell-")

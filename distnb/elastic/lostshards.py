@@ -15,9 +15,9 @@ the sharded models need one, the replicated ones go on from the survivors' memor
 
 from __future__ import annotations
 
-from distnb.core.tables import count
 from distnb.core.errors import ClusterError, ranks_named
 from distnb.core.plan import STRATEGIES
+from distnb.core.tables import count
 from distnb.train.resuming import newest_meta
 
 

@@ -40,19 +40,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
-
-from distnb.core import calls
-from distnb.transfer import data
-from distnb.elastic import keepbatch, lostshards, midepoch
-from distnb.train import meshes
-from distnb.cluster import startup
-from distnb.core.tables import count
-from distnb.core.errors import ClusterError, Interrupted, PlanError, RankError
-from distnb.cluster.recovery import dead_rank_fix
-from distnb.core.plan import TrainPlan, STRATEGIES
 import shutil
 import tempfile
+import time
+
+from distnb.cluster import startup
+from distnb.cluster.recovery import dead_rank_fix
+from distnb.core import calls
+from distnb.core.errors import ClusterError, Interrupted, PlanError, RankError
+from distnb.core.plan import STRATEGIES, TrainPlan
+from distnb.core.tables import count
+from distnb.elastic import keepbatch, lostshards, midepoch
+from distnb.train import meshes
+from distnb.transfer import data
 from distnb.transfer.transfer import fingerprint
 
 #: Called with the pids of the engines a grow started, once they registered (tests kill one here).
@@ -323,7 +323,9 @@ def _grow_failed(cluster, n: int, before: tuple, new_ids: list, exc: BaseExcepti
 
 
 def _is_interrupt(exc: BaseException) -> bool:
-    from distnb.execute.execute import _is_interrupt as interrupt  # the RuntimeError a Ctrl-C in a Condition's `with` becomes
+    from distnb.execute.execute import (
+        _is_interrupt as interrupt,  # the RuntimeError a Ctrl-C in a Condition's `with` becomes
+    )
 
     return interrupt(exc)
 
@@ -403,8 +405,8 @@ def _save_sharded(session, n: int) -> dict:
     (fsdp+tensor: on the mesh of the same tensor-parallel size, :func:`distnb.train.meshes.refit`).
     """
 
-    from distnb.train import checkpoints
     from distnb.engine import strategies
+    from distnb.train import checkpoints
 
     held = session.holdings
     todo = {}

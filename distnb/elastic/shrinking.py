@@ -27,13 +27,13 @@ the shrink; ``result.lost`` holds the report as a dict.
 from __future__ import annotations
 
 from distnb.core import calls
-from distnb.elastic import scaling
-from distnb.core.tables import count
 from distnb.core.errors import ClusterError, RankError, position
 from distnb.core.plan import STRATEGIES, TrainPlan
-from distnb.train.resuming import newest_meta
-from distnb.train.results import _lost_steps, summary
+from distnb.core.tables import count
+from distnb.elastic import scaling
 from distnb.train import meshes
+from distnb.train.results import _lost_steps, summary
+from distnb.train.resuming import newest_meta
 
 
 def train_cell(session, code, model, data, run, given):
@@ -144,8 +144,8 @@ def _finished(session, plan, meta: dict) -> int:
     rank are all trained (or, with ``--drop-last``, all but less than a batch) is done. Known
     for tensor data sets the kernel scattered; 0 for others.
     """
-    from distnb.engine.transport import shard
     from distnb.engine import strategies
+    from distnb.engine.transport import shard
 
     info = session.holdings.data.get(plan.data) or {}
     if "num_samples" not in info or not meta.get("epoch_samples"):

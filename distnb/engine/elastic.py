@@ -30,11 +30,11 @@ import torch
 import torch.distributed as dist
 
 from distnb.core.plan import STRATEGIES, TrainPlan
-from distnb.engine.process import binding, runtime
-from distnb.engine.train import datasets, epochrest, loop
 from distnb.engine import strategies
-from distnb.engine.transport import wire
+from distnb.engine.process import binding, runtime
 from distnb.engine.process.collectives import group_device, on_group
+from distnb.engine.train import datasets, epochrest, loop
+from distnb.engine.transport import wire
 
 #: Names distnb binds in every rank's namespace (the rank's identity, a training cell's objects): never the user's.
 BOUND = frozenset({"rank", "world_size", "local_rank", "node_rank", "device", "model", "optimizer", "ctx", "loss",

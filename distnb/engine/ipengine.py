@@ -25,14 +25,15 @@ name (``ps``, the test suite's leak check, the benchmarks' clean-up) still find 
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
 import threading
 import time
-import importlib
-from distnb.engine.zygote import freeze_imports
+
 from distnb.engine import zygote
+from distnb.engine.zygote import freeze_imports
 
 #: Seconds to wait for the controller's connection file before leaving it to ipyparallel.
 CONNECTION_WAIT = 60.0
@@ -133,7 +134,6 @@ def main() -> None:
         return
     TIMES["main"] = time.time()
     import numpy  # noqa: F401  shared by both threads' imports: loaded here once, first
-
     from ipyparallel.engine.app import main as engine_main
 
     TIMES["engine_imported"] = time.time()

@@ -18,20 +18,20 @@ rank, else every rank computes on CPU (gloo): the cluster's rule.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import pickle
 import socket
 import sys
 import time
+import traceback
 
 from distnb.core import options
 from distnb.core.plan import ClusterSpec, TrainPlan
-import datetime
-from distnb.engine.process import runtime
 from distnb.core.saveformats import FORMATS, MAX_SHARD_SIZE, shard_bytes
+from distnb.engine.process import runtime
 from distnb.engine.transport import report
-import traceback
 
 #: Files of an exported cell (written by distnb.export.export, read here).
 OPTIONS, MODEL, NAMES, LOSSES = "options.json", "model.pkl", "names.pkl", "losses.json"
@@ -169,7 +169,8 @@ def _install_data(ns, directory, entry, plan, num_shards) -> None:
     import torch
 
     from distnb.engine.train import datasets, loop
-    from distnb.engine.transport import shard as sharding, wire
+    from distnb.engine.transport import shard as sharding
+    from distnb.engine.transport import wire
 
     rank, name = runtime.STATE.rank, entry["name"]
     if entry["path"] == "tensors":
@@ -232,8 +233,8 @@ def save_trained(run, args, directory: str) -> str | None:
 
 def _install(ns, directory, spec, plan) -> None:
     """Model (as the ranks received it at the cell's start), names and data on this rank."""
-    from distnb.engine.train import checkpoint, install, loop
     from distnb.engine import strategies
+    from distnb.engine.train import checkpoint, install, loop
     from distnb.engine.transport import wire  # as every entry of the job: only its mode's
 
     payload, descs, buffers = _load_pickle(directory, MODEL)

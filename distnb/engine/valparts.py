@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, IterableDataset, TensorDataset, default_collate
 
 from distnb.engine.process import runtime
-from distnb.engine.transport import shard as sharding
 from distnb.engine.train.loop import SHARDS, Shard
+from distnb.engine.transport import shard as sharding
 
 
 def columns(part, name: str):

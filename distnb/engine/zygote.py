@@ -35,18 +35,19 @@ It exits when its stdin closes (the kernel is gone); children it forked are not 
 
 from __future__ import annotations
 
+import atexit
+import gc
+import importlib
 import json
 import os
 import select
 import signal
 import sys
+import tempfile
 import time
 import traceback
-import gc
-import importlib
-import tempfile
+
 from distnb.engine.process.lean import quiet_logger
-import atexit
 
 #: Imported once in the template: the engine's and the controller's modules (then what the engine's
 #: preload thread would import in every engine, given to :func:`serve`, then the runtime).

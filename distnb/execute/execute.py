@@ -19,12 +19,12 @@ import signal
 import sys
 import time
 
-from distnb.core import calls
-from distnb.execute import hangs, presses
 from distnb.cluster import hub
+from distnb.core import calls
 from distnb.core.errors import ClusterError, Interrupted, PlanError, RankError
-from distnb.execute.output import LineFolder
 from distnb.core.tracebacks import notebook_name_hint
+from distnb.execute import hangs, presses
+from distnb.execute.output import LineFolder
 
 #: Seconds between checks that the ranks' engine processes are alive while a cell runs.
 LIVENESS_SECONDS = 0.5

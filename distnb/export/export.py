@@ -19,29 +19,41 @@ Nothing here touches the ranks or the notebook's objects.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
+import shlex
+import shutil
 import sys
 import time
+import types
 import weakref
 from dataclasses import dataclass, field
-
-from distnb.train import jobfiles
-from distnb.transfer import valsets
-from distnb.core.errors import PlanError
-from distnb.core.saveformats import check_format
-from distnb.train.record import Cell, KEEP_START_BYTES, _LAST, _capture, _names_read, capture, class_source, last, loaded, notebook_classes, remember
-import types
-from distnb.transfer.transfer import free_names, pack_named
-import dataclasses
-from distnb.core import options
-from distnb.core.plan import TrainPlan
 from importlib import metadata
-from distnb.core.tables import count
-import shutil
-import shlex
+
+from distnb.core import options
+from distnb.core.errors import PlanError
 from distnb.core.options import check_flags, check_path
+from distnb.core.plan import TrainPlan
+from distnb.core.saveformats import check_format
+from distnb.core.tables import count
+from distnb.train import jobfiles
+from distnb.train.record import (
+    _LAST,
+    KEEP_START_BYTES,
+    Cell,
+    _capture,
+    _names_read,
+    capture,
+    class_source,
+    last,
+    loaded,
+    notebook_classes,
+    remember,
+)
+from distnb.transfer import valsets
+from distnb.transfer.transfer import free_names, pack_named
 
 #: Files :func:`write` may put into the folder (``--force`` overwrites only these).
 FILES = ("train.py", "options.json", "model.pkl", "model.py", "data.pt", "data.pkl", "val.pt", "names.pkl",

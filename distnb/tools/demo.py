@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 import time
+
 import distnb
 
 

@@ -31,7 +31,6 @@ from distnb.display import ProgressState, make_view
 from distnb.engine.transport.report import relay_interval
 from distnb.execute.execute import POLL_SECONDS, intake_interval, take_progress
 
-
 #: Seconds to wait for the engines' last messages after their results (a kernel that fell behind needs longer).
 FINAL_WAIT = 10.0
 

@@ -16,11 +16,10 @@ Before anything is sent, :func:`check_init` refuses a module that could not be i
 
 from __future__ import annotations
 
-from distnb.core import calls
-from distnb.train import pretrained
-from distnb.core import hfinit
+from distnb.core import calls, hfinit
 from distnb.core.errors import PlanError
 from distnb.core.tables import count
+from distnb.train import pretrained
 
 
 def _gib(n: float) -> str:

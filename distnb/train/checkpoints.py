@@ -12,12 +12,12 @@ import dataclasses
 import os
 
 from distnb.core import calls, weightfiles
-from distnb.train import homecoming, record, meshes, pretrained, training
-from distnb.core.tables import count
 from distnb.core.errors import PlanError
 from distnb.core.options import check_path
-from distnb.execute.execute import run_on_ranks
 from distnb.core.plan import TrainPlan
+from distnb.core.tables import count
+from distnb.execute.execute import run_on_ranks
+from distnb.train import homecoming, meshes, pretrained, record, training
 from distnb.train.resuming import push_saved_names, unwritable
 
 

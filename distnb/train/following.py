@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import time
 
-from distnb.core import calls
-from distnb.train import results, training
 from distnb.cluster import worlds
+from distnb.core import calls
+from distnb.core.errors import Interrupted
+from distnb.core.plan import RunOptions, TrainPlan
 from distnb.display import ProgressState, make_view
 from distnb.execute.execute import Watch
-from distnb.core.plan import RunOptions, TrainPlan
-from distnb.core.errors import Interrupted
+from distnb.train import results, training
 
 
 class Followed:

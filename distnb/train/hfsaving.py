@@ -11,11 +11,12 @@ from __future__ import annotations
 import os
 
 from distnb.core import calls
-from distnb.train import checkpoints
 from distnb.core.errors import PlanError
-from distnb.execute.execute import run_on_ranks
 from distnb.core.options import check_path
 from distnb.core.saveformats import FORMATS, MAX_SHARD_SIZE, check_format, shard_bytes
+from distnb.execute.execute import run_on_ranks
+from distnb.train import checkpoints
+
 
 def check_adapters(name: str, model_obj) -> None:
     """PlanError unless ``model_obj`` is a peft model (``peft.get_peft_model`` over a model): the fix named."""

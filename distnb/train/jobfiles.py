@@ -14,8 +14,8 @@ import pickle
 
 from distnb.core.errors import PlanError
 from distnb.transfer.captured import of_value
-from distnb.transfer.transfer import fingerprint, columns_of, pack_named
-from distnb.transfer.data import held_fingerprint, _fingerprint
+from distnb.transfer.data import _fingerprint, held_fingerprint
+from distnb.transfer.transfer import columns_of, fingerprint, pack_named
 
 
 def name_digest(value):

@@ -9,11 +9,11 @@ the body's own ``optimizer.step()`` calls (counted on the ranks by
 
 from __future__ import annotations
 
+import ast
 import functools
 
 from distnb.core.tables import count
 from distnb.train.results import training_notes
-import ast
 
 
 def notes(first: dict, plan, given=(), started=True) -> list:

@@ -15,10 +15,11 @@ Kernel side, stdlib only.
 
 from __future__ import annotations
 
-from distnb.core.tables import count
+import dataclasses
+
 from distnb.core.errors import PlanError
 from distnb.core.plan import mesh_shape
-import dataclasses
+from distnb.core.tables import count
 
 STRATEGY = "fsdp+tensor"
 

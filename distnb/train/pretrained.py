@@ -11,11 +11,11 @@ import os
 import time
 
 from distnb.core import calls
-from distnb.core.tables import count
 from distnb.core.errors import PlanError
-from distnb.execute.execute import run_on_ranks
 from distnb.core.options import check_path
+from distnb.core.tables import count
 from distnb.core.weightfiles import absolute, find, match, provided
+from distnb.execute.execute import run_on_ranks
 
 
 def is_checkpoint(path) -> bool:

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
+import ast
+import linecache
+import math
+import textwrap
 import time
 import weakref
 from dataclasses import dataclass, field
-from distnb.train import jobfiles
-from distnb.transfer import valsets
+
 from distnb.core.errors import PlanError
 from distnb.core.plan import LR_SCHEDULES
-from distnb.transfer.transfer import free_names, fingerprint
+from distnb.train import jobfiles
+from distnb.transfer import valsets
 from distnb.transfer.data import path_of
-import math
-import ast
-import linecache
-import textwrap
-
+from distnb.transfer.transfer import fingerprint, free_names
 
 #: The last training cell of this kernel that returned a result (None before the first).
 _LAST = [None]

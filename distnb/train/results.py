@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import math
-
-from distnb.train import carried, compiled
-from distnb.display.aggregate import SCALE_THRESHOLD
-from distnb.core.tables import Table, count
-from distnb.train.stepnotes import convention_note, notes as step_notes, stop_request
-from distnb.display.text import start_notes
 import time
+
+from distnb.cluster.recovery import dead_rank_fix, unregistered_fix
 from distnb.core import calls
-from distnb.core.errors import ranks_named, ClusterError, rank_list
-from distnb.cluster.recovery import unregistered_fix, dead_rank_fix
+from distnb.core.errors import ClusterError, rank_list, ranks_named
+from distnb.core.tables import Table, count
+from distnb.display.aggregate import SCALE_THRESHOLD
+from distnb.display.text import start_notes
+from distnb.train import carried, compiled
+from distnb.train.stepnotes import convention_note, stop_request
+from distnb.train.stepnotes import notes as step_notes
 
 
 class StatusTable(Table):

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 
 from distnb.core.errors import PlanError
 from distnb.core.plan import DEFAULT_LR, LR_SCHEDULES, optimizer_state_readable
-import tempfile
 
 
 def newest_meta(directory: str | None) -> dict | None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 import uuid
 
-from distnb.core import calls
 from distnb.cluster import worlds
+from distnb.core import calls
 from distnb.execute.execute import Watch
 
 

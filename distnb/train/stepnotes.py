@@ -8,8 +8,8 @@ rank asked for with ``ctx.request_stop``.
 
 from __future__ import annotations
 
-from distnb.core.tables import count
 from distnb.core.errors import ranks_named
+from distnb.core.tables import count
 
 #: What a cell without ``ctx.num_items`` says once of its loss.
 CONVENTION = ("loss: the body's loss is taken as a mean per micro-batch, then averaged over micro-steps and ranks "

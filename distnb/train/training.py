@@ -11,32 +11,29 @@ weights into the kernel's model when it ends.
 
 from __future__ import annotations
 
+import importlib.util
 import time
+import warnings
+import weakref
 from dataclasses import dataclass, field
 
-from distnb.train import bigmodels, carried, record, kernel_memory, loopcell, results
-from distnb.core import calls, options
-from distnb.transfer import captured, data, modelcheck, transfer, resident
-from distnb.execute import presses
-from distnb.train import pretrained, runrecord
-from distnb.train.homecoming import interrupted_weights, weights_back
-from distnb.transfer import valsets
-from distnb.core import weightfiles
 from distnb.cluster import worlds
-from distnb.display import ProgressState, make_view, view_kind
+from distnb.core import calls, options, weightfiles
+from distnb.core.errors import Interrupted, PlanError, RankError
+from distnb.core.plan import CARRIED, LR_SCHEDULES, TrainPlan, carry_over, not_carried, redistribution
 from distnb.core.tables import count
-from distnb.core.errors import PlanError, RankError, Interrupted
-from distnb.train.resuming import check_folders, first_step, newest_meta, newest_start, push_saved_names, start_sentence
-from distnb.execute.execute import restart_world
-from distnb.core.plan import LR_SCHEDULES, TrainPlan, carry_over, not_carried, redistribution, CARRIED
 from distnb.core.tracebacks import body_name_hint, module_name_hint
-import weakref
-from distnb.train.meshes import carried_message
-import importlib.util
+from distnb.display import ProgressState, make_view, view_kind
+from distnb.execute import presses
+from distnb.execute.execute import restart_world
+from distnb.train import bigmodels, carried, kernel_memory, loopcell, pretrained, record, results, runrecord
+from distnb.train.homecoming import interrupted_weights, weights_back
 from distnb.train.loopcell import clip_warnings
-from distnb.transfer.transfer import fingerprint, free_names, _pool as transfer_pool, fingerprint, outgoing, pack_named
-from distnb.transfer.transfer import model_change
-import warnings
+from distnb.train.meshes import carried_message
+from distnb.train.resuming import check_folders, first_step, newest_meta, newest_start, push_saved_names, start_sentence
+from distnb.transfer import captured, data, modelcheck, resident, transfer, valsets
+from distnb.transfer.transfer import _pool as transfer_pool
+from distnb.transfer.transfer import fingerprint, free_names, model_change, outgoing, pack_named
 
 #: How often ranks report for each progress view (seconds): the dashboard redraws live,
 #: text progress prints per epoch (status and epoch-end messages are always sent at once).

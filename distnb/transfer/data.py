@@ -23,13 +23,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import inspect
 import types
 
 from distnb.core import calls
-from distnb.core.tables import count
 from distnb.core.errors import PlanError
-from distnb.transfer.transfer import is_sample_list, columns_of, outgoing_rows, collated, fingerprint, outgoing
-import inspect
+from distnb.core.tables import count
+from distnb.transfer.transfer import collated, columns_of, fingerprint, is_sample_list, outgoing, outgoing_rows
 
 
 def scatter(session, name: str, obj, seed: int, num_shards: int, allow_empty: bool = False) -> list:

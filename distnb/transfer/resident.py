@@ -29,6 +29,7 @@ segments, so that they are reused from transfer to transfer.
 """
 
 from __future__ import annotations
+
 import ctypes
 import ctypes.util
 

@@ -10,19 +10,19 @@ neither pickled nor copied whole in the kernel.
 
 from __future__ import annotations
 
+import ast
+import builtins
 import contextlib
 import functools
+import io
 import os
 import types
+import uuid
+import zlib
 
 from distnb.core import calls
-from distnb.transfer import captured, weights_back, resident
 from distnb.core.errors import PlanError
-import zlib
-import uuid
-import builtins
-import ast
-import io
+from distnb.transfer import captured, resident, weights_back
 
 
 def is_sample_list(obj) -> bool:

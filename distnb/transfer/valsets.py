@@ -16,8 +16,8 @@ nothing waits for it.
 from __future__ import annotations
 
 from distnb.core import calls
-from distnb.core.tables import count
 from distnb.core.errors import PlanError
+from distnb.core.tables import count
 
 WHAT = ("a tensor, a tuple or dict of tensors, a TensorDataset, a torch Dataset or IterableDataset, or a function "
         "make(rank, world_size) that returns this rank's part")

@@ -42,8 +42,8 @@ import socket
 import sys
 import threading
 
-from distnb.engine.process import ncclfail
 from distnb.core.errors import PeerFailed
+from distnb.engine.process import ncclfail
 
 #: The key a failing rank sets in its process group's store.
 KEY = "distnb/failed"

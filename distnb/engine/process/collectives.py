@@ -24,6 +24,7 @@ cell run on some ranks only it raises at once instead of waiting for the others)
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import hashlib
 import inspect
@@ -31,8 +32,7 @@ import sys
 import warnings
 
 from distnb.core.errors import CollectiveMismatchError, ranks_named
-from distnb.engine.process import arrival, abort, binding
-import datetime
+from distnb.engine.process import abort, arrival, binding
 
 #: Collective -> name of the argument holding the tensor that must match across ranks.
 CHECKED = {"all_reduce": "tensor", "broadcast": "tensor", "reduce": "tensor", "all_gather": "tensor",

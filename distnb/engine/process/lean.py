@@ -28,8 +28,8 @@ are measured in benchmarks/README.md (issue 20).
 
 from __future__ import annotations
 
-import sys
 import logging
+import sys
 
 
 def apply() -> None:

@@ -10,21 +10,21 @@ from __future__ import annotations
 
 import ast
 import datetime
+import gc
+import linecache
 import os
 import socket
 import sys
 import time
 import traceback
+import types
 
 from distnb.core import gpus
 from distnb.core.net import interface_of, is_loopback, loopback_interface, route_address
-from distnb.engine.process import abort, binding, health, ncclfail, lean, postmortem
-import types
-import gc
-import linecache
+from distnb.engine.process import abort, binding, health, lean, ncclfail, postmortem
 from distnb.engine.process.collectives import checked
-from distnb.engine.transport.report import publish_raw
 from distnb.engine.process.where import Watchdog
+from distnb.engine.transport.report import publish_raw
 
 
 class _State:

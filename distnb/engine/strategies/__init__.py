@@ -28,6 +28,7 @@ the world size with the strategy's ``check`` classmethod (no process group neede
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import numbers
@@ -37,7 +38,6 @@ import torch
 from distnb.core.plan import STRATEGIES
 from distnb.engine.strategies import compiling, materialize
 from distnb.engine.transport import stateout
-import contextlib
 
 
 class StrategyError(ValueError):

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from torch.nn.parallel import DistributedDataParallel
 
-from distnb.engine.strategies import compiling
-from distnb.engine.strategies import Strategy, levers
 from distnb.engine.process import abort
+from distnb.engine.strategies import Strategy, compiling, levers
 
 
 class DDP(Strategy):

@@ -35,15 +35,23 @@ without parameters, units whose tied parameters no order of grouped units can sh
 
 from __future__ import annotations
 
-import weakref
-
-from distnb.engine.strategies import compiling, finetune
-from distnb.engine.process import runtime
-from distnb.engine.strategies import Strategy, StrategyError, gathered_state, is_container, levers, tensor_bytes
+import contextlib
 import linecache
 import re
-import contextlib
 import sys
+import weakref
+
+from distnb.engine.process import runtime
+from distnb.engine.strategies import (
+    Strategy,
+    StrategyError,
+    compiling,
+    finetune,
+    gathered_state,
+    is_container,
+    levers,
+    tensor_bytes,
+)
 
 #: Device meshes made by the fsdp and tensor strategies on this rank, by id (meshes of one
 #: shape compare equal, so no set). DTensor's caches keep them (and so the process group)

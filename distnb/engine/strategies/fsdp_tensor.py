@@ -42,14 +42,30 @@ and the errors of ``--fsdp-units`` and ``--tp-plan`` (see :mod:`.fsdp`, :mod:`.t
 
 from __future__ import annotations
 
-from distnb.core.plan import mesh_shape
-from distnb.engine.strategies import compiling
-from distnb.engine.strategies import Strategy, gathered_state, tensor_bytes
-from distnb.engine.strategies.fsdp import FSDP, default_units, make_mesh, optimizer_state_bytes, release_group, shard, unit_groups
-from distnb.engine.strategies.fsdp_tp_views import copy_view_outputs
-from distnb.engine.strategies.tensor import DefaultPlanHint, check_default, check_plan, default_pairs, describe, plan_label, resolve_plan
-from distnb.engine.strategies.tensor_check import VerifiedPlan
 import logging
+
+from distnb.core.plan import mesh_shape
+from distnb.engine.strategies import Strategy, compiling, gathered_state, tensor_bytes
+from distnb.engine.strategies.fsdp import (
+    FSDP,
+    default_units,
+    make_mesh,
+    optimizer_state_bytes,
+    release_group,
+    shard,
+    unit_groups,
+)
+from distnb.engine.strategies.fsdp_tp_views import copy_view_outputs
+from distnb.engine.strategies.tensor import (
+    DefaultPlanHint,
+    check_default,
+    check_plan,
+    default_pairs,
+    describe,
+    plan_label,
+    resolve_plan,
+)
+from distnb.engine.strategies.tensor_check import VerifiedPlan
 
 #: The mesh's dimension names, outer (FSDP, data parallel) first, as torchtitan names them.
 DIMS = ("dp", "tp")

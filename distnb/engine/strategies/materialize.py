@@ -26,15 +26,15 @@ import contextlib
 import copy
 import io
 import mmap
+import socket
 import warnings
 
 import torch
 
-from distnb.engine.strategies import finetune
 from distnb.core import hfinit
 from distnb.engine.process import runtime
+from distnb.engine.strategies import finetune
 from distnb.engine.transport import wire
-import socket
 
 
 def _is_meta(t) -> bool:

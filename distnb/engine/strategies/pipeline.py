@@ -72,10 +72,10 @@ during a step is prefixed with ``pipeline stage S of W (rank R)``.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import types
-import functools
 import warnings
 from collections import OrderedDict
 
@@ -83,11 +83,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distnb.engine.transport import stateout, wire
 from distnb.engine.process.collectives import group_device, on_group
 from distnb.engine.strategies import Strategy, StrategyError, check_loss, tensor_bytes
 from distnb.engine.strategies.pipeline_split import is_plain_sequential, num_microbatches, split_points, tensor_owners
-from distnb.engine.strategies.pipeline_trace import check_first_stage_inputs, meta_copy, output_structure, plain_tensors, restructure
+from distnb.engine.strategies.pipeline_trace import (
+    check_first_stage_inputs,
+    meta_copy,
+    output_structure,
+    plain_tensors,
+    restructure,
+)
+from distnb.engine.transport import stateout, wire
 
 
 # -- rank side -----------------------------------------------------------------------------

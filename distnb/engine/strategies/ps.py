@@ -75,10 +75,16 @@ import time
 
 import torch
 
-from distnb.engine.transport import stateout
-from distnb.engine.strategies import Strategy, StrategyError, levers, tensor_bytes
-from distnb.engine.strategies.ps_optimizer import ServerOptimizer, clone_tensors, flat_state, init_optimizer_state, load_flat_state
 from distnb.engine.process import abort, runtime
+from distnb.engine.strategies import Strategy, StrategyError, levers, tensor_bytes
+from distnb.engine.strategies.ps_optimizer import (
+    ServerOptimizer,
+    clone_tensors,
+    flat_state,
+    init_optimizer_state,
+    load_flat_state,
+)
+from distnb.engine.transport import stateout
 
 #: Tags of the point-to-point messages on the parameter-server group.
 GRAD_TAG, PARAMS_TAG = 71, 72

@@ -48,8 +48,7 @@ from fnmatch import fnmatch
 
 import torch.nn as nn
 
-from distnb.engine.strategies import compiling
-from distnb.engine.strategies import Strategy, StrategyError, gathered_state, levers, tensor_bytes
+from distnb.engine.strategies import Strategy, StrategyError, compiling, gathered_state, levers, tensor_bytes
 from distnb.engine.strategies.fsdp import make_mesh, module_names, optimizer_state_bytes, release_group
 from distnb.engine.strategies.tensor_check import VerifiedPlan
 

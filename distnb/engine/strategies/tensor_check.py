@@ -54,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
 from collections.abc import Mapping
 
 import torch
@@ -61,7 +62,6 @@ import torch
 from distnb.engine.process.collectives import group_device
 from distnb.engine.strategies import StrategyError, layered
 from distnb.engine.strategies.fsdp import used_outside
-import logging
 
 #: (rtol, atol) per output dtype: |split - whole| <= rtol * max|whole| + atol. Splitting changes
 #: only the order of sums (float32: about 1e-7 relative); a non-elementwise op between a pair

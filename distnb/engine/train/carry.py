@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from distnb.engine.process import runtime
 from distnb.engine.process.collectives import group_device
-from distnb.engine.train.pulltensor import _tensors
 from distnb.engine.strategies.materialize import _copy_into
+from distnb.engine.train.pulltensor import _tensors
 
 #: Model names whose next placement carries the old run's weights (set by the kernel, taken by place_model).
 _WANTED: set = set()

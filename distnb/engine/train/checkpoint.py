@@ -22,16 +22,16 @@ import json
 import os
 import re
 import shutil
+import time
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from distnb.engine.train import epochrest
-from distnb.engine.process import runtime
-import time
-from distnb.engine.train.stepping import scheduler_state, load_scheduler
 from distnb.core.plan import TrainPlan
 from distnb.engine import strategies
+from distnb.engine.process import runtime
+from distnb.engine.train import epochrest
+from distnb.engine.train.stepping import load_scheduler, scheduler_state
 
 MARKER = "distnb.json"
 #: Complete checkpoints kept per directory (older ones are deleted after a save).

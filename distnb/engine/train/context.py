@@ -15,10 +15,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from distnb.engine.train import checkpoint, epochrest, replicas, stepping, weighting
-from distnb.engine.process import collectives, runtime, abort, where
-from distnb.engine.strategies import compiling
+from distnb.engine.process import abort, collectives, runtime, where
 from distnb.engine.process.collectives import group_device
+from distnb.engine.strategies import compiling
+from distnb.engine.train import checkpoint, epochrest, replicas, stepping, weighting
 
 
 class _Stopped(BaseException):

@@ -51,8 +51,9 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 
 from distnb.core.errors import ranks_named
 from distnb.engine.process import binding, runtime
-from distnb.engine.transport import shard as sharding, wire
 from distnb.engine.process.collectives import group_device
+from distnb.engine.transport import shard as sharding
+from distnb.engine.transport import wire
 
 #: Data sets this rank holds for training, by name (the tensor path's are ``loop.SHARDS``).
 SOURCES: dict = {}

@@ -37,8 +37,8 @@ import math
 
 import torch
 
-from distnb.engine.transport import shard as sharding
 from distnb.engine.train.datasets import seed_epoch
+from distnb.engine.transport import shard as sharding
 
 #: A key of the rest's shuffle (beside the seed, the epoch and the number of segments before it).
 _REST_KEY = 0x2E57

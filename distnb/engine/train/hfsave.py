@@ -23,6 +23,7 @@ import copy
 import json
 import os
 import shutil
+import socket
 import time
 
 import torch
@@ -32,7 +33,6 @@ from torch.distributed.tensor import DTensor
 from distnb.engine.process import runtime
 from distnb.engine.train.hfwriter import DTYPE_NAMES, StreamingHuggingFaceWriter
 from distnb.engine.train.loop import ready_run
-import socket
 
 #: The index file ``from_pretrained`` reads first (the name transformers and DCP use).
 INDEX = "model.safetensors.index.json"

@@ -20,8 +20,16 @@ import struct
 
 import torch
 from torch.distributed.checkpoint import HuggingFaceStorageWriter
-from torch.distributed.checkpoint._hf_utils import (CUSTOM_METADATA_KEY, DCP_VERSION_KEY, DTYPE_MAP, FORMAT_KEY,
-                                                    FORMAT_VALUE, HF_DCP_VERSION, SAVED_OFFSETS_KEY, _gen_file_name)
+from torch.distributed.checkpoint._hf_utils import (
+    CUSTOM_METADATA_KEY,
+    DCP_VERSION_KEY,
+    DTYPE_MAP,
+    FORMAT_KEY,
+    FORMAT_VALUE,
+    HF_DCP_VERSION,
+    SAVED_OFFSETS_KEY,
+    _gen_file_name,
+)
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult

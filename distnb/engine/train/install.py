@@ -11,11 +11,11 @@ import torch
 from distnb.core.errors import PlanError
 from distnb.core.plan import TrainPlan
 from distnb.core.weightfiles import provided
-from distnb.engine.train import carry, loop
 from distnb.engine.process import runtime
-from distnb.engine.transport import wire
 from distnb.engine.strategies.materialize import materialize, receive
+from distnb.engine.train import carry, loop
 from distnb.engine.train.pretrained import stored_names
+from distnb.engine.transport import wire
 
 
 def install_model(ns, name, payload, descs, steps, *buffers):

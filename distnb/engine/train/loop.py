@@ -17,20 +17,19 @@ import time
 import torch
 
 from distnb.core.plan import DEFAULT_LR, STRATEGIES, TrainPlan, optimizer_state_readable, redistribution
-from distnb.engine.train import batchnorm, checkpoint, datasets, stepping
-from distnb.engine.process import collectives, postmortem, runtime
-from distnb.engine.transport import shard as sharding, wire
-from distnb.engine.process import binding, cellfail, precision_check, where
-from distnb.engine.train import epochrest
-from distnb.engine.strategies import finetune
-from distnb.engine.transport import hostcopy, report, stateout
-from distnb.engine.transport.report import LINGER as RELAY_LINGER, Reporter, host_relay, publish_raw
 from distnb.engine import strategies
+from distnb.engine.process import binding, cellfail, collectives, postmortem, precision_check, runtime, where
+from distnb.engine.strategies import finetune
+from distnb.engine.train import batchnorm, checkpoint, datasets, epochrest, stepping
 from distnb.engine.train.context import Context, StopRequest, _Stopped, agree_on_steps  # noqa: F401 - the cell's ctx and its stop
 from distnb.engine.train.loopwatch import LoopWatch
-from distnb.engine.train.validation import Validator
 from distnb.engine.train.stepping import Stepper
 from distnb.engine.train.tblog import Logger
+from distnb.engine.train.validation import Validator
+from distnb.engine.transport import hostcopy, report, stateout, wire
+from distnb.engine.transport import shard as sharding
+from distnb.engine.transport.report import LINGER as RELAY_LINGER
+from distnb.engine.transport.report import Reporter, host_relay, publish_raw
 
 
 class Shard:

@@ -22,13 +22,19 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._hf_utils import _HFStorageInfo
 from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
-                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from distnb.core.plan import TrainPlan
 from distnb.core.weightfiles import find
-from distnb.engine.train import checkpoint, loop
 from distnb.engine.process import runtime
+from distnb.engine.train import checkpoint, loop
 
 
 class IndexedReader(HuggingFaceStorageReader):

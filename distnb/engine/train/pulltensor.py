@@ -14,8 +14,8 @@ import difflib
 import torch
 
 from distnb.engine.process import runtime
-from distnb.engine.transport import wire
 from distnb.engine.train.loop import RUNS
+from distnb.engine.transport import wire
 
 
 def _module(ns, head: str):

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from distnb.engine.train import loop
 from distnb.engine.process import runtime
+from distnb.engine.train import loop
 from distnb.engine.transport import stateout
 
 

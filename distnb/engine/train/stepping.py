@@ -35,17 +35,17 @@ back in the cell's result.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import math
+import types
 
 import torch
 import torch.distributed as dist
 
 from distnb.engine.process import collectives
-from distnb.engine.transport import lazyread
 from distnb.engine.train import weighting
-import json
-import types
-import dataclasses
+from distnb.engine.transport import lazyread
 
 #: Points a history keeps at most before halving (pairs averaged): long runs cost the same.
 HISTORY_POINTS = 1000

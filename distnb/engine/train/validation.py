@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from distnb.core.plan import BOUND_PREFIX
-from distnb.engine.transport import shard as sharding
 from distnb.engine.process.collectives import on_group
+from distnb.engine.transport import shard as sharding
 
 
 class _Capture:

@@ -29,12 +29,11 @@ import os
 import pickle
 import socket
 import sys
+import tempfile
 import threading
 import time
 
 from distnb.engine.transport import lazyread, peaks
-import tempfile
-
 
 #: Loss points and epoch means a message repeats (the newest), so the kernel loses none when it reads
 #: the latest message only every second or so; more would make every message dearer to send and read.

@@ -29,14 +29,14 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import types
 import warnings
+from collections import ChainMap
 
 import torch
 
-from distnb.engine.transport import segments, parametrized, sources
+from distnb.engine.transport import parametrized, segments, sources
 from distnb.engine.transport.segments import shm_path, sweep_shm  # noqa: F401  (the file names; used by the kernel too)
-import types
-from collections import ChainMap
 
 #: Byte alignment of each tensor in a shared-memory file (any dtype can be viewed there).
 _ALIGN = 64
