@@ -296,6 +296,9 @@ def test_attach_after_the_first_kernel_was_killed(tmp_path, monkeypatch):
     pytest.importorskip("distnb.cluster.lease")  # without it the first kernel's reaper ends the world with its kernel
     monkeypatch.setattr(sessions, "_CURRENT", None)
     with first_kernel(tmp_path) as world:
+        deadline = time.monotonic() + 15.0  # the record notes the run from a thread, just after the cell started
+        while not (worlds.read(world["record"]) or {}).get("run") and time.monotonic() < deadline:
+            time.sleep(0.05)
         os.kill(world["proc"].pid, signal.SIGKILL)
         world["proc"].wait(10)
         world["gate"].touch()
