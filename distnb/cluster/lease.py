@@ -114,6 +114,10 @@ def claim(cluster_id: str, kernel_pid: int, timeout: float = 10.0) -> None:
     if not _pid_alive(kernel_pid):
         raise ClusterError(f"cannot claim world {cluster_id}: process {kernel_pid} is not running")
     record = read_keeper(cluster_id)
+    waited = time.monotonic() + timeout
+    while record is None and time.monotonic() < waited:  # a keeper just spawned writes its record once it runs
+        time.sleep(CLAIM_POLL)
+        record = read_keeper(cluster_id)
     if record is not None and record.get("state") in ("saving", "ended"):
         raise ClusterError(f"the lease of world {cluster_id} already expired: its trained state was saved to "
                            f"{_saved_to(record)} and the world ends; load it with %dist load")

@@ -67,6 +67,9 @@ def first_kernel(tmp_path, gate_open=False):
         line = proc.stdout.readline()
         assert line, f"the first kernel ended before its run started (exit status {proc.wait(30)})"
         info = json.loads(line)
+        deadline = time.monotonic() + 15.0  # the record notes the run from a thread, just after the cell started
+        while not (worlds.read(info["record"]) or {}).get("run") and time.monotonic() < deadline:
+            time.sleep(0.05)
         info.update(proc=proc, gate=gate, record_data=worlds.read(info["record"]))
         yield info
     finally:
