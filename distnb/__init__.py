@@ -60,9 +60,9 @@ def load_ipython_extension(ipython):
     ``%dist start`` can fork CPU engines instead of importing all of it in each of them.
     ``DISTNB_ZYGOTE=0`` turns it off.
     """
-    from distnb import kernelstop
+    from distnb import kernelstop  # loads psutil: at first use, not when this module is imported
     from distnb.cluster import zygote  # at load_ext only: `import distnb` stays free of IPython and zmq
-    from distnb.magics import DistMagics
+    from distnb.magics import DistMagics  # loads IPython, psutil: at first use, not when this module is imported
 
     ipython.register_magics(DistMagics)
     kernelstop.install(ipython)  # a kernel restart stops a running training cell as the interrupt does
@@ -89,8 +89,8 @@ def help_cell(lines: list) -> list:
 def unload_ipython_extension(ipython):
     """``%unload_ext distnb`` (and ``%reload_ext``): stop the cluster this kernel started and the engine
     template, and unregister the magics (``%dist`` is then an unknown magic, as before ``%load_ext``)."""
-    from distnb import session
-    from distnb.cluster import zygote
+    from distnb import session  # loads IPython, ipyparallel, psutil: at first use, not when this module is imported
+    from distnb.cluster import zygote  # loads psutil: at first use, not when this module is imported
 
     if session._CURRENT is not None:
         session._CURRENT._end_background()

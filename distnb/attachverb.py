@@ -38,8 +38,8 @@ def parser(line):
 
 def call(args, ns):
     """Run ``%dist attach`` with parsed ``args`` in the notebook namespace ``ns``; what the cell shows."""
-    from distnb.attaching import attach
-    from distnb.session import Session
+    from distnb.attaching import attach  # loads ipyparallel, psutil: at first use, not when this module is imported
+    from distnb.session import Session  # loads ipyparallel, psutil: at first use, not when this module is imported
 
     value = attach(args.world, model=args.model, ns=ns, timeout=args.timeout)
     return None if isinstance(value, Session) else value

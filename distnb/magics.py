@@ -83,7 +83,7 @@ def _load_modules() -> None:
 
 
 def _session():
-    from distnb import session
+    from distnb import session  # loads ipyparallel: at first use, not when this module is imported
 
     try:
         return session.current()
@@ -417,7 +417,7 @@ def _start_options(args) -> dict:
 
 
 def _current():
-    from distnb import session
+    from distnb import session  # loads ipyparallel: at first use, not when this module is imported
 
     return session._CURRENT
 
@@ -471,7 +471,7 @@ def _export_cell(args):
 
 
 def _start_session(ns, given):
-    from distnb import session
+    from distnb import session  # loads ipyparallel: at first use, not when this module is imported
 
     session.start(ns=ns, **given)
 
@@ -528,7 +528,7 @@ class DistMagics(Magics):
     def dist(self, line, cell=None):
         _load_modules()
         line = options.uncommented(line)
-        from distnb import session
+        from distnb import session  # loads ipyparallel: at first use, not when this module is imported
 
         try:
             if cell is not None:

@@ -426,7 +426,7 @@ class Session:
         if not isinstance(name, str) or not name.isidentifier():
             raise PlanError(f"pull/gather take a variable name defined on the ranks, got {name!r}")
         ranks = range(self.world_size) if rank is None else [self._rank(rank)]
-        from distnb.engine.transport import wire
+        from distnb.engine.transport import wire  # loads numpy, torch: at first use, not when this module is imported
 
         ars = [self.cluster.apply(r, calls.lookup, name) for r in ranks]
         packed = self.cluster.wait_all(ars, timeout=self.cluster.spec.timeout, what=f"pull {name}")

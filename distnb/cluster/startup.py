@@ -87,7 +87,7 @@ def binding_note(cluster) -> str:
                 "Python, binds them anyway)")
     if spec.cpu_bind != "cores":  # auto binds what it can without a word
         return ""
-    from distnb.cluster.defaults import cpu_cores
+    from distnb.cluster.defaults import cpu_cores  # loads psutil: at first use, not when this module is imported
 
     return (f"the ranks are not bound to cores: this host has {count(len(here), 'rank')} and only "
             f"{count(cpu_cores(), 'core')} for them ({here[0].get('cores', 'all')}), so each may run on any of them")
@@ -105,7 +105,7 @@ def rebinding_note(cluster, was_bound: bool) -> str:
         return ""
     if now:
         return "the ranks are bound to cores of their own now, each to its share of this host's cores"
-    from distnb.cluster.defaults import cpu_cores
+    from distnb.cluster.defaults import cpu_cores  # loads psutil: at first use, not when this module is imported
 
     here = [r for r in cluster.ranks if r.get("local", True)]
     return (f"the ranks are no longer bound to cores: this host has {count(len(here), 'rank')} now and only "

@@ -41,13 +41,13 @@ def make_view(state: ProgressState, mode: str = "auto"):
     """The progress view for ``mode``: ``auto``, ``widgets``, ``text`` or ``none``."""
     kind = view_kind(mode)
     if kind == "none":
-        from distnb.display.text import NullView
+        from distnb.display.text import NullView  # the view is picked at first use
 
         return NullView(state)
     if kind == "widgets":
-        from distnb.display.widgets import Dashboard
+        from distnb.display.widgets import Dashboard  # loads IPython, ipywidgets at first use
 
         return Dashboard(state)
-    from distnb.display.text import TextProgress
+    from distnb.display.text import TextProgress  # the view is picked at first use
 
     return TextProgress(state)

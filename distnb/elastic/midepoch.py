@@ -21,7 +21,7 @@ def send(session, dealt: list) -> list:
 
     Returns the data names sent rows for.
     """
-    from distnb.engine.train import epochrest
+    from distnb.engine.train import epochrest  # loads numpy, torch: at first use, not when this module is imported
     from distnb.engine.transport import shard as sharding  # torch (the kernel imports torch-heavy modules lazily)
 
     cluster = session.cluster

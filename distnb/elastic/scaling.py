@@ -186,7 +186,7 @@ def _fit(total: int, dp: int, batch: int, accumulate: int):
 
 
 def _dp(plan, world: int) -> int:
-    from distnb.engine import strategies
+    from distnb.engine import strategies  # loads numpy, torch: at first use, not when this module is imported
 
     return strategies.data_parallel_size(plan, world)
 
@@ -323,7 +323,7 @@ def _grow_failed(cluster, n: int, before: tuple, new_ids: list, exc: BaseExcepti
 
 
 def _is_interrupt(exc: BaseException) -> bool:
-    from distnb.execute.execute import (
+    from distnb.execute.execute import (  # loads psutil: at first use, not when this module is imported
         _is_interrupt as interrupt,  # the RuntimeError a Ctrl-C in a Condition's `with` becomes
     )
 
@@ -405,8 +405,8 @@ def _save_sharded(session, n: int) -> dict:
     (fsdp+tensor: on the mesh of the same tensor-parallel size, :func:`distnb.train.meshes.refit`).
     """
 
-    from distnb.engine import strategies
-    from distnb.train import checkpoints
+    from distnb.engine import strategies  # loads numpy, torch: at first use, not when this module is imported
+    from distnb.train import checkpoints  # loads psutil: at first use, not when this module is imported
 
     held = session.holdings
     todo = {}
@@ -449,7 +449,7 @@ def _load_sharded(session, saved: dict) -> list:
     to the new world's shards). A model that cannot be loaded is sent again by its next cell.
     """
 
-    from distnb.train import checkpoints
+    from distnb.train import checkpoints  # loads psutil: at first use, not when this module is imported
 
     folder = saved.pop("_folder", None)
     loaded = []

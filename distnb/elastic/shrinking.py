@@ -39,7 +39,7 @@ from distnb.train.resuming import newest_meta
 def train_cell(session, code, model, data, run, given):
     """:func:`distnb.train.training.train_cell` after ``%dist scale --keep-global-batch``'s batch rule; with
     ``--on-failure shrink``, an engine death during it makes the cell go on on the survivors (:func:`go_on`)."""
-    from distnb.train import training
+    from distnb.train import training  # loads psutil: at first use, not when this module is imported
 
     try:
         fitted = scaling.batch_for_world(session, dict(given), model if isinstance(model, str) else None)
@@ -144,8 +144,8 @@ def _finished(session, plan, meta: dict) -> int:
     rank are all trained (or, with ``--drop-last``, all but less than a batch) is done. Known
     for tensor data sets the kernel scattered; 0 for others.
     """
-    from distnb.engine import strategies
-    from distnb.engine.transport import shard
+    from distnb.engine import strategies  # loads numpy, torch: at first use, not when this module is imported
+    from distnb.engine.transport import shard  # loads numpy, torch: at first use, not when this module is imported
 
     info = session.holdings.data.get(plan.data) or {}
     if "num_samples" not in info or not meta.get("epoch_samples"):
@@ -212,7 +212,7 @@ def _samples_of(session, name: str, dead: list, old: int) -> int:
     """Samples of the cell's tensor data set ``name`` that the ``dead`` ranks held, now dealt to the survivors
     (the other sets the ranks held are dealt again too, :func:`distnb.elastic.scaling._reassign_data`, but the cell's
     message is about its own data)."""
-    from distnb.engine.transport import shard
+    from distnb.engine.transport import shard  # loads numpy, torch: at first use, not when this module is imported
 
     info = session.holdings.data.get(name) or {}
     if "structure" not in info or info["num_shards"] != old:

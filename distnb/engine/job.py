@@ -168,9 +168,9 @@ def _install_data(ns, directory, entry, plan, num_shards) -> None:
     """Give this rank ``entry``'s data (``options.json``'s ``data`` or ``val_data``) as the kernel would."""
     import torch
 
-    from distnb.engine.train import datasets, loop
-    from distnb.engine.transport import shard as sharding
-    from distnb.engine.transport import wire
+    from distnb.engine.train import datasets, loop  # loads numpy, torch: at first use, not when this module is imported
+    from distnb.engine.transport import shard as sharding  # loads numpy, torch at first use
+    from distnb.engine.transport import wire  # loads numpy, torch: at first use, not when this module is imported
 
     rank, name = runtime.STATE.rank, entry["name"]
     if entry["path"] == "tensors":
@@ -220,7 +220,7 @@ def save_trained(run, args, directory: str) -> str | None:
     calls it. Returns what rank 0 says of it, or None with ``--format dcp``."""
     if args.format != "safetensors":
         return None
-    from distnb.engine.train import hfsave
+    from distnb.engine.train import hfsave  # loads numpy, torch: at first use, not when this module is imported
 
     folder = os.path.abspath(args.save_dir or os.path.join(directory, SAVED))
     if hasattr(run.module, "peft_config"):
@@ -233,8 +233,8 @@ def save_trained(run, args, directory: str) -> str | None:
 
 def _install(ns, directory, spec, plan) -> None:
     """Model (as the ranks received it at the cell's start), names and data on this rank."""
-    from distnb.engine import strategies
-    from distnb.engine.train import checkpoint, install, loop
+    from distnb.engine import strategies  # loads numpy, torch: at first use, not when this module is imported
+    from distnb.engine.train import checkpoint, install, loop  # loads numpy, torch at first use
     from distnb.engine.transport import wire  # as every entry of the job: only its mode's
 
     payload, descs, buffers = _load_pickle(directory, MODEL)
@@ -258,7 +258,7 @@ def epochs_left(spec, epochs: int, checkpoint_dir: str) -> int:
     With a checkpoint in ``checkpoint_dir`` (an earlier run of the job, say one a batch system
     requeued), the epoch it holds counts as reached: an epoch it stopped in is trained to its end.
     """
-    from distnb.engine.train import checkpoint
+    from distnb.engine.train import checkpoint  # loads numpy, torch: at first use, not when this module is imported
 
     end = spec["start"]["epoch"] + epochs
     if not checkpoint.latest(checkpoint_dir):
@@ -284,7 +284,7 @@ def _count(n, what) -> str:
 
 def _data_change(plan, world_size: int, cell_world: int) -> str:
     """What another number of ranks changes in what the job trains on (the sentence's end)."""
-    from distnb.engine import strategies
+    from distnb.engine import strategies  # loads numpy, torch: at first use, not when this module is imported
 
     try:
         same = strategies.data_parallel_size(plan, world_size) == strategies.data_parallel_size(plan, cell_world)
@@ -297,7 +297,7 @@ def _data_change(plan, world_size: int, cell_world: int) -> str:
 
 
 def _say_start(spec, plan, world_size) -> None:
-    from distnb.engine.train import checkpoint
+    from distnb.engine.train import checkpoint  # loads numpy, torch: at first use, not when this module is imported
 
     cell, newest = spec["cell"], checkpoint.latest(plan.checkpoint_dir)
     where = f"resuming from {newest}" if newest else f"from epoch {spec['start']['epoch']}"
@@ -338,7 +338,7 @@ def main(directory: str, step: str, argv=None) -> int:
     env = torchrun_env()
     device_type = _choose_device(args.backend, env)
     join(env, device_type, spec["cell"]["timeout"])
-    from distnb.engine.train import checkpoint, loop
+    from distnb.engine.train import checkpoint, loop  # loads numpy, torch at first use
 
     ns = dict(rank=env["rank"], world_size=env["world_size"], local_rank=env["local_rank"],
               node_rank=env["node_rank"], device=runtime.STATE.device)

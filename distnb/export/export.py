@@ -321,7 +321,7 @@ def write(directory: str, force: bool = False, nodes=None, nproc_per_node=None, 
         print("distnb: " + ("it starts from the weights the cell started from with a fresh optimizer, as the cell "
                             "did, so it gives the cell's per-epoch losses" if cell.start["exact"] else
                             cell.start["why"]))
-        from distnb.engine.train import checkpoint
+        from distnb.engine.train import checkpoint  # loads numpy, torch: at first use, not when this module is imported
 
         if checkpoint.latest(os.path.join(directory, "checkpoints")):
             print(f"distnb: {directory}/checkpoints holds checkpoints of an earlier run: the job resumes from the "

@@ -28,7 +28,7 @@ def main(argv=None) -> float:
     if "IPYTHONDIR" not in os.environ:  # a profile of its own, removed at exit (after the engine template stops)
         os.environ["IPYTHONDIR"] = tempfile.mkdtemp(prefix="distnb-ipython-")
         atexit.register(shutil.rmtree, os.environ["IPYTHONDIR"], True)
-    from distnb.cluster import zygote
+    from distnb.cluster import zygote  # loads psutil: at first use, not when this module is imported
 
     zygote.warm()  # as %load_ext does: the engine template imports while this process loads torch and the data
 

@@ -159,7 +159,7 @@ def run(num_ranks: int = 256, seconds: float = 20.0, group: int = 8, ranks_per_h
     if group > 1 and ranks_per_host % group and group % ranks_per_host:
         raise ValueError(f"group={group} must divide ranks_per_host={ranks_per_host} (or be a multiple of it)")
     if session is None:
-        from distnb.session import current
+        from distnb.session import current  # loads IPython, ipyparallel: at first use, not when this module is imported
 
         session = current()
     cluster = session.cluster

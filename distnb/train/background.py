@@ -255,7 +255,7 @@ def stop_before_cluster_stop(session) -> str:
     str
         The clause the stop's one line starts with ("" when there was no run to stop).
     """
-    from distnb.execute.execute import INTERRUPT_WAIT, STOP_WAIT
+    from distnb.execute.execute import INTERRUPT_WAIT, STOP_WAIT  # loads psutil at first use
 
     run = session._background
     if run is None or run.current_thread_is_runner():
@@ -282,7 +282,7 @@ def stop_before_cluster_stop(session) -> str:
 
 def end(session) -> None:
     """At exit: stop a background run (bounded by the execute path's stop waits) so the cluster can stop."""
-    from distnb.execute.execute import INTERRUPT_WAIT, STOP_WAIT
+    from distnb.execute.execute import INTERRUPT_WAIT, STOP_WAIT  # loads psutil at first use
 
     run = session._background
     if run is not None and not run.current_thread_is_runner():

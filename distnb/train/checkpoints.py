@@ -88,7 +88,7 @@ def model_to_load(session, directory: str, model=None) -> tuple:
 
 def _meta(directory: str) -> dict:
     """The checkpoint's metadata (the newest complete one under ``directory``), or a PlanError saying there is none."""
-    from distnb.engine.train import checkpoint
+    from distnb.engine.train import checkpoint  # loads numpy, torch: at first use, not when this module is imported
 
     directory = check_path("directory", directory)
     try:

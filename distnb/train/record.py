@@ -93,7 +93,7 @@ def capture(session, plan, code, model_obj, data_obj, reserved=(), fresh=True) -
 
 
 def _capture(session, plan, code, model_obj, data_obj, reserved, fresh) -> Cell:
-    from distnb.engine.transport import wire
+    from distnb.engine.transport import wire  # loads numpy, torch: at first use, not when this module is imported
 
     packed, problem, not_kept = None, "", ""
     if fresh:

@@ -294,7 +294,7 @@ def status_table(session, timeout: float, busy: bool = False) -> StatusTable:
     as the kernel sees it, and the title says so.
     """
 
-    from distnb.cluster import hub
+    from distnb.cluster import hub  # loads psutil: at first use, not when this module is imported
 
     cluster = session.cluster
     dead = cluster.dead_ranks()

@@ -20,7 +20,7 @@ def newest_meta(directory: str | None) -> dict | None:
     (a ``--checkpoint-dir``, already absolute), or None when there is none (imports torch only then)."""
     if not directory or not os.path.isdir(directory):
         return None
-    from distnb.engine.train import checkpoint
+    from distnb.engine.train import checkpoint  # loads numpy, torch: at first use, not when this module is imported
 
     newest = checkpoint.latest(directory)
     return checkpoint.read_meta(newest) if newest is not None else None

@@ -156,7 +156,7 @@ def make_plan(session, model_name, model_obj, data_name, given: dict, quiet=Fals
     """
     import torch
 
-    from distnb.engine import strategies
+    from distnb.engine import strategies  # loads numpy, torch: at first use, not when this module is imported
 
     held = session.holdings
     given = options.without_left_out(TrainPlan, given)  # strategy=None: carried (the Python default), ddp at first
@@ -242,7 +242,7 @@ def check_step_options(session, plan, model_obj) -> None:
     Raises PlanError, naming the option, before anything is sent.
     """
 
-    from distnb.engine.train import batchnorm
+    from distnb.engine.train import batchnorm  # loads numpy, torch: at first use, not when this module is imported
 
     on_cpu = session.cluster.spec.device_type != "cuda"
     if on_cpu and (plan.sync_bn or batchnorm.holds_sync_batchnorm(model_obj)):
@@ -289,7 +289,7 @@ def prepare(session, plan, code, model_obj, data_obj, quiet) -> tuple:
     (num_shards, steps_per_epoch, sent) : tuple of int, int, bool
         ``sent``: the model was sent this cell (the ranks train it fresh, from the kernel's weights).
     """
-    from distnb.engine import strategies
+    from distnb.engine import strategies  # loads numpy, torch: at first use, not when this module is imported
 
     if not plan.builtin_optimizer:
         session.push(plan.optimizer)

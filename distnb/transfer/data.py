@@ -50,7 +50,7 @@ def scatter(session, name: str, obj, seed: int, num_shards: int, allow_empty: bo
         validation set, whose empty shards count nothing), or ``num_shards`` does not divide world_size
         (before the ranks drop what they held under ``name``).
     """
-    from distnb.engine.transport import shard as sharding
+    from distnb.engine.transport import shard as sharding  # loads numpy, torch at first use
 
     cluster = session.cluster
     world = cluster.world_size
@@ -137,7 +137,7 @@ def reassemble(values: list, info: dict):
 
 def describe_cut(plan, info: dict, num_shards: int, world_size: int) -> str:
     """One sentence: how ``plan.data`` is cut into shards and batches (pad or drop, steps per epoch)."""
-    from distnb.engine.transport import shard as sharding
+    from distnb.engine.transport import shard as sharding  # loads numpy, torch at first use
 
     n, w = info["num_samples"], num_shards
     if num_shards == 1 and world_size > 1:
@@ -171,7 +171,7 @@ def _batch(plan, visited: int, per_rank: str = "") -> str:
 
 def describe_validation(name: str, info: dict, num_shards: int, batch_size: int) -> str:
     """One sentence: how the validation set ``name`` is cut (every sample counted once, masked padding)."""
-    from distnb.engine.transport import shard as sharding
+    from distnb.engine.transport import shard as sharding  # loads numpy, torch at first use
 
     n = info["num_samples"]
     lens = [sharding.shard_length(n, num_shards, r) for r in range(num_shards)]
@@ -281,7 +281,7 @@ def held_fingerprint(obj):
     """What the ranks' copy of a data set taken as tensors is compared by: a Dataset collated in the kernel by what
     it packs to (its attributes too: ``val.shift = 5.0`` after a cell is a change), anything else by
     :func:`distnb.transfer.transfer.fingerprint` (whose identity of a Dataset missed that)."""
-    from distnb.engine.transport.wire import pack
+    from distnb.engine.transport.wire import pack  # loads numpy, torch: at first use, not when this module is imported
 
     if collated(obj):
         tensors = []
@@ -293,7 +293,7 @@ def held_fingerprint(obj):
 
 
 def _pack(name, obj, path, tensors=None):
-    from distnb.engine.transport.wire import pack
+    from distnb.engine.transport.wire import pack  # loads numpy, torch: at first use, not when this module is imported
 
     try:
         return pack(obj, tensors)
@@ -310,7 +310,7 @@ def _sample(plan, obj) -> str:
     """
     from torch.utils.data import default_collate
 
-    from distnb.engine.train.datasets import describe_sample
+    from distnb.engine.train.datasets import describe_sample  # loads numpy, torch at first use
 
     try:
         sample = obj[0]
@@ -398,7 +398,7 @@ def _check_steps_option(plan, info) -> None:
 
 def steps_of(plan, info, num_shards) -> int:
     """Steps per epoch on every rank for ``info`` (0: a stream read until one rank's ends); PlanError if none."""
-    from distnb.engine.transport import shard as sharding
+    from distnb.engine.transport import shard as sharding  # loads numpy, torch at first use
 
     if info.get("kind") == "stream":
         return plan.steps_per_epoch or 0

@@ -218,7 +218,7 @@ def shm_ranks(cluster) -> frozenset:
     what the rank sends back). ``DISTNB_SHM=0`` in the kernel's environment turns it off.
     """
 
-    from distnb.engine.transport import segments, wire
+    from distnb.engine.transport import segments, wire  # loads numpy, torch at first use
 
     known = getattr(cluster, "_distnb_shm_ranks", None)
     if known is not None:
@@ -249,7 +249,7 @@ _POOL = None
 
 def _pool():
     global _POOL
-    from distnb.engine.transport import segments
+    from distnb.engine.transport import segments  # loads numpy, torch: at first use, not when this module is imported
 
     if _POOL is None or _POOL.owner_pid != os.getpid():
         _POOL = segments.Pool(os.getpid(), "k")
@@ -263,7 +263,7 @@ def _acquire(cluster, nbytes: int, sparse: bool = False):
     the ranks are asked which they still map (:func:`distnb.engine.transport.segments.held_segments`): the rest
     are reused, their pages already touched.
     """
-    from distnb.engine.transport import segments
+    from distnb.engine.transport import segments  # loads numpy, torch: at first use, not when this module is imported
 
     pool = _pool()
     if pool.lent and not any(nbytes <= s.size <= 2 * nbytes + segments.GRAIN for s in pool.free):
@@ -296,7 +296,7 @@ def outgoing(cluster, buffers, ranks=None, keep=None):
     list
         ``[ShmRef]`` or ``buffers``: pass as ``*args`` after the tensor descriptions.
     """
-    from distnb.engine.transport import wire
+    from distnb.engine.transport import wire  # loads numpy, torch: at first use, not when this module is imported
 
     ranks = range(cluster.world_size) if ranks is None else ranks
     seg = ref = None
@@ -327,7 +327,7 @@ def outgoing_rows(cluster, columns, index, ranks):
     shard in the kernel), which the ranks map copy-on-write: the segment stays lent until
     they drop the shard. Otherwise the rows are gathered into new tensors sent as buffers.
     """
-    from distnb.engine.transport import wire
+    from distnb.engine.transport import wire  # loads numpy, torch: at first use, not when this module is imported
 
     seg = None
     if set(ranks) <= shm_ranks(cluster):
@@ -346,7 +346,7 @@ def outgoing_rows(cluster, columns, index, ranks):
 
 def sweep_shm() -> int:
     """Remove this kernel's shared-memory files (its pool, the ranks' outboxes); returns how many."""
-    from distnb.engine.transport import wire
+    from distnb.engine.transport import wire  # loads numpy, torch: at first use, not when this module is imported
 
     global _POOL
     if _POOL is not None:
@@ -398,7 +398,7 @@ def pack_named(name: str, value, why: str = "", tensors=None):
     PlanError
         If ``value`` (or something it holds) cannot be pickled.
     """
-    from distnb.engine.transport import wire
+    from distnb.engine.transport import wire  # loads numpy, torch: at first use, not when this module is imported
 
     try:
         return wire.pack(value, tensors)

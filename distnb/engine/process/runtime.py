@@ -532,7 +532,7 @@ def shutdown() -> None:
 
 def leave() -> None:
     """Destroy the process group and drop weights the kernel never collected (the engine stays up)."""
-    from distnb.engine.transport import wire
+    from distnb.engine.transport import wire  # loads numpy, torch: at first use, not when this module is imported
 
     wire.drop_outstanding()  # weights written for the kernel that it never collected
     try:
