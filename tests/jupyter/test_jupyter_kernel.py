@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from support import kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC_DIR = ROOT / "jupyter-config" / "kernels" / "distnb"
@@ -53,24 +52,8 @@ def test_kernelspec_is_listed(kernelspecs):
 
 
 def _execute(kc, code, timeout=TIMEOUT):
-    """Run ``code`` in the kernel; return (stdout, stderr, error content or None)."""
-    msg_id = kc.execute(code)
-    streams, error = {"stdout": [], "stderr": []}, None
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
-        except queue.Empty:
-            raise TimeoutError(f"no reply from the kernel within {timeout} s for {code!r}") from None
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        kind, content = msg["msg_type"], msg["content"]
-        if kind == "stream":
-            streams[content["name"]].append(content["text"])
-        elif kind == "error":
-            error = content
-        elif kind == "status" and content["execution_state"] == "idle":
-            return "".join(streams["stdout"]), "".join(streams["stderr"]), error
+    """(stdout, stderr, error content or None) of ``code`` run in the kernel."""
+    return kernels.execute(kc, code, timeout)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import queue
 import socket
 import time
 
@@ -18,6 +17,7 @@ import psutil
 
 from distnb.cluster import lease
 from distnb.engine.transport import segments
+from support import kernels
 
 #: What the kernel computes and trains: 256 samples, 2 ranks x batch 8 = 16 steps an epoch; the sleep makes a run
 #: long enough to outlive its kernel, and changes no weight.
@@ -37,23 +37,8 @@ print("WORLD" + _json.dumps(dict(cluster_id=_c._ipp.cluster_id, family=_c.family
 
 def execute(kc, code, timeout=120.0):
     """Run ``code`` in the kernel; (stdout, error content or None)."""
-    msg_id = kc.execute(code)
-    out, error = [], None
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            msg = kc.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
-        except queue.Empty:
-            raise TimeoutError(f"no reply from the kernel within {timeout} s for {code!r}") from None
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        kind, content = msg["msg_type"], msg["content"]
-        if kind == "stream":
-            out.append(content["text"])
-        elif kind == "error":
-            error = content
-        elif kind == "status" and content["execution_state"] == "idle":
-            return "".join(out), error
+    out, _, error = kernels.execute(kc, code, timeout)
+    return out, error
 
 
 def run(kc, code, timeout=120.0) -> str:
