@@ -7,7 +7,8 @@ the cell's end and its figures by asking each rank for what it kept: :func:`kept
 the rank behind the training call itself, so it answers as soon as the training ends.
 
 Only the figures are kept, never the trained state (rank 0's packed weights): an attached kernel
-pulls the weights from the ranks' live model (``pull_state``), so nothing is held twice in memory.
+streams the weights from the ranks' live model in parts (``distnb.engine.train.stateparts``), so nothing is held
+twice in memory.
 """
 
 from __future__ import annotations

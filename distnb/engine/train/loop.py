@@ -26,7 +26,7 @@ from distnb.engine.train.loopwatch import LoopWatch
 from distnb.engine.train.stepping import Stepper
 from distnb.engine.train.tblog import Logger
 from distnb.engine.train.validation import Validator
-from distnb.engine.transport import hostcopy, report, stateout, wire
+from distnb.engine.transport import hostcopy, report, wire
 from distnb.engine.transport import shard as sharding
 from distnb.engine.transport.report import LINGER as RELAY_LINGER
 from distnb.engine.transport.report import Reporter, host_relay, publish_raw
@@ -171,25 +171,6 @@ def install_shard(ns, name, num_samples, num_shards, seed, index, structure, des
     SHARDS[name] = Shard(num_samples, num_shards, seed, index, structure, columns)
     ns[name] = SHARDS[name].as_value()
     return len(SHARDS[name])
-
-
-def pull_state(name, outbox=None):
-    """The model's full state as (keys, descriptions, sizes, flat uint8 array) on rank 0.
-
-    Call on every rank: strategies that shard the model assemble it with collectives.
-    Other ranks return None. ``outbox``: as for :func:`train`.
-    """
-    wire.offer(outbox)
-    run = RUNS[name]
-    # a replicated model (ddp) whose group is gone (a peer died): rank 0's replica alone holds the whole state
-    if run.strategy is not None and (torch.distributed.is_initialized() or not run.strategy.replicated_grads):
-        return run.strategy.full_state()
-    if runtime.STATE.rank != 0:
-        return None
-    if any(hasattr(p, "to_local") for p in run.module.parameters()):
-        raise RuntimeError(f"{name} is sharded over a process group that was re-formed; its weights are "
-                           "only in the kernel now")
-    return stateout.flatten_state(run.module.state_dict())
 
 
 def _set_lr(optimizer, lr):
