@@ -56,6 +56,9 @@ class LayerByLayer:
     def __init__(self, whole, split):
         self.whole, self.split = whole, split
         self.handles = []
+        #: ``transform(src, full)``: what the whole model takes of the split parameter ``src`` gathered into
+        #: ``full`` (the check's moved weights, :class:`~distnb.engine.strategies.moved.MovedPerModule`); None: ``full``
+        self.transform = None
         # fsdp+tensor: DTensor warns that a (_StridedShard, Shard) tensor takes two all-gathers, for every one
         self.log = logging.getLogger("torch.distributed.tensor._redistribute")
         self.level = self.log.level
@@ -89,6 +92,8 @@ class LayerByLayer:
                 raise NotLayered(f"{name}.{key} is not held by the split model")
             full = _whole(src)
             if key in mod._parameters:
+                if self.transform is not None:
+                    full = self.transform(src, full)
                 mod._parameters[key] = torch.nn.Parameter(full, requires_grad=mod._parameters[key].requires_grad)
             else:
                 mod._buffers[key] = full

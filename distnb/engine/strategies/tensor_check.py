@@ -29,7 +29,7 @@ Design
   any nesting of tuples, lists and dicts; a DTensor as its full tensor) are compared, relative to
   the largest value of the whole model's output, at a tolerance for their dtype
   (:data:`RTOL`); then again with both models' weights moved by the same seeded noise
-  (:class:`_Perturbed`: a term across the hidden units that vanishes at the current weights,
+  (:mod:`.moved`: a term across the hidden units that vanishes at the current weights,
   a gate initialised at 0, shows there). The hook then removes itself and drops the whole
   model: nothing runs per step; the cost, once per strategy build, is two all-gathers of the
   state (one module's tensors at a time) and two forwards of the whole model and of the split
@@ -60,7 +60,7 @@ from collections.abc import Mapping
 import torch
 
 from distnb.engine.process.collectives import group_device
-from distnb.engine.strategies import StrategyError, layered
+from distnb.engine.strategies import StrategyError, layered, moved
 from distnb.engine.strategies.fsdp import used_outside
 
 #: (rtol, atol) per output dtype: |split - whole| <= rtol * max|whole| + atol. Splitting changes
@@ -245,8 +245,8 @@ class VerifiedPlan:
         rows = [name for name, style in self.tp_plan.items() if type(style).__name__ == "RowwiseParallel"
                 and _has(self.module, name) and _has(whole, name)]
         try:  # the whole model's tensors gathered from the split one's (as they are now) one module at a time
-            with layered.LayerByLayer(whole, self.module):
-                now = self._compare_both(whole, rows, args, kwargs, lazy=True)
+            with layered.LayerByLayer(whole, self.module) as layers:
+                now = self._compare_both(whole, rows, args, kwargs, layers)
         except layered.NotLayered as exc:  # alike on every rank: the forward reads a tensor outside its module
             size = getattr(self, "_size", 0)
             if size > VERIFY_MAX_BYTES:
@@ -259,7 +259,7 @@ class VerifiedPlan:
             whole.load_state_dict(get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True)),
                                   assign=True)
             retie(whole, self.module)
-            now = self._compare_both(whole, rows, args, kwargs, lazy=False)
+            now = self._compare_both(whole, rows, args, kwargs, None)
         verdict, worst, which, row_flags = now
         del whole
         verdict, worst, row_flags = agree(verdict, worst, row_flags, self.device)
@@ -267,13 +267,22 @@ class VerifiedPlan:
         self._decide(verdict, worst, which, bad_rows)
         return None
 
-    def _compare_both(self, whole, rows, args, kwargs, lazy: bool) -> tuple:
-        """:meth:`_compare_on` at the weights, then at weights moved at random; the worse of the two."""
+    def _compare_both(self, whole, rows, args, kwargs, layers) -> tuple:
+        """:meth:`_compare_on` at the weights, then at weights moved at random (:mod:`.moved`); the worse of the two.
+
+        ``layers``: the :class:`~.layered.LayerByLayer` the whole model runs in, None when it is held whole.
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        lazy = layers is not None
         now = self._compare_on(whole, rows, args, kwargs, lazy)
-        with _Perturbed(whole, self.module, self.device):  # every rank runs both: the split forward is collective
-            moved = self._compare_on(whole, rows, args, kwargs, lazy)
-        if moved[0] > now[0]:  # a term that vanishes at these weights (a gate initialised at 0) shows here
-            now = (moved[0], moved[1], f"{moved[2]}, with the weights moved at random", moved[3])
+        units = any(isinstance(m, FSDPModule) for m in self.module.modules())  # their gathered views: moved in place
+        moving = (moved.MovedPerModule(self.module, self.device, layers) if lazy and not units
+                  else moved.MovedInPlace(whole, self.module, self.device))
+        with moving:  # every rank runs both: the split forward is collective
+            moved_now = self._compare_on(whole, rows, args, kwargs, lazy)
+        if moved_now[0] > now[0]:  # a term that vanishes at these weights (a gate initialised at 0) shows here
+            now = (moved_now[0], moved_now[1], f"{moved_now[2]}, with the weights moved at random", moved_now[3])
         return now
 
     def _compare_on(self, whole, rows, args, kwargs, lazy: bool = False) -> tuple:
@@ -325,69 +334,6 @@ class VerifiedPlan:
         # the suspect layers: a default pair 'fc1' -> 'fc2' whose row-wise output differs; a --tp-plan's row layer
         suspects = [f"{partner[r]!r} (column-wise) -> {r!r} (row-wise)" if r in partner else repr(r) for r in bad_rows]
         raise StrategyError(explain(label, plan_text, verdict, worst, which, suspects, default))
-
-
-class _Perturbed:
-    """Both models' parameters moved by the same random amounts (seeded: equal on every rank), then put back.
-
-    A non-elementwise term that is zero at the current weights (``h + g * h.mean(-1)`` with ``g``
-    initialised at 0, as in ReZero or adaLN-Zero) makes the split model agree with the whole one
-    on the first batch and differ once ``g`` has trained; at moved weights it differs at once.
-    Each split parameter (a DTensor) gets its own shard of the whole tensor's noise
-    (``distribute_tensor(..., src_data_rank=None)``: cut locally, nothing sent), added as the
-    optimizer's updates are; its values are copied back afterwards, bit for bit.
-    """
-
-    SEED = 20260104
-
-    def __init__(self, whole, split, device):
-        self.whole, self.split, self.device = whole, split, device
-
-    def __enter__(self):
-        from torch.distributed.tensor import distribute_tensor
-
-        self._reshard()
-        mine = dict(self.split.named_parameters())
-        gen = torch.Generator().manual_seed(self.SEED)
-        self.saved = []
-        with torch.no_grad():
-            for name, p in self.whole.named_parameters():
-                q = mine.get(name)
-                if q is None or not p.is_floating_point():
-                    continue
-                # the whole tensor's scale: the skeleton's own (the whole model held), else the split one's gathered
-                # (a collective; the skeleton on meta reads it from the split model one module at a time: .layered)
-                full = p if not p.is_meta else layered._whole(q)
-                noise = torch.randn(p.shape, generator=gen, dtype=torch.float32).to(full.device, p.dtype)
-                noise.mul_(0.5 * float(full.abs().mean()) + 0.1)
-                del full
-                self.saved.append((q, q.detach().clone()))
-                if not p.is_meta:
-                    p.add_(noise)
-                if hasattr(q, "device_mesh"):  # a DTensor: its own shard of the same noise, added shard to shard
-                    noise = distribute_tensor(noise.to(self.device, q.dtype), q.device_mesh, q.placements,
-                                              src_data_rank=None)
-                q.add_(noise.to(q.dtype) if not hasattr(noise, "device_mesh") else noise)
-
-    def _reshard(self) -> None:
-        """fsdp+tensor: every FSDP unit of the split model back to its sharded parameters.
-
-        FSDP2 leaves the root unit's parameters gathered after a forward (until the backward), so
-        ``named_parameters()`` would give those gathered copies: the noise would go into them, and
-        the values restored too, while the shards kept what the split forward had seen moved.
-        """
-        from torch.distributed.fsdp import FSDPModule
-
-        for m in self.split.modules():
-            if isinstance(m, FSDPModule):
-                m.reshard()
-
-    def __exit__(self, *exc):
-        self._reshard()  # the moved values the split forward gathered are freed, the shards restored below
-        with torch.no_grad():
-            for q, kept in self.saved:
-                q.copy_(kept)
-        self.saved = []
 
 
 def skeleton(module):

@@ -8,9 +8,9 @@ concatenated into one array, and, for a sharded model, the whole unsharded state
 held the model two or three times over.
 
 Here the layout of the outbox is decided from the tensors' descriptions first, and each tensor is
-then copied once, from wherever it is (CPU, GPU, a DTensor's gathered full tensor, another
-pipeline stage received by ``recv``), straight into its place in the outbox. Rank 0 holds the
-outbox plus one tensor; a GPU's copies are queued and synchronised once at the end.
+then copied once, from wherever it is (CPU, GPU, a DTensor's shards sent to rank 0 by :mod:`.gather`,
+another pipeline stage received by ``recv``), straight into its place in the outbox. Rank 0 holds the
+outbox plus one message (a DTensor) or one tensor; a GPU's copies are queued and synchronised once at the end.
 
 After a training cell the kernel asks for the state in parts (:mod:`distnb.engine.train.stateparts`, ``keys``
 of at most 64 MiB): the outbox then holds one part, and every part reuses one segment (:data:`_FLOOR`).
@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from distnb.engine.transport import segments, wire
+from distnb.engine.transport import gather, segments, wire
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -114,7 +114,10 @@ def write_state(entries, writer: bool = True):
             if callable(src):
                 src(wire._view(base, off, n, desc) if writer else None)
                 continue
-            full = _full(src)  # every rank: a DTensor's all-gather
+            if gather.supported(src):  # every rank sends its shard to the writer, which places it: no full copies
+                gather.gather_into(src, wire._view(base, off, n, desc) if writer and n else None)
+                continue
+            full = _full(src)  # every rank: a DTensor's all-gather (placements gather.py does not place)
             if writer and n:
                 dst = wire._view(base, off, n, desc)
                 dst.copy_(full, non_blocking=full.device.type == "cuda")  # one copy, straight from the device
