@@ -99,7 +99,7 @@ def _local_place(q):
     return q.to_local().detach(), tuple(offset), counted
 
 
-def scales(params, device) -> list[float]:
+def scales(params) -> list[float]:
     """``0.5 * mean|w| + 0.1`` of each parameter of ``params`` (whole tensors), from the ranks' shards.
 
     One ``all_reduce`` (SUM) of every shard's sum of ``|w|`` over the default group: each distinct piece is
@@ -118,7 +118,7 @@ def scales(params, device) -> list[float]:
             per = _rows_per_block(tuple(local.shape) or (1,))
             flat = local.reshape(1) if local.dim() == 0 else local
             sums[i] = sum(float(flat[s:s + per].abs().double().sum()) for s in range(0, flat.shape[0], per))
-    sums = sums.to(device)
+    sums = sums.to(group_device())
     dist.all_reduce(sums)
     return [0.5 * float(s) / max(q.numel(), 1) + 0.1 for s, q in zip(sums.cpu().tolist(), params)]
 
@@ -148,7 +148,7 @@ class MovedPerModule:
 
     def __enter__(self):
         floats = _floats(self.split)
-        self.index = {id(q): (i, s) for (i, q), s in zip(floats, scales([q for _, q in floats], group_device()))}
+        self.index = {id(q): (i, s) for (i, q), s in zip(floats, scales([q for _, q in floats]))}
         self.layers.transform = self._move_whole
         for mod in self.split.modules():
             own = [k for k, q in mod._parameters.items() if q is not None and id(q) in self.index]
@@ -218,7 +218,7 @@ class MovedInPlace:
         self._reshard()
         floats = _floats(self.split)
         names = {id(q): n for n, q in self.split.named_parameters()}
-        mine = {names[id(q)]: (i, q, s) for (i, q), s in zip(floats, scales([q for _, q in floats], group_device()))}
+        mine = {names[id(q)]: (i, q, s) for (i, q), s in zip(floats, scales([q for _, q in floats]))}
         self.saved = []
         with torch.no_grad():
             for name, p in self.whole.named_parameters():

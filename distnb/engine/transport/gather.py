@@ -101,12 +101,12 @@ def gather_into(t, dst, writer: int = 0) -> None:
         for start in range(0, shape[0], step):
             n = min(step, shape[0] - start)
             if me == rank:
-                dist.send(local[start:start + n].contiguous(), dst=writer)
+                dist.send(local[start:start + n].contiguous(), dst=writer)  # group device: the shard's, its mesh's
                 continue
             if buf is None or buf.numel() < n * row:
                 buf = torch.empty(step * row, dtype=local.dtype, device=local.device)
             piece = buf[: n * row].view(n, *shape[1:])
-            dist.recv(piece, src=rank)
+            dist.recv(piece, src=rank)  # group device: made like the sender's shard, on its mesh's device
             _place(dst, (offset[0] + start, *offset[1:]), (n, *shape[1:]), piece)
 
 
