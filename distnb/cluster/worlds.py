@@ -21,12 +21,18 @@ trained last, for ``%dist attach --model``). ``kernel_state`` holds what the
 kernel knew of the ranks (base64 pickle: the ClusterSpec, the placement, what the ranks hold); it
 is read only from a file owned by this user and no one else can read or write (:func:`read`).
 
-Written at ``%dist start``, updated at each training cell's start and end, removed at ``%dist stop``.
+Written at ``%dist start`` and ``%dist attach``, updated at each training cell's start and end, removed at
+``%dist stop``. Every write and removal holds the records' lock (:func:`locked`: ``fcntl.flock`` on a 0600 file
+in the same folder, shared by every kernel of this user), and an update rewrites only the record that names this
+kernel, checked under the lock: a kernel that a world was taken from (``%dist attach`` in another kernel) or whose
+world another kernel stopped never writes its record back.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import fcntl
 import itertools
 import json
 import math
@@ -43,6 +49,8 @@ from jupyter_core.paths import jupyter_runtime_dir
 from distnb.core.errors import ClusterError
 
 FOLDER = "distnb-worlds"
+#: The records' lock file, in :func:`folder` (not a record: its name does not end with ``.json``).
+LOCK_FILE = "records.lock"
 PROFILE = "distnb-ipython"
 #: The Holdings fields an attached kernel takes over (the rest hold weak references to notebook objects).
 HELD_FIELDS = ("models", "distributed", "data", "pushed", "carried", "lr_of", "trained_steps", "names",
@@ -183,20 +191,42 @@ def write(session, run=None) -> str | None:
     if c._ipp is None or not c._ipp.cluster_file:
         return None
     path, record = record_path(c._ipp.cluster_id), record_of(session, run)
-    with _LOCK:  # newer than any record a thread of note_run still has to write
+    with _LOCK, locked():  # newer than any record a thread of note_run still has to write
         _write(path, record)
         _NEWEST[c._ipp.cluster_id] = next(_TICKETS)
     return path
 
 
-def owned_elsewhere(cluster_id: str) -> bool:
-    """Whether another live kernel owns the world ``cluster_id`` now (it attached after this one started it)."""
+@contextlib.contextmanager
+def locked():
+    """Hold the records' lock, which every kernel of this user takes to write or remove a record.
+
+    An exclusive ``fcntl.flock`` on :data:`LOCK_FILE` (mode 0600, in the 0700 :func:`folder`); it is released when
+    the block ends, or by the operating system when the holder dies. Held for a read and a rename (milliseconds).
+
+    Raises
+    ------
+    ClusterError
+        The records' folder belongs to another user (see :func:`folder`).
+    OSError
+        The lock file cannot be made (a full disk, a read-only runtime folder).
+    """
+    fd = os.open(os.path.join(folder(), LOCK_FILE), os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the only descriptor of this open file releases the lock
+
+
+def owned_here(cluster_id: str) -> bool:
+    """Whether the record of world ``cluster_id`` names this kernel as its owner (False when there is none:
+    the world was stopped). Another kernel that attached since owns the world, and writes its record itself."""
     try:
         record = read(record_path(cluster_id))
     except ClusterError:
         return False
-    return record.get("kernel_pid") != os.getpid() and _same_process(record.get("kernel_pid"),
-                                                                      record.get("kernel_started"))
+    return record.get("kernel_pid") == os.getpid() and _same_process(os.getpid(), record.get("kernel_started"))
 
 
 def note_run(session, run) -> threading.Thread | None:
@@ -204,9 +234,11 @@ def note_run(session, run) -> threading.Thread | None:
 
     The record is made here and written by a thread (a rename took 1-4 ms on this machine's disk, a cell's
     kernel-side cost is tens of ms); the newest of a world's records is the one that stays, whatever order
-    the threads run in, and none is written once :func:`remove` removed the world's. A kernel that another
-    kernel attached to since (it owns the world now, and follows the cell itself) leaves the record to that
-    one. A record that cannot be written (a full disk) costs the cell nothing: attaching sees the last one.
+    the threads run in. The record is rewritten only while it names this kernel, checked under the records'
+    lock (:func:`locked`) together with the write: none is written once any kernel's :func:`remove` removed the
+    world's, and a kernel that another kernel attached to since (it owns the world now, and follows the cell
+    itself) leaves the record to that one. A record that cannot be written (a full disk) costs the cell
+    nothing: attaching sees the last one.
 
     Returns
     -------
@@ -215,8 +247,8 @@ def note_run(session, run) -> threading.Thread | None:
     """
     try:
         ipp_cluster = session.cluster._ipp
-        if ipp_cluster is None or not ipp_cluster.cluster_file or owned_elsewhere(ipp_cluster.cluster_id):
-            return None
+        if ipp_cluster is None or not ipp_cluster.cluster_file or not owned_here(ipp_cluster.cluster_id):
+            return None  # checked again under the lock by the writing thread: this is only the cheap early answer
         cid, record = ipp_cluster.cluster_id, record_of(session, run)
     except (OSError, ClusterError):
         return None
@@ -233,11 +265,16 @@ _LOCK = threading.Lock()
 
 
 def _write_newest(cid: str, ticket: int, record: dict) -> None:
+    """Write ``record`` (a :func:`note_run` record of world ``cid``, numbered ``ticket``) unless a newer one of this
+    kernel was written, or the record no longer names this kernel (stopped, or taken by another kernel)."""
     with _LOCK:
         if ticket < _NEWEST.get(cid, -1):
             return
         try:
-            _write(record_path(cid), record)
+            with locked():
+                if not owned_here(cid):
+                    return
+                _write(record_path(cid), record)
         except (OSError, ClusterError):
             return
         _NEWEST[cid] = ticket
@@ -250,7 +287,8 @@ def remove(cluster_id: str | None) -> None:
     with _LOCK:
         _NEWEST[cluster_id] = math.inf  # a record still being written for it is not written after this
         try:
-            os.remove(record_path(cluster_id))
+            with locked():  # the other kernels' writers see it gone (their check and write hold this lock)
+                os.remove(record_path(cluster_id))
         except (OSError, ClusterError):
             pass
 
