@@ -76,7 +76,7 @@ def test_kernel_peak_stays_within_the_model_plus_ten_percent(tmp_path):
         pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak")
     script = tmp_path / "kernel.py"
     script.write_text(SCRIPT)
-    proc = subprocess.run([sys.executable, str(script), "ddp,fsdp,pipeline"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(script), "ddp,fsdp,tensor,pipeline"], capture_output=True, text=True,
                           timeout=540, env=dict(os.environ, OMP_NUM_THREADS="1"))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -179,3 +179,26 @@ def test_containers_stand_for_their_elements_as_fsdp_units_and_pipeline_blocks()
         FSDP.check(TrainPlan(model="m", data="d", strategy="fsdp", fsdp_units=("gains",)), model, 2)
     with pytest.raises(StrategyError, match=r"--split: heads is an ModuleDict.*--split heads\.out"):
         split_points(model, 2, ("heads",))
+
+
+def test_the_kernel_checks_the_default_tensor_plan_without_torchs_tensor_parallel_package():
+    """Importing torch.distributed.tensor.parallel costs the kernel 41 MiB (16 % of a 0.25 GiB model's bound in
+    benchmarks/memory.py, issue 34); the default plan's check needs only each layer's kind (a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch.nn as nn\n"
+            "from distnb.engine.strategies import StrategyError, tensor\n"
+            "P = type('P', (), {'tp_plan': None})\n"
+            "m = nn.Sequential(nn.Linear(8, 12), nn.ReLU(), nn.Linear(12, 8))\n"
+            "tensor.check_default(P(), m, 2)\n"
+            "try:\n"
+            "    tensor.check_default(P(), m, 8)\n"
+            "except StrategyError as exc:\n"
+            "    print('refused:', exc)\n"
+            "print('loaded' if 'torch.distributed.tensor.parallel' in sys.modules else 'not loaded')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "refused: tensor plan: 0 is split column-wise but its out_features (12) is not divisible by world_size 8" \
+        in out.stdout, out.stdout
+    assert out.stdout.strip().endswith("not loaded"), out.stdout
