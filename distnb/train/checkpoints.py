@@ -25,7 +25,8 @@ def save(session, name: str, model_obj, directory: str, quiet: bool = False) -> 
     """Checkpoint model ``name`` on every rank under ``directory``; its metadata (see Session.save)."""
     directory = check_path("directory", directory)
     if name not in session.holdings.models:
-        raise PlanError(f"{name} is not on the ranks (train it with %%distrain first)")
+        raise PlanError(f"{name} is not on the ranks (train it with %%distrain, or %dist load weights into it, "
+                        "first)")
     directory = os.path.abspath(os.path.expanduser(directory))
     why = unwritable(directory) if all(info.get("local", True) for info in session.cluster.ranks) else ""
     if why:  # before the ranks tear down their group over it
@@ -38,7 +39,8 @@ def save(session, name: str, model_obj, directory: str, quiet: bool = False) -> 
 
 
 def trained_model(session, model=None, directory=None) -> tuple:
-    """``(name, object)`` of ``model`` (a notebook name or the object), or of the last training cell's model.
+    """``(name, object)`` of ``model`` (a notebook name or the object), or of the model the ranks got last: the
+    one ``%dist load`` filled since the last training cell, else that cell's model.
 
     That model may have been given as the object itself (``train(code, model=MLP())``): it has no
     notebook name then, and the session keeps it under the name the cell used (``_distnb_model``).
@@ -48,8 +50,12 @@ def trained_model(session, model=None, directory=None) -> tuple:
         check_path("directory", directory)
     if model is not None:
         return session._named(model, "model")
+    loaded = session.holdings.loaded
+    if loaded is not None and loaded in session.ns:
+        return loaded, session.ns[loaded]
     if session.last_result is None:
-        raise PlanError("no model has been trained in this session; name one (--model NAME, model= in Python)")
+        raise PlanError("no model has been trained or loaded in this session; name one (--model NAME, model= in "
+                        "Python)")
     name = session.last_result.plan.model
     if name not in session.ns and name in session._bound:  # the last cell was given the object, not a name
         return name, session._bound[name]
@@ -124,6 +130,7 @@ def load(session, name: str, model_obj, directory: str, quiet: bool = False, cha
     session.holdings.remember(dataclasses.replace(plan, optimizer=meta["optimizer"], lr=None), model_obj)  # live now
     session.holdings.lr_of[name] = None
     session.holdings.trained_steps[name] = meta["steps"]
+    session.holdings.loaded = name
     homecoming.weights_back(session, name, model_obj)
     record.loaded(name, model_obj, meta)  # the notebook's model agrees with the ranks': no "changed" claim
     if not quiet:
@@ -151,5 +158,6 @@ def load_files(session, name: str, model_obj, path, quiet: bool = False) -> dict
     training.ensure_model(session, plan, model_obj, quiet=True)
     rows = pretrained.load_on_ranks(session, plan, checked, quiet)
     session.holdings.remember(plan, model_obj)
+    session.holdings.loaded = name  # live on the ranks as a trained model: %dist save, pull, the next cell
     homecoming.weights_back(session, name, model_obj)  # nothing for a meta model: its weights stay on the ranks
     return dict(path=checked["found"]["path"], kind=checked["found"]["kind"], ranks=rows)
