@@ -74,7 +74,8 @@ def check(plan, model_obj) -> dict | None:
         return None
     if plan.strategy == "ps":
         raise PlanError("--load does not go with --strategy ps (its servers keep the parameters in their own "
-                        "layout): load under ddp (%dist load PATH --model NAME), then train with --strategy ps")
+                        "layout): load under ddp (%dist load PATH --model NAME --strategy ddp), then train with "
+                        "--strategy ps")
     if plan.checkpoint_dir is not None and is_checkpoint(plan.checkpoint_dir) and not plan.reset:
         raise PlanError(f"--load {plan.load} and --checkpoint-dir {plan.checkpoint_dir}, which holds a checkpoint "
                         "to resume from: give one of them (or --reset to start from the loaded weights)")

@@ -182,6 +182,7 @@ def load_weights(ns, name, plan_dict, found, aliases):
         for tensor, source in copies:
             tensor.copy_(source)
     run.strategy.load_checkpoint_state(run.optimizer, mine, None)
-    run.plan_dict = plan.to_dict()  # distributed as the plan says: live as a trained model (save, pull, a next cell)
+    if run.plan_dict is None:  # distributed as the plan says: live as a trained model (save, pull, a next cell);
+        run.plan_dict = plan.to_dict()  # a model the ranks trained keeps its cell's plan (its data seed, for a save)
     read = sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in state.values())
     return dict(rank=runtime.STATE.rank, bytes=read)
