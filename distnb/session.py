@@ -534,7 +534,7 @@ class Session:
         loaded on every rank; the restored weights are loaded into the kernel's model too.
         The next ``%%distrain`` with the same strategy continues from there. Weights files (a
         safetensors file, a Hugging Face folder) are read on the ranks into the model distributed
-        for ``strategy`` (:func:`distnb.train.checkpoints.load_files`); either way the model is then
+        for ``strategy``, each rank its slices; either way the model is then
         live on the ranks as a trained one: ``save``, ``pull`` and the next cell take it as loaded.
 
         Parameters
