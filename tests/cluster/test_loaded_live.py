@@ -109,3 +109,18 @@ def test_a_checkpoint_keeps_its_strategy(dist_session, shell, tmp_path):
     dist_session.save(str(tmp_path / "ck"), model=name, quiet=True)
     with pytest.raises(PlanError, match=r"%%distrain --load .* --strategy fsdp"):
         dist_session.load(str(tmp_path / "ck"), model=name, strategy="fsdp", quiet=True)
+
+
+def test_a_cell_resumes_from_a_loaded_model_s_checkpoint(dist_session, shell, tmp_path, capsys):
+    """``--checkpoint-dir`` holding the checkpoint of a model loaded and not trained (no optimizer state in it): a new
+    model resumes its weights and position, with a fresh optimizer of the cell's."""
+    name, source, _ = loaded(shell, tmp_path, "fsdp", False, "resume")
+    dist_session.save(str(tmp_path / "ck"), model=name, quiet=True)
+    again = f"{name}_again"
+    shell.user_ns[again] = build("llama", seed=3)
+    shell.user_ns["live_ids"] = torch.utils.data.TensorDataset(torch.randint(0, 64, (8, 12)))
+    result = dist_session.train(BODY, model=again, data="live_ids", epochs=1, batch_size=4, optimizer="sgd", lr=0.0,
+                                strategy="fsdp", checkpoint_dir=str(tmp_path / "ck"), progress="none", quiet=True)
+    assert result.rows[0]["resumed"], result.rows[0]
+    for held in ranks_weights(dist_session, again):
+        assert_bit_exact(held, source, f"{again} on a rank after resuming")
