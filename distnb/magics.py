@@ -18,7 +18,7 @@ from distnb.core import options
 from distnb.core.errors import ClusterError, Interrupted, PlanError, stop_interrupted
 from distnb.core.plan import ClusterSpec, RunOptions, TrainPlan
 from distnb.export.export import session_export
-from distnb.train import hfsaving
+from distnb.train import hfsaving, pretrained
 from distnb.train.background import check_idle
 
 _PARSE = {"int": int, "float": float}
@@ -187,10 +187,7 @@ def _save(line):
 
 
 @magic_arguments(name="dist load")
-@argument("directory", help="a step_* checkpoint folder or its parent (the newest complete one); or weights: a "
-          "safetensors file or Hugging Face folder, each rank reading its slices (needs --model)")
-@argument("--model", default=None, help="notebook name of the model (default: the last one trained; none since "
-          "the cluster started: the checkpoint's own, if the notebook defines it)")
+@pretrained.load_arguments(argument)
 def _load(line):
     """Restore a checkpoint into the ranks and the notebook's model; the next %%distrain continues from it.
     Example: %dist load checkpoints/digits --model net    or, pretrained weights: %dist load ./llama-tiny --model net
@@ -442,7 +439,7 @@ _VERB_CALLS = {
     "scatter": lambda args, ns: _quiet(_session().scatter(args.name, seed=args.seed)),
     "gather": lambda args, ns: _bind(ns, args.output, _session().gather(args.name)),
     "save": lambda args, ns: _quiet(_session().save(**hfsaving.save_keywords(args))),
-    "load": lambda args, ns: _quiet(_session().load(args.directory, model=args.model)),
+    "load": lambda args, ns: _quiet(_session().load(args.directory, model=args.model, strategy=args.strategy)),
     "export": lambda args, ns: _quiet(_export_cell(args)),
     "wait": lambda args, ns: _current().wait(),
     "stop-training": lambda args, ns: _current().stop_training(),

@@ -526,34 +526,43 @@ class Session:
     # checkpoints -----------------------------------------------------------
     save = session_save  # %dist save DIR [--format safetensors | --adapters] (distnb/train/hfsaving.py)
 
-    def load(self, directory: str, model=None, quiet=False) -> dict:
+    def load(self, directory: str, model=None, quiet=False, strategy=None) -> dict:
         """Restore a checkpoint into the ranks (and the kernel's model) with its strategy and optimizer.
 
         The kernel's model (same class and parameter names) is sent, distributed the way the
         checkpoint was saved, and its model, optimizer state, epoch and sampler position are
         loaded on every rank; the restored weights are loaded into the kernel's model too.
-        The next ``%%distrain`` with the same strategy continues from there.
+        The next ``%%distrain`` with the same strategy continues from there. Weights files (a
+        safetensors file, a Hugging Face folder) are read on the ranks into the model distributed
+        for ``strategy``, each rank its slices; either way the model is then
+        live on the ranks as a trained one: ``save``, ``pull`` and the next cell take it as loaded.
 
         Parameters
         ----------
         directory : str
-            A ``step_*`` checkpoint folder, or its parent (the newest complete one is used).
+            A ``step_*`` checkpoint folder, or its parent (the newest complete one is used); or weights files.
         model : str or torch.nn.Module, optional
-            Default: the model of the last training cell; with none since the cluster started, the
-            notebook's model of the name the checkpoint was saved from.
+            Default: the model of the last training cell or load; with none since the cluster started,
+            the notebook's model of the name the checkpoint was saved from.
+        quiet : bool
+            Print nothing.
+        strategy : str, optional
+            Weights files only: ``--strategy`` of the model on the ranks (default: its last one, ddp at first).
 
         Returns
         -------
         dict
-            The checkpoint's metadata.
+            The checkpoint's metadata; for weights files ``{"path", "kind", "ranks"}``.
 
         Raises
         ------
         PlanError
-            No complete checkpoint there, or no such model in the notebook.
+            No complete checkpoint there, or no such model in the notebook; ``strategy`` other than a
+            checkpoint's own (the fix named).
         """
         self._check_running()
-        return checkpoints.load(self, *checkpoints.model_to_load(self, directory, model), directory, quiet)
+        return checkpoints.load(self, *checkpoints.model_to_load(self, directory, model), directory, quiet,
+                                strategy=strategy)
 
     export = session_export  # %dist export DIR: the last training cell as a torchrun job (distnb/export/export.py)
 

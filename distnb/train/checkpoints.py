@@ -14,7 +14,7 @@ import os
 from distnb.core import calls, weightfiles
 from distnb.core.errors import PlanError
 from distnb.core.options import check_path
-from distnb.core.plan import TrainPlan
+from distnb.core.plan import TrainPlan, carry_over
 from distnb.core.tables import count
 from distnb.execute.execute import run_on_ranks
 from distnb.train import homecoming, meshes, pretrained, record, training
@@ -25,7 +25,8 @@ def save(session, name: str, model_obj, directory: str, quiet: bool = False) -> 
     """Checkpoint model ``name`` on every rank under ``directory``; its metadata (see Session.save)."""
     directory = check_path("directory", directory)
     if name not in session.holdings.models:
-        raise PlanError(f"{name} is not on the ranks (train it with %%distrain first)")
+        raise PlanError(f"{name} is not on the ranks (train it with %%distrain, or %dist load weights into it, "
+                        "first)")
     directory = os.path.abspath(os.path.expanduser(directory))
     why = unwritable(directory) if all(info.get("local", True) for info in session.cluster.ranks) else ""
     if why:  # before the ranks tear down their group over it
@@ -38,7 +39,8 @@ def save(session, name: str, model_obj, directory: str, quiet: bool = False) -> 
 
 
 def trained_model(session, model=None, directory=None) -> tuple:
-    """``(name, object)`` of ``model`` (a notebook name or the object), or of the last training cell's model.
+    """``(name, object)`` of ``model`` (a notebook name or the object), or of the model the ranks got last: the
+    one ``%dist load`` filled since the last training cell, else that cell's model.
 
     That model may have been given as the object itself (``train(code, model=MLP())``): it has no
     notebook name then, and the session keeps it under the name the cell used (``_distnb_model``).
@@ -48,8 +50,12 @@ def trained_model(session, model=None, directory=None) -> tuple:
         check_path("directory", directory)
     if model is not None:
         return session._named(model, "model")
+    loaded = session.holdings.loaded
+    if loaded is not None and loaded in session.ns:
+        return loaded, session.ns[loaded]
     if session.last_result is None:
-        raise PlanError("no model has been trained in this session; name one (--model NAME, model= in Python)")
+        raise PlanError("no model has been trained or loaded in this session; name one (--model NAME, model= in "
+                        "Python)")
     name = session.last_result.plan.model
     if name not in session.ns and name in session._bound:  # the last cell was given the object, not a name
         return name, session._bound[name]
@@ -97,17 +103,24 @@ def _meta(directory: str) -> dict:
         raise PlanError(str(exc)) from None
 
 
-def load(session, name: str, model_obj, directory: str, quiet: bool = False, changes=None) -> dict:
+def load(session, name: str, model_obj, directory: str, quiet: bool = False, changes=None, strategy=None) -> dict:
     """Restore the checkpoint in ``directory`` into the ranks and ``model_obj``; its metadata (see Session.load).
 
     ``changes`` (TrainPlan fields) alter the saved plan for this world, e.g. ``{"mesh": "2x2"}``
     (:func:`distnb.train.meshes.plan_changes`): DCP reshards the saved DTensors onto that layout. Without
     them, an fsdp+tensor checkpoint of another world size is laid out on this one as ``%dist scale``
     does (its tensor-parallel size kept), or refused naming the sizes that fit, before anything is sent.
+    ``strategy``: for weights files (:func:`load_files`); a checkpoint is restored with its own.
     """
     if not pretrained.is_checkpoint(check_path("directory", directory)):  # safetensors or a Hugging Face folder
-        return load_files(session, name, model_obj, directory, quiet)
+        return load_files(session, name, model_obj, directory, quiet, strategy)
     meta = _meta(directory)
+    saved = meta["plan"]["strategy"]
+    if strategy not in (None, saved):
+        raise PlanError(f"%dist load {directory} --strategy {strategy}: a checkpoint is restored as it was saved "
+                        f"(--strategy {saved}, with its optimizer and position); for its weights alone under "
+                        f"{strategy}, read them in a training cell: %%distrain --load {directory} --strategy "
+                        f"{strategy} --model {name} ...")
     if changes is None:
         changes = meshes.plan_changes(meta["plan"], meta.get("world_size") or session.world_size,
                                       session.world_size, f"%dist load {directory}: {name}")
@@ -124,6 +137,7 @@ def load(session, name: str, model_obj, directory: str, quiet: bool = False, cha
     session.holdings.remember(dataclasses.replace(plan, optimizer=meta["optimizer"], lr=None), model_obj)  # live now
     session.holdings.lr_of[name] = None
     session.holdings.trained_steps[name] = meta["steps"]
+    session.holdings.loaded = name
     homecoming.weights_back(session, name, model_obj)
     record.loaded(name, model_obj, meta)  # the notebook's model agrees with the ranks': no "changed" claim
     if not quiet:
@@ -137,19 +151,27 @@ def load(session, name: str, model_obj, directory: str, quiet: bool = False, cha
     return meta
 
 
-def load_files(session, name: str, model_obj, path, quiet: bool = False) -> dict:
-    """``%dist load PATH --model NAME`` for weights files: into the model as the ranks hold it (its last cell's
-    distribution), or sent with ddp when they do not hold it; then into the notebook's model unless it is on meta.
+def load_files(session, name: str, model_obj, path, quiet: bool = False, strategy=None) -> dict:
+    """``%dist load PATH --model NAME`` for weights files: into the model distributed for ``strategy``, by default
+    as the ranks hold it (the distribution its last cell or load left, as a training cell carries it over), or
+    with ddp when it is new to them; then into the notebook's model unless it is on meta.
+
+    Afterwards the model is live on the ranks as a trained one is (``%dist save``, ``%dist pull``, the next cell
+    goes on from the loaded weights), with no optimizer until a training cell makes one.
 
     Returns ``{"path", "kind", "ranks"}`` (the ranks' rows of :func:`distnb.train.pretrained.load_on_ranks`).
     """
-    last = session.holdings.last_plans.get(name)
-    plan = (last[0] if last else None) or TrainPlan(model=name, data=name)
+    held = session.holdings
+    ref = held.objects.get(name)
+    last = held.carried.get(name) if ref is not None and ref() is model_obj else None  # net = Net() again: afresh
+    given = {} if strategy is None else {"strategy": strategy}
+    plan = TrainPlan(model=name, data=name, **carry_over(last, given), **given)
     plan = TrainPlan.from_dict(dict(plan.to_dict(), load=weightfiles.absolute(path), checkpoint_dir=None,
                                     checkpoint_every=None))
     checked = pretrained.check(plan, model_obj)
     training.ensure_model(session, plan, model_obj, quiet=True)
     rows = pretrained.load_on_ranks(session, plan, checked, quiet)
     session.holdings.remember(plan, model_obj)
+    session.holdings.loaded = name  # live on the ranks as a trained model: %dist save, pull, the next cell
     homecoming.weights_back(session, name, model_obj)  # nothing for a meta model: its weights stay on the ranks
     return dict(path=checked["found"]["path"], kind=checked["found"]["kind"], ranks=rows)

@@ -85,7 +85,8 @@ def session_save(session, directory: str, model=None, format: str = "dcp", adapt
     if fmt == "dcp":
         return checkpoints.save(session, name, model_obj, directory, quiet)
     if name not in session.holdings.models:
-        raise PlanError(f"{name} is not on the ranks (train it with %%distrain first)")
+        raise PlanError(f"{name} is not on the ranks (train it with %%distrain, or %dist load weights into it, "
+                        "first)")
     directory = os.path.abspath(os.path.expanduser(check_path("directory", directory)))
     if adapters:
         check_adapters(name, model_obj)

@@ -13,6 +13,7 @@ import time
 from distnb.core import calls
 from distnb.core.errors import PlanError
 from distnb.core.options import check_path
+from distnb.core.plan import STRATEGIES
 from distnb.core.tables import count
 from distnb.core.weightfiles import absolute, find, match, provided
 from distnb.execute.execute import run_on_ranks
@@ -73,7 +74,8 @@ def check(plan, model_obj) -> dict | None:
         return None
     if plan.strategy == "ps":
         raise PlanError("--load does not go with --strategy ps (its servers keep the parameters in their own "
-                        "layout): load under ddp (%dist load PATH --model NAME), then train with --strategy ps")
+                        "layout): load under ddp (%dist load PATH --model NAME --strategy ddp), then train with "
+                        "--strategy ps")
     if plan.checkpoint_dir is not None and is_checkpoint(plan.checkpoint_dir) and not plan.reset:
         raise PlanError(f"--load {plan.load} and --checkpoint-dir {plan.checkpoint_dir}, which holds a checkpoint "
                         "to resume from: give one of them (or --reset to start from the loaded weights)")
@@ -105,3 +107,24 @@ def load_on_ranks(session, plan, checked: dict, quiet: bool = False) -> list:
               f"{largest['bytes'] / (1 << 20):.1f} MiB) in {time.perf_counter() - t0:.2f} s")
     return rows
 
+
+
+def load_arguments(argument):
+    """A decorator giving the ``%dist load`` magic its arguments, with their help (``argument``: IPython's
+    ``magic_arguments.argument``, passed in so that this module does not import IPython)."""
+    def apply(fn):
+        for args, kw in reversed([
+            (("directory",), dict(help="a step_* checkpoint folder or its parent (the newest complete one); or "
+                                       "weights: a safetensors file or Hugging Face folder, each rank reading its "
+                                       "slices (needs --model)")),
+            (("--model",), dict(default=None, help="notebook name of the model (default: the last one trained or "
+                                "loaded; none since the cluster started: the checkpoint's own, if the notebook "
+                                "defines it)")),
+            (("--strategy",), dict(default=None, metavar="{" + ",".join(s for s in STRATEGIES if s != "ps") + "}",
+                                   help="weights files: how the ranks hold the model (default: its last cell's, "
+                                   "ddp at first; fsdp for one larger than a rank). A checkpoint keeps the strategy "
+                                   "it was saved with. Example: %%dist load ./llama-tiny --model net --strategy fsdp")),
+        ]):
+            fn = argument(*args, **kw)(fn)
+        return fn
+    return apply

@@ -175,7 +175,8 @@ def last() -> Cell:
     """The cell :func:`write` exports; PlanError naming the fix when no training cell has ended yet."""
     if _LAST[0] is None:
         raise PlanError("no training cell has run in this kernel yet: run a %%distrain cell (it must end with a "
-                        "result), then %dist export DIR")
+                        "result), then %dist export DIR (a job repeats a training cell; weights a model holds, say "
+                        "after %dist load, are written by %dist save DIR --format safetensors)")
     if _LAST[0].problem:
         raise PlanError(f"the last training cell cannot be exported: {_LAST[0].problem}; make it picklable (delete "
                         "or move what is not), run the cell again, then %dist export")

@@ -94,11 +94,13 @@ class Holdings:
     settings: dict = field(default_factory=dict)  # model name -> its last cell's words on carried options (carried.py)
     resume_steps: tuple = (None, None, None)  # the notebook's and the newest checkpoint's steps, its optimizer
     generation: int = 0
+    loaded: str | None = None  # the model %dist load filled after the last training cell (save's default model)
 
     def forget(self) -> None:
         """Drop what the ranks held (they are gone); the user's optimizer choices stay."""
         for held in (self.models, self.distributed, self.data, self.pushed, self.names):
             held.clear()
+        self.loaded = None
 
     def remember(self, plan, model_obj=None) -> None:
         """What of ``plan`` carries over to the model's next cell (the ranks accepted it), for the
@@ -516,6 +518,7 @@ def train_cell(session, code, model, data, run, given):
                         started_shown=state.start_shown, peak_since_start=peak_since_start)
         worlds.note_run(session, None)  # what the ranks hold now, for a kernel that attaches (presses still held)
     session.last_result = result
+    session.holdings.loaded = None  # the model of this cell is the one %dist save takes by default now
     record.remember(cell, result, model_obj)
     background = session._background
     if stopped is not None and not (background is not None and background.current_thread_is_runner()):

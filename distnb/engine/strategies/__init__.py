@@ -206,10 +206,14 @@ class Strategy:
         """(model state dict, optimizer state dict) as ``torch.distributed.checkpoint`` saves them.
 
         Uses ``torch.distributed.checkpoint.state_dict.get_state_dict`` (sharded tensors stay
-        sharded: each rank saves its part). Every rank calls it.
+        sharded: each rank saves its part). Every rank calls it. ``optimizer`` None (a model whose
+        weights were loaded, ``%dist load``, and not trained yet: no optimizer exists): the model's
+        state dict and an empty optimizer state.
         """
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+        if optimizer is None:
+            return get_model_state_dict(self.module), {}
         return get_state_dict(self.module, optimizer)
 
     def load_checkpoint_state(self, optimizer, model_state, optimizer_state) -> None:

@@ -564,6 +564,8 @@ class Pipeline(Strategy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         model_sd = {k: v.detach() for k, v in self._stage_tensors().items() if not v.is_meta}
+        if optimizer is None:  # loaded, not trained yet (%dist load): no optimizer state exists
+            return model_sd, {}
         optim_sd = get_optimizer_state_dict(self.module, optimizer,
                                             options=StateDictOptions(flatten_optimizer_state_dict=True))
         return model_sd, optim_sd

@@ -71,7 +71,10 @@ def save(run, directory: str, plan_dict: dict, data_seed: int) -> dict:
     Parameters
     ----------
     run : distnb.engine.train.loop.Run
-        A model with its strategy and optimizer built.
+        A model with its strategy built, and its optimizer once a cell trained it. A model whose weights
+        were loaded and not trained yet (``%dist load``) has none: the checkpoint then holds the model
+        and its position only, and its ``optimizer`` is None (a load of it leaves the optimizer to the
+        next training cell, as a model just loaded).
     directory : str
         Parent folder; created if missing. The checkpoint goes to ``step_<run.steps>``.
     plan_dict : dict
@@ -86,12 +89,12 @@ def save(run, directory: str, plan_dict: dict, data_seed: int) -> dict:
     Raises
     ------
     RuntimeError
-        If the model has no strategy or optimizer yet (train it once first).
+        If the model has not been distributed on the ranks (neither trained nor loaded there).
     """
 
-    if run.strategy is None or run.optimizer is None:
-        raise RuntimeError(f"rank {runtime.STATE.rank}: the model has not been trained on the ranks yet; "
-                           "nothing to save (run a %%distrain cell first)")
+    if run.strategy is None:
+        raise RuntimeError(f"rank {runtime.STATE.rank}: the model is not distributed on the ranks; nothing to save "
+                           "(run a %%distrain cell, or %dist load weights into it, first)")
     t0 = time.perf_counter()
     path = os.path.join(os.path.abspath(directory), f"step_{run.steps:08d}")
     if runtime.STATE.rank == 0:
@@ -101,7 +104,8 @@ def save(run, directory: str, plan_dict: dict, data_seed: int) -> dict:
             os.remove(stale)  # overwritten below once every rank has written its part again
     _barrier()
     model_sd, optim_sd = run.strategy.checkpoint_state(run.optimizer)
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path)
+    state = {"model": model_sd} if run.optimizer is None else {"model": model_sd, "optimizer": optim_sd}
+    dcp.save(state, checkpoint_id=path)
     _barrier()  # every rank's part is on disk
     plan_dict = dict(plan_dict, optimizer=run.optimizer_key)  # the optimizer that made the saved state
 
@@ -138,8 +142,10 @@ def load(run, meta: dict, ns=None, plan=None, optimizer_state: bool = True) -> N
     another data-parallel size (DCP reshards the saved DTensors onto it), or another strategy
     (a resume after a strategy switch: the weights are saved by name in every layout).
     ``optimizer_state`` False: the weights and position only, neither the optimizer's state nor
-    its lr schedule (another strategy's layout, :func:`distnb.core.plan.optimizer_state_readable`).
+    its lr schedule (another strategy's layout, :func:`distnb.core.plan.optimizer_state_readable`; a
+    checkpoint of a model loaded and not trained, whose ``optimizer`` is None, holds neither).
     """
+    optimizer_state = optimizer_state and meta.get("optimizer") is not None and run.optimizer is not None
     model_sd, optim_sd = run.strategy.checkpoint_state(run.optimizer)
     state = {"model": model_sd, "optimizer": optim_sd} if optimizer_state else {"model": model_sd}
     try:

@@ -438,18 +438,8 @@ def _prepare(ns, plan, run):
     saved with, then as a live model would go on (a cell's ``--lr`` set on it; another
     ``--optimizer`` replaces it, keeping the weights and position).
     """
-    st = runtime.STATE
     fresh = run.optimizer is None and run.steps == run.received_steps  # as received: no step trained here
-    key = plan.strategy_key()
-    last = None if run.strategy_key is None else (run.strategy_key, run.generation)
-    verdict = redistribution(last, key, st.generation)
-    if verdict == "resend":
-        raise RuntimeError(f"rank {st.rank}: {plan.model} was distributed for --strategy "
-                           f"{run.strategy_key[0]}; the kernel must send it again (--reset)")
-    if verdict == "rebuild" or run.strategy is None:
-        build_strategy(ns, plan, run)
-    print(run.said, end="", flush=True)
-    run.said = ""
+    distribute(ns, plan, run)
     if run.inherited is not None:  # a rank added by %dist scale: the optimizer and schedule rank 0 had
         stepping.adopt_optimizer(ns, run, plan, _optimizer)
     if not (fresh and plan.checkpoint_dir and not plan.reset and plan.resume and checkpoint.latest(plan.checkpoint_dir)):
@@ -459,7 +449,8 @@ def _prepare(ns, plan, run):
     try:
         # the optimizer the checkpoint holds the state of (its lr and schedule come back with it) ...
         _optimizer(ns, run, dataclasses.replace(plan, optimizer=meta["optimizer"], lr=None, lr_if_new=None))
-        readable = optimizer_state_readable(meta["plan"]["strategy"], plan.strategy)
+        # a checkpoint of a model loaded and not trained (its optimizer None) holds no optimizer state
+        readable = meta["optimizer"] is not None and optimizer_state_readable(meta["plan"]["strategy"], plan.strategy)
         checkpoint.load(run, meta, ns, plan, optimizer_state=readable)
     except BaseException:  # as received again: the next cell resumes anew (it trained on without the schedule)
         run.optimizer = run.scheduler = run.schedule_name = None
@@ -474,6 +465,28 @@ def _prepare(ns, plan, run):
         _optimizer(ns, run, plan)  # (the kernel said so when it sent the model: no note here)
         return "", meta["path"]
     return _given_lr(run.optimizer, plan.lr), meta["path"]  # ... and a cell's --lr applies on top, as live
+
+
+def distribute(ns, plan, run) -> None:
+    """Have ``run.module`` distributed for ``plan``: kept as it is when it already is (same distribution, same
+    process group), else built anew (:func:`build_strategy`); what building said is printed here.
+
+    Raises
+    ------
+    RuntimeError
+        It is sharded in place for another distribution: the kernel must send it again.
+    """
+    st = runtime.STATE
+    key = plan.strategy_key()
+    last = None if run.strategy_key is None else (run.strategy_key, run.generation)
+    verdict = redistribution(last, key, st.generation)
+    if verdict == "resend":
+        raise RuntimeError(f"rank {st.rank}: {plan.model} was distributed for --strategy "
+                           f"{run.strategy_key[0]}; the kernel must send it again (--reset)")
+    if verdict == "rebuild" or run.strategy is None:
+        build_strategy(ns, plan, run)
+    print(run.said, end="", flush=True)
+    run.said = ""
 
 
 def build_strategy(ns, plan, run, pending=None) -> None:
@@ -535,24 +548,30 @@ def save_checkpoint(ns, name, directory):
 
 
 def ready_run(ns, name):
-    """The Run of trained model ``name`` with its strategy built (re-made after a failed cell), for a save."""
+    """The Run of model ``name``, trained or loaded (``%dist load``), with its strategy built (re-made after a
+    failed cell), for a save."""
     run = RUNS.get(name)
     if run is None:
         raise RuntimeError(f"rank {runtime.STATE.rank}: no model {name!r} on the ranks; train it first")
     plan = run.plan_dict
-    if plan is None:
-        raise RuntimeError(f"rank {runtime.STATE.rank}: {name} has not been trained yet; nothing to save")
+    if plan is None:  # sent and never distributed: a training cell or a load failed before it was
+        raise RuntimeError(f"rank {runtime.STATE.rank}: {name} was sent but neither trained nor loaded on the "
+                           f"ranks; nothing to save (run a %%distrain cell, or %dist load PATH --model {name})")
     if run.strategy is None:  # dropped with the process group after a failed cell
         if STRATEGIES[plan["strategy"]][1]:  # sharded in place: that copy went with the group
             raise RuntimeError(f"rank {runtime.STATE.rank}: the ranks' {plan['strategy']} copy of {name} was lost "
                                "with the failed cell; the notebook's model holds the last weights (train a cell, "
                                "then save)")
-        _prepare(ns, TrainPlan.from_dict(plan), run)  # the same distribution on the re-formed group
+        if run.optimizer is None:  # loaded, not trained: no optimizer to make (the next cell makes it)
+            distribute(ns, TrainPlan.from_dict(plan), run)
+        else:
+            _prepare(ns, TrainPlan.from_dict(plan), run)  # the same distribution on the re-formed group
     return run
 
 
 def restore(ns, name, directory, changes=None):
-    """``%dist load``: rebuild the strategy and optimizer the checkpoint was saved with and load it.
+    """``%dist load``: rebuild the strategy and optimizer the checkpoint was saved with and load it (a checkpoint
+    of a model loaded and not trained, whose optimizer is None: the strategy and the weights, no optimizer).
 
     The model must have been sent (install.install_model) just before. ``changes`` (dict of TrainPlan
     fields) alters the saved plan for this world: ``{"mesh": "2x2"}`` for an fsdp+tensor model
@@ -563,7 +582,10 @@ def restore(ns, name, directory, changes=None):
                      optimizer=meta["optimizer"], **(changes or {}))
     plan = TrainPlan.from_dict(plan_dict)
     run = RUNS[name]
-    _prepare(ns, plan, run)
+    if meta["optimizer"] is None:  # saved loaded, not trained: the weights only, the optimizer left to the next cell
+        distribute(ns, plan, run)
+    else:
+        _prepare(ns, plan, run)
     run.plan_dict = plan.to_dict()
     checkpoint.load(run, meta, ns, plan)
     return meta

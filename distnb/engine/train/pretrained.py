@@ -157,14 +157,16 @@ def _read(found: dict, state: dict) -> None:
 def load_weights(ns, name, plan_dict, found, aliases):
     """Fill model ``name`` on this rank from ``found`` (:func:`distnb.train.pretrained.find`); every rank calls it.
 
-    The model must have been sent for ``plan_dict`` just before. ``aliases``: model name -> the stored
+    The model must have been sent for ``plan_dict`` just before, or be held distributed for it (a model the
+    ranks trained). Afterwards it is live as a trained model is: saved (DCP, safetensors), pulled, and trained
+    on by the next cell, with no optimizer until that cell makes one. ``aliases``: model name -> the stored
     name of the same tied tensor. Returns ``{"rank", "bytes"}``: the bytes this rank read.
     """
     plan = TrainPlan.from_dict(plan_dict)
     run = loop.RUNS[name]
     _agree_readable(found)
-    if run.strategy is None:  # a whole model received (ddp): distributed now; the training cell keeps it
-        loop.build_strategy(ns, plan, run)
+    # a whole model received (ddp) is distributed now, a placed one (meta) kept; the training cell keeps it
+    loop.distribute(ns, plan, run)
     mine = model_state(run.strategy)
     state, copies = {}, []
     for key, tensor in mine.items():
@@ -180,5 +182,7 @@ def load_weights(ns, name, plan_dict, found, aliases):
         for tensor, source in copies:
             tensor.copy_(source)
     run.strategy.load_checkpoint_state(run.optimizer, mine, None)
+    if run.plan_dict is None:  # distributed as the plan says: live as a trained model (save, pull, a next cell);
+        run.plan_dict = plan.to_dict()  # a model the ranks trained keeps its cell's plan (its data seed, for a save)
     read = sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in state.values())
     return dict(rank=runtime.STATE.rank, bytes=read)
