@@ -36,6 +36,7 @@ import numbers
 import torch
 
 from distnb.core.plan import STRATEGIES
+from distnb.engine.process.collectives import group_device
 from distnb.engine.strategies import compiling, materialize
 from distnb.engine.transport import stateout
 
@@ -301,16 +302,18 @@ def check_loss(loss, ctx):
 def gathered_state(module, keys=None):
     """``module``'s full (unsharded) state on rank 0 as :func:`~distnb.engine.transport.stateout.flatten_state`, None elsewhere.
 
-    One tensor at a time: each DTensor (FSDP2, tensor parallel) is all-gathered whole (a collective:
-    every rank calls this, in the state_dict's order) and copied straight into rank 0's outbox
-    (:func:`distnb.engine.transport.stateout.write_state`), so rank 0 holds the outbox plus one full tensor,
-    not the whole state first and its copy after (``get_model_state_dict(full_state_dict=True)``).
+    One tensor at a time: each DTensor (FSDP2, tensor parallel) comes to rank 0 shard by shard, each
+    rank's piece placed straight into rank 0's outbox (:mod:`distnb.engine.transport.gather`; a placement
+    it does not place is all-gathered whole), every rank calling this in the state_dict's order
+    (:func:`distnb.engine.transport.stateout.write_state`). Rank 0 holds the outbox plus one message, not
+    the whole state first and its copy after (``get_model_state_dict(full_state_dict=True)``).
     ``keys``: only these entries (the same on every rank), None: all.
     """
     import torch.distributed as dist
 
 
-    return stateout.write_state(list(stateout.select(module.state_dict(), keys).items()), writer=dist.get_rank() == 0)
+    return stateout.write_state(list(stateout.select(module.state_dict(), keys).items()), writer=dist.get_rank() == 0,
+                                device=group_device())
 
 
 def strategy_class(name: str) -> type:

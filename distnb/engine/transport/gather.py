@@ -66,7 +66,7 @@ def _rows(shape, element_size: int) -> int:
     return max(1, CHUNK_BYTES // max(row, 1))
 
 
-def gather_into(t, dst, writer: int = 0) -> None:
+def gather_into(t, dst, writer: int = 0, device=None) -> None:
     """Write DTensor ``t`` whole into ``dst`` on global rank ``writer``; every rank of ``t``'s mesh calls this.
 
     Parameters
@@ -78,15 +78,19 @@ def gather_into(t, dst, writer: int = 0) -> None:
         On ``writer``: a CPU (or device) tensor of ``t``'s global shape and dtype, filled in place. Ignored elsewhere.
     writer : int
         Global rank that assembles the tensor (a rank of ``t``'s mesh).
+    device : torch.device or None
+        Where messages travel: the default group's device (:func:`distnb.engine.process.collectives.group_device`,
+        which the caller passes); None: the shard's own device.
 
     Notes
     -----
-    Messages go over the default process group (``send``/``recv`` pair any two of its ranks); on nccl each
-    travels from the sender's device into one buffer on the writer's device, then into ``dst`` (a blocking
-    copy, so the buffer can take the next message).
+    Messages go over the default process group (``send``/``recv`` pair any two of its ranks), on ``device``: on nccl each travels from the sender's GPU (a
+    shard in host memory, fsdp's ``--offload cpu``, is copied there one message at a time) into one buffer on
+    the writer's GPU, then into ``dst`` (a blocking copy, so the buffer can take the next message).
     """
     me = dist.get_rank()
     local = t.to_local().detach()
+    device = local.device if device is None else device  # a shard in host memory (fsdp --offload cpu) goes by it
     local = local.reshape(1) if local.dim() == 0 else local
     buf = None
     for rank, shape, offset in _pieces(t):
@@ -101,12 +105,12 @@ def gather_into(t, dst, writer: int = 0) -> None:
         for start in range(0, shape[0], step):
             n = min(step, shape[0] - start)
             if me == rank:
-                dist.send(local[start:start + n].contiguous(), dst=writer)  # group device: the shard's, its mesh's
+                dist.send(local[start:start + n].to(device).contiguous(), dst=writer)  # group device: moved there
                 continue
             if buf is None or buf.numel() < n * row:
-                buf = torch.empty(step * row, dtype=local.dtype, device=local.device)
+                buf = torch.empty(step * row, dtype=local.dtype, device=device)
             piece = buf[: n * row].view(n, *shape[1:])
-            dist.recv(piece, src=rank)  # group device: made like the sender's shard, on its mesh's device
+            dist.recv(piece, src=rank)  # group device: buf is made on it
             _place(dst, (offset[0] + start, *offset[1:]), (n, *shape[1:]), piece)
 
 

@@ -81,7 +81,7 @@ def flatten_state(state: dict):
     return write_state(list(state.items()))
 
 
-def write_state(entries, writer: bool = True):
+def write_state(entries, writer: bool = True, device=None):
     """Write ``entries`` (``(key, tensor)`` pairs, or ``(key, description, fetch)`` triples) into an outbox.
 
     Parameters
@@ -92,6 +92,8 @@ def write_state(entries, writer: bool = True):
         fills ``dst`` (a CPU tensor of ``desc``'s dtype and shape, in the outbox), e.g. by ``recv``.
     writer : bool
         False on the ranks that only take part in the collectives (they return None).
+    device : torch.device or None
+        The default group's device, where a DTensor's pieces travel to the writer (:func:`.gather.gather_into`).
 
     Returns
     -------
@@ -115,7 +117,7 @@ def write_state(entries, writer: bool = True):
                 src(wire._view(base, off, n, desc) if writer else None)
                 continue
             if gather.supported(src):  # every rank sends its shard to the writer, which places it: no full copies
-                gather.gather_into(src, wire._view(base, off, n, desc) if writer and n else None)
+                gather.gather_into(src, wire._view(base, off, n, desc) if writer and n else None, device=device)
                 continue
             full = _full(src)  # every rank: a DTensor's all-gather (placements gather.py does not place)
             if writer and n:
