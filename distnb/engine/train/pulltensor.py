@@ -3,8 +3,8 @@
 The kernel asks every rank first where the tensor is (:func:`locate_tensor`): a DTensor shard (fsdp, tensor
 parallel: every rank must then take part in its all-gather), a whole tensor (ddp: every rank; pipeline:
 the rank whose stage holds it), or nothing here (a pipeline's other stages, ``meta``). Then
-:func:`fetch_tensor` returns it, packed for the wire, from one rank only: ``full_tensor()`` is gathered
-on every rank and sent by rank 0. So the kernel receives the one tensor once, never the model.
+:func:`fetch_tensor` returns it, packed for the wire, from one rank only: each rank's piece of a DTensor
+is sent to that rank, which assembles it (the others hold no full copy). So the kernel receives the one tensor once, never the model.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import difflib
 import torch
 
 from distnb.engine.process import runtime
+from distnb.engine.process.collectives import group_device
 from distnb.engine.train.loop import RUNS
-from distnb.engine.transport import wire
+from distnb.engine.transport import gather, wire
 
 
 def _module(ns, head: str):
@@ -54,13 +55,18 @@ def locate_tensor(ns, head: str, path: str):
 def fetch_tensor(ns, head: str, path: str, gathered: bool, rank: int):
     """The tensor, packed (:func:`wire.pack`) on rank ``rank``, None elsewhere.
 
-    ``gathered``: it is a DTensor, all-gathered whole on every rank (a collective: call on all ranks).
+    ``gathered``: it is a DTensor, assembled on rank ``rank`` from every rank's piece (:mod:`distnb.engine.transport.gather`;
+    a placement it does not place is all-gathered whole on every rank; a collective: call on all ranks).
     The tensor is detached, on the CPU, with its dtype and its full shape.
     """
 
     module, strategy = _module(ns, head)
     t = _tensors(module, strategy)[path]
-    full = t.full_tensor() if gathered else t
+    if gathered and gather.supported(t, writer=rank):  # each rank's piece to rank ``rank`` only: no full copy elsewhere
+        full = torch.empty(t.shape, dtype=t.dtype) if runtime.STATE.rank == rank else None
+        gather.gather_into(t, full, writer=rank, device=group_device())
+    else:
+        full = t.full_tensor() if gathered else t
     if runtime.STATE.rank != rank:
         return None
     return wire.pack(full.detach().to("cpu"))
