@@ -6,13 +6,11 @@ sent in messages of a few bytes so that every piece takes several. Rank 0's resu
 tensor the DTensor was cut from, bit for bit, and the ranks must not all-gather it.
 """
 
-import subprocess
-import sys
+from support.spawned import run_ranks
 
 CODE = r'''
-import os, socket
+import os
 import torch, torch.distributed as dist
-import torch.multiprocessing as mp
 from distnb.engine.transport import gather
 
 
@@ -31,7 +29,7 @@ def cases(mesh1, mesh2):
     yield "2-D mesh, same dim twice", (11, 2), mesh2, [Shard(0), Shard(0)]
 
 
-def rank_main(rank, port):
+def main(rank, port):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     dist.init_process_group("gloo", rank=rank, world_size=4)
     from torch.distributed.device_mesh import init_device_mesh
@@ -56,17 +54,8 @@ def rank_main(rank, port):
     dist.destroy_process_group()
     os._exit(0)  # gloo can abort a process at exit after a group (FIELD-NOTES pitfall 1): mp.spawn read it as a failure
 
-
-if __name__ == "__main__":
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-    mp.spawn(rank_main, args=(port,), nprocs=4)
-    print("ok")
 '''
 
 
 def test_every_shard_placed_on_rank_0_equals_the_whole_tensor(tmp_path):
-    script = tmp_path / "gather_check.py"  # a file: mp.spawn's children import __main__ from it
-    script.write_text(CODE)
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+    run_ranks(tmp_path, CODE, nprocs=4)

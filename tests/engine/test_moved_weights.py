@@ -8,17 +8,15 @@ was, and none was copied whole (the noise is made per block of rows; a rank make
 :class:`MovedInPlace` must move the held whole model and the shards alike, and put the shards back.
 """
 
-import subprocess
-import sys
-
 import torch
 
 from distnb.engine.strategies import moved
 
+from support.spawned import run_ranks
+
 CODE = r'''
-import os, socket
+import os
 import torch, torch.nn as nn, torch.distributed as dist
-import torch.multiprocessing as mp
 from distnb.engine.strategies import layered, moved, tensor_check
 
 
@@ -68,20 +66,11 @@ def main(rank, port):
     dist.destroy_process_group()
     os._exit(0)  # gloo can abort a process at exit after a group (FIELD-NOTES pitfall 1): mp.spawn read it as a failure
 
-
-if __name__ == "__main__":
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-    mp.spawn(main, args=(port,), nprocs=2)
-    print("ok")
 '''
 
 
 def test_moved_per_module_and_in_place_agree_and_put_every_weight_back(tmp_path):
-    script = tmp_path / "moved_check.py"  # a file: mp.spawn's children import __main__ from it
-    script.write_text(CODE)
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
+    run_ranks(tmp_path, CODE, nprocs=2)
 
 
 def test_any_rows_of_the_noise_are_those_of_the_whole_tensor():
