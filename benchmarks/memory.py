@@ -103,7 +103,9 @@ DISTNB = COMMON + textwrap.dedent('''
     Stack.__module__ = Block.__module__ = Blocks.__module__ = "__main__"
     Model, width = (Blocks, 1024) if kind == "blocks" else (Stack, 4096)
     ns = {}
-    s = distnb.start(n=2, ns=ns, quiet=True, timeout=600)
+    # memory on a shared machine: a rank descheduled for tens of seconds in a 1 GiB step is slow, not hung
+    # (--hang-after's 10 s ended a ddp cell at 1 GiB under load 10; the first step has no step time to go by)
+    s = distnb.start(n=2, ns=ns, quiet=True, timeout=600, hang_after=300)
     out = dict(system="distnb")
     try:
         s.run("import resource\\n_rss = int(open('/proc/self/status').read().split('VmRSS:')[1].split()[0]) * 1024")
