@@ -83,6 +83,39 @@ def test_meta_llama_without_load_or_init_gets_hf_norms_and_rotary_buffers(dist_s
         assert pulled.std().item() == pytest.approx(std, rel=0.15), name  # kaiming: ~1/sqrt(3*fan_in); N(0, 1)
 
 
+STATE = """
+import torch
+from torch.distributed.tensor import DTensor
+_state = {{n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+           for n, t in {name}.state_dict(keep_vars=True).items() if not t.is_meta}}
+_state.update({{n: b.detach().clone() for n, b in {name}.named_buffers()}})
+"""
+
+
+@pytest.mark.parametrize("second", [{"strategy": "ddp"}, {"strategy": "fsdp", "activation_checkpointing": True}])
+def test_a_meta_llama_placed_again_keeps_its_trained_weights(dist_session, shell, capsys, second):
+    """Another strategy (or another lever) re-places a meta Llama: every trained weight is carried, and only the
+    rotary inv_freq (a non-persistent buffer, in no state dict) is made anew. Before, that buffer made the carry
+    give up and the whole model was initialised afresh, while the cell said the ranks kept the weights."""
+    ns = shell.user_ns
+    name = "meta_llama_again_" + "_".join(f"{v}" for v in second.values()).lower()
+    ns[name] = build("llama", meta=True)
+    ns["again_ids"] = torch.utils.data.TensorDataset(ids())
+    opts = dict(data="again_ids", epochs=1, batch_size=4, optimizer="sgd", seed=3, progress="none")
+    dist_session.train(BODY, model=name, strategy="fsdp", lr=0.5, quiet=True, **opts)
+    dist_session.run(STATE.format(name=name))
+    trained = dist_session.pull("_state")[0]
+    capsys.readouterr()
+    dist_session.train(BODY, model=name, lr=0.0, **opts, **second)  # placed anew, not trained
+    out = capsys.readouterr().out
+    assert "the ranks keep the weights they trained" in out and "initialised as Hugging Face does" not in out, out
+    dist_session.run(STATE.format(name=name))
+    for held in dist_session.pull("_state"):
+        assert set(held) == set(trained)
+        for key, t in trained.items():
+            assert torch.equal(held[key], t), key
+
+
 def test_plain_torch_module_without_reset_parameters_still_asks_for_init(dist_session, shell):
     """Only modules inside a transformers model get _init_weights: a plain torch module is still refused."""
     shell.run_cell("""

@@ -231,9 +231,9 @@ def materialize(pending: Pending, module, device, keep=None, init=None, param_de
                     _copy_into(live, full)
                 del full
     if pending.needs_init and pending.carry is not None:
-        pending.carry.fill(pending, by_index)
-    elif pending.needs_init:
-        initialize(pending, by_index, init)
+        pending.skip = pending.skip | pending.carry.fill(pending, by_index)
+    if pending.needs_init and any(_without_data(pending, name) for name in pending.names):
+        initialize(pending, by_index, init)  # what no carry filled: all of a fresh model, a carried one's non-persistent buffers
 
 
 def _without_data(pending: Pending, name: str) -> bool:
@@ -300,7 +300,8 @@ def initialize(pending: Pending, by_index: dict, init=None) -> None:
                 for live in by_index.get(pending.names.get(name, -1), ()):
                     _copy_into(live, value.detach())
                 table[key] = t  # back to meta: one module's tensors at a time
-    hfinit.say_once(used, runtime.STATE.rank)
+    if pending.carry is None:  # a carried model made anew only what no state holds (a rotary inv_freq): no news
+        hfinit.say_once(used, runtime.STATE.rank)
 
 
 def place_whole(pending: Pending, module, device, init=None) -> None:

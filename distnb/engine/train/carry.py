@@ -87,15 +87,18 @@ class Carry:
             raise RuntimeError(f"rank {runtime.STATE.rank}: {name} is not in the trained model's structure")
         return tuple(t.shape), t.dtype
 
-    def fill(self, pending, by_index: dict) -> None:
-        """Each tensor that came without data: the old value, this rank's slice of it (``by_index``)."""
+    def fill(self, pending, by_index: dict) -> frozenset:
+        """Each tensor that came without data and that some rank held: the old value, this rank's slice of it
+        (``by_index``). Returns the source indices filled; the others (non-persistent buffers, in no
+        ``state_dict``: a rotary embedding's ``inv_freq``) are left to the model's own initialisation."""
 
         done = set()
         for name, index in sorted(pending.names.items(), key=lambda item: (item[1], item[0])):
-            if index in done or pending.source.has_data(index):
+            if index in done or pending.source.has_data(index) or self.missing([name]):
                 continue
             done.add(index)
             full = self.full(name)
             for live in by_index.get(index, ()):
                 _copy_into(live, full)
             del full
+        return frozenset(done)

@@ -62,7 +62,9 @@ def place_model(ns, name, plan_dict, steps, payload, descs, rng, *buffers):
     try:
         if old is not None:  # the weights the ranks trained, read before the old placement is closed
             pending.carry = carry.Carry(old)  # (it fills --load's tensors too: skip differs between ranks)
-            if pending.carry.missing([n for n, i in pending.names.items() if not pending.source.has_data(i)]):
+            stated = set(module.state_dict())  # a non-persistent buffer (rotary inv_freq) is no state: made anew
+            if pending.carry.missing([n for n, i in pending.names.items()
+                                      if not pending.source.has_data(i) and n in stated]):
                 pending.carry = None  # another structure than the one trained: initialised afresh
         count = install_received(ns, name, module, steps)
         run = loop.RUNS[name]
