@@ -43,10 +43,11 @@ tensors and the order they are freed in, not on the bytes alive. With a fixed th
 tensor above it is mapped and unmapped, and the resident set follows the live tensors (benchmarks/README.md,
 "The levers").
 
-Rank figures (the main table) are each engine's peak since the cell began (``ru_maxrss`` read after the
-cell, which the cell's ``clear_refs`` reset lowers too: the weights coming back to the kernel after the
-cell's reply included) above its idle RSS; ``cell_ranks`` in the JSON are the TrainResult rows' own peaks
-(the cell alone).
+Rank figures (the main table) are each engine's ``ru_maxrss`` read after the cell (the weights coming back to
+the kernel after the cell's reply included) above its idle RSS. It is not the engine's lifetime peak: the
+training call resets ``VmHWM`` when it starts (``engine/transport/peaks.py``), which lowers ``ru_maxrss`` too,
+so a peak of the model's install call before it counts only as far as its memory is still resident.
+``cell_ranks`` in the JSON are the TrainResult rows' own peaks (the cell alone).
 """
 
 from __future__ import annotations
