@@ -52,11 +52,44 @@ def test_cpu_offload_gives_the_fp32_result(dist_session, shell):
     assert dist_session.pull("_policy") == ["CPUOffloadPolicy", "CPUOffloadPolicy"]
 
 
+#: On the ranks: each FSDP unit's policy (the root's and each unit's), and what a forward and backward of the live
+#: model computes in. The hooks run before FSDP2's post-forward reshard (``prepend=True``), so ``m.weight`` is the
+#: unsharded parameter the unit computes with.
+BF16_PROBE = """
+import torch
+_seen = []
+def _note(m, args, out):
+    _seen.append((str(args[0].dtype), str(m.weight.dtype), str(out.dtype)))
+_hooks = [bf_fsdp[i].register_forward_hook(_note, prepend=True) for i in (0, 2)]
+_out = bf_fsdp(torch.randn(4, 12))
+_out.float().pow(2).mean().backward()
+for _h in _hooks:
+    _h.remove()
+_seen.append(str(_out.dtype))
+_policies = [(str(m._get_fsdp_state()._mp_policy.param_dtype), str(m._get_fsdp_state()._mp_policy.reduce_dtype))
+             for m in (bf_fsdp, bf_fsdp[0], bf_fsdp[2])]
+_grads = sorted({str(p.grad.dtype) for p in bf_fsdp.parameters()} | {str(p.dtype) for p in bf_fsdp.parameters()})
+"""
+
+
 def test_bf16_parameters_are_within_the_stated_tolerance_and_the_weights_stay_fp32(dist_session, shell):
     net, ref, _ = _train_and_reference(dist_session, shell, "bf_fsdp", strategy="fsdp", param_dtype="bf16")
     diff = _max_diff(net, ref)
     assert 0 < diff <= BF16_ATOL, diff  # computed in bf16 (not equal), close to fp32
     assert all(p.dtype == torch.float32 for p in net.parameters())
+
+
+def test_bf16_parameters_compute_in_bf16_in_every_unit_on_every_rank(dist_session, shell):
+    """The policy is on the root and on each unit, and the forward computes in bf16: each unit's input, its
+    gathered weight and its output are bf16 (the root casts the fp32 batch), while the sharded weights and
+    their reduced gradients stay fp32."""
+    _train_and_reference(dist_session, shell, "bf_fsdp", strategy="fsdp", param_dtype="bf16")
+    dist_session.run(BF16_PROBE)
+    bf16, fp32 = "torch.bfloat16", "torch.float32"
+    assert [[tuple(p) for p in rank] for rank in dist_session.pull("_policies")] == [[(bf16, fp32)] * 3] * 2
+    seen = [[tuple(x) if isinstance(x, (list, tuple)) else x for x in rank] for rank in dist_session.pull("_seen")]
+    assert seen == [[(bf16, bf16, bf16)] * 2 + [bf16]] * 2
+    assert dist_session.pull("_grads") == [[fp32]] * 2
 
 
 def test_changing_a_lever_sends_the_model_again(dist_session, shell):
