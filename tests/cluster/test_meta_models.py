@@ -135,6 +135,41 @@ def test_a_module_without_reset_parameters_is_named_before_anything_is_sent(dist
     assert "meta_noreset" not in dist_session.holdings.models
 
 
+HALF_INIT = """
+import torch
+import torch.nn as nn
+
+class HalfInit(nn.Linear):
+    \"\"\"reset_parameters initialises the weight and bias, not the running buffer it also holds.\"\"\"
+
+    def __init__(self, n, m):
+        super().__init__(n, m)
+        self.register_buffer("running", torch.empty(m))
+"""
+
+
+def test_a_meta_model_that_fails_to_initialise_leaves_nothing_to_pull_or_save(dist_session, shell, tmp_path):
+    """The ranks refuse it (a tensor left uninitialised); then %dist pull returned that uninitialised memory (values
+    up to 1e38, no error: found by a fresh user) while %dist save said it was not on the ranks."""
+    from distnb.core.errors import RankError
+
+    assert shell.run_cell(HALF_INIT).success
+    ns = shell.user_ns
+    ns["meta_data"], ns["F"] = parity_data(), F
+    with torch.device("meta"):
+        ns["meta_half"] = nn.Sequential(ns["HalfInit"](12, 8), nn.Tanh(), nn.Linear(8, 3))
+    with pytest.raises(RankError, match=r"left 0\.running uninitialised"):
+        dist_session.train(BODY, model="meta_half", data="meta_data", epochs=1, batch_size=16, strategy="fsdp",
+                           progress="none", quiet=True)
+    with pytest.raises((PlanError, RankError), match="meta_half"):
+        dist_session.pull("meta_half.0.weight")
+    with pytest.raises(PlanError, match="meta_half is not on the ranks"):
+        dist_session.save(str(tmp_path / "ckpt"), model="meta_half")
+    ns["meta_half"] = built(meta=True)  # the next cell works
+    dist_session.train(BODY, model="meta_half", data="meta_data", epochs=1, batch_size=16, strategy="fsdp",
+                       progress="none", quiet=True)
+
+
 def test_init_function_initialises_every_module_as_one_process(dist_session, shell):
     ns = shell.user_ns
     ns["meta_data"], ns["F"] = parity_data(), F

@@ -70,8 +70,15 @@ def place_model(ns, name, plan_dict, steps, payload, descs, rng, *buffers):
         run = loop.RUNS[name]
         run.weights_stay = pending.needs_init  # a meta model in the notebook: its weights stay on the ranks
         said = io.StringIO()  # what the strategy says as it is built: shown by the training cell that follows
-        with contextlib.redirect_stdout(said):
-            loop.build_strategy(ns, plan, run, pending)
+        try:
+            with contextlib.redirect_stdout(said):
+                loop.build_strategy(ns, plan, run, pending)
+        except BaseException:  # half placed (tensors of uninitialised memory): never left for a pull or a save
+            if loop.RUNS.get(name) is run:
+                del loop.RUNS[name]
+            if ns.get(name) is module:
+                del ns[name]
+            raise
         run.said = said.getvalue()
     finally:
         if old is not None and old.strategy is not None:
