@@ -68,25 +68,66 @@ def model_bytes(model) -> int:
     return total
 
 
+#: Tensors of optimizer state per trainable parameter, for the built-in optimizers as distnb makes them
+#: (``torch.optim.SGD`` without momentum keeps none; Adam and AdamW keep two moments).
+OPTIMIZER_STATES = {"sgd": 0, "adam": 2, "adamw": 2}
+
+
+def trainable_bytes(model) -> int:
+    """Bytes of ``model``'s parameters that require gradients (each once): its gradients' size."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+def replica_need(model, plan) -> tuple[int, str]:
+    """Bytes one whole replica takes while training, and what they are.
+
+    The parameters and buffers, a gradient per trainable parameter (ddp's buckets are those
+    gradients: distnb builds DDP with ``gradient_as_bucket_view``), and the optimizer's state
+    (:data:`OPTIMIZER_STATES`; a notebook optimizer's state is not counted, and said so). Activations,
+    communication buffers and the runtime come on top: a lower bound.
+    """
+    whole, grads = model_bytes(model), trainable_bytes(model)
+    name = (plan.optimizer or "sgd").lower()
+    states = OPTIMIZER_STATES.get(name)
+    parts = f"the model ({_gib(whole)}), its gradients ({_gib(grads)})"
+    if states is None:
+        return whole + grads, f"{parts}; the state of optimizer {plan.optimizer} is not counted"
+    if states == 0:
+        return whole + grads, f"{parts} and {name}'s state (none)"
+    return whole + grads * (1 + states), f"{parts} and {name}'s state ({_gib(grads * states)})"
+
+
 def rank_need(model, plan, world_size: int) -> tuple[int, str]:
     """Bytes of the model one rank holds at least for ``plan.strategy``, and how that was counted.
 
-    ddp and ps: the whole model (parameters and buffers; gradients and optimizer state come on top).
-    fsdp: its 1/world_size share plus the largest FSDP unit, gathered whole for its forward. Other
-    strategies: their 1/world_size share (a lower bound).
+    Each counts what :func:`replica_need` says a whole replica takes (parameters, buffers, gradients,
+    optimizer state). ddp: all of it on every rank. ps: the parameters and gradients (the servers keep
+    the optimizer's state). fsdp: a 1/world_size share of it plus the largest FSDP unit gathered whole
+    with its unsharded gradient. Other strategies: their 1/world_size share. A lower bound: activations,
+    communication buffers and the runtime come on top.
     """
-    whole = model_bytes(model)
-    if plan.strategy in ("ddp", "ps"):
-        return whole, "the whole model (ddp keeps a full replica on every rank)"
-    share = whole // world_size
+    replica, parts = replica_need(model, plan)
+    if plan.strategy == "ddp":
+        return replica, f"{parts}: ddp keeps a full replica on every rank"
+    if plan.strategy == "ps":
+        both = model_bytes(model) + trainable_bytes(model)
+        return both, (f"the model and its gradients ({_gib(both)}): every ps worker holds a full replica; the "
+                      f"servers keep the optimizer's state")
+    share = replica // world_size
     if plan.strategy == "fsdp":
         from distnb.engine.strategies.fsdp import default_units  # imports torch: at first use
 
         units = plan.fsdp_units or default_units(model)
-        largest = max((model_bytes(model.get_submodule(u)) for u in units), default=0)
-        return share + largest, (f"1/{world_size} of the model ({_gib(share)}) plus its largest FSDP unit "
-                                 f"({_gib(largest)})")
-    return share, f"1/{world_size} of the model"
+        largest = max((model_bytes(model.get_submodule(u)) + trainable_bytes(model.get_submodule(u)) for u in units),
+                      default=0)
+        return share + largest, (f"{_gib(share)} as 1/{world_size} of {parts}, plus its largest FSDP unit gathered "
+                                 f"whole with its gradient ({_gib(largest)})")
+    return share, f"1/{world_size} of {parts}"
 
 
 def check_fit(session, plan, model) -> None:

@@ -116,9 +116,12 @@ def test_a_meta_model_trains_under_fsdp_with_every_rank_capped_below_its_size(fo
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("strategy,need", [("ddp", r"each rank would need 0\.75 GiB for the whole model"),
-                                           ("fsdp", r"each rank would need 0\.44 GiB for 1/2 of the model "
-                                                    r"\(0\.38 GiB\) plus its largest FSDP unit \(0\.06 GiB\)")])
+@pytest.mark.parametrize("strategy,need", [("ddp", r"each rank would need 1\.50 GiB for the model \(0\.75 GiB\), its "
+                                                   r"gradients \(0\.75 GiB\) and sgd's state \(none\)"),
+                                           ("fsdp", r"each rank would need 0\.88 GiB for 0\.75 GiB as 1/2 of the model "
+                                                    r"\(0\.75 GiB\), its gradients \(0\.75 GiB\) and sgd's state \(none\), "
+                                                    r"plus its largest FSDP unit gathered whole with its gradient "
+                                                    r"\(0\.12 GiB\)")])
 def test_a_cap_the_strategy_cannot_meet_is_refused_before_anything_is_sent(dist_session, shell, strategy, need):
     """Each engine capped at 256 MiB by its memory cgroup: the cell says what each rank would need, names the
     rank and what it has, before anything is sent; the ranks live on and the next cell trains."""

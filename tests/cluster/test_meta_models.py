@@ -10,7 +10,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from distnb.core import calls
 from distnb.core.errors import PlanError
+from distnb.core.plan import TrainPlan
+from distnb.train import bigmodels
 from support.data import parity_data
 from support.reference import reference
 
@@ -189,10 +192,12 @@ def test_init_function_initialises_every_module_as_one_process(dist_session, she
     assert_weights(ranks_weights(dist_session, "meta_init"), ref)
 
 
-@pytest.mark.parametrize("strategy,need", [("ddp", r"each rank would need 4\d\.\d\d GiB for the whole model"),
-                                           ("fsdp", r"each rank would need 66\.\d\d GiB for 1/2 of the model "
-                                                    r"\(22\.\d\d GiB\) "
-                                                    r"plus its largest FSDP unit \(44\.\d\d GiB\)")])
+@pytest.mark.parametrize("strategy,need", [("ddp", r"each rank would need 88\.\d\d GiB for the model \(44\.\d\d GiB\), "
+                                                   r"its gradients \(44\.\d\d GiB\) and sgd's state \(none\): ddp keeps"),
+                                           ("fsdp", r"each rank would need 132\.\d\d GiB for 44\.\d\d GiB as 1/2 of the "
+                                                    r"model \(44\.\d\d GiB\), its gradients \(44\.\d\d GiB\) and sgd's "
+                                                    r"state \(none\), plus its largest FSDP unit gathered whole with its "
+                                                    r"gradient \(88\.\d\d GiB\)")])
 def test_a_meta_model_too_big_for_the_ranks_is_refused_before_anything_is_sent(dist_session, shell, strategy, need):
     ns = shell.user_ns
     ns["meta_data"], ns["F"] = parity_data(), F
@@ -202,6 +207,45 @@ def test_a_meta_model_too_big_for_the_ranks_is_refused_before_anything_is_sent(d
         dist_session.train(BODY, model="meta_huge", data="meta_data", epochs=1, batch_size=16, strategy=strategy,
                            progress="none", quiet=True)
     assert "meta_huge" not in dist_session.holdings.models
+
+
+def tightest_room(dist_session) -> int:
+    """The smallest room of a rank as the fit check counts it, asked of the ranks now: its own (a GPU, a memory
+    cgroup) or its host's available memory shared by the ranks on that host."""
+    cluster = dist_session.cluster
+    rooms = cluster.wait_all(cluster.apply_all(calls.capacity), timeout=60, what="asking the ranks' free memory")
+    per_host = {h: sum(r["host"] == h for r in rooms) for h in {r["host"] for r in rooms}}
+    return min(r["bytes"] if r["scope"] == "rank" else r["bytes"] // per_host[r["host"]] for r in rooms)
+
+
+def meta_stack(nbytes):
+    """Bias-free Linear(4096, 4096) layers (64 MiB each) on the meta device, about ``nbytes`` in all."""
+    with torch.device("meta"):
+        return nn.Sequential(*(nn.Linear(4096, 4096, bias=False) for _ in range(max(1, round(nbytes / (64 << 20))))))
+
+
+@pytest.mark.parametrize("optimizer,share", [("sgd", 0.7), ("adam", 0.35)])
+def test_ddp_refuses_a_meta_model_whose_training_state_outgrows_the_ranks(dist_session, shell, optimizer, share):
+    """Sized from the ranks' real free memory: the weights alone fit (0.7 or 0.35 of the tightest rank's room),
+    the weights with their gradients (DDP's buckets), and Adam's two moments, do not (1.4 of it). The check
+    itself runs first, so a check that let it through fails here without anything sent or trained."""
+    ns = shell.user_ns
+    ns["meta_data"], ns["F"] = parity_data(), F
+    name = f"meta_ddp_{optimizer}"
+    ns[name] = meta_stack(share * tightest_room(dist_session))
+    plan = TrainPlan(model=name, data="meta_data", strategy="ddp", optimizer=optimizer)
+    if optimizer == "adam":  # with sgd it fits: no gradient to keep beyond the weights' size
+        bigmodels.check_before_sending(dist_session, TrainPlan(model=name, data="meta_data", strategy="ddp",
+                                                               optimizer="sgd"), ns[name])
+    want = rf"--strategy ddp cannot fit {name} .*its gradients .* and {optimizer}'s state .*, and rank \d has"
+    with pytest.raises(PlanError, match=want):
+        bigmodels.check_before_sending(dist_session, plan, ns[name])
+    with pytest.raises(PlanError, match=want):
+        dist_session.train("loss = model(batch[0]).pow(2).mean()", model=name, data="meta_data", epochs=1,
+                           batch_size=4, strategy="ddp", optimizer=optimizer, progress="none", quiet=True)
+    assert name not in dist_session.holdings.models
+    dist_session.run("from distnb.engine.train import loop as _loop\n_held = sorted(_loop.RUNS)")
+    assert all(name not in held for held in dist_session.pull("_held"))
 
 
 def test_a_big_tensor_parallel_meta_model_is_verified_one_module_at_a_time(dist_session, shell, capsys):

@@ -47,8 +47,24 @@ def test_a_model_with_data_is_not_on_meta_and_needs_no_init():
 def test_what_a_rank_needs_per_strategy():
     with torch.device("meta"):
         net = nn.Sequential(*(nn.Linear(100, 100, bias=False) for _ in range(4)))  # 4 x 40000 bytes
-    assert bigmodels.model_bytes(net) == 160_000
+    assert bigmodels.model_bytes(net) == bigmodels.trainable_bytes(net) == 160_000
     need, how = bigmodels.rank_need(net, TrainPlan(model="n", data="d", strategy="ddp"), 4)
-    assert need == 160_000 and "whole model" in how
+    assert need == 160_000 * 2 and "full replica" in how  # the weights and their gradients (DDP's buckets)
+    need, how = bigmodels.rank_need(net, TrainPlan(model="n", data="d", strategy="ddp", optimizer="adam"), 4)
+    assert need == 160_000 * 4 and "adam's state" in how  # and Adam's two moments
     need, how = bigmodels.rank_need(net, TrainPlan(model="n", data="d", strategy="fsdp"), 4)
-    assert need == 40_000 + 40_000 and "largest FSDP unit" in how  # a quarter, plus one layer gathered
+    assert need == 80_000 + 80_000 and "largest FSDP unit" in how  # a quarter with gradients, one layer and its gradient
+    need, how = bigmodels.rank_need(net, TrainPlan(model="n", data="d", strategy="tensor", optimizer="adamw"), 4)
+    assert need == 160_000 and how.startswith("1/4 of")
+    need, how = bigmodels.rank_need(net, TrainPlan(model="n", data="d", strategy="ddp", optimizer="my_opt"), 4)
+    assert need == 320_000 and "my_opt is not counted" in how
+
+
+def test_frozen_parameters_need_no_gradient_nor_optimizer_state():
+    with torch.device("meta"):
+        net = nn.Sequential(*(nn.Linear(100, 100, bias=False) for _ in range(4)))
+    for layer in list(net)[:3]:  # a fine-tune that trains the last layer only
+        layer.weight.requires_grad_(False)
+    assert bigmodels.trainable_bytes(net) == 40_000
+    need, _ = bigmodels.rank_need(net, TrainPlan(model="n", data="d", strategy="ddp", optimizer="adam"), 4)
+    assert need == 160_000 + 3 * 40_000
