@@ -186,7 +186,7 @@ TORCHRUN = COMMON + textwrap.dedent('''
     x = torch.randn(batch, width)
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
-        model = DDP(materialise(net))
+        model = DDP(materialise(net), gradient_as_bucket_view=True)  # as distnb builds it (engine/strategies/ddp.py)
     elif strategy == "fsdp":
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
         kw = {}  # the levers, as distnb's engine/strategies/levers.py applies them
