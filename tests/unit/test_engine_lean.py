@@ -172,3 +172,28 @@ def test_a_logger_whose_handler_takes_everything_is_left_alone():
         assert lean.quiet_logger(log) == logging.DEBUG
     finally:
         log.removeHandler(handler)
+
+
+
+def _define(path: str, code: str) -> dict:
+    """The names ``code`` defines, its functions' frames saying they are in file ``path``."""
+    import sys
+
+    ns = {"sys": sys}
+    exec(compile(code, path, "exec"), ns)
+    return ns
+
+
+def test_a_pipeline_stage_computing_inside_the_schedule_is_running_not_in_a_collective():
+    """A stage's forward runs inside ScheduleGPipe.step (torch/distributed/pipelining): the whole step was taken for
+    a collective, and a stage computing for 10 s under load was named a hang (rank 0 "waited 10 s in step")."""
+    import os
+
+    dist = os.sep + os.path.join("x", "torch", "distributed") + os.sep
+    schedule = _define(dist + os.path.join("pipelining", "schedules.py"), "def step(fn):\n    return fn()\n")
+    c10d = _define(dist + "distributed_c10d.py", "def all_reduce():\n    return sys._getframe()\n")
+    user = _define("/work/cell.py", "def forward():\n    return sys._getframe()\n")
+    computing = where._summary(schedule["step"](user["forward"]), False)
+    assert computing["state"] == "running" and computing["op"] is None, computing
+    waiting = where._summary(schedule["step"](c10d["all_reduce"]), False)  # a wait, called from the schedule
+    assert waiting["state"] == "collective" and waiting["op"] == "step", waiting
