@@ -45,9 +45,8 @@ _DDP = os.sep + os.path.join("torch", "nn", "parallel", "distributed.py")  # DDP
 _BACKWARD = (os.sep + os.path.join("torch", "autograd") + os.sep, os.sep + os.path.join("torch", "_tensor.py"))
 _CELLS = ("<dist-cell-", "<distrain-cell-")
 _WRAPPERS = ("wrapper", "inner", "_fn", "decorate_context")
-#: Innermost frames looked at for torch.distributed's: a blocking wait is called from its code, possibly through
-#: torch's op dispatch (``torch/_ops.py``) or a logging wrapper.
-_INNERMOST = 3
+#: torch's op dispatch (``OpOverload.__call__``), between a functional collective's wait and torch.distributed's code.
+_OPS = os.path.join("torch", "_ops.py")
 #: ``{"text": ...}`` while the cell's thread waits in distnb's own code for the other ranks (the step-count
 #: agreement of :func:`distnb.engine.train.context.agree_on_steps`): published as ``note``, named by a hang's message.
 NOTE: dict = {}
@@ -59,9 +58,10 @@ def _summary(frame, ddp_backward: bool) -> dict:
     stack = traceback.extract_stack(frame)
     cell = next((f for f in reversed(stack) if f.filename.startswith(_CELLS)), None)
     op = None
-    # in a collective when its innermost frames are torch.distributed's (a wait called from there, or torch's op
-    # dispatch it called): a pipeline stage's forward runs inside ScheduleGPipe.step, computing, not waiting
-    if any(_TORCH_DIST in f.filename for f in stack[-_INNERMOST:]):
+    # in a collective when its innermost frame is torch.distributed's (past torch's op dispatch, through which
+    # a functional collective waits): a pipeline stage's forward runs inside ScheduleGPipe.step, computing
+    inner = next((f for f in reversed(stack) if not f.filename.endswith(_OPS)), None)
+    if inner is not None and _TORCH_DIST in inner.filename:
         for f in stack:  # the outermost frame inside torch.distributed names the call (not a decorator's wrapper)
             if _TORCH_DIST in f.filename and f.name not in _WRAPPERS:
                 op = f.name
