@@ -13,6 +13,8 @@ finding 7). A typo (``NameError`` on line 1) leaves nothing half-done, so the gr
   gloo and nccl alike): no rank left a collective that another never joined (an ``async_op`` one
   included), and none waits in one now.
 
+A ``%dist save`` that fails is judged the same way (:mod:`distnb.engine.process.callfail`).
+
 The failing rank waits at most :data:`WAIT_SECONDS` for the others' keys. A rank that does not
 write in time is still running, or waits in a collective: the group is torn down as before, and
 peers blocked in a collective fail at once (:mod:`distnb.engine.process.abort`). The cost of a cell that
