@@ -185,3 +185,23 @@ def test_a_disk_full_mid_write_keeps_the_group_and_the_model(dist_session, shell
                                         "the ranks as before the save"):
         dist_session.save(str(full_disk / "out"), model=name, format=fmt, quiet=True)
     assert_still_live(dist_session, name, "fsdp", tmp_path, generation, want)
+
+
+def test_a_save_failed_unevenly_re_forms_the_group_and_says_where_a_meta_model_s_weights_are(dist_session, shell,
+                                                                                              tmp_path):
+    """Rank 0 alone fails (an earlier save's file is a folder now) while rank 1 waits for it: the group cannot be
+    kept, and the message must not claim that the notebook's model (on meta) holds the weights."""
+    name = "sf_uneven"
+    trained_meta(shell, dist_session, name, "fsdp")
+    (tmp_path / "hf" / "model-00001-of-00001.safetensors").mkdir(parents=True)
+    generation = dist_session.holdings.generation
+    where = (rf"{name} is on the meta device in the notebook, so its trained weights were on the ranks only: load its "
+             rf"last checkpoint \(%dist load DIR --model {name}\) or train it again")
+    with pytest.raises(RankError, match=rf"rank 0 .*IsADirectoryError.*the process group is re-formed, and the ranks' "
+                                        rf"fsdp copy of {name} goes with it; {where}"):
+        dist_session.save(str(tmp_path / "hf"), model=name, format="safetensors", quiet=True)
+    assert dist_session.holdings.generation == generation + 1
+    with pytest.raises(RankError, match=rf"the ranks' fsdp copy of {name} was lost with the process group, re-formed "
+                                        rf"after a failed cell; {where}"):
+        dist_session.save(str(tmp_path / "ck"), model=name, quiet=True)
+    dist_session.run("x = 1")  # the cluster is usable
