@@ -204,7 +204,8 @@ class Watch:
         for r in failed - self.released:  # let peers blocked in a collective fail at once
             self.released.add(r)
             try:
-                self.cluster.apply(r, calls.release, False, True)  # a rank that kept its group ignores it
+                # a rank that kept its group ignores it; only a call that may keep it asks (no earlier call's verdict)
+                self.cluster.apply(r, calls.release, False, self.may_keep)
             except ClusterError:  # its engine died: the liveness check reports it
                 pass
         if failed and self.failed_since is None:
