@@ -23,48 +23,54 @@ from distnb.engine.train.loop import RUNS, ready_run, weights_left
 def checkpoint_model(ns, name, directory):
     """Checkpoint model ``name`` (strategy, optimizer, position) under ``directory`` on every rank (collective);
     its metadata (:func:`distnb.engine.train.checkpoint.save`)."""
-    run = ready_run(ns, name)
+    return _checkpoint(ready_run(ns, name), directory)
+
+
+def _checkpoint(run, directory):
     return checkpoint.save(run, directory, run.plan_dict, run.plan_dict["seed"])
 
 
 def save_checkpoint(ns, name, directory):
     """``%dist save DIR``: :func:`checkpoint_model`; a failure keeps the group when every rank failed alike."""
-    return _kept_on_failure(ns, name, directory, lambda: checkpoint_model(ns, name, directory))
+    return _kept_on_failure(ns, name, directory, lambda run: _checkpoint(run, directory))
 
 
 def save_safetensors(ns, name: str, directory: str, max_shard_bytes: int) -> dict:
     """``%dist save DIR --format safetensors``: trained model ``name`` as a Hugging Face folder
     (:func:`distnb.engine.train.hfsave.save_model`); a failure as :func:`save_checkpoint`'s."""
-    return _kept_on_failure(ns, name, directory,
-                            lambda: hfsave.save_model(ready_run(ns, name), directory, max_shard_bytes))
+    return _kept_on_failure(ns, name, directory, lambda run: hfsave.save_model(run, directory, max_shard_bytes))
 
 
 def save_peft_adapters(ns, name: str, directory: str) -> dict:
     """``%dist save --adapters DIR``: the peft adapters of trained model ``name``
     (:func:`distnb.engine.train.hfsave.save_adapters`); a failure as :func:`save_checkpoint`'s."""
-    return _kept_on_failure(ns, name, directory, lambda: hfsave.save_adapters(ready_run(ns, name), directory))
+    return _kept_on_failure(ns, name, directory, lambda run: hfsave.save_adapters(run, directory))
 
 
 def _kept_on_failure(ns, name: str, directory: str, write):
-    """``write()`` on every rank; a failure raised with what it left said (see the module docstring).
+    """``write(run)`` on every rank, ``run`` model ``name``'s (:func:`distnb.engine.train.loop.ready_run`); a failure
+    raised with what it left said (see the module docstring).
 
     Raises
     ------
     RuntimeError
         The save failed: its reason (each failing rank's, for DCP's), then whether the model is still live on
-        the ranks (the group kept) or where its weights are (the group re-formed).
+        the ranks (the group kept) or where its weights are (the group re-formed); or, as ``ready_run`` raises
+        it, the model is not on the ranks to be saved (that error says where its weights are).
     KeyboardInterrupt, distnb.core.errors.PeerFailed
         As raised (an interrupt; another rank's failure ended this rank's collective).
     """
     callfail.begin()
+    run = None
     try:
-        out = write()
+        run = ready_run(ns, name)
+        out = write(run)
     except BaseException as caught:
         kept, stopped = callfail.ended(ns, caught, dcp=True)
         if stopped is not None:  # another rank failed first: said briefly, as a failed cell says it
             raise stopped from None
-        if not isinstance(caught, Exception) and not callfail.is_dcp(caught):  # an interrupt, an exit: as raised
-            raise
+        if run is None or not isinstance(caught, Exception) and not callfail.is_dcp(caught):
+            raise  # nothing to save (ready_run's error says why), an interrupt, an exit: as raised
         error = RuntimeError(f"{_reason(caught)}; {_left(name, directory, kept)}")
         if callfail.is_dcp(caught):  # its text holds every failing rank's traceback: said in one line each above
             raise error from None
@@ -79,7 +85,8 @@ def _reason(exc: BaseException) -> str:
     failures = getattr(exc, "failures", None) if callfail.is_dcp(exc) else None
     if failures:
         parts = []
-        for r, (err, _) in sorted(failures.items()):
+        for r, wrapped in sorted(failures.items()):
+            err = wrapped[0] if isinstance(wrapped, tuple) else wrapped  # (exception, its frames), as DCP keeps it
             last = (str(err).strip().splitlines() or [""])[-1]
             parts.append(f"rank {r}: {type(err).__name__}{': ' + last if last else ''}")
         return f"rank {rank}: writing failed on {len(failures)} of {runtime.STATE.world_size} ranks ({'; '.join(parts)})"
@@ -95,7 +102,9 @@ def _left(name: str, directory: str, kept: bool) -> str:
                 f"save left in {directory} are incomplete)")
     run = RUNS.get(name)
     plan = getattr(run, "plan_dict", None)
-    if run is None or plan is None or not STRATEGIES[plan["strategy"]][1]:
+    if plan is None:
+        return "the process group is re-formed"
+    if not STRATEGIES[plan["strategy"]][1]:
         return (f"the process group is re-formed; {name} is whole on every rank and is distributed again at the "
                 "next save or cell")
     return (f"the process group is re-formed, and the ranks' {plan['strategy']} copy of {name} goes with it; "
