@@ -37,7 +37,8 @@ INSTALL = "distnb.engine.train.install"
 VALPARTS = "distnb.engine.valparts"
 STATEPARTS = "distnb.engine.train.stateparts"
 CARRY = "distnb.engine.train.carry"
-HFSAVE = "distnb.engine.train.hfsave"
+SAVES = "distnb.engine.train.saves"
+SAVEFOLDER = "distnb.engine.train.savefolder"
 PRETRAINED = "distnb.engine.train.pretrained"
 LEASESAVE = "distnb.engine.train.leasesave"
 
@@ -238,21 +239,25 @@ def carry_weights(name, on): ...
 def pull_part(name, keys, reserve=0, all_keys=None): ...
 
 
-@_on_rank(LOOP, with_ns=True)
+# engine/train/saves.py: %dist save (DCP, --format safetensors, --adapters); a failure keeps the group when it can
+@_on_rank(SAVEFOLDER)
+def writable(directory): ...
+
+
+@_on_rank(SAVES, with_ns=True)
 def save_checkpoint(name, directory): ...
+
+
+@_on_rank(SAVES, with_ns=True)
+def save_safetensors(name, directory, max_shard_bytes): ...
+
+
+@_on_rank(SAVES, with_ns=True)
+def save_peft_adapters(name, directory): ...
 
 
 @_on_rank(LOOP, with_ns=True)
 def restore(name, directory, changes=None): ...
-
-
-# engine/hfsave.py: %dist save --format safetensors, --adapters ---------------------------
-@_on_rank(HFSAVE, with_ns=True)
-def save_safetensors(name, directory, max_shard_bytes): ...
-
-
-@_on_rank(HFSAVE, with_ns=True)
-def save_peft_adapters(name, directory): ...
 
 
 # engine/pretrained.py: --load PATH, each rank its slices ------------------------------------

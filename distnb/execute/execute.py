@@ -83,9 +83,12 @@ def targets_of(targets, world_size: int):
     return tuple(sorted(set(ranks)))
 
 
-def run_on_ranks(session, fn, *args, what: str, state=None, view=None, show_ranks=(0,)) -> list:
-    """``fn(*args)`` (a :mod:`distnb.core.calls` entry) on every rank of ``session``, watched; per-rank results."""
-    return Watch(session, session.cluster.apply_all(fn, *args), what, state, view, show_ranks).wait()
+def run_on_ranks(session, fn, *args, what: str, state=None, view=None, show_ranks=(0,), may_keep=None) -> list:
+    """``fn(*args)`` (a :mod:`distnb.core.calls` entry) on every rank of ``session``, watched; per-rank results.
+
+    ``may_keep``: see :class:`Watch`.
+    """
+    return Watch(session, session.cluster.apply_all(fn, *args), what, state, view, show_ranks, may_keep).wait()
 
 
 def restart_world(session, failures, dead) -> None:
@@ -113,9 +116,13 @@ class Watch:
         The dashboard or text progress (``refresh``, ``close``).
     show_ranks : tuple of int
         Ranks whose printed output is shown (a failed rank's always is).
+    may_keep : bool, optional
+        The rank function judges on each rank whether its failure left the process group whole (a ``%%dist``
+        cell, the default for ``what="%%dist cell"``; a ``%dist save``: :mod:`distnb.engine.process.callfail`):
+        after a failure the ranks are asked, and when every rank says so the group is kept, not re-formed.
     """
 
-    def __init__(self, session, ars, what, state=None, view=None, show_ranks=(0,)):
+    def __init__(self, session, ars, what, state=None, view=None, show_ranks=(0,), may_keep=None):
         self.session, self.cluster, self.ars, self.what = session, session.cluster, ars, what
         self.state, self.view, self.show_ranks = state, view, show_ranks
         self.offsets, self.progress, self.dead = {}, {}, {}
@@ -127,6 +134,7 @@ class Watch:
         self.failed_since = None
         self.next_liveness = time.monotonic() + LIVENESS_SECONDS
         self.hang = None  # set when ranks wait in a collective others never reached (see hangs.py)
+        self.may_keep = what == "%%dist cell" if may_keep is None else may_keep
         self.folder = LineFolder({"stdout": sys.stdout, "stderr": sys.stderr}, len(self.cluster.engine_ids))
         self.next_intake = 0.0  # time.monotonic() of the next look at progress (intake_interval)
 
@@ -196,7 +204,8 @@ class Watch:
         for r in failed - self.released:  # let peers blocked in a collective fail at once
             self.released.add(r)
             try:
-                self.cluster.apply(r, calls.release, False, True)  # a rank that kept its group ignores it
+                # a rank that kept its group ignores it; only a call that may keep it asks (no earlier call's verdict)
+                self.cluster.apply(r, calls.release, False, self.may_keep)
             except ClusterError:  # its engine died: the liveness check reports it
                 pass
         if failed and self.failed_since is None:
@@ -443,10 +452,11 @@ def take_progress(state, rank: int, data: dict, progress: dict, raw: dict | None
 
 
 def group_kept(watch) -> bool:
-    """Whether every rank kept its process group after a failed ``%%dist`` cell (:mod:`distnb.engine.process.health`: each
-    failure was the cell's own code, and every rank had finished the cell with no collective half-done). Then the
-    group is not re-formed, and what the ranks hold (sharded models, their optimizers) stays."""
-    if watch.what != "%%dist cell" or watch.hang is not None or watch.interrupted:
+    """Whether every rank kept its process group after a failed ``%%dist`` cell or ``%dist save``
+    (:mod:`distnb.engine.process.health`: each failure was the call's own, and every rank had finished it with
+    no collective half-done). Then the group is not re-formed, and what the ranks hold (sharded models, their
+    optimizers) stays."""
+    if not watch.may_keep or watch.hang is not None or watch.interrupted:
         return False
     try:
         infos = watch.cluster.wait_all(watch.cluster.apply_all(calls.info), timeout=watch.cluster.spec.timeout,

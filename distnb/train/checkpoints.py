@@ -18,7 +18,7 @@ from distnb.core.plan import TrainPlan, carry_over
 from distnb.core.tables import count
 from distnb.execute.execute import run_on_ranks
 from distnb.train import homecoming, meshes, pretrained, record, training
-from distnb.train.resuming import push_saved_names, unwritable
+from distnb.train.resuming import push_saved_names
 
 
 def save(session, name: str, model_obj, directory: str, quiet: bool = False) -> dict:
@@ -27,11 +27,8 @@ def save(session, name: str, model_obj, directory: str, quiet: bool = False) -> 
     if name not in session.holdings.models:
         raise PlanError(f"{name} is not on the ranks (train it with %%distrain, or %dist load weights into it, "
                         "first)")
-    directory = os.path.abspath(os.path.expanduser(directory))
-    why = unwritable(directory) if all(info.get("local", True) for info in session.cluster.ranks) else ""
-    if why:  # before the ranks tear down their group over it
-        raise PlanError(f"%dist save {directory}: it cannot be written: {why}; give a folder you can create and write")
-    meta = run_on_ranks(session, calls.save_checkpoint, name, directory, what=f"saving {name}")[0]
+    directory = os.path.abspath(os.path.expanduser(directory))  # every rank checked it can write it: session_save
+    meta = run_on_ranks(session, calls.save_checkpoint, name, directory, what=f"saving {name}", may_keep=True)[0]
     if not quiet:
         print(f"distnb: saved {name} to {meta['path']} (epoch {meta['epoch']}, step {meta['epoch_step']} of it, "
               f"{meta['steps']} steps in all) in {meta['seconds']:.2f} s")

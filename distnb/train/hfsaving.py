@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from distnb.core import calls
-from distnb.core.errors import PlanError
+from distnb.core.errors import PlanError, ranks_named
 from distnb.core.options import check_path
 from distnb.core.saveformats import FORMATS, MAX_SHARD_SIZE, check_format, shard_bytes
 from distnb.execute.execute import run_on_ranks
@@ -70,8 +70,11 @@ def session_save(session, directory: str, model=None, format: str = "dcp", adapt
     PlanError
         No such model or not trained on the ranks; an unknown ``format``; ``adapters`` for a model that is
         not a peft model, or ``format="safetensors"`` for one (the fix named); a bad ``max_shard_size``.
+        A rank cannot create or write ``directory`` (each such rank named with its host, and the fix), asked
+        before anything is written: the ranks' model and process group stay.
     RankError
-        A rank cannot write ``directory`` (naming every such rank and its host).
+        A write failed once begun (a full disk); it says whether the model is still live on the ranks (their
+        group kept: DCP fails on every rank alike) or where its weights are.
 
     Examples
     --------
@@ -82,24 +85,21 @@ def session_save(session, directory: str, model=None, format: str = "dcp", adapt
     fmt = check_format(format, adapters)
     limit = shard_bytes(max_shard_size)
     name, model_obj = checkpoints.trained_model(session, model, directory)
+    directory = os.path.abspath(os.path.expanduser(check_path("directory", directory)))
+    _check_request(session, name, model_obj, directory, fmt, adapters)
+    check_ranks_write(session, directory, name)
     if fmt == "dcp":
         return checkpoints.save(session, name, model_obj, directory, quiet)
-    if name not in session.holdings.models:
-        raise PlanError(f"{name} is not on the ranks (train it with %%distrain, or %dist load weights into it, "
-                        "first)")
-    directory = os.path.abspath(os.path.expanduser(check_path("directory", directory)))
     if adapters:
-        check_adapters(name, model_obj)
-        meta = run_on_ranks(session, calls.save_peft_adapters, name, directory, what=f"saving {name}'s adapters")[0]
+        meta = run_on_ranks(session, calls.save_peft_adapters, name, directory, what=f"saving {name}'s adapters",
+                            may_keep=True)[0]
         if not quiet:
             print(f"distnb: saved the {meta['adapter']!r} adapters of {name} ({meta['num_tensors']} tensors, "
                   f"{meta['num_bytes'] / 2**20:.1f} MiB) to {directory} in {meta['seconds']:.2f} s "
                   "(peft.PeftModel.from_pretrained(base_model, DIR) reads them)")
         return meta
-    if hasattr(model_obj, "peft_config"):
-        raise PlanError(f"{name} is a peft model: save its adapters with %dist save --adapters {directory}, or "
-                        "merge them into the base model first (model.merge_and_unload() on the ranks) and save that")
-    meta = run_on_ranks(session, calls.save_safetensors, name, directory, limit, what=f"saving {name}")[0]
+    meta = run_on_ranks(session, calls.save_safetensors, name, directory, limit, what=f"saving {name}",
+                        may_keep=True)[0]
     if not quiet:
         reader = "AutoModel*.from_pretrained(DIR)" if meta["config"] else "safetensors.torch.load_file per file"
         print(f"distnb: saved {name} to {directory} as {len(meta['files'])} safetensors "
@@ -107,6 +107,43 @@ def session_save(session, directory: str, model=None, format: str = "dcp", adapt
               f"{meta['num_bytes'] / 2**20:.1f} MiB{', with config.json' if meta['config'] else ''}) in "
               f"{meta['seconds']:.2f} s ({reader} reads it)")
     return meta
+
+
+def _check_request(session, name: str, model_obj, directory: str, fmt: str, adapters: bool) -> None:
+    """PlanError, naming the fix, unless model ``name`` is on the ranks and fits what is to be saved of it."""
+    if name not in session.holdings.models:
+        raise PlanError(f"{name} is not on the ranks (train it with %%distrain, or %dist load weights into it, "
+                        "first)")
+    if adapters:
+        check_adapters(name, model_obj)
+    elif fmt == "safetensors" and hasattr(model_obj, "peft_config"):
+        raise PlanError(f"{name} is a peft model: save its adapters with %dist save --adapters {directory}, or "
+                        "merge them into the base model first (model.merge_and_unload() on the ranks) and save that")
+
+
+def check_ranks_write(session, directory: str, name: str) -> None:
+    """Ask every rank whether it can create ``directory`` and write in it, before any rank writes.
+
+    Not a collective (:func:`distnb.engine.train.savefolder.writable`): nothing fails on the ranks, so the
+    process group and the model they hold stay, whatever the answer.
+
+    Raises
+    ------
+    PlanError
+        Some rank cannot (its engine's user may not write there, a file is in the way, the folder is on
+        another host's disk): naming each such rank with its host and reason, and the fix.
+    """
+    rows = run_on_ranks(session, calls.writable, directory, what=f"checking {directory} on the ranks")
+    bad = {}
+    for row in rows:
+        if row["why"]:
+            bad.setdefault((row["host"], row["why"]), []).append(row["rank"])
+    if bad:
+        who = "; ".join(f"{ranks_named(ranks)} on {host}: {why}" for (host, why), ranks in bad.items())
+        several = len({row["host"] for row in rows}) > 1
+        raise PlanError(f"%dist save {directory}: not every rank can write it ({who}); give a folder every rank "
+                        "can create and write" + (" (on a file system every host shares)" if several else "")
+                        + f". Nothing was written, and {name} is still live on the ranks")
 
 
 def save_arguments(argument):

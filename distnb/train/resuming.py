@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 
 from distnb.core.errors import PlanError
+from distnb.core.folders import unwritable
 from distnb.core.plan import DEFAULT_LR, LR_SCHEDULES, optimizer_state_readable
 
 
@@ -124,26 +124,6 @@ def start_sentence(plan, resume_steps) -> str:
         return (f"the notebook's weights (step {mine}) are newer than the newest checkpoint in --checkpoint-dir "
                 f"(step {saved}), so training goes on from them with a fresh {optimizer} optimizer")
     return f"fresh {optimizer} optimizer, epoch 0"
-
-
-def unwritable(path: str) -> str:
-    """Why the folder ``path`` cannot be created and written by this process ('' when it can).
-
-    Nothing is left behind: the nearest part of ``path`` that exists must be a folder in which a folder can be
-    made (tried, and removed; ``os.access`` says yes to root everywhere, /proc included).
-    """
-
-    probe = os.path.abspath(path)
-    while not os.path.lexists(probe):
-        probe = os.path.dirname(probe)
-    if not os.path.isdir(probe):
-        return f"{probe} is a file, not a folder"
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".distnb-probe-", dir=probe))
-    except OSError as exc:
-        where = "" if probe == os.path.abspath(path) else f" (to create {path} in)"
-        return f"{probe} is not writable{where}: {exc.strerror or exc}"
-    return ""
 
 
 def check_folders(plan, ranks) -> str:

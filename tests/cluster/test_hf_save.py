@@ -168,7 +168,7 @@ def hf_init(module):
 
 
 def test_bad_requests_are_clear_errors_and_the_cluster_stays_usable(dist_session, shell, tmp_path):
-    from distnb.core.errors import PlanError, RankError
+    from distnb.core.errors import PlanError
 
     train(dist_session, shell, "hf_bad", "llama", "ddp")
     with pytest.raises(PlanError, match="--format 'gguf' is not one of dcp, safetensors"):
@@ -178,8 +178,8 @@ def test_bad_requests_are_clear_errors_and_the_cluster_stays_usable(dist_session
     assert not (tmp_path / "a").exists()
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
-    with pytest.raises(RankError, match=r"cannot be written on rank 0 on \S+ \(.*\); rank 1 on \S+ \(.*\): give a "
-                                        "folder every rank can create"):
+    with pytest.raises(PlanError, match=rf"not every rank can write it \(ranks 0-1 on \S+: {blocker} is a file, not a "
+                                        "folder\); give a folder every rank can create"):
         dist_session.save(str(blocker / "hf"), model="hf_bad", format="safetensors", quiet=True)
     meta = dist_session.save(str(tmp_path / "ok"), model="hf_bad", format="safetensors", quiet=True)  # usable still
     assert meta["files"] == ["model-00001-of-00001.safetensors"]

@@ -13,6 +13,8 @@ finding 7). A typo (``NameError`` on line 1) leaves nothing half-done, so the gr
   gloo and nccl alike): no rank left a collective that another never joined (an ``async_op`` one
   included), and none waits in one now.
 
+A ``%dist save`` that fails is judged the same way (:mod:`distnb.engine.process.callfail`).
+
 The failing rank waits at most :data:`WAIT_SECONDS` for the others' keys. A rank that does not
 write in time is still running, or waits in a collective: the group is torn down as before, and
 peers blocked in a collective fail at once (:mod:`distnb.engine.process.abort`). The cost of a cell that
@@ -55,13 +57,15 @@ def _key(cell: int, rank: int) -> str:
     return f"distnb/cell-end/{cell}/{rank}"
 
 
-def cell_ended(rank: int, world_size: int, exc: BaseException | None = None) -> bool:
+def cell_ended(rank: int, world_size: int, exc: BaseException | None = None, dcp: bool = False) -> bool:
     """Record that this rank (``rank`` of ``world_size``) finished a ``%%dist`` cell; with ``exc`` (it failed),
     whether the group is healthy.
 
     Called by every rank at the end of every ``%%dist`` cell (``exc`` None: it succeeded or did not
-    run it, ``--targets``). Returns True for a success; for a failure, True only when the group may be
-    kept (see the module docstring). Never raises.
+    run it, ``--targets``), and of every ``%dist save`` (:mod:`distnb.engine.process.callfail`). Returns
+    True for a success; for a failure, True only when the group may be kept (see the module docstring).
+    ``dcp``: torch.distributed.checkpoint's ``CheckpointException`` counts as the call's own error too (DCP
+    raises it on every rank alike, once its collectives have gathered each rank's failure). Never raises.
     """
     store = abort.ARMED.store
     if store is None or abort.ARMED.by is not None:
@@ -77,7 +81,7 @@ def cell_ended(rank: int, world_size: int, exc: BaseException | None = None) -> 
         return exc is None
     if exc is None:
         return True
-    if not _own_error(exc, rank) or world_size is None:
+    if not (_own_error(exc, rank) or (dcp and _dcp_error(exc))) or world_size is None:
         return False
     return _all_alike(store, cell, world_size, mine)
 
@@ -87,6 +91,12 @@ def _own_error(exc: BaseException, rank: int) -> bool:
     if not isinstance(exc, Exception) or abort.consequence(exc, rank) is not None:
         return False
     return not any(_TORCH_DIST in frame.filename for frame in traceback.extract_tb(exc.__traceback__))
+
+
+def _dcp_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is DCP's ``CheckpointException`` over failures of the ranks' own (a write that failed: a full
+    disk, a file in the way), not over a broken connection (:data:`distnb.engine.process.abort.SYMPTOMS`)."""
+    return type(exc).__name__ == "CheckpointException" and not any(m in str(exc) for m in abort.SYMPTOMS)
 
 
 def _all_alike(store, cell: int, world_size: int, mine: dict) -> bool:

@@ -31,6 +31,7 @@ from distnb.core.plan import TrainPlan
 from distnb.engine import strategies
 from distnb.engine.process import runtime
 from distnb.engine.train import epochrest
+from distnb.engine.train.savefolder import check_writable
 from distnb.engine.train.stepping import load_scheduler, scheduler_state
 
 MARKER = "distnb.json"
@@ -89,7 +90,10 @@ def save(run, directory: str, plan_dict: dict, data_seed: int) -> dict:
     Raises
     ------
     RuntimeError
-        If the model has not been distributed on the ranks (neither trained nor loaded there).
+        If the model has not been distributed on the ranks (neither trained nor loaded there), or (on every
+        rank alike, naming each rank that cannot) the folder cannot be written.
+    torch.distributed.checkpoint.api.CheckpointException
+        A write failed on some rank (a full disk): DCP raises it on every rank alike.
     """
 
     if run.strategy is None:
@@ -97,6 +101,7 @@ def save(run, directory: str, plan_dict: dict, data_seed: int) -> dict:
                            "(run a %%distrain cell, or %dist load weights into it, first)")
     t0 = time.perf_counter()
     path = os.path.join(os.path.abspath(directory), f"step_{run.steps:08d}")
+    check_writable(path)  # every rank, together: all raise alike before anything is written
     if runtime.STATE.rank == 0:
         os.makedirs(path, exist_ok=True)
         stale = os.path.join(path, MARKER)

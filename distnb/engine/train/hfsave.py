@@ -23,7 +23,6 @@ import copy
 import json
 import os
 import shutil
-import socket
 import time
 
 import torch
@@ -32,39 +31,11 @@ from torch.distributed.tensor import DTensor
 
 from distnb.engine.process import runtime
 from distnb.engine.train.hfwriter import DTYPE_NAMES, StreamingHuggingFaceWriter
-from distnb.engine.train.loop import ready_run
+from distnb.engine.train.savefolder import check_writable
 
 #: The index file ``from_pretrained`` reads first (the name transformers and DCP use).
 INDEX = "model.safetensors.index.json"
 ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
-
-
-def check_writable(directory: str) -> None:
-    """Make ``directory`` on every rank and try a file in it; raise on every rank, naming each rank that cannot.
-
-    Collective (an all-gather of each rank's reason), so a rank's failure never leaves the others waiting.
-    """
-    why = ""
-    try:
-        os.makedirs(directory, exist_ok=True)
-        probe = os.path.join(directory, f".distnb-write-{runtime.STATE.rank}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as exc:
-        why = f"{type(exc).__name__}: {exc.strerror or exc}"
-    reasons = [None] * runtime.STATE.world_size
-    dist.all_gather_object(reasons, (runtime.STATE.rank, _host(), why))
-    bad = [f"rank {r} on {host} ({reason})" for r, host, reason in reasons if reason]
-    if bad:
-        raise RuntimeError(f"rank {runtime.STATE.rank}: {directory} cannot be written on " + "; ".join(bad)
-                           + ": give a folder every rank can create and write (a shared file system for ranks "
-                           "on several hosts)")
-
-
-def _host() -> str:
-
-    return socket.gethostname()
 
 
 def tied_targets(module) -> set:
@@ -170,6 +141,7 @@ def save_model(run, directory: str, max_shard_bytes: int) -> dict:
 
     t0 = time.perf_counter()
     check_writable(directory)
+    os.makedirs(directory, exist_ok=True)  # every rank: each writes its part there (a shared file system)
     state = untied(_model_state(run), run.module)
     _check_dtypes(state)
     index = file_index(state, max_shard_bytes)
@@ -243,6 +215,7 @@ def save_adapters(run, directory: str) -> dict:
     if not hasattr(module, "peft_config"):
         raise RuntimeError(f"rank {runtime.STATE.rank}: the model has no peft adapters")
     check_writable(directory)
+    os.makedirs(directory, exist_ok=True)  # every rank: each writes its part there (a shared file system)
     adapter = getattr(module, "active_adapter", None) or next(iter(module.peft_config))
     state = get_peft_model_state_dict(module, state_dict=_model_state(run), adapter_name=adapter)
     full, plain = {}, {}
@@ -274,13 +247,3 @@ def _write_adapters(module, adapter: str, tensors: dict, directory: str) -> None
     config.inference_mode = True
     config.save_pretrained(directory)
     save_file(tensors, os.path.join(directory, ADAPTER_WEIGHTS), metadata={"format": "pt"})
-
-
-def save_safetensors(ns, name: str, directory: str, max_shard_bytes: int) -> dict:
-    """``%dist save DIR --format safetensors``: trained model ``name`` as a Hugging Face folder (:func:`save_model`)."""
-    return save_model(ready_run(ns, name), directory, max_shard_bytes)
-
-
-def save_peft_adapters(ns, name: str, directory: str) -> dict:
-    """``%dist save --adapters DIR``: the peft adapters of trained model ``name`` (:func:`save_adapters`)."""
-    return save_adapters(ready_run(ns, name), directory)

@@ -2,7 +2,7 @@
 
 When a world's kernel died and no new kernel claimed it within ``--linger``, its keeper
 (:mod:`distnb.cluster.keeper`) calls :func:`save_trained` on every rank: each model the ranks trained
-is checkpointed with :func:`distnb.engine.train.loop.save_checkpoint` (DCP: model, optimizer and
+is checkpointed with :func:`distnb.engine.train.saves.checkpoint_model` (DCP: model, optimizer and
 position, a ``step_<steps>`` folder with ``distnb.json``), into the ``--checkpoint-dir`` of the
 cell that last trained it, else into the world's default folder (a subfolder per model when
 there are several).
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from distnb.engine.train import loop
+from distnb.engine.train import loop, saves
 
 
 def save_trained(ns, default_dir):
@@ -34,7 +34,7 @@ def save_trained(ns, default_dir):
     Raises
     ------
     RuntimeError
-        What :func:`distnb.engine.train.loop.save_checkpoint` raises (a model whose copy was lost with a failed
+        What :func:`distnb.engine.train.saves.checkpoint_model` raises (a model whose copy was lost with a failed
         cell); the models before it in name order are saved.
     """
     names = sorted(name for name, run in loop.RUNS.items() if run.plan_dict is not None)  # the same order on every rank
@@ -43,7 +43,7 @@ def save_trained(ns, default_dir):
         directory = loop.RUNS[name].plan_dict.get("checkpoint_dir")
         if not directory:
             directory = default_dir if len(names) == 1 else os.path.join(default_dir, name)
-        meta = loop.save_checkpoint(ns, name, directory)
+        meta = saves.checkpoint_model(ns, name, directory)
         saved.append(dict(model=name, path=meta["path"], steps=meta["steps"], epoch=meta["epoch"],
                           epoch_step=meta["epoch_step"]))
     return saved

@@ -541,12 +541,6 @@ def _param_ids(optimizer) -> set:
     return {id(p) for group in optimizer.param_groups for p in group["params"]}
 
 
-def save_checkpoint(ns, name, directory):
-    """``%dist save``: checkpoint model ``name`` (strategy, optimizer, position) on every rank."""
-    run = ready_run(ns, name)
-    return checkpoint.save(run, directory, run.plan_dict, run.plan_dict["seed"])
-
-
 def ready_run(ns, name):
     """The Run of model ``name``, trained or loaded (``%dist load``), with its strategy built (re-made after a
     failed cell), for a save."""
@@ -560,13 +554,20 @@ def ready_run(ns, name):
     if run.strategy is None:  # dropped with the process group after a failed cell
         if STRATEGIES[plan["strategy"]][1]:  # sharded in place: that copy went with the group
             raise RuntimeError(f"rank {runtime.STATE.rank}: the ranks' {plan['strategy']} copy of {name} was lost "
-                               "with the failed cell; the notebook's model holds the last weights (train a cell, "
-                               "then save)")
+                               f"with the process group, re-formed after a failed cell; {weights_left(name, run)}")
         if run.optimizer is None:  # loaded, not trained: no optimizer to make (the next cell makes it)
             distribute(ns, TrainPlan.from_dict(plan), run)
         else:
             _prepare(ns, TrainPlan.from_dict(plan), run)  # the same distribution on the re-formed group
     return run
+
+
+def weights_left(name, run) -> str:
+    """Where model ``name``'s weights are, and the fix, once the ranks' sharded copy of it is lost."""
+    if run.weights_stay:  # built on meta in the notebook: no copy came back to the kernel
+        return (f"{name} is on the meta device in the notebook, so its trained weights were on the ranks only: load "
+                f"its last checkpoint (%dist load DIR --model {name}) or train it again")
+    return f"the notebook's {name} holds the weights its last finished cell brought back (train a cell, then save)"
 
 
 def restore(ns, name, directory, changes=None):
