@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn as nn
 
 import distnb
 from distnb.core import calls
@@ -26,15 +25,17 @@ from distnb.core.plan import TrainPlan
 from distnb.train import bigmodels
 
 
-class Stack(nn.Module):
-    def __init__(self, layers):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(4096, 4096, bias=False) for _ in range(layers))
 
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
+def _stack_class():
+    """memory.py's ``Stack`` (bias-free ``Linear(4096, 4096)`` layers), from the model source its runs share."""
+    from memory import COMMON  # benchmarks/memory.py, beside this script
+
+    ns = {"__name__": "__main__"}  # pickled by value, as a notebook's class
+    exec(COMMON, ns)
+    return ns["Stack"]
+
+
+Stack = _stack_class()
 
 
 def main(argv=None):
