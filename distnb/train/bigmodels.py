@@ -169,9 +169,13 @@ def rng_state() -> bytes:
     return torch.random.get_rng_state().numpy().tobytes()
 
 
-def sent_note(model) -> str:
-    """What the line saying a model was sent adds for a meta model ("" for others)."""
-    return "; on the meta device: each rank initialises the part it holds" if on_meta(model) else ""
+def sent_note(model, carried: bool = False) -> str:
+    """What the line saying a model was sent adds for a meta model ("" for others; ``carried``: the ranks keep
+    the weights they trained, :func:`carry_or_reinit`)."""
+    if not on_meta(model):
+        return ""
+    return "; on the meta device: the ranks keep their trained weights" if carried else \
+        "; on the meta device: each rank initialises the part it holds"
 
 
 def reinit_note(name: str, why: str) -> str:
@@ -181,8 +185,9 @@ def reinit_note(name: str, why: str) -> str:
             f"keeps them)")
 
 
-def carry_or_reinit(session, plan, model, fp, last) -> None:
+def carry_or_reinit(session, plan, model, fp, last) -> bool:
     """Before a meta model the ranks held is sent again: have them keep its trained weights, or say why not.
+    Returns whether they keep them.
 
     The ranks carry the weights into the new placement (:mod:`distnb.engine.train.carry`) when the notebook's
     model is the one they trained (same fingerprint), ``--reset`` was not given, and the process group it
@@ -191,7 +196,7 @@ def carry_or_reinit(session, plan, model, fp, last) -> None:
     """
     held = session.holdings
     if not on_meta(model) or plan.reset or plan.model not in {**held.models, **held.trained_steps}:
-        return
+        return False
     same_group = last is not None and last[1] == held.generation
     keep = held.models.get(plan.model) == fp and same_group
     cluster = session.cluster
@@ -204,6 +209,7 @@ def carry_or_reinit(session, plan, model, fp, last) -> None:
         why = "changed in the notebook" if held.models.get(plan.model) != fp else \
             "its process group was re-formed since it was placed (its sharded weights went with it)"
         print(f"distnb: {reinit_note(plan.model, why)}")
+    return keep
 
 
 def stays_note(name: str) -> str:

@@ -366,11 +366,11 @@ def ensure_model(session, plan, model_obj, quiet) -> bool:
     held.distributed[plan.model] = (key, held.generation)
     if not plan.reset and verdict != "resend" and held.models.get(plan.model) == fp:
         return False
-    if not quiet:
+    if not quiet and not bigmodels.on_meta(model_obj):  # a meta model: carry_or_reinit says what happens to it
         why = _why_sent_again(plan, model_obj, held, fp, last, verdict)
         if why:
             print(f"distnb: {why}")
-    bigmodels.carry_or_reinit(session, plan, model_obj, fp, last)  # a meta model the ranks trained: keep them
+    carried = bigmodels.carry_or_reinit(session, plan, model_obj, fp, last)  # a meta model the ranks trained
     meta = None if plan.reset or not plan.resume else newest_meta(plan.checkpoint_dir)
     if meta is not None:  # the ranks resume from it: the notebook functions they rebuild it with
         push_saved_names(session, meta, plan)
@@ -386,7 +386,7 @@ def ensure_model(session, plan, model_obj, quiet) -> bool:
     del buffers, keep
     held.models[plan.model] = fingerprint(model_obj)  # the same state (a move keeps version counters)
     if not quiet:
-        what = f"{type(model_obj).__name__}, {counts[0]:,} parameters{bigmodels.sent_note(model_obj)}"
+        what = f"{type(model_obj).__name__}, {counts[0]:,} parameters{bigmodels.sent_note(model_obj, carried)}"
         print(f"distnb: sent {plan.model} ({what}) to "
               f"{count(session.world_size, 'rank')}; {start_sentence(plan, held.resume_steps)}")
     return True

@@ -287,6 +287,8 @@ def test_a_meta_model_sent_again_keeps_the_weights_the_ranks_trained(dist_sessio
     out = capsys.readouterr().out
     assert f"{name} is on the meta device in the notebook: the ranks keep the weights they trained" in out
     assert "initialises it afresh" not in out
+    # the lines about the notebook's weights and each rank initialising its part contradicted it (a fresh user)
+    assert "from the notebook's weights" not in out and "initialises the part it holds" not in out, out
     reference(ref, ns["meta_data"], num_shards=SHARDS[second], batch_size=16, epochs=1, seed=4,
               optimizer=torch.optim.SGD, lr=0.1, first_epoch=r.epochs[0])
     assert_weights(ranks_weights(dist_session, name), ref, atol=1e-6)
