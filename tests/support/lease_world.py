@@ -10,7 +10,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import socket
 import time
 
 import psutil
@@ -95,16 +94,28 @@ def shm_files(kernel_pid: int) -> list:
     return glob.glob(os.path.join(segments.SHM_DIR, f"distnb-{int(kernel_pid)}-*"))
 
 
-def port_free(port: int) -> bool:
-    """Nobody listens on ``port`` (connections of the ended world may linger in TIME_WAIT, as after any server;
-    a new listener takes the port with SO_REUSEADDR, as torch's TCPStore does)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+def port_listeners(port: int) -> list:
+    """Who listens on ``port``: ``[(pid, command line)]``, empty once the world's TCPStore is gone.
+
+    Only a listening socket is a leak: once the world has ended, the OS may hand the same number to any
+    process's outgoing connection as its ephemeral source port (seen in CI: a bind test then called the port
+    taken although every process of the world had ended)."""
+    out = []
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port:
+            try:
+                who = " ".join(psutil.Process(conn.pid).cmdline()) if conn.pid else "?"
+            except psutil.Error:
+                who = "?"
+            out.append((conn.pid, who))
+    return out
+
+
+def wait_port_released(port: int, timeout: float) -> list:
+    deadline = time.monotonic() + timeout
+    while port_listeners(port) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return port_listeners(port)
 
 
 def assert_all_gone(info: dict, timeout: float = 10.0) -> None:
@@ -112,7 +123,8 @@ def assert_all_gone(info: dict, timeout: float = 10.0) -> None:
     left = wait_gone([*info["family"], info["keeper"]], timeout)
     assert left == [], f"processes left: {left}"
     assert shm_files(info["kernel"]) == []
-    assert port_free(info["port"]), f"port {info['port']} still taken"
+    listeners = wait_port_released(info["port"], timeout)
+    assert listeners == [], f"port {info['port']} still listened on by {listeners}"
 
 
 def trained_reference(shell, epochs: int) -> dict:
