@@ -510,7 +510,8 @@ def train_cell(session, code, model, data, run, given):
                 exc.add_hint(modelcheck.dtype_hint(exc, plan, model_obj, data_obj, held.get("sample") or "")
                              or body_name_hint(exc.failures, session.ns, RESERVED_NAMES)
                              or module_name_hint(exc.failures, session.ns, plan.model))
-            if plan.builtin_optimizer:  # a built-in optimizer was not what failed (a dead engine, the body, ...)
+            if plan.builtin_optimizer and not refused(exc):  # the ranks took the plan: a built-in optimizer was not
+                # what failed (a dead engine, the body, ...), and the model is placed as the plan says
                 session.holdings.remember(plan, model_obj)
             exc.plan = plan  # what --on-failure shrink goes on with (distnb.elastic.shrinking)
             raise
@@ -526,6 +527,12 @@ def train_cell(session, code, model, data, run, given):
         raise Interrupted(f"{stopped}; {plan.model} holds what was trained, and the TrainResult is this error's "
                           ".result (and -o NAME's)", result=result)
     return result
+
+
+def refused(exc) -> bool:
+    """Whether the ranks refused a cell's plan (``exc``: how it failed): a ``StrategyError``, raised before any step
+    for options that cannot run the model (a ``--tp-plan`` that changes what it computes, ...): nothing of it carries."""
+    return isinstance(exc, RankError) and any(f.get("ename") == "StrategyError" for f in exc.failures)
 
 
 def finish(session, plan, model_obj, rows, wall_seconds, num_shards, run, stopped=None, given=(), started_shown=False,
