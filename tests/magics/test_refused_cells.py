@@ -30,20 +30,10 @@ def data(n=128, seed=0):
 
 
 def normed():
-    """fc1 -> mean over the hidden units -> fc2: a tensor plan that splits the hidden units changes its forward."""
-
-    class Normed(nn.Module):  # defined here: it travels to the ranks by value
-        def __init__(self):
-            super().__init__()
-            self.fc1 = nn.Linear(16, 32)
-            self.fc2 = nn.Linear(32, 3)
-
-        def forward(self, x):
-            h = self.fc1(x)
-            return self.fc2(torch.relu(h - h.mean(-1, keepdim=True)))
-
+    """Linear -> a LayerNorm over the hidden units -> Linear: a tensor plan that splits those units changes what it
+    computes."""
     torch.manual_seed(1)
-    return Normed()
+    return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32, elementwise_affine=False), nn.Linear(32, 3))
 
 
 def records(session) -> dict:
@@ -63,7 +53,7 @@ def test_a_refused_cells_options_do_not_carry_over(dist_session, shell, capsys):
 
     ns = shell.user_ns
     ns["rc_tp"], ns["rc_data"], ns["F"] = normed(), data(), F
-    ns["rc_tp_plan"] = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+    ns["rc_tp_plan"] = {"0": ColwiseParallel(), "2": RowwiseParallel()}
     dist_session.train(BODY, model="rc_tp", data="rc_data", epochs=1, batch_size=32, optimizer="sgd", lr=0.1, seed=3,
                        **QUIET)
     with pytest.raises(RankError, match="--tp-plan rc_tp_plan changes what the model computes"):
