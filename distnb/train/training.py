@@ -2,7 +2,7 @@
 
 A ``%%distrain`` cell's options become a :class:`~distnb.core.plan.TrainPlan` here
 (:func:`make_plan`); then :func:`prepare` sends only what the ranks lack: the names the
-body reads (:func:`autopush`), the model (:func:`ensure_model`, whose reuse decision is
+body reads (:func:`body_pushes`), the model (:func:`ensure_model`, whose reuse decision is
 :func:`distnb.core.plan.redistribution`, the same rule the ranks apply) and the data's shards
 (:func:`ensure_data`). :class:`Holdings` records all of it; :func:`train_cell` runs the cell
 on the ranks (through :mod:`distnb.execute.execute`) and :func:`weights_back` loads the trained
@@ -286,6 +286,10 @@ def body_warnings(code: str, plan) -> list:
 def prepare(session, plan, code, model_obj, data_obj, quiet) -> tuple:
     """Send what the ranks lack for ``plan``: named objects, the body's names, the model, the shards.
 
+    What the kernel refuses alone (a name the notebook lacks, a body that is not Python, ``--load``'s files,
+    a model to be sent that does not fit: :func:`distnb.train.bigmodels.check_before_sending`) is refused
+    before anything is sent, so a refused cell leaves the ranks and :class:`Holdings` as they were.
+
     Returns
     -------
     (num_shards, steps_per_epoch, sent) : tuple of int, int, bool
@@ -293,39 +297,46 @@ def prepare(session, plan, code, model_obj, data_obj, quiet) -> tuple:
     """
     from distnb.engine import strategies  # loads numpy, torch: at first use, not when this module is imported
 
-    if not plan.builtin_optimizer:
-        session.push(plan.optimizer)
-    num_shards = strategies.data_parallel_size(plan, session.world_size)
     schedule = None if plan.lr_schedule in LR_SCHEDULES else plan.lr_schedule
+    named = [] if plan.builtin_optimizer else [plan.optimizer]
     for option, flag in ((plan.loss, "--loss"), (plan.tp_plan, "--tp-plan"), (plan.metric, "--metric"),
                          (plan.init, "--init"),
                          (schedule, "--lr-schedule"), (plan.collate, "--collate")):
         if option is not None:
             session._lookup(option, flag)
-            session.push(option)
+            named.append(option)
     val_obj = session.ns[plan.val_data] if plan.val_data is not None else None
     if not plan.data_on_ranks:
-        data.path_of(plan, data_obj)  # a --data that cannot be sent fails here, before the model is sent
-    autopush(session, code, exclude=(model_obj, data_obj, val_obj))
+        data.path_of(plan, data_obj)  # a --data that cannot be sent fails here, before anything is sent
+    body = body_pushes(session, code, exclude=(model_obj, data_obj, val_obj))
+    loading = pretrained.check(plan, model_obj)  # --load: the index and headers, before anything is sent
+    if sends_model(session.holdings, plan, fingerprint(model_obj)):  # the fit check needs sizes only
+        bigmodels.check_before_sending(session, plan, model_obj)
+    for name in named:
+        session.push(name)
+    if body:  # recorded: each is sent again only when the notebook's object changes
+        session.push(auto=True, **{k: v for k, (v, _) in body.items()})
+        session.holdings.pushed.update({k: fp for k, (_, fp) in body.items()})
+    num_shards = strategies.data_parallel_size(plan, session.world_size)
     if val_obj is not None and valsets.is_made_on_ranks(val_obj):  # make(rank, world_size): each rank its part
         valsets.build_on_ranks(session, plan, val_obj, num_shards, quiet)
     elif val_obj is not None:  # the same scatter as the training set (seeded, disjoint, covering shards); one that
         # cannot be cut into tensors fails here, before the model is sent
         ensure_data(session, plan, valsets.kernel_form(plan.val_data, val_obj), quiet, num_shards, silent=quiet,
                     name=plan.val_data)
-    loading = pretrained.check(plan, model_obj)  # --load: the index and headers, before the model is sent
-    sent = ensure_model(session, plan, model_obj, quiet)
+    sent = ensure_model(session, plan, model_obj, quiet, checked=True)
     if loading is not None:
         pretrained.load_on_ranks(session, plan, loading, quiet)
     ensure_data(session, plan, data_obj, quiet or not sent, num_shards, silent=quiet)
     return num_shards, data.steps_of(plan, session.holdings.data[plan.data], num_shards), sent
 
 
-def autopush(session, code, exclude=()) -> None:
-    """Push the notebook names a training body reads (modules, functions, classes, values).
+def body_pushes(session, code, exclude=()) -> dict:
+    """The notebook names a training body reads whose objects the ranks lack: name -> (object, fingerprint).
 
-    Re-sent only when the kernel's object changed (a re-run defining cell makes a new
-    object), so the ranks always use the current definitions.
+    An object is sent again only when the kernel's changed (a re-run defining cell makes a new one), so the
+    ranks always use the current definitions; ``exclude`` (the model, the data) never. Raises PlanError for
+    a body that is not valid Python.
     """
 
     try:
@@ -342,18 +353,26 @@ def autopush(session, code, exclude=()) -> None:
         fp = fingerprint(value)
         if session.holdings.pushed.get(name) != fp:
             todo[name] = (value, fp)
-    if todo:
-        session.push(auto=True, **{k: v for k, (v, _) in todo.items()})
-        session.holdings.pushed.update({k: fp for k, (_, fp) in todo.items()})
+    return todo
 
 
-def ensure_model(session, plan, model_obj, quiet) -> bool:
+def sends_model(held, plan, fp) -> bool:
+    """Whether the cell of ``plan`` sends its model (fingerprint ``fp``): ``--reset``, a model the ranks lack or hold
+    another state of, or a distribution they cannot reuse (:func:`distnb.core.plan.redistribution`)."""
+
+    verdict = redistribution(held.distributed.get(plan.model), plan.strategy_key(), held.generation)
+    return plan.reset or verdict == "resend" or held.models.get(plan.model) != fp
+
+
+def ensure_model(session, plan, model_obj, quiet, checked=False) -> bool:
     """Send the model unless the ranks hold this state, distributed in a way that can be reused.
 
-    The decision is :func:`distnb.core.plan.redistribution`: a strategy that shards the module in
-    place (fsdp, tensor, pipeline, ps) cannot be re-distributed another way, nor survive a
-    re-formed process group, so the model is then sent again from the kernel's weights
-    (which are the last trained ones). Returns whether it was sent.
+    The decision is :func:`sends_model` (:func:`distnb.core.plan.redistribution`, the rule the ranks apply: a
+    strategy that shards the module in place cannot be re-distributed another way, nor survive a re-formed
+    process group, so the model is sent again from the kernel's weights, the last trained ones). A model to be
+    sent is checked first (:func:`distnb.train.bigmodels.check_before_sending`, unless ``checked``) and recorded
+    in :attr:`Holdings.distributed` once placed; a failed placement counts as not held (the next cell sends
+    it afresh). Returns whether it was sent.
     """
 
     held = session.holdings
@@ -362,29 +381,34 @@ def ensure_model(session, plan, model_obj, quiet) -> bool:
     fp = fingerprint(model_obj)
     key = plan.strategy_key()
     last = held.distributed.get(plan.model)
-    verdict = redistribution(last, key, held.generation)
-    held.distributed[plan.model] = (key, held.generation)
-    if not plan.reset and verdict != "resend" and held.models.get(plan.model) == fp:
+    if not sends_model(held, plan, fp):  # kept, or wrapped again on the ranks as the cell starts
+        held.distributed[plan.model] = (key, held.generation)
         return False
+    if not checked:
+        bigmodels.check_before_sending(session, plan, model_obj)
     if not quiet and not bigmodels.on_meta(model_obj):  # a meta model: carry_or_reinit says what happens to it
-        why = _why_sent_again(plan, model_obj, held, fp, last, verdict)
+        why = _why_sent_again(plan, model_obj, held, fp, last, redistribution(last, key, held.generation))
         if why:
             print(f"distnb: {why}")
+    keep = resident.movable(model_obj.state_dict(keep_vars=True).values(), transfer_pool())  # before packing
+    payload, descs, buffers = pack_named(plan.model, model_obj, " as --model")  # one that cannot go: before the calls
     carried = bigmodels.carry_or_reinit(session, plan, model_obj, fp, last)  # a meta model the ranks trained
     meta = None if plan.reset or not plan.resume else newest_meta(plan.checkpoint_dir)
     if meta is not None:  # the ranks resume from it: the notebook functions they rebuild it with
         push_saved_names(session, meta, plan)
     cluster = session.cluster
-    bigmodels.check_before_sending(session, plan, model_obj)
-
-    keep = resident.movable(model_obj.state_dict(keep_vars=True).values(), transfer_pool())  # before packing
-    payload, descs, buffers = pack_named(plan.model, model_obj, " as --model")
-    with outgoing(cluster, buffers, keep=keep) as sent:  # shared memory on one host, else zero-copy frames
-        steps = first_step(plan, held.steps_of(plan.model, model_obj) or 0)  # the ranks count on from there
-        ars = bigmodels.send_calls(cluster, plan, model_obj, steps, payload, descs, sent)
-        counts = cluster.wait_all(ars, timeout=cluster.spec.timeout + 60, what=f"sending {plan.model}")
+    try:
+        with outgoing(cluster, buffers, keep=keep) as sent:  # shared memory on one host, else zero-copy frames
+            steps = first_step(plan, held.steps_of(plan.model, model_obj) or 0)  # the ranks count on from there
+            ars = bigmodels.send_calls(cluster, plan, model_obj, steps, payload, descs, sent)
+            counts = cluster.wait_all(ars, timeout=cluster.spec.timeout + 60, what=f"sending {plan.model}")
+    except BaseException:  # placed in part, or not: the next cell sends the notebook's model afresh
+        for record_of in (held.models, held.distributed):
+            record_of.pop(plan.model, None)
+        raise
     del buffers, keep
     held.models[plan.model] = fingerprint(model_obj)  # the same state (a move keeps version counters)
+    held.distributed[plan.model] = (key, held.generation)  # placed: how the ranks hold it now
     if not quiet:
         what = f"{type(model_obj).__name__}, {counts[0]:,} parameters{bigmodels.sent_note(model_obj, carried)}"
         print(f"distnb: sent {plan.model} ({what}) to "
@@ -510,7 +534,8 @@ def train_cell(session, code, model, data, run, given):
                 exc.add_hint(modelcheck.dtype_hint(exc, plan, model_obj, data_obj, held.get("sample") or "")
                              or body_name_hint(exc.failures, session.ns, RESERVED_NAMES)
                              or module_name_hint(exc.failures, session.ns, plan.model))
-            if plan.builtin_optimizer:  # a built-in optimizer was not what failed (a dead engine, the body, ...)
+            if plan.builtin_optimizer and not refused(exc):  # the ranks took the plan: a built-in optimizer was not
+                # what failed (a dead engine, the body, ...), and the model is placed as the plan says
                 session.holdings.remember(plan, model_obj)
             exc.plan = plan  # what --on-failure shrink goes on with (distnb.elastic.shrinking)
             raise
@@ -526,6 +551,12 @@ def train_cell(session, code, model, data, run, given):
         raise Interrupted(f"{stopped}; {plan.model} holds what was trained, and the TrainResult is this error's "
                           ".result (and -o NAME's)", result=result)
     return result
+
+
+def refused(exc) -> bool:
+    """Whether the ranks refused a cell's plan (``exc``: how it failed): a ``StrategyError``, raised before any step
+    for options that cannot run the model (a ``--tp-plan`` that changes what it computes, ...): nothing of it carries."""
+    return isinstance(exc, RankError) and any(f.get("ename") == "StrategyError" for f in exc.failures)
 
 
 def finish(session, plan, model_obj, rows, wall_seconds, num_shards, run, stopped=None, given=(), started_shown=False,
