@@ -458,10 +458,10 @@ def take_progress(state, rank: int, data: dict, progress: dict, raw: dict | None
 
 
 def group_kept(watch) -> bool:
-    """Whether every rank kept its process group after a failed ``%%dist`` cell or ``%dist save``
-    (:mod:`distnb.engine.process.health`: each failure was the call's own, and every rank had finished it with
-    no collective half-done). Then the group is not re-formed, and what the ranks hold (sharded models, their
-    optimizers) stays."""
+    """Whether every rank kept its process group after a failed ``%%dist`` cell, ``%dist save`` or training cell
+    (:mod:`distnb.engine.process.health`: each failure was the call's own, before any step for a training cell,
+    and every rank had finished it with no collective half-done). Then the group is not re-formed, and what the
+    ranks hold (sharded models, their optimizers) stays."""
     if not watch.may_keep or watch.hang is not None or watch.interrupted:
         return False
     try:

@@ -19,18 +19,11 @@ import torch.nn.functional as F
 from distnb.core import calls
 from distnb.core.errors import RankError
 from support.data import parity_data
+from support.held import assert_bit_exact, ranks_weights
 
 pytestmark = pytest.mark.timeout(300)
 
 BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
-# every rank: its tensors as full ones (a collective for DTensors), leaving out those it does not hold
-PULL = """
-import torch
-from torch.distributed.tensor import DTensor
-_held = {{n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-          for n, t in {name}.state_dict(keep_vars=True).items()}}
-_held = {{n: t for n, t in _held.items() if not t.is_meta}}
-"""
 REFUSED = r"StrategyError: tensor plan changes what the model computes.*Nothing was trained"
 KEPT = ("Nothing was lost: every rank stopped before any step, with no collective half-done, so their process group "
         "was kept, and ")
@@ -55,23 +48,6 @@ def centred():
 def train(session, name, strategy, lr=0.1, body=BODY):
     return session.train(body, model=name, data="kg_data", epochs=1, batch_size=16, optimizer="sgd", lr=lr, seed=4,
                          strategy=strategy, progress="none", quiet=True)
-
-
-def ranks_weights(session, name) -> dict:
-    """The model's full weights as the ranks hold them, checked equal across ranks."""
-    session.run(PULL.format(name=name))
-    merged = {}
-    for held in session.pull("_held"):
-        for key, t in held.items():
-            assert key not in merged or torch.equal(merged[key], t), f"{key} differs between ranks"
-            merged[key] = t
-    return merged
-
-
-def assert_bit_exact(got: dict, want: dict, what: str) -> None:
-    assert sorted(got) == sorted(want), what
-    for key, t in want.items():
-        assert torch.equal(got[key], t), f"{what}: {key} differs"
 
 
 def generations(session) -> tuple:
@@ -110,9 +86,10 @@ def test_a_refused_tensor_cell_keeps_a_meta_model_s_trained_weights(dist_session
     before = generations(dist_session)
     capsys.readouterr()
     text = refused(dist_session, name)
-    assert KEPT + f"the ranks hold the weights {name} had before this cell (it is on the meta device" in text
+    assert KEPT + f"the ranks hold {name} with the weights it started this cell with (it is on the meta device" in text
     assert generations(dist_session) == before, "the process group was re-formed over the refused cell"
     assert_bit_exact(ranks_weights(dist_session, name), trained, "pulled after the refused cell")
+    assert_bit_exact({k: dist_session.pull(f"{name}.{k}") for k in trained}, trained, "%dist pull NAME.key")
     # the same placement, kept (not sent again), is refused again at its first forward (never trained unchecked)
     capsys.readouterr()
     refused(dist_session, name)

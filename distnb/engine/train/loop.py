@@ -252,6 +252,7 @@ def train(ns, plan_dict, code_text, outbox=None):
     (:func:`distnb.engine.transport.report.host_relay`), closed when the cell ends, however it ends.
     ``outbox``: a kernel segment to write the trained state into (:func:`distnb.engine.transport.wire.offer`).
     """
+    cellfail.begin()
     wire.offer(outbox)
     plan = TrainPlan.from_dict(plan_dict)
     st = runtime.STATE
@@ -298,7 +299,6 @@ def _where(run, plan, data) -> dict:
 
 def _train(ns, plan, code_text, relay):
     postmortem.drop(ns)  # the next cell releases the frames the last failure kept
-    cellfail.begin()
     runtime.own_names(ns)  # a body's `rank = ...` last cell: the body reads this rank's again
     st = runtime.STATE
     if st.broken:
