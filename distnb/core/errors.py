@@ -127,7 +127,7 @@ class RankError(DistnbError, RuntimeError):
         The first failure's traceback with every frame (``remote_traceback`` folds torch's).
     group_kept : bool
         Every rank ended the cell with a failure that left nothing half-done, so their process group was kept,
-        not re-formed, and what they hold with it (:mod:`distnb.engine.process.health`).
+        not re-formed, and what they hold with it (see ``distnb.engine.process.health``).
     """
 
     group_kept = False

@@ -45,9 +45,9 @@ def centred():
     return Centred
 
 
-def train(session, name, strategy, lr=0.1, body=BODY):
+def train(session, name, strategy, lr=0.1, body=BODY, mesh=None):
     return session.train(body, model=name, data="kg_data", epochs=1, batch_size=16, optimizer="sgd", lr=lr, seed=4,
-                         strategy=strategy, progress="none", quiet=True)
+                         strategy=strategy, mesh=mesh, progress="none", quiet=True)
 
 
 def generations(session) -> tuple:
@@ -57,10 +57,10 @@ def generations(session) -> tuple:
     return session.holdings.generation, ranks
 
 
-def refused(session, name) -> str:
+def refused(session, name, strategy="tensor", mesh=None) -> str:
     before = generations(session)
     with pytest.raises(RankError, match=REFUSED) as info:
-        train(session, name, "tensor")
+        train(session, name, strategy, mesh=mesh)
     assert generations(session) == before, "the process group was re-formed over the refused cell"
     assert getattr(info.value, "group_kept", False)
     return str(info.value)
@@ -102,17 +102,18 @@ def test_a_refused_tensor_cell_keeps_a_meta_model_s_trained_weights(dist_session
     assert generations(dist_session) == before
 
 
-def test_a_refused_tensor_cell_leaves_a_notebook_model_as_it_was(dist_session, shell):
+@pytest.mark.parametrize("strategy,mesh", [("tensor", None), ("fsdp+tensor", "1x2")])
+def test_a_refused_tensor_cell_leaves_a_notebook_model_as_it_was(dist_session, shell, strategy, mesh):
     ns = shell.user_ns
     ns["kg_data"], ns["F"] = parity_data(n=64), F
-    name = "kg_held"
+    name = f"kg_held_{strategy.replace('+', '_')}"
     torch.manual_seed(3)
     ns[name] = centred()()
     try:
         train(dist_session, name, "ddp")
         trained = {k: v.clone() for k, v in ns[name].state_dict().items()}
         before = generations(dist_session)
-        text = refused(dist_session, name)
+        text = refused(dist_session, name, strategy, mesh)
         assert KEPT + f"{name} is as it was before this cell, in the notebook and on the ranks" in text
         assert generations(dist_session) == before
         assert_bit_exact(ns[name].state_dict(), trained, "the notebook's model after the refused cell")
