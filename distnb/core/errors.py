@@ -125,7 +125,12 @@ class RankError(DistnbError, RuntimeError):
         Every failing rank.
     full_traceback : str
         The first failure's traceback with every frame (``remote_traceback`` folds torch's).
+    group_kept : bool
+        Every rank ended the cell with a failure that left nothing half-done, so their process group was kept,
+        not re-formed, and what they hold with it (see ``distnb.engine.process.health``).
     """
+
+    group_kept = False
 
     def __init__(self, failures, context="cell"):
         self.failures = list(failures)

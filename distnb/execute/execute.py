@@ -118,8 +118,10 @@ class Watch:
         Ranks whose printed output is shown (a failed rank's always is).
     may_keep : bool, optional
         The rank function judges on each rank whether its failure left the process group whole (a ``%%dist``
-        cell, the default for ``what="%%dist cell"``; a ``%dist save``: :mod:`distnb.engine.process.callfail`):
-        after a failure the ranks are asked, and when every rank says so the group is kept, not re-formed.
+        cell and a training cell, the default for ``what="%%dist cell"`` and ``"training"``: a training cell
+        that failed before any step, :mod:`distnb.engine.train.beforestep`; a ``%dist save``:
+        :mod:`distnb.engine.process.callfail`): after a failure the ranks are asked, and when every rank says
+        so the group is kept, not re-formed (the RankError's ``group_kept`` says so).
     """
 
     def __init__(self, session, ars, what, state=None, view=None, show_ranks=(0,), may_keep=None):
@@ -134,7 +136,7 @@ class Watch:
         self.failed_since = None
         self.next_liveness = time.monotonic() + LIVENESS_SECONDS
         self.hang = None  # set when ranks wait in a collective others never reached (see hangs.py)
-        self.may_keep = what == "%%dist cell" if may_keep is None else may_keep
+        self.may_keep = what in ("%%dist cell", "training") if may_keep is None else may_keep
         self.folder = LineFolder({"stdout": sys.stdout, "stderr": sys.stderr}, len(self.cluster.engine_ids))
         self.next_intake = 0.0  # time.monotonic() of the next look at progress (intake_interval)
 
@@ -247,8 +249,11 @@ class Watch:
         self._mark_failures(failures)
         if self.view is not None:
             self.view.close()
-        if (failures or not clean) and not self.dead and not group_kept(self):
-            recover(self.session)
+        kept = False
+        if (failures or not clean) and not self.dead:
+            kept = group_kept(self)
+            if not kept:
+                recover(self.session)
         if user_interrupt:
             stop = Interrupted(self._interrupted_message(clean))
             # every rank stopped after the same step and returned its figures: what was trained comes back
@@ -261,6 +266,7 @@ class Watch:
         if self.hang is not None or failures:  # the error is %dist debug's default rank
             error = hangs.error(self, failures) if self.hang is not None else RankError(failures, context=self.what)
             error.restart_dead = set(self.dead) if restart_later else None
+            error.group_kept = kept
             self.session.last_error = error
             if self.hang is None and self.what == "%%dist cell":
 
@@ -452,10 +458,10 @@ def take_progress(state, rank: int, data: dict, progress: dict, raw: dict | None
 
 
 def group_kept(watch) -> bool:
-    """Whether every rank kept its process group after a failed ``%%dist`` cell or ``%dist save``
-    (:mod:`distnb.engine.process.health`: each failure was the call's own, and every rank had finished it with
-    no collective half-done). Then the group is not re-formed, and what the ranks hold (sharded models, their
-    optimizers) stays."""
+    """Whether every rank kept its process group after a failed ``%%dist`` cell, ``%dist save`` or training cell
+    (:mod:`distnb.engine.process.health`: each failure was the call's own, before any step for a training cell,
+    and every rank had finished it with no collective half-done). Then the group is not re-formed, and what the
+    ranks hold (sharded models, their optimizers) stays."""
     if not watch.may_keep or watch.hang is not None or watch.interrupted:
         return False
     try:

@@ -51,3 +51,13 @@ def interrupted_weights(plan, model_obj, lost) -> str:
                 "--checkpoint-dir, the last checkpoint keeps them)")
     return (f"the next cell sends {name} to every rank again from rank 0's weights (now the notebook's), with a "
             "fresh optimizer")
+
+
+def kept_weights(name, model_obj) -> str:
+    """What a training cell whose ranks kept their process group after failing (before any step: the RankError's
+    ``group_kept``, :mod:`distnb.engine.train.beforestep`) says about model ``name``: nothing of it was lost."""
+    where = (f"the ranks hold {name} with the weights it started this cell with (it is on the meta device in the "
+             "notebook, so they are on the ranks only)" if bigmodels.on_meta(model_obj)
+             else f"{name} is as it was before this cell, in the notebook and on the ranks")
+    return (f"Nothing was lost: every rank stopped before any step, with no collective half-done, so their process "
+            f"group was kept, and {where}")

@@ -27,7 +27,7 @@ from distnb.display import ProgressState, make_view, view_kind
 from distnb.execute import presses
 from distnb.execute.execute import restart_world
 from distnb.train import bigmodels, carried, kernel_memory, loopcell, pretrained, record, results, runrecord
-from distnb.train.homecoming import interrupted_weights, weights_back
+from distnb.train.homecoming import interrupted_weights, kept_weights, weights_back
 from distnb.train.loopcell import clip_warnings
 from distnb.train.meshes import carried_message
 from distnb.train.resuming import check_folders, first_step, newest_meta, newest_start, push_saved_names, start_sentence
@@ -534,6 +534,8 @@ def train_cell(session, code, model, data, run, given):
                 exc.add_hint(modelcheck.dtype_hint(exc, plan, model_obj, data_obj, held.get("sample") or "")
                              or body_name_hint(exc.failures, session.ns, RESERVED_NAMES)
                              or module_name_hint(exc.failures, session.ns, plan.model))
+            if isinstance(exc, RankError) and exc.group_kept:  # failed before any step: the model is as it was
+                exc.add_hint(". ".join(x for x in (kept_weights(plan.model, model_obj), exc.hint) if x))
             if plan.builtin_optimizer and not refused(exc):  # the ranks took the plan: a built-in optimizer was not
                 # what failed (a dead engine, the body, ...), and the model is placed as the plan says
                 session.holdings.remember(plan, model_obj)

@@ -26,18 +26,11 @@ import torch.nn.functional as F
 
 from distnb.core.errors import PlanError, RankError
 from support.data import parity_data
+from support.held import assert_bit_exact, ranks_weights
 
 BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
 SEED = 7
 SHARDED = ["fsdp", "tensor", "fsdp+tensor", "pipeline"]
-# every rank: its tensors as full ones (a collective for DTensors), leaving out those it does not hold
-PULL = """
-import torch
-from torch.distributed.tensor import DTensor
-_held = {{n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-          for n, t in {name}.state_dict(keep_vars=True).items()}}
-_held = {{n: t for n, t in _held.items() if not t.is_meta}}
-"""
 
 
 def make(width: int) -> nn.Sequential:
@@ -49,17 +42,6 @@ def train(session, name: str, strategy: str):
                          strategy=strategy, progress="none", quiet=True)
 
 
-def ranks_weights(session, name: str) -> dict:
-    """The model's full weights as the ranks hold them (a pipeline stage gives its own), checked equal across ranks."""
-    session.run(PULL.format(name=name))
-    merged = {}
-    for held in session.pull("_held"):
-        for key, t in held.items():
-            assert key not in merged or torch.equal(merged[key], t), f"{key} differs between ranks"
-            merged[key] = t
-    return merged
-
-
 def folder_tensors(folder) -> dict:
     from safetensors.torch import load_file
 
@@ -67,12 +49,6 @@ def folder_tensors(folder) -> dict:
     for file in sorted(glob.glob(os.path.join(str(folder), "*.safetensors"))):
         out.update(load_file(file))
     return out
-
-
-def assert_bit_exact(got: dict, want: dict, what: str) -> None:
-    assert sorted(got) == sorted(want), what
-    for key, t in want.items():
-        assert torch.equal(got[key], t), f"{what}: {key} differs"
 
 
 def trained_meta(shell, session, name: str, strategy: str, width: int = 16) -> dict:

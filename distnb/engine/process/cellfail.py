@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import time
 
-from distnb.engine.process import abort, postmortem, runtime
+from distnb.engine.process import abort, health, postmortem, runtime
 
 
-def raise_failure(caught: BaseException, ns: dict, reporter, annotate) -> None:
+def begin() -> None:
+    """At a training cell's start, on every rank: no earlier cell's verdict stands for it (the kernel's release
+    reads it)."""
+    runtime.STATE.kept = False
+
+
+def raise_failure(caught: BaseException, ns: dict, reporter, annotate, may_keep: bool = False) -> None:
     """Report ``caught`` (the cell's error on this rank) and raise it again; never returns.
 
     The progress reporter says the rank failed (or was interrupted), ``annotate(exc)`` adds distnb's
     diagnosis to the message in place, the frames are kept for ``%dist debug``, and the process group is
-    marked broken. An error caused by another rank's failure is raised as that consequence, briefly.
+    marked broken, unless ``may_keep`` (the failure left nothing half-done on this rank:
+    :mod:`distnb.engine.train.beforestep`) and every rank ended the cell alike
+    (:func:`distnb.engine.process.health.cell_ended`): then the group is kept. An error caused by another
+    rank's failure is raised as that consequence, briefly.
 
     Raises
     ------
@@ -24,8 +33,11 @@ def raise_failure(caught: BaseException, ns: dict, reporter, annotate) -> None:
     status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
     reporter.set_status(status, error=f"{type(exc).__name__}: {exc}"[:300], failed_at=time.time())
     postmortem.keep(exc, ns, "training")  # for %dist debug; mark_broken frees the group the frames hold
-    stopped = abort.consequence(exc, runtime.STATE.rank)  # another rank failed first: say so, briefly
-    runtime.mark_broken(ns)
+    st = runtime.STATE
+    stopped = abort.consequence(exc, st.rank)  # another rank failed first: say so, briefly
+    st.kept = may_keep and stopped is None and health.cell_ended(st.rank, st.world_size, exc)
+    if not st.kept:
+        runtime.mark_broken(ns)
     if stopped is not None:
         raise stopped from None
     if exc is not caught:

@@ -13,7 +13,9 @@ finding 7). A typo (``NameError`` on line 1) leaves nothing half-done, so the gr
   gloo and nccl alike): no rank left a collective that another never joined (an ``async_op`` one
   included), and none waits in one now.
 
-A ``%dist save`` that fails is judged the same way (:mod:`distnb.engine.process.callfail`).
+A ``%dist save`` that fails is judged the same way (:mod:`distnb.engine.process.callfail`), and so is a
+training cell that failed before any step, leaving nothing half-done on the rank
+(:mod:`distnb.engine.train.beforestep`); a training cell's other failures tear the group down at once.
 
 The failing rank waits at most :data:`WAIT_SECONDS` for the others' keys. A rank that does not
 write in time is still running, or waits in a collective: the group is torn down as before, and

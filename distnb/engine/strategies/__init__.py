@@ -44,6 +44,11 @@ from distnb.engine.transport import stateout
 class StrategyError(ValueError):
     """A strategy option does not fit the model or the cluster (raised before training)."""
 
+    #: True for a refusal raised alike on every rank before any step that leaves the model as it found it (the
+    #: tensor plan's check): the training cell that fails with it keeps the process group when every rank ended
+    #: it alike (:mod:`distnb.engine.train.beforestep`).
+    before_step = False
+
 
 def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes this rank stores for ``t`` (the local shard of a DTensor)."""

@@ -37,10 +37,13 @@ Design
 - The ranks agree with one ``all_reduce`` (MAX) of each rank's verdict, so every rank makes the
   same decision and none waits. If any rank's outputs differ, every rank raises
   :class:`~distnb.engine.strategies.StrategyError` from inside the body's ``model(...)`` call,
-  before any backward or optimizer step; the failed cell re-forms the group as any failure does,
-  and the next cell starts from the notebook's weights. The message names the first default
-  pair whose row-wise output differs (outputs of every row-wise layer are compared too) and
-  gives the fix.
+  before any backward or optimizer step, the model as it found it (its weights moved back bit for bit).
+  As every rank raised it alike after collectives that all completed, the process group is kept
+  (:mod:`distnb.engine.train.beforestep`), and with it the model the ranks hold (a meta model's
+  trained weights, carried into this placement, included). The refusal stays: a later forward of
+  the same split model raises the same error at once, with no collective. The message names the
+  first default pair whose row-wise output differs (outputs of every row-wise layer are compared
+  too) and gives the fix.
 - A ``--tp-plan`` dict is checked the same way and a mismatch is the same error: a plan that
   changes the model's function trains it silently wrong whoever wrote it. The exception is an
   output the plan leaves sharded on purpose (e.g. ``ColwiseParallel(use_local_output=True)`` on
@@ -188,6 +191,7 @@ class VerifiedPlan:
     """
 
     _probe = None  # (the whole module's copy, the hook's handle), until the first forward
+    _refused = None  # the refusal's text, once the check refused the plan: said again at every later forward
     _words = ("tensor plan", "", {})  # how the message names the plan, what it splits, {row: column partner}
 
     def arm(self, module, label: str, plan_text: str, pairs) -> None:
@@ -239,6 +243,8 @@ class VerifiedPlan:
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        if self._refused is not None:  # refused before, the group kept: the same verdict (the weights as they were)
+            raise _refusal(self._refused)
         whole = self._disarm()
         if whole is None:
             return None
@@ -264,7 +270,12 @@ class VerifiedPlan:
         del whole
         verdict, worst, row_flags = agree(verdict, worst, row_flags, self.device)
         bad_rows = [r for r, flag in zip(rows, row_flags) if flag]
-        self._decide(verdict, worst, which, bad_rows)
+        try:
+            self._decide(verdict, worst, which, bad_rows)
+        except StrategyError as exc:  # the hook stays on the model, to refuse its next forward too
+            self._refused, self._probe = str(exc), [None, None]
+            self.watch()
+            raise
         return None
 
     def _compare_both(self, whole, rows, args, kwargs, layers) -> tuple:
@@ -333,7 +344,14 @@ class VerifiedPlan:
             return
         # the suspect layers: a default pair 'fc1' -> 'fc2' whose row-wise output differs; a --tp-plan's row layer
         suspects = [f"{partner[r]!r} (column-wise) -> {r!r} (row-wise)" if r in partner else repr(r) for r in bad_rows]
-        raise StrategyError(explain(label, plan_text, verdict, worst, which, suspects, default))
+        raise _refusal(explain(label, plan_text, verdict, worst, which, suspects, default))
+
+
+def _refusal(text: str) -> StrategyError:
+    """The check's refusal: raised alike on every rank before any step (:attr:`StrategyError.before_step`)."""
+    error = StrategyError(text)
+    error.before_step = True
+    return error
 
 
 def skeleton(module):

@@ -20,7 +20,7 @@ from distnb.core.plan import DEFAULT_LR, STRATEGIES, TrainPlan, optimizer_state_
 from distnb.engine import strategies
 from distnb.engine.process import binding, cellfail, collectives, postmortem, precision_check, runtime, where
 from distnb.engine.strategies import finetune
-from distnb.engine.train import batchnorm, checkpoint, datasets, epochrest, stepping
+from distnb.engine.train import batchnorm, beforestep, checkpoint, datasets, epochrest, stepping
 from distnb.engine.train.context import Context, StopRequest, _Stopped, agree_on_steps  # noqa: F401 - the cell's ctx and its stop
 from distnb.engine.train.loopwatch import LoopWatch
 from distnb.engine.train.stepping import Stepper
@@ -252,6 +252,7 @@ def train(ns, plan_dict, code_text, outbox=None):
     (:func:`distnb.engine.transport.report.host_relay`), closed when the cell ends, however it ends.
     ``outbox``: a kernel segment to write the trained state into (:func:`distnb.engine.transport.wire.offer`).
     """
+    cellfail.begin()
     wire.offer(outbox)
     plan = TrainPlan.from_dict(plan_dict)
     st = runtime.STATE
@@ -312,6 +313,7 @@ def _train(ns, plan, code_text, relay):
                         publish=None if relay is None else relay.send)
     code = runtime.compile_cell(code_text, "distrain")
     stop = StopRequest().__enter__()
+    first = ctx = None  # the body's first forward, watched (a failure before it may keep the group: beforestep.py)
     try:
         note, resumed = _prepare(ns, plan, run)
         note = _settle_position(run, plan, data, note)
@@ -332,7 +334,8 @@ def _train(ns, plan, code_text, relay):
         watchdog = where.Watchdog(publish_raw, ddp_backward=plan.strategy == "ddp")
         watchdog.start()
         try:
-            with collectives.checked(off=plan.unchecked, timeout=st.timeout, training=True):  # a skipped call: a hang, not an abort
+            with collectives.checked(off=plan.unchecked, timeout=st.timeout, training=True), \
+                    beforestep.FirstForward() as first:  # a skipped call: a hang, not an abort
                 _run_body(ns, code, ctx, plan)
         except _Stopped:
             pass
@@ -344,7 +347,8 @@ def _train(ns, plan, code_text, relay):
         restored = ctx.validator.restore_best() if plan.restore_best and not ctx.interrupted else False
         ctx.final_checkpoint()  # a resume never goes back behind this cell's last step (the restored best, if any)
     except BaseException as caught:
-        cellfail.raise_failure(caught, ns, reporter, lambda exc: _annotate(exc, ns, plan))
+        keep = beforestep.may_keep(caught, first, ctx.micro_steps if ctx is not None else 0)
+        cellfail.raise_failure(caught, ns, reporter, lambda exc: _annotate(exc, ns, plan), keep)
     finally:
         stop.__exit__()
         data.close()  # DataLoader workers end with the cell, however it ends
