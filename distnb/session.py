@@ -429,7 +429,7 @@ class Session:
         from distnb.engine.transport import wire  # loads numpy, torch: at first use, not when this module is imported
 
         ars = [self.cluster.apply(r, calls.lookup, name) for r in ranks]
-        packed = self.cluster.wait_all(ars, timeout=self.cluster.spec.timeout, what=f"pull {name}")
+        packed = self.cluster.wait_all(ars, timeout=self.cluster.spec.timeout, what=f"pull {name}", ranks=ranks)
         values = [wire.loads(*p) for p in packed]
         return values if rank is None else values[0]
 

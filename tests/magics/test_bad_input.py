@@ -529,6 +529,17 @@ def test_pull_of_a_bad_name_is_a_usage_error(shell, trained):
         assert isinstance(res.error_in_exec, UsageError), (line, res.error_in_exec)
 
 
+def test_a_pull_that_fails_on_the_rank_asked_names_that_rank(shell, capsys):
+    """`%dist pull NAME --rank 1` of a value that cannot be pickled said it failed on rank 0."""
+    assert run(shell, "%%dist\nimport threading\n_pl_lock = threading.Lock()").error_in_exec is None
+    capsys.readouterr()
+    res = run(shell, "%dist pull _pl_lock --rank 1")
+    assert isinstance(res.error_in_exec, RankError)
+    assert str(res.error_in_exec).startswith("pull _pl_lock failed on rank 1 on "), res.error_in_exec
+    assert "rank 0" not in str(res.error_in_exec) + capsys.readouterr().out
+    assert run(shell, "%dist pull rank --rank 1").result == 1  # the cluster is usable
+
+
 @pytest.mark.parametrize("call, needle", [
     (lambda s: s.export(None), "directory must be a folder path (a str or pathlib.Path), got None"),
     (lambda s: s.export(123), "directory must be a folder path"),
