@@ -529,6 +529,29 @@ def test_pull_of_a_bad_name_is_a_usage_error(shell, trained):
         assert isinstance(res.error_in_exec, UsageError), (line, res.error_in_exec)
 
 
+def test_a_pull_of_a_name_the_ranks_lack_suggests_only_what_exists(shell, dist_session, capsys):
+    """pull("nosuch") said "push it with %dist push nosuch" though the notebook had no nosuch either."""
+    assert run(shell, "%%dist\npl_losses = [rank]\nif rank == 0:\n    pl_only0 = 5").error_in_exec is None
+    shell.user_ns["pl_lossez"] = 1
+    capsys.readouterr()
+    with pytest.raises(PlanError) as err:
+        dist_session.pull("pl_losss")
+    message = str(err.value)
+    assert message.startswith("pull pl_losss: 'pl_losss' is not defined on ranks 0-1 (nearest there: "), message
+    assert "pl_losses" in message.split("nor in the notebook")[0]
+    assert "nor in the notebook (nearest there: pl_lossez" in message and "%%dist cell" in message
+    assert "push" not in message
+    res = run(shell, "%dist pull pl_lossez --rank 1")  # the notebook has it: push is the fix
+    assert isinstance(res.error_in_exec, UsageError)
+    assert "'pl_lossez' is not defined on rank 1" in str(res.error_in_exec)
+    assert "the notebook has it: send it to the ranks with %dist push pl_lossez" in str(res.error_in_exec)
+    res = run(shell, "%dist pull pl_only0")  # defined on rank 0 alone
+    assert "'pl_only0' is not defined on rank 1" in str(res.error_in_exec)
+    assert "rank 0 has it: %dist pull pl_only0 --rank 0" in str(res.error_in_exec)
+    assert "push" not in str(res.error_in_exec) + capsys.readouterr().out
+    assert run(shell, "%dist pull pl_losses").result == [[0], [1]]  # the cluster is usable
+
+
 def test_a_pull_that_fails_on_the_rank_asked_names_that_rank(shell, capsys):
     """`%dist pull NAME --rank 1` of a value that cannot be pickled said it failed on rank 0."""
     assert run(shell, "%%dist\nimport threading\n_pl_lock = threading.Lock()").error_in_exec is None
