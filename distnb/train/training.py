@@ -30,7 +30,8 @@ from distnb.train import bigmodels, carried, kernel_memory, loopcell, pretrained
 from distnb.train.homecoming import interrupted_weights, weights_back
 from distnb.train.loopcell import clip_warnings
 from distnb.train.meshes import carried_message
-from distnb.train.resuming import check_folders, first_step, newest_meta, newest_start, push_saved_names, start_sentence
+from distnb.train.rankfolders import check_folders
+from distnb.train.resuming import first_step, newest_meta, newest_start, push_saved_names, start_sentence
 from distnb.transfer import captured, data, modelcheck, resident, transfer, valsets
 from distnb.transfer.transfer import _pool as transfer_pool
 from distnb.transfer.transfer import fingerprint, free_names, model_change, outgoing, pack_named
@@ -272,9 +273,7 @@ def check_step_options(session, plan, model_obj) -> None:
     if plan.log_dir is not None and importlib.util.find_spec("tensorboard") is None:
         raise PlanError("--log-dir writes TensorBoard event files and needs the tensorboard package (pip install "
                         "tensorboard)")
-    unwritable = check_folders(plan, session.cluster.ranks)
-    if unwritable:
-        raise PlanError(unwritable)
+    check_folders(session, plan)  # every rank can write --checkpoint-dir and --log-dir, or a PlanError says who
 
 
 def body_warnings(code: str, plan) -> list:

@@ -135,7 +135,7 @@ TRAIN_LINES = [
     ("--model keep_net", BODY, "required: --data"),
     # it failed only at the first save, after an epoch's training, with the ranks' FileNotFoundError
     ("--model keep_net --data bad_ds --checkpoint-dir /proc/distnb-nope", BODY,
-     "--checkpoint-dir /proc/distnb-nope cannot be written: /proc is not writable"),
+     "--checkpoint-dir /proc/distnb-nope: not every rank can write it (ranks 0-1 on "),
     ("--model keep_net --data bad_ds", "", "cell body is empty"),
     ("--model keep_net --data bad_ds", "x, y = batch\nloss = (", "not valid Python"),
 ]
@@ -158,6 +158,37 @@ def test_bad_training_input_is_a_usage_error(shell, trained, line, body, needle)
     assert isinstance(res.error_in_exec, UsageError), (line, res.error_in_exec)
     assert needle in str(res.error_in_exec), (line, str(res.error_in_exec))
     assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize("flag", ["--checkpoint-dir", "--log-dir"])
+def test_a_folder_one_rank_cannot_write_is_refused_by_every_rank_before_any_step(shell, trained, tmp_path,
+                                                                                  monkeypatch, flag):
+    """--checkpoint-dir was checked in the kernel only: a folder rank 1 could not write failed on rank 1 at its
+    first save, after an epoch's training. Every rank is asked first, as %dist save asks: one error naming the
+    rank, its host and the fix, nothing trained. Rank 1 sees another folder than the kernel and rank 0 here as a
+    rank on another host, in a container or under another user does: /proc/self/cwd is each process's own working
+    folder, and rank 1's holds a file where the folder should be."""
+    for where in ("kernel", "rank0", "rank1"):
+        (tmp_path / where).mkdir()
+    (tmp_path / "rank1" / "blocked").write_text("a file where the folder should be")
+    monkeypatch.chdir(tmp_path / "kernel")
+    assert run(shell, f"%%dist\nimport os\n_cwd = os.getcwd()\nos.chdir(os.path.join({str(tmp_path)!r}, "
+                      "f'rank{rank}'))").error_in_exec is None
+    try:
+        res = run(shell, f"%%distrain --model keep_net --data bad_ds --epochs 1 --progress none {flag} "
+                         f"/proc/self/cwd/blocked\n{BODY}")
+    finally:
+        assert run(shell, "%%dist\nos.chdir(_cwd)").error_in_exec is None
+    assert isinstance(res.error_in_exec, UsageError), res.error_in_exec
+    host = session_mod.current().cluster.ranks[1]["host"]
+    assert str(res.error_in_exec) == (
+        f"{flag} /proc/self/cwd/blocked: not every rank can write it (rank 1 on {host}: /proc/self/cwd/blocked is a "
+        "file, not a folder); give a folder every rank can create and write. Nothing was sent or trained")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["blocked", "kernel", "rank0", "rank1"]  # nothing written
+    # nothing trained: the weights are the trained fixture's, on the ranks and in the kernel
+    kernel = torch.cat([p.detach().flatten() for p in shell.user_ns["keep_net"].parameters()])
+    assert torch.equal(kernel, torch.cat([p.flatten() for p in trained]))
+    assert all(torch.equal(w, kernel) for w in _ranks_weights("keep_net"))
 
 
 @pytest.mark.parametrize("data,needle", [
