@@ -419,18 +419,14 @@ class Session:
 
     def pull(self, name: str, rank=None):
         """The value of ``name`` on ``rank`` (or a list over all ranks when rank is None); ``NAME.path.to.param``:
-        that tensor of a model, whole, for any strategy (``distnb.transfer.pulling.pull_tensor``)."""
+        that tensor of a model, whole, for any strategy (``distnb.transfer.pulling.pull_tensor``). A name a rank lacks
+        is a PlanError naming those ranks, the nearest names there and in the notebook, and the fix."""
         self._check_running()
         if isinstance(name, str) and "." in name:
             return pulling.pull_tensor(self, name, None if rank is None else self._rank(rank))
         if not isinstance(name, str) or not name.isidentifier():
             raise PlanError(f"pull/gather take a variable name defined on the ranks, got {name!r}")
-        ranks = range(self.world_size) if rank is None else [self._rank(rank)]
-        from distnb.engine.transport import wire  # loads numpy, torch: at first use, not when this module is imported
-
-        ars = [self.cluster.apply(r, calls.lookup, name) for r in ranks]
-        packed = self.cluster.wait_all(ars, timeout=self.cluster.spec.timeout, what=f"pull {name}")
-        values = [wire.loads(*p) for p in packed]
+        values = pulling.pull_value(self, name, list(range(self.world_size)) if rank is None else [self._rank(rank)])
         return values if rank is None else values[0]
 
     def _rank(self, rank, flag="--rank"):

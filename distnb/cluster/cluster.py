@@ -563,26 +563,27 @@ class Cluster(Engines):
         packed = _packed(fn, args)
         return fanout.apply_each(self.client, self.engine_ids, packed[0], packed[1:])
 
-    def wait_all(self, ars, timeout: float, what: str):
-        """Results of ``ars`` (one per rank, in rank order); a RankError names failing ranks."""
+    def wait_all(self, ars, timeout: float, what: str, ranks=None):
+        """Results of ``ars`` (one per rank; ``ranks``: theirs, default 0, 1, ...); a RankError names failing ranks."""
         deadline = time.monotonic() + timeout
         for ar in ars:
             ar.wait(max(0.0, deadline - time.monotonic()))
+        ranks = list(range(len(ars))) if ranks is None else list(ranks)
         if not all(ar.ready() for ar in ars):
-            late = [r for r, ar in enumerate(ars) if not ar.ready()]
+            late = [r for r, ar in zip(ranks, ars) if not ar.ready()]
             raise ClusterError(f"{tracebacks.ranks_named(late)} did not finish {what} within {timeout:.0f} s")
-        failures = self.failures(ars)
+        failures = self.failures(ars, ranks=ranks)
         if failures:
             raise RankError(failures, context=what)
         return [ar.get() for ar in ars]
 
-    def failures(self, ars, progress=None, collateral=()) -> list:
-        """Failed results of ``ars`` (rank order) as RankError failure dicts, root cause first.
+    def failures(self, ars, progress=None, collateral=(), ranks=None) -> list:
+        """Failed results of ``ars`` (in order; ``ranks``: theirs) as RankError failure dicts, root cause first.
 
         ``collateral`` are ranks distnb itself interrupted; they sort after the others.
         """
         out = []
-        for rank, ar in enumerate(ars):
+        for rank, ar in zip(range(len(ars)) if ranks is None else ranks, ars):
             if not ar.ready():
                 continue
             try:

@@ -1,5 +1,5 @@
-"""Whether a folder can be created and written by this process (stdlib only: the kernel checks a training cell's
-``--checkpoint-dir`` with it, and each rank the folder of a ``%dist save`` before any collective write)."""
+"""Whether a folder can be created and written by this process (stdlib only: each rank checks with it the folder of a
+``%dist save`` and a training cell's ``--checkpoint-dir`` and ``--log-dir`` before anything is written there)."""
 
 from __future__ import annotations
 

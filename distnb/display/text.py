@@ -131,7 +131,7 @@ def start_notes(first: dict) -> list:
     What changed about the optimizer or the position, the checkpoint resumed from, the epoch continued.
     The text progress prints them before the cell's epoch lines (:class:`distnb.display.text.TextProgress`).
     """
-    notes = [first["note"]] if first.get("note") else []
+    notes = first["note"].splitlines() if first.get("note") else []  # one a line (engine/train/loop.notes)
     if first.get("resumed"):
         notes.append(f"resumed from checkpoint {first['resumed']}")
     if first.get("continued"):

@@ -185,6 +185,15 @@ def reinit_note(name: str, why: str) -> str:
             f"keeps them)")
 
 
+#: Why the ranks no longer hold a model (:attr:`distnb.train.training.Holdings.gone`: the model's name -> (the
+#: fingerprint of what they held, why), kept until the model is sent again, across restarts): its next cell says so,
+#: and calls it changed only when it changed in the notebook since. After their world ended:
+RESTARTED = ("the ranks were started again since they trained it (%dist restart, %dist stop and start, or an automatic "
+             "restart): its weights went with them")
+#: After an interrupt stopped them where they were (the replicas may be steps apart, the group is broken).
+INTERRUPTED = "an interrupt stopped the ranks where they were, which broke the process group that held its weights"
+
+
 def carry_or_reinit(session, plan, model, fp, last) -> bool:
     """Before a meta model the ranks held is sent again: have them keep its trained weights, or say why not.
     Returns whether they keep them.
@@ -195,7 +204,7 @@ def carry_or_reinit(session, plan, model, fp, last) -> bool:
     model not on meta, or new to the ranks, is left alone.
     """
     held = session.holdings
-    if not on_meta(model) or plan.reset or plan.model not in {**held.models, **held.trained_steps}:
+    if not on_meta(model) or plan.reset or plan.model not in {**held.models, **held.trained_steps, **held.gone}:
         return False
     same_group = last is not None and last[1] == held.generation
     keep = held.models.get(plan.model) == fp and same_group
@@ -206,10 +215,20 @@ def carry_or_reinit(session, plan, model, fp, last) -> bool:
         print(f"distnb: {plan.model} is on the meta device in the notebook: the ranks keep the weights they trained "
               f"and place them anew for --strategy {plan.strategy}")
     else:
-        why = "changed in the notebook" if held.models.get(plan.model) != fp else \
-            "its process group was re-formed since it was placed (its sharded weights went with it)"
-        print(f"distnb: {reinit_note(plan.model, why)}")
+        print(f"distnb: {reinit_note(plan.model, _why_not_kept(held, plan.model, fp))}")
     return keep
+
+
+def _why_not_kept(held, name: str, fp) -> str:
+    """Why the ranks cannot keep the weights of the meta model ``name`` (its fingerprint now ``fp``) they trained:
+    a change in the notebook since the ranks got it, else why they no longer hold it
+    (:attr:`~distnb.train.training.Holdings.gone`)."""
+    if name in held.models:
+        before, why = held.models[name], "its process group was re-formed since it was placed (its sharded weights " \
+            "went with it)"
+    else:
+        before, why = held.gone.get(name, (None, "the ranks no longer hold the weights they trained"))
+    return "changed in the notebook" if before is not None and before != fp else why
 
 
 def stays_note(name: str) -> str:

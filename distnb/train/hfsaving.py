@@ -11,11 +11,11 @@ from __future__ import annotations
 import os
 
 from distnb.core import calls
-from distnb.core.errors import PlanError, ranks_named
+from distnb.core.errors import PlanError
 from distnb.core.options import check_path
 from distnb.core.saveformats import FORMATS, MAX_SHARD_SIZE, check_format, shard_bytes
 from distnb.execute.execute import run_on_ranks
-from distnb.train import checkpoints
+from distnb.train import checkpoints, rankfolders
 
 
 def check_adapters(name: str, model_obj) -> None:
@@ -133,17 +133,9 @@ def check_ranks_write(session, directory: str, name: str) -> None:
         Some rank cannot (its engine's user may not write there, a file is in the way, the folder is on
         another host's disk): naming each such rank with its host and reason, and the fix.
     """
-    rows = run_on_ranks(session, calls.writable, directory, what=f"checking {directory} on the ranks")
-    bad = {}
-    for row in rows:
-        if row["why"]:
-            bad.setdefault((row["host"], row["why"]), []).append(row["rank"])
-    if bad:
-        who = "; ".join(f"{ranks_named(ranks)} on {host}: {why}" for (host, why), ranks in bad.items())
-        several = len({row["host"] for row in rows}) > 1
-        raise PlanError(f"%dist save {directory}: not every rank can write it ({who}); give a folder every rank "
-                        "can create and write" + (" (on a file system every host shares)" if several else "")
-                        + f". Nothing was written, and {name} is still live on the ranks")
+    why = rankfolders.not_writable(session, directory)
+    if why:
+        raise PlanError(f"%dist save {directory}: {why}. Nothing was written, and {name} is still live on the ranks")
 
 
 def save_arguments(argument):

@@ -73,10 +73,33 @@ def data_file(cell) -> tuple:
 
 
 def model_packed(cell) -> tuple:
-    """The model the job starts from: as sent at the cell's start, or the notebook's after a cell that went on."""
+    """The model the job starts from: as sent at the cell's start, or the notebook's after a cell that went on.
+
+    PlanError when it holds tensors on the meta device: the kernel has no weights of them to write, and a job
+    would start from none (a crash on the CPU, a fresh initialisation on a GPU), never from the ranks' weights.
+    """
 
     if cell.model_packed is not None:
-        return cell.model_packed
-    if fingerprint(cell.model_obj) != cell.model_fp:
-        raise changed(cell.plan.model, "--model", cell.model_since)
-    return pack_named(cell.plan.model, cell.model_obj, " (the exported job loads it from model.pkl)")
+        packed = cell.model_packed
+    else:
+        if fingerprint(cell.model_obj) != cell.model_fp:
+            raise changed(cell.plan.model, "--model", cell.model_since)
+        packed = pack_named(cell.plan.model, cell.model_obj, " (the exported job loads it from model.pkl)")
+    _holds_weights(cell, packed[1])
+    return packed
+
+
+def _holds_weights(cell, descs) -> None:
+    """PlanError naming where the weights are and the fix when the packed model's ``descs`` include meta tensors."""
+    from distnb.engine.transport import wire  # loads numpy, torch: at first use, not when this module is imported
+
+    num_meta = sum(1 for d in descs if wire.is_meta_desc(d))
+    if not num_meta:
+        return
+    name = cell.plan.model
+    raise PlanError(f"--model {name} is on the meta device in the notebook ({num_meta} of its {len(descs)} tensors "
+                    "have no data): the kernel holds none of their weights (they exist on the ranks only), so the job "
+                    f"could not start from them. To export, build {name} with its weights in the notebook (not under "
+                    f"torch.device(\"meta\"); %dist load PATH --model {name} fills a model the kernel holds too), "
+                    "run the cell, then %dist export. The ranks' weights themselves are written by %dist save DIR "
+                    "(a checkpoint that %dist load reads) or %dist save DIR --format safetensors")

@@ -11,7 +11,6 @@ import dataclasses
 import os
 
 from distnb.core.errors import PlanError
-from distnb.core.folders import unwritable
 from distnb.core.plan import DEFAULT_LR, LR_SCHEDULES, optimizer_state_readable
 
 
@@ -124,16 +123,3 @@ def start_sentence(plan, resume_steps) -> str:
         return (f"the notebook's weights (step {mine}) are newer than the newest checkpoint in --checkpoint-dir "
                 f"(step {saved}), so training goes on from them with a fresh {optimizer} optimizer")
     return f"fresh {optimizer} optimizer, epoch 0"
-
-
-def check_folders(plan, ranks) -> str:
-    """The first of ``--checkpoint-dir`` and ``--log-dir`` that the ranks of this host cannot write, as the error
-    naming it ('' if none): a folder that cannot be written failed only at the first save, after an epoch's
-    training. ``ranks``: the cluster's rank records; folders on other hosts are theirs, and not checked here."""
-    if not all(info.get("local", True) for info in ranks):
-        return ""
-    for flag, path in (("--checkpoint-dir", plan.checkpoint_dir), ("--log-dir", plan.log_dir)):
-        why = unwritable(path) if path else ""
-        if why:
-            return f"{flag} {path} cannot be written: {why}; give a folder you can create and write"
-    return ""

@@ -30,7 +30,8 @@ from distnb.train import bigmodels, carried, kernel_memory, loopcell, pretrained
 from distnb.train.homecoming import interrupted_weights, kept_weights, weights_back
 from distnb.train.loopcell import clip_warnings
 from distnb.train.meshes import carried_message
-from distnb.train.resuming import check_folders, first_step, newest_meta, newest_start, push_saved_names, start_sentence
+from distnb.train.rankfolders import check_folders
+from distnb.train.resuming import first_step, newest_meta, newest_start, push_saved_names, start_sentence
 from distnb.transfer import captured, data, modelcheck, resident, transfer, valsets
 from distnb.transfer.transfer import _pool as transfer_pool
 from distnb.transfer.transfer import fingerprint, free_names, model_change, outgoing, pack_named
@@ -95,9 +96,11 @@ class Holdings:
     resume_steps: tuple = (None, None, None)  # the notebook's and the newest checkpoint's steps, its optimizer
     generation: int = 0
     loaded: str | None = None  # the model %dist load filled after the last training cell (save's default model)
+    gone: dict = field(default_factory=dict)  # model -> (fingerprint the ranks held, why no more): bigmodels.RESTARTED
 
     def forget(self) -> None:
         """Drop what the ranks held (they are gone); the user's optimizer choices stay."""
+        self.gone.update({name: (fp, bigmodels.RESTARTED) for name, fp in self.models.items()})
         for held in (self.models, self.distributed, self.data, self.pushed, self.names):
             held.clear()
         self.loaded = None
@@ -134,6 +137,7 @@ class Holdings:
         new.lr_of.update(self.lr_of)
         new.trained_steps.update(self.trained_steps)
         new.objects.update(self.objects)
+        new.gone.update(self.gone)
 
     def replaced(self, name: str, model_obj) -> dict:
         """If ``name`` is bound to another object than the one its options were carried for, forget
@@ -272,9 +276,7 @@ def check_step_options(session, plan, model_obj) -> None:
     if plan.log_dir is not None and importlib.util.find_spec("tensorboard") is None:
         raise PlanError("--log-dir writes TensorBoard event files and needs the tensorboard package (pip install "
                         "tensorboard)")
-    unwritable = check_folders(plan, session.cluster.ranks)
-    if unwritable:
-        raise PlanError(unwritable)
+    check_folders(session, plan)  # every rank can write --checkpoint-dir and --log-dir, or a PlanError says who
 
 
 def body_warnings(code: str, plan) -> list:
@@ -521,7 +523,8 @@ def train_cell(session, code, model, data, run, given):
         except Interrupted as exc:  # every rank stopped after the same step: the result of what was trained
             if getattr(exc, "results", None) is None:  # stopped where they were: the replicas may be steps apart
                 lost = weights_back(session, plan.model, model_obj, best_effort=True)
-                session.holdings.models.pop(plan.model, None)  # so the next cell sends rank 0's weights to all
+                held = session.holdings  # the next cell sends rank 0's weights to all
+                held.gone[plan.model] = (held.models.pop(plan.model, None), bigmodels.INTERRUPTED)
                 raise Interrupted(f"{exc}; {interrupted_weights(plan, model_obj, lost)}") from None
             rows, stopped = exc.results, exc
         except (RankError, KeyboardInterrupt) as exc:

@@ -9,8 +9,47 @@ holds on the meta device, or one bigger than the kernel wants) this reads one we
 
 from __future__ import annotations
 
+import difflib
+
 from distnb.core import calls
-from distnb.core.errors import PlanError
+from distnb.core.errors import PlanError, ranks_named
+
+
+def pull_value(session, name: str, ranks: list) -> list:
+    """The value of the variable ``name`` on each of ``ranks`` (:meth:`distnb.session.Session.pull`).
+
+    Raises
+    ------
+    PlanError
+        ``name`` is not defined on one of ``ranks``: names those ranks, the nearest names they have, whether the
+        notebook has ``name`` (then ``%dist push`` sends it) or its nearest, and the ranks that have it.
+    """
+    from distnb.engine.transport import wire  # loads numpy, torch: at first use, not when this module is imported
+
+    cluster = session.cluster
+    ars = [cluster.apply(r, calls.lookup, name) for r in ranks]
+    packed = cluster.wait_all(ars, timeout=cluster.spec.timeout, what=f"pull {name}", ranks=ranks)
+    missing = {r: p[1] for r, p in zip(ranks, packed) if isinstance(p[0], str) and p[0] == "missing"}
+    if missing:
+        raise PlanError(_not_defined(session, name, missing, [r for r in ranks if r not in missing]))
+    return [wire.loads(*p) for p in packed]
+
+
+def _not_defined(session, name: str, missing: dict, holders: list) -> str:
+    """The error of a pull of ``name``, which ``missing`` (rank -> its nearest names) lack and ``holders`` hold."""
+
+    near = sorted({n for names in missing.values() for n in names})
+    text = f"pull {name}: {name!r} is not defined on {ranks_named(missing)}"
+    text += f" (nearest there: {', '.join(near)})" if near else ""
+    if holders:
+        return (text + f"; {ranks_named(holders)} {'has' if len(holders) == 1 else 'have'} it: %dist pull {name} "
+                f"--rank {holders[0]} reads one (rank={holders[0]} in Python)")
+    if name in session.ns:
+        return text + f"; the notebook has it: send it to the ranks with %dist push {name}"
+    shown = [n for n in session.ns if isinstance(n, str) and not n.startswith("_")]
+    close = difflib.get_close_matches(name, shown, n=3, cutoff=0.6)
+    return (text + ", nor in the notebook" + (f" (nearest there: {', '.join(close)})" if close else "")
+            + f": check the spelling, or define {name} on the ranks in a %%dist cell")
 
 
 def pull_tensor(session, name: str, rank=None):

@@ -308,3 +308,31 @@ def test_a_meta_model_rebuilt_in_the_notebook_is_initialised_afresh_and_says_so(
     assert "meta_rebuilt is on the meta device in the notebook and changed in the notebook, so sending it again " \
            "initialises it afresh" in out
     assert_weights(ranks_weights(dist_session, "meta_rebuilt"), built(meta=False))
+
+
+def test_a_restart_is_not_called_a_change_in_the_notebook_and_a_real_change_still_is(dist_session, shell, capsys):
+    """After %dist restart, the next cell of a meta model said it "changed in the notebook" (it had not); a model
+    rebuilt in the notebook after the restart is still told as changed."""
+    from distnb import session
+
+    ns = shell.user_ns
+    ns["meta_data"], ns["F"] = parity_data(), F
+    ns["meta_kept"], ns["meta_remade"] = built(meta=True), built(meta=True)
+    opts = dict(data="meta_data", epochs=1, batch_size=16, optimizer="sgd", lr=0.1, seed=4, strategy="fsdp",
+                progress="none")
+    for name in ("meta_kept", "meta_remade"):
+        dist_session.train(BODY, model=name, **opts)
+    shell.run_line_magic("dist", "restart")
+    ns["meta_remade"] = built(meta=True)  # a new model under the same name, after the restart
+    capsys.readouterr()
+    session.current().train(BODY, model="meta_kept", **opts)
+    out = capsys.readouterr().out
+    assert "meta_kept is on the meta device in the notebook and the ranks were started again since they trained it " \
+           "(%dist restart, %dist stop and start, or an automatic restart): its weights went with them, so sending it " \
+           "again initialises it afresh" in out, out
+    assert "changed in the notebook" not in out
+    session.current().train(BODY, model="meta_remade", **dict(opts, lr=0.0))
+    out = capsys.readouterr().out
+    assert "meta_remade is on the meta device in the notebook and changed in the notebook, so sending it again " \
+           "initialises it afresh" in out, out
+    assert_weights(ranks_weights(session.current(), "meta_remade"), built(meta=False))

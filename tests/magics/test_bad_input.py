@@ -135,7 +135,7 @@ TRAIN_LINES = [
     ("--model keep_net", BODY, "required: --data"),
     # it failed only at the first save, after an epoch's training, with the ranks' FileNotFoundError
     ("--model keep_net --data bad_ds --checkpoint-dir /proc/distnb-nope", BODY,
-     "--checkpoint-dir /proc/distnb-nope cannot be written: /proc is not writable"),
+     "--checkpoint-dir /proc/distnb-nope: not every rank can write it (ranks 0-1 on "),
     ("--model keep_net --data bad_ds", "", "cell body is empty"),
     ("--model keep_net --data bad_ds", "x, y = batch\nloss = (", "not valid Python"),
 ]
@@ -158,6 +158,37 @@ def test_bad_training_input_is_a_usage_error(shell, trained, line, body, needle)
     assert isinstance(res.error_in_exec, UsageError), (line, res.error_in_exec)
     assert needle in str(res.error_in_exec), (line, str(res.error_in_exec))
     assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize("flag", ["--checkpoint-dir", "--log-dir"])
+def test_a_folder_one_rank_cannot_write_is_refused_by_every_rank_before_any_step(shell, trained, tmp_path,
+                                                                                  monkeypatch, flag):
+    """--checkpoint-dir was checked in the kernel only: a folder rank 1 could not write failed on rank 1 at its
+    first save, after an epoch's training. Every rank is asked first, as %dist save asks: one error naming the
+    rank, its host and the fix, nothing trained. Rank 1 sees another folder than the kernel and rank 0 here as a
+    rank on another host, in a container or under another user does: /proc/self/cwd is each process's own working
+    folder, and rank 1's holds a file where the folder should be."""
+    for where in ("kernel", "rank0", "rank1"):
+        (tmp_path / where).mkdir()
+    (tmp_path / "rank1" / "blocked").write_text("a file where the folder should be")
+    monkeypatch.chdir(tmp_path / "kernel")
+    assert run(shell, f"%%dist\nimport os\n_cwd = os.getcwd()\nos.chdir(os.path.join({str(tmp_path)!r}, "
+                      "f'rank{rank}'))").error_in_exec is None
+    try:
+        res = run(shell, f"%%distrain --model keep_net --data bad_ds --epochs 1 --progress none {flag} "
+                         f"/proc/self/cwd/blocked\n{BODY}")
+    finally:
+        assert run(shell, "%%dist\nos.chdir(_cwd)").error_in_exec is None
+    assert isinstance(res.error_in_exec, UsageError), res.error_in_exec
+    host = session_mod.current().cluster.ranks[1]["host"]
+    assert str(res.error_in_exec) == (
+        f"{flag} /proc/self/cwd/blocked: not every rank can write it (rank 1 on {host}: /proc/self/cwd/blocked is a "
+        "file, not a folder); give a folder every rank can create and write. Nothing was sent or trained")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["blocked", "kernel", "rank0", "rank1"]  # nothing written
+    # nothing trained: the weights are the trained fixture's, on the ranks and in the kernel
+    kernel = torch.cat([p.detach().flatten() for p in shell.user_ns["keep_net"].parameters()])
+    assert torch.equal(kernel, torch.cat([p.flatten() for p in trained]))
+    assert all(torch.equal(w, kernel) for w in _ranks_weights("keep_net"))
 
 
 @pytest.mark.parametrize("data,needle", [
@@ -527,6 +558,40 @@ def test_pull_of_a_bad_name_is_a_usage_error(shell, trained):
     for line in ("pull 0", "gather 1bad"):
         res = run(shell, f"%dist {line}")
         assert isinstance(res.error_in_exec, UsageError), (line, res.error_in_exec)
+
+
+def test_a_pull_of_a_name_the_ranks_lack_suggests_only_what_exists(shell, dist_session, capsys):
+    """pull("nosuch") said "push it with %dist push nosuch" though the notebook had no nosuch either."""
+    assert run(shell, "%%dist\npl_losses = [rank]\nif rank == 0:\n    pl_only0 = 5").error_in_exec is None
+    shell.user_ns["pl_lossez"] = 1
+    capsys.readouterr()
+    with pytest.raises(PlanError) as err:
+        dist_session.pull("pl_losss")
+    message = str(err.value)
+    assert message.startswith("pull pl_losss: 'pl_losss' is not defined on ranks 0-1 (nearest there: "), message
+    assert "pl_losses" in message.split("nor in the notebook")[0]
+    assert "nor in the notebook (nearest there: pl_lossez" in message and "%%dist cell" in message
+    assert "push" not in message
+    res = run(shell, "%dist pull pl_lossez --rank 1")  # the notebook has it: push is the fix
+    assert isinstance(res.error_in_exec, UsageError)
+    assert "'pl_lossez' is not defined on rank 1" in str(res.error_in_exec)
+    assert "the notebook has it: send it to the ranks with %dist push pl_lossez" in str(res.error_in_exec)
+    res = run(shell, "%dist pull pl_only0")  # defined on rank 0 alone
+    assert "'pl_only0' is not defined on rank 1" in str(res.error_in_exec)
+    assert "rank 0 has it: %dist pull pl_only0 --rank 0" in str(res.error_in_exec)
+    assert "push" not in str(res.error_in_exec) + capsys.readouterr().out
+    assert run(shell, "%dist pull pl_losses").result == [[0], [1]]  # the cluster is usable
+
+
+def test_a_pull_that_fails_on_the_rank_asked_names_that_rank(shell, capsys):
+    """`%dist pull NAME --rank 1` of a value that cannot be pickled said it failed on rank 0."""
+    assert run(shell, "%%dist\nimport threading\n_pl_lock = threading.Lock()").error_in_exec is None
+    capsys.readouterr()
+    res = run(shell, "%dist pull _pl_lock --rank 1")
+    assert isinstance(res.error_in_exec, RankError)
+    assert str(res.error_in_exec).startswith("pull _pl_lock failed on rank 1 on "), res.error_in_exec
+    assert "rank 0" not in str(res.error_in_exec) + capsys.readouterr().out
+    assert run(shell, "%dist pull rank --rank 1").result == 1  # the cluster is usable
 
 
 @pytest.mark.parametrize("call, needle", [

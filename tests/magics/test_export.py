@@ -322,6 +322,36 @@ def test_export_after_dist_load_goes_on_from_the_loaded_weights_not_a_changed_cl
         shell.run_line_magic("dist", f"export {tmp_path / 'again'}")
 
 
+@pytest.mark.parametrize("start", ["load", "first cell"])
+def test_a_meta_model_is_refused_naming_where_its_weights_are(shell, tmp_path, capsys, start):
+    """A model built on meta: export said the job goes on "from the notebook's weights" (it has none) and wrote a
+    model.pkl of meta tensors, a job that crashed on the CPU (and would start from a fresh initialisation on a GPU)."""
+    from safetensors.torch import save_file
+
+    ns = shell.user_ns
+    name = f"ex_meta_{start.replace(' ', '_')}"
+    torch.manual_seed(3)
+    source = torch.nn.Sequential(torch.nn.Linear(10, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    with torch.device("meta"):
+        ns[name] = torch.nn.Sequential(torch.nn.Linear(10, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+    ns["ex_meta_data"], ns["F"] = blobs(40, seed=5, num_features=10, num_classes=2), F
+    if start == "load":
+        (tmp_path / "weights").mkdir()
+        save_file(source.state_dict(), str(tmp_path / "weights" / "model.safetensors"))
+        shell.run_line_magic("dist", f"load {tmp_path / 'weights'} --model {name}")
+    shell.run_cell_magic("distrain", f"--model {name} --data ex_meta_data --epochs 1 --batch-size 8 --progress none",
+                         BODY)
+    capsys.readouterr()
+    with pytest.raises(UsageError) as caught:
+        shell.run_line_magic("dist", f"export {tmp_path / 'job'}")
+    message = str(caught.value)
+    assert f"--model {name} is on the meta device in the notebook (4 of its 4 tensors have no data): the kernel " \
+        "holds none of their weights (they exist on the ranks only)" in message
+    assert f"build {name} with its weights in the notebook" in message and "%dist save DIR" in message
+    assert "notebook's weights" not in message + capsys.readouterr().out
+    assert not (tmp_path / "job").exists() and all(p.is_meta for p in ns[name].parameters())
+
+
 def test_a_model_too_large_to_keep_a_copy_of_is_exported_from_its_weights_after_the_cell(exported, shell, tmp_path,
                                                                                         monkeypatch):
     from distnb.train import record

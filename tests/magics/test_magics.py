@@ -578,6 +578,29 @@ def test_a_position_partway_through_one_data_set_does_not_carry_to_another(shell
     assert steps > 2
 
 
+@pytest.mark.parametrize("progress", ["text", "none"])
+def test_each_note_on_how_a_cell_starts_is_its_own_line(shell, dist_session, capsys, progress):
+    """A cell after an interrupt partway through an epoch, with a new --lr and other data, said
+    "lr set to 0.1 epoch 1 had stopped partway through other data ...": two notes run together."""
+    import torch as _torch
+
+    name = f"notes_{progress}"
+    run(shell, TRAIN_SETUP.replace("mnet", name))
+    dist_session.train(BODY, model=name, data="train_ds", epochs=1, optimizer="sgd", lr=0.05, progress="none",
+                       quiet=True)
+    # the state an interrupt leaves partway through an epoch: epoch 1 with 2 steps of it trained
+    dist_session.run(f"from distnb.engine.train.loop import RUNS\n_r = RUNS[{name!r}]\n_r.epoch_step = 2\n"
+                     "_r.epoch_samples = 2 * 8")
+    x, y = shell.user_ns["train_ds"].tensors
+    shell.user_ns["notes_ds"] = _torch.utils.data.TensorDataset(x[:40].clone(), y[:40].clone())
+    capsys.readouterr()
+    dist_session.train(BODY, model=name, data="notes_ds", epochs=1, batch_size=8, lr=0.1, progress=progress)
+    lines = capsys.readouterr().out.splitlines()
+    assert "distnb: lr set to 0.1" in lines, lines
+    assert any(line.startswith("distnb: epoch 1 had stopped partway through other data (train_ds); it starts again "
+                               "at the beginning of notes_ds") for line in lines), lines
+
+
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
 def test_ranks_stopped_where_they_were_never_claim_weights_the_notebook_lacks(shell, dist_session, strategy):
     """Steps trained, then both presses land in a slow step: the ranks are stopped where they were. The message says

@@ -264,6 +264,12 @@ def train(ns, plan_dict, code_text, outbox=None):
             relay.close(linger=RELAY_LINGER if relay.leader else 0.0)
 
 
+def notes(*parts: str) -> str:
+    """The notes a cell says of how it starts, one a line (:func:`distnb.display.text.start_notes` prints each on
+    its own); the empty ones left out. Each is a clause of its own: run together they read as one."""
+    return "\n".join(p for p in parts if p)
+
+
 def _settle_position(run, plan, data, note: str) -> str:
     """Where this cell's first epoch starts: the position the last cell stopped at, in the same data.
 
@@ -274,12 +280,12 @@ def _settle_position(run, plan, data, note: str) -> str:
     data_key = (plan.data, getattr(data, "num_samples", None))
     if (run.epoch_samples or epochrest.active(run)) and run.epoch_data not in (None, data_key):
         run.epoch_step = run.epoch_samples = 0
-        note = " ".join(x for x in (note, f"epoch {run.epoch} had stopped partway through other data "
-                                    f"({run.epoch_data[0]}); it starts again at the beginning of {plan.data}") if x)
+        note = notes(note, f"epoch {run.epoch} had stopped partway through other data ({run.epoch_data[0]}); it "
+                     f"starts again at the beginning of {plan.data}")
     run.epoch_data = data_key
     if _trained_through(run, plan, epochrest.segment_length(run, data, plan) or 0):  # after its last batch: done
         run.epoch, run.epoch_step, run.epoch_samples = run.epoch + 1, 0, 0
-    return " ".join(x for x in (note, epochrest.note(run, data, plan)) if x)
+    return notes(note, epochrest.note(run, data, plan))
 
 
 def _trained_through(run, plan, length: int) -> bool:
@@ -323,7 +329,7 @@ def _train(ns, plan, code_text, relay):
         ctx = Context(plan, run, data, reporter, stop=stop)
         reporter.total = steps * plan.epochs - math.ceil(ctx.skip / plan.batch_size)
         continued = dict(epoch=run.epoch, samples=ctx.skip) if ctx.skip else None
-        note = " ".join(x for x in (note, _cell_extras(ns, plan, run, ctx, code, steps)) if x)
+        note = notes(note, _cell_extras(ns, plan, run, ctx, code, steps))
         ns.update(model=run.strategy.model, optimizer=run.optimizer, ctx=ctx)
         run.module.train()
         start = dict(note=note, resumed=resumed, continued=continued)
@@ -398,8 +404,8 @@ def _cell_extras(ns, plan, run, ctx, code, steps) -> str:
     first = max(1, steps - math.ceil(ctx.skip / plan.batch_size))  # an epoch resumed in the middle: its rest
     total = Stepper.groups_per_epoch(first, plan.accumulate) + \
         (plan.epochs - 1) * Stepper.groups_per_epoch(steps, plan.accumulate)
-    note = " ".join(x for x in (stepping.prepare_schedule(plan, run, max(1, total), ns, lr_given=plan.lr is not None),
-                                precision_check.precision_note(plan.precision, runtime.STATE.device)) if x)
+    note = notes(stepping.prepare_schedule(plan, run, max(1, total), ns, lr_given=plan.lr is not None),
+                 precision_check.precision_note(plan.precision, runtime.STATE.device))
     if plan.val_data is not None:
         ctx.validator = Validator(plan, run, SHARDS[plan.val_data], ns, runtime.STATE.device)
     if plan.log_dir is not None:

@@ -1,10 +1,12 @@
 """Whether this rank can write the folder of a save, asked before anything is written.
 
-``%dist save`` asks every rank first (:func:`writable`, no collective: a rank that cannot write leaves
-no other waiting), and the kernel names each rank that cannot, with its host and the fix, before the
-save starts: nothing fails on the ranks, so the process group and the model it holds stay. A save
-made on the ranks alone (an expiring lease's, a training cell's ``--checkpoint-dir``) checks the
-same together (:func:`check_writable`), so that every rank raises alike.
+``%dist save`` and a training cell with ``--checkpoint-dir`` or ``--log-dir`` ask every rank first
+(:func:`writable`, no collective: a rank that cannot write leaves no other waiting), and the kernel
+names each rank that cannot, with its host and the fix, before the save or the cell starts
+(:mod:`distnb.train.rankfolders`): nothing fails on the ranks, so the process group and the model it
+holds stay. A save made on the ranks alone (an expiring lease's, a training cell's checkpoint, whose
+folder may have changed since the cell began) checks the same together (:func:`check_writable`), so
+that every rank raises alike.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ swept: by the kernel when it stops its cluster and by the reaper when the kernel
 
 from __future__ import annotations
 
+import difflib
 import io
 import os
 import pickle
@@ -425,9 +426,11 @@ def bind(ns: dict, name: str, payload: bytes, descs, *buffers) -> None:
 
 
 def lookup(ns: dict, name: str):
-    """The engine's value of ``name``, packed by :func:`pack`; NameError naming the rank if undefined."""
+    """The engine's value of ``name``, packed by :func:`pack`; ``("missing", nearest names)`` if undefined.
+
+    The kernel words the error (:func:`distnb.transfer.pulling.pull_value`): only it knows what the notebook holds.
+    """
     if name not in ns:
-        rank = ns.get("rank")
-        raise NameError(f"name {name!r} is not defined on rank {rank}; push it with %dist push {name} "
-                        "or define it in a %%dist cell")
+        shown = [n for n in ns if isinstance(n, str) and not n.startswith("_")]
+        return ("missing", difflib.get_close_matches(name, shown, n=3, cutoff=0.6))
     return pack(ns[name])
