@@ -43,6 +43,7 @@ from distnb.execute import debugger
 from distnb.execute.execute import run_on_ranks, targets_of
 from distnb.export.export import session_export
 from distnb.train import background, checkpoints, training
+from distnb.train.holdings import Holdings
 from distnb.train.background import BackgroundRun, check_idle
 from distnb.train.hfsaving import session_save
 from distnb.train.results import StatusTable, TrainResult, WhereTable, status_table, where_table
@@ -165,7 +166,7 @@ class Session:
     def __init__(self, cluster: Cluster, ns=None):
         self.cluster = cluster
         self._ns = ns
-        self.holdings = training.Holdings()  # what the ranks hold (models, data, pushed names, ...)
+        self.holdings = Holdings()  # what the ranks hold (models, data, pushed names, ...)
         self.last_result = None
         self._background = None  # a BackgroundRun while a %%distrain --background run is going on
         self.on_failure = "stop"  # when an engine dies during a cell: stop, restart or shrink (--on-failure)

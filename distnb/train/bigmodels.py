@@ -185,7 +185,7 @@ def reinit_note(name: str, why: str) -> str:
             f"keeps them)")
 
 
-#: Why the ranks no longer hold a model (:attr:`distnb.train.training.Holdings.gone`: the model's name -> (the
+#: Why the ranks no longer hold a model (:attr:`distnb.train.holdings.Holdings.gone`: the model's name -> (the
 #: fingerprint of what they held, why), kept until the model is sent again, across restarts): its next cell says so,
 #: and calls it changed only when it changed in the notebook since. After their world ended:
 RESTARTED = ("the ranks were started again since they trained it (%dist restart, %dist stop and start, or an automatic "
@@ -222,7 +222,7 @@ def carry_or_reinit(session, plan, model, fp, last) -> bool:
 def _why_not_kept(held, name: str, fp) -> str:
     """Why the ranks cannot keep the weights of the meta model ``name`` (its fingerprint now ``fp``) they trained:
     a change in the notebook since the ranks got it, else why they no longer hold it
-    (:attr:`~distnb.train.training.Holdings.gone`)."""
+    (:attr:`~distnb.train.holdings.Holdings.gone`)."""
     if name in held.models:
         before, why = held.models[name], "its process group was re-formed since it was placed (its sharded weights " \
             "went with it)"

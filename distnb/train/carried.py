@@ -61,7 +61,7 @@ def cell_sentence(model: str, kept: dict, dropped: dict) -> str:
 def status_notes(carried: dict) -> list:
     """``%dist status``'s lines under the table: each model's settings its next cell takes when it leaves them out.
 
-    ``carried``: :attr:`distnb.train.training.Holdings.carried` (model name -> carried option values).
+    ``carried``: :attr:`distnb.train.holdings.Holdings.carried` (model name -> carried option values).
     """
     lines = []
     for model, values in sorted(carried.items()):

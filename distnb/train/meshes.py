@@ -91,7 +91,7 @@ def plan_at(plan, old_world: int, n: int):
 def carry(held, old_world: int, n: int) -> dict:
     """Rewrite the carried ``--mesh`` of each fsdp+tensor model for the world of ``n``: {model: new mesh}.
 
-    ``held`` is the session's :class:`distnb.train.training.Holdings`. A mesh that already fits
+    ``held`` is the session's :class:`distnb.train.holdings.Holdings`. A mesh that already fits
     ``n`` (a model resharded onto it) stays; a model whose ``TP`` does not divide ``n`` keeps
     the mesh of its last cell (its next cell then says where it came from,
     :func:`carried_message`).

@@ -4,9 +4,9 @@ A ``%%distrain`` cell's options become a :class:`~distnb.core.plan.TrainPlan` he
 (:func:`make_plan`); then :func:`prepare` sends only what the ranks lack: the names the
 body reads (:func:`body_pushes`), the model (:func:`ensure_model`, whose reuse decision is
 :func:`distnb.core.plan.redistribution`, the same rule the ranks apply) and the data's shards
-(:func:`ensure_data`). :class:`Holdings` records all of it; :func:`train_cell` runs the cell
-on the ranks (through :mod:`distnb.execute.execute`) and :func:`weights_back` loads the trained
-weights into the kernel's model when it ends.
+(:func:`ensure_data`). :class:`~distnb.train.holdings.Holdings` records all of it;
+:func:`train_cell` runs the cell on the ranks (through :mod:`distnb.execute.execute`) and
+:func:`weights_back` loads the trained weights into the kernel's model when it ends.
 """
 
 from __future__ import annotations
@@ -14,13 +14,11 @@ from __future__ import annotations
 import importlib.util
 import time
 import warnings
-import weakref
-from dataclasses import dataclass, field
 
 from distnb.cluster import worlds
 from distnb.core import calls, options, weightfiles
 from distnb.core.errors import Interrupted, PlanError, RankError
-from distnb.core.plan import CARRIED, LR_SCHEDULES, TrainPlan, carry_over, not_carried, redistribution
+from distnb.core.plan import LR_SCHEDULES, TrainPlan, carry_over, not_carried, redistribution
 from distnb.core.tables import count
 from distnb.core.tracebacks import body_name_hint, module_name_hint
 from distnb.display import ProgressState, make_view, view_kind
@@ -42,113 +40,6 @@ REPORT_INTERVAL = {"widgets": 0.1, "text": 2.0, "none": 3600.0}
 #: Names a training body gets from distnb, never pushed from the notebook.
 RESERVED_NAMES = frozenset({"batch", "model", "optimizer", "ctx", "loss", "rank", "world_size", "local_rank",
                             "device"})
-
-
-@dataclass
-class Holdings:
-    """What the kernel knows the ranks hold, so a cell sends only what changed.
-
-    Attributes
-    ----------
-    models : dict
-        Model name -> fingerprint of the kernel object the ranks hold.
-    distributed : dict
-        Model name -> (strategy key, generation) it was last distributed with.
-    data : dict
-        Data set name -> dict(fingerprint, seed, num_samples, shards, structure, num_shards, layout).
-    pushed : dict
-        Name -> fingerprint of what an automatic push sent.
-    carried : dict
-        Model name -> the values of its last cell's options that carry over
-        (:func:`distnb.core.plan.carry_over`); survives restarts.
-    lr_of : dict
-        Model name -> the lr its carried optimizer was chosen with, for one made new; survives restarts.
-    trained_steps : dict
-        Model name -> the ranks' global optimizer step count the notebook's weights come from (the
-        last cell that ended well); survives restarts, so a resume never goes backwards.
-    objects : dict
-        Model name -> weak reference to the notebook object its carried options belong to: a new
-        object bound to the name (``net = Net()`` run again) starts from the defaults.
-    names : set
-        Notebook names pushed to the ranks (``%dist push``, a training body's names): ``%dist scale``
-        hands them to added ranks.
-    batch_world : dict
-        After ``%dist scale --keep-global-batch``: model name -> (the world size its cells' ``--batch-size``
-        and ``--accumulate`` are written for, a weak reference to the notebook object that was live then),
-        for the models live at the scale (:func:`distnb.elastic.scaling.batch_for_world`); the pending rewrite of
-        the cell running now is under ``None`` (for ``%dist export``).
-    generation : int
-        Bumps whenever the process group is re-formed.
-    """
-
-    models: dict = field(default_factory=dict)
-    distributed: dict = field(default_factory=dict)
-    data: dict = field(default_factory=dict)
-    pushed: dict = field(default_factory=dict)
-    carried: dict = field(default_factory=dict)
-    lr_of: dict = field(default_factory=dict)
-    trained_steps: dict = field(default_factory=dict)
-    objects: dict = field(default_factory=dict)
-    names: set = field(default_factory=set)
-    batch_world: dict = field(default_factory=dict)
-    last_plans: dict = field(default_factory=dict)  # model -> (its last cell's plan, whether it failed): lostshards.py
-    settings: dict = field(default_factory=dict)  # model name -> its last cell's words on carried options (carried.py)
-    resume_steps: tuple = (None, None, None)  # the notebook's and the newest checkpoint's steps, its optimizer
-    generation: int = 0
-    loaded: str | None = None  # the model %dist load filled after the last training cell (save's default model)
-    gone: dict = field(default_factory=dict)  # model -> (fingerprint the ranks held, why no more): bigmodels.RESTARTED
-
-    def forget(self) -> None:
-        """Drop what the ranks held (they are gone); the user's optimizer choices stay."""
-        self.gone.update({name: (fp, bigmodels.RESTARTED) for name, fp in self.models.items()})
-        for held in (self.models, self.distributed, self.data, self.pushed, self.names):
-            held.clear()
-        self.loaded = None
-
-    def remember(self, plan, model_obj=None) -> None:
-        """What of ``plan`` carries over to the model's next cell (the ranks accepted it), for the
-        notebook object ``model_obj``.
-
-        ``--optimizer`` left out keeps the one chosen before, and its lr (for an optimizer made
-        new later) is the last one given with it.
-        """
-
-
-        if model_obj is not None:
-            self.objects[plan.model] = weakref.ref(model_obj)
-
-        last = self.carried.get(plan.model, {})
-        values = {name: getattr(plan, name) for name in CARRIED}
-        if plan.optimizer is None:
-            values["optimizer"] = last.get("optimizer")
-        elif plan.lr is not None or last.get("optimizer") != plan.optimizer:
-            self.lr_of[plan.model] = plan.lr
-        self.carried[plan.model] = values
-
-    def steps_of(self, name: str, model_obj):
-        """The global step count of ``model_obj``'s weights (:attr:`trained_steps`), or None when ``model_obj``
-        is not the object the name's count belongs to (``net = Net()`` run again: new weights, no steps)."""
-        ref = self.objects.get(name)
-        return self.trained_steps.get(name) if ref is not None and ref() is model_obj else None
-
-    def keep_across_restart(self, new: "Holdings") -> None:
-        """Copy into ``new`` what survives ``%dist restart``: the carried options, lrs and step counts."""
-        new.carried.update(self.carried)
-        new.lr_of.update(self.lr_of)
-        new.trained_steps.update(self.trained_steps)
-        new.objects.update(self.objects)
-        new.gone.update(self.gone)
-
-    def replaced(self, name: str, model_obj) -> dict:
-        """If ``name`` is bound to another object than the one its options were carried for, forget
-        them (and their lr) and return them; else {}."""
-        ref = self.objects.get(name)
-        if ref is None or ref() is model_obj:
-            return {}
-        del self.objects[name]
-        self.lr_of.pop(name, None)
-        self.trained_steps.pop(name, None)  # new weights: no steps trained on them yet
-        return self.carried.pop(name, None) or {}
 
 
 def make_plan(session, model_name, model_obj, data_name, given: dict, quiet=False) -> TrainPlan:
@@ -290,7 +181,8 @@ def prepare(session, plan, code, model_obj, data_obj, quiet) -> tuple:
 
     What the kernel refuses alone (a name the notebook lacks, a body that is not Python, ``--load``'s files,
     a model to be sent that does not fit: :func:`distnb.train.bigmodels.check_before_sending`) is refused
-    before anything is sent, so a refused cell leaves the ranks and :class:`Holdings` as they were.
+    before anything is sent, so a refused cell leaves the ranks and
+    :class:`~distnb.train.holdings.Holdings` as they were.
 
     Returns
     -------
@@ -373,8 +265,8 @@ def ensure_model(session, plan, model_obj, quiet, checked=False) -> bool:
     strategy that shards the module in place cannot be re-distributed another way, nor survive a re-formed
     process group, so the model is sent again from the kernel's weights, the last trained ones). A model to be
     sent is checked first (:func:`distnb.train.bigmodels.check_before_sending`, unless ``checked``) and recorded
-    in :attr:`Holdings.distributed` once placed; a failed placement counts as not held (the next cell sends
-    it afresh). Returns whether it was sent.
+    in :attr:`~distnb.train.holdings.Holdings.distributed` once placed; a failed placement counts as not held
+    (the next cell sends it afresh). Returns whether it was sent.
     """
 
     held = session.holdings

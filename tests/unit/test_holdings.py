@@ -1,8 +1,8 @@
-"""The kernel's record of what the ranks hold (``training.Holdings``, ``data.scatter_line``), no cluster needed."""
+"""The kernel's record of what the ranks hold (``holdings.Holdings``, ``data.scatter_line``), no cluster needed."""
 
 import weakref
 
-from distnb.train.training import Holdings
+from distnb.train.holdings import Holdings
 
 
 class Net:  # any object the notebook binds to the model's name

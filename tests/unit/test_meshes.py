@@ -4,7 +4,7 @@ import pytest
 
 from distnb.train import meshes
 from distnb.core.errors import PlanError
-from distnb.train.training import Holdings
+from distnb.train.holdings import Holdings
 
 
 @pytest.mark.parametrize("mesh,old,n,want", [("1x2", 2, 4, "2x2"), ("2x2", 4, 2, "1x2"), ("3x1", 3, 2, "2x1"),
