@@ -368,7 +368,7 @@ def _check_training(plan) -> None:
 
 
 #: What a strategy cannot take besides another strategy's options: (field, refused(value), the
-#: strategies, the error). :func:`_check_training` raises the error; :func:`carry_over` drops a
+#: strategies, the error). :func:`_check_training` raises the error; :func:`~distnb.core.carryover.carry_over` drops a
 #: carried value that the cell's strategy refuses.
 STRATEGY_LIMITS = (
     ("clip_grad_norm", lambda v: v is not None, ("ps",), "--clip-grad-norm is not available with --strategy ps: "
@@ -414,62 +414,6 @@ class RunOptions:
 
 #: The options that decide how a model is distributed (:meth:`TrainPlan.strategy_key`).
 DISTRIBUTION = options.distribution_fields(TrainPlan)
-#: The options that carry over between cells (see :func:`carry_over`).
-CARRIED = options.carried_fields(TrainPlan)
-
-
-def carry_over(last: dict | None, given: dict) -> dict:
-    """The options a cell left out that keep the values of the model's last cell: the one rule.
-
-    State carries, settings do not. How a model is distributed (``--strategy`` and the
-    options of that strategy, ``--precision``, ``--compile``, ``--sync-bn``,
-    ``--find-unused-parameters``: :data:`DISTRIBUTION`) and its optimizer (``--optimizer``)
-    are state the ranks keep between cells, so a cell that leaves one out keeps the value of
-    the model's last cell. The options of a strategy carry only while that strategy does: a
-    cell that names another ``--strategy`` starts them afresh, and a carried value that the
-    cell's strategy cannot take (``--precision bf16`` into ``--strategy pipeline``:
-    :data:`STRATEGY_LIMITS`) is dropped too (:func:`not_carried` names those). The learning
-    rate and ``--lr-schedule`` live on in the ranks' optimizer and scheduler in the same way
-    (their default, None, means "keep the live one"). Every other option applies to its own
-    cell alone and takes its default when left out.
-
-    Parameters
-    ----------
-    last : dict or None
-        :data:`CARRIED` field -> value of the model's last cell (None: no cell trained it yet).
-    given : dict
-        The options the cell gave (field names; a None for an option whose default is None
-        counts as left out).
-
-    Returns
-    -------
-    dict
-        Field -> value for each carried option the cell left out (only values that are not
-        the field's default).
-    """
-    return _carry(last, given)[0]
-
-
-def not_carried(last: dict | None, given: dict) -> dict:
-    """Field -> value of the model's last cell that :func:`carry_over` drops because the cell's strategy cannot
-    take it (the cell left the option out, and named another ``--strategy``)."""
-    return _carry(last, given)[1]
-
-
-def _carry(last, given) -> tuple:
-    """(kept, dropped): :func:`carry_over`'s and :func:`not_carried`'s values."""
-    if not last:
-        return {}, {}
-    strategy = given.get("strategy") or last.get("strategy")
-    kept = {}
-    for f, opt in options.declared(TrainPlan):
-        name = f.name
-        if name not in CARRIED or given.get(name) is not None or last.get(name, f.default) == f.default:
-            continue
-        if not options.strategies_of(opt) or strategy in options.strategies_of(opt):
-            kept[name] = last[name]
-    dropped = {name: kept.pop(name) for name in strategy_refuses(strategy, kept)}
-    return kept, dropped
 
 
 def _check_placement(spec) -> None:

@@ -1,7 +1,7 @@
 """What carries from a model's last cell to its next, said where a user looks (kernel side, stdlib only).
 
 Options declared ``carry`` (and those of how a model is distributed) keep their last value for the
-model's next cell when a cell leaves them out (:func:`distnb.core.plan.carry_over`); a new object bound
+model's next cell when a cell leaves them out (:func:`distnb.core.carryover.carry_over`); a new object bound
 to the model's name starts from the defaults. Both are easy to miss in a cell's printed lines, so
 the dashboard's header names this cell's carried options (and what a new object dropped), and
 ``%dist status`` lists each model's carried settings under its table.
@@ -44,7 +44,7 @@ def cell_sentence(model: str, kept: dict, dropped: dict) -> str:
     model : str
         The ``--model`` name.
     kept : dict
-        Options this cell left out that took the model's last cell's value (:func:`distnb.core.plan.carry_over`).
+        Options this cell left out that took the model's last cell's value (:func:`distnb.core.carryover.carry_over`).
     dropped : dict
         Options a new object bound to ``model`` did not take from the old object's cells.
     """

@@ -14,7 +14,8 @@ import os
 from distnb.core import calls, weightfiles
 from distnb.core.errors import PlanError
 from distnb.core.options import check_path
-from distnb.core.plan import TrainPlan, carry_over
+from distnb.core.carryover import carry_over
+from distnb.core.plan import TrainPlan
 from distnb.core.tables import count
 from distnb.execute.execute import run_on_ranks
 from distnb.train import homecoming, meshes, pretrained, record, training

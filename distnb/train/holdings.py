@@ -11,7 +11,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 
-from distnb.core.plan import CARRIED
+from distnb.core.carryover import CARRIED
 from distnb.train import bigmodels
 
 
@@ -31,7 +31,7 @@ class Holdings:
         Name -> fingerprint of what an automatic push sent.
     carried : dict
         Model name -> the values of its last cell's options that carry over
-        (:func:`distnb.core.plan.carry_over`); survives restarts.
+        (:func:`distnb.core.carryover.carry_over`); survives restarts.
     lr_of : dict
         Model name -> the lr its carried optimizer was chosen with, for one made new; survives restarts.
     trained_steps : dict

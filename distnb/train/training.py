@@ -18,7 +18,8 @@ import warnings
 from distnb.cluster import worlds
 from distnb.core import calls, options, weightfiles
 from distnb.core.errors import Interrupted, PlanError, RankError
-from distnb.core.plan import LR_SCHEDULES, TrainPlan, carry_over, not_carried, redistribution
+from distnb.core.carryover import carry_over, not_carried
+from distnb.core.plan import LR_SCHEDULES, TrainPlan, redistribution
 from distnb.core.tables import count
 from distnb.core.tracebacks import body_name_hint, module_name_hint
 from distnb.display import ProgressState, make_view, view_kind
@@ -45,7 +46,7 @@ RESERVED_NAMES = frozenset({"batch", "model", "optimizer", "ctx", "loss", "rank"
 def make_plan(session, model_name, model_obj, data_name, given: dict, quiet=False) -> TrainPlan:
     """The TrainPlan of a cell: ``given`` options plus those that carry over from the model's last cell.
 
-    What carries over is :func:`distnb.core.plan.carry_over`'s rule; the cell says so for the options
+    What carries over is :func:`distnb.core.carryover.carry_over`'s rule; the cell says so for the options
     of how the model is distributed (unless ``quiet``).
 
     Raises PlanError for a bad option, a model that is not a Module, a bad ``--optimizer``

@@ -121,7 +121,7 @@ def test_one_rule_decides_what_a_live_model_needs(last, key, generation, verdict
 
 def test_the_train_signature_shows_none_for_every_option_that_carries_over():
     """help(Session.train) showed strategy='ddp' while a left-out --strategy keeps the model's last one."""
-    from distnb.core.plan import CARRIED
+    from distnb.core.carryover import CARRIED
 
     params = inspect.signature(session.Session.train).parameters
     assert params["strategy"].default is None and params["precision"].default is None

@@ -71,9 +71,10 @@ def test_cluster_spec_validation():
         ClusterSpec(num_engines=2, timeout=0)
 
 
-# the carry-over rule (plan.carry_over) ---------------------------------------------------
+# the carry-over rule (carryover.carry_over) ---------------------------------------------------
 from distnb.core import options  # noqa: E402
-from distnb.core.plan import CARRIED, DISTRIBUTION, carry_over  # noqa: E402
+from distnb.core.carryover import CARRIED, carry_over  # noqa: E402
+from distnb.core.plan import DISTRIBUTION  # noqa: E402
 
 
 def _last(**values):
@@ -111,7 +112,8 @@ def test_naming_another_strategy_starts_its_options_afresh_but_keeps_the_optimiz
 
 
 def test_a_carried_value_the_named_strategy_cannot_take_is_dropped_and_an_explicit_one_is_refused():
-    from distnb.core.plan import STRATEGY_LIMITS, not_carried
+    from distnb.core.carryover import not_carried
+    from distnb.core.plan import STRATEGY_LIMITS
 
     last = _last(precision="bf16", compile=True, sync_bn=True, optimizer="adam")
     for strategy, dropped in (("pipeline", {"precision": "bf16", "compile": True, "sync_bn": True}),
