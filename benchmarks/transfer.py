@@ -160,8 +160,8 @@ def measure(nb, rounds: int, log=print) -> dict:
         for name in names:
             nb.ns.pop(name, None)
         s.run(f"for _n in {names + ['_bench_rows', '_bench_bytes']!r}:\n    globals().pop(_n, None)\n"
-              "from distnb.engine.train import loop as _loop\n"
-              f"for _n in {names!r}:\n    _loop.RUNS.pop(_n, None)\n    _ = _loop.SHARDS.pop(_n, None)")
+              "from distnb.engine.train import loop as _loop, shards as _shards\n"
+              f"for _n in {names!r}:\n    _loop.RUNS.pop(_n, None)\n    _ = _shards.SHARDS.pop(_n, None)")
         for model_name, data_name in (m[3] for m in made.values()):
             s.holdings.models.pop(model_name, None)
             s.holdings.data.pop(data_name, None)

@@ -24,6 +24,7 @@ IPENGINE = "distnb.engine.ipengine"
 WIRE = "distnb.engine.transport.wire"
 SEGMENTS = "distnb.engine.transport.segments"
 LOOP = "distnb.engine.train.loop"
+SHARDS = "distnb.engine.train.shards"
 KEPT = "distnb.engine.train.kept"
 WHERE = "distnb.engine.process.where"
 DATASETS = "distnb.engine.train.datasets"
@@ -198,7 +199,7 @@ def place_model(name, plan_dict, steps, payload, descs, rng, *buffers): ...
 def capacity(): ...
 
 
-@_on_rank(LOOP, with_ns=True)
+@_on_rank(SHARDS, with_ns=True)
 def install_shard(name, num_samples, num_shards, seed, index, structure, descs, *buffers): ...
 
 

@@ -33,7 +33,7 @@ from distnb.core.plan import STRATEGIES, TrainPlan
 from distnb.engine import strategies
 from distnb.engine.process import binding, runtime
 from distnb.engine.process.collectives import group_device, on_group
-from distnb.engine.train import datasets, epochrest, loop
+from distnb.engine.train import datasets, epochrest, loop, shards
 from distnb.engine.transport import wire
 
 #: Names distnb binds in every rank's namespace (the rank's identity, a training cell's objects): never the user's.
@@ -171,11 +171,11 @@ def defined_names(ns: dict) -> list:
     """The names ``%%dist`` cells bound in this rank's namespace that are there now (:data:`runtime.CELL_NAMES`).
 
     Not: names starting with ``_`` (IPython's and distnb's), :data:`BOUND`, the models and data
-    sets distnb installed (:data:`distnb.engine.train.loop.RUNS`, ``SHARDS``, data sets loaded on the
-    ranks): those reach the added ranks by their own ways. Nor what training bodies leave in the
+    sets distnb installed (:data:`distnb.engine.train.loop.RUNS`, :data:`~distnb.engine.train.shards.SHARDS`, data
+    sets loaded on the ranks): those reach the added ranks by their own ways. Nor what training bodies leave in the
     namespace (``x, y = batch``): a ``%%distrain`` cell is not a ``%%dist`` cell.
     """
-    skip = BOUND | set(loop.RUNS) | set(loop.SHARDS) | set(datasets.SOURCES)
+    skip = BOUND | set(loop.RUNS) | set(shards.SHARDS) | set(datasets.SOURCES)
     return sorted(k for k in runtime.CELL_NAMES if k in ns and isinstance(k, str) and k.isidentifier()
                   and not k.startswith("_") and k not in skip)
 

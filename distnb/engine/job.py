@@ -4,7 +4,7 @@
 DIR and a ``train.py`` that calls :func:`main` here. Each process torchrun starts becomes a rank
 as an engine does (:func:`join`: rank, world size and local rank from torchrun's environment,
 the device, the threads, the process group), receives the model, the data and the names the
-way an engine receives them from the kernel (``install.install_model``, ``loop.install_shard`` with
+way an engine receives them from the kernel (``install.install_model``, ``shards.install_shard`` with
 the shard the kernel would deal it, ``datasets.install_dataset``), and runs ``loop.train``: the
 same loop, seeds, sharding and strategies as a ``%%distrain`` cell. Rank 0 prints each epoch's
 loss (the mean over all ranks) and writes them to ``losses.json``; the trained state is saved
@@ -168,7 +168,7 @@ def _install_data(ns, directory, entry, plan, num_shards) -> None:
     """Give this rank ``entry``'s data (``options.json``'s ``data`` or ``val_data``) as the kernel would."""
     import torch
 
-    from distnb.engine.train import datasets, loop  # loads numpy, torch: at first use, not when this module is imported
+    from distnb.engine.train import datasets, shards  # loads numpy, torch: at first use, not at this module's import
     from distnb.engine.transport import shard as sharding  # loads numpy, torch at first use
     from distnb.engine.transport import wire  # loads numpy, torch: at first use, not when this module is imported
 
@@ -180,7 +180,7 @@ def _install_data(ns, directory, entry, plan, num_shards) -> None:
         index = sharding.shard_index(rank, runtime.STATE.world_size, num_shards)
         idx = sharding.assign(n, num_shards, plan.seed)[index]  # the shard the kernel's scatter deals this rank
         cols = [c[idx] for c in columns]
-        loop.install_shard(ns, name, n, num_shards, plan.seed, index, tuple(saved["structure"]),
+        shards.install_shard(ns, name, n, num_shards, plan.seed, index, tuple(saved["structure"]),
                            [wire.describe(c) for c in cols], *[wire.to_buffer(c) for c in cols])
         return
     payload, descs, buffers = _load_pickle(directory, entry["file"])

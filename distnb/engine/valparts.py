@@ -4,7 +4,7 @@ Each rank calls the notebook function with its data shard and the number of shar
 ``world_size`` under ddp and fsdp; the ranks of one shard, a tensor-parallel group, build the same
 part), reads the part it returns (tensors, a tuple or dict of them, a ``TensorDataset``, any map-style
 ``Dataset`` or ``IterableDataset``, whose samples are collated with ``default_collate``) into columns,
-and holds it as its validation shard (:class:`distnb.engine.train.loop.Shard`). The parts may differ in
+and holds it as its validation shard (:class:`distnb.engine.train.shards.Shard`). The parts may differ in
 length, and may be empty: the ranks agree (one ``all_gather_object``) on the longest, so that every
 rank runs the same number of forwards (:class:`distnb.engine.train.validation.Validator` pads a shorter
 or empty part with a masked sample counted in no sum), and on each column's trailing shape and dtype,
@@ -18,12 +18,13 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, IterableDataset, TensorDataset, default_collate
 
 from distnb.engine.process import runtime
-from distnb.engine.train.loop import SHARDS, Shard
+from distnb.engine.train.shards import SHARDS, Shard
 from distnb.engine.transport import shard as sharding
 
 
 def columns(part, name: str):
-    """``(structure, columns)`` of a part as :class:`~distnb.engine.train.loop.Shard` holds it; ``(None, [])`` if empty.
+    """``(structure, columns)`` of a part as :class:`~distnb.engine.train.shards.Shard` holds it; ``(None, [])``
+    if empty.
 
     Raises
     ------

@@ -134,7 +134,7 @@ def test_map_style_dataset_gives_the_weights_of_the_same_data_as_tensors(dist_se
 
 def test_dropout_trains_tensors_and_the_same_data_as_a_dataset_to_the_same_weights(dist_session, ns):
     # each rank seeds its own generators at an epoch's first batch from (--seed, epoch, rank) on both paths
-    # (a Dataset with --workers 0 in _Indexed, tensors in loop.Shard): the same dropout masks, the same weights
+    # (a Dataset with --workers 0 in _Indexed, tensors in shards.Shard): the same dropout masks, the same weights
     data = parity_data()
     ns["do_tensors"], ns["do_dataset"] = data, ns["Plain"](*data.tensors)
     ns["do_a"], ns["do_b"] = dropout_model(), dropout_model()

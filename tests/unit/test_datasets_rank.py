@@ -73,7 +73,7 @@ def _draws_after_each_batch(data, p, epoch, skip):
 
 @pytest.mark.parametrize("num_shards,index", [(1, 0), (2, 1)])
 def test_tensors_seed_the_rank_as_a_dataset_without_workers_does(num_shards, index):
-    from distnb.engine.train.loop import Shard
+    from distnb.engine.train.shards import Shard
 
     n, p = 37, plan(batch_size=4, seed=5)
     x, y = torch.randn(n, 3), torch.arange(n)

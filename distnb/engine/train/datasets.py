@@ -1,6 +1,6 @@
 """Data sets loaded on the ranks: a torch ``Dataset`` indexed here through a ``DataLoader``.
 
-The tensor fast path (:class:`distnb.engine.train.loop.Shard`) holds columns the kernel shipped.
+The tensor fast path (:class:`distnb.engine.train.shards.Shard`) holds columns the kernel shipped.
 This module is the other path: the kernel sends a ``Dataset`` *by value* (its class and
 attributes: file paths, a transform; never its samples), or a function ``make(rank,
 world_size)`` that builds one here, or names a Dataset a ``%%dist`` cell made on the ranks;
@@ -55,7 +55,7 @@ from distnb.engine.process.collectives import group_device
 from distnb.engine.transport import shard as sharding
 from distnb.engine.transport import wire
 
-#: Data sets this rank holds for training, by name (the tensor path's are ``loop.SHARDS``).
+#: Data sets this rank holds for training, by name (the tensor path's are ``shards.SHARDS``).
 SOURCES: dict = {}
 #: Kinds of :class:`Source`: the whole map-style set, this rank's part of it, a stream.
 KINDS = ("dataset", "part", "stream")
@@ -81,7 +81,7 @@ def seed_epoch(seed: int, epoch: int, stream: int) -> int:
 
     ``stream`` is the data shard: ranks that train on the same batches share it. Called before an
     epoch's first sample by the process that loads it: a DataLoader worker (worker key ``id + 1``),
-    or the rank itself (key 0), which is also where the tensor path (``loop.Shard``) seeds, so tensors
+    or the rank itself (key 0), which is also where the tensor path (``shards.Shard``) seeds, so tensors
     and the same data as a Dataset with ``--workers 0`` draw the same random numbers (dropout included).
     """
     return seed_all(seed, epoch, stream, _worker_id() + 1)
@@ -245,7 +245,7 @@ def _counted(samples, read: list):
 
 
 class Source:
-    """This rank's view of a data set loaded on the ranks (the counterpart of ``loop.Shard``).
+    """This rank's view of a data set loaded on the ranks (the counterpart of ``shards.Shard``).
 
     Parameters
     ----------

@@ -103,7 +103,8 @@ def active(run):
 
 
 def exact_for(data) -> bool:
-    """Whether ``data`` (a ``loop.Shard`` or ``datasets.Source``) visits samples by data-set index (a map-style set)."""
+    """Whether ``data`` (a ``shards.Shard`` or ``datasets.Source``) visits samples by data-set index (a map-style
+    set)."""
     return getattr(data, "kind", "dataset") == "dataset" and getattr(data, "num_samples", None) is not None
 
 
@@ -204,7 +205,7 @@ def batches(data, plan, epoch: int, rest, device):
     if rows is not None:  # tensor rows: the rest's own, in the part's order
         view = _view(data, rows)
         for pos in positions:
-            if epoch != data._seeded:  # as loop.Shard.epoch seeds the epoch's first batch in a cell
+            if epoch != data._seeded:  # as shards.Shard.epoch seeds the epoch's first batch in a cell
                 data._seeded = epoch
                 seed_epoch(plan.seed, epoch, data.index)
             yield len(pos), view.batch(pos, device)

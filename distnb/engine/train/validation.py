@@ -95,7 +95,7 @@ class Validator:
     ----------
     plan : distnb.core.plan.TrainPlan
     run : distnb.engine.train.loop.Run
-    data : distnb.engine.train.loop.Shard
+    data : distnb.engine.train.shards.Shard
         This rank's shard of ``plan.val_data``.
     ns : dict
         The engine namespace (the body's names, ``--metric``).
