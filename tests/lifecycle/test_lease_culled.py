@@ -94,7 +94,7 @@ def test_e_a_culled_kernel_s_run_finishes_then_the_lease_saves_it_and_everything
     kc.start_channels()
     try:
         _wait_for_kernel_info(kc)
-        info, said = lw.start_world(kc, "8s", epochs=EPOCHS, sleep=0.13)  # 25 s of training or more
+        info, said = lw.start_world(kc, "3s", epochs=EPOCHS, sleep=0.13)  # 25 s of training or more
     finally:
         kc.stop_channels()
     assert info["folder"].startswith(str(tmp_path / "distnb-lease" / "train-")) and info["folder"] in said
