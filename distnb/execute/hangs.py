@@ -195,7 +195,7 @@ def _allowed(hang, hang_after: float) -> str:
     if not busy:
         return f"--hang-after {hang_after:g} s, or {PATIENT_STEPS} of the slowest rank's steps when longer)"
     who = f"rank {busy[0]} was" if len(busy) == 1 else f"ranks {rank_list(busy)} were"
-    return (f"{PATIENT_COMPUTING} times --hang-after {hang_after:g} s, or of {PATIENT_STEPS} of the slowest rank's "
+    return (f"{PATIENT_COMPUTING} times --hang-after {hang_after:g} s or {PATIENT_STEPS} of the slowest rank's "
             f"steps when longer, at most --timeout: {who} computing)")
 
 

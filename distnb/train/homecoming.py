@@ -53,11 +53,19 @@ def interrupted_weights(plan, model_obj, lost) -> str:
             "fresh optimizer")
 
 
-def kept_weights(name, model_obj) -> str:
+def kept_weights(name, model_obj, placed_anew: bool = False) -> str:
     """What a training cell whose ranks kept their process group after failing (before any step: the RankError's
-    ``group_kept``, :mod:`distnb.engine.train.beforestep`) says about model ``name``: nothing of it was lost."""
+    ``group_kept``, :mod:`distnb.engine.train.beforestep`) says about model ``name``.
+
+    Its weights are kept, bit for bit. ``placed_anew``: the cell had placed the model again before the failure
+    (another strategy, or a meta model's weights carried into a new placement), which started its optimizer
+    state and epoch count afresh, as any such placement does: they are not kept, and the message says so."""
     where = (f"the ranks hold {name} with the weights it started this cell with (it is on the meta device in the "
              "notebook, so they are on the ranks only)" if bigmodels.on_meta(model_obj)
-             else f"{name} is as it was before this cell, in the notebook and on the ranks")
-    return (f"Nothing was lost: every rank stopped before any step, with no collective half-done, so their process "
-            f"group was kept, and {where}")
+             else f"{name}'s weights are as they were before this cell, in the notebook and on the ranks")
+    if not placed_anew:
+        return (f"Nothing was lost: every rank stopped before any step, with no collective half-done, so their "
+                f"process group was kept, {where}, and so are its optimizer state and epoch count")
+    return (f"No weight was lost: every rank stopped before any step, with no collective half-done, so their "
+            f"process group was kept, and {where}. Its optimizer state and epoch count were not kept: this cell "
+            f"had placed {name} anew (as it said when it started), so its next cell starts them afresh")

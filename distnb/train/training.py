@@ -431,7 +431,7 @@ def train_cell(session, code, model, data, run, given):
                              or body_name_hint(exc.failures, session.ns, RESERVED_NAMES)
                              or module_name_hint(exc.failures, session.ns, plan.model))
             if isinstance(exc, RankError) and exc.group_kept:  # failed before any step: the model is as it was
-                exc.add_hint(". ".join(x for x in (kept_weights(plan.model, model_obj), exc.hint) if x))
+                exc.add_hint(". ".join(x for x in (kept_weights(plan.model, model_obj, sent), exc.hint) if x))
             if plan.builtin_optimizer and not refused(exc):  # the ranks took the plan: a built-in optimizer was not
                 # what failed (a dead engine, the body, ...), and the model is placed as the plan says
                 session.holdings.remember(plan, model_obj)

@@ -26,7 +26,11 @@ pytestmark = pytest.mark.timeout(300)
 BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
 REFUSED = r"StrategyError: tensor plan changes what the model computes.*Nothing was trained"
 KEPT = ("Nothing was lost: every rank stopped before any step, with no collective half-done, so their process group "
-        "was kept, and ")
+        "was kept, ")
+# a cell that had placed the model anew (another strategy) keeps its weights, not its optimizer state or epoch count
+KEPT_WEIGHTS = ("No weight was lost: every rank stopped before any step, with no collective half-done, so their "
+                "process group was kept, and ")
+NOT_KEPT = "Its optimizer state and epoch count were not kept: this cell had placed {name} anew"
 
 
 def centred():
@@ -86,7 +90,8 @@ def test_a_refused_tensor_cell_keeps_a_meta_model_s_trained_weights(dist_session
     before = generations(dist_session)
     capsys.readouterr()
     text = refused(dist_session, name)
-    assert KEPT + f"the ranks hold {name} with the weights it started this cell with (it is on the meta device" in text
+    assert KEPT_WEIGHTS + f"the ranks hold {name} with the weights it started this cell with (it is on the meta device" in text
+    assert NOT_KEPT.format(name=name) in text
     assert generations(dist_session) == before, "the process group was re-formed over the refused cell"
     assert_bit_exact(ranks_weights(dist_session, name), trained, "pulled after the refused cell")
     assert_bit_exact({k: dist_session.pull(f"{name}.{k}") for k in trained}, trained, "%dist pull NAME.key")
@@ -114,7 +119,8 @@ def test_a_refused_tensor_cell_leaves_a_notebook_model_as_it_was(dist_session, s
         trained = {k: v.clone() for k, v in ns[name].state_dict().items()}
         before = generations(dist_session)
         text = refused(dist_session, name, strategy, mesh)
-        assert KEPT + f"{name} is as it was before this cell, in the notebook and on the ranks" in text
+        assert KEPT_WEIGHTS + f"{name}'s weights are as they were before this cell, in the notebook and on the ranks" in text
+        assert NOT_KEPT.format(name=name) in text
         assert generations(dist_session) == before
         assert_bit_exact(ns[name].state_dict(), trained, "the notebook's model after the refused cell")
         assert_bit_exact(ranks_weights(dist_session, name), trained, "the ranks' model after the refused cell")
@@ -125,13 +131,20 @@ def test_a_refused_tensor_cell_leaves_a_notebook_model_as_it_was(dist_session, s
         dist_session.holdings.carried.pop(name, None)
 
 
-def test_a_typo_on_the_body_s_first_line_keeps_the_group(dist_session, shell, meta_trained):
+def test_a_typo_on_the_body_s_first_line_keeps_the_group(dist_session, shell, capsys, meta_trained):
     name, trained = meta_trained
     before = generations(dist_session)
     with pytest.raises(RankError, match=r"NameError: name 'no_such_name' is not defined") as info:
         train(dist_session, name, "fsdp", body="no_such_name\n" + BODY)
     assert generations(dist_session) == before
     assert getattr(info.value, "group_kept", False) and KEPT in str(info.value)
+    assert "and so are its optimizer state and epoch count" in str(info.value)
+    capsys.readouterr()
+    # the same placement goes on: no fresh optimizer, no epoch 0 (a cell that places the model anew says both)
+    dist_session.train(BODY, model=name, data="kg_data", epochs=1, batch_size=16, optimizer="sgd", lr=0.0, seed=4,
+                       strategy="fsdp", progress="none")
+    out = capsys.readouterr().out
+    assert "afresh" not in out and "fresh sgd optimizer" not in out and "lr set to 0" in out, out
     assert_bit_exact(ranks_weights(dist_session, name), trained, "pulled after the typo")
 
 

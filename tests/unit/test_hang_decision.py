@@ -87,7 +87,7 @@ def test_a_rank_computing_longer_than_patient_computing_times_the_limit_is_named
     text = str(err)
     assert text.startswith("%%dist cell hung: rank 0 waited 5 s in all_reduce of [4] (cell line 4: "), text
     assert "rank 1 never arrived: it is at cell line 3: `burn()`, computing (97% of a CPU core)." in text, text
-    assert ("Ended after 5 s (5 times --hang-after 1 s, or of 5 of the slowest rank's steps when longer, at most "
+    assert ("Ended after 5 s (5 times --hang-after 1 s or 5 of the slowest rank's steps when longer, at most "
             "--timeout: rank 1 was computing), and the process group re-formed") in text, text
     assert err.failures[0]["evalue"] == "it is at cell line 3: `burn()`, computing (97% of a CPU core)"
 
