@@ -3,14 +3,15 @@
 After a cell the kernel's model holds rank 0's trained weights, so the tensor pulled by its dotted name
 must equal the kernel's (bit for bit): gathered whole from fsdp and tensor-parallel shards
 (``DTensor.full_tensor``), from the pipeline stage that holds it, from one ddp replica. An unknown name
-is an error with the nearest names; the cluster stays usable.
+is an error with the nearest names, and the
+placed model's own name an error that says how to read its weights; the cluster stays usable.
 """
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from distnb.core.errors import PlanError
+from distnb.core.errors import PlanError, RankError
 from support.data import parity_data, parity_model
 
 BODY = "x, y = batch\nloss = F.cross_entropy(model(x), y)"
@@ -41,3 +42,8 @@ def test_an_unknown_tensor_name_is_an_error_with_the_nearest_names(dist_session,
         dist_session.pull("pt_nothing.0.weight")
     assert torch.equal(dist_session.pull("pt_err.0.bias"), ns["pt_err"][0].bias.detach())  # still usable
     assert len(dist_session.pull("pt_data")) == 2  # a plain name pulls as before: a list over the ranks
+    # the fsdp-placed model itself cannot travel whole: the error says how to read its weights
+    with pytest.raises(RankError, match=r"pt_err is a model placed on the ranks for training .*"
+                                        r"%dist pull pt_err\.0\.weight .*%dist save DIR"):
+        dist_session.pull("pt_err")
+    assert torch.equal(dist_session.pull("pt_err.0.bias"), ns["pt_err"][0].bias.detach())  # still usable

@@ -433,4 +433,15 @@ def lookup(ns: dict, name: str):
     if name not in ns:
         shown = [n for n in ns if isinstance(n, str) and not n.startswith("_")]
         return ("missing", difflib.get_close_matches(name, shown, n=3, cutoff=0.6))
-    return pack(ns[name])
+    value = ns[name]
+    try:
+        return pack(value)
+    except Exception as exc:
+        if not isinstance(value, torch.nn.Module):
+            raise
+        # a model placed for training (fsdp, tensor: parameters bound to the process group) does not travel whole
+        first = next((n for n, _ in value.named_parameters()), None)
+        one = f"%dist pull {name}.{first}" if first else f"%dist pull {name}.PARAM"
+        raise TypeError(f"{name} is a model placed on the ranks for training and cannot be sent whole as it is "
+                        f"({type(exc).__name__}: {exc}): read one weight, gathered whole, with {one} (a state_dict "
+                        f"name), or write every weight with %dist save DIR") from exc
