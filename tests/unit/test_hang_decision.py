@@ -12,7 +12,6 @@ import sys
 import time
 from types import SimpleNamespace
 
-from distnb.core import options
 from distnb.core.plan import ClusterSpec
 from distnb.engine.process import where
 from distnb.execute import hangs
@@ -90,11 +89,6 @@ def test_a_rank_computing_longer_than_patient_computing_times_the_limit_is_named
     assert ("Ended after 5 s (5 times --hang-after 1 s or 5 of the slowest rank's steps when longer, at most "
             "--timeout: rank 1 was computing), and the process group re-formed") in text, text
     assert err.failures[0]["evalue"] == "it is at cell line 3: `burn()`, computing (97% of a CPU core)"
-
-
-def test_the_option_help_says_how_long_a_computing_rank_is_waited_for():
-    helps = {f.name: opt.help for f, opt in options.declared(ClusterSpec)}
-    assert f"; {hangs.PATIENT_COMPUTING} times as long while that rank computes" in helps["hang_after"]
 
 
 def test_the_patience_for_a_computing_rank_ends_at_the_timeout():

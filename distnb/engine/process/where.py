@@ -170,6 +170,7 @@ class Watchdog:
             pass
         return True
 
+
     def _busy(self) -> float | None:
         """The share of one core this process used since the oldest look of the last :data:`BUSY_WINDOW` s."""
         now, cpu = time.monotonic(), time.process_time()
