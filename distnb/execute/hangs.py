@@ -49,8 +49,8 @@ PATIENT_STEPS = 5
 PATIENT_COMPUTING = 5
 #: The share of one CPU core (``busy``, over :data:`distnb.engine.process.where.BUSY_WINDOW`) from which a rank not
 #: waiting in a collective computes: a rank stuck in a sleep, a lock or ``input()`` uses about 0.01 (its watchdog's
-#: looks, its engine's heartbeat); one computing on a 2-core machine under a load average of 7 got about 0.3.
-COMPUTING = 0.1
+#: looks, its engine's heartbeat); one computing on a loaded 2-core machine still gets half a core or more.
+COMPUTING = 0.2
 #: Seconds without a position from a rank still in its cell after which its last one is said to be old: its
 #: watchdog thread says where it is every ``where.INTERVAL`` (0.25 s), unless native code holds the GIL.
 STALE = 2.0
@@ -59,11 +59,9 @@ STALE = 2.0
 def computing(where, now: float) -> bool:
     """Whether a rank not waiting in a collective computes, by its last position ``where`` (its ``busy`` share of a
     core at least :data:`COMPUTING`), read at ``now`` (``time.time()``). A position older than :data:`STALE` says
-    nothing of now (native code holding the GIL may be computing, or stuck): not computing, as before ``busy``. Nor
-    is a rank that says it waits (its ``note``: distnb's own wait for the other ranks, polled)."""
+    nothing of now (native code holding the GIL may be computing, or stuck): not computing, as before ``busy``."""
     busy = (where or {}).get("busy")
-    return (busy is not None and busy >= COMPUTING and not where.get("note")
-            and now - where.get("sent", -math.inf) <= STALE)
+    return busy is not None and busy >= COMPUTING and now - where.get("sent", -math.inf) <= STALE
 
 
 def limit_for(watch) -> float:

@@ -63,16 +63,14 @@ def test_a_rank_computing_while_the_other_waits_is_not_a_hang_at_hang_after():
 
 
 def test_a_rank_waiting_without_computing_is_a_hang_at_hang_after_as_before():
-    # asleep; no second look yet; an older engine's report; in distnb's own (polled) wait for the other ranks
-    for quiet in (dict(busy=0.01), dict(busy=None), {}, dict(busy=0.5, note="waiting at its dist.barrier")):
+    for quiet in (dict(busy=0.01), dict(busy=None), {}):  # asleep; no second look yet; an older engine's report
         watch = _watch(quiet, waited=1.5)
         hang = hangs.check(watch)
         assert hang is not None and hang["limit"] == 1.0 and hang["computing"] == [], quiet
         assert watch.cluster.signalled == [[1]]
         watch.hang = hang
         text = str(hangs.error(watch, []))
-        assert "rank 1 never arrived: it is " in text and "computing" not in text, text
-        assert ". Ended after 1 s (--hang-after 1 s, or 5 of the slowest rank's steps when longer)" in text, text
+        assert "rank 1 never arrived: it is at cell line 3: `burn()`. Ended after 1 s (--hang-after 1 s, or 5" in text
 
 
 def test_a_rank_computing_longer_than_patient_computing_times_the_limit_is_named_computing():
