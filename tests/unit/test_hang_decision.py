@@ -1,5 +1,4 @@
-"""The hang decision (execute/hangs.py) fed ranks' positions, and where a rank is said to be (engine/where.py), without
-a cluster.
+"""The hang decision (execute/hangs.py) fed ranks' positions and CPU shares (engine/where.py), without a cluster.
 
 A rank computing while another waits for it in a collective is slow, not hung: on the first step there is no step
 time to go by, and a big model's first SGD step of 13 s on a busy 2-core machine was named a hang at --hang-after
@@ -7,8 +6,6 @@ time to go by, and a big model's first SGD step of 13 s on a busy 2-core machine
 --hang-after, as before. The real-cluster side is tests/magics/test_hang_computing.py.
 """
 
-import os
-import sys
 import time
 from types import SimpleNamespace
 
@@ -124,36 +121,3 @@ def test_busy_is_the_share_of_a_core_over_the_last_second_of_looks(monkeypatch):
         clock["wall"] += 0.25
         clock["cpu"] += 0.0
         assert dog._busy() == expected
-
-
-def _define(path: str, code: str) -> dict:
-    """The names ``code`` defines, its functions' frames saying they are in file ``path``."""
-    ns = {"sys": sys}
-    exec(compile(code, path, "exec"), ns)
-    return ns
-
-
-_DIST = os.sep + os.path.join("x", "torch", "distributed") + os.sep
-
-
-def test_dtensor_computing_its_local_op_is_running_not_in_a_collective():
-    """DTensor's op dispatch (torch/distributed/tensor/_dispatch.py) runs the local op through torch's op dispatch
-    (torch/_ops.py): its frames innermost were taken for a collective, so a tensor-parallel rank computing a big
-    matmul "waited" in `dispatch`, and ranks computing different ops read as every rank waiting in different
-    collectives (a hang)."""
-    ops = _define(os.sep + os.path.join("x", "torch", "_ops.py"), "def __call__(fn):\n    return fn()\n")
-    dispatch = _define(_DIST + os.path.join("tensor", "_dispatch.py"),
-                       "def dispatch(call, fn):\n    return call(fn)\n")
-    local_op = lambda: sys._getframe(1)  # noqa: E731  (the C++ op: no Python frame of its own, _ops.py innermost)
-    computing = where._summary(dispatch["dispatch"](ops["__call__"], local_op), False)
-    assert computing["state"] == "running" and computing["op"] is None, computing
-    funcol = _define(_DIST + "_functional_collectives.py", "def wait_tensor(call, fn):\n    return call(fn)\n")
-    redistribute = _define(_DIST + os.path.join("tensor", "_redistribute.py"),
-                           "def redistribute_local_tensor(wait, call, fn):\n    return wait(call, fn)\n")
-    waiting = where._summary(redistribute["redistribute_local_tensor"](funcol["wait_tensor"], ops["__call__"],
-                                                                       local_op), False)
-    assert waiting["state"] == "collective" and waiting["op"] == "redistribute_local_tensor", waiting
-    utils = _define(_DIST + os.path.join("tensor", "_collective_utils.py"),
-                    "def mesh_broadcast():\n    return sys._getframe()\n")
-    assert where._summary(dispatch["dispatch"](lambda fn: fn(), utils["mesh_broadcast"]), False)["state"] == \
-        "collective"

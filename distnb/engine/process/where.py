@@ -7,8 +7,7 @@ publishes a summary to the kernel (ipyparallel's ``publish_data``, key ``distnb_
 
 - ``state``: ``"collective"`` (inside ``torch.distributed``: a collective, FSDP's
   all-gather, a pipeline's send/recv, DDP's gradient all-reduce at the end of
-  ``backward``), ``"running"`` (anywhere else, DTensor's local compute inside its op dispatch
-  included), or ``"idle"`` (no cell);
+  ``backward``), ``"running"`` (anywhere else), or ``"idle"`` (no cell);
 - ``op`` and ``shape``: the collective (for one called from cell code, the one the cell
   called, with its tensor's shape: :data:`distnb.engine.process.collectives.CURRENT`);
 - ``cell_line`` and ``cell_code``: the innermost line of the cell's own code on the stack;
@@ -51,9 +50,6 @@ STUCK_SECONDS = 2.0
 #: Frames of the stack that are sent (innermost first is the end of the list).
 STACK_FRAMES = 10
 _TORCH_DIST = os.sep + os.path.join("torch", "distributed") + os.sep
-#: DTensor's own code (op dispatch, sharding propagation): innermost, the rank computes the local op; a collective
-#: DTensor makes has c10d's or the functional collectives' frames innermost, or its _collective_utils.py's.
-_DTENSOR = tuple(_TORCH_DIST + d + os.sep for d in ("tensor", "_tensor"))
 _DDP = os.sep + os.path.join("torch", "nn", "parallel", "distributed.py")  # DDP's own syncs (buckets, buffers)
 _BACKWARD = (os.sep + os.path.join("torch", "autograd") + os.sep, os.sep + os.path.join("torch", "_tensor.py"))
 _CELLS = ("<dist-cell-", "<distrain-cell-")
@@ -74,7 +70,7 @@ def _summary(frame, ddp_backward: bool) -> dict:
     # in a collective when its innermost frame is torch.distributed's (past torch's op dispatch, through which
     # a functional collective waits): a pipeline stage's forward runs inside ScheduleGPipe.step, computing
     inner = next((f for f in reversed(stack) if not f.filename.endswith(_OPS)), None)
-    if inner is not None and _TORCH_DIST in inner.filename and not _dtensor_compute(inner.filename):
+    if inner is not None and _TORCH_DIST in inner.filename:
         for f in stack:  # the outermost frame inside torch.distributed names the call (not a decorator's wrapper)
             if _TORCH_DIST in f.filename and f.name not in _WRAPPERS:
                 op = f.name
@@ -94,11 +90,6 @@ def _summary(frame, ddp_backward: bool) -> dict:
     return dict(state="collective" if op is not None else "running", op=op, shape=shape, note=NOTE.get("text") or arrival.WAITING.get("text"),
                 unchecked=bool(collectives.SUBSET.get("unchecked")), cell_line=cell.lineno if cell else None, cell_code=(cell.line or "").strip() if cell else None,
                 stack=[(f.filename, f.lineno, f.name, (f.line or "").strip()) for f in stack[-STACK_FRAMES:]])
-
-
-def _dtensor_compute(filename: str) -> bool:
-    """Whether a frame of ``filename``, innermost, is DTensor computing its local op (not waiting in a collective)."""
-    return any(d in filename for d in _DTENSOR) and "collective" not in os.path.basename(filename)
 
 
 def _nccl() -> bool:
