@@ -479,8 +479,7 @@ class ClusterSpec(lingering.Lingering):
     timeout: float = option(60.0, "float", "collective/rendezvous timeout in seconds (default 60)")
     hang_after: float | None = option(None, "float", "seconds ranks may wait in a collective that another rank has "
                                       "not reached before the cell ends, naming both (default 10, or half of a "
-                                      "--timeout under 20; at most --timeout); 5 times as long while that rank "
-                                      "computes")
+                                      "--timeout under 20; at most --timeout)")
     master_port: int | None = option(None, "int", "TCP port of the torch.distributed store (default: a free port); "
                                      "a taken port is an error naming it; 0 is a free port too (restart "
                                      "--master-port 0 unpins one given before)", minimum=0)

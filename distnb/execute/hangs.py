@@ -4,10 +4,7 @@ Every running cell publishes where each rank is (:mod:`distnb.engine.process.whe
 have waited in a collective for ``--hang-after`` seconds (:func:`distnb.core.plan.hang_seconds`; in a
 training cell whose steps are slow, :data:`PATIENT_STEPS` of them, :func:`limit_for`)
 while others are not in one (they finished the cell, or are still in their own code), or
-when every rank waits but in different collectives, :func:`check` ends the cell. A rank still in its
-own code that computes (its process uses a share of a CPU core, :func:`computing`: a first step slower
-than ``--hang-after``, before any step time says how slow steps are) is waited for
-:data:`PATIENT_COMPUTING` times as long; one stuck in a wait (a sleep, a lock, a DataLoader) is not. Ranks that
+when every rank waits but in different collectives, :func:`check` ends the cell: ranks that
 finished are told to drop the process group (:data:`distnb.core.calls.release`), which makes
 the waiting ranks' collective fail at once instead of at gloo's ``--timeout``; ranks still in
 their code are interrupted. :func:`error` then raises a :class:`~distnb.core.errors.HangError`
@@ -19,7 +16,6 @@ barrier, made at every collective from the ranks' own stacks.
 
 from __future__ import annotations
 
-import math
 import signal
 import sys
 import time
@@ -42,26 +38,6 @@ def _waited(where) -> float:
 #: longer than ``--hang-after``: on a shared machine a rank that is only descheduled (its step 2 s of compute,
 #: taking 10 s) is slow, not hung.
 PATIENT_STEPS = 5
-
-
-#: A rank that computes while others wait for it is waited for this many times the limit (:func:`limit_for`), at
-#: most ``--timeout``: a computation that never ends (a loop on one rank only) is still named, with its line.
-PATIENT_COMPUTING = 5
-#: The share of one CPU core (``busy``, over :data:`distnb.engine.process.where.BUSY_WINDOW`) from which a rank not
-#: waiting in a collective computes: a rank stuck in a sleep, a lock or ``input()`` uses about 0.01 (its watchdog's
-#: looks, its engine's heartbeat); one computing on a loaded 2-core machine still gets half a core or more.
-COMPUTING = 0.2
-#: Seconds without a position from a rank still in its cell after which its last one is said to be old: its
-#: watchdog thread says where it is every ``where.INTERVAL`` (0.25 s), unless native code holds the GIL.
-STALE = 2.0
-
-
-def computing(where, now: float) -> bool:
-    """Whether a rank not waiting in a collective computes, by its last position ``where`` (its ``busy`` share of a
-    core at least :data:`COMPUTING`), read at ``now`` (``time.time()``). A position older than :data:`STALE` says
-    nothing of now (native code holding the GIL may be computing, or stuck): not computing, as before ``busy``."""
-    busy = (where or {}).get("busy")
-    return busy is not None and busy >= COMPUTING and now - where.get("sent", -math.inf) <= STALE
 
 
 def limit_for(watch) -> float:
@@ -87,14 +63,9 @@ def check(watch):
                         or min(_waited(w) for w in waiting.values()) < limit):
         return None
     now = time.time()  # a rank still in its cell: where it last said it was, and when (see _spot)
-    busy = [r for r in missing if not ars[r].ready() and computing(wheres.get(r), now)]
-    if busy:  # the ranks waited for compute: slow, not stuck, unless it lasts PATIENT_COMPUTING times the limit
-        limit = min(PATIENT_COMPUTING * limit, watch.cluster.spec.timeout)
-        if max(_waited(w) for w in waiting.values()) < limit:
-            return None
     hang = dict(waiting=dict(waiting), missing={r: (None if ars[r].ready() else dict(wheres.get(r) or {}, seen=now))
                                                 for r in missing},
-                limit=limit, signalled=time.monotonic(), again=False, stuck=not missing, computing=busy,
+                limit=limit, signalled=time.monotonic(), again=False, stuck=not missing,
                 unchecked=any(w.get("unchecked") for w in waiting.values()))
     if not missing:  # every rank waits, in different collectives: nothing here can interrupt gloo's wait
         said = "; ".join(f"rank {r} in {_call(w, None)}" for r, w in sorted(waiting.items()))
@@ -131,6 +102,9 @@ def _call(where, step) -> str:
     return f"{op}{shape} ({at})"
 
 
+#: Seconds without a position from a rank still in its cell after which its last one is said to be old: its
+#: watchdog thread says where it is every ``where.INTERVAL`` (0.25 s), unless native code holds the GIL.
+STALE = 2.0
 _SILENT = ("native code holding the GIL, such as a regular expression or a C extension's loop, keeps a rank from "
            "saying where it is")
 
@@ -158,8 +132,6 @@ def _spot(where, unchecked: bool = False) -> str:
     old = where.get("seen", where["sent"]) - where["sent"]
     if old > STALE:
         return f"it was {spot} {old:.0f} s before and has not said where since ({_SILENT})"
-    if computing(where, where.get("seen", where["sent"])):
-        return f"it is {spot}, computing ({where['busy']:.0%} of a CPU core)"
     return f"it is {spot}"
 
 
@@ -186,17 +158,6 @@ def _stack_text(where) -> str:
                      for f, n, fn, code in stack)
 
 
-def _allowed(hang, hang_after: float) -> str:
-    """What the wait allowed was: ``--hang-after 3 s, or 5 of the slowest rank's steps when longer)``, with
-    :data:`PATIENT_COMPUTING` times that when the missing ranks computed."""
-    busy = hang.get("computing")
-    if not busy:
-        return f"--hang-after {hang_after:g} s, or {PATIENT_STEPS} of the slowest rank's steps when longer)"
-    who = f"rank {busy[0]} was" if len(busy) == 1 else f"ranks {rank_list(busy)} were"
-    return (f"{PATIENT_COMPUTING} times --hang-after {hang_after:g} s or {PATIENT_STEPS} of the slowest rank's "
-            f"steps when longer, at most --timeout: {who} computing)")
-
-
 def error(watch, failures) -> HangError:
     """The HangError for ``watch.hang``: the missing ranks first (with their stacks), then the waiting ones."""
     hang = watch.hang
@@ -212,7 +173,8 @@ def error(watch, failures) -> HangError:
     parts += [_missing(r, w, unchecked) for r, w in sorted(missing.items())]
     ended = (f"Ended by gloo's --timeout ({watch.cluster.spec.timeout:g} s): every rank waited, in different "
              "collectives, which nothing can interrupt" if hang["stuck"] else
-             f"Ended after {hang['limit']:.3g} s ({_allowed(hang, hang_seconds(watch.cluster.spec))}")
+             f"Ended after {hang['limit']:.3g} s (--hang-after {hang_seconds(watch.cluster.spec):g} s, or "
+             f"{PATIENT_STEPS} of the slowest rank's steps when longer)")
     message = (f"{watch.what} hung: " + "; ".join(parts) + f". {ended}, and the process group re-formed: every rank "
                "must call the same collectives in the same order (a rank that is only slow needs a longer "
                "--hang-after)")

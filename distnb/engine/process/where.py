@@ -16,12 +16,7 @@ publishes a summary to the kernel (ipyparallel's ``publish_data``, key ``distnb_
 - ``unchecked``: the cell runs ``--unchecked``: its own collectives go straight to torch, uncounted,
   so the kernel cannot tell which of them a rank has called (:mod:`distnb.execute.hangs` words a hang so);
 - ``since`` and ``sent``: when the rank got to this spot and when it said so (``time.time()``,
-  seconds, the rank's clock: the kernel only uses their difference);
-- ``busy``: the share of one CPU core the rank's process used over about the last
-  :data:`BUSY_WINDOW` seconds (``time.process_time``, every thread of the process: intra-op
-  threads and autograd's device threads compute too), None until two looks have been made. A rank
-  stuck in a wait (a lock, a sleep, a collective) uses next to none; one that computes (a first
-  step slower than ``--hang-after``) uses most of a core: :mod:`distnb.execute.hangs` tells them apart so.
+  seconds, the rank's clock: the kernel only uses their difference).
 
 The kernel (:mod:`distnb.execute.execute`) names a hang from these (ranks waiting in a collective that
 others never reached) and ``%dist where`` shows them. The idea of sampling a blocked
@@ -31,7 +26,6 @@ reads it from inside, at no cost to the training thread beyond the GIL for a few
 
 from __future__ import annotations
 
-import collections
 import os
 import sys
 import threading
@@ -42,9 +36,6 @@ from distnb.engine.process import abort, arrival, collectives, ncclfail
 
 #: Seconds between two looks at the cell's thread.
 INTERVAL = 0.25
-#: Seconds over which ``busy`` (the share of a core the rank's process used) is measured: several looks, so that a
-#: rank descheduled for one interval on a loaded machine still reads as computing.
-BUSY_WINDOW = 1.0
 #: Seconds one look may take before the next watchdog gets a new looker thread (see _Looker).
 STUCK_SECONDS = 2.0
 #: Frames of the stack that are sent (innermost first is the end of the list).
@@ -119,7 +110,6 @@ class Watchdog:
         self.target_id = threading.get_ident()
         self.publish, self.ddp_backward = publish, ddp_backward
         self._spot, self._since = None, time.time()
-        self._cpu = collections.deque()  # (time.monotonic(), time.process_time()) of the looks in the last BUSY_WINDOW
 
     def start(self) -> None:
         """Look at the calling thread (the one that made this watchdog) from :data:`INTERVAL` s on."""
@@ -154,23 +144,12 @@ class Watchdog:
                 collectives.PROGRESS[0])
         if spot != self._spot:
             self._spot, self._since = spot, time.time()
-        where["since"], where["sent"], where["busy"] = self._since, time.time(), self._busy()
+        where["since"], where["sent"] = self._since, time.time()
         try:
             self.publish({"distnb_where": where})
         except Exception:
             pass
         return True
-
-
-    def _busy(self) -> float | None:
-        """The share of one core this process used since the oldest look of the last :data:`BUSY_WINDOW` s."""
-        now, cpu = time.monotonic(), time.process_time()
-        samples = self._cpu
-        samples.append((now, cpu))
-        while len(samples) > 2 and now - samples[1][0] >= BUSY_WINDOW:
-            samples.popleft()
-        then, cpu_then = samples[0]
-        return round((cpu - cpu_then) / (now - then), 3) if now > then else None
 
 
 class _Looker(threading.Thread):
