@@ -156,7 +156,9 @@ def test_a_disk_full_mid_write_keeps_the_group_and_the_model(dist_session, shell
     want = uninterrupted(shell, dist_session, name, "fsdp", width=512)  # 43 KB of weights: more than the disk holds
     trained_meta(shell, dist_session, name, "fsdp", width=512)
     generation = dist_session.holdings.generation
-    with pytest.raises(RankError, match=r"failed on ranks 0-1 .*writing failed on .* ranks \(rank \d: OSError: "
+    # the full disk shows as each writer meets it: an OSError (ENOSPC), or torch's zip writer failing first
+    # ("[enforce fail at inline_container.cc] unexpected pos"), seen on rank 0 in a full run
+    with pytest.raises(RankError, match=r"failed on ranks 0-1 .*writing failed on .* ranks \(rank \d: "
                                         rf".*No space left on device.*\); nothing was lost: {name} is still live on "
                                         "the ranks as before the save"):
         dist_session.save(str(full_disk / "out"), model=name, format=fmt, quiet=True)
