@@ -205,7 +205,8 @@ def prepare(session, plan, code, model_obj, data_obj, quiet) -> tuple:
         data.path_of(plan, data_obj)  # a --data that cannot be sent fails here, before anything is sent
     body = body_pushes(session, code, exclude=(model_obj, data_obj, val_obj))
     loading = pretrained.check(plan, model_obj)  # --load: the index and headers, before anything is sent
-    if sends_model(session.holdings, plan, fingerprint(model_obj)):  # the fit check needs sizes only
+    fp = fingerprint(model_obj)  # once: ensure_model decides with it too
+    if sends_model(session.holdings, plan, fp):  # the fit check needs sizes only
         bigmodels.check_before_sending(session, plan, model_obj)
     for name in named:
         session.push(name)
@@ -219,7 +220,7 @@ def prepare(session, plan, code, model_obj, data_obj, quiet) -> tuple:
         # cannot be cut into tensors fails here, before the model is sent
         ensure_data(session, plan, valsets.kernel_form(plan.val_data, val_obj), quiet, num_shards, silent=quiet,
                     name=plan.val_data)
-    sent = ensure_model(session, plan, model_obj, quiet, checked=True)
+    sent = ensure_model(session, plan, model_obj, quiet, checked=True, fp=fp)
     if loading is not None:
         pretrained.load_on_ranks(session, plan, loading, quiet)
     ensure_data(session, plan, data_obj, quiet or not sent, num_shards, silent=quiet)
@@ -259,7 +260,7 @@ def sends_model(held, plan, fp) -> bool:
     return plan.reset or verdict == "resend" or held.models.get(plan.model) != fp
 
 
-def ensure_model(session, plan, model_obj, quiet, checked=False) -> bool:
+def ensure_model(session, plan, model_obj, quiet, checked=False, fp=None) -> bool:
     """Send the model unless the ranks hold this state, distributed in a way that can be reused.
 
     The decision is :func:`sends_model` (:func:`distnb.core.plan.redistribution`, the rule the ranks apply: a
@@ -267,13 +268,14 @@ def ensure_model(session, plan, model_obj, quiet, checked=False) -> bool:
     process group, so the model is sent again from the kernel's weights, the last trained ones). A model to be
     sent is checked first (:func:`distnb.train.bigmodels.check_before_sending`, unless ``checked``) and recorded
     in :attr:`~distnb.train.holdings.Holdings.distributed` once placed; a failed placement counts as not held
-    (the next cell sends it afresh). Returns whether it was sent.
+    (the next cell sends it afresh). ``fp``: the model's fingerprint, when the caller has just taken it (it walks
+    every tensor and the classes' code). Returns whether it was sent.
     """
 
     held = session.holdings
     if captured.library_patches(model_obj):  # notebook code in a library class: the ranks never get it
         print(f"distnb: warning: {captured.library_patch_warning(plan.model, model_obj)}")
-    fp = fingerprint(model_obj)
+    fp = fingerprint(model_obj) if fp is None else fp
     key = plan.strategy_key()
     last = held.distributed.get(plan.model)
     if not sends_model(held, plan, fp):  # kept, or wrapped again on the ranks as the cell starts
