@@ -92,6 +92,8 @@ class Holdings:
         values = {name: getattr(plan, name) for name in CARRIED}
         if plan.optimizer is None:
             values["optimizer"] = last.get("optimizer")
+            if plan.lr is not None:  # the optimizer kept (or the default one): a new one takes this lr too
+                self.lr_of[plan.model] = plan.lr
         elif plan.lr is not None or last.get("optimizer") != plan.optimizer:
             self.lr_of[plan.model] = plan.lr
         self.carried[plan.model] = values

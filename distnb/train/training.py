@@ -67,7 +67,7 @@ def make_plan(session, model_name, model_obj, data_name, given: dict, quiet=Fals
     if refused and not quiet:
         print(f"distnb: --strategy {given['strategy']} cannot take {carried.flags(refused)} from {model_name}'s last "
               f"cell: this cell uses {_defaults_of(refused)}")
-    if "optimizer" in kept and given.get("lr") is None:
+    if given.get("lr") is None and given.get("optimizer") is None:
         # the ranks keep their live optimizer anyway; one made new (the model sent again after a
         # restart, a strategy switch, --reset or a changed model) is the one the user chose last
         given["lr_if_new"] = held.lr_of.get(model_name)

@@ -122,3 +122,19 @@ def test_a_refused_cell_leaves_the_model_held_as_it_was(dist_session, trained_dd
     assert f"sent {name}" not in out and "the last cell used fsdp" not in out and "place them anew" not in out, out
     dist_session.run("_rc_opt = (type(optimizer).__name__, [int(s['step']) for s in optimizer.state.values()])")
     assert dist_session.pull("_rc_opt", rank=0) == ("Adam", [4] * 4)  # 2 steps an epoch: the same Adam, not a new one
+
+
+def test_a_new_optimizer_takes_the_lr_of_the_last_cell_that_gave_one_without_naming_an_optimizer(dist_session, shell,
+                                                                                                 capsys):
+    """``--lr 0.1`` with the default optimizer, then a cell that switches strategy (a fresh optimizer) with ``--lr``
+    left out: the new optimizer runs at 0.1, as the live one did (found by a fresh user after a refused tensor cell:
+    the next cell's fresh SGD ran at its default 0.01, silently)."""
+    ns = shell.user_ns
+    ns["rc_lr"], ns["rc_data"], ns["F"] = normed(), data(), F
+    body = "x, y = batch\nprint('LR', ctx.lr)\nloss = F.cross_entropy(model(x), y)"
+    dist_session.train(body, model="rc_lr", data="rc_data", epochs=1, batch_size=32, lr=0.1, seed=3, progress="none")
+    capsys.readouterr()
+    dist_session.train(body, model="rc_lr", data="rc_data", epochs=1, batch_size=32, strategy="fsdp", seed=3,
+                       progress="none")
+    out = capsys.readouterr().out
+    assert "fresh sgd optimizer" in out and "LR 0.1" in out and "LR 0.01" not in out, out
